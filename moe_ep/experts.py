@@ -1,0 +1,104 @@
+"""``moe_experts``: the expert MLPs of one MoE layer applied to routed tokens, with transformers'
+fused weight layout (``gate_up_proj [E, 2I, H]``, gate half first; ``down_proj [E, H, I]``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._validate import (
+    check_float,
+    check_index,
+    check_indices_in_range,
+    check_same_device,
+    check_tensor,
+)
+from .activations import check_activation
+from .backend import resolve_backend
+from .experts_torch import experts_torch_fwd
+
+
+def check_experts_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
+    check_tensor("hidden_states", hidden_states, ndim=2)
+    check_tensor("top_k_index", top_k_index, ndim=2)
+    check_tensor("top_k_weights", top_k_weights, ndim=2)
+    check_tensor("gate_up_proj", gate_up_proj, ndim=3)
+    check_tensor("down_proj", down_proj, ndim=3)
+    check_float("hidden_states", hidden_states)
+    check_float("top_k_weights", top_k_weights)
+    check_index("top_k_index", top_k_index)
+    for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if weight.dtype != hidden_states.dtype:
+            raise TypeError(
+                f"{name} must have the dtype of hidden_states ({hidden_states.dtype}), got {weight.dtype}"
+            )
+    check_same_device(
+        hidden_states=hidden_states,
+        top_k_index=top_k_index,
+        top_k_weights=top_k_weights,
+        gate_up_proj=gate_up_proj,
+        down_proj=down_proj,
+    )
+    T, H = hidden_states.shape
+    E, two_I, H_gu = gate_up_proj.shape
+    if H_gu != H:
+        raise ValueError(
+            f"gate_up_proj must have shape [E, 2I, H={H}] to match hidden_states {tuple(hidden_states.shape)}, "
+            f"got {tuple(gate_up_proj.shape)}"
+        )
+    if two_I % 2:
+        raise ValueError(f"gate_up_proj.shape[1] must be even (gate and up halves), got {two_I}")
+    if tuple(down_proj.shape) != (E, H, two_I // 2):
+        raise ValueError(
+            f"down_proj must have shape [E={E}, H={H}, I={two_I // 2}] to match gate_up_proj "
+            f"{tuple(gate_up_proj.shape)}, got {tuple(down_proj.shape)}"
+        )
+    if top_k_index.shape[0] != T:
+        raise ValueError(
+            f"top_k_index must have one row per token ({T}), got shape {tuple(top_k_index.shape)}"
+        )
+    if top_k_weights.shape != top_k_index.shape:
+        raise ValueError(
+            f"top_k_weights must have the shape of top_k_index {tuple(top_k_index.shape)}, "
+            f"got {tuple(top_k_weights.shape)}"
+        )
+    K = top_k_index.shape[1]
+    if not 1 <= K <= E:
+        raise ValueError(f"top_k_index must choose between 1 and E={E} experts per token, got {K}")
+    check_indices_in_range("top_k_index", top_k_index, E)
+
+
+def moe_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    activation: str = "silu",
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``y[t] = sum_k w[t,k] * down[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t]))`` with ``e = idx[t,k]``.
+
+    Args:
+        hidden_states: ``[T, H]`` float32, float16 or bfloat16. A 3-D input is rejected: flatten
+            the batch and sequence dimensions first (transformers' MoE blocks already do).
+        top_k_index: ``[T, K]`` int64 or int32 expert ids in ``[0, E)``.
+        top_k_weights: ``[T, K]`` routing weights, any float dtype (used in float32).
+        gate_up_proj: ``[E, 2I, H]``, gate rows first, dtype of ``hidden_states``.
+        down_proj: ``[E, H, I]``, dtype of ``hidden_states``.
+        activation: ``"silu"`` (SwiGLU) or ``"gelu"`` (GeGLU).
+        backend: ``"triton"``, ``"torch"`` or None (Triton on CUDA, torch elsewhere;
+            ``MOE_EP_BACKEND`` overrides None).
+
+    Differentiable in ``hidden_states``, ``top_k_weights``, ``gate_up_proj`` and ``down_proj``.
+    Returns ``[T, H]`` in the dtype of ``hidden_states``.
+    """
+    check_experts_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    check_activation(activation)
+    backend = resolve_backend(backend, hidden_states.device)
+    args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+    if backend == "triton":
+        from .experts_triton import experts_triton
+
+        return experts_triton(*args)
+    return experts_torch_fwd(*args)[0]

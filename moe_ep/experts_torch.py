@@ -1,0 +1,165 @@
+"""The pure-PyTorch backend of ``moe_experts``: one sort of the routed slots, ``torch._grouped_mm``
+for the four expert GEMMs, the gated activation recomputed in backward, a deterministic combine.
+
+It is the default on the CPU and the fallback users can pick anywhere. It has no host sync: the
+per-expert offsets stay on the device and go straight into ``_grouped_mm``."""
+
+from __future__ import annotations
+
+import torch
+
+from .activations import glu_bwd, glu_fwd
+
+
+def routing_order(idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots sorted by expert (stable, so ties keep token order) and the end offset of each expert's
+    rows, both computed on the device."""
+    flat_N = idx_TK.reshape(-1)
+    order_N = torch.sort(flat_N, stable=True).indices
+    # scatter_add rather than bincount: bincount reads the max back to the host on CUDA.
+    counts_E = torch.zeros(num_experts, dtype=torch.int32, device=idx_TK.device)
+    counts_E.scatter_add_(0, flat_N.long(), torch.ones_like(flat_N, dtype=torch.int32))
+    return order_N, torch.cumsum(counts_E, 0, dtype=torch.int32)
+
+
+# torch._grouped_mm needs 16-byte aligned strides; 8 elements covers every supported dtype.
+_ALIGN = 8
+
+
+def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    missing = size - t.shape[dim]
+    if missing == 0:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, missing]
+    return torch.nn.functional.pad(t, pad)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def grouped_linear(a_NK: torch.Tensor, w_EMK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Row block of expert e times ``w_EMK[e]^T``; sizes that are not a multiple of 8 are
+    zero-padded (a copy only for such odd shapes, which real models do not have)."""
+    M, K = w_EMK.shape[1:]
+    Mp, Kp = _aligned(M), _aligned(K)
+    w = _pad_to(_pad_to(w_EMK, 2, Kp), 1, Mp)
+    return torch._grouped_mm(_pad_to(a_NK, 1, Kp), w.transpose(1, 2), offs=offsets_E)[:, :M]
+
+
+def grouped_outer(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Per expert, ``a[rows]^T @ b[rows]`` -> ``[E, M, K]``: the weight gradient."""
+    M, K = a_NM.shape[1], b_NK.shape[1]
+    a = _pad_to(a_NM, 1, _aligned(M))
+    b = _pad_to(b_NK, 1, _aligned(K))
+    return torch._grouped_mm(a.t(), b, offs=offsets_E)[:, :M, :K]
+
+
+def _unsort_sum(rows_N: torch.Tensor, order_N: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """Put sorted rows back into (token, slot) order and sum each token's slots in float32."""
+    slots = torch.empty_like(rows_N)
+    slots.index_copy_(0, order_N, rows_N)
+    return slots.view(num_tokens, top_k, rows_N.shape[1]).sum(1, dtype=torch.float32)
+
+
+def _forward_impl(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation):
+    T, K = idx_TK.shape
+    E = gate_up_E2IH.shape[0]
+    order_N, offsets_E = routing_order(idx_TK, E)
+    x_NH = x_TH[order_N // K]
+    gate_up_N2I = grouped_linear(x_NH, gate_up_E2IH, offsets_E)
+    h_NI = glu_fwd(gate_up_N2I, activation).to(x_TH.dtype)
+    out_NH = grouped_linear(h_NI, down_EHI, offsets_E)
+    w_N = w_TK.reshape(-1)[order_N].float()
+    out_NH = (out_NH.float() * w_N[:, None]).to(x_TH.dtype)
+    y_TH = _unsort_sum(out_NH, order_N, T, K).to(x_TH.dtype)
+    return y_TH, order_N, offsets_E, gate_up_N2I
+
+
+@torch.library.custom_op("moe_ep::experts_torch_fwd", mutates_args=())
+def experts_torch_fwd(
+    x_TH: torch.Tensor,
+    idx_TK: torch.Tensor,
+    w_TK: torch.Tensor,
+    gate_up_E2IH: torch.Tensor,
+    down_EHI: torch.Tensor,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (y_TH, order_N, offsets_E, gate_up_N2I); the last three are saved for backward."""
+    return _forward_impl(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation)
+
+
+@experts_torch_fwd.register_fake
+def _(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation):
+    N = idx_TK.numel()
+    E, two_I, _ = gate_up_E2IH.shape
+    return (
+        x_TH.new_empty(x_TH.shape),
+        idx_TK.new_empty((N,), dtype=torch.int64),
+        idx_TK.new_empty((E,), dtype=torch.int32),
+        x_TH.new_empty((N, two_I)),
+    )
+
+
+@torch.library.custom_op("moe_ep::experts_torch_bwd", mutates_args=())
+def experts_torch_bwd(
+    dy_TH: torch.Tensor,
+    x_TH: torch.Tensor,
+    w_TK: torch.Tensor,
+    gate_up_E2IH: torch.Tensor,
+    down_EHI: torch.Tensor,
+    order_N: torch.Tensor,
+    offsets_E: torch.Tensor,
+    gate_up_N2I: torch.Tensor,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx_TH, dw_TK, d_gate_up_E2IH, d_down_EHI)."""
+    T, K = w_TK.shape
+    dtype = x_TH.dtype
+    token_N = order_N // K
+    dy_NH = dy_TH.to(dtype)[token_N]
+    x_NH = x_TH[token_N]
+    w_N = w_TK.reshape(-1)[order_N].float()
+    # Gradient of the unweighted expert output w.r.t. h: dy @ down[e].
+    dh_raw_NI = grouped_linear(dy_NH, down_EHI.transpose(1, 2), offsets_E)
+    h_NI, _ = glu_bwd(gate_up_N2I, dh_raw_NI, activation)
+    # d w_n = <dy_t, down[e] h_n> = <dy_t @ down[e], h_n>: no need to keep the expert output.
+    dw_N = (h_NI * dh_raw_NI.float()).sum(-1)
+    dw_TK = torch.empty_like(dw_N).index_copy_(0, order_N, dw_N).view(T, K).to(w_TK.dtype)
+    dh_NI = dh_raw_NI.float() * w_N[:, None]
+    _, d_gate_up_N2I = glu_bwd(gate_up_N2I, dh_NI, activation)
+    d_gate_up_N2I = d_gate_up_N2I.to(dtype)
+    dyw_NH = (dy_NH.float() * w_N[:, None]).to(dtype)
+    d_down_EHI = grouped_outer(dyw_NH, h_NI.to(dtype), offsets_E)
+    d_gate_up_E2IH = grouped_outer(d_gate_up_N2I, x_NH, offsets_E)
+    dx_NH = grouped_linear(d_gate_up_N2I, gate_up_E2IH.transpose(1, 2), offsets_E)
+    dx_TH = _unsort_sum(dx_NH, order_N, T, K).to(dtype)
+    return dx_TH, dw_TK, d_gate_up_E2IH, d_down_EHI
+
+
+@experts_torch_bwd.register_fake
+def _(dy_TH, x_TH, w_TK, gate_up_E2IH, down_EHI, order_N, offsets_E, gate_up_N2I, activation):
+    return (
+        x_TH.new_empty(x_TH.shape),
+        w_TK.new_empty(w_TK.shape),
+        gate_up_E2IH.new_empty(gate_up_E2IH.shape),
+        down_EHI.new_empty(down_EHI.shape),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation = inputs
+    _, order_N, offsets_E, gate_up_N2I = output
+    ctx.activation = activation
+    ctx.save_for_backward(x_TH, w_TK, gate_up_E2IH, down_EHI, order_N, offsets_E, gate_up_N2I)
+
+
+def _backward(ctx, dy_TH, _d_order, _d_offsets, _d_gate_up_N2I):
+    x_TH, w_TK, gate_up_E2IH, down_EHI, order_N, offsets_E, gate_up_N2I = ctx.saved_tensors
+    dx, dw, dgu, dd = experts_torch_bwd(
+        dy_TH.contiguous(), x_TH, w_TK, gate_up_E2IH, down_EHI, order_N, offsets_E, gate_up_N2I, ctx.activation
+    )
+    return dx, None, dw, dgu, dd, None
+
+
+experts_torch_fwd.register_autograd(_backward, setup_context=_setup_context)

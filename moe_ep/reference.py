@@ -1,0 +1,47 @@
+"""Slow, obviously correct implementations in float64, used by tests and benchmarks as the ground
+truth. Nothing here is fast and nothing fast is imported here."""
+
+from __future__ import annotations
+
+import torch
+
+
+def moe_experts_ref(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation: str = "silu") -> torch.Tensor:
+    """Per-token, per-slot loop in float64; differentiable through autograd."""
+    x = x_TH.double()
+    gate_up = gate_up_E2IH.double()
+    down = down_EHI.double()
+    w = w_TK.double()
+    act = torch.nn.functional.silu if activation == "silu" else torch.nn.functional.gelu
+    I = down.shape[2]
+    rows = []
+    for t in range(x.shape[0]):
+        acc = x.new_zeros(x.shape[1])
+        for k in range(idx_TK.shape[1]):
+            e = int(idx_TK[t, k])
+            gu = gate_up[e] @ x[t]
+            acc = acc + w[t, k] * (down[e] @ (act(gu[:I]) * gu[I:]))
+        rows.append(acc)
+    if not rows:
+        return x.new_zeros(x.shape) + 0 * (gate_up.sum() + down.sum() + w.sum())
+    return torch.stack(rows)
+
+
+def route_topk_ref(x_TH, router_weight_EH, top_k: int, *, score: str = "softmax", normalize: bool = True,
+                   correction_bias=None, n_group: int = 1, topk_group: int = 1, scale: float = 1.0):
+    """Router in float64: (logits_TE, weights_TK, indices_TK)."""
+    logits = x_TH.double() @ router_weight_EH.double().t()
+    probs = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+    choice = probs if correction_bias is None else probs + correction_bias.double()
+    T, E = choice.shape
+    if n_group > 1:
+        grouped = choice.view(T, n_group, E // n_group)
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = group_score.topk(topk_group, dim=-1).indices
+        mask = torch.zeros(T, n_group, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    indices = choice.topk(top_k, dim=-1).indices
+    weights = probs.gather(1, indices)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return logits, weights * scale, indices

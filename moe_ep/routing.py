@@ -1,0 +1,103 @@
+"""Router math: logits, scores, top-k selection and renormalisation, with the semantics of the
+Hugging Face MoE families (Mixtral's softmax top-k; DeepSeek-V3's sigmoid scores with a
+correction bias that only steers the choice, group-limited top-k and a scaling factor)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._validate import check_float, check_same_device, check_tensor
+from .backend import resolve_backend
+
+SCORES = ("softmax", "sigmoid")
+
+
+def check_route_args(hidden_states, router_weight, top_k, score, correction_bias, n_group, topk_group) -> None:
+    check_tensor("hidden_states", hidden_states, ndim=2)
+    check_tensor("router_weight", router_weight, ndim=2)
+    check_float("hidden_states", hidden_states)
+    check_float("router_weight", router_weight)
+    check_same_device(hidden_states=hidden_states, router_weight=router_weight)
+    E, H = router_weight.shape
+    if hidden_states.shape[1] != H:
+        raise ValueError(
+            f"router_weight must have shape [E, H={hidden_states.shape[1]}] to match hidden_states "
+            f"{tuple(hidden_states.shape)}, got {tuple(router_weight.shape)}"
+        )
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be an int in [1, E={E}], got {top_k!r}")
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    if correction_bias is not None:
+        check_tensor("correction_bias", correction_bias, ndim=1)
+        if correction_bias.shape[0] != E:
+            raise ValueError(f"correction_bias must have shape [E={E}], got {tuple(correction_bias.shape)}")
+    if not isinstance(n_group, int) or n_group < 1 or E % n_group:
+        raise ValueError(f"n_group must be a positive divisor of E={E}, got {n_group!r}")
+    if not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
+    if n_group > 1 and top_k > topk_group * (E // n_group):
+        raise ValueError(
+            f"top_k={top_k} exceeds the {topk_group * (E // n_group)} experts left by topk_group={topk_group} "
+            f"of n_group={n_group}"
+        )
+
+
+def select_experts(probs_TE, top_k, correction_bias=None, n_group=1, topk_group=1):
+    """Indices of the chosen experts. The correction bias and the group limit steer only the
+    choice; the weights are always taken from the unbiased scores."""
+    choice_TE = probs_TE if correction_bias is None else probs_TE + correction_bias.float()
+    if n_group > 1:
+        T, E = choice_TE.shape
+        grouped = choice_TE.view(T, n_group, E // n_group)
+        # DeepSeek-V3 ranks groups by the sum of their two best experts.
+        group_score = grouped.topk(min(2, E // n_group), dim=-1).values.sum(-1)
+        keep = group_score.topk(topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+        expert_mask = group_mask.repeat_interleave(E // n_group, dim=1)
+        choice_TE = choice_TE.masked_fill(~expert_mask, float("-inf"))
+    return torch.topk(choice_TE, top_k, dim=-1).indices
+
+
+def route_topk_torch(hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale):
+    logits_TE = torch.nn.functional.linear(hidden_states, router_weight).float()
+    probs_TE = logits_TE.softmax(-1) if score == "softmax" else logits_TE.sigmoid()
+    with torch.no_grad():
+        indices_TK = select_experts(probs_TE, top_k, correction_bias, n_group, topk_group)
+    weights_TK = probs_TE.gather(1, indices_TK)
+    if normalize:
+        # DeepSeek-V3 adds 1e-20 for sigmoid scores; softmax top-k sums are never zero.
+        denom = weights_TK.sum(-1, keepdim=True)
+        weights_TK = weights_TK / (denom + 1e-20 if score == "sigmoid" else denom)
+    return logits_TE, weights_TK * scale, indices_TK
+
+
+def route_topk(
+    hidden_states: torch.Tensor,
+    router_weight: torch.Tensor,
+    top_k: int,
+    *,
+    score: str = "softmax",
+    normalize: bool = True,
+    correction_bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scale: float = 1.0,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Route ``[T, H]`` tokens to ``top_k`` of the ``E`` experts of ``router_weight [E, H]``.
+
+    Returns ``(logits [T, E] float32, weights [T, K] float32, indices [T, K] int64)``, with
+    Mixtral's semantics by default: softmax over all experts, top-k, weights renormalised to sum
+    to one. ``score="sigmoid"``, ``correction_bias``, ``n_group``/``topk_group`` and ``scale``
+    give DeepSeek-V3's router. Differentiable in ``hidden_states`` and ``router_weight`` through
+    the logits and the weights; the indices carry no gradient.
+    """
+    check_route_args(hidden_states, router_weight, top_k, score, correction_bias, n_group, topk_group)
+    backend = resolve_backend(backend, hidden_states.device)
+    args = (hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale)
+    if backend == "triton":
+        from .routing_triton import route_topk_triton
+
+        return route_topk_triton(*args)
+    return route_topk_torch(*args)

@@ -1,0 +1,24 @@
+import pytest
+import torch
+
+# ||out - ref|| / ||ref|| against a float64 reference (DESIGN.md, Conventions).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    denom = ref.norm()
+    if denom == 0:
+        return out.norm().item()
+    return ((out - ref).norm() / denom).item()
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    # tf32 would break the 1e-5 float32 tolerance on Ampere and Hopper.
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    yield
