@@ -1,0 +1,163 @@
+"""The automatic pipeline partition against a brute-force optimum, on unbalanced chains, tied
+parameters, memory caps and explicit split points."""
+
+import itertools
+import random
+
+import pytest
+
+from moe_ep.partition import UnitCost, partition, stage_to_rank
+
+GiB = 2**30
+
+
+def _chain(layer_flops, *, embed=0.0, head=0.0, layer_bytes=1.0, act=0.0, tied=False):
+    shared = frozenset({"embed_tokens.weight"}) if tied else frozenset()
+    units = [UnitCost("embed", embed, param_bytes=layer_bytes, shared=shared)]
+    units += [UnitCost(f"layers.{i}", f, param_bytes=layer_bytes, act_bytes=act) for i, f in enumerate(layer_flops)]
+    units.append(UnitCost("head", head, param_bytes=layer_bytes, shared=shared))
+    return units
+
+
+def _layers_per_stage(part):
+    return [sum(name.startswith("layers.") for name in part.stage_names(s)) for s in range(part.num_stages)]
+
+
+def _stage_bytes(units, lo, hi, inflight):
+    seg = units[lo:hi]
+    return (
+        sum(u.param_bytes + u.grad_bytes + u.optim_bytes for u in seg)
+        + inflight * sum(u.act_bytes for u in seg)
+        + max(u.work_bytes for u in seg)
+    )
+
+
+def _brute_force(units, num_stages, cap, inflight):
+    """Every way to cut, straight from the definition: (best bottleneck, least peak bytes among those)."""
+    best = None
+    for cuts in itertools.combinations(range(1, len(units)), num_stages - 1):
+        starts = (0, *cuts, len(units))
+        segs = list(zip(starts, starts[1:]))
+        mem = [_stage_bytes(units, lo, hi, inflight[s]) for s, (lo, hi) in enumerate(segs)]
+        if max(mem) > cap:
+            continue
+        key = (max(sum(u.flops for u in units[lo:hi]) for lo, hi in segs), max(mem))
+        if best is None or key[0] < best[0] * (1 - 1e-12) or (key[0] <= best[0] * (1 + 1e-12) and key[1] < best[1]):
+            best = key
+    return best
+
+
+def test_matches_brute_force_on_random_small_chains():
+    rng = random.Random(0)
+    checked_infeasible = 0
+    for _ in range(300):
+        n = rng.randint(2, 9)
+        S = rng.randint(1, min(4, n))
+        units = [
+            UnitCost(f"u{i}", rng.choice([0.0, 1.0, 2.0, rng.uniform(0.1, 5)]), param_bytes=rng.uniform(0, 3),
+                     act_bytes=rng.uniform(0, 2), work_bytes=rng.uniform(0, 1))
+            for i in range(n)
+        ]
+        inflight = [rng.randint(1, S) for _ in range(S)]
+        cap = rng.uniform(2, 25)
+        expected = _brute_force(units, S, cap, inflight)
+        if expected is None:
+            checked_infeasible += 1
+            with pytest.raises(ValueError, match="memory cap"):
+                partition(units, S, memory_cap=cap, inflight=inflight)
+            continue
+        part = partition(units, S, memory_cap=cap, inflight=inflight)
+        assert part.num_stages == S and part.starts[0] == 0 and part.starts[-1] == n
+        assert part.bottleneck_flops == pytest.approx(expected[0], rel=1e-9, abs=1e-12)
+        assert max(part.stage_bytes(s) for s in range(S)) == pytest.approx(expected[1], rel=1e-9)
+        assert all(part.stage_bytes(s) <= cap * (1 + 1e-9) for s in range(S))
+    assert checked_infeasible > 10
+
+
+def test_large_embedding_and_head_get_fewer_layers_at_the_ends():
+    # Embedding and head each cost 1.5 decoder layers: an even split [2, 2, 2, 2] has a
+    # bottleneck of 3.5 layers, while [1, 3, 3, 1] has 3.
+    units = _chain([1.0] * 8, embed=1.5, head=1.5)
+    part = partition(units, 4)
+    assert _layers_per_stage(part) == [1, 3, 3, 1]
+    assert part.bottleneck_flops == pytest.approx(3.0)
+
+
+def test_uniform_chain_splits_evenly_and_single_stage_takes_all():
+    units = _chain([1.0] * 8)
+    assert _layers_per_stage(partition(units, 4)) == [2, 2, 2, 2]
+    assert partition(units, 1).starts == (0, len(units))
+
+
+def test_memory_cap_moves_layers_off_the_stage_with_most_microbatches_in_flight():
+    # 1F1B: stage 0 keeps 2 micro-batches in flight, stage 1 one. The time-optimal split is
+    # [2, 2]: stage 0 holds 3 x 0.5 bytes + 2 micro-batches x 2 activations = 5.5. A cap of 5
+    # forces [1, 3] (stage 0: 1 + 2 = 3, stage 1: 2 + 3 = 5).
+    units = _chain([1.0] * 4, layer_bytes=0.5, act=1.0)
+    assert _layers_per_stage(partition(units, 2, inflight=[2, 1])) == [2, 2]
+    capped = partition(units, 2, inflight=[2, 1], memory_cap=5.0)
+    assert _layers_per_stage(capped) == [1, 3]
+    assert [capped.stage_bytes(s) for s in range(2)] == [3.0, 5.0]
+    with pytest.raises(ValueError, match=r"memory cap of 4 B per stage: the best balanced one still needs 5 B"):
+        partition(units, 2, inflight=[2, 1], memory_cap=4.0)
+
+
+def test_tied_embedding_and_head_stay_on_one_rank():
+    units = _chain([1.0] * 6, tied=True)
+    with pytest.raises(ValueError, match=r"embed_tokens\.weight.*V placement"):
+        partition(units, 2)
+    assert partition(units, 1).num_stages == 1
+    part = partition(units, 4, placement="v", stages_per_rank=2)
+    assert part.rank_of_stage(0) == part.rank_of_stage(3) == 0
+    assert part.rank_of_stage(1) == part.rank_of_stage(2) == 1
+
+
+def test_parameter_shared_by_interior_units_keeps_them_and_what_lies_between_together():
+    units = [UnitCost(f"u{i}", 1.0) for i in range(6)]
+    units[1] = UnitCost("u1", 1.0, shared=frozenset({"w"}))
+    units[3] = UnitCost("u3", 1.0, shared=frozenset({"w"}))
+    part = partition(units, 3)
+    owner = {name: s for s in range(3) for name in part.stage_names(s)}
+    assert owner["u1"] == owner["u2"] == owner["u3"]
+
+
+def test_split_points_override_and_their_errors():
+    units = _chain([1.0] * 8, embed=1.5, head=1.5)
+    part = partition(units, 4, split_points=[3, 5, 7])
+    assert part.starts == (0, 3, 5, 7, 10)
+    with pytest.raises(ValueError, match=r"split_points must hold 3 ints"):
+        partition(units, 4, split_points=[3, 5])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        partition(units, 4, split_points=[5, 3, 7])
+    with pytest.raises(ValueError, match=r"stage 0 \(embed..layers.7\) needs 9 B, over the memory cap of 5 B"):
+        partition(units, 2, split_points=[9], memory_cap=5.0)
+    tied = _chain([1.0] * 4, tied=True)
+    with pytest.raises(ValueError, match="share parameter 'embed_tokens.weight'"):
+        partition(tied, 2, split_points=[3])
+
+
+def test_argument_errors():
+    units = _chain([1.0] * 2)
+    with pytest.raises(ValueError, match=r"num_stages=5 exceeds the number of units \(4\)"):
+        partition(units, 5)
+    with pytest.raises(ValueError, match="num_stages must be a positive int, got 0"):
+        partition(units, 0)
+    with pytest.raises(ValueError, match="placement must be one of"):
+        partition(units, 2, placement="zigzag")
+    with pytest.raises(ValueError, match="stages_per_rank must be a positive divisor of num_stages=3"):
+        partition(units, 3, stages_per_rank=2)
+    with pytest.raises(ValueError, match="exactly 2 stages on each rank"):
+        partition(units, 4, placement="v", stages_per_rank=4)
+    with pytest.raises(ValueError, match=r"inflight must have one entry per stage \(2\)"):
+        partition(units, 2, inflight=[1])
+    with pytest.raises(ValueError, match="memory_cap must be a positive"):
+        partition(units, 2, memory_cap=0)
+    with pytest.raises(TypeError, match="units must be a list of UnitCost"):
+        partition([1.0, 2.0], 1)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
+def test_v_placement_goes_down_and_back(num_ranks):
+    ranks = [stage_to_rank(s, num_ranks, 2 * num_ranks, "v") for s in range(2 * num_ranks)]
+    assert ranks == list(range(num_ranks)) + list(reversed(range(num_ranks)))
+    assert [stage_to_rank(s, num_ranks, 2 * num_ranks, "loop") for s in range(2 * num_ranks)] == list(range(num_ranks)) * 2
