@@ -1,0 +1,197 @@
+"""Routing metadata on the device: per-expert counts, block-padded offsets and the permutation that
+groups the routed slots by expert, without a host sync (the idea of vLLM's ``moe_align_block_size``).
+
+Slot ``n = t * K + k`` is the k-th expert choice of token t (``N = T * K`` slots). The grouped GEMMs
+work on a *padded layout* of ``P`` rows: expert e owns rows ``[padded_offsets[e], padded_offsets[e+1])``,
+its count rounded up to a multiple of ``pad_m``, so every ``pad_m`` block of rows belongs to one
+expert. ``P`` comes from a static bound (``(cdiv(N, pad_m) + E) * pad_m``) so no count is ever read
+back to the host; blocks past the real end are marked -1 and the GEMM programs there exit at once.
+
+Within an expert, slots keep their original order (a stable sort), which makes every later reduction
+deterministic.
+
+Three launches: a per-chunk histogram, one program that scans the histograms into offsets and the
+block -> expert table, and a per-chunk scatter that writes the permutation and its inverse.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_ep.kernels.aot_spec import KernelSpec
+
+# [CHUNK, E_TILE] one-hot tiles: 4096 int32 per program, which stays in registers at 4 warps.
+CHUNK = 256
+E_TILE = 16
+# Histogram rows scanned per step, and block-table entries written per step, by the scan program.
+C_TILE = 64
+B_TILE = 256
+NUM_WARPS = 4
+
+
+class RoutingMetadata(NamedTuple):
+    counts_E: torch.Tensor  # int32 [E]: slots routed to each expert
+    padded_offsets_E1: torch.Tensor  # int32 [E+1]: first padded row of each expert, then the end
+    sorted_slot_P: torch.Tensor  # int32 [P]: slot held by each padded row, -1 on padding rows
+    slot_pos_N: torch.Tensor  # int32 [N]: padded row of each slot (the inverse permutation)
+    block_expert_B: torch.Tensor  # int32 [P / pad_m]: expert owning each block, -1 past the end
+    pad_m: int
+
+
+def padded_rows(num_slots: int, num_experts: int, pad_m: int) -> int:
+    """Static upper bound on the padded layout: sum_e cdiv(count_e, pad_m) < cdiv(N, pad_m) + E."""
+    if num_slots == 0:
+        return 0
+    return (triton.cdiv(num_slots, pad_m) + num_experts) * pad_m
+
+
+@triton.jit
+def _histogram_kernel(idx_ptr, chunk_counts_ptr, num_slots, num_experts,
+                      CHUNK: tl.constexpr, E_TILE: tl.constexpr):
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    expert = tl.load(idx_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
+    for e0 in range(0, num_experts, E_TILE):
+        ids = e0 + tl.arange(0, E_TILE)
+        hits = (expert[:, None] == ids[None, :]).to(tl.int32)
+        tl.store(chunk_counts_ptr + chunk * num_experts + ids, tl.sum(hits, axis=0), mask=ids < num_experts)
+
+
+@triton.jit
+def _scan_kernel(chunk_counts_ptr, chunk_base_ptr, counts_ptr, padded_offsets_ptr, block_expert_ptr,
+                 num_chunks, num_experts, pad_m, num_blocks,
+                 C_TILE: tl.constexpr, E_TILE: tl.constexpr, B_TILE: tl.constexpr):
+    # One program: the scans are over a few hundred histogram rows, cheaper than another launch.
+    padded_end = tl.full((), 0, tl.int32)
+    tl.store(padded_offsets_ptr, 0)
+    for e0 in range(0, num_experts, E_TILE):
+        ids = e0 + tl.arange(0, E_TILE)
+        e_ok = ids < num_experts
+        running = tl.zeros((E_TILE,), tl.int32)
+        for c0 in range(0, num_chunks, C_TILE):
+            cs = c0 + tl.arange(0, C_TILE)
+            mask = (cs < num_chunks)[:, None] & e_ok[None, :]
+            at = cs[:, None] * num_experts + ids[None, :]
+            count = tl.load(chunk_counts_ptr + at, mask=mask, other=0)
+            # Exclusive prefix over chunks: where this chunk's slots start inside each expert.
+            tl.store(chunk_base_ptr + at, tl.cumsum(count, axis=0) - count + running[None, :], mask=mask)
+            running += tl.sum(count, axis=0)
+        tl.store(counts_ptr + ids, running, mask=e_ok)
+        padded = tl.where(e_ok, (running + pad_m - 1) // pad_m * pad_m, 0)
+        tl.store(padded_offsets_ptr + 1 + ids, tl.cumsum(padded, axis=0) + padded_end, mask=e_ok)
+        padded_end += tl.sum(padded, axis=0)
+    # The block table reads the offsets this program just wrote; the barrier makes them visible
+    # to every thread of the program.
+    tl.debug_barrier()
+    for b0 in range(0, num_blocks, B_TILE):
+        blocks = b0 + tl.arange(0, B_TILE)
+        first_row = blocks * pad_m
+        # Ends are non-decreasing, so the owner of a row is the number of experts ending at or before it.
+        owner = tl.zeros((B_TILE,), tl.int32)
+        for e0 in range(0, num_experts, E_TILE):
+            ids = e0 + tl.arange(0, E_TILE)
+            ends = tl.load(padded_offsets_ptr + 1 + ids, mask=ids < num_experts, other=2147483647)
+            owner += tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        owner = tl.where(owner < num_experts, owner, -1)
+        tl.store(block_expert_ptr + blocks, owner, mask=blocks < num_blocks)
+
+
+@triton.jit
+def _scatter_kernel(idx_ptr, chunk_base_ptr, padded_offsets_ptr, sorted_slot_ptr, slot_pos_ptr,
+                    num_slots, num_experts, CHUNK: tl.constexpr, E_TILE: tl.constexpr):
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < num_slots
+    expert = tl.load(idx_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    # Rank of each slot among the slots of the same expert in this chunk, counting itself.
+    rank = tl.zeros((CHUNK,), tl.int32)
+    for e0 in range(0, num_experts, E_TILE):
+        ids = e0 + tl.arange(0, E_TILE)
+        hits = (expert[:, None] == ids[None, :]).to(tl.int32)
+        rank += tl.sum(tl.cumsum(hits, axis=0) * hits, axis=1)
+    safe = tl.where(valid, expert, 0)
+    base = tl.load(padded_offsets_ptr + safe, mask=valid, other=0)
+    base += tl.load(chunk_base_ptr + chunk * num_experts + safe, mask=valid, other=0)
+    pos = base + rank - 1
+    tl.store(sorted_slot_ptr + pos, offs, mask=valid)
+    tl.store(slot_pos_ptr + offs, pos, mask=valid)
+
+
+def routing_metadata(idx: torch.Tensor, num_experts: int, pad_m: int) -> RoutingMetadata:
+    """Metadata of the expert choices ``idx`` (any shape, int32 or int64, values in [0, E)).
+
+    All work is queued on ``idx``'s device; nothing is read back."""
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"idx must be int32 or int64, got {idx.dtype}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if not isinstance(pad_m, int) or pad_m < 1 or pad_m & (pad_m - 1):
+        raise ValueError(f"pad_m must be a power of two, got {pad_m!r}")
+    flat_N = idx.reshape(-1).contiguous()
+    N, E, device = flat_N.numel(), num_experts, idx.device
+    P = padded_rows(N, E, pad_m)
+    int32 = dict(dtype=torch.int32, device=device)
+    counts_E = torch.zeros(E, **int32)
+    padded_offsets_E1 = torch.zeros(E + 1, **int32)
+    sorted_slot_P = torch.full((P,), -1, **int32)
+    slot_pos_N = torch.empty(N, **int32)
+    block_expert_B = torch.empty(P // pad_m, **int32)
+    if N > 0:
+        num_chunks = triton.cdiv(N, CHUNK)
+        chunk_counts = torch.empty(num_chunks, E, **int32)
+        chunk_base = torch.empty(num_chunks, E, **int32)
+        _histogram_kernel[(num_chunks,)](flat_N, chunk_counts, N, E, CHUNK=CHUNK, E_TILE=E_TILE, num_warps=NUM_WARPS)
+        _scan_kernel[(1,)](
+            chunk_counts, chunk_base, counts_E, padded_offsets_E1, block_expert_B,
+            num_chunks, E, pad_m, P // pad_m,
+            C_TILE=C_TILE, E_TILE=E_TILE, B_TILE=B_TILE, num_warps=NUM_WARPS,
+        )
+        _scatter_kernel[(num_chunks,)](
+            flat_N, chunk_base, padded_offsets_E1, sorted_slot_P, slot_pos_N, N, E,
+            CHUNK=CHUNK, E_TILE=E_TILE, num_warps=NUM_WARPS,
+        )
+    return RoutingMetadata(counts_E, padded_offsets_E1, sorted_slot_P, slot_pos_N, block_expert_B, pad_m)
+
+
+def aot_specs() -> list[KernelSpec]:
+    specs = [
+        KernelSpec(
+            name="routing_scan",
+            fn=_scan_kernel,
+            signature={
+                "chunk_counts_ptr": "*i32", "chunk_base_ptr": "*i32", "counts_ptr": "*i32",
+                "padded_offsets_ptr": "*i32", "block_expert_ptr": "*i32",
+                "num_chunks": "i32", "num_experts": "i32", "pad_m": "i32", "num_blocks": "i32",
+                "C_TILE": "constexpr", "E_TILE": "constexpr", "B_TILE": "constexpr",
+            },
+            constexprs={"C_TILE": C_TILE, "E_TILE": E_TILE, "B_TILE": B_TILE},
+            num_warps=NUM_WARPS,
+        )
+    ]
+    for idx_type in ("i32", "i64"):
+        specs.append(KernelSpec(
+            name=f"routing_histogram_{idx_type}",
+            fn=_histogram_kernel,
+            signature={
+                "idx_ptr": f"*{idx_type}", "chunk_counts_ptr": "*i32", "num_slots": "i32", "num_experts": "i32",
+                "CHUNK": "constexpr", "E_TILE": "constexpr",
+            },
+            constexprs={"CHUNK": CHUNK, "E_TILE": E_TILE},
+            num_warps=NUM_WARPS,
+        ))
+        specs.append(KernelSpec(
+            name=f"routing_scatter_{idx_type}",
+            fn=_scatter_kernel,
+            signature={
+                "idx_ptr": f"*{idx_type}", "chunk_base_ptr": "*i32", "padded_offsets_ptr": "*i32",
+                "sorted_slot_ptr": "*i32", "slot_pos_ptr": "*i32", "num_slots": "i32", "num_experts": "i32",
+                "CHUNK": "constexpr", "E_TILE": "constexpr",
+            },
+            constexprs={"CHUNK": CHUNK, "E_TILE": E_TILE},
+            num_warps=NUM_WARPS,
+        ))
+    return specs
