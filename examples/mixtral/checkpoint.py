@@ -1,0 +1,148 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) that a killed run can always resume from.
+
+A checkpoint is written into ``checkpoints/.tmp-step_XXXXXXXX`` by every rank, and only once all
+ranks have finished (DCP's metadata, each rank's RNG state, the trainer state) does rank 0 rename it
+to ``checkpoints/step_XXXXXXXX``. A rename within one folder is atomic, so a folder with the final
+name is always complete, and a run killed mid-write leaves only a ``.tmp-`` folder, which is never
+read and is removed by the next run. The output folder must be shared by all nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from errors import UsageError
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+TMP_PREFIX = ".tmp-"
+TRAINER_STATE = "trainer_state.json"
+
+
+@contextmanager
+def quiet_single_process():
+    """DCP warns that it assumes a single process when no process group exists; that is the intent
+    here (one-process runs and the export), so the warning is dropped, and only that one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (
+        STEP_DIR.match(path.name) is not None
+        and (path / ".metadata").is_file()
+        and (path / TRAINER_STATE).is_file()
+    )
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first; ``.tmp-`` folders never count."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name)[1]))
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def remove_incomplete(root: Path) -> list[Path]:
+    """Delete the leftovers of interrupted writes (rank 0 only). Returns what it removed."""
+    if not root.is_dir():
+        return []
+    stale = [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX)]
+    for path in stale:
+        shutil.rmtree(path)
+    return stale
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict, *, rank: int, barrier,
+                    keep: int, config=None) -> Path:
+    """Collective: every rank calls it. Returns the final folder."""
+    final, tmp = step_dir(root, step), root / f"{TMP_PREFIX}step_{step:08d}"
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save(rng_state(), tmp / f"rng-rank{rank:05d}.pt")
+    barrier()
+    if rank == 0:
+        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+        if config is not None:
+            config.save_pretrained(tmp)
+        _fsync_dir(tmp)
+        if final.exists():
+            # A complete checkpoint of this step exists (a resumed run re-saving it): replace it.
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        for old in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+    barrier()
+    return final
+
+
+def read_trainer_state(path: Path) -> dict:
+    if not is_complete(path):
+        raise UsageError(f"--resume: {path} is not a complete checkpoint (no .metadata or {TRAINER_STATE})")
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+def load_checkpoint(path: Path, model, optimizer, *, rank: int, world_size: int) -> dict:
+    """Collective: load model and optimizer shards (DCP reshards if the layout changed) and this
+    rank's RNG state. Returns the trainer state."""
+    trainer_state = read_trainer_state(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    with quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng_file = path / f"rng-rank{rank:05d}.pt"
+    if trainer_state["world_size"] == world_size and rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return trainer_state

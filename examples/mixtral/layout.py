@@ -1,0 +1,126 @@
+"""The parallel layout: degrees from the flags or from moe_ep.plan, checked against the number of
+processes, then applied to the model with moe_ep.parallelize.
+
+Rank order follows DESIGN.md's dense mesh ``(pp, dp_replicate, dp_shard)``, row-major; experts use
+``(pp, dp_replicate, edp, ep)`` with ``edp = dp_shard / ep``, so expert parallelism borrows ranks
+from sharded data parallelism and every rank of a pipeline stage trains on its own data."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import asdict, dataclass
+
+import torch
+
+from errors import UsageError
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+    microbatches: int = 1
+    schedule: str = "1F1B"
+    activation_checkpointing: bool = False
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different data (expert parallel included)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_size
+
+    def dp_rank(self, rank: int) -> int:
+        return rank % self.dp_size
+
+    def describe(self) -> str:
+        text = f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} ep={self.ep}"
+        if self.pp > 1:
+            text += f" microbatches={self.microbatches} schedule={self.schedule}"
+        return text + (" activation_checkpointing" if self.activation_checkpointing else "")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def layout_from_flags(args, world_size: int, num_experts: int) -> Layout:
+    """Degrees from the flags; ``--dp-shard`` defaults to the ranks the other degrees leave."""
+    rest = args.pp * args.dp_replicate
+    if args.dp_shard is None:
+        if world_size % rest:
+            raise UsageError(
+                f"--pp {args.pp} x --dp-replicate {args.dp_replicate} = {rest} does not divide the "
+                f"{world_size} processes launched"
+            )
+        dp_shard = world_size // rest
+    else:
+        dp_shard = args.dp_shard
+    layout = Layout(
+        pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=dp_shard, ep=args.ep,
+        microbatches=args.microbatches or (2 * args.pp if args.pp > 1 else 1), schedule=args.schedule,
+        activation_checkpointing=args.activation_checkpointing,
+    )
+    check_layout(layout, world_size, num_experts)
+    return layout
+
+
+def check_layout(layout: Layout, world_size: int, num_experts: int) -> None:
+    if layout.world_size != world_size:
+        raise UsageError(
+            f"layout {layout.describe()} needs pp*dp_replicate*dp_shard = {layout.world_size} processes, "
+            f"but {world_size} were launched (accelerate launch --num_processes / torchrun --nproc_per_node)"
+        )
+    if layout.dp_shard % layout.ep:
+        raise UsageError(
+            f"--ep {layout.ep} must divide --dp-shard {layout.dp_shard}: expert parallelism borrows its ranks "
+            "from sharded data parallelism"
+        )
+    if num_experts % layout.ep:
+        raise UsageError(f"--ep {layout.ep} must divide the model's {num_experts} experts")
+    if layout.pp > 1 and layout.microbatches < layout.pp:
+        raise UsageError(f"--microbatches {layout.microbatches} must be >= --pp {layout.pp} to fill the pipeline")
+
+
+def missing_piece(module: str, attr: str) -> bool:
+    try:
+        return not hasattr(importlib.import_module(module), attr)
+    except ModuleNotFoundError:
+        return True
+
+
+def check_layout_supported(layout: Layout) -> None:
+    """Fail before any work when the layout needs a piece of moe_ep that is not installed."""
+    if layout.world_size > 1 and missing_piece("moe_ep.parallel", "parallelize"):
+        if layout.ep > 1 or layout.dp_shard > 1 or layout.pp > 1:
+            raise UsageError(
+                f"layout {layout.describe()} needs moe_ep.parallel.parallelize, which this checkout of moe_ep "
+                "does not have yet; only plain data parallel runs meanwhile: "
+                f"--dp-replicate {layout.world_size} --dp-shard 1 --ep 1 --pp 1"
+            )
+    if layout.pp > 1 and missing_piece("moe_ep.training", "train_step"):
+        raise UsageError(
+            f"layout {layout.describe()} needs pipeline stages (moe_ep.training), which this checkout of moe_ep "
+            "does not have yet; use --pp 1"
+        )
+
+
+def layout_from_plan(args, config, world_size: int, gpus_per_node: int, gpu_memory_gb: float | None) -> Layout:
+    if missing_piece("moe_ep.planner", "plan") and missing_piece("moe_ep", "plan"):
+        raise UsageError("--plan needs moe_ep.plan (moe_ep/planner), which this checkout of moe_ep does not have yet; "
+                         "give --ep/--dp-shard/--dp-replicate/--pp instead")
+    raise UsageError("--plan: moe_ep.plan exists but this example does not call it yet; give the degrees by hand")
+
+
+def apply_layout(model: torch.nn.Module, layout: Layout, *, mixed_precision: str, device: torch.device):
+    """Shard and wrap the model. Returns the module the training loop calls."""
+    if not missing_piece("moe_ep.parallel", "parallelize"):
+        raise UsageError("moe_ep.parallel.parallelize exists but this example does not call it yet")
+    if layout.world_size == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -1,0 +1,221 @@
+"""What the user sees: per-step loss, auxiliary loss, gradient norm, tokens/s, estimated MFU and the
+per-layer expert load; a progress bar, a JSON-lines log, optional TensorBoard, and a final summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Peak dense bf16 tensor-core TFLOP/s by device name (vendor data sheets, without sparsity).
+PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800": 312.0, "L40S": 362.0,
+               "B200": 2250.0}
+
+
+def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
+    """Peak FLOP/s of one device, or None where unknown (the CPU): MFU is then not reported."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def flops_per_token(config, active_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per active weight (forward 2, backward 4), embedding lookups
+    excluded, plus attention scores and values, 12 * layers * (heads * head_dim) * seq_len (causal
+    masking is not discounted, as in the PaLM and Megatron MFU conventions)."""
+    embed = config.vocab_size * config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attn = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
+    return 6 * (active_params - embed) + attn
+
+
+LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+class ExpertLoad:
+    """Counts, per layer, how many routed slots each expert receives.
+
+    Forward hooks on the MoE blocks' routers read the chosen expert ids (the router's last output),
+    so what is counted is the routing that actually ran, with any kernel. Counts accumulate on the
+    device with no host sync; ``collect`` sums them over all ranks (each rank routes its own tokens;
+    with pipeline stages each layer lives on one stage)."""
+
+    def __init__(self, model: torch.nn.Module, num_layers: int, num_experts: int, device):
+        self.counts_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
+        self._handles = []
+        for name, module in model.named_modules():
+            gate = getattr(module, "gate", None)
+            if gate is None or not hasattr(module, "experts"):
+                continue
+            layer = LAYER.search(name + ".")
+            if layer is None:
+                raise ValueError(f"cannot tell the layer index of the MoE block {name!r}")
+            self._handles.append(gate.register_forward_hook(self._hook(int(layer[1]), name)))
+        if not self._handles:
+            raise ValueError("found no MoE block (a module with .gate and .experts) to watch")
+
+    def _hook(self, layer: int, name: str):
+        def hook(_module, _inputs, output):
+            if not (isinstance(output, tuple) and not output[-1].is_floating_point()):
+                raise TypeError(
+                    f"the router of {name} returned {type(output).__name__}; expected a tuple ending in expert ids"
+                )
+            idx = output[-1].reshape(-1).long()
+            self.counts_LE[layer].scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.float64))
+        return hook
+
+    def collect(self) -> torch.Tensor:
+        """Global counts since the last call, ``[layers, experts]`` on the CPU; collective."""
+        counts = self.counts_LE.clone()
+        if dist.is_initialized():
+            dist.all_reduce(counts)
+        self.counts_LE.zero_()
+        # host sync: once per log interval, for printing.
+        return counts.cpu()
+
+
+def balance(counts_LE: torch.Tensor) -> list[float]:
+    """Per layer, the busiest expert's load over the mean load (1.0 = perfectly even)."""
+    mean = counts_LE.mean(-1).clamp_min(1e-12)
+    return (counts_LE.max(-1).values / mean).tolist()
+
+
+class Reporter:
+    """Rank 0 prints and writes; the other ranks only take part in collectives."""
+
+    def __init__(self, output_dir: Path, *, enabled: bool, total_steps: int, start_step: int, progress: bool,
+                 tensorboard: bool):
+        self.enabled = enabled
+        self.bar = None
+        self.tb = None
+        self.jsonl = None
+        if not enabled:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(output_dir / "metrics.jsonl", "a", buffering=1)
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=None)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def info(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None and not self.bar.disable:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def step(self, record: dict, load_LE: torch.Tensor | None) -> None:
+        if not self.enabled:
+            return
+        if load_LE is not None:
+            record["expert_load_max_over_mean"] = [round(b, 4) for b in balance(load_LE)]
+            record["expert_load"] = load_LE.tolist()
+        self.jsonl.write(json.dumps(record) + "\n")
+        line = (
+            f"step {record['step']:>6} | loss {record['loss']:.4f} | aux {record['aux_loss']:.4f} "
+            f"| grad_norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s"
+        )
+        line += f" | MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
+        if load_LE is not None:
+            line += " | expert load max/mean per layer " + " ".join(f"{b:.2f}" for b in balance(load_LE))
+        self.info(line)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
+            self.bar.update(record["step"] - self.bar.n)
+        if self.tb is not None:
+            for key in ("loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "mfu"):
+                if record.get(key) is not None:
+                    self.tb.add_scalar(f"train/{key}", record[key], record["step"])
+            if load_LE is not None:
+                for layer, b in enumerate(balance(load_LE)):
+                    self.tb.add_scalar(f"expert_load_max_over_mean/layer{layer}", b, record["step"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+
+
+class Throughput:
+    """Tokens/s and MFU over the steps since the last report, excluding checkpoint time."""
+
+    def __init__(self, flops_per_token: float, peak: float | None, world_size: int):
+        self.flops_per_token = flops_per_token
+        self.peak = peak
+        self.world_size = world_size
+        self.tokens = 0
+        self.seconds = 0.0
+        self.total_tokens = 0
+        self.total_seconds = 0.0
+        self._t0 = None
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def stop(self, tokens: int) -> None:
+        dt = time.perf_counter() - self._t0
+        self.tokens += tokens
+        self.seconds += dt
+        self.total_tokens += tokens
+        self.total_seconds += dt
+
+    def report(self) -> tuple[float, float | None]:
+        tps = self.tokens / max(self.seconds, 1e-9)
+        mfu = tps * self.flops_per_token / (self.peak * self.world_size) if self.peak else None
+        self.tokens, self.seconds = 0, 0.0
+        return tps, mfu
+
+    def mean_mfu(self) -> float | None:
+        if not self.peak or not self.total_seconds:
+            return None
+        return self.total_tokens / self.total_seconds * self.flops_per_token / (self.peak * self.world_size)
+
+
+def summary_lines(*, losses: list[tuple[int, float]], throughput: Throughput, wall_s: float, extra: dict) -> list[str]:
+    lines = ["", "=== summary ==="]
+    if losses:
+        first, last = losses[0], losses[-1]
+        window = max(1, len(losses) // 10)
+        head = sum(v for _, v in losses[:window]) / window
+        tail = sum(v for _, v in losses[-window:]) / window
+        lines.append(f"loss: step {first[0]} {first[1]:.4f} -> step {last[0]} {last[1]:.4f} "
+                     f"(mean of first/last {window} step(s): {head:.4f} -> {tail:.4f})")
+    tps = throughput.total_tokens / max(throughput.total_seconds, 1e-9)
+    lines.append(f"tokens trained: {throughput.total_tokens:,} in {throughput.total_seconds:.1f} s of steps "
+                 f"({tps:,.0f} tok/s), {wall_s:.1f} s wall")
+    mfu = throughput.mean_mfu()
+    lines.append(f"estimated MFU: {100 * mfu:.1f}%" if mfu is not None
+                 else "estimated MFU: n/a (unknown peak FLOP/s for this device; pass --peak-tflops)")
+    if torch.cuda.is_available():
+        lines.append(f"peak GPU memory (rank 0): {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+    lines += [f"{k}: {v}" for k, v in extra.items()]
+    return lines
+
+
+def is_finite(x: float) -> bool:
+    return math.isfinite(x)
+
+
+def stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,135 @@
+"""Command-line flags of train.py and the checks that run on them before any process group, model
+or data exists: a wrong flag costs the user seconds, not a queue slot on a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+from errors import UsageError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Expert-parallel training of Mixtral-style models; launch with `accelerate launch` or `torchrun`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="tiny",
+                   help="a named config initialised at random (tiny, mixtral-8x7b), or a Hugging Face id / local "
+                        "folder with config.json and safetensors weights")
+    m.add_argument("--tokenizer", default="auto", choices=["auto", "byte"],
+                   help="auto: bytes for named configs, the model's own tokenizer for pretrained ones; byte: always "
+                        "bytes (e.g. to continue training a model this example exported)")
+    m.add_argument("--experts-implementation", default="moe_ep", choices=["moe_ep", "eager", "grouped_mm"],
+                   help="expert kernels: moe_ep (needs moe_ep.hf) or one of transformers' own")
+    m.add_argument("--backend", default=None, choices=["triton", "torch"],
+                   help="moe_ep kernel backend (default: triton on CUDA, torch elsewhere)")
+
+    lay = p.add_argument_group("parallel layout (world size = pp * dp_replicate * dp_shard; ep divides dp_shard)")
+    lay.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
+    lay.add_argument("--dp-shard", type=int, default=None, help="sharded data-parallel degree (default: what is left)")
+    lay.add_argument("--dp-replicate", type=int, default=1, help="replicated data-parallel degree (HSDP)")
+    lay.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    lay.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: 2 * pp)")
+    lay.add_argument("--schedule", default="1F1B", help="pipeline schedule (GPipe, 1F1B, Interleaved1F1B, ...)")
+    lay.add_argument("--plan", action="store_true",
+                     help="take ep/dp/pp, micro-batches, schedule and activation checkpointing from moe_ep.plan")
+    lay.add_argument("--gpu-memory-gb", type=float, default=None, help="for --plan: memory per GPU (default: queried)")
+    lay.add_argument("--activation-checkpointing", action="store_true")
+
+    d = p.add_argument_group("data")
+    d.add_argument("--data", nargs="+", default=["stdlib"],
+                   help="stdlib (the Python standard library's sources), local .txt/.py/.md/.jsonl files or "
+                        "folders, or hf:NAME[:CONFIG[:SPLIT]] (online only)")
+    d.add_argument("--text-field", default="text", help="field holding the text in .jsonl records and HF datasets")
+    d.add_argument("--max-corpus-tokens", type=int, default=None, help="cap on the tokens read from --data")
+    d.add_argument("--seq-len", type=int, default=256, help="tokens per packed sequence")
+    d.add_argument("--micro-batch-size", type=int, default=4, help="sequences per data-parallel rank per micro-step")
+    d.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    d.add_argument("--seed", type=int, default=0)
+
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--steps", type=int, default=200, help="optimizer steps in total (a resumed run counts from 0)")
+    o.add_argument("--lr", type=float, default=3e-3)
+    o.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at lr * this")
+    o.add_argument("--warmup-steps", type=int, default=20)
+    o.add_argument("--weight-decay", type=float, default=0.1)
+    o.add_argument("--beta1", type=float, default=0.9)
+    o.add_argument("--beta2", type=float, default=0.95)
+    o.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: no clipping)")
+    o.add_argument("--aux-loss-coef", type=float, default=None,
+                   help="load-balancing loss weight (default: the model config's router_aux_loss_coef)")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--output-dir", default="runs/mixtral-tiny", help="checkpoints, metrics.jsonl, token cache")
+    out.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (0: only the last)")
+    out.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept on disk")
+    out.add_argument("--resume", default="auto",
+                     help="auto (latest complete checkpoint in --output-dir, if any), never, or a checkpoint folder")
+    out.add_argument("--export-dir", default=None,
+                     help="at the end, write a Hugging Face folder that plain transformers loads")
+    out.add_argument("--log-every", type=int, default=1)
+    out.add_argument("--tensorboard", action="store_true", help="also log to OUTPUT_DIR/tensorboard")
+    out.add_argument("--peak-tflops", type=float, default=None,
+                     help="peak dense TFLOP/s of one device for the MFU estimate (default: known GPUs only)")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+POSITIVE = ("ep", "dp_replicate", "pp", "seq_len", "micro_batch_size", "grad_accum", "steps", "log_every",
+            "keep_checkpoints")
+LAYOUT_DEFAULTS = {"ep": 1, "dp_replicate": 1, "pp": 1, "dp_shard": None, "microbatches": None}
+NON_NEGATIVE = ("checkpoint_every", "warmup_steps", "weight_decay", "max_grad_norm")
+
+
+def check_flag_values(args: argparse.Namespace) -> None:
+    """Ranges of single flags, independent of the model and the world."""
+    for name in POSITIVE:
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in NON_NEGATIVE:
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("dp_shard", "microbatches", "max_corpus_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not args.lr > 0:
+        raise UsageError(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise UsageError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be in [0, 1), got {getattr(args, name)}")
+    if args.warmup_steps >= args.steps and args.steps > 1:
+        raise UsageError(f"--warmup-steps ({args.warmup_steps}) must be smaller than --steps ({args.steps})")
+    if args.plan:
+        given = [name for name, default in LAYOUT_DEFAULTS.items() if getattr(args, name) != default]
+        if given:
+            flags = ", ".join("--" + n.replace("_", "-") for n in given)
+            raise UsageError(f"--plan chooses the layout itself; do not also give {flags}")
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UsageError("--tensorboard needs the `tensorboard` package (pip install tensorboard)")
+    if args.resume not in ("auto", "never") and not Path(args.resume).is_dir():
+        raise UsageError(f"--resume: {args.resume} is not a checkpoint folder (or use auto / never)")
+    for name in ("output_dir", "export_dir"):
+        value = getattr(args, name)
+        if value is not None and Path(value).exists() and not Path(value).is_dir():
+            raise UsageError(f"--{name.replace('_', '-')}: {value} exists and is not a folder")
+
+
+def check_against_model(args: argparse.Namespace, config, tokenizer) -> None:
+    """Flags that must agree with the model's config."""
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and args.seq_len > max_pos:
+        raise UsageError(
+            f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings ({max_pos}); "
+            f"use --seq-len <= {max_pos}"
+        )
+    if tokenizer.vocab_size > config.vocab_size:
+        raise UsageError(
+            f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+            f"{config.vocab_size}"
+        )

@@ -1,0 +1,125 @@
+"""Load pretrained weights into a sharded model, each rank reading only the slices it owns.
+
+safetensors files are memory-mapped and ``safe_open(...).get_slice(name)[...]`` reads just the
+requested region, so a rank holding 2 of 8 experts (and 1/4 of the dense weights) touches about a
+quarter of the checkpoint, never all of it. Fused names (``experts.gate_up_proj [E, 2I, H]``) are
+read as they are; legacy per-expert checkpoints (Mixtral's ``block_sparse_moe.experts.N.w1/w3/w2``,
+Qwen-style ``mlp.experts.N.gate_proj/up_proj/down_proj``) are assembled from the owned experts'
+tensors only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from models import local_chunk
+
+# Per-expert names of a legacy checkpoint: (gate, up, down) given the layer prefix and expert id.
+LEGACY_EXPERTS = (
+    ("{p}.block_sparse_moe.experts.{e}.w1.weight", "{p}.block_sparse_moe.experts.{e}.w3.weight",
+     "{p}.block_sparse_moe.experts.{e}.w2.weight"),
+    ("{p}.mlp.experts.{e}.gate_proj.weight", "{p}.mlp.experts.{e}.up_proj.weight",
+     "{p}.mlp.experts.{e}.down_proj.weight"),
+)
+LEGACY_RENAMES = ((re.compile(r"\.mlp\.gate\.weight$"), ".block_sparse_moe.gate.weight"),)
+FUSED = re.compile(r"^(?P<p>.*)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+class SafetensorsFolder:
+    """The tensors of a folder of ``*.safetensors`` files, read by region."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.where = {name: self.folder / file for name, file in weight_map.items()}
+        else:
+            self.where = {}
+            for file in sorted(self.folder.glob("*.safetensors")):
+                for name in self._open(file).keys():
+                    self.where[name] = file
+        self.bytes_read = 0
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt"))
+        return self._handles[file]
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def read(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The region ``[offset, offset + shape)`` of tensor ``name``, however it is stored."""
+        if name in self.where:
+            return self._slice(name, offset, shape)
+        fused = FUSED.match(name)
+        if fused:
+            return self._read_legacy_experts(name, fused["p"], fused["kind"], offset, shape)
+        for pattern, legacy in LEGACY_RENAMES:
+            old = pattern.sub(legacy, name)
+            if old != name and old in self.where:
+                return self._slice(old, offset, shape)
+        raise KeyError(f"{name} is not in the checkpoint {self.folder}, under its own or a legacy name")
+
+    def _slice(self, name: str, offset, shape) -> torch.Tensor:
+        view = self._open(self.where[name]).get_slice(name)
+        full = view.get_shape()
+        if len(full) != len(shape) or any(o + s > f for o, s, f in zip(offset, shape, full)):
+            raise ValueError(f"{name}: region offset={offset} shape={shape} lies outside its shape {full}")
+        region = view[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+        self.bytes_read += region.numel() * region.element_size()
+        return region
+
+    def _read_legacy_experts(self, name, prefix, kind, offset, shape) -> torch.Tensor:
+        for gate, up, down in LEGACY_EXPERTS:
+            if gate.format(p=prefix, e=offset[0]) in self.where:
+                break
+        else:
+            raise KeyError(f"{name} is not in the checkpoint {self.folder}, neither fused nor per expert")
+        e0, r0, c0 = offset
+        ne, nr, nc = shape
+        experts = []
+        for e in range(e0, e0 + ne):
+            if kind == "down_proj":
+                experts.append(self._slice(down.format(p=prefix, e=e), (r0, c0), (nr, nc)))
+                continue
+            # gate_up rows [0, I) come from the gate matrix, [I, 2I) from the up matrix.
+            inter = self._open(self.where[gate.format(p=prefix, e=e)]).get_slice(gate.format(p=prefix, e=e)).get_shape()[0]
+            parts = []
+            lo, hi = r0, r0 + nr
+            if lo < inter:
+                parts.append(self._slice(gate.format(p=prefix, e=e), (lo, c0), (min(hi, inter) - lo, nc)))
+            if hi > inter:
+                start = max(lo, inter) - inter
+                parts.append(self._slice(up.format(p=prefix, e=e), (start, c0), (hi - inter - start, nc)))
+            experts.append(torch.cat(parts, 0))
+        return torch.stack(experts) if experts else torch.empty(shape)
+
+
+@torch.no_grad()
+def load_owned_slices(model: torch.nn.Module, folder: Path) -> int:
+    """Fill every parameter's local shard of a materialised (possibly sharded) model from ``folder``;
+    recomputes non-persistent buffers (rotary tables) with the model's own init. Returns the bytes
+    read, which tests compare with the checkpoint size."""
+    reader = SafetensorsFolder(folder)
+    try:
+        for name, param in model.named_parameters():
+            local, offset = local_chunk(param)
+            if local.numel() == 0:
+                continue
+            local.copy_(reader.read(name, offset, tuple(local.shape)))
+    finally:
+        reader.close()
+    for module in model.modules():
+        if "RotaryEmbedding" in type(module).__name__:
+            model._init_weights(module)
+    return reader.bytes_read

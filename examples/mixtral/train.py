@@ -1,0 +1,279 @@
+"""Expert-parallel training of Mixtral-style models, launched by `accelerate launch` or `torchrun`.
+
+CPU, 2 gloo processes, the tiny model on the Python standard library's sources:
+
+    ACCELERATE_USE_CPU=true accelerate launch --config_file examples/mixtral/configs/cpu.yaml \\
+        examples/mixtral/train.py --model tiny --ep 2
+
+Everything a user can get wrong (flags, data files, sequence length, layout against the number of
+processes) is checked before the process group, the model or the data exist. See README.md beside
+this file for GPUs, clusters and the planner.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, remove_incomplete, save_checkpoint
+from data import ByteTokenizer, BatchSchedule, PackedSequences, PretrainedTokenizer, cached_tokens, local_batch, resolve_data
+from errors import UsageError
+from layout import apply_layout, check_layout_supported, layout_from_flags, layout_from_plan
+from metrics import ExpertLoad, Reporter, Throughput, flops_per_token, peak_flops, summary_lines
+from models import (
+    build_model,
+    check_moe_ep_hf_available,
+    configure_experts,
+    count_parameters,
+    materialize,
+    resolve_model,
+    seed_everything,
+)
+from options import build_parser, check_against_model, check_flag_values
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warmup, then cosine decay to ``lr * min_lr_ratio``; a pure function of the step, so a
+    resumed run needs no scheduler state."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    span = max(1, args.steps - args.warmup_steps)
+    progress = min(1.0, (step - args.warmup_steps) / span)
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def select_tokenizer(source, choice: str):
+    if source.pretrained_dir is None or choice == "byte":
+        return ByteTokenizer()
+    if not any(source.pretrained_dir.glob("tokenizer*")):
+        raise UsageError(f"--model: {source.pretrained_dir} has no tokenizer files (tokenizer.json / tokenizer.model); "
+                         "pass --tokenizer byte for a model trained on bytes")
+    return PretrainedTokenizer(str(source.pretrained_dir))
+
+
+def mixed_precision_dtype() -> torch.dtype | None:
+    """accelerate's --mixed_precision (carried in the environment by `accelerate launch`)."""
+    mode = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if mode == "no":
+        return None
+    if mode == "bf16":
+        return torch.bfloat16
+    raise UsageError(f"mixed precision {mode!r} is not supported; use bf16 (accelerate config mixed_precision)")
+
+
+def resume_target(args, ckpt_root: Path) -> Path | None:
+    if args.resume == "never":
+        return None
+    if args.resume == "auto":
+        return latest_checkpoint(ckpt_root)
+    path = Path(args.resume)
+    read_trainer_state(path)
+    return path
+
+
+def validate(args):
+    """Every check that needs no process group, model weights or data; identical on every rank."""
+    check_flag_values(args)
+    world_size, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
+    check_moe_ep_hf_available(args.experts_implementation)
+    source = resolve_model(args.model)
+    tokenizer = select_tokenizer(source, args.tokenizer)
+    check_against_model(args, source.config, tokenizer)
+    num_experts = getattr(source.config, "num_local_experts", None) or source.config.num_experts
+    if args.plan:
+        layout = layout_from_plan(args, source.config, world_size, env_int("LOCAL_WORLD_SIZE", world_size),
+                                  args.gpu_memory_gb)
+    else:
+        layout = layout_from_flags(args, world_size, num_experts)
+    check_layout_supported(layout)
+    data_spec = resolve_data(args.data, args.text_field)
+    mp_dtype = mixed_precision_dtype()
+    resume = resume_target(args, Path(args.output_dir) / "checkpoints")
+    return world_size, rank, source, tokenizer, layout, data_spec, mp_dtype, resume
+
+
+def train(args) -> None:
+    wall0 = time.perf_counter()
+    world_size, rank, source, tokenizer, layout, data_spec, mp_dtype, resume = validate(args)
+
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    device, barrier = state.device, state.wait_for_everyone
+    if state.num_processes != world_size:
+        raise UsageError(f"accelerate sees {state.num_processes} processes but WORLD_SIZE is {world_size}")
+    is_main = rank == 0
+    output_dir = Path(args.output_dir)
+    ckpt_root = output_dir / "checkpoints"
+    seed_everything(args.seed)
+
+    # Data: tokenized once per node, then every rank maps the same cache.
+    tokens = cached_tokens(data_spec, tokenizer, output_dir / "token_cache", is_local_main=state.is_local_main_process,
+                           barrier=barrier, max_tokens=args.max_corpus_tokens)
+    packed = PackedSequences(tokens, args.seq_len)
+    global_batch = args.micro_batch_size * args.grad_accum * layout.dp_size
+    schedule = BatchSchedule(packed.num_sequences, global_batch, layout.dp_rank(rank), layout.dp_size, args.seed)
+
+    # Model: HF classes, our expert kernels, then the layout; meta models are materialised shard by shard.
+    meta = source.meta_init
+    model = build_model(source, seed=args.seed, meta=meta)
+    model = configure_experts(model, args.experts_implementation, args.backend)
+    total_params, active_params = count_parameters(model)
+    wrapped = apply_layout(model, layout, mixed_precision=mp_dtype, device=device)
+    if meta:
+        materialize(model, device, seed=args.seed)
+        if source.pretrained_dir is not None:
+            from pretrained import load_owned_slices
+
+            load_owned_slices(model, source.pretrained_dir)
+    elif device.type != "cpu":
+        model.to(device)
+    model.train()
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(args.beta1, args.beta2),
+    )
+
+    start_step, tokens_seen = 0, 0
+    if is_main:
+        removed = remove_incomplete(ckpt_root)
+    barrier()
+    reporter = Reporter(output_dir, enabled=is_main, total_steps=args.steps, start_step=0,
+                        progress=not args.no_progress, tensorboard=args.tensorboard)
+    if is_main and removed:
+        reporter.info(f"removed {len(removed)} incomplete checkpoint(s) left by an interrupted write: "
+                      + ", ".join(p.name for p in removed))
+    data_identity = {"corpus_tokens": int(tokens.size), "seq_len": args.seq_len, "global_batch": global_batch,
+                     "seed": args.seed, "tokenizer": tokenizer.name}
+    if resume is not None:
+        saved = load_checkpoint(resume, wrapped, optimizer, rank=rank, world_size=world_size)
+        if saved["data"] != data_identity:
+            raise UsageError(
+                f"--resume {resume}: the checkpoint was trained on different data or batch {saved['data']}, now "
+                f"{data_identity}; resuming would not continue the same run (use --resume never or another --output-dir)"
+            )
+        start_step, tokens_seen = saved["step"], saved["tokens_seen"]
+        reporter.info(f"resumed from {resume} at step {start_step}"
+                      + ("" if saved["world_size"] == world_size else
+                         f" (saved by {saved['world_size']} ranks: per-rank RNG states not restored)"))
+    if reporter.bar is not None:
+        reporter.bar.update(start_step)
+
+    num_layers = source.config.num_hidden_layers
+    num_experts = getattr(source.config, "num_local_experts", None) or source.config.num_experts
+    expert_load = ExpertLoad(model, num_layers, num_experts, device)
+    aux_coef = source.config.router_aux_loss_coef if args.aux_loss_coef is None else args.aux_loss_coef
+    throughput = Throughput(flops_per_token(source.config, active_params, args.seq_len),
+                            peak_flops(device, args.peak_tflops), world_size)
+    reporter.info(
+        f"model {source.name}: {total_params / 1e6:,.1f}M parameters, {active_params / 1e6:,.1f}M active per token | "
+        f"layout {layout.describe()} on {world_size} process(es), {device.type} | experts {args.experts_implementation}"
+    )
+    reporter.info(
+        f"data {data_spec.describe()}: {tokens.size:,} tokens -> {packed.num_sequences:,} sequences of {args.seq_len}; "
+        f"global batch {global_batch} sequences = {global_batch * args.seq_len:,} tokens/step"
+    )
+    if start_step >= args.steps:
+        reporter.info(f"nothing to train: the run in {output_dir} is already at step {start_step} >= --steps {args.steps}")
+
+    losses: list[tuple[int, float]] = []
+    last_ckpt = resume
+    autocast = torch.autocast(device.type, dtype=mp_dtype) if mp_dtype is not None else nullcontext()
+    for step in range(start_step, args.steps):
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        throughput.start()
+        batch = local_batch(packed, schedule, step).to(device)
+        lm_sum = torch.zeros((), device=device)
+        aux_sum = torch.zeros((), device=device)
+        for i, ids in enumerate(batch.chunk(args.grad_accum)):
+            sync = i == args.grad_accum - 1
+            no_sync = wrapped.no_sync() if not sync and hasattr(wrapped, "no_sync") else nullcontext()
+            with no_sync:
+                with autocast:
+                    out = wrapped(input_ids=ids, output_router_logits=True, use_cache=False)
+                lm = torch.nn.functional.cross_entropy(
+                    out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()
+                )
+                aux = out.aux_loss.float()
+                ((lm + aux_coef * aux) / args.grad_accum).backward()
+            lm_sum += lm.detach()
+            aux_sum += aux.detach()
+        max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens_seen += global_batch * args.seq_len
+
+        stats = torch.stack([lm_sum, aux_sum]) / args.grad_accum
+        if dist.is_initialized():
+            dist.all_reduce(stats)
+            stats /= world_size
+        # host sync: once per step, for the log and the NaN check.
+        loss, aux_loss = stats.tolist()
+        throughput.stop(global_batch * args.seq_len)
+        if not math.isfinite(loss):
+            raise RuntimeError(f"the loss is {loss} at step {step + 1}; lower --lr or check the data")
+        done = step + 1
+        losses.append((done, loss))
+        if done % args.log_every == 0 or done == args.steps:
+            tps, mfu = throughput.report()
+            reporter.step(
+                {"step": done, "loss": loss, "aux_loss": aux_loss, "grad_norm": float(grad_norm), "lr": lr,
+                 "tokens_per_s": tps, "mfu": mfu, "tokens": tokens_seen, "epoch": schedule.epoch(done)},
+                expert_load.collect(),
+            )
+        if done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
+            trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
+                             "layout": layout.as_dict(), "model": source.name, "data": data_identity}
+            last_ckpt = save_checkpoint(ckpt_root, done, wrapped, optimizer, trainer_state, rank=rank,
+                                        barrier=barrier, keep=args.keep_checkpoints, config=model.config)
+            reporter.info(f"checkpoint {last_ckpt}")
+
+    extra = {"checkpoint": last_ckpt, "metrics": output_dir / "metrics.jsonl"}
+    if args.export_dir is not None:
+        extra["export"] = args.export_dir
+    for line in summary_lines(losses=losses, throughput=throughput, wall_s=time.perf_counter() - wall0, extra=extra):
+        reporter.info(line)
+    reporter.close()
+    barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if args.export_dir is not None and is_main and last_ckpt is not None:
+        # After the process group is gone: a long conversion cannot time out the other ranks.
+        from export import export_hf
+
+        export_hf(last_ckpt, Path(args.export_dir))
+        print(f"exported a Hugging Face folder to {args.export_dir} (loads with plain transformers)", flush=True)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        train(args)
+    except UsageError as err:
+        if env_int("RANK", 0) == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
