@@ -1,0 +1,292 @@
+"""examples/mixtral in one process: data, flags that must fail before any work, checkpoints that a
+crash mid-write never exposes, and pretrained weights read by slice."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mixtral"
+sys.path.insert(0, str(EXAMPLE))
+
+import checkpoint as ckpt  # noqa: E402
+import data  # noqa: E402
+import train  # noqa: E402
+from errors import UsageError  # noqa: E402
+from models import tiny_config  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def test_byte_tokenizer_round_trip_and_specials():
+    tok = data.ByteTokenizer()
+    text = "def f(x):\n    return 'ünï'  # ✓\n"
+    ids = tok.encode(text)
+    assert ids.max() < 256 and tok.decode(ids) == text
+    assert {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id} == {256, 257, 258}
+    assert tok.vocab_size == 259 <= tiny_config().vocab_size
+
+
+def test_stdlib_corpus_is_the_standard_library_only():
+    files = data.stdlib_sources()
+    assert len(files) > 100
+    assert all(f.suffix == ".py" for f in files)
+    assert not any("site-packages" in f.parts or "test" in f.parts for f in files)
+    assert files == sorted(files)
+
+
+def test_schedule_deals_disjoint_blocks_that_make_up_the_single_rank_batch():
+    n, global_batch = 37, 8
+    single = data.BatchSchedule(n, global_batch, dp_rank=0, dp_size=1, seed=3)
+    ranks = [data.BatchSchedule(n, global_batch, dp_rank=r, dp_size=4, seed=3) for r in range(4)]
+    for step in range(12):  # crosses several epochs of 37 sequences
+        parts = [r.indices(step) for r in ranks]
+        assert sum(parts, []) == single.indices(step)
+        assert len(set(sum(parts, []))) == global_batch or step * global_batch % n > n - global_batch
+    # One epoch visits every sequence exactly once.
+    seen = [i for s in range(n * global_batch // global_batch) for i in single.indices(s)][:n]
+    assert sorted(seen) == list(range(n))
+    # A pure function of the step: a fresh schedule (a resumed run) gives the same batches.
+    again = data.BatchSchedule(n, global_batch, dp_rank=2, dp_size=4, seed=3)
+    assert again.indices(9) == ranks[2].indices(9)
+    assert data.BatchSchedule(n, global_batch, 0, 1, seed=4).indices(0) != single.indices(0)
+
+
+def test_packing_frames_documents_and_drops_the_tail(tmp_path):
+    (tmp_path / "a.txt").write_text("abc")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "xy"}) + "\n\n" + json.dumps({"text": "z"}) + "\n")
+    spec = data.resolve_data([str(tmp_path)], "text")
+    tok = data.ByteTokenizer()
+    tokens = data.cached_tokens(spec, tok, tmp_path / "cache", is_local_main=True, barrier=lambda: None)
+    B, E = tok.bos_token_id, tok.eos_token_id
+    assert tokens.tolist() == [B, *b"abc", E, B, *b"xy", E, B, *b"z", E]
+    packed = data.PackedSequences(tokens, 4)
+    assert packed.num_sequences == len(tokens) // 4 and packed[1].tolist() == tokens[4:8].tolist()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"tokens-{data.corpus_key(spec, tok, None)}.npy"]
+
+
+def test_corpus_smaller_than_a_batch_is_an_error():
+    with pytest.raises(UsageError, match="fewer than one global batch of 8"):
+        data.BatchSchedule(5, 8, 0, 2, seed=0)
+
+
+# ----------------------------------------------------------------------------- flags fail fast
+
+
+def run_main(argv, tmp_path, capsys, world_size=1):
+    out = tmp_path / "out"
+    env = {"WORLD_SIZE": str(world_size), "RANK": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        code = train.main(["--experts-implementation", "eager", "--output-dir", str(out), *argv])
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert not out.exists(), "a bad flag must stop the run before anything is written"
+    return err
+
+
+def test_missing_data_file(tmp_path, capsys):
+    err = run_main(["--data", str(tmp_path / "nope.txt")], tmp_path, capsys)
+    assert err.startswith("error: --data: ") and "nope.txt does not exist" in err
+
+
+def test_unsupported_data_suffix(tmp_path, capsys):
+    (tmp_path / "x.csv").write_text("a,b")
+    assert "has suffix '.csv'" in run_main(["--data", str(tmp_path / "x.csv")], tmp_path, capsys)
+
+
+def test_jsonl_without_the_text_field(tmp_path, capsys):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
+    err = run_main(["--data", str(tmp_path / "d.jsonl")], tmp_path, capsys)
+    assert "d.jsonl:1 has no string field 'text' (--text-field); it has ['body']" in err
+
+
+def test_jsonl_that_is_not_json(tmp_path, capsys):
+    (tmp_path / "d.jsonl").write_text("{not json\n")
+    assert "d.jsonl:1 is not valid JSON" in run_main(["--data", str(tmp_path / "d.jsonl")], tmp_path, capsys)
+
+
+def test_sequence_longer_than_the_model(tmp_path, capsys):
+    err = run_main(["--seq-len", "2048"], tmp_path, capsys)
+    assert "--seq-len 2048 exceeds the model's max_position_embeddings (1024)" in err
+
+
+def test_layout_that_does_not_match_the_processes(tmp_path, capsys):
+    err = run_main(["--dp-replicate", "2", "--dp-shard", "2"], tmp_path, capsys, world_size=2)
+    assert "needs pp*dp_replicate*dp_shard = 4 processes, but 2 were launched" in err
+    err = run_main(["--pp", "3"], tmp_path, capsys, world_size=2)
+    assert "--pp 3 x --dp-replicate 1 = 3 does not divide the 2 processes launched" in err
+
+
+def test_expert_parallel_degree_must_divide(tmp_path, capsys):
+    err = run_main(["--ep", "3", "--dp-shard", "3"], tmp_path, capsys, world_size=3)
+    assert "--ep 3 must divide the model's 8 experts" in err
+    err = run_main(["--ep", "2", "--dp-shard", "3"], tmp_path, capsys, world_size=3)
+    assert "--ep 2 must divide --dp-shard 3" in err
+
+
+def test_bad_model_and_values(tmp_path, capsys):
+    assert "neither a named config (tiny, mixtral-8x7b)" in run_main(["--model", "huge"], tmp_path, capsys)
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in run_main(["--model", str(tmp_path / "empty")], tmp_path, capsys)
+    assert "--micro-batch-size must be >= 1, got 0" in run_main(["--micro-batch-size", "0"], tmp_path, capsys)
+    assert "--warmup-steps (20) must be smaller than --steps (5)" in run_main(["--steps", "5"], tmp_path, capsys)
+    assert "is not a checkpoint folder" in run_main(["--resume", str(tmp_path / "none")], tmp_path, capsys)
+    assert "--plan chooses the layout itself; do not also give --ep" in run_main(["--plan", "--ep", "2"], tmp_path, capsys)
+
+
+# -------------------------------------------------------------------------------- checkpoints
+
+
+def tiny_model_and_optimizer(seed=0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config())
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def save(root, step, model, opt):
+    state = {"step": step, "tokens_seen": 0, "world_size": 1, "data": {}}
+    return ckpt.save_checkpoint(root, step, model, opt, state, rank=0, barrier=lambda: None, keep=3)
+
+
+def test_interrupted_checkpoint_write_is_never_picked_up(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    model, opt = tiny_model_and_optimizer()
+    save(root, 2, model, opt)
+
+    # Crash after every shard, the metadata, the RNG and trainer state are written, just before the rename.
+    real_rename = os.rename
+
+    def crash(src, dst):
+        if Path(src).name.startswith(".tmp-step_"):
+            raise KeyboardInterrupt("killed")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "rename", crash)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    with pytest.raises(KeyboardInterrupt):
+        save(root, 4, model, opt)
+    monkeypatch.undo()
+    partial = root / ".tmp-step_00000004"
+    assert (partial / ".metadata").is_file() and (partial / "trainer_state.json").is_file()
+    # A hand-made folder with the final name but no DCP metadata does not count either.
+    (root / "step_00000006").mkdir()
+    (root / "step_00000006" / "trainer_state.json").write_text("{}")
+
+    assert ckpt.latest_checkpoint(root) == root / "step_00000002"
+    assert ckpt.remove_incomplete(root) == [partial] and not partial.exists()
+    fresh, fresh_opt = tiny_model_and_optimizer(seed=1)
+    state = ckpt.load_checkpoint(root / "step_00000002", fresh, fresh_opt, rank=0, world_size=1)
+    assert state["step"] == 2
+    reference, _ = tiny_model_and_optimizer(seed=0)
+    for (name, a), b in zip(fresh.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_old_checkpoints_are_pruned(tmp_path):
+    root = tmp_path / "checkpoints"
+    model, opt = tiny_model_and_optimizer()
+    for step in (1, 2, 3, 4):
+        save(root, step, model, opt)
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000002", "step_00000003", "step_00000004"]
+
+
+# ------------------------------------------------------------------------------ pretrained slices
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory):
+    """The same tiny model saved fused (transformers 5) and in the legacy per-expert layout."""
+    from safetensors.torch import save_file
+
+    model, _ = tiny_model_and_optimizer(seed=5)
+    root = tmp_path_factory.mktemp("pretrained")
+    model.save_pretrained(root / "fused")
+    legacy = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, inter = name[: -len(".mlp.experts.gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                legacy[f"{prefix}.block_sparse_moe.experts.{e}.w1.weight"] = t[e, :inter].clone()
+                legacy[f"{prefix}.block_sparse_moe.experts.{e}.w3.weight"] = t[e, inter:].clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len(".mlp.experts.down_proj")]
+            for e in range(t.shape[0]):
+                legacy[f"{prefix}.block_sparse_moe.experts.{e}.w2.weight"] = t[e].clone()
+        elif name.endswith("mlp.gate.weight"):
+            legacy[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = t.clone()
+        else:
+            legacy[name] = t.clone()
+    (root / "legacy").mkdir()
+    save_file(legacy, root / "legacy" / "model.safetensors", metadata={"format": "pt"})
+    model.config.save_pretrained(root / "legacy")
+    return model.state_dict(), root
+
+
+@pytest.mark.parametrize("layout", ["fused", "legacy"])
+def test_slices_read_only_the_owned_region(tiny_checkpoints, layout):
+    from pretrained import SafetensorsFolder
+
+    full, root = tiny_checkpoints
+    reader = SafetensorsFolder(root / layout)
+    gate_up = full["model.layers.1.mlp.experts.gate_up_proj"]  # [8, 512, 128]; I = 256
+    # Experts 2..3 (an ep shard) and rows 200..300 straddling the gate/up boundary (an FSDP shard).
+    for offset, shape in [((2, 0, 0), (2, 512, 128)), ((5, 200, 0), (1, 100, 128)), ((0, 256, 64), (8, 1, 64))]:
+        region = reader.read("model.layers.1.mlp.experts.gate_up_proj", offset, shape)
+        index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+        assert torch.equal(region, gate_up[index])
+    down = reader.read("model.layers.3.mlp.experts.down_proj", (6, 10, 0), (2, 7, 256))
+    assert torch.equal(down, full["model.layers.3.mlp.experts.down_proj"][6:8, 10:17])
+    router = reader.read("model.layers.0.mlp.gate.weight", (4, 0), (4, 128))
+    assert torch.equal(router, full["model.layers.0.mlp.gate.weight"][4:])
+    read = (2 * 512 * 128 + 100 * 128 + 8 * 64 + 2 * 7 * 256 + 4 * 128) * 4
+    assert reader.bytes_read == read  # nothing beyond the requested regions
+    with pytest.raises(KeyError, match="model.layers.9.mlp.experts.down_proj is not in the checkpoint"):
+        reader.read("model.layers.9.mlp.experts.down_proj", (0, 0, 0), (1, 1, 1))
+    reader.close()
+
+
+@pytest.mark.parametrize("layout", ["fused", "legacy"])
+def test_meta_model_loads_pretrained_weights(tiny_checkpoints, layout):
+    from models import build_model, materialize, resolve_model
+    from pretrained import load_owned_slices
+
+    full, root = tiny_checkpoints
+    source = resolve_model(str(root / layout))
+    model = build_model(source, seed=0, meta=True)
+    materialize(model, torch.device("cpu"), seed=0)
+    load_owned_slices(model, source.pretrained_dir)
+    state = model.state_dict()
+    assert state.keys() == full.keys()
+    for name, t in full.items():
+        assert torch.equal(state[name], t), name
+
+
+def test_delayed_init_is_deterministic_and_breaks_expert_symmetry():
+    from models import ModelSource, build_model, materialize
+
+    source = ModelSource("tiny", tiny_config(), None, True)
+    a, b = (build_model(source, seed=0, meta=True) for _ in range(2))
+    materialize(a, torch.device("cpu"), seed=7)
+    materialize(b, torch.device("cpu"), seed=7)
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+    gate_up = a.model.layers[0].mlp.experts.gate_up_proj
+    assert 0.015 < gate_up.std().item() < 0.025  # the config's initializer_range, 0.02
+    assert not torch.equal(gate_up[0], gate_up[1])
+    assert torch.equal(a.model.layers[0].input_layernorm.weight, torch.ones(128))
+    assert np.isfinite(a.model.rotary_emb.inv_freq.numpy()).all()
