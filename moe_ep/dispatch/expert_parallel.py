@@ -1,0 +1,108 @@
+"""The expert-parallel MoE layer: dispatch, the local experts (``moe_experts`` on this rank's
+shard, local ids), combine. ``moe_experts_ep`` is the functional form; ``ExpertParallelDispatcher``
+is the object ``moe_ep.parallel.parallelize`` installs on a transformers experts module
+(``experts.moe_ep_dispatcher``), which the ``"moe_ep"`` experts implementation calls."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..activations import check_activation
+from ..experts import moe_experts
+from .capacity import check_capacity_factor
+from .dispatcher import combine, dispatch
+
+
+def moe_experts_ep(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_local: torch.Tensor,
+    down_local: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    capacity_factor: float | None = None,
+    activation: str = "silu",
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``moe_experts`` with the ``E = L * ep`` experts spread over ``group``: this rank holds
+    experts ``[rank L, (rank+1) L)`` as ``gate_up_local [L, 2I, H]`` and ``down_local [L, H, I]``.
+    ``top_k_index`` holds global ids. Returns ``[T, H]`` for this rank's tokens. Collective."""
+    if not isinstance(gate_up_local, torch.Tensor):
+        raise TypeError(f"gate_up_local must be a torch.Tensor, got {type(gate_up_local).__name__}")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+    num_experts = gate_up_local.shape[0] * dist.get_world_size(group)
+    tokens = dispatch(
+        hidden_states, top_k_index, top_k_weights, group=group, num_experts=num_experts,
+        capacity_factor=capacity_factor,
+    )
+    out_PH = moe_experts(
+        tokens.hidden_states, tokens.expert_ids, tokens.weights, gate_up_local, down_local,
+        activation=activation, backend=backend,
+    )
+    return combine(out_PH, tokens.layout)
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """The rank's own experts of an expert weight: the local tensor of a DTensor sharded over
+    the ``ep`` mesh (differentiable: the gradient goes back as a DTensor), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+class ExpertParallelDispatcher:
+    """Runs a transformers experts module's forward expert-parallel over ``group``.
+
+    Called as ``dispatcher(module, hidden_states, top_k_index, top_k_weights)`` by the ``"moe_ep"``
+    experts implementation; reads the module's ``gate_up_proj`` / ``down_proj`` (this rank's
+    ``L = num_experts / ep`` experts, DTensor or plain) at call time, so FSDP's unsharding and
+    resharding around the forward are respected. Holds no per-call state."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_experts: int,
+        *,
+        activation: str = "silu",
+        capacity_factor: float | None = None,
+        backend: str | None = None,
+    ):
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+        ep = dist.get_world_size(group)
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1 or num_experts % ep:
+            raise ValueError(f"num_experts must be a positive multiple of ep={ep}, got {num_experts!r}")
+        check_activation(activation)
+        check_capacity_factor(capacity_factor)
+        self.group = group
+        self.num_experts = num_experts
+        self.experts_per_rank = num_experts // ep
+        self.activation = activation
+        self.capacity_factor = capacity_factor
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        mode = "dropless" if self.capacity_factor is None else f"capacity_factor={self.capacity_factor}"
+        return (
+            f"ExpertParallelDispatcher(ep={dist.get_world_size(self.group)}, num_experts={self.num_experts}, "
+            f"{mode}, activation={self.activation!r})"
+        )
+
+    def __call__(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        gate_up = local_shard(module.gate_up_proj)
+        down = local_shard(module.down_proj)
+        if gate_up.shape[0] != self.experts_per_rank:
+            raise ValueError(
+                f"{type(module).__name__}.gate_up_proj holds {gate_up.shape[0]} experts on this rank, the dispatcher "
+                f"expects {self.experts_per_rank} (num_experts={self.num_experts} over ep="
+                f"{dist.get_world_size(self.group)}); was the module sharded by moe_ep.parallel.parallelize?"
+            )
+        y_TH = moe_experts_ep(
+            hidden_states, top_k_index, top_k_weights, gate_up, down,
+            group=self.group, capacity_factor=self.capacity_factor,
+            activation=self.activation, backend=self.backend,
+        )
+        return y_TH.to(hidden_states.dtype)

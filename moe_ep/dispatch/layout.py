@@ -1,0 +1,58 @@
+"""The named, frozen records that ``dispatch`` returns and ``combine`` consumes. They hold index
+tensors and split sizes only; nothing in them is differentiable or mutable, so one dispatch can
+be combined exactly once per forward without hidden state in the dispatcher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .all_to_all import Splits
+
+
+@dataclass(frozen=True)
+class DispatchLayout:
+    """Where every row went, for the way back.
+
+    Rows are packed rank-major: the rows for rank 0, then rank 1, ...; inside a rank, in token
+    order. ``send_splits[j]`` rows go to rank ``j`` and ``recv_splits[j]`` come from it (None in
+    capacity mode, where every rank sends ``rows_per_rank`` rows to every rank, padding included).
+    """
+
+    group: object  # torch.distributed.ProcessGroup
+    num_tokens: int  # T on this (source) rank
+    num_experts: int  # E, global
+    experts_per_rank: int  # L = E / ep; rank j owns experts [j L, (j+1) L)
+    top_k: int  # K
+    send_splits: Splits
+    recv_splits: Splits
+    rows_per_rank: int | None  # capacity mode: rows in each rank's padded block; None = dropless
+    # Source side: token t's c-th destination (in rank order) is returned row token_src[t*Rmax+c]
+    # of the combine exchange; the value num_returned_rows means "no such destination" (a zero).
+    token_src: torch.Tensor
+    max_ranks_per_token: int  # Rmax = min(ep, K)
+    # Expert side: slot c of received row s takes pair output row_src[s*Kmax+c]; num_pairs = none.
+    row_src: torch.Tensor
+    max_slots_per_row: int  # Kmax = min(K, L)
+    num_pairs: int  # P, rows handed to the local experts
+    kept_TK: torch.Tensor | None  # capacity mode: the (token, slot) pairs that were not dropped
+
+    @property
+    def capacity_mode(self) -> bool:
+        return self.rows_per_rank is not None
+
+
+@dataclass(frozen=True)
+class DispatchedTokens:
+    """What the local experts compute on: one entry per (received row, local expert) pair.
+
+    ``expert_ids`` are local (``[0, L)``), ``weights`` the routing weights, so the expert output
+    for entry p is ``weights[p] * expert[expert_ids[p]](hidden_states[p])``, exactly what
+    ``moe_experts(hidden_states, expert_ids, weights, gate_up_local, down_local)`` returns. In
+    capacity mode the tail entries are padding: a zero weight and expert 0."""
+
+    hidden_states: torch.Tensor  # [P, H], differentiable
+    expert_ids: torch.Tensor  # [P, 1] int64, local ids
+    weights: torch.Tensor  # [P, 1] float32, differentiable
+    layout: DispatchLayout
