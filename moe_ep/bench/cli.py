@@ -1,0 +1,44 @@
+"""``python -m moe_ep.bench {kernels,model,dispatch}``: run one benchmark mode, print its table,
+save its figures."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from . import dispatch, kernels, model
+from .report import RESULTS_DIR, format_table, save
+
+MODES = {"kernels": kernels, "model": model, "dispatch": dispatch}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m moe_ep.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    for name, module in MODES.items():
+        mode = sub.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        mode.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+        mode.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (default 2)")
+        mode.add_argument("--reps", type=int, default=5, help="timed calls; the median is reported (default 5)")
+        mode.add_argument("--seed", type=int, default=0)
+        mode.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help=f"default {RESULTS_DIR}")
+        mode.add_argument("--no-save", action="store_true", help="print only, write no files")
+        module.add_arguments(mode)
+    return parser
+
+
+def main(argv: list[str] | None = None):
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device must be cpu on a machine without CUDA, got {args.device!r}")
+    report = MODES[args.mode].run(args, device)
+    print(f"\n{args.mode} benchmark on {report.meta.get('device')}")
+    print(format_table(report))
+    if not args.no_save:
+        for path in save(report, args.out_dir):
+            print(f"wrote {path}")
+    return report

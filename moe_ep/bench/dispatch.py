@@ -1,0 +1,307 @@
+"""Dispatch benchmark: dispatch+combine time and bytes sent per token, our all-to-all dispatcher
+against transformers' own all-to-all expert parallelism (``AllToAllEP``) on the identical
+routing, for Mixtral (E=8, k=2) and a fine-grained model (E=64, k=6) at ep = 2, 4, 8.
+
+Bytes come from ``dispatch_bytes`` (computed from each rank's routing); for transformers they are
+also counted on the wire by wrapping its collectives, which checks the accounting. Times come from
+``ep`` spawned processes: NCCL when there are ``ep`` GPUs, gloo on the CPU otherwise (there they
+are only indicative: all ranks share the host's cores). The experts are an identity so only the
+exchange is timed; each rank times its own calls and the slowest rank's median is reported."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import socket
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .dispatch_bytes import WireBytes, dedup_bytes, hf_all_to_all_bytes
+from .optional import Lookup, optional_attr
+from .report import Column, Report, close_figure, environment, new_figure
+from .routing_cases import ROUTINGS, make_routing
+from .timing import measure
+
+HF_EP_MODULE = "transformers.distributed.expert_parallel"
+MODELS = {"mixtral": (8, 2), "fine-grained": (64, 6)}  # name -> (E, k)
+DEFAULTS = {"cpu": dict(tokens=1024, hidden=1024, dtype="float32"),
+            "cuda": dict(tokens=4096, hidden=4096, dtype="bfloat16")}
+IMPLS = ("hf_all_to_all", "moe_ep")
+
+COLUMNS = [
+    Column("model", "model"),
+    Column("ep", "ep"),
+    Column("routing", "routing"),
+    Column("impl", "impl"),
+    Column("rows_per_token", "rows/token", "{:.3f}"),
+    Column("bytes_per_token", "bytes/token", "{:,.0f}"),
+    Column("measured_bytes_per_token", "measured", "{:,.0f}"),
+    Column("bytes_vs_hf", "bytes vs hf", "{:.3f}"),
+    Column("ms_fwd", "ms fwd", "{:.2f}"),
+    Column("ms_fwd_bwd", "ms fwd+bwd", "{:.2f}"),
+    Column("backend", "backend"),
+    Column("status", "status"),
+]
+
+
+@dataclass(frozen=True)
+class Settings:
+    tokens: int  # per rank
+    hidden: int
+    dtype: str
+    models: tuple
+    routings: tuple
+    seed: int
+    warmup: int
+    reps: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+def rank_routing(s: Settings, model: str, routing: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    E, K = MODELS[model]
+    return make_routing(routing, s.tokens, E, K, seed=s.seed * 1000 + rank)
+
+
+def computed_bytes(s: Settings, model: str, routing: str, ep: int) -> dict[str, WireBytes]:
+    """Totals over all ranks of the two schemes' wire bytes."""
+    E, _ = MODELS[model]
+    totals = {}
+    for impl, count in (("hf_all_to_all", hf_all_to_all_bytes), ("moe_ep", dedup_bytes)):
+        per_rank = [count(rank_routing(s, model, routing, r)[0], E, ep, r, s.row_bytes) for r in range(ep)]
+        totals[impl] = sum(per_rank[1:], per_rank[0])
+    return totals
+
+
+# ---------------------------------------------------------------- inside the spawned ranks
+
+
+class IdentityExperts(torch.nn.Module):
+    """Stands in for a rank's experts so that only the exchange is timed."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states
+
+
+# How the collectives transformers' all-to-all calls take the tensor they send, by positional name.
+SEND_SIGNATURES = {
+    "all_to_all_single": ("output", "input", "output_split_sizes", "input_split_sizes", "group"),
+    "all_to_all_single_autograd": ("input", "output_split_sizes", "input_split_sizes", "group"),
+}
+
+
+@contextlib.contextmanager
+def count_sent_bytes(module, group_rank: int):
+    """Wrap the collectives ``module`` calls (those of SEND_SIGNATURES it has) so that the bytes
+    each call sends to other ranks are added up in the yielded one-element list."""
+    sent = [0]
+    originals = {name: getattr(module, name) for name in SEND_SIGNATURES if hasattr(module, name)}
+
+    def counting(name, original):
+        def wrapper(*args, **kwargs):
+            bound = dict(zip(SEND_SIGNATURES[name], args), **kwargs)
+            tensor, splits = bound["input"], bound.get("input_split_sizes")
+            world = torch.distributed.get_world_size(bound.get("group"))
+            splits = splits or [tensor.shape[0] // world] * world
+            row = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+            sent[0] += sum(n for r, n in enumerate(splits) if r != group_rank) * row
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for name, original in originals.items():
+        setattr(module, name, counting(name, original))
+    try:
+        yield sent
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
+
+
+def _hf_impl(ep_mesh, tp_mesh, num_local_experts: int) -> Lookup:
+    cls = optional_attr(HF_EP_MODULE, "AllToAllEP")
+    if not cls.available:
+        return cls
+    return Lookup(cls.value(IdentityExperts(num_local_experts), ep_mesh, tp_mesh), None)
+
+
+def _ours_impl(ep_mesh, tp_mesh, num_local_experts: int) -> Lookup:
+    # The dispatcher is written beside this benchmark; it is wired in here once it lands.
+    return optional_attr("moe_ep.dispatch", "dispatch")
+
+
+def _time_rank(s: Settings, impl, x_TH, idx_TK, w_TK, device) -> tuple[float, float]:
+    import torch.distributed as dist
+
+    dy_TH = torch.ones_like(x_TH)
+
+    def fwd():
+        return impl(x_TH, idx_TK, w_TK)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fwd(), (x_TH, w_TK), dy_TH)
+
+    times = []
+    for fn in (fwd, fwd_bwd):
+        dist.barrier()
+        times.append(measure(fn, device=device, warmup=s.warmup, reps=s.reps).median_s)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return tuple(slowest.tolist())
+
+
+def _worker(rank: int, ep: int, port: int, backend: str, settings: dict, out_path: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    s = Settings(**settings)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=ep)
+    try:
+        # transformers' scheme takes a tensor-parallel mesh too; size 1 here: every rank has its own batch.
+        mesh = init_device_mesh(device.type, (1, ep), mesh_dim_names=("tp", "ep"))
+        results = []
+        for model in s.models:
+            E, _ = MODELS[model]
+            for routing in s.routings:
+                idx_TK, w_TK = rank_routing(s, model, routing, rank)
+                g = torch.Generator().manual_seed(s.seed + rank)
+                x_TH = torch.randn(s.tokens, s.hidden, generator=g).to(device, getattr(torch, s.dtype))
+                x_TH.requires_grad_()
+                w_TK = w_TK.to(device).requires_grad_()
+                idx_TK = idx_TK.to(device)
+                for impl_name, build in (("hf_all_to_all", _hf_impl), ("moe_ep", _ours_impl)):
+                    found = build(mesh["ep"], mesh["tp"], E // ep)
+                    result = dict(model=model, routing=routing, impl=impl_name)
+                    if not found.available:
+                        results.append(dict(result, status=found.reason))
+                        continue
+                    if impl_name == "hf_all_to_all":
+                        with count_sent_bytes(importlib.import_module(HF_EP_MODULE), rank) as sent:
+                            found.value(x_TH, idx_TK, w_TK)
+                        measured = torch.tensor([sent[0]], dtype=torch.float64, device=device)
+                        dist.all_reduce(measured)
+                        result["measured_bytes"] = measured.item()
+                    ms_fwd, ms_fwd_bwd = _time_rank(s, found.value, x_TH, idx_TK, w_TK, device)
+                    results.append(dict(result, ms_fwd=ms_fwd * 1e3, ms_fwd_bwd=ms_fwd_bwd * 1e3, status="ok"))
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(s: Settings, ep: int, backend: str) -> list[dict]:
+    """Spawn ``ep`` processes, run the timed exchanges, return rank 0's results."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "results.json")
+        mp.start_processes(_worker, args=(ep, _free_port(), backend, asdict(s), out_path), nprocs=ep,
+                           start_method="spawn")
+        return json.loads(Path(out_path).read_text())
+
+
+# ---------------------------------------------------------------- report
+
+
+def plot(report: Report, path: Path) -> None:
+    rows = [r for r in report.rows if r.get("bytes_per_token") is not None]
+    keys = list(dict.fromkeys((r["model"], r["routing"]) for r in rows))
+    fig, axes = new_figure(2, max(1, len(keys)))
+    for j, (model, routing) in enumerate(keys):
+        for i, (col, label) in enumerate((("bytes_per_token", "bytes sent per token"),
+                                          ("ms_fwd_bwd", "ms dispatch+combine fwd+bwd"))):
+            ax = axes[i][j]
+            for k, impl in enumerate(IMPLS):
+                mine = [r for r in rows if (r["model"], r["routing"], r["impl"]) == (model, routing, impl)
+                        and r.get(col) is not None]
+                ax.bar([m["ep"] + (k - 0.5) * 0.35 for m in mine], [m[col] for m in mine], 0.35, label=impl)
+            ax.set_xlabel("ep")
+            ax.set_ylabel(label)
+            ax.set_title(f"{model} (E={MODELS[model][0]}, k={MODELS[model][1]}), {routing}")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"dispatch+combine, {report.meta.get('device')}", fontsize=9)
+    close_figure(fig, path)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ep", type=int, nargs="+", default=[2, 4, 8], help="expert-parallel degrees")
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
+    parser.add_argument("--routing", nargs="+", choices=ROUTINGS, default=["uniform"])
+    parser.add_argument("--tokens", type=int, help="tokens per rank (default 1024 on CPU, 4096 on CUDA)")
+    parser.add_argument("--hidden", type=int, help="H (default 1024 on CPU, 4096 on CUDA)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--no-timing", action="store_true", help="byte counts only, spawn no processes")
+
+
+def pick_backend(device: torch.device, ep: int) -> tuple[str, str | None]:
+    """NCCL when there is a GPU per rank; gloo on the CPU otherwise, said so in the notes."""
+    if device.type == "cuda" and torch.cuda.device_count() >= ep:
+        return "nccl", None
+    if device.type == "cuda":
+        return "gloo", f"ep={ep} needs {ep} GPUs, {torch.cuda.device_count()} present: timed with gloo on the CPU"
+    return "gloo", None
+
+
+def run(args, device: torch.device) -> Report:
+    defaults = DEFAULTS[device.type]
+    s = Settings(
+        tokens=args.tokens or defaults["tokens"], hidden=args.hidden or defaults["hidden"],
+        dtype=args.dtype or defaults["dtype"], models=tuple(args.models), routings=tuple(args.routing),
+        seed=args.seed, warmup=args.warmup, reps=args.reps,
+    )
+    for model in s.models:
+        E = MODELS[model][0]
+        bad = [ep for ep in args.ep if ep < 1 or E % ep]
+        if bad:
+            raise ValueError(f"--ep values must divide the expert count E={E} of {model}, got {bad}")
+    report = Report("dispatch", device, COLUMNS, plot=plot)
+    report.meta = dict(environment(device), **asdict(s), ep=list(args.ep))
+    report.notes.append("bytes/token: sent to other ranks in one forward dispatch+combine, averaged over all "
+                        "ranks' tokens; 'measured' counts what transformers' collectives actually sent")
+    for ep in args.ep:
+        backend, note = pick_backend(device, ep)
+        if note:
+            report.notes.append(note)
+        timed = {}
+        if not args.no_timing:
+            print(f"[dispatch] ep={ep}: spawning {ep} {backend} ranks", flush=True)
+            timed = {(r["model"], r["routing"], r["impl"]): r for r in run_ranks(s, ep, backend)}
+        for model in s.models:
+            for routing in s.routings:
+                counted = computed_bytes(s, model, routing, ep)
+                n_tokens = s.tokens * ep
+                for impl in IMPLS:
+                    row = dict(model=model, ep=ep, routing=routing, impl=impl,
+                               rows_per_token=counted[impl].rows / n_tokens,
+                               bytes_per_token=counted[impl].bytes / n_tokens,
+                               bytes_vs_hf=counted[impl].bytes / counted["hf_all_to_all"].bytes,
+                               backend=None if args.no_timing else backend,
+                               status="bytes only" if args.no_timing else None)
+                    result = timed.get((model, routing, impl), {})
+                    if "measured_bytes" in result:
+                        row["measured_bytes_per_token"] = result["measured_bytes"] / n_tokens
+                    row.update({k: result[k] for k in ("ms_fwd", "ms_fwd_bwd", "status") if k in result})
+                    report.rows.append(row)
+    return report

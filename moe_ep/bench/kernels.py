@@ -1,0 +1,493 @@
+"""Kernel benchmark: the router, the routing metadata, the grouped GEMMs and the whole
+``moe_experts`` forward, backward and forward+backward, against transformers' ``grouped_mm`` and
+``eager`` experts on the identical routing and weights, the dense-equivalent ``torch.mm`` time
+(same FLOPs, no routing) and the device's copy bandwidth.
+
+Mixtral-8x7B shapes on CUDA (H=4096, I=14336, E=8, k=2; T = 4096, 8192, 16384); small shapes on
+the CPU (H=256, I=512, E=8, k=2, T=2048) so CI exercises it.
+
+Ratios are speedups: ``vs grouped_mm = t(grouped_mm) / t(variant)``, so > 1 is faster;
+``vs dense = t(dense mm) / t(variant)`` is the fraction of the dense-equivalent speed reached.
+GB/s divides a lower bound of the bytes a pass must move (weights, token rows in and out, the
+weight gradients) by its time; it is the figure of merit for the memory-bound router, metadata
+and copy rows and a sanity check for the compute-bound GEMM rows."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..experts import moe_experts
+from ..experts_torch import grouped_linear, routing_order
+from ..routing import route_topk
+from .optional import Lookup, optional_attr, optional_import
+from .report import Column, Report, close_figure, environment, new_figure
+from .routing_cases import ROUTINGS, make_routing, max_load_share
+from .timing import measure, measure_many, peak_memory_bytes, synchronize
+
+PASSES = ("fwd", "bwd", "fwd+bwd")
+FLOP_PASSES = {"fwd": 1, "bwd": 2, "fwd+bwd": 3}  # backward = dX and dW GEMMs = 2x forward
+MIXTRAL_GPU = dict(hidden=4096, intermediate=14336, experts=8, top_k=2, tokens=(4096, 8192, 16384))
+SMALL_CPU = dict(hidden=256, intermediate=512, experts=8, top_k=2, tokens=(2048,))
+COPY_BYTES = {"cuda": 2**30, "cpu": 2**26}
+
+REFERENCE = "hf_eager"  # err vs eager compares every variant's output and gradients with it
+GROUPED_MM = "hf_grouped_mm"
+DENSE = "dense_mm"
+
+COLUMNS = [
+    Column("T", "T"),
+    Column("routing", "routing"),
+    Column("variant", "variant"),
+    Column("phase", "pass"),
+    Column("ms", "ms", "{:.3f}"),
+    Column("min_ms", "min ms", "{:.3f}"),
+    Column("tflops", "TFLOP/s", "{:.2f}"),
+    Column("gbps", "GB/s", "{:.1f}"),
+    Column("peak_mib", "peak MiB", "{:.0f}"),
+    Column("vs_grouped_mm", "vs grouped_mm", "{:.2f}x"),
+    Column("vs_eager", "vs eager", "{:.2f}x"),
+    Column("vs_dense", "vs dense", "{:.2f}"),
+    Column("err_vs_eager", "err vs eager", "{:.1e}"),
+    Column("status", "status"),
+]
+
+
+@dataclass(frozen=True)
+class Problem:
+    T: int
+    H: int
+    I: int
+    E: int
+    K: int
+    routing: str
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def N(self) -> int:
+        return self.T * self.K
+
+    @property
+    def elem(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def expert_flops(self, pass_: str) -> int:
+        # GEMM 1 is 2*N*H*2I, GEMM 2 is 2*N*I*H: 6*N*H*I forward.
+        return 6 * self.N * self.H * self.I * FLOP_PASSES[pass_]
+
+    def expert_bytes(self, pass_: str) -> int:
+        weights = 3 * self.E * self.H * self.I * self.elem
+        rows = self.T * self.H * self.elem
+        fwd = weights + 2 * rows + 8 * self.T * self.K  # read weights and x, write y; ids and weights
+        bwd = 2 * weights + 3 * rows  # read weights, write their gradients; read x and dy, write dx
+        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[pass_]
+
+
+@dataclass
+class Inputs:
+    x_TH: torch.Tensor
+    idx_TK: torch.Tensor
+    w_TK: torch.Tensor
+    gate_up_E2IH: torch.nn.Parameter  # owned by hf_experts, so every variant differentiates the same leaves
+    down_EHI: torch.nn.Parameter
+    dy_TH: torch.Tensor
+    router_EH: torch.Tensor
+    hf_experts: torch.nn.Module
+
+    @property
+    def leaves(self) -> tuple[torch.Tensor, ...]:
+        return self.x_TH, self.w_TK, self.gate_up_E2IH, self.down_EHI
+
+
+def hf_mixtral_experts(p: Problem, gate_up_E2IH: torch.Tensor, down_EHI: torch.Tensor) -> torch.nn.Module:
+    """A real ``MixtralExperts`` module (built from a ``MixtralConfig``) holding the given weights;
+    its forward runs transformers' eager loop."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(
+        hidden_size=p.H, intermediate_size=p.I, num_local_experts=p.E, num_experts_per_tok=p.K
+    )
+    config._experts_implementation = "eager"
+    # Built on the meta device so Mixtral-sized weights are not allocated twice.
+    with torch.device("meta"):
+        experts = MixtralExperts(config)
+    experts.gate_up_proj = torch.nn.Parameter(gate_up_E2IH)
+    experts.down_proj = torch.nn.Parameter(down_EHI)
+    return experts
+
+
+def make_inputs(p: Problem, seed: int) -> Inputs:
+    g = torch.Generator(p.device).manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, device=p.device, dtype=p.dtype) * scale
+
+    idx_TK, w_TK = make_routing(p.routing, p.T, p.E, p.K, seed=seed)
+    experts = hf_mixtral_experts(p, randn(p.E, 2 * p.I, p.H, scale=p.H**-0.5), randn(p.E, p.H, p.I, scale=p.I**-0.5))
+    return Inputs(
+        x_TH=randn(p.T, p.H).requires_grad_(),
+        idx_TK=idx_TK.to(p.device),
+        w_TK=w_TK.to(p.device).requires_grad_(),
+        gate_up_E2IH=experts.gate_up_proj,
+        down_EHI=experts.down_proj,
+        dy_TH=randn(p.T, p.H),
+        router_EH=randn(p.E, p.H, scale=p.H**-0.5).requires_grad_(),
+        hf_experts=experts,
+    )
+
+
+# ---------------------------------------------------------------- the whole experts op
+
+
+def _moe_ep(backend: str, inp: Inputs) -> torch.Tensor:
+    return moe_experts(inp.x_TH, inp.idx_TK, inp.w_TK, inp.gate_up_E2IH, inp.down_EHI, backend=backend)
+
+
+def _hf_grouped_mm(grouped_mm_experts_forward, inp: Inputs) -> torch.Tensor:
+    return grouped_mm_experts_forward(inp.hf_experts, inp.x_TH, inp.idx_TK, inp.w_TK)
+
+
+def _hf_eager(inp: Inputs) -> torch.Tensor:
+    return inp.hf_experts(inp.x_TH, inp.idx_TK, inp.w_TK)
+
+
+def expert_variants(device: torch.device) -> dict[str, Lookup]:
+    variants = {"moe_ep[torch]": Lookup(partial(_moe_ep, "torch"), None)}
+    if device.type == "cuda":
+        triton_op = optional_import("moe_ep.experts_triton")
+        variants["moe_ep[triton]"] = Lookup(partial(_moe_ep, "triton"), None) if triton_op.available else triton_op
+    grouped = optional_attr("transformers.integrations.moe", "grouped_mm_experts_forward")
+    variants[GROUPED_MM] = Lookup(partial(_hf_grouped_mm, grouped.value), None) if grouped.available else grouped
+    variants[REFERENCE] = Lookup(_hf_eager, None)
+    return variants
+
+
+def _pass_fns(fn: Callable[[Inputs], torch.Tensor], inp: Inputs) -> dict[str, tuple[Callable, Callable | None]]:
+    """(timed function, untimed setup) per pass; the backward is timed on a fresh forward's graph."""
+
+    def grads(y):
+        return torch.autograd.grad(y, inp.leaves, inp.dy_TH)
+
+    return {
+        "fwd": (lambda: fn(inp), None),
+        "bwd": (grads, lambda: (fn(inp),)),
+        "fwd+bwd": (lambda: grads(fn(inp)), None),
+    }
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double(), ref.detach().double()
+    denom = ref.norm()
+    return (out - ref).norm().item() if denom == 0 else ((out - ref).norm() / denom).item()
+
+
+def _outputs(fn, inp: Inputs) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    y = fn(inp)
+    return y.detach(), torch.autograd.grad(y, inp.leaves, inp.dy_TH)
+
+
+def dense_passes(p: Problem, seed: int) -> dict[str, Callable]:
+    """``torch.mm`` chains with exactly the experts' FLOPs and no routing: the forward's two GEMMs,
+    the backward's four (dX and dW of each)."""
+    g = torch.Generator(p.device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=p.device, dtype=p.dtype)
+
+    a_NH, w1_2IH, w2_HI = randn(p.N, p.H), randn(2 * p.I, p.H), randn(p.H, p.I)
+    h_NI, dy_NH, da_N2I = randn(p.N, p.I), randn(p.N, p.H), randn(p.N, 2 * p.I)
+
+    def fwd():
+        torch.mm(a_NH, w1_2IH.t())
+        torch.mm(h_NI, w2_HI.t())
+
+    def bwd():
+        torch.mm(dy_NH, w2_HI)
+        torch.mm(dy_NH.t(), h_NI)
+        torch.mm(da_N2I, w1_2IH)
+        torch.mm(da_N2I.t(), a_NH)
+
+    def fwd_bwd():
+        fwd()
+        bwd()
+
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+
+
+def bench_experts(p: Problem, inp: Inputs, args) -> list[dict]:
+    """Every available variant of the experts op and the dense equivalent, each pass, timed in
+    turns; peak memory and the error against transformers' eager loop per variant."""
+    rows, outputs, peaks, cases = [], {}, {}, {}
+    for name, found in expert_variants(p.device).items():
+        if not found.available:
+            rows.append(dict(T=p.T, routing=p.routing, kind="op", variant=name, status=found.reason))
+            continue
+        outputs[name] = _outputs(found.value, inp)
+        peaks[name] = peak_memory_bytes(lambda: _outputs(found.value, inp), p.device)
+        for pass_, case in _pass_fns(found.value, inp).items():
+            cases[name, pass_] = case
+    for pass_, fn in dense_passes(p, args.seed).items():
+        cases[DENSE, pass_] = (fn, None)
+    for (name, pass_), t in measure_many(cases, device=p.device, warmup=args.warmup, reps=args.reps).items():
+        row = dict(T=p.T, routing=p.routing, kind="dense" if name == DENSE else "op", variant=name, phase=pass_,
+                   ms=t.median_s * 1e3, min_ms=t.min_s * 1e3, tflops=p.expert_flops(pass_) / t.median_s / 1e12,
+                   status="ok")
+        if name != DENSE:
+            peak = peaks[name]
+            row.update(gbps=p.expert_bytes(pass_) / t.median_s / 1e9, peak_mib=None if peak is None else peak / 2**20)
+        if name in outputs and REFERENCE in outputs:
+            (y, grads), (y_ref, grads_ref) = outputs[name], outputs[REFERENCE]
+            row["err_vs_eager"] = (relative_error(y, y_ref) if pass_ == "fwd"
+                                   else max(relative_error(a, b) for a, b in zip(grads, grads_ref)))
+        rows.append(row)
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """vs grouped_mm, vs eager, vs dense for every timed row of the experts op, against the other
+    variants of the same (T, routing, pass)."""
+    ms = {(r["T"], r["routing"], r["variant"], r["phase"]): r.get("ms") for r in rows if r["kind"] in ("op", "dense") and "ms" in r}
+    for row in rows:
+        if row["kind"] != "op" or row.get("ms") is None:
+            continue
+        for col, other in (("vs_grouped_mm", GROUPED_MM), ("vs_eager", REFERENCE), ("vs_dense", DENSE)):
+            t_other = ms.get((row["T"], row["routing"], other, row["phase"]))
+            row[col] = None if t_other is None else t_other / row["ms"]
+
+
+# ---------------------------------------------------------------- individual kernels
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    pass_: str
+    flops: int
+    bytes: int
+    fn: Callable | None  # None: not available, see reason
+    reason: str | None = None
+
+
+def _router_components(p: Problem, inp: Inputs, backend: str) -> list[Component]:
+    if backend == "triton":
+        kernel = optional_import("moe_ep.routing_triton")
+        if not kernel.available:
+            return [Component(f"router[{backend}]", pass_, 0, 0, None, kernel.reason) for pass_ in ("fwd", "fwd+bwd")]
+    x_TH = inp.x_TH.detach().requires_grad_()
+    flops = 2 * p.T * p.H * p.E
+    bytes_ = (p.T * p.H + p.E * p.H) * p.elem + 4 * p.T * p.E + 12 * p.T * p.K
+
+    def fwd():
+        return route_topk(x_TH, inp.router_EH, p.K, backend=backend)
+
+    def fwd_bwd():
+        logits_TE, weights_TK, _ = fwd()
+        return torch.autograd.grad((logits_TE, weights_TK), (x_TH, inp.router_EH),
+                                   (torch.ones_like(logits_TE), torch.ones_like(weights_TK)))
+
+    return [
+        Component(f"router[{backend}]", "fwd", flops, bytes_, fwd),
+        Component(f"router[{backend}]", "fwd+bwd", 3 * flops, 2 * bytes_, fwd_bwd),
+    ]
+
+
+def _torch_components(p: Problem, inp: Inputs) -> list[Component]:
+    with torch.no_grad():
+        order_N, offsets_E = routing_order(inp.idx_TK, p.E)
+        x_NH = inp.x_TH.detach()[order_N // p.K]
+        h_NI = torch.randn(p.N, p.I, device=p.device, dtype=p.dtype)
+    gate_up, down = inp.gate_up_E2IH.detach(), inp.down_EHI.detach()
+    return [
+        Component("metadata[torch]", "fwd", 0, 16 * p.N + 4 * p.E, lambda: routing_order(inp.idx_TK, p.E)),
+        Component("gemm1[torch]", "fwd", 4 * p.N * p.H * p.I, (2 * p.E * p.I * p.H + p.N * p.H + 2 * p.N * p.I) * p.elem,
+                  lambda: grouped_linear(x_NH, gate_up, offsets_E)),
+        Component("gemm2[torch]", "fwd", 2 * p.N * p.H * p.I, (p.E * p.I * p.H + p.N * p.I + p.N * p.H) * p.elem,
+                  lambda: grouped_linear(h_NI, down, offsets_E)),
+    ]
+
+
+# The Triton launchers being written beside this benchmark, looked up by module; each gets an
+# adapter here once its signature has landed.
+TRITON_KERNEL_MODULES = {
+    "metadata[triton]": "moe_ep.kernels.routing_metadata",
+    "gemm1[triton]": "moe_ep.kernels.grouped_gemm",
+    "gemm2[triton]": "moe_ep.kernels.grouped_gemm",
+}
+
+
+def _triton_components(p: Problem, inp: Inputs) -> list[Component]:
+    components = []
+    for name, module in TRITON_KERNEL_MODULES.items():
+        found = optional_import(module)
+        reason = found.reason if not found.available else f"{module} landed; no benchmark adapter for it yet"
+        components.append(Component(name, "fwd", 0, 0, None, reason))
+    return components
+
+
+def bench_components(p: Problem, inp: Inputs, args) -> list[dict]:
+    components = _router_components(p, inp, "torch") + _torch_components(p, inp)
+    if p.device.type == "cuda":
+        components += _router_components(p, inp, "triton") + _triton_components(p, inp)
+    timed = [c for c in components if c.fn is not None]
+    times = measure_many({i: (c.fn, None) for i, c in enumerate(timed)}, device=p.device,
+                         warmup=args.warmup, reps=args.reps)
+    rows = []
+    for c in components:
+        row = dict(T=p.T, routing=p.routing, kind="kernel", variant=c.name, phase=c.pass_, status=c.reason)
+        if c.fn is not None:
+            t = times[timed.index(c)]
+            row.update(ms=t.median_s * 1e3, min_ms=t.min_s * 1e3, gbps=c.bytes / t.median_s / 1e9, status="ok",
+                       tflops=c.flops / t.median_s / 1e12 if c.flops else None)
+        rows.append(row)
+    return rows
+
+
+def bench_copy(device: torch.device, args) -> dict:
+    """A large device-to-device copy: the bandwidth every memory-bound pass is measured against."""
+    n_bytes = COPY_BYTES[device.type]
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    t = measure(lambda: dst.copy_(src), device=device, warmup=args.warmup, reps=args.reps)
+    return dict(kind="copy", variant="device_copy", phase="copy", ms=t.median_s * 1e3, min_ms=t.min_s * 1e3,
+                gbps=2 * n_bytes / t.median_s / 1e9, status="ok")
+
+
+def check_no_host_sync(p: Problem, inp: Inputs) -> dict[str, str]:
+    """Runs the local path (router, then every available moe_ep backend's forward and backward)
+    under ``torch.cuda.set_sync_debug_mode("error")``: any host sync raises."""
+    results = {}
+    for name, found in expert_variants(p.device).items():
+        if not name.startswith("moe_ep") or not found.available:
+            continue
+        backend = name[len("moe_ep["):-1]
+        if backend == "triton" and not optional_import("moe_ep.routing_triton").available:
+            results[name] = "not checked: router " + optional_import("moe_ep.routing_triton").reason
+            continue
+        synchronize(p.device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            route_topk(inp.x_TH, inp.router_EH, p.K, backend=backend)
+            _outputs(found.value, inp)
+            results[name] = "pass"
+        except RuntimeError as err:
+            results[name] = f"FAIL: {str(err).splitlines()[0]}"
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return results
+
+
+# ---------------------------------------------------------------- targets, plot, entry point
+
+
+def target_notes(rows: list[dict], device: torch.device) -> list[str]:
+    """The issue's targets, read off the measured rows."""
+    def row(variant, pass_, T=None, routing="uniform"):
+        for r in rows:
+            if (r["kind"] == "op" and r["variant"] == variant and r.get("phase") == pass_ and r["routing"] == routing
+                    and (T is None or r["T"] == T) and r.get("ms") is not None):
+                return r
+        return None
+
+    def verdict(value, target):
+        return "n/a" if value is None else f"{value:.2f} (target >= {target}: {'met' if value >= target else 'MISSED'})"
+
+    notes = []
+    if device.type == "cpu":
+        for routing in sorted({r["routing"] for r in rows if r["kind"] == "op"}):
+            r = row("moe_ep[torch]", "fwd+bwd", routing=routing)
+            if r is not None:
+                notes.append(
+                    f"CPU target, {routing}, T={r['T']}: torch backend fwd+bwd vs grouped_mm "
+                    f"{verdict(r.get('vs_grouped_mm'), 1.0)}, vs eager {verdict(r.get('vs_eager'), 2.0)}"
+                )
+        return notes
+    fb, f = row("moe_ep[triton]", "fwd+bwd", T=16384), row("moe_ep[triton]", "fwd", T=16384)
+    g = row(GROUPED_MM, "fwd+bwd", T=16384)
+    if fb is None:
+        return ["GPU target (T=16384, uniform): moe_ep[triton] not measured"]
+    notes.append(f"GPU target T=16384 uniform: fwd+bwd vs grouped_mm {verdict(fb.get('vs_grouped_mm'), 1.3)}")
+    notes.append(f"GPU target T=16384 uniform: fwd+bwd vs dense {verdict(fb.get('vs_dense'), 0.8)}, "
+                 f"fwd vs dense {verdict(f.get('vs_dense') if f else None, 0.88)}")
+    if g is not None and fb.get("peak_mib") is not None and g.get("peak_mib") is not None:
+        ok = fb["peak_mib"] <= g["peak_mib"]
+        notes.append(f"GPU target peak memory: {fb['peak_mib']:.0f} MiB vs grouped_mm {g['peak_mib']:.0f} MiB "
+                     f"({'met' if ok else 'MISSED'})")
+    return notes
+
+
+def plot(report: Report, path: Path) -> None:
+    """Experts op time per variant: one panel per (pass, routing), grouped bars by T."""
+    rows = [r for r in report.rows if r["kind"] in ("op", "dense") and r.get("ms") is not None]
+    routings = sorted({r["routing"] for r in rows})
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    tokens = sorted({r["T"] for r in rows})
+    fig, axes = new_figure(len(PASSES), max(1, len(routings)))
+    width = 0.8 / max(1, len(variants))
+    for i, pass_ in enumerate(PASSES):
+        for j, routing in enumerate(routings):
+            ax = axes[i][j]
+            for v, variant in enumerate(variants):
+                ms = {r["T"]: r["ms"] for r in rows if r["variant"] == variant and r["phase"] == pass_
+                      and r["routing"] == routing}
+                xs = [k + v * width for k, T in enumerate(tokens) if T in ms]
+                ax.bar(xs, [ms[T] for T in tokens if T in ms], width, label=variant)
+            ax.set_xticks([k + width * (len(variants) - 1) / 2 for k in range(len(tokens))])
+            ax.set_xticklabels([f"T={T}" for T in tokens])
+            ax.set_ylabel("ms (lower is better)")
+            ax.set_title(f"{pass_}, {routing} routing")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"moe_experts, {report.meta.get('device')}, {report.meta.get('shape')}", fontsize=9)
+    close_figure(fig, path)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokens", type=int, nargs="+", help="T values (default: 2048 on CPU, 4096 8192 16384 on CUDA)")
+    parser.add_argument("--hidden", type=int, help="H (default 256 on CPU, 4096 on CUDA)")
+    parser.add_argument("--intermediate", type=int, help="I (default 512 on CPU, 14336 on CUDA)")
+    parser.add_argument("--experts", type=int, help="E (default 8)")
+    parser.add_argument("--top-k", type=int, help="k (default 2)")
+    parser.add_argument("--routing", nargs="+", choices=ROUTINGS, default=list(ROUTINGS))
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="default float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--skip-components", action="store_true", help="time only the whole op, dense and copy")
+
+
+def run(args, device: torch.device) -> Report:
+    defaults = MIXTRAL_GPU if device.type == "cuda" else SMALL_CPU
+    H, I = args.hidden or defaults["hidden"], args.intermediate or defaults["intermediate"]
+    E, K = args.experts or defaults["experts"], args.top_k or defaults["top_k"]
+    tokens = args.tokens or defaults["tokens"]
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    if device.type == "cuda":
+        # Dense, grouped_mm and ours all run without tf32, so no one gets a cheaper fp32 GEMM.
+        torch.backends.cuda.matmul.allow_tf32 = False
+    report = Report("kernels", device, COLUMNS, plot=plot)
+    report.meta = dict(environment(device), shape=f"H={H} I={I} E={E} k={K} {str(dtype)[6:]}",
+                       tokens=list(tokens), routing=list(args.routing), warmup=args.warmup, reps=args.reps)
+    sync_checks = {}
+    for T in tokens:
+        for routing in args.routing:
+            p = Problem(T, H, I, E, K, routing, dtype, device)
+            inp = make_inputs(p, args.seed)
+            print(f"[kernels] T={T} {routing}: busiest expert gets {max_load_share(inp.idx_TK, E):.0%} of rows",
+                  flush=True)
+            report.rows += bench_experts(p, inp, args)
+            if not args.skip_components:
+                report.rows += bench_components(p, inp, args)
+            if device.type == "cuda":
+                sync_checks[f"T={T} {routing}"] = check_no_host_sync(p, inp)
+            del inp
+    report.rows.append(dict(T=None, routing=None, **bench_copy(device, args)))
+    add_ratios(report.rows)
+    report.notes += target_notes(report.rows, device)
+    for case, results in sync_checks.items():
+        report.notes += [f"no host sync, {case}, {name}: {result}" for name, result in results.items()]
+    report.meta["no_host_sync"] = sync_checks
+    return report

@@ -1,0 +1,157 @@
+"""Whole-model benchmark: forward+backward tokens/s of a Hugging Face Mixtral with
+``experts_implementation`` "moe_ep" (and ``moe_ep.hf.patch``, which also fuses the router)
+against "grouped_mm" and "eager" on the same model, weights and batch.
+
+A tiny Mixtral on the CPU; on CUDA also a 2-layer model with Mixtral-8x7B layer shapes
+(H=4096, I=14336, 32 heads, 8 KV heads, E=8, k=2) in bfloat16. The variants share one model
+object, switched with ``set_experts_implementation``, so their weights are identical by
+construction; the patched variant runs last because patching replaces the router's computation."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .optional import Lookup, optional_attr
+from .report import Column, Report, close_figure, environment, new_figure
+from .timing import measure, peak_memory_bytes
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    config: dict
+    batch: int
+    seq: int
+    dtype: torch.dtype
+
+
+MODELS = {
+    "tiny": ModelSetup(
+        dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2),
+        batch=4, seq=256, dtype=torch.float32,
+    ),
+    "mixtral-8x7b-2layer": ModelSetup(
+        dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+             num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2),
+        batch=1, seq=4096, dtype=torch.bfloat16,
+    ),
+}
+VARIANTS = ("eager", "grouped_mm", "moe_ep", "moe_ep+fused_router")
+
+COLUMNS = [
+    Column("model", "model"),
+    Column("variant", "variant"),
+    Column("tokens", "tokens"),
+    Column("ms", "ms fwd+bwd", "{:.1f}"),
+    Column("tokens_per_s", "tokens/s", "{:,.0f}"),
+    Column("peak_mib", "peak MiB", "{:.0f}"),
+    Column("vs_grouped_mm", "vs grouped_mm", "{:.2f}x"),
+    Column("vs_eager", "vs eager", "{:.2f}x"),
+    Column("loss_diff", "|loss - eager|", "{:.1e}"),
+    Column("status", "status"),
+]
+
+
+def build_model(setup: ModelSetup, device: torch.device, seed: int):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(**setup.config, max_position_embeddings=max(setup.seq, 4096))
+    with torch.device(device):
+        model = MixtralForCausalLM(config)
+    return model.to(setup.dtype).train()
+
+
+def select_variant(model, variant: str) -> Lookup:
+    """Switch ``model`` to ``variant``; returns Lookup(True) or why it is not available."""
+    if variant in ("eager", "grouped_mm"):
+        model.set_experts_implementation(variant)
+        return Lookup(True, None)
+    if variant == "moe_ep":
+        register = optional_attr("moe_ep.hf", "register")
+        if not register.available:
+            return register
+        register.value()
+        model.set_experts_implementation("moe_ep")
+        return Lookup(True, None)
+    patch = optional_attr("moe_ep.hf", "patch")
+    if not patch.available:
+        return patch
+    patch.value(model, fused_router=True)
+    return Lookup(True, None)
+
+
+def bench_model(name: str, setup: ModelSetup, device: torch.device, args) -> list[dict]:
+    model = build_model(setup, device, args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, setup.config["vocab_size"], (setup.batch, setup.seq), generator=g).to(device)
+    n_tokens = setup.batch * setup.seq
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    def fresh_grads():
+        model.zero_grad(set_to_none=True)
+        return ()
+
+    rows = []
+    for variant in VARIANTS:
+        base = dict(model=name, variant=variant, tokens=n_tokens)
+        selected = select_variant(model, variant)
+        if not selected.available:
+            rows.append(dict(base, status=selected.reason))
+            continue
+        fresh_grads()
+        loss = step().item()  # host sync: once per variant, outside the timed region
+        fresh_grads()
+        peak = peak_memory_bytes(step, device)
+        t = measure(step, device=device, warmup=args.warmup, reps=args.reps, setup=fresh_grads)
+        rows.append(dict(base, ms=t.median_s * 1e3, tokens_per_s=n_tokens / t.median_s,
+                         peak_mib=None if peak is None else peak / 2**20, loss=loss, status="ok"))
+    model.zero_grad(set_to_none=True)
+    timed = {r["variant"]: r for r in rows if r.get("ms") is not None}
+    for row in timed.values():
+        for col, other in (("vs_grouped_mm", "grouped_mm"), ("vs_eager", "eager")):
+            row[col] = timed[other]["ms"] / row["ms"] if other in timed else None
+        row["loss_diff"] = abs(row["loss"] - timed["eager"]["loss"]) if "eager" in timed else None
+    return rows
+
+
+def plot(report: Report, path: Path) -> None:
+    rows = [r for r in report.rows if r.get("tokens_per_s") is not None]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = new_figure(1, max(1, len(models)))
+    for ax, name in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == name]
+        ax.bar([r["variant"] for r in mine], [r["tokens_per_s"] for r in mine])
+        ax.set_ylabel("tokens/s, forward+backward (higher is better)")
+        ax.set_title(name)
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(f"Mixtral training step, {report.meta.get('device')}", fontsize=9)
+    close_figure(fig, path)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS),
+                        help="default: tiny on CPU; tiny and mixtral-8x7b-2layer on CUDA")
+    parser.add_argument("--seq", type=int, help="override every model's sequence length")
+    parser.add_argument("--batch", type=int, help="override every model's batch size")
+
+
+def run(args, device: torch.device) -> Report:
+    names = args.models or (tuple(MODELS) if device.type == "cuda" else ("tiny",))
+    report = Report("model", device, COLUMNS, plot=plot)
+    report.meta = dict(environment(device), models={}, warmup=args.warmup, reps=args.reps)
+    for name in names:
+        setup = MODELS[name]
+        setup = ModelSetup(setup.config, args.batch or setup.batch, args.seq or setup.seq, setup.dtype)
+        report.meta["models"][name] = dict(setup.config, batch=setup.batch, seq=setup.seq, dtype=str(setup.dtype))
+        print(f"[model] {name}: batch {setup.batch} x seq {setup.seq}", flush=True)
+        report.rows += bench_model(name, setup, device, args)
+    return report

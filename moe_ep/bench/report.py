@@ -1,0 +1,126 @@
+"""What every benchmark mode hands back, how it is printed and where it is saved: a table on
+stdout, and ``<mode>_<device>_<date>.{json,csv,png}`` in the results folder."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import platform
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS_DIR = Path("benchmarks/results")
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str
+    fmt: str = "{}"  # applied to numbers; None and NaN print as "-"
+
+
+@dataclass
+class Report:
+    mode: str
+    device: torch.device
+    columns: list[Column]
+    rows: list[dict] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # printed under the table and saved in the JSON
+    plot: Callable[["Report", Path], None] | None = None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        models = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
+        if models:
+            cpu = models[0].strip()
+    return f"{cpu} ({torch.get_num_threads()} threads)"
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+    import triton
+
+    return {
+        "device": device_name(device),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+
+
+def results_stem(report: Report) -> str:
+    name = torch.cuda.get_device_name(report.device) if report.device.type == "cuda" else "cpu"
+    return f"{report.mode}_{slug(name)}_{datetime.date.today().isoformat()}"
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return fmt.format(value)
+    return str(value)
+
+
+def format_table(report: Report) -> str:
+    cells = [[c.header for c in report.columns]]
+    cells += [[_cell(row.get(c.key), c.fmt) for c in report.columns] for row in report.rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(report.columns))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines + [f"note: {n}" for n in report.notes])
+
+
+def save(report: Report, out_dir: Path) -> list[Path]:
+    """Write JSON (meta, notes and rows), CSV (rows) and, when the mode draws one, a PNG."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / results_stem(report)
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".csv")]
+    payload = {"mode": report.mode, "meta": report.meta, "notes": report.notes, "rows": report.rows}
+    paths[0].write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    keys = list(dict.fromkeys(k for row in report.rows for k in row))
+    with paths[1].open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(report.rows)
+    if report.plot is not None and report.rows:
+        paths.append(stem.with_suffix(".png"))
+        report.plot(report, paths[-1])
+    return paths
+
+
+def new_figure(nrows: int, ncols: int, *, width: float = 5.0, height: float = 3.6):
+    """A matplotlib figure drawn off screen (the benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+    return fig, axes
+
+
+def close_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
