@@ -1,0 +1,148 @@
+"""``patch(model)``: switch a built transformers MoE model to moe_ep's experts and fused router.
+
+Nothing about the model's structure changes: no module is replaced, no class is swapped, no
+parameter is renamed or reshaped, so ``state_dict``, ``save_pretrained``, checkpoint conversion,
+FSDP wrapping and transformers' output-recording hooks see the model they expect. What changes:
+``config._experts_implementation`` (transformers' own switch), a ``moe_ep_backend`` attribute on
+each experts and router module, and, with ``fused_router=True``, the router instances' ``forward``.
+Every check runs before the first change, so a refused model is left untouched."""
+
+from __future__ import annotations
+
+from types import MethodType
+
+import torch
+
+from ..backend import BACKENDS
+from .layout import _is_experts_module, experts_activation
+from .registry import EXPERTS_IMPLEMENTATION, register
+from .routers import FUSED_ROUTER_FORWARDS, fused_router_forward, router_key
+
+# The attribute that holds a router's live forward. accelerate's hooks (device_map dispatch,
+# offloading) move the original forward to ``_old_forward`` and wrap it; patching under them keeps
+# the hook in place.
+_ACCELERATE_FORWARD = "_old_forward"
+
+
+def _forward_slot(router: torch.nn.Module) -> str:
+    return _ACCELERATE_FORWARD if hasattr(router, "_hf_hook") and hasattr(router, _ACCELERATE_FORWARD) else "forward"
+
+
+def _installed_forward(router: torch.nn.Module):
+    """The function behind the router's instance-level forward, None when it runs its class's."""
+    bound = router.__dict__.get(_forward_slot(router))
+    if bound is None:
+        return None
+    func = getattr(bound, "__func__", None)
+    if func is getattr(type(router), "forward"):
+        return None
+    return func if func is not None else bound
+
+
+def _set_router_forward(router: torch.nn.Module, func) -> None:
+    slot = _forward_slot(router)
+    if slot == "forward" and func is None:
+        router.__dict__.pop("forward", None)
+        return
+    setattr(router, slot, MethodType(func if func is not None else type(router).forward, router))
+
+
+def _experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if _is_experts_module(m)]
+
+
+def _router_of(model: torch.nn.Module, experts_name: str) -> tuple[str, torch.nn.Module | None]:
+    """The router sibling of an experts module: every supported family calls it ``gate``."""
+    parent_name, _, _ = experts_name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    router_name = f"{parent_name}.gate" if parent_name else "gate"
+    return router_name, getattr(parent, "gate", None)
+
+
+def _check_router(name: str, router: torch.nn.Module | None) -> None:
+    if router is None:
+        raise ValueError(
+            f"fused_router=True: the MoE block around {name.rpartition('.')[0]!r} has no 'gate' router module; "
+            "pass fused_router=False to keep the model's own routing"
+        )
+    if fused_router_forward(router) is None:
+        supported = ", ".join(sorted(k.rpartition(".")[2] for k in FUSED_ROUTER_FORWARDS))
+        raise ValueError(
+            f"fused_router=True: router {name!r} of class {router_key(router)} has no fused-router semantics in "
+            f"moe_ep (supported: {supported}); pass fused_router=False to keep its own routing"
+        )
+    installed = _installed_forward(router)
+    if installed is not None and installed not in FUSED_ROUTER_FORWARDS.values():
+        raise ValueError(
+            f"fused_router=True: router {name!r} already has an instance-level forward ({installed!r}) installed by "
+            "something other than moe_ep; patch before installing it, or pass fused_router=False"
+        )
+
+
+def patch(model: torch.nn.Module, *, backend: str | None = None, fused_router: bool = True) -> torch.nn.Module:
+    """Run ``model``'s experts on moe_ep and, with ``fused_router``, its routers on ``route_topk``.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` of a supported MoE family (Mixtral, Qwen2-MoE,
+            Qwen3-MoE, OLMoE, DeepSeek-V3; with ``fused_router=False`` any family whose experts
+            have the fused gated layout).
+        backend: ``"triton"``, ``"torch"`` or None (the default of ``moe_experts``/``route_topk``:
+            Triton on CUDA, torch elsewhere, ``MOE_EP_BACKEND`` overrides).
+        fused_router: replace each router's computation (not its module) by ``route_topk`` with
+            the family's semantics; False restores the model's own router forward.
+
+    Returns ``model``, patched in place. Idempotent: patching again with the same arguments changes
+    nothing. Raises ImportError for an unsupported transformers version, TypeError/ValueError
+    naming the argument or the unsupported layout flag otherwise.
+    """
+    register()
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if not isinstance(fused_router, bool):
+        raise TypeError(f"fused_router must be a bool, got {type(fused_router).__name__}")
+    experts = _experts_modules(model)
+    if not experts:
+        raise ValueError(
+            f"{type(model).__name__} has no experts module (a class decorated with transformers' "
+            "@use_experts_implementation); moe_ep.hf.patch only applies to MoE models"
+        )
+    for _, module in experts:
+        experts_activation(module)
+    routers = [_router_of(model, name) for name, _ in experts]
+    if fused_router:
+        for router_name, router in routers:
+            _check_router(router_name, router)
+
+    if model.config._experts_implementation != EXPERTS_IMPLEMENTATION:
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    for _, module in experts:
+        module.moe_ep_backend = backend
+    for _, router in routers:
+        if router is None:
+            continue
+        if fused_router:
+            router.moe_ep_backend = backend
+            if _installed_forward(router) is None:
+                _set_router_forward(router, fused_router_forward(router))
+        elif _installed_forward(router) in FUSED_ROUTER_FORWARDS.values():
+            _set_router_forward(router, None)
+    return model
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    """True when every experts module of ``model`` runs on moe_ep (routers not considered)."""
+    experts = _experts_modules(model)
+    return bool(experts) and all(m.config._experts_implementation == EXPERTS_IMPLEMENTATION for _, m in experts)
+
+
+def fused_routers(model: torch.nn.Module) -> list[str]:
+    """Names of the router modules whose forward is moe_ep's fused router."""
+    return [
+        name
+        for name, m in model.named_modules()
+        if _installed_forward(m) in FUSED_ROUTER_FORWARDS.values()
+    ]

@@ -1,0 +1,83 @@
+"""The ``"moe_ep"`` entry of transformers' experts registry (``ALL_EXPERTS_FUNCTIONS``), so that
+``from_pretrained(..., experts_implementation="moe_ep")``, ``from_config(...)`` and
+``model.set_experts_implementation("moe_ep")`` run the experts of every supported MoE family on
+``moe_ep.moe_experts`` without changing a parameter name or shape."""
+
+from __future__ import annotations
+
+import torch
+
+from ..experts import moe_experts
+from .layout import experts_activation
+from .version import require_transformers
+
+EXPERTS_IMPLEMENTATION = "moe_ep"
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast would give a matmul on ``device``, None outside autocast. Custom ops get
+    no autocast of their own, so the cast is done here as ``F.linear`` would do it."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+def moe_ep_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers' experts forward signature. An expert-parallel dispatcher installed on the
+    module (``moe_ep_dispatcher``) takes the call; otherwise the local ``moe_experts`` op runs with
+    the backend stored by ``moe_ep.hf.patch`` (``moe_ep_backend``, None = default)."""
+    activation = experts_activation(self)
+    dispatcher = getattr(self, "moe_ep_dispatcher", None)
+    if dispatcher is not None:
+        return dispatcher(self, hidden_states, top_k_index, top_k_weights)
+    gate_up_E2IH, down_EHI, x_TH = self.gate_up_proj, self.down_proj, hidden_states
+    compute_dtype = _autocast_dtype(hidden_states.device)
+    if compute_dtype is not None:
+        gate_up_E2IH, down_EHI, x_TH = (t.to(compute_dtype) for t in (gate_up_E2IH, down_EHI, x_TH))
+    y_TH = moe_experts(
+        x_TH,
+        top_k_index,
+        top_k_weights,
+        gate_up_E2IH,
+        down_EHI,
+        activation=activation,
+        backend=getattr(self, "moe_ep_backend", None),
+    )
+    return y_TH.to(hidden_states.dtype)
+
+
+def register() -> None:
+    """Register ``"moe_ep"`` in transformers' experts registry. Idempotent; patches no model.
+
+    Raises ImportError when transformers is missing or older than 5.17, and ValueError when another
+    function already holds the name ``"moe_ep"``."""
+    require_transformers()
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    current = ExpertsInterface._global_mapping.get(EXPERTS_IMPLEMENTATION)
+    if current is moe_ep_experts_forward:
+        return
+    if current is not None and _qualname(current) != _qualname(moe_ep_experts_forward):
+        raise ValueError(
+            f"the experts implementation name {EXPERTS_IMPLEMENTATION!r} is already registered by "
+            f"{_qualname(current)}; moe_ep will not overwrite it"
+        )
+    # Registered globally (class mapping), so every ExpertsInterface instance sees it, including
+    # the one transformers' modeling_utils validates experts_implementation= against.
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, moe_ep_experts_forward)
+
+
+def is_registered() -> bool:
+    from transformers.integrations.moe import ExpertsInterface
+
+    return ExpertsInterface._global_mapping.get(EXPERTS_IMPLEMENTATION) is moe_ep_experts_forward
+
+
+def _qualname(fn) -> str:
+    # A reloaded moe_ep module registers a new function object under the same name: that is us.
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"

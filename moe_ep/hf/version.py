@@ -1,0 +1,27 @@
+"""The transformers versions this integration is written against, checked before anything touches
+transformers: the routers' return values and the experts registry changed shape before 5.17
+(e.g. Mixtral's router returned probabilities as its logits), so an older version is refused
+rather than patched with the wrong semantics."""
+
+from __future__ import annotations
+
+MIN_TRANSFORMERS_VERSION = "5.17.0"
+
+
+def require_transformers():
+    """Import and return ``transformers``, or raise ImportError saying which version is needed."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError(
+            f"moe_ep's Hugging Face integration needs transformers>={MIN_TRANSFORMERS_VERSION}, "
+            "which is not installed (pip install 'transformers>=5.17')"
+        ) from err
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS_VERSION):
+        raise ImportError(
+            f"moe_ep's Hugging Face integration needs transformers>={MIN_TRANSFORMERS_VERSION}, "
+            f"found transformers=={transformers.__version__}"
+        )
+    return transformers
