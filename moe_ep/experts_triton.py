@@ -1,0 +1,121 @@
+"""The Triton backend of ``moe_experts``: routing metadata on the device, GEMM 1 with the token
+gather and the gated activation fused, GEMM 2 with the routing weight fused, a deterministic
+combine; the backward recomputes the activation from the saved GEMM-1 output.
+
+Registered with ``torch.library`` so ``torch.compile`` and FSDP2 treat it as one opaque op. Nothing
+on this path reads a device value back to the host (the autotuner times kernels once per shape
+bucket, see ``moe_ep.kernels.autotune``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels import grouped_gemm as gg
+from .kernels.routing_metadata import RoutingMetadata, padded_rows, routing_metadata
+
+
+@torch.library.custom_op("moe_ep::experts_triton_fwd", mutates_args=())
+def experts_triton_fwd(
+    x_TH: torch.Tensor,
+    idx_TK: torch.Tensor,
+    w_TK: torch.Tensor,
+    gate_up_E2IH: torch.Tensor,
+    down_EHI: torch.Tensor,
+    activation: str,
+    pad_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (y_TH, counts_E, padded_offsets_E1, sorted_slot_P, slot_pos_N, block_expert_B,
+    pre_P2I); all but y are saved for backward."""
+    T, K = idx_TK.shape
+    E = gate_up_E2IH.shape[0]
+    meta = routing_metadata(idx_TK, E, pad_m)
+    w_N = w_TK.reshape(-1).float().contiguous()
+    h_PI, pre_P2I = gg.gather_glu(x_TH.contiguous(), gate_up_E2IH.contiguous(), meta, K, activation)
+    out_PH = gg.rows_matmul(h_PI, down_EHI.contiguous(), meta, w_layout="nk", scale_N=w_N)
+    y_TH = gg.combine(out_PH, meta, T, K)
+    return (y_TH, meta.counts_E, meta.padded_offsets_E1, meta.sorted_slot_P, meta.slot_pos_N,
+            meta.block_expert_B, pre_P2I)
+
+
+@experts_triton_fwd.register_fake
+def _(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation, pad_m):
+    N = idx_TK.numel()
+    E, two_I, _ = gate_up_E2IH.shape
+    P = padded_rows(N, E, pad_m)
+    int32 = dict(dtype=torch.int32)
+    return (
+        x_TH.new_empty(x_TH.shape),
+        idx_TK.new_empty((E,), **int32),
+        idx_TK.new_empty((E + 1,), **int32),
+        idx_TK.new_empty((P,), **int32),
+        idx_TK.new_empty((N,), **int32),
+        idx_TK.new_empty((P // pad_m,), **int32),
+        x_TH.new_empty((P, two_I)),
+    )
+
+
+@torch.library.custom_op("moe_ep::experts_triton_bwd", mutates_args=())
+def experts_triton_bwd(
+    dy_TH: torch.Tensor,
+    x_TH: torch.Tensor,
+    w_TK: torch.Tensor,
+    gate_up_E2IH: torch.Tensor,
+    down_EHI: torch.Tensor,
+    counts_E: torch.Tensor,
+    padded_offsets_E1: torch.Tensor,
+    sorted_slot_P: torch.Tensor,
+    slot_pos_N: torch.Tensor,
+    block_expert_B: torch.Tensor,
+    pre_P2I: torch.Tensor,
+    activation: str,
+    pad_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx_TH, dw_TK, d_gate_up_E2IH, d_down_EHI)."""
+    T, K = w_TK.shape
+    meta = RoutingMetadata(counts_E, padded_offsets_E1, sorted_slot_P, slot_pos_N, block_expert_B, pad_m)
+    dy_TH = dy_TH.to(x_TH.dtype).contiguous()
+    x_TH = x_TH.contiguous()
+    gate_up_E2IH = gate_up_E2IH.contiguous()
+    down_EHI = down_EHI.contiguous()
+    w_N = w_TK.reshape(-1).float().contiguous()
+    dpre_P2I, dw_N = gg.glu_backward(dy_TH, down_EHI, pre_P2I, w_N, meta, K, activation)
+    dx_PH = gg.rows_matmul(dpre_P2I, gate_up_E2IH, meta, w_layout="kn")
+    dx_TH = gg.combine(dx_PH, meta, T, K)
+    d_down_EHI = gg.down_weight_grad(dy_TH, w_N, pre_P2I, meta, K, activation)
+    d_gate_up_E2IH = gg.gate_up_weight_grad(dpre_P2I, x_TH, meta, K)
+    return dx_TH, dw_N.view(T, K).to(w_TK.dtype), d_gate_up_E2IH, d_down_EHI
+
+
+@experts_triton_bwd.register_fake
+def _(dy_TH, x_TH, w_TK, gate_up_E2IH, down_EHI, counts_E, padded_offsets_E1, sorted_slot_P, slot_pos_N,
+      block_expert_B, pre_P2I, activation, pad_m):
+    return (
+        x_TH.new_empty(x_TH.shape),
+        w_TK.new_empty(w_TK.shape),
+        gate_up_E2IH.new_empty(gate_up_E2IH.shape),
+        down_EHI.new_empty(down_EHI.shape),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation, pad_m = inputs
+    ctx.activation = activation
+    ctx.pad_m = pad_m
+    ctx.save_for_backward(x_TH, w_TK, gate_up_E2IH, down_EHI, *output[1:])
+
+
+def _backward(ctx, dy_TH, *_metadata_and_pre_grads):
+    x_TH, w_TK, gate_up_E2IH, down_EHI, *saved = ctx.saved_tensors
+    dx, dw, dgu, dd = experts_triton_bwd(
+        dy_TH, x_TH, w_TK, gate_up_E2IH, down_EHI, *saved, ctx.activation, ctx.pad_m
+    )
+    return dx, None, dw, dgu, dd, None, None
+
+
+experts_triton_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def experts_triton(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation):
+    """``moe_experts`` on the Triton kernels; arguments are already validated by ``moe_experts``."""
+    pad_m = gg.routing_block(idx_TK.numel(), gate_up_E2IH.shape[0])
+    return experts_triton_fwd(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation, pad_m)[0]
