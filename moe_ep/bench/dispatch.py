@@ -32,7 +32,6 @@ HF_EP_MODULE = "transformers.distributed.expert_parallel"
 MODELS = {"mixtral": (8, 2), "fine-grained": (64, 6)}  # name -> (E, k)
 DEFAULTS = {"cpu": dict(tokens=1024, hidden=1024, dtype="float32"),
             "cuda": dict(tokens=4096, hidden=4096, dtype="bfloat16")}
-IMPLS = ("hf_all_to_all", "moe_ep")
 
 COLUMNS = [
     Column("model", "model"),
@@ -45,6 +44,7 @@ COLUMNS = [
     Column("bytes_vs_hf", "bytes vs hf", "{:.3f}"),
     Column("ms_fwd", "ms fwd", "{:.2f}"),
     Column("ms_fwd_bwd", "ms fwd+bwd", "{:.2f}"),
+    Column("max_abs_err", "err", "{:.0e}"),
     Column("backend", "backend"),
     Column("status", "status"),
 ]
@@ -130,16 +130,37 @@ def count_sent_bytes(module, group_rank: int):
             setattr(module, name, original)
 
 
-def _hf_impl(ep_mesh, tp_mesh, num_local_experts: int) -> Lookup:
+@dataclass(frozen=True)
+class Exchange:
+    fn: object  # (x_TH, idx_TK, w_TK) -> y_TH = sum_k w_TK[:, k] * x_TH (identity experts)
+    collectives: object  # the module whose collectives it calls by attribute, for count_sent_bytes
+
+
+def _hf_exchange(ep_mesh, tp_mesh, num_experts: int) -> Lookup:
     cls = optional_attr(HF_EP_MODULE, "AllToAllEP")
     if not cls.available:
         return cls
-    return Lookup(cls.value(IdentityExperts(num_local_experts), ep_mesh, tp_mesh), None)
+    impl = cls.value(IdentityExperts(num_experts // ep_mesh.size()), ep_mesh, tp_mesh)
+    return Lookup(Exchange(impl, importlib.import_module(HF_EP_MODULE)), None)
 
 
-def _ours_impl(ep_mesh, tp_mesh, num_local_experts: int) -> Lookup:
-    # The dispatcher is written beside this benchmark; it is wired in here once it lands.
-    return optional_attr("moe_ep.dispatch", "dispatch")
+def _moe_ep_exchange(ep_mesh, tp_mesh, num_experts: int) -> Lookup:
+    found = [optional_attr("moe_ep.dispatch", name) for name in ("dispatch", "combine")]
+    missing = [f for f in found if not f.available]
+    if missing:
+        return missing[0]
+    dispatch, combine = (f.value for f in found)
+    group = ep_mesh.get_group()
+
+    def exchange(x_TH, idx_TK, w_TK):
+        routed = dispatch(x_TH, idx_TK, w_TK, group=group, num_experts=num_experts)
+        # Identity experts: the weighted output of pair p is weights[p] * hidden_states[p].
+        return combine(routed.hidden_states * routed.weights.to(x_TH.dtype), routed.layout)
+
+    return Lookup(Exchange(exchange, torch.distributed), None)
+
+
+EXCHANGES = {"hf_all_to_all": _hf_exchange, "moe_ep": _moe_ep_exchange}
 
 
 def _time_rank(s: Settings, impl, x_TH, idx_TK, w_TK, device) -> tuple[float, float]:
@@ -185,20 +206,24 @@ def _worker(rank: int, ep: int, port: int, backend: str, settings: dict, out_pat
                 x_TH.requires_grad_()
                 w_TK = w_TK.to(device).requires_grad_()
                 idx_TK = idx_TK.to(device)
-                for impl_name, build in (("hf_all_to_all", _hf_impl), ("moe_ep", _ours_impl)):
-                    found = build(mesh["ep"], mesh["tp"], E // ep)
+                reference = x_TH.detach() * w_TK.detach().sum(1, keepdim=True).to(x_TH.dtype)
+                for impl_name, build in EXCHANGES.items():
+                    found = build(mesh["ep"], mesh["tp"], E)
                     result = dict(model=model, routing=routing, impl=impl_name)
                     if not found.available:
                         results.append(dict(result, status=found.reason))
                         continue
-                    if impl_name == "hf_all_to_all":
-                        with count_sent_bytes(importlib.import_module(HF_EP_MODULE), rank) as sent:
-                            found.value(x_TH, idx_TK, w_TK)
-                        measured = torch.tensor([sent[0]], dtype=torch.float64, device=device)
-                        dist.all_reduce(measured)
-                        result["measured_bytes"] = measured.item()
-                    ms_fwd, ms_fwd_bwd = _time_rank(s, found.value, x_TH, idx_TK, w_TK, device)
-                    results.append(dict(result, ms_fwd=ms_fwd * 1e3, ms_fwd_bwd=ms_fwd_bwd * 1e3, status="ok"))
+                    exchange = found.value
+                    with count_sent_bytes(exchange.collectives, rank) as sent:
+                        y_TH = exchange.fn(x_TH, idx_TK, w_TK)
+                    # Both exchanges with identity experts give sum_k w_k x_t: a check that they ran right.
+                    stats = torch.tensor([sent[0], (y_TH.detach() - reference).abs().max().item() if s.tokens else 0.0],
+                                         dtype=torch.float64, device=device)
+                    dist.all_reduce(stats[:1])
+                    dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
+                    ms_fwd, ms_fwd_bwd = _time_rank(s, exchange.fn, x_TH, idx_TK, w_TK, device)
+                    results.append(dict(result, measured_bytes=stats[0].item(), max_abs_err=stats[1].item(),
+                                        ms_fwd=ms_fwd * 1e3, ms_fwd_bwd=ms_fwd_bwd * 1e3, status="ok"))
         if rank == 0:
             Path(out_path).write_text(json.dumps(results))
     finally:
@@ -233,7 +258,7 @@ def plot(report: Report, path: Path) -> None:
         for i, (col, label) in enumerate((("bytes_per_token", "bytes sent per token"),
                                           ("ms_fwd_bwd", "ms dispatch+combine fwd+bwd"))):
             ax = axes[i][j]
-            for k, impl in enumerate(IMPLS):
+            for k, impl in enumerate(EXCHANGES):
                 mine = [r for r in rows if (r["model"], r["routing"], r["impl"]) == (model, routing, impl)
                         and r.get(col) is not None]
                 ax.bar([m["ep"] + (k - 0.5) * 0.35 for m in mine], [m[col] for m in mine], 0.35, label=impl)
@@ -279,7 +304,7 @@ def run(args, device: torch.device) -> Report:
     report = Report("dispatch", device, COLUMNS, plot=plot)
     report.meta = dict(environment(device), **asdict(s), ep=list(args.ep))
     report.notes.append("bytes/token: sent to other ranks in one forward dispatch+combine, averaged over all "
-                        "ranks' tokens; 'measured' counts what transformers' collectives actually sent")
+                        "ranks' tokens; 'measured' counts what each implementation's collectives actually sent")
     for ep in args.ep:
         backend, note = pick_backend(device, ep)
         if note:
@@ -292,7 +317,7 @@ def run(args, device: torch.device) -> Report:
             for routing in s.routings:
                 counted = computed_bytes(s, model, routing, ep)
                 n_tokens = s.tokens * ep
-                for impl in IMPLS:
+                for impl in EXCHANGES:
                     row = dict(model=model, ep=ep, routing=routing, impl=impl,
                                rows_per_token=counted[impl].rows / n_tokens,
                                bytes_per_token=counted[impl].bytes / n_tokens,
@@ -302,6 +327,6 @@ def run(args, device: torch.device) -> Report:
                     result = timed.get((model, routing, impl), {})
                     if "measured_bytes" in result:
                         row["measured_bytes_per_token"] = result["measured_bytes"] / n_tokens
-                    row.update({k: result[k] for k in ("ms_fwd", "ms_fwd_bwd", "status") if k in result})
+                    row.update({k: result[k] for k in ("ms_fwd", "ms_fwd_bwd", "max_abs_err", "status") if k in result})
                     report.rows.append(row)
     return report

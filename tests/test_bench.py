@@ -1,0 +1,175 @@
+"""The benchmarks: smoke runs of every mode at tiny shapes (files written, rows present; no timing
+is asserted), the inputs every variant of the kernel benchmark sees against the float64
+reference, the byte accounting of the dispatch benchmark against a per-token count, and the
+helpers' error messages."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from moe_ep.bench import dispatch_bytes, kernels
+from moe_ep.bench.cli import main
+from moe_ep.bench.optional import optional_attr, optional_import
+from moe_ep.bench.routing_cases import make_routing, max_load_share
+from moe_ep.bench.timing import measure
+from moe_ep.reference import moe_experts_ref
+
+from conftest import TOLERANCE, rel_err
+
+TINY = ["--warmup", "0", "--reps", "1"]
+
+
+def written(tmp_path, mode):
+    files = sorted(p.suffix for p in tmp_path.glob(f"{mode}_cpu_*"))
+    assert files == [".csv", ".json", ".png"]
+    return json.loads(next(tmp_path.glob(f"{mode}_cpu_*.json")).read_text())
+
+
+def test_kernels_mode_smoke(tmp_path):
+    main(["kernels", "--device", "cpu", "--tokens", "24", "--hidden", "16", "--intermediate", "24",
+          "--experts", "4", "--top-k", "2", "--out-dir", str(tmp_path), *TINY])
+    payload = written(tmp_path, "kernels")
+    rows = payload["rows"]
+    timed = {(r["variant"], r["routing"], r["phase"]) for r in rows if r.get("ms") is not None}
+    for variant in ("moe_ep[torch]", "hf_grouped_mm", "hf_eager", "dense_mm"):
+        for routing in ("uniform", "skewed"):
+            assert {(variant, routing, p) for p in kernels.PASSES} <= timed
+    for name in ("router[torch]", "metadata[torch]", "gemm1[torch]", "gemm2[torch]", "device_copy"):
+        assert any(r["variant"] == name and r["status"] == "ok" for r in rows), name
+    ours = next(r for r in rows if r["variant"] == "moe_ep[torch]" and r["phase"] == "fwd+bwd")
+    assert {"vs_grouped_mm", "vs_eager", "vs_dense", "err_vs_eager"} <= ours.keys()
+    assert any(n.startswith("CPU target") for n in payload["notes"])
+    assert payload["meta"]["device"] and payload["meta"]["date"]
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+def test_every_variant_sees_identical_inputs(routing):
+    """The kernel benchmark feeds each variant the same routing and weights: every output and
+    gradient it compares must match the float64 reference."""
+    p = kernels.Problem(T=13, H=16, I=24, E=4, K=2, routing=routing, dtype=torch.float32,
+                        device=torch.device("cpu"))
+    inp = kernels.make_inputs(p, seed=3)
+    ref = [t.detach().double().requires_grad_() for t in inp.leaves]
+    y_ref = moe_experts_ref(ref[0], inp.idx_TK, *ref[1:])
+    grads_ref = torch.autograd.grad(y_ref, ref, inp.dy_TH.double())
+    variants = kernels.expert_variants(p.device)
+    assert {"moe_ep[torch]", "hf_grouped_mm", "hf_eager"} <= variants.keys()
+    for name, found in variants.items():
+        y, grads = kernels._outputs(found.value, inp)
+        assert rel_err(y, y_ref) <= TOLERANCE[torch.float32], name
+        for g, g_ref in zip(grads, grads_ref):
+            assert rel_err(g, g_ref) <= TOLERANCE[torch.float32], name
+
+
+def test_model_mode_smoke(tmp_path):
+    main(["model", "--device", "cpu", "--models", "tiny", "--seq", "8", "--batch", "1",
+          "--out-dir", str(tmp_path), *TINY])
+    rows = {r["variant"]: r for r in written(tmp_path, "model")["rows"]}
+    assert rows["eager"]["status"] == rows["grouped_mm"]["status"] == "ok"
+    assert rows["grouped_mm"]["tokens_per_s"] > 0
+    for variant in ("moe_ep", "moe_ep+fused_router"):
+        assert rows[variant]["status"] == "ok" or rows[variant]["status"].startswith("not available")
+
+
+def test_dispatch_mode_bytes_only(tmp_path):
+    main(["dispatch", "--device", "cpu", "--no-timing", "--tokens", "64", "--hidden", "8",
+          "--out-dir", str(tmp_path)])
+    rows = written(tmp_path, "dispatch")["rows"]
+    assert {(r["model"], r["ep"]) for r in rows} == {(m, ep) for m in ("mixtral", "fine-grained") for ep in (2, 4, 8)}
+    assert all(r["status"] == "bytes only" for r in rows)
+
+
+def test_dispatch_mode_spawns_ranks(tmp_path):
+    main(["dispatch", "--device", "cpu", "--ep", "2", "--models", "mixtral", "--tokens", "16", "--hidden", "8",
+          "--out-dir", str(tmp_path), *TINY])
+    rows = {r["impl"]: r for r in written(tmp_path, "dispatch")["rows"]}
+    hf = rows["hf_all_to_all"]
+    assert hf["status"] == "ok" and hf["ms_fwd_bwd"] > 0
+    # The count of transformers' scheme is exactly what its collectives sent.
+    assert hf["measured_bytes_per_token"] == hf["bytes_per_token"]
+    for row in rows.values():
+        if row["status"] == "ok":
+            assert row["max_abs_err"] <= 1e-5
+
+
+def _per_token_count(idx_TK, E, ep, rank):
+    """(our rows, transformers' rows) sent off-rank one way, one token at a time."""
+    L = E // ep
+    ours = theirs = 0
+    for experts in idx_TK.tolist():
+        ranks = [e // L for e in experts]
+        theirs += sum(r != rank for r in ranks)
+        ours += len({r for r in ranks if r != rank})
+    return ours, theirs
+
+
+@pytest.mark.parametrize("E, K, ep", [(8, 2, 2), (8, 2, 8), (64, 6, 4), (6, 6, 3), (4, 1, 2)])
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+def test_byte_accounting_matches_a_per_token_count(E, K, ep, routing):
+    idx_TK, _ = make_routing(routing, 37, E, K, seed=E + K)
+    for rank in range(ep):
+        ours = dispatch_bytes.dedup_bytes(idx_TK, E, ep, rank, row_bytes=10)
+        theirs = dispatch_bytes.hf_all_to_all_bytes(idx_TK, E, ep, rank, row_bytes=10)
+        rows_ours, rows_theirs = _per_token_count(idx_TK, E, ep, rank)
+        assert (ours.dispatch_rows, theirs.dispatch_rows) == (rows_ours, rows_theirs)
+        assert ours.combine_rows == ours.dispatch_rows and theirs.combine_rows == theirs.dispatch_rows
+        assert theirs.bytes == 2 * 10 * rows_theirs + (ep - 1) * (E // ep) * 8
+        assert ours.rows <= theirs.rows
+
+
+def test_shared_rank_means_strictly_fewer_rows():
+    # Token 0 picks experts 0 and 1, both on rank 1 of ep=2 seen from rank 0: one row, not two.
+    idx_TK = torch.tensor([[4, 5], [0, 4]])
+    ours = dispatch_bytes.dedup_bytes(idx_TK, 8, 2, 0, row_bytes=1)
+    theirs = dispatch_bytes.hf_all_to_all_bytes(idx_TK, 8, 2, 0, row_bytes=1)
+    assert (ours.dispatch_rows, theirs.dispatch_rows) == (2, 3)
+
+
+def test_byte_accounting_rejects_bad_layouts():
+    idx_TK = torch.zeros(2, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="ep must be a positive divisor of num_experts=8, got 3"):
+        dispatch_bytes.dedup_bytes(idx_TK, 8, 3, 0, row_bytes=1)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, ep=2\), got 2"):
+        dispatch_bytes.hf_all_to_all_bytes(idx_TK, 8, 2, 2, row_bytes=1)
+
+
+def test_routing_cases():
+    idx_TK, w_TK = make_routing("skewed", 4000, 8, 2, seed=0)
+    assert (idx_TK[:, 0] != idx_TK[:, 1]).all()
+    torch.testing.assert_close(w_TK.sum(-1), torch.ones(4000))
+    assert 0.3 < max_load_share(idx_TK, 8) < 0.5
+    uniform, _ = make_routing("uniform", 4000, 8, 2, seed=0)
+    assert max_load_share(uniform, 8) < 0.15
+    assert make_routing("uniform", 0, 8, 2)[0].shape == (0, 2)
+    with pytest.raises(ValueError, match="routing must be one of .* got 'zipf'"):
+        make_routing("zipf", 4, 8, 2)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, num_experts=8\], got 9"):
+        make_routing("uniform", 4, 8, 9)
+
+
+def test_optional_lookups(tmp_path, monkeypatch):
+    missing = optional_import("moe_ep.no_such_component")
+    assert not missing.available and missing.reason == "not available (moe_ep.no_such_component not found)"
+    attr = optional_attr("moe_ep.bench.kernels", "no_such_function")
+    assert attr.reason == "not available (moe_ep.bench.kernels.no_such_function not defined)"
+    assert optional_attr("moe_ep.bench.kernels", "Problem").value is kernels.Problem
+    # A component that exists but needs a package missing from the environment is a real error.
+    (tmp_path / "bench_probe_pkg.py").write_text("import bench_probe_missing_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="bench_probe_missing_dependency"):
+        optional_import("bench_probe_pkg")
+    sys.modules.pop("bench_probe_pkg", None)
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="warmup must be >= 0 and reps >= 1, got warmup=0, reps=0"):
+        measure(lambda: None, device=torch.device("cpu"), warmup=0, reps=0)
+    with pytest.raises(ValueError, match=r"--ep values must divide the expert count E=8 of mixtral, got \[3\]"):
+        main(["dispatch", "--device", "cpu", "--no-timing", "--no-save", "--ep", "2", "3"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device must be cpu on a machine without CUDA, got 'cuda'"):
+            main(["kernels", "--device", "cuda", "--no-save"])
+    with pytest.raises(SystemExit):
+        main(["nonsense"])
