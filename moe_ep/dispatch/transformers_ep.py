@@ -1,0 +1,65 @@
+"""Our dispatcher as an entry of transformers' expert-parallel registry
+(``transformers.distributed.expert_parallel.EPImplementationInterface``), so that
+``DistributedConfig(ep_size=N, ep_implementation="moe_ep")`` uses it. The registry exists in
+recent transformers 5.x only; ``register_transformers_ep`` says whether it found one."""
+
+from __future__ import annotations
+
+import importlib.util
+
+EP_IMPLEMENTATION = "moe_ep"
+_REGISTRY_MODULE = "transformers.distributed.expert_parallel"
+
+
+def _registry_module():
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec(_REGISTRY_MODULE) is None:
+        return None
+    module = importlib.import_module(_REGISTRY_MODULE)
+    return module if hasattr(module, "EPImplementationInterface") else None
+
+
+def _implementation_class(module):
+    from .dispatcher import combine, dispatch
+
+    class MoeEpAllToAll(module.EPImplementation):
+        """Tokens go once to each rank owning one of their experts; the expert rank applies the
+        routing weights and reduces; one row per (token, rank) comes back. The experts run with
+        their own forward (any experts implementation) on local ids and the received weights.
+
+        Every rank of the expert group holds its own batch: ``tp_size`` must be 1."""
+
+        def __init__(self, experts, ep_mesh, tp_mesh):
+            super().__init__(experts, ep_mesh, tp_mesh)
+            if tp_mesh.size() > 1:
+                raise ValueError(
+                    f"ep_implementation={EP_IMPLEMENTATION!r} needs tp_size=1 (each rank of the expert group holds "
+                    f"its own batch), got a tensor-parallel mesh of size {tp_mesh.size()}; use "
+                    "ep_implementation='all_to_all' together with tensor parallelism"
+                )
+            self.group = ep_mesh.get_group()
+            self.num_experts = self.num_local_experts * ep_mesh.size()
+
+        def __call__(self, hidden_states, top_k_index, top_k_weights):
+            tokens = dispatch(hidden_states, top_k_index, top_k_weights, group=self.group, num_experts=self.num_experts)
+            expert_output = self.experts_forward(tokens.hidden_states, tokens.expert_ids, tokens.weights)
+            return combine(expert_output.to(hidden_states.dtype), tokens.layout)
+
+    return MoeEpAllToAll
+
+
+def register_transformers_ep() -> bool:
+    """Register ``"moe_ep"`` in transformers' expert-parallel registry. Idempotent. Returns False,
+    registering nothing, when the installed transformers has no such registry."""
+    module = _registry_module()
+    if module is None:
+        return False
+    current = module.EPImplementationInterface._global_mapping.get(EP_IMPLEMENTATION)
+    if current is not None and current.__module__ == __name__:
+        return True
+    if current is not None:
+        raise ValueError(
+            f"transformers' expert-parallel implementation {EP_IMPLEMENTATION!r} is already registered by "
+            f"{current.__module__}.{current.__qualname__}; moe_ep will not overwrite it"
+        )
+    module.EPImplementationInterface.register(EP_IMPLEMENTATION, _implementation_class(module))
+    return True

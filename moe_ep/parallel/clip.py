@@ -1,0 +1,61 @@
+"""Gradient-norm clipping across the two meshes. ``torch.nn.utils.clip_grad_norm_`` stacks the
+per-parameter norms, which fails for DTensors on different meshes (dense grads live on
+``(dp_replicate, dp_shard)``, expert grads on ``(dp_replicate, edp, ep)``). Here each mesh's norm
+is reduced by DTensor over that mesh (replicated dimensions counted once); every rank then holds
+every mesh's norm as an ordinary tensor and combines them the same way."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _mesh_key(grad: torch.Tensor):
+    return grad.device_mesh if isinstance(grad, DTensor) else None
+
+
+def clip_grad_norm_(
+    parameters: torch.nn.Module | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` (a module or an iterable of tensors) in place so that
+    their global ``norm_type`` norm is at most ``max_norm``; returns the norm before clipping, a
+    plain tensor equal on every rank. Collective over every mesh that holds a gradient: call it
+    on every rank, in the same order."""
+    if isinstance(parameters, torch.nn.Module):
+        parameters = parameters.parameters()
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
+        raise ValueError(f"max_norm must be a non-negative number, got {max_norm!r}")
+    norm_type = float(norm_type)
+    if not (norm_type > 0):
+        raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
+    grads = [p.grad for p in parameters if p.grad is not None]
+    # Groups in first-seen order: the same on every rank, so the collectives line up.
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(_mesh_key(g), []).append(g)
+    group_norms = []
+    for mesh, members in groups.items():
+        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in members]
+        norm = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        group_norms.append(norm.full_tensor() if mesh is not None else norm)
+    if not group_norms:
+        return torch.zeros(())
+    device = group_norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in group_norms]), norm_type)
+    # host sync: only on request, to raise before touching the gradients.
+    if error_if_nonfinite and not math.isfinite(total.item()):
+        raise RuntimeError(f"the total {norm_type}-norm of the gradients is {total.item()}; not clipping")
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(clip_coef.to(device=local.device, dtype=local.dtype))
+    return total
