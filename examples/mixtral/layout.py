@@ -95,12 +95,10 @@ def missing_piece(module: str, attr: str) -> bool:
 def check_layout_supported(layout: Layout) -> None:
     """Fail before any work when the layout needs a piece of moe_ep that is not installed."""
     if layout.world_size > 1 and missing_piece("moe_ep.parallel", "parallelize"):
-        if layout.ep > 1 or layout.dp_shard > 1 or layout.pp > 1:
-            raise UsageError(
-                f"layout {layout.describe()} needs moe_ep.parallel.parallelize, which this checkout of moe_ep "
-                "does not have yet; only plain data parallel runs meanwhile: "
-                f"--dp-replicate {layout.world_size} --dp-shard 1 --ep 1 --pp 1"
-            )
+        raise UsageError(
+            f"layout {layout.describe()} needs moe_ep.parallel.parallelize, which this installation of moe_ep "
+            "does not have; run one process, or install a moe_ep with expert parallelism"
+        )
     if layout.pp > 1 and missing_piece("moe_ep.training", "train_step"):
         raise UsageError(
             f"layout {layout.describe()} needs pipeline stages (moe_ep.training), which this checkout of moe_ep "
@@ -115,12 +113,37 @@ def layout_from_plan(args, config, world_size: int, gpus_per_node: int, gpu_memo
     raise UsageError("--plan: moe_ep.plan exists but this example does not call it yet; give the degrees by hand")
 
 
-def apply_layout(model: torch.nn.Module, layout: Layout, *, mixed_precision: str, device: torch.device):
-    """Shard and wrap the model. Returns the module the training loop calls."""
-    if not missing_piece("moe_ep.parallel", "parallelize"):
-        raise UsageError("moe_ep.parallel.parallelize exists but this example does not call it yet")
-    if layout.world_size == 1:
+def apply_layout(model: torch.nn.Module, layout: Layout, *, mixed_precision: torch.dtype | None) -> torch.nn.Module:
+    """Shard the model in place with moe_ep.parallelize (collective). One process without a process
+    group keeps the model as it is."""
+    if layout.world_size == 1 and not torch.distributed.is_initialized():
         return model
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from moe_ep.parallel import parallelize
+
+    # Compute in the low precision, reduce gradients and keep master weights in float32.
+    policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32) if mixed_precision else None
+    return parallelize(
+        model, ep=layout.ep, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, pp=layout.pp,
+        mixed_precision=policy, activation_checkpointing=layout.activation_checkpointing,
+    )
+
+
+def is_parallelized(model: torch.nn.Module) -> bool:
+    return hasattr(model, "moe_ep_meshes")
+
+
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """The global gradient norm (clipped to ``max_norm``) across the dense and expert meshes."""
+    if is_parallelized(model):
+        from moe_ep.parallel import clip_grad_norm_ as clip_across_meshes
+
+        return clip_across_meshes(model, max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """Skip the gradient reduce-scatter on all micro-batches but the last of a step."""
+    if is_parallelized(model):
+        model.set_requires_gradient_sync(enabled)

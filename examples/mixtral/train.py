@@ -25,7 +25,7 @@ import torch.distributed as dist
 from checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, remove_incomplete, save_checkpoint
 from data import ByteTokenizer, BatchSchedule, PackedSequences, PretrainedTokenizer, cached_tokens, local_batch, resolve_data
 from errors import UsageError
-from layout import apply_layout, check_layout_supported, layout_from_flags, layout_from_plan
+from layout import apply_layout, check_layout_supported, clip_grad_norm_, gradient_sync, layout_from_flags, layout_from_plan
 from metrics import ExpertLoad, Reporter, Throughput, flops_per_token, peak_flops, summary_lines
 from models import (
     build_model,
@@ -130,15 +130,15 @@ def train(args) -> None:
     model = build_model(source, seed=args.seed, meta=meta)
     model = configure_experts(model, args.experts_implementation, args.backend)
     total_params, active_params = count_parameters(model)
-    wrapped = apply_layout(model, layout, mixed_precision=mp_dtype, device=device)
+    if not meta and device.type != "cpu":
+        model.to(device)
+    model = apply_layout(model, layout, mixed_precision=mp_dtype)
     if meta:
         materialize(model, device, seed=args.seed)
         if source.pretrained_dir is not None:
             from pretrained import load_owned_slices
 
             load_owned_slices(model, source.pretrained_dir)
-    elif device.type != "cpu":
-        model.to(device)
     model.train()
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -160,7 +160,7 @@ def train(args) -> None:
     data_identity = {"corpus_tokens": int(tokens.size), "seq_len": args.seq_len, "global_batch": global_batch,
                      "seed": args.seed, "tokenizer": tokenizer.name}
     if resume is not None:
-        saved = load_checkpoint(resume, wrapped, optimizer, rank=rank, world_size=world_size)
+        saved = load_checkpoint(resume, model, optimizer, rank=rank, world_size=world_size)
         if saved["data"] != data_identity:
             raise UsageError(
                 f"--resume {resume}: the checkpoint was trained on different data or batch {saved['data']}, now "
@@ -192,7 +192,9 @@ def train(args) -> None:
 
     losses: list[tuple[int, float]] = []
     last_ckpt = resume
-    autocast = torch.autocast(device.type, dtype=mp_dtype) if mp_dtype is not None else nullcontext()
+    # Parallelized models cast through FSDP's policy; a lone process uses autocast instead.
+    use_autocast = mp_dtype is not None and not dist.is_initialized()
+    autocast = torch.autocast(device.type, dtype=mp_dtype) if use_autocast else nullcontext()
     for step in range(start_step, args.steps):
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
@@ -202,20 +204,16 @@ def train(args) -> None:
         lm_sum = torch.zeros((), device=device)
         aux_sum = torch.zeros((), device=device)
         for i, ids in enumerate(batch.chunk(args.grad_accum)):
-            sync = i == args.grad_accum - 1
-            no_sync = wrapped.no_sync() if not sync and hasattr(wrapped, "no_sync") else nullcontext()
-            with no_sync:
-                with autocast:
-                    out = wrapped(input_ids=ids, output_router_logits=True, use_cache=False)
-                lm = torch.nn.functional.cross_entropy(
-                    out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()
-                )
-                aux = out.aux_loss.float()
-                ((lm + aux_coef * aux) / args.grad_accum).backward()
+            gradient_sync(model, i == args.grad_accum - 1)
+            with autocast:
+                out = model(input_ids=ids, output_router_logits=True, use_cache=False)
+            lm = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+            aux = out.aux_loss.float()
+            ((lm + aux_coef * aux) / args.grad_accum).backward()
             lm_sum += lm.detach()
             aux_sum += aux.detach()
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        grad_norm = clip_grad_norm_(model, max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         tokens_seen += global_batch * args.seq_len
@@ -241,7 +239,7 @@ def train(args) -> None:
         if done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
             trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
                              "layout": layout.as_dict(), "model": source.name, "data": data_identity}
-            last_ckpt = save_checkpoint(ckpt_root, done, wrapped, optimizer, trainer_state, rank=rank,
+            last_ckpt = save_checkpoint(ckpt_root, done, model, optimizer, trainer_state, rank=rank,
                                         barrier=barrier, keep=args.keep_checkpoints, config=model.config)
             reporter.info(f"checkpoint {last_ckpt}")
 
@@ -267,10 +265,13 @@ def main(argv=None) -> int:
     try:
         train(args)
     except UsageError as err:
-        if env_int("RANK", 0) == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
         if dist.is_initialized():
+            # Found after start-up, possibly on some ranks only: every rank says what it saw.
+            print(f"error (rank {dist.get_rank()}): {err}", file=sys.stderr, flush=True)
             dist.destroy_process_group()
+        elif env_int("RANK", 0) == 0:
+            # Found by the checks before start-up, identically on every rank: said once.
+            print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     return 0
 
