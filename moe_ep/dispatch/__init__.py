@@ -1,20 +1,25 @@
 """Expert-parallel token dispatch: stateless ``dispatch`` / ``combine`` over a process group,
 dropless or with a capacity, the ``moe_experts_ep`` layer built on them, the dispatcher object
-that ``moe_ep.parallel.parallelize`` installs on transformers experts modules, and transformers'
-expert-parallel registry entry ``"moe_ep"``."""
+that ``moe_ep.parallel.parallelize`` installs on transformers experts modules, transformers'
+expert-parallel registry entry ``"moe_ep"``, and the byte count of both dispatch schemes."""
 
 from .capacity import capacity_keep_mask, expert_capacity
 from .dispatcher import combine, dispatch
 from .expert_parallel import ExpertParallelDispatcher, moe_experts_ep
 from .layout import DispatchedTokens, DispatchLayout
+from .transformers_ep import register_transformers_ep
+from .wire_bytes import WireBytes, wire_bytes
 
 __all__ = [
     "DispatchLayout",
     "DispatchedTokens",
     "ExpertParallelDispatcher",
+    "WireBytes",
     "capacity_keep_mask",
     "combine",
     "dispatch",
     "expert_capacity",
     "moe_experts_ep",
+    "register_transformers_ep",
+    "wire_bytes",
 ]

@@ -1,0 +1,138 @@
+"""Load-balancing terms of MoE training: the auxiliary loss (Switch Transformer, with
+transformers' normalisation), optionally computed from counts gathered over every rank that holds
+different tokens (Megatron-Core's global aux loss); the router z-loss (ST-MoE); and the
+aux-loss-free expert bias of DeepSeek-V3, updated identically on every rank.
+
+Gradient convention: each rank backpropagates its own loss and data parallelism averages the
+gradients over the ``dp`` ranks (FSDP2 as ``moe_ep.parallel.parallelize`` sets it up). The
+global aux loss is therefore returned with its true, global VALUE on every rank and a gradient
+scaled by the group size, so that the averaged gradient is exactly the gradient of the global
+loss. Nothing here reads a tensor back to the host."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._validate import check_float, check_index, check_tensor
+
+
+def _as_layers(name: str, value) -> list[torch.Tensor]:
+    layers = [value] if isinstance(value, torch.Tensor) else list(value)
+    if not layers:
+        raise ValueError(f"{name} must be a tensor or a non-empty sequence of tensors, got an empty sequence")
+    for i, t in enumerate(layers):
+        check_tensor(f"{name}[{i}]", t, ndim=2)
+    return layers
+
+
+def expert_counts(top_k_index: torch.Tensor, num_experts: int, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed (token, slot) pairs per expert, ``[E]`` float32 (masked tokens count 0). On the
+    device: a scatter-add, no host sync (``bincount`` would read the maximum back)."""
+    check_tensor("top_k_index", top_k_index, ndim=2)
+    check_index("top_k_index", top_k_index)
+    T, K = top_k_index.shape
+    ones = torch.ones(T, K, dtype=torch.float32, device=top_k_index.device)
+    if token_mask is not None:
+        ones = ones * token_mask.reshape(T, 1).to(torch.float32)
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=top_k_index.device)
+    return counts.scatter_add_(0, top_k_index.reshape(-1).long(), ones.reshape(-1))
+
+
+def load_balancing_loss(
+    router_logits: torch.Tensor | Sequence[torch.Tensor],
+    top_k: int,
+    *,
+    top_k_index: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    token_mask: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """``E * sum_e f_e * P_e`` summed over the batch of every layer: ``f_e`` routed pairs of expert
+    ``e`` per token, ``P_e`` its mean softmax probability. Equals transformers'
+    ``load_balancing_loss_func`` on the same logits.
+
+    Args:
+        router_logits: ``[T, E]`` per MoE layer (one tensor or a sequence; every layer counts).
+        top_k: experts per token; the choice is the top-k of the softmax unless ``top_k_index``
+            gives the router's actual choice (e.g. with a correction bias), one ``[T, K]`` per layer.
+        token_mask: ``[T]``, 1 for tokens that count (padding 0), shared by every layer.
+        group: None = this rank's tokens only. A process group = every rank that holds different
+            tokens (``moe_ep.parallel.meshes_of(model).dp_group``): counts, probability sums and
+            token counts are summed over it (one all-reduce), the value is the loss of the whole
+            global batch on every rank, and the gradient is scaled by the group size for the
+            gradient averaging of data parallelism. Collective then: call it on every rank.
+    """
+    logits = _as_layers("router_logits", router_logits)
+    E = logits[0].shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be an int in [1, E={E}], got {top_k!r}")
+    choices = None if top_k_index is None else _as_layers("top_k_index", top_k_index)
+    if choices is not None and len(choices) != len(logits):
+        raise ValueError(f"top_k_index must give one tensor per layer ({len(logits)}), got {len(choices)}")
+    device = logits[0].device
+    counts_E = torch.zeros(E, dtype=torch.float32, device=device)
+    prob_sum_E = torch.zeros(E, dtype=torch.float32, device=device)
+    for i, layer_logits in enumerate(logits):
+        check_float(f"router_logits[{i}]", layer_logits)
+        if layer_logits.shape[1] != E:
+            raise ValueError(f"router_logits[{i}] must have E={E} columns, got shape {tuple(layer_logits.shape)}")
+        probs_TE = layer_logits.float().softmax(-1)
+        chosen = probs_TE.detach().topk(top_k, dim=-1).indices if choices is None else choices[i]
+        counts_E = counts_E + expert_counts(chosen, E, token_mask)
+        if token_mask is not None:
+            probs_TE = probs_TE * token_mask.reshape(-1, 1).to(torch.float32)
+        prob_sum_E = prob_sum_E + probs_TE.sum(0)
+    # Rows over all layers, as transformers normalises: (tokens per layer) * (layers).
+    per_layer = torch.full((1,), float(logits[0].shape[0]), device=device) if token_mask is None else (
+        token_mask.float().sum().reshape(1)
+    )
+    tokens = per_layer * len(logits)
+    if group is None:
+        return E * torch.sum(counts_E * prob_sum_E) / (tokens[0] * tokens[0])
+    # One all-reduce of the non-differentiable statistics; the local probability sum keeps its
+    # gradient, scaled by the group size (see the module docstring).
+    stats = torch.cat([counts_E, prob_sum_E.detach(), tokens])
+    dist.all_reduce(stats, group=group)
+    global_counts, global_prob_sum, global_tokens = stats[:E], stats[E:2 * E], stats[2 * E]
+    ranks = dist.get_world_size(group)
+    prob_sum = global_prob_sum + ranks * (prob_sum_E - prob_sum_E.detach())
+    return E * torch.sum(global_counts * prob_sum) / (global_tokens * global_tokens)
+
+
+def router_z_loss(router_logits: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """ST-MoE's z-loss: the mean over tokens of ``logsumexp(logits)^2``, summed over layers. It
+    keeps router logits small, so softmax stays accurate in low precision."""
+    layers = _as_layers("router_logits", router_logits)
+    for i, t in enumerate(layers):
+        check_float(f"router_logits[{i}]", t)
+    return sum(torch.logsumexp(t.float(), dim=-1).square().mean() for t in layers)
+
+
+@torch.no_grad()
+def update_expert_bias_(
+    bias: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    rate: float,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Aux-loss-free balancing (DeepSeek-V3): ``bias += rate * sign(mean(load) - load)``, in place.
+
+    ``counts [E]`` are this rank's routed pairs per expert since the last update (e.g. summed
+    ``expert_counts`` over micro-batches). With ``group`` they are summed over it first, exactly
+    (integers in float32 below 2^24, or int64), so every rank applies the same update to the same
+    bias: the biases stay identical without being broadcast. Returns ``bias``."""
+    check_tensor("bias", bias, ndim=1)
+    check_tensor("counts", counts, ndim=1)
+    if counts.shape != bias.shape:
+        raise ValueError(f"counts must have the shape of bias {tuple(bias.shape)}, got {tuple(counts.shape)}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
+        raise ValueError(f"rate must be a non-negative number, got {rate!r}")
+    load = counts.to(torch.float64)
+    if group is not None:
+        load = load.clone()
+        dist.all_reduce(load, group=group)
+    bias.add_(torch.sign(load.mean() - load).to(bias.dtype), alpha=rate)
+    return bias
