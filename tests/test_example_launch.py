@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import psutil
@@ -160,9 +161,32 @@ def test_export_loads_with_plain_transformers_and_gives_the_trained_logits(refer
 
     model = AutoModelForCausalLM.from_config(tiny_config())
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(out / "checkpoints" / f"step_{STEPS:08d}"), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(out / "checkpoints" / f"step_{STEPS:08d}"), no_dist=True)
     ids = torch.tensor([list(b"def train(model):\n    return model")])
     with torch.no_grad():
         trained = model(input_ids=ids).logits
     exported = torch.load(logits_file)
     assert rel_err(exported, trained) <= TOLERANCE[torch.float32]
+
+
+def test_pretrained_weights_read_by_slice_on_two_ranks_match_one_process(reference, tmp_path):
+    """Continue training the exported model: each of the 2 ranks reads only its experts and FSDP
+    shards from the safetensors file; the losses must be those of one process reading it whole."""
+    export = reference[0] / "hf"
+    pretrained = ["--model", str(export), "--tokenizer", "byte", "--steps", "2", "--warmup-steps", "1",
+                  "--checkpoint-every", "0"]
+    log = run(accelerate_cmd(tmp_path / "two", *pretrained))
+    assert f"model {export}:" in log
+    sys.path.insert(0, str(EXAMPLE))
+    import train
+
+    assert train.main([*COMMON, *pretrained, "--grad-accum", "2", "--output-dir", str(tmp_path / "one")]) == 0
+    two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert sorted(two) == sorted(one) == [1, 2]
+    # The first loss is the exported model's own (the run it came from ended near it).
+    assert abs(two[1] - losses(reference[0])[STEPS]) < 0.5
+    a = torch.tensor([two[1], two[2]], dtype=torch.float64)
+    b = torch.tensor([one[1], one[2]], dtype=torch.float64)
+    assert rel_err(a, b) <= TOLERANCE[torch.float32], (a, b)

@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default="tiny",
                    help="a named config initialised at random (tiny, mixtral-8x7b), or a Hugging Face id / local "
                         "folder with config.json and safetensors weights")
+    m.add_argument("--init", default="auto", choices=["auto", "full", "meta"],
+                   help="random init of named configs: full (whole model on every rank, then sharded) or meta "
+                        "(delayed: each rank initialises only its shards); auto: full for tiny, meta for mixtral-8x7b")
     m.add_argument("--tokenizer", default="auto", choices=["auto", "byte"],
                    help="auto: bytes for named configs, the model's own tokenizer for pretrained ones; byte: always "
                         "bytes (e.g. to continue training a model this example exported)")

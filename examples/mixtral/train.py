@@ -126,7 +126,7 @@ def train(args) -> None:
     schedule = BatchSchedule(packed.num_sequences, global_batch, layout.dp_rank(rank), layout.dp_size, args.seed)
 
     # Model: HF classes, our expert kernels, then the layout; meta models are materialised shard by shard.
-    meta = source.meta_init
+    meta = source.meta_init if args.init == "auto" or source.pretrained_dir is not None else args.init == "meta"
     model = build_model(source, seed=args.seed, meta=meta)
     model = configure_experts(model, args.experts_implementation, args.backend)
     total_params, active_params = count_parameters(model)
