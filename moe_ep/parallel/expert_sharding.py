@@ -9,9 +9,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..dispatch import ExpertParallelDispatcher
 from ..hf.layout import _is_experts_module, experts_activation
+from ..hf.registry import EXPERTS_IMPLEMENTATION
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
-EXPERTS_IMPLEMENTATION = "moe_ep"
 
 
 def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -1,0 +1,463 @@
+"""The expert-parallel dispatcher on 2 and 4 gloo ranks against a float64 single-process
+reference (moe_experts_ref on every rank's tokens at once): outputs and the gradients of the
+tokens, the routing weights and this rank's experts. Plus the capacity policy against a loop
+implementation of its documented rule, the host-sync audit of both modes, the byte counts, the
+transformers registry entry and the argument errors.
+
+Every distributed check of one world size runs inside ONE spawned process group (cheap to
+start); pytest tests read its results."""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import TOLERANCE, rel_err
+from dist_utils import run_ranks
+from moe_ep.dispatch import capacity_keep_mask, expert_capacity, wire_bytes
+from moe_ep.reference import moe_experts_ref
+
+TOL = TOLERANCE[torch.float32]
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing cases. Every rank builds the data of every rank from one seed, keeps its own slice and
+# computes the reference on all of it.
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    T: tuple[int, ...] | int  # tokens per rank
+    E: int
+    K: int
+    H: int = 16
+    I: int = 12
+    routing: str = "random"  # random | first_rank | one_expert | same_rank
+    capacity_factor: float | None = None
+    tied_weights: bool = False
+
+    def tokens(self, world: int) -> list[int]:
+        return list(self.T) if isinstance(self.T, tuple) else [self.T] * world
+
+    def make(self, world: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        E, K, L = self.E, self.K, self.E // world
+        xs, idxs, ws, dys = [], [], [], []
+        for T in self.tokens(world):
+            xs.append(torch.randn(T, self.H, generator=g))
+            if self.routing == "random":
+                idx = torch.rand(T, E, generator=g).topk(K, -1).indices
+            elif self.routing == "first_rank":  # every expert chosen lives on rank 0
+                idx = torch.rand(T, L, generator=g).topk(K, -1).indices
+            elif self.routing == "one_expert":  # expert E-1 (last rank) in every token
+                rest = torch.rand(T, E - 1, generator=g).topk(K - 1, -1).indices
+                idx = torch.cat([torch.full((T, 1), E - 1), rest], dim=1)
+            elif self.routing == "same_rank":  # all K experts of a token on one rank
+                rank = torch.randint(0, world, (T, 1), generator=g)
+                idx = rank * L + torch.rand(T, L, generator=g).topk(K, -1).indices
+            else:
+                raise ValueError(self.routing)
+            idxs.append(idx)
+            w = torch.rand(T, K, generator=g) + 0.1
+            ws.append((w * 4).round() / 4 if self.tied_weights else w)
+            dys.append(torch.randn(T, self.H, generator=g))
+        gate_up = torch.randn(E, 2 * self.I, self.H, generator=g) / self.H**0.5
+        down = torch.randn(E, self.H, self.I, generator=g) / self.I**0.5
+        return xs, idxs, ws, dys, gate_up, down
+
+
+def keep_mask_reference(idx_TK, w_TK, num_experts: int, capacity: int) -> torch.Tensor:
+    """The documented capacity policy as a plain loop: per expert, highest weight first, lower
+    token index first among equal weights, keep ``capacity``."""
+    T, K = idx_TK.shape
+    keep = torch.zeros(T, K, dtype=torch.bool)
+    for e in range(num_experts):
+        pairs = [(t, k) for t in range(T) for k in range(K) if idx_TK[t, k] == e]
+        pairs.sort(key=lambda p: (-float(w_TK[p]), p[0]))
+        for p in pairs[:capacity]:
+            keep[p] = True
+    return keep
+
+
+CASES_2 = [
+    Case("random", T=7, E=8, K=2),
+    Case("odd_sizes", T=(5, 9), E=6, K=3, H=12, I=10),
+    Case("k1", T=6, E=4, K=1),
+    Case("k_eq_e", T=5, E=4, K=4),
+    Case("rank1_receives_nothing", T=6, E=8, K=2, routing="first_rank"),
+    Case("one_expert_gets_all_k1", T=6, E=4, K=1, routing="one_expert"),
+    Case("one_expert_gets_all_k2", T=6, E=8, K=2, routing="one_expert"),
+    Case("same_rank", T=8, E=8, K=2, routing="same_rank"),
+    Case("rank_with_no_tokens", T=(0, 6), E=4, K=2),
+    Case("capacity_1", T=12, E=4, K=2, capacity_factor=1.0),
+    Case("capacity_half_ties", T=9, E=8, K=3, capacity_factor=0.5, tied_weights=True),
+    Case("capacity_tight_k_eq_e", T=6, E=4, K=4, capacity_factor=0.3),
+    Case("capacity_roomy", T=5, E=8, K=2, capacity_factor=4.0),
+]
+CASES_4 = [
+    Case("random", T=5, E=8, K=2),
+    Case("rank1_receives_nothing", T=4, E=8, K=2, routing="first_rank"),
+    Case("k_eq_e", T=3, E=4, K=4),
+    Case("one_expert_gets_all", T=4, E=8, K=3, routing="one_expert"),
+    Case("capacity_ties", T=8, E=8, K=2, capacity_factor=0.75, tied_weights=True),
+]
+
+
+def _check_case(case: Case, rank: int, world: int) -> dict:
+    from moe_ep.dispatch import dispatch, moe_experts_ep
+
+    xs, idxs, ws, dys, gate_up, down = case.make(world)
+    L = case.E // world
+    mine = slice(rank * L, (rank + 1) * L)
+    x = xs[rank].clone().requires_grad_()
+    w = ws[rank].clone().requires_grad_()
+    gu = gate_up[mine].clone().requires_grad_()
+    dn = down[mine].clone().requires_grad_()
+    group = dist.group.WORLD
+    result = {}
+    kept = None
+    if case.capacity_factor is not None:
+        capacity = expert_capacity(case.tokens(world)[rank], case.K, case.E, case.capacity_factor)
+        kept = [keep_mask_reference(i, v, case.E, capacity) for i, v in zip(idxs, ws)]
+        routed = dispatch(x, idxs[rank], w, group=group, num_experts=case.E, capacity_factor=case.capacity_factor)
+        result["kept_exact"] = torch.equal(routed.layout.kept_TK, kept[rank])
+        result["dropped"] = int((~kept[rank]).sum())
+    else:
+        routed = dispatch(x, idxs[rank], w, group=group, num_experts=case.E)
+        # A token goes once to each rank that owns one of its experts.
+        dest = idxs[rank] // L
+        distinct = sum(len(set(row.tolist())) for row in dest)
+        result["rows_sent"], result["rows_expected"] = sum(routed.layout.send_splits), distinct
+        result["rows_received"] = sum(routed.layout.recv_splits)
+    y = moe_experts_ep(x, idxs[rank], w, gu, dn, group=group, capacity_factor=case.capacity_factor)
+    (y * dys[rank]).sum().backward()
+
+    x64 = torch.cat(xs).double().requires_grad_()
+    w64 = torch.cat(ws).double().requires_grad_()
+    # A dropped pair contributes nothing, so its weight gets no gradient either.
+    w64_kept = w64 if kept is None else w64 * torch.cat(kept)
+    gu64, dn64 = gate_up.double().requires_grad_(), down.double().requires_grad_()
+    y64 = moe_experts_ref(x64, torch.cat(idxs), w64_kept, gu64, dn64)
+    (y64 * torch.cat(dys).double()).sum().backward()
+    rows = slice(sum(case.tokens(world)[:rank]), sum(case.tokens(world)[: rank + 1]))
+    result["err"] = {
+        "y": rel_err(y, y64[rows]),
+        "dx": rel_err(x.grad, x64.grad[rows]),
+        "dw": rel_err(w.grad, w64.grad[rows]),
+        "d_gate_up": rel_err(gu.grad, gu64.grad[mine]),
+        "d_down": rel_err(dn.grad, dn64.grad[mine]),
+    }
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-sync audit: every read of a tensor value by the host, with the moe_ep frame that caused it.
+
+
+class HostSyncRecorder(TorchDispatchMode):
+    """Records host reads: ops that copy a value to the host (``.item()``, ``int()``, ``bool()``
+    go through ``_local_scalar_dense``) or whose output size depends on values (``nonzero`` and
+    friends), plus ``Tensor.tolist``/``numpy``, which bypass the dispatcher."""
+
+    SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "equal", "is_nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.sites: list[str] = []
+        self._patched = {}
+
+    def _record(self, what: str) -> None:
+        frames = [f for f in traceback.extract_stack() if "/moe_ep/" in f.filename.replace("\\", "/")]
+        where = f"{frames[-1].filename.rsplit('/moe_ep/', 1)[1]}:{frames[-1].name}" if frames else "outside moe_ep"
+        self.sites.append(f"{what} @ {where}")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in self.SYNC_OPS or (name == "repeat_interleave" and "output_size" not in (kwargs or {})):
+            self._record(name)
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        for method in ("tolist", "numpy"):
+            original = getattr(torch.Tensor, method)
+            self._patched[method] = original
+
+            def wrapper(tensor, *a, _original=original, _method=method, **k):
+                self._record(_method)
+                return _original(tensor, *a, **k)
+
+            setattr(torch.Tensor, method, wrapper)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for method, original in self._patched.items():
+            setattr(torch.Tensor, method, original)
+        return super().__exit__(*exc)
+
+
+# The expert-id range check of the public ops reads min/max on the CPU only; on CUDA it is
+# queued on the device (torch._assert_async), so it is no host sync where one matters.
+CPU_ONLY_CHECK = "_validate.py:check_indices_in_range"
+
+
+def _audit(rank: int, world: int, capacity_factor) -> list[str]:
+    from moe_ep.dispatch import moe_experts_ep
+
+    case = Case("audit", T=8, E=8, K=2)
+    xs, idxs, ws, dys, gate_up, down = case.make(world, seed=3)
+    L = case.E // world
+    x = xs[rank].clone().requires_grad_()
+    w = ws[rank].clone().requires_grad_()
+    gu = gate_up[rank * L:(rank + 1) * L].clone().requires_grad_()
+    dn = down[rank * L:(rank + 1) * L].clone().requires_grad_()
+    with HostSyncRecorder() as recorder:
+        y = moe_experts_ep(x, idxs[rank], w, gu, dn, group=dist.group.WORLD, capacity_factor=capacity_factor)
+        torch.autograd.backward(y, dys[rank])
+    return [s for s in recorder.sites if CPU_ONLY_CHECK not in s]
+
+
+def _recorder_self_test() -> list[str]:
+    """The recorder must see a host read hidden in a backward pass and a tolist()."""
+
+    class ReadsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            int(g.sum())
+            return g * 2
+
+    t = torch.ones(3, requires_grad=True)
+    with HostSyncRecorder() as recorder:
+        ReadsInBackward.apply(t).sum().backward()
+        torch.arange(3).tolist()
+    return recorder.sites
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers' expert-parallel registry entry, on a transformers experts module.
+
+
+def _transformers_ep(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.expert_parallel import EPImplementationInterface
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from hf_models import tiny_config
+    from moe_ep.dispatch import register_transformers_ep
+
+    registered = register_transformers_ep()
+    config = tiny_config("mixtral", num_local_experts=4)
+    config._experts_implementation = "grouped_mm"
+    full = MixtralExperts(config)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        full.gate_up_proj.copy_(torch.randn(full.gate_up_proj.shape, generator=g) / 6)
+        full.down_proj.copy_(torch.randn(full.down_proj.shape, generator=g) / 5)
+    T, K, E = 6, 2, 4
+    xs = torch.randn(world, T, config.hidden_size, generator=g)
+    idx = torch.rand(world, T, E, generator=g).topk(K, -1).indices
+    w = torch.rand(world, T, K, generator=g)
+    L = E // world
+    local = MixtralExperts(config)
+    with torch.no_grad():
+        local.gate_up_proj = torch.nn.Parameter(full.gate_up_proj[rank * L:(rank + 1) * L].clone())
+        local.down_proj = torch.nn.Parameter(full.down_proj[rank * L:(rank + 1) * L].clone())
+    local.num_experts = L
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("tp", "ep"))
+    impl = EPImplementationInterface()["moe_ep"](local, mesh["ep"], mesh["tp"])
+    y = impl(xs[rank], idx[rank], w[rank])
+    ref = moe_experts_ref(xs.view(-1, config.hidden_size), idx.view(-1, K), w.view(-1, K), full.gate_up_proj, full.down_proj)
+    return {"registered": registered, "in_registry": "moe_ep" in EPImplementationInterface(),
+            "err": rel_err(y, ref.view(world, T, -1)[rank])}
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument errors that need a process group.
+
+
+def _errors(rank: int, world: int) -> dict:
+    from moe_ep.dispatch import combine, dispatch
+
+    group = dist.group.WORLD
+    x, idx, w = torch.randn(4, 8), torch.randint(0, 4, (4, 2)), torch.rand(4, 2)
+    attempts = {
+        "num_experts_not_multiple": lambda: dispatch(x, idx, w, group=group, num_experts=3),
+        "index_out_of_range": lambda: dispatch(x, idx + 4, w, group=group, num_experts=4),
+        "weights_shape": lambda: dispatch(x, idx, w[:, :1], group=group, num_experts=4),
+        "capacity_factor": lambda: dispatch(x, idx, w, group=group, num_experts=4, capacity_factor=0),
+        "group_type": lambda: dispatch(x, idx, w, group="world", num_experts=4),
+        "layout_type": lambda: combine(torch.randn(3, 8), "layout"),
+    }
+    messages = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            messages[name] = "no error"
+        except (ValueError, TypeError) as exc:
+            messages[name] = f"{type(exc).__name__}: {exc}"
+    routed = dispatch(x, idx, w, group=group, num_experts=4)
+    try:
+        combine(torch.randn(routed.layout.num_pairs + 1, 8), routed.layout)
+        messages["pairs_mismatch"] = "no error"
+    except ValueError as exc:
+        messages["pairs_mismatch"] = f"ValueError: {exc}"
+    # The failed combine never reached its collective; a matching one keeps the ranks in step.
+    combine(routed.hidden_states, routed.layout)
+    return messages
+
+
+def _world_2(rank: int, world: int) -> dict:
+    return {
+        "cases": {c.name: _check_case(c, rank, world) for c in CASES_2},
+        "audit_capacity": _audit(rank, world, 1.0),
+        "audit_dropless": _audit(rank, world, None),
+        "recorder_self_test": _recorder_self_test(),
+        "transformers_ep": _transformers_ep(rank, world),
+        "errors": _errors(rank, world),
+    }
+
+
+def _world_4(rank: int, world: int) -> dict:
+    return {"cases": {c.name: _check_case(c, rank, world) for c in CASES_4}}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_ranks(_world_2, 2)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_ranks(_world_4, 4)
+
+
+def _assert_case(results, name):
+    for rank, result in enumerate(results):
+        case = result["cases"][name]
+        bad = {k: v for k, v in case["err"].items() if not v <= TOL}
+        assert not bad, f"rank {rank}: relative errors above {TOL}: {bad}"
+        if "kept_exact" in case:
+            assert case["kept_exact"], f"rank {rank}: dropped pairs differ from the documented policy"
+        else:
+            assert case["rows_sent"] == case["rows_expected"], f"rank {rank}: {case}"
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES_2])
+def test_two_ranks_match_float64_reference(world2, name):
+    _assert_case(world2, name)
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES_4])
+def test_four_ranks_match_float64_reference(world4, name):
+    _assert_case(world4, name)
+
+
+def test_hard_cases_are_what_they_claim(world2, world4):
+    assert world2[1]["cases"]["rank1_receives_nothing"]["rows_received"] == 0
+    assert all(r["cases"]["rank1_receives_nothing"]["rows_received"] == 0 for r in world4[1:])
+    # Both experts of a token on one rank: one row, not two.
+    for r in world2:
+        same = r["cases"]["same_rank"]
+        assert same["rows_sent"] == 8
+    assert all(world2[r]["cases"][n]["dropped"] > 0 for r in range(2) for n in ("capacity_1", "capacity_half_ties"))
+    assert all(world2[r]["cases"]["capacity_roomy"]["dropped"] == 0 for r in range(2))
+
+
+def test_capacity_mode_has_no_host_sync(world2):
+    for rank, result in enumerate(world2):
+        assert result["audit_capacity"] == [], f"rank {rank}: host reads in capacity mode: {result['audit_capacity']}"
+
+
+def test_dropless_mode_has_exactly_the_count_exchange_sync(world2):
+    for result in world2:
+        assert result["audit_dropless"] == ["tolist @ dispatch/dispatcher.py:_exchange_counts"]
+
+
+def test_host_sync_recorder_sees_reads_in_backward_and_tolist(world2):
+    sites = world2[0]["recorder_self_test"]
+    assert any(s.startswith("_local_scalar_dense") for s in sites) and any(s.startswith("tolist") for s in sites)
+
+
+def test_transformers_registry_entry(world2):
+    for result in world2:
+        ep = result["transformers_ep"]
+        assert ep["registered"] and ep["in_registry"]
+        assert ep["err"] <= TOL
+
+
+@pytest.mark.parametrize(
+    "name, pattern",
+    [
+        ("num_experts_not_multiple", "num_experts must be a positive multiple of the group size 2, got 3"),
+        ("index_out_of_range", r"top_k_index must hold expert ids in \[0, 4\)"),
+        ("weights_shape", "top_k_index and top_k_weights must both have shape"),
+        ("capacity_factor", "capacity_factor must be a positive number or None"),
+        ("group_type", "group must be a torch.distributed.ProcessGroup, got str"),
+        ("layout_type", "layout must be the DispatchLayout returned by dispatch, got str"),
+        ("pairs_mismatch", "expert_output must have one row per dispatched pair"),
+    ],
+)
+def test_errors_name_the_argument(world2, name, pattern):
+    import re
+
+    assert re.search(pattern, world2[0]["errors"][name]), world2[0]["errors"][name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Single-process checks.
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_capacity_keep_mask_matches_policy_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    T, E, K = 23, 6, 3
+    idx = torch.rand(T, E, generator=g).topk(K, -1).indices
+    w = (torch.rand(T, K, generator=g) * 3).round() / 3  # many ties
+    for capacity in (0, 1, 4, 11, 100):
+        assert torch.equal(capacity_keep_mask(idx, w, E, capacity), keep_mask_reference(idx, w, E, capacity))
+
+
+def test_expert_capacity_formula():
+    assert expert_capacity(10, 2, 8, 1.0) == 3  # ceil(2.5)
+    assert expert_capacity(0, 2, 8, 1.25) == 0
+    assert expert_capacity(16, 2, 8, 1.0) == 4
+
+
+def test_wire_bytes_fewer_rows_when_experts_share_a_rank():
+    H, L = 4096, 2
+    shared = torch.tensor([[0, 1], [2, 3]])  # both experts of each token on one rank
+    apart = torch.tensor([[0, 2], [1, 3]])
+    s, a = wire_bytes(shared, L, H), wire_bytes(apart, L, H)
+    assert (s.moe_ep_rows, s.transformers_rows) == (2, 4)
+    assert s.moe_ep_payload * 2 == s.transformers_payload
+    assert (a.moe_ep_rows, a.transformers_rows) == (4, 4) and a.moe_ep_payload == a.transformers_payload
+    # The routing columns (int32 id + float32 weight per expert slot) are counted, not hidden.
+    assert a.moe_ep_metadata == 4 * 2 * 8 and a.moe_ep_bytes > a.transformers_bytes
+    ours, theirs = s.per_token()
+    assert ours < theirs
+
+
+def test_wire_bytes_never_more_payload_and_skips_local_rows():
+    g = torch.Generator().manual_seed(0)
+    idx = torch.rand(64, 16, generator=g).topk(4, -1).indices
+    for L in (1, 2, 4, 8, 16):
+        b = wire_bytes(idx, L, 32)
+        assert b.moe_ep_payload <= b.transformers_payload
+    local = wire_bytes(torch.tensor([[0, 3]]), 2, 8, source_rank=0)
+    assert (local.moe_ep_rows, local.transformers_rows) == (1, 1)
+
+
+def test_wire_bytes_errors():
+    with pytest.raises(ValueError, match="experts_per_rank must be a positive int, got 0"):
+        wire_bytes(torch.zeros(2, 2, dtype=torch.long), 0, 8)
+    with pytest.raises(TypeError, match="idx_TK must be int64 or int32"):
+        wire_bytes(torch.zeros(2, 2), 1, 8)
