@@ -1,0 +1,302 @@
+"""moe_ep.hf.register / patch: the fused routers return exactly what each family's router returns,
+patching is idempotent and reversible, nothing is patched by importing, and every unsupported
+layout, router or transformers version is refused with an error that names it."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import TOLERANCE, rel_err
+from tests.hf_models import FAMILIES, tiny_batch, tiny_config, tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+import moe_ep.hf as hf  # noqa: E402
+from moe_ep.experts import moe_experts  # noqa: E402
+from moe_ep.hf.routers import FUSED_ROUTER_FORWARDS  # noqa: E402
+
+
+def _router(model):
+    return model.model.layers[-1].mlp.gate
+
+
+def _experts(model):
+    return model.model.layers[-1].mlp.experts
+
+
+def _state(model):
+    """Everything patch may touch, to compare two patch calls."""
+    return (
+        model.config._experts_implementation,
+        [(n, m.__dict__.get("forward"), getattr(m, "moe_ep_backend", "unset")) for n, m in model.named_modules()],
+    )
+
+
+# --- fused routers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_router_returns_what_the_family_router_returns(family, dtype):
+    model = tiny_model(family, dtype=dtype)
+    router = _router(model)
+    x = torch.randn(3, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    want = type(router).forward(router, x)
+    hf.patch(model, backend="torch")
+    assert type(_router(model)) is type(router) and _router(model) is router
+    got = router(x)
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+    logits, weights, idx = got
+    w_logits, w_weights, w_idx = want
+    # DeepSeek-V3 takes its top-k unsorted: compare the chosen experts as sets, slot by expert id.
+    order, w_order = idx.sort(-1).indices, w_idx.sort(-1).indices
+    assert torch.equal(idx.gather(1, order), w_idx.gather(1, w_order))
+    tol = TOLERANCE[dtype]
+    assert rel_err(logits, w_logits) <= tol
+    assert rel_err(weights.gather(1, order), w_weights.gather(1, w_order)) <= tol
+
+
+def test_router_hooks_still_record_logits_and_aux_loss():
+    """output_router_logits=True goes through transformers' OutputRecorder hooks on the router
+    class: the patched model's recorded logits are the fused router's outputs."""
+    model = hf.patch(tiny_model("mixtral"), backend="torch")
+    seen = []
+    router = _router(model)
+    handle = router.register_forward_hook(lambda mod, args, out: seen.append(out[0]))
+    out = model(**tiny_batch(model.config), output_router_logits=True)
+    handle.remove()
+    assert len(seen) == 1 and out.router_logits[-1] is seen[0]
+    assert out.aux_loss is not None and out.aux_loss.item() > 0
+
+
+# --- registration, import, idempotence -----------------------------------------------------------
+
+
+def test_register_is_idempotent_and_visible_to_transformers():
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    hf.register()
+    hf.register()
+    assert hf.is_registered()
+    assert ALL_EXPERTS_FUNCTIONS["moe_ep"] is hf.moe_ep_experts_forward
+    model = tiny_model("qwen3_moe")
+    model.set_experts_implementation("moe_ep")
+    assert hf.is_patched(model) and hf.fused_routers(model) == []
+    model.set_experts_implementation("eager")
+    assert not hf.is_patched(model)
+
+
+def test_import_patches_nothing():
+    import moe_ep  # noqa: F401
+
+    model = tiny_model("mixtral", experts_implementation=None)
+    assert model.config._experts_implementation != "moe_ep"
+    assert hf.fused_routers(model) == []
+    assert not any(hasattr(m, "moe_ep_backend") for m in model.modules())
+
+
+def test_patch_is_idempotent_and_reversible():
+    unpatched = tiny_model("deepseek_v3")
+    model = tiny_model("deepseek_v3")
+    assert hf.patch(model, backend="torch") is model
+    first = _state(model)
+    hf.patch(model, backend="torch")
+    assert _state(model) == first
+    assert hf.fused_routers(model) == ["model.layers.1.mlp.gate"]
+    # Names, shapes and values of parameters and buffers are the unpatched model's.
+    sd, ref = model.state_dict(), unpatched.state_dict()
+    assert list(sd) == list(ref)
+    assert all(torch.equal(sd[k], ref[k]) for k in ref)
+    hf.patch(model, backend="torch", fused_router=False)
+    assert hf.fused_routers(model) == [] and "forward" not in _router(model).__dict__
+    assert hf.is_patched(model)
+
+
+def test_patch_under_accelerate_hook_keeps_the_hook():
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    class Count(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Count.calls += 1
+            return args, kwargs
+
+    model = tiny_model("mixtral")
+    router = _router(model)
+    add_hook_to_module(router, Count())
+    hf.patch(model, backend="torch")
+    assert "model.layers.1.mlp.gate" in hf.fused_routers(model)
+    model(**tiny_batch(model.config))
+    assert Count.calls == 1
+    remove_hook_from_module(router)
+    assert router.forward.__func__ in FUSED_ROUTER_FORWARDS.values()
+
+
+def test_experts_dispatcher_takes_the_call():
+    model = hf.patch(tiny_model("qwen2_moe"), backend="torch")
+    experts = _experts(model)
+    calls = []
+
+    def dispatcher(module, hidden_states, top_k_index, top_k_weights):
+        calls.append((module, hidden_states.shape, top_k_index.shape))
+        return moe_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
+
+    batch = tiny_batch(model.config)
+    want = model(**batch).logits
+    experts.moe_ep_dispatcher = dispatcher
+    got = model(**batch).logits
+    assert len(calls) == 1 and calls[0][0] is experts
+    assert calls[0][1] == (14, model.config.hidden_size) and calls[0][2] == (14, model.config.num_experts_per_tok)
+    assert torch.equal(got, want)
+
+
+def test_gelu_experts_match_fp64_eager():
+    ref = tiny_model("mixtral", dtype=torch.float64, hidden_act="gelu")
+    model = hf.patch(tiny_model("mixtral", hidden_act="gelu"), backend="torch")
+    assert hf.experts_activation(_experts(model)) == "gelu"
+    batch = tiny_batch(model.config)
+    assert rel_err(model(**batch).logits, ref(**batch).logits) <= TOLERANCE[torch.float32]
+
+
+def test_autocast_matches_eager_under_autocast():
+    """Under autocast the experts run in the autocast dtype, as transformers' eager experts do."""
+    eager = tiny_model("olmoe")
+    model = hf.patch(tiny_model("olmoe"), backend="torch")
+    batch = tiny_batch(model.config)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = model(**batch), eager(**batch)
+    assert got.logits.dtype == want.logits.dtype
+    assert rel_err(got.logits, want.logits) <= TOLERANCE[torch.bfloat16]
+    assert rel_err(got.loss, want.loss) <= TOLERANCE[torch.bfloat16]
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+def _assert_untouched(model):
+    assert model.config._experts_implementation == "eager"
+    assert hf.fused_routers(model) == []
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("has_gate", False),
+        ("is_concatenated", False),
+        ("is_transposed", True),
+        ("has_bias", True),
+        ("has_post_expert_norm", True),
+        ("_is_expert_parallel", True),
+    ],
+)
+def test_unsupported_layout_flag_is_named(flag, value):
+    model = tiny_model("mixtral")
+    setattr(_experts(model), flag, value)
+    with pytest.raises(ValueError, match=rf"MixtralExperts\.{flag}={value!r} is not supported"):
+        hf.patch(model)
+    _assert_untouched(model)
+    # The registered forward refuses it too when the model was switched without patch().
+    model.set_experts_implementation("moe_ep")
+    with pytest.raises(ValueError, match=rf"{flag}={value!r}"):
+        model(**tiny_batch(model.config))
+
+
+def test_custom_apply_gate_is_refused():
+    model = tiny_model("mixtral")
+    experts = _experts(model)
+    experts.__class__ = type("ClampedExperts", (type(experts),), {"_apply_gate": lambda self, x: x})
+    with pytest.raises(ValueError, match="overrides _apply_gate"):
+        hf.patch(model)
+    _assert_untouched(model)
+
+
+def test_gpt_oss_is_refused_with_its_flag():
+    config = transformers.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    with pytest.raises(ValueError, match=r"GptOssExperts\.is_concatenated=False is not supported"):
+        hf.patch(model)
+
+
+def test_tanh_gelu_is_refused():
+    model = tiny_model("qwen3_moe", hidden_act="gelu_pytorch_tanh")
+    with pytest.raises(ValueError, match=r"Qwen3MoeExperts\.act_fn=.*SiLU \(SwiGLU\) and exact GELU"):
+        hf.patch(model)
+    _assert_untouched(model)
+
+
+def test_unknown_router_class_is_refused_unless_fused_router_false():
+    model = tiny_model("mixtral")
+    router = _router(model)
+    router.__class__ = type("MyRouter", (type(router),), {})
+    with pytest.raises(ValueError, match=r"router 'model.layers.1.mlp.gate' of class .*MyRouter has no fused-router"):
+        hf.patch(model)
+    _assert_untouched(model)
+    hf.patch(model, fused_router=False)
+    assert hf.is_patched(model) and hf.fused_routers(model) == []
+
+
+def test_foreign_router_forward_is_refused():
+    model = tiny_model("olmoe")
+    router = _router(model)
+    router.forward = lambda hidden_states: type(router).forward(router, hidden_states)
+    with pytest.raises(ValueError, match="already has an instance-level forward"):
+        hf.patch(model)
+    _assert_untouched(model)
+
+
+def test_bad_arguments_are_named():
+    model = tiny_model("olmoe")
+    with pytest.raises(ValueError, match=r"backend must be one of \('triton', 'torch'\) or None, got 'cuda'"):
+        hf.patch(model, backend="cuda")
+    with pytest.raises(TypeError, match="fused_router must be a bool, got str"):
+        hf.patch(model, fused_router="yes")
+    with pytest.raises(TypeError, match="model must be a transformers PreTrainedModel, got Linear"):
+        hf.patch(torch.nn.Linear(2, 2))
+    _assert_untouched(model)
+
+
+def test_dense_model_is_refused():
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4
+    )
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no experts module"):
+        hf.patch(transformers.LlamaForCausalLM(config))
+
+
+def test_old_or_missing_transformers_is_refused(monkeypatch):
+    model = tiny_model("mixtral")
+    # transformers' lazy module may swap the sys.modules entry while importing: patch the live one.
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.16.2")
+    with pytest.raises(ImportError, match=r"needs transformers>=5\.17\.0, found transformers==5\.16\.2"):
+        hf.register()
+    with pytest.raises(ImportError, match=r"transformers>=5\.17\.0"):
+        hf.patch(model)
+    _assert_untouched(model)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match="which is not installed"):
+        hf.register()
+
+
+def test_name_taken_by_another_function_is_refused(monkeypatch):
+    from transformers.integrations.moe import ExpertsInterface
+
+    def other_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states
+
+    monkeypatch.setitem(ExpertsInterface._global_mapping, "moe_ep", other_experts_forward)
+    with pytest.raises(ValueError, match="'moe_ep' is already registered by .*other_experts_forward"):
+        hf.register()
+
+
+def test_tiny_config_rejects_unknown_family():
+    with pytest.raises(ValueError, match="family must be one of"):
+        tiny_config("llama")
