@@ -290,3 +290,36 @@ def test_delayed_init_is_deterministic_and_breaks_expert_symmetry():
     assert not torch.equal(gate_up[0], gate_up[1])
     assert torch.equal(a.model.layers[0].input_layernorm.weight, torch.ones(128))
     assert np.isfinite(a.model.rotary_emb.inv_freq.numpy()).all()
+
+
+# ------------------------------------------------------------------------------------ --plan
+
+
+def validate_with_world(argv, world_size, monkeypatch):
+    from options import build_parser
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    args = build_parser().parse_args(["--experts-implementation", "eager", *argv])
+    return args, train.validate(args)
+
+
+def test_plan_chooses_a_layout_for_the_launched_processes(monkeypatch):
+    pytest.importorskip("moe_ep.planner")
+    args, (_, _, _, _, layout, plan, *_) = validate_with_world(
+        ["--plan", "--gpu-memory-gib", "80", "--global-batch-tokens", "4096", "--seq-len", "256"], 2, monkeypatch
+    )
+    assert layout.world_size == 2 and plan.layout.dp_shard == layout.dp_shard and plan.layout.ep == layout.ep
+    assert args.micro_batch_size * args.grad_accum * layout.dp_size * args.seq_len == 4096
+
+
+def test_plan_errors_say_what_is_missing(monkeypatch):
+    pytest.importorskip("moe_ep.planner")
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="--plan on a machine without CUDA needs --gpu-memory-gib"):
+            validate_with_world(["--plan"], 2, monkeypatch)
+    with pytest.raises(UsageError, match="^--plan: "):
+        validate_with_world(["--plan", "--gpu-memory-gib", "80", "--global-batch-tokens", "1000"], 2, monkeypatch)
+    with pytest.raises(UsageError, match="--global-batch-tokens is read by --plan only"):
+        validate_with_world(["--global-batch-tokens", "4096"], 2, monkeypatch)

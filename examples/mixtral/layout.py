@@ -106,11 +106,40 @@ def check_layout_supported(layout: Layout) -> None:
         )
 
 
-def layout_from_plan(args, config, world_size: int, gpus_per_node: int, gpu_memory_gb: float | None) -> Layout:
-    if missing_piece("moe_ep.planner", "plan") and missing_piece("moe_ep", "plan"):
-        raise UsageError("--plan needs moe_ep.plan (moe_ep/planner), which this checkout of moe_ep does not have yet; "
+def layout_from_plan(args, config, world_size: int, gpus_per_node: int):
+    """The planner's layout for this model on the launched processes. Returns (layout, plan); sets
+    ``args.micro_batch_size`` and ``args.grad_accum`` from the plan's micro-batching."""
+    if missing_piece("moe_ep.planner", "plan"):
+        raise UsageError("--plan needs moe_ep.planner, which this installation of moe_ep does not have; "
                          "give --ep/--dp-shard/--dp-replicate/--pp instead")
-    raise UsageError("--plan: moe_ep.plan exists but this example does not call it yet; give the degrees by hand")
+    from moe_ep.planner import plan
+
+    if world_size % gpus_per_node:
+        raise UsageError(f"--plan: {world_size} processes are not a whole number of nodes of {gpus_per_node}")
+    memory = args.gpu_memory_gib
+    if memory is None:
+        if not torch.cuda.is_available():
+            raise UsageError("--plan on a machine without CUDA needs --gpu-memory-gib (the memory of the GPUs to plan for)")
+        memory = torch.cuda.get_device_properties(0).total_memory / 2**30
+    options = {"seq_len": args.seq_len}
+    if args.global_batch_tokens is not None:
+        options["global_batch_tokens"] = args.global_batch_tokens
+    if args.peak_tflops is not None:
+        options["peak_tflops"] = args.peak_tflops
+    try:
+        chosen = plan(config, nodes=world_size // gpus_per_node, gpus_per_node=gpus_per_node, gpu_memory_gib=memory,
+                      **options)
+    except ValueError as err:  # the planner's PlanError says what would be needed
+        raise UsageError(f"--plan: {err}") from None
+    p = chosen.layout
+    layout = Layout(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, ep=p.ep,
+                    microbatches=p.microbatches if p.pp > 1 else 1, schedule=p.schedule,
+                    activation_checkpointing=p.checkpointing)
+    check_layout(layout, world_size, getattr(config, "num_local_experts", None) or config.num_experts)
+    # Without pipeline stages the plan's micro-batches are gradient-accumulation steps.
+    args.micro_batch_size = p.microbatch_size
+    args.grad_accum = 1 if p.pp > 1 else p.microbatches
+    return layout, chosen
 
 
 def apply_layout(model: torch.nn.Module, layout: Layout, *, mixed_precision: torch.dtype | None) -> torch.nn.Module:

@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--schedule", default="1F1B", help="pipeline schedule (GPipe, 1F1B, Interleaved1F1B, ...)")
     lay.add_argument("--plan", action="store_true",
                      help="take ep/dp/pp, micro-batches, schedule and activation checkpointing from moe_ep.plan")
-    lay.add_argument("--gpu-memory-gb", type=float, default=None, help="for --plan: memory per GPU (default: queried)")
+    lay.add_argument("--gpu-memory-gib", type=float, default=None, help="for --plan: memory per GPU (default: queried)")
+    lay.add_argument("--global-batch-tokens", type=int, default=None,
+                     help="for --plan: tokens per optimizer step over all ranks (default: the planner's)")
     lay.add_argument("--activation-checkpointing", action="store_true")
 
     d = p.add_argument_group("data")
@@ -95,7 +97,7 @@ def check_flag_values(args: argparse.Namespace) -> None:
     for name in NON_NEGATIVE:
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("dp_shard", "microbatches", "max_corpus_tokens"):
+    for name in ("dp_shard", "microbatches", "max_corpus_tokens", "global_batch_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -108,6 +110,9 @@ def check_flag_values(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name} must be in [0, 1), got {getattr(args, name)}")
     if args.warmup_steps >= args.steps and args.steps > 1:
         raise UsageError(f"--warmup-steps ({args.warmup_steps}) must be smaller than --steps ({args.steps})")
+    if args.global_batch_tokens is not None and not args.plan:
+        raise UsageError("--global-batch-tokens is read by --plan only; without it the batch is "
+                         "--micro-batch-size x --grad-accum x data-parallel ranks")
     if args.plan:
         given = [name for name, default in LAYOUT_DEFAULTS.items() if getattr(args, name) != default]
         if given:

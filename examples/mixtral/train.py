@@ -91,21 +91,21 @@ def validate(args):
     tokenizer = select_tokenizer(source, args.tokenizer)
     check_against_model(args, source.config, tokenizer)
     num_experts = getattr(source.config, "num_local_experts", None) or source.config.num_experts
+    chosen_plan = None
     if args.plan:
-        layout = layout_from_plan(args, source.config, world_size, env_int("LOCAL_WORLD_SIZE", world_size),
-                                  args.gpu_memory_gb)
+        layout, chosen_plan = layout_from_plan(args, source.config, world_size, env_int("LOCAL_WORLD_SIZE", world_size))
     else:
         layout = layout_from_flags(args, world_size, num_experts)
     check_layout_supported(layout)
     data_spec = resolve_data(args.data, args.text_field)
     mp_dtype = mixed_precision_dtype()
     resume = resume_target(args, Path(args.output_dir) / "checkpoints")
-    return world_size, rank, source, tokenizer, layout, data_spec, mp_dtype, resume
+    return world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype, resume
 
 
 def train(args) -> None:
     wall0 = time.perf_counter()
-    world_size, rank, source, tokenizer, layout, data_spec, mp_dtype, resume = validate(args)
+    world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype, resume = validate(args)
 
     from accelerate import PartialState
 
@@ -172,6 +172,9 @@ def train(args) -> None:
                          f" (saved by {saved['world_size']} ranks: per-rank RNG states not restored)"))
     if reporter.bar is not None:
         reporter.bar.update(start_step)
+    if chosen_plan is not None:
+        reporter.info(chosen_plan.report())
+        reporter.info(f"--plan: micro-batch {args.micro_batch_size} x {args.grad_accum} accumulation step(s) per rank")
 
     num_layers = source.config.num_hidden_layers
     num_experts = getattr(source.config, "num_local_experts", None) or source.config.num_experts
