@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
         mode.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (default 2)")
         mode.add_argument("--reps", type=int, default=5, help="timed calls; the median is reported (default 5)")
         mode.add_argument("--seed", type=int, default=0)
+        mode.add_argument("--threads", type=int,
+                          help="CPU threads for torch (default: torch's); on a shared machine 1 avoids "
+                               "OpenMP barriers waiting on descheduled threads")
         mode.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help=f"default {RESULTS_DIR}")
         mode.add_argument("--no-save", action="store_true", help="print only, write no files")
         module.add_arguments(mode)
@@ -35,6 +38,10 @@ def main(argv: list[str] | None = None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device must be cpu on a machine without CUDA, got {args.device!r}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     report = MODES[args.mode].run(args, device)
     print(f"\n{args.mode} benchmark on {report.meta.get('device')}")
     print(format_table(report))

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from ..backend import triton_interpreting
 from ..experts import moe_experts
 from ..experts_torch import grouped_linear, routing_order
 from ..routing import route_topk
@@ -275,17 +276,14 @@ class Component:
     reason: str | None = None
 
 
-def _router_components(p: Problem, inp: Inputs, backend: str) -> list[Component]:
-    if backend == "triton":
-        kernel = optional_import("moe_ep.routing_triton")
-        if not kernel.available:
-            return [Component(f"router[{backend}]", pass_, 0, 0, None, kernel.reason) for pass_ in ("fwd", "fwd+bwd")]
+def _router_components(p: Problem, inp: Inputs) -> list[Component]:
+    """``route_topk`` on the torch backend, forward and forward+backward."""
     x_TH = inp.x_TH.detach().requires_grad_()
     flops = 2 * p.T * p.H * p.E
     bytes_ = (p.T * p.H + p.E * p.H) * p.elem + 4 * p.T * p.E + 12 * p.T * p.K
 
     def fwd():
-        return route_topk(x_TH, inp.router_EH, p.K, backend=backend)
+        return route_topk(x_TH, inp.router_EH, p.K, backend="torch")
 
     def fwd_bwd():
         logits_TE, weights_TK, _ = fwd()
@@ -293,8 +291,8 @@ def _router_components(p: Problem, inp: Inputs, backend: str) -> list[Component]
                                    (torch.ones_like(logits_TE), torch.ones_like(weights_TK)))
 
     return [
-        Component(f"router[{backend}]", "fwd", flops, bytes_, fwd),
-        Component(f"router[{backend}]", "fwd+bwd", 3 * flops, 2 * bytes_, fwd_bwd),
+        Component("router[torch]", "fwd", flops, bytes_, fwd),
+        Component("router[torch]", "fwd+bwd", 3 * flops, 2 * bytes_, fwd_bwd),
     ]
 
 
@@ -313,28 +311,82 @@ def _torch_components(p: Problem, inp: Inputs) -> list[Component]:
     ]
 
 
-# The Triton launchers being written beside this benchmark, looked up by module; each gets an
-# adapter here once its signature has landed.
-TRITON_KERNEL_MODULES = {
-    "metadata[triton]": "moe_ep.kernels.routing_metadata",
-    "gemm1[triton]": "moe_ep.kernels.grouped_gemm",
-    "gemm2[triton]": "moe_ep.kernels.grouped_gemm",
-}
+def _triton_router_components(p: Problem, inp: Inputs) -> list[Component]:
+    """The fused router kernel alone: forward (logits, top-k, weights) and backward (d logits)."""
+    names = ("router[triton]", "fwd"), ("router[triton]", "bwd")
+    found = [optional_attr("moe_ep.kernels.router", fn) for fn in ("router_forward", "router_backward")]
+    missing = [f for f in found if not f.available]
+    if missing:
+        return [Component(name, phase, 0, 0, None, missing[0].reason) for name, phase in names]
+    router_forward, router_backward = (f.value for f in found)
+    x_TH, w_EH = inp.x_TH.detach(), inp.router_EH.detach()
+    options = dict(sigmoid=False, normalize=True, scale=1.0)
+
+    def fwd():
+        return router_forward(x_TH, w_EH, p.K, bias_E=None, n_group=1, topk_group=1,
+                              interpreting=triton_interpreting(), **options)
+
+    logits_TE, weights_TK, indices_TK = fwd()
+    dweights_TK = torch.ones_like(weights_TK)
+    fwd_bytes = (p.T * p.H + p.E * p.H) * p.elem + 4 * p.T * p.E + 12 * p.T * p.K
+    return [
+        Component(*names[0], 2 * p.T * p.H * p.E, fwd_bytes, fwd),
+        Component(*names[1], 0, 8 * p.T * p.E + 12 * p.T * p.K,
+                  lambda: router_backward(logits_TE, indices_TK, dweights_TK, None, **options)),
+    ]
 
 
-def _triton_components(p: Problem, inp: Inputs) -> list[Component]:
-    components = []
-    for name, module in TRITON_KERNEL_MODULES.items():
-        found = optional_import(module)
-        reason = found.reason if not found.available else f"{module} landed; no benchmark adapter for it yet"
-        components.append(Component(name, "fwd", 0, 0, None, reason))
-    return components
+TRITON_GEMMS = (
+    ("metadata[triton]", "fwd"), ("gemm1[triton]", "fwd"), ("gemm2[triton]", "fwd"), ("combine[triton]", "fwd"),
+    ("glu_bwd[triton]", "bwd"), ("dx[triton]", "bwd"), ("dw_down[triton]", "bwd"), ("dw_gate_up[triton]", "bwd"),
+)
+
+
+def _triton_gemm_components(p: Problem, inp: Inputs) -> list[Component]:
+    """Each launcher of the Triton experts op, forward and backward, on that op's own routing
+    metadata and intermediates (computed once, untimed)."""
+    meta_mod = optional_import("moe_ep.kernels.routing_metadata")
+    gg = optional_import("moe_ep.kernels.grouped_gemm")
+    if not (meta_mod.available and gg.available):
+        reason = (meta_mod if not meta_mod.available else gg).reason
+        return [Component(name, phase, 0, 0, None, reason) for name, phase in TRITON_GEMMS]
+    gg, routing_metadata = gg.value, meta_mod.value.routing_metadata
+    x_TH, dy_TH = inp.x_TH.detach(), inp.dy_TH
+    gate_up, down = inp.gate_up_E2IH.detach(), inp.down_EHI.detach()
+    w_N = inp.w_TK.detach().reshape(-1).float().contiguous()
+    pad_m = gg.routing_block(p.N, p.E)
+    meta = routing_metadata(inp.idx_TK, p.E, pad_m)
+    h_PI, pre_P2I = gg.gather_glu(x_TH, gate_up, meta, p.K, "silu")
+    out_PH = gg.rows_matmul(h_PI, down, meta, w_layout="nk", scale_N=w_N)
+    dpre_P2I, _ = gg.glu_backward(dy_TH, down, pre_P2I, w_N, meta, p.K, "silu")
+    N, H, I, E, e = p.N, p.H, p.I, p.E, p.elem
+    fns = {
+        "metadata[triton]": (0, 16 * N + 4 * E, lambda: routing_metadata(inp.idx_TK, E, pad_m)),
+        "gemm1[triton]": (4 * N * H * I, (2 * E * I * H + N * H + 3 * N * I) * e,
+                          lambda: gg.gather_glu(x_TH, gate_up, meta, p.K, "silu")),
+        "gemm2[triton]": (2 * N * H * I, (E * I * H + N * I + N * H) * e,
+                          lambda: gg.rows_matmul(h_PI, down, meta, w_layout="nk", scale_N=w_N)),
+        "combine[triton]": (0, (N * H + p.T * H) * e, lambda: gg.combine(out_PH, meta, p.T, p.K)),
+        "glu_bwd[triton]": (2 * N * H * I, (N * H + E * H * I + 4 * N * I) * e,
+                            lambda: gg.glu_backward(dy_TH, down, pre_P2I, w_N, meta, p.K, "silu")),
+        "dx[triton]": (4 * N * H * I, (2 * N * I + 2 * E * I * H + N * H) * e,
+                       lambda: gg.rows_matmul(dpre_P2I, gate_up, meta, w_layout="kn")),
+        "dw_down[triton]": (2 * N * H * I, (N * H + 2 * N * I + E * H * I) * e,
+                            lambda: gg.down_weight_grad(dy_TH, w_N, pre_P2I, meta, p.K, "silu")),
+        "dw_gate_up[triton]": (4 * N * H * I, (2 * N * I + N * H + 2 * E * I * H) * e,
+                               lambda: gg.gate_up_weight_grad(dpre_P2I, x_TH, meta, p.K)),
+    }
+    return [Component(name, phase, *fns[name]) for name, phase in TRITON_GEMMS]
+
+
+def triton_components(p: Problem, inp: Inputs) -> list[Component]:
+    return _triton_router_components(p, inp) + _triton_gemm_components(p, inp)
 
 
 def bench_components(p: Problem, inp: Inputs, args) -> list[dict]:
-    components = _router_components(p, inp, "torch") + _torch_components(p, inp)
+    components = _router_components(p, inp) + _torch_components(p, inp)
     if p.device.type == "cuda":
-        components += _router_components(p, inp, "triton") + _triton_components(p, inp)
+        components += triton_components(p, inp)
     timed = [c for c in components if c.fn is not None]
     times = measure_many({i: (c.fn, None) for i, c in enumerate(timed)}, device=p.device,
                          warmup=args.warmup, reps=args.reps)
@@ -359,22 +411,32 @@ def bench_copy(device: torch.device, args) -> dict:
                 gbps=2 * n_bytes / t.median_s / 1e9, status="ok")
 
 
+def _sync_checks(p: Problem, inp: Inputs) -> dict[str, Lookup]:
+    checks = {}
+    variants = expert_variants(p.device)
+    for backend in ("torch", "triton"):
+        router = Lookup(True, None) if backend == "torch" else optional_import("moe_ep.routing_triton")
+        checks[f"route_topk[{backend}]"] = (
+            Lookup(partial(route_topk, inp.x_TH, inp.router_EH, p.K, backend=backend), None)
+            if router.available else router
+        )
+        op = variants.get(f"moe_ep[{backend}]", Lookup(None, f"not run on {p.device.type}"))
+        checks[f"moe_experts[{backend}] fwd+bwd"] = Lookup(partial(_outputs, op.value, inp), None) if op.available else op
+    return checks
+
+
 def check_no_host_sync(p: Problem, inp: Inputs) -> dict[str, str]:
-    """Runs the local path (router, then every available moe_ep backend's forward and backward)
+    """Runs the local path (the router and the experts op, forward and backward, per backend)
     under ``torch.cuda.set_sync_debug_mode("error")``: any host sync raises."""
     results = {}
-    for name, found in expert_variants(p.device).items():
-        if not name.startswith("moe_ep") or not found.available:
-            continue
-        backend = name[len("moe_ep["):-1]
-        if backend == "triton" and not optional_import("moe_ep.routing_triton").available:
-            results[name] = "not checked: router " + optional_import("moe_ep.routing_triton").reason
+    for name, check in _sync_checks(p, inp).items():
+        if not check.available:
+            results[name] = f"not checked: {check.reason}"
             continue
         synchronize(p.device)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            route_topk(inp.x_TH, inp.router_EH, p.K, backend=backend)
-            _outputs(found.value, inp)
+            check.value()
             results[name] = "pass"
         except RuntimeError as err:
             results[name] = f"FAIL: {str(err).splitlines()[0]}"
