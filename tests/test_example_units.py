@@ -323,3 +323,14 @@ def test_plan_errors_say_what_is_missing(monkeypatch):
         validate_with_world(["--plan", "--gpu-memory-gib", "80", "--global-batch-tokens", "1000"], 2, monkeypatch)
     with pytest.raises(UsageError, match="--global-batch-tokens is read by --plan only"):
         validate_with_world(["--global-batch-tokens", "4096"], 2, monkeypatch)
+
+
+def test_fresh_start_over_existing_checkpoints_needs_overwrite(tmp_path, capsys, monkeypatch):
+    model, opt = tiny_model_and_optimizer()
+    save(tmp_path / "out" / "checkpoints", 2, model, opt)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code = train.main(["--experts-implementation", "eager", "--output-dir", str(tmp_path / "out"), "--resume", "never"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--resume never, but" in err and "step_00000002; pass --overwrite to delete them" in err
+    assert train.main(["--output-dir", str(tmp_path / "out"), "--overwrite", "--resume", str(tmp_path)]) == 2
+    assert "--overwrite starts afresh; it cannot be combined with --resume" in capsys.readouterr().err

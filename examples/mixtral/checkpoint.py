@@ -74,6 +74,14 @@ def remove_incomplete(root: Path) -> list[Path]:
     return stale
 
 
+def clear_run(output_dir: Path) -> None:
+    """What --overwrite deletes: checkpoints, metrics and TensorBoard logs (the token cache stays)."""
+    for path in (output_dir / "checkpoints", output_dir / "tensorboard"):
+        if path.exists():
+            shutil.rmtree(path)
+    (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():

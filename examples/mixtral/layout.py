@@ -159,6 +159,12 @@ def apply_layout(model: torch.nn.Module, layout: Layout, *, mixed_precision: tor
     )
 
 
+def meshes_of(model: torch.nn.Module):
+    from moe_ep.parallel import meshes_of as meshes
+
+    return meshes(model)
+
+
 def is_parallelized(model: torch.nn.Module) -> bool:
     return hasattr(model, "moe_ep_meshes")
 

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: no clipping)")
     o.add_argument("--aux-loss-coef", type=float, default=None,
                    help="load-balancing loss weight (default: the model config's router_aux_loss_coef)")
+    o.add_argument("--aux-loss", default="local", choices=["local", "global"],
+                   help="local: each rank balances its own tokens (transformers' loss); global: expert counts "
+                        "summed over every data-parallel rank first (Megatron-Core's global aux loss)")
+    o.add_argument("--z-loss-coef", type=float, default=0.0, help="router z-loss weight (ST-MoE)")
 
     out = p.add_argument_group("output")
     out.add_argument("--output-dir", default="runs/mixtral-tiny", help="checkpoints, metrics.jsonl, token cache")
@@ -73,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept on disk")
     out.add_argument("--resume", default="auto",
                      help="auto (latest complete checkpoint in --output-dir, if any), never, or a checkpoint folder")
+    out.add_argument("--overwrite", action="store_true",
+                     help="start afresh: delete the checkpoints, metrics and TensorBoard logs in --output-dir")
     out.add_argument("--export-dir", default=None,
                      help="at the end, write a Hugging Face folder that plain transformers loads")
     out.add_argument("--log-every", type=int, default=1)
@@ -86,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 POSITIVE = ("ep", "dp_replicate", "pp", "seq_len", "micro_batch_size", "grad_accum", "steps", "log_every",
             "keep_checkpoints")
 LAYOUT_DEFAULTS = {"ep": 1, "dp_replicate": 1, "pp": 1, "dp_shard": None, "microbatches": None}
-NON_NEGATIVE = ("checkpoint_every", "warmup_steps", "weight_decay", "max_grad_norm")
+NON_NEGATIVE = ("checkpoint_every", "warmup_steps", "weight_decay", "max_grad_norm", "z_loss_coef")
 
 
 def check_flag_values(args: argparse.Namespace) -> None:
@@ -120,6 +126,8 @@ def check_flag_values(args: argparse.Namespace) -> None:
             raise UsageError(f"--plan chooses the layout itself; do not also give {flags}")
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UsageError("--tensorboard needs the `tensorboard` package (pip install tensorboard)")
+    if args.overwrite and args.resume not in ("auto", "never"):
+        raise UsageError(f"--overwrite starts afresh; it cannot be combined with --resume {args.resume}")
     if args.resume not in ("auto", "never") and not Path(args.resume).is_dir():
         raise UsageError(f"--resume: {args.resume} is not a checkpoint folder (or use auto / never)")
     for name in ("output_dir", "export_dir"):

@@ -22,10 +22,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, remove_incomplete, save_checkpoint
+from moe_ep.losses import load_balancing_loss, router_z_loss
+
+from checkpoint import clear_run, latest_checkpoint, load_checkpoint, read_trainer_state, remove_incomplete, save_checkpoint
 from data import ByteTokenizer, BatchSchedule, PackedSequences, PretrainedTokenizer, cached_tokens, local_batch, resolve_data
 from errors import UsageError
-from layout import apply_layout, check_layout_supported, clip_grad_norm_, gradient_sync, layout_from_flags, layout_from_plan
+from layout import (
+    apply_layout,
+    check_layout_supported,
+    clip_grad_norm_,
+    gradient_sync,
+    layout_from_flags,
+    layout_from_plan,
+    meshes_of,
+)
 from metrics import ExpertLoad, Reporter, Throughput, flops_per_token, peak_flops, summary_lines
 from models import (
     build_model,
@@ -73,7 +83,15 @@ def mixed_precision_dtype() -> torch.dtype | None:
 
 
 def resume_target(args, ckpt_root: Path) -> Path | None:
+    if args.overwrite:
+        return None
     if args.resume == "never":
+        found = latest_checkpoint(ckpt_root)
+        if found is not None:
+            raise UsageError(
+                f"--resume never, but {ckpt_root} holds checkpoints up to {found.name}; pass --overwrite to delete "
+                "them, or choose another --output-dir"
+            )
         return None
     if args.resume == "auto":
         return latest_checkpoint(ckpt_root)
@@ -150,6 +168,8 @@ def train(args) -> None:
 
     start_step, tokens_seen = 0, 0
     if is_main:
+        if args.overwrite:
+            clear_run(output_dir)
         removed = remove_incomplete(ckpt_root)
     barrier()
     reporter = Reporter(output_dir, enabled=is_main, total_steps=args.steps, start_step=0,
@@ -180,6 +200,8 @@ def train(args) -> None:
     num_experts = getattr(source.config, "num_local_experts", None) or source.config.num_experts
     expert_load = ExpertLoad(model, num_layers, num_experts, device)
     aux_coef = source.config.router_aux_loss_coef if args.aux_loss_coef is None else args.aux_loss_coef
+    top_k = source.config.num_experts_per_tok
+    aux_group = meshes_of(model).dp_group if args.aux_loss == "global" and dist.is_initialized() else None
     throughput = Throughput(flops_per_token(source.config, active_params, args.seq_len),
                             peak_flops(device, args.peak_tflops), world_size)
     reporter.info(
@@ -211,8 +233,11 @@ def train(args) -> None:
             with autocast:
                 out = model(input_ids=ids, output_router_logits=True, use_cache=False)
             lm = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-            aux = out.aux_loss.float()
-            ((lm + aux_coef * aux) / args.grad_accum).backward()
+            aux = load_balancing_loss(out.router_logits, top_k, group=aux_group)
+            loss = lm + aux_coef * aux
+            if args.z_loss_coef:
+                loss = loss + args.z_loss_coef * router_z_loss(out.router_logits)
+            (loss / args.grad_accum).backward()
             lm_sum += lm.detach()
             aux_sum += aux.detach()
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
