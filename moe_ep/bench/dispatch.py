@@ -2,8 +2,9 @@
 against transformers' own all-to-all expert parallelism (``AllToAllEP``) on the identical
 routing, for Mixtral (E=8, k=2) and a fine-grained model (E=64, k=6) at ep = 2, 4, 8.
 
-Bytes come from ``dispatch_bytes`` (computed from each rank's routing); for transformers they are
-also counted on the wire by wrapping its collectives, which checks the accounting. Times come from
+Bytes come from ``moe_ep.dispatch.wire_bytes`` (computed from each rank's routing, both schemes)
+plus each scheme's per-layer count exchange; they are also counted on the wire by wrapping each
+implementation's collectives, which checks the accounting. Times come from
 ``ep`` spawned processes: NCCL when there are ``ep`` GPUs, gloo on the CPU otherwise (there they
 are only indicative: all ranks share the host's cores). The experts are an identity so only the
 exchange is timed; each rank times its own calls and the slowest rank's median is reported."""
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .dispatch_bytes import WireBytes, dedup_bytes, hf_all_to_all_bytes
+from ..dispatch import wire_bytes
 from .optional import Lookup, optional_attr
 from .report import Column, Report, close_figure, environment, new_figure
 from .routing_cases import ROUTINGS, make_routing
@@ -62,8 +63,8 @@ class Settings:
     reps: int
 
     @property
-    def row_bytes(self) -> int:
-        return self.hidden * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+    def element_size(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
 
 def rank_routing(s: Settings, model: str, routing: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,13 +72,33 @@ def rank_routing(s: Settings, model: str, routing: str, rank: int) -> tuple[torc
     return make_routing(routing, s.tokens, E, K, seed=s.seed * 1000 + rank)
 
 
-def computed_bytes(s: Settings, model: str, routing: str, ep: int) -> dict[str, WireBytes]:
-    """Totals over all ranks of the two schemes' wire bytes."""
+@dataclass(frozen=True)
+class Traffic:
+    rows: int  # token rows sent to other ranks, dispatch + combine
+    bytes: int  # rows, their routing columns and the count exchange
+
+
+def count_exchange_bytes(impl: str, num_experts: int, ep: int) -> int:
+    """Bytes one rank sends in a layer's count exchange (not in ``wire_bytes``, which counts what
+    grows with the tokens): transformers sends one int64 per expert of each peer, ours two int64
+    (rows and pairs) per peer."""
+    per_peer = 8 * (num_experts // ep) if impl == "hf_all_to_all" else 2 * 8
+    return (ep - 1) * per_peer
+
+
+def computed_bytes(s: Settings, model: str, routing: str, ep: int) -> dict[str, Traffic]:
+    """Both schemes' forward traffic, summed over all ranks."""
     E, _ = MODELS[model]
-    totals = {}
-    for impl, count in (("hf_all_to_all", hf_all_to_all_bytes), ("moe_ep", dedup_bytes)):
-        per_rank = [count(rank_routing(s, model, routing, r)[0], E, ep, r, s.row_bytes) for r in range(ep)]
-        totals[impl] = sum(per_rank[1:], per_rank[0])
+    totals = {"hf_all_to_all": Traffic(0, 0), "moe_ep": Traffic(0, 0)}
+    element_size = s.element_size
+    for rank in range(ep):
+        idx_TK = rank_routing(s, model, routing, rank)[0]
+        counted = wire_bytes(idx_TK, E // ep, s.hidden, element_size=element_size, source_rank=rank)
+        per_impl = {"hf_all_to_all": (2 * counted.transformers_rows, counted.transformers_bytes),
+                    "moe_ep": (2 * counted.moe_ep_rows, counted.moe_ep_bytes)}
+        for impl, (rows, bytes_) in per_impl.items():
+            t = totals[impl]
+            totals[impl] = Traffic(t.rows + rows, t.bytes + bytes_ + count_exchange_bytes(impl, E, ep))
     return totals
 
 
