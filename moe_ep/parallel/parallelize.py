@@ -77,13 +77,23 @@ def parallelize(
     elif capacity_factor is not None:
         raise ValueError(f"capacity_factor={capacity_factor} applies to the expert-parallel dispatcher; ep=1 has none")
     if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     apply_fsdp(
         model, meshes, [m for _, m in experts], mixed_precision=mixed_precision,
         reshard_after_forward=reshard_after_forward,
     )
     setattr(model, MESHES_ATTRIBUTE, meshes)
     return model
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' non-reentrant checkpointing of every block; the method was renamed in 5.2x
+    (``gradient_checkpointing_enable`` remains as a deprecated alias until v6)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def meshes_of(model: torch.nn.Module) -> MoEMeshes:

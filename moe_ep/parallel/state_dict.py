@@ -28,4 +28,6 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Ten
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0, strict=True)
-    set_model_state_dict(model, state_dict, options=options)
+    # A shallow copy: set_model_state_dict replaces the dict's values with the distributed ones,
+    # and the caller's full tensors must stay what they were.
+    set_model_state_dict(model, dict(state_dict), options=options)
