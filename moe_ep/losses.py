@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ._validate import check_float, check_index, check_tensor
+from ._validate import check_index, check_tensor
 
 
 def _as_layers(name: str, value) -> list[torch.Tensor]:
@@ -72,21 +72,27 @@ def load_balancing_loss(
     if choices is not None and len(choices) != len(logits):
         raise ValueError(f"top_k_index must give one tensor per layer ({len(logits)}), got {len(choices)}")
     device = logits[0].device
-    counts_E = torch.zeros(E, dtype=torch.float32, device=device)
-    prob_sum_E = torch.zeros(E, dtype=torch.float32, device=device)
+    # float32 at least (bf16 logits), float64 kept for float64 references.
+    dtype = torch.promote_types(logits[0].dtype, torch.float32)
+    counts_E = torch.zeros(E, dtype=dtype, device=device)
+    prob_sum_E = torch.zeros(E, dtype=dtype, device=device)
     for i, layer_logits in enumerate(logits):
-        check_float(f"router_logits[{i}]", layer_logits)
-        if layer_logits.shape[1] != E:
-            raise ValueError(f"router_logits[{i}] must have E={E} columns, got shape {tuple(layer_logits.shape)}")
-        probs_TE = layer_logits.float().softmax(-1)
+        if layer_logits.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            raise TypeError(f"router_logits[{i}] must be a float tensor, got {layer_logits.dtype}")
+        if tuple(layer_logits.shape) != tuple(logits[0].shape):
+            raise ValueError(
+                f"router_logits[{i}] must have the shape of router_logits[0] {tuple(logits[0].shape)}, "
+                f"got {tuple(layer_logits.shape)}"
+            )
+        probs_TE = layer_logits.to(dtype).softmax(-1)
         chosen = probs_TE.detach().topk(top_k, dim=-1).indices if choices is None else choices[i]
-        counts_E = counts_E + expert_counts(chosen, E, token_mask)
+        counts_E = counts_E + expert_counts(chosen, E, token_mask).to(dtype)
         if token_mask is not None:
-            probs_TE = probs_TE * token_mask.reshape(-1, 1).to(torch.float32)
+            probs_TE = probs_TE * token_mask.reshape(-1, 1).to(dtype)
         prob_sum_E = prob_sum_E + probs_TE.sum(0)
     # Rows over all layers, as transformers normalises: (tokens per layer) * (layers).
-    per_layer = torch.full((1,), float(logits[0].shape[0]), device=device) if token_mask is None else (
-        token_mask.float().sum().reshape(1)
+    per_layer = torch.full((1,), float(logits[0].shape[0]), dtype=dtype, device=device) if token_mask is None else (
+        token_mask.to(dtype).sum().reshape(1)
     )
     tokens = per_layer * len(logits)
     if group is None:
@@ -106,8 +112,10 @@ def router_z_loss(router_logits: torch.Tensor | Sequence[torch.Tensor]) -> torch
     keeps router logits small, so softmax stays accurate in low precision."""
     layers = _as_layers("router_logits", router_logits)
     for i, t in enumerate(layers):
-        check_float(f"router_logits[{i}]", t)
-    return sum(torch.logsumexp(t.float(), dim=-1).square().mean() for t in layers)
+        if not t.is_floating_point():
+            raise TypeError(f"router_logits[{i}] must be a float tensor, got {t.dtype}")
+    dtype = torch.promote_types(layers[0].dtype, torch.float32)
+    return sum(torch.logsumexp(t.to(dtype), dim=-1).square().mean() for t in layers)
 
 
 @torch.no_grad()
@@ -121,9 +129,9 @@ def update_expert_bias_(
     """Aux-loss-free balancing (DeepSeek-V3): ``bias += rate * sign(mean(load) - load)``, in place.
 
     ``counts [E]`` are this rank's routed pairs per expert since the last update (e.g. summed
-    ``expert_counts`` over micro-batches). With ``group`` they are summed over it first, exactly
-    (integers in float32 below 2^24, or int64), so every rank applies the same update to the same
-    bias: the biases stay identical without being broadcast. Returns ``bias``."""
+    ``expert_counts`` over micro-batches). With ``group`` they are summed over it first, in
+    float64 (exact for integer counts), so every rank applies the same update to the same bias:
+    the biases stay identical without being broadcast. Returns ``bias``."""
     check_tensor("bias", bias, ndim=1)
     check_tensor("counts", counts, ndim=1)
     if counts.shape != bias.shape:

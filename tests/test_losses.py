@@ -1,0 +1,139 @@
+"""Load-balancing losses against transformers' own ``load_balancing_loss_func`` in float64, on
+one process and on 2 gloo ranks (global counts: each rank's value must be the loss of the whole
+batch, and the gradient averaged over ranks the whole batch's gradient), plus the z-loss and the
+expert-bias update (identical on every rank, equal to the one-process update)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+from conftest import TOLERANCE, rel_err
+from dist_utils import run_ranks
+from moe_ep.losses import expert_counts, load_balancing_loss, router_z_loss, update_expert_bias_
+
+TOL = TOLERANCE[torch.float32]
+E, K, LAYERS = 6, 2, 3
+
+
+def _logits(T: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(T, E, generator=g, dtype=torch.float64) * 2 for _ in range(LAYERS)]
+
+
+def _hf_loss_and_grad(logits, mask=None):
+    leaves = [t.clone().requires_grad_() for t in logits]
+    loss = load_balancing_loss_func(tuple(leaves), E, K, mask)
+    loss.backward()
+    return loss.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_matches_transformers_one_process(masked):
+    logits = _logits(12, 0)
+    attention_mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2]) if masked else None
+    ref, ref_grads = _hf_loss_and_grad(logits, attention_mask)
+    leaves = [t.clone().requires_grad_() for t in logits]
+    loss = load_balancing_loss(leaves, K, token_mask=None if attention_mask is None else attention_mask.reshape(-1))
+    loss.backward()
+    assert rel_err(loss.detach(), ref) <= TOL
+    assert all(rel_err(t.grad, r) <= TOL for t, r in zip(leaves, ref_grads))
+
+
+def test_given_choice_replaces_softmax_top_k():
+    logits = _logits(8, 1)
+    chosen = [t.topk(K, dim=-1).indices for t in logits]
+    assert torch.equal(load_balancing_loss(logits, K, top_k_index=chosen), load_balancing_loss(logits, K))
+    skewed = [torch.tensor([[0, 1]]).expand_as(c) for c in chosen]  # other counts, other loss
+    assert not torch.equal(load_balancing_loss(logits, K, top_k_index=skewed), load_balancing_loss(logits, K))
+
+
+def test_z_loss_formula():
+    logits = _logits(9, 2)
+    ref = sum(torch.log(torch.exp(t).sum(-1)).pow(2).mean() for t in logits)
+    assert rel_err(router_z_loss(logits), ref) <= TOL
+    assert router_z_loss(logits[0].float()).dtype == torch.float32
+
+
+def test_expert_counts_and_bias_update_one_process():
+    idx = torch.tensor([[0, 1], [0, 2], [0, 1]])
+    counts = expert_counts(idx, 4)
+    assert counts.tolist() == [3, 2, 1, 0]
+    bias = torch.zeros(4)
+    update_expert_bias_(bias, counts, rate=0.1)  # mean load 1.5: experts 0, 1 above, 2, 3 below
+    assert torch.allclose(bias, torch.tensor([-0.1, -0.1, 0.1, 0.1]))
+    masked = expert_counts(idx, 4, token_mask=torch.tensor([1, 0, 1]))
+    assert masked.tolist() == [2, 2, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "call, error, pattern",
+    [
+        (lambda: load_balancing_loss(_logits(4, 0), 0), ValueError, r"top_k must be an int in \[1, E=6\], got 0"),
+        (lambda: load_balancing_loss([], 2), ValueError, "router_logits must be a tensor or a non-empty sequence"),
+        (lambda: load_balancing_loss(_logits(4, 0), 2, top_k_index=[torch.zeros(4, 2, dtype=torch.long)]),
+         ValueError, r"top_k_index must give one tensor per layer \(3\), got 1"),
+        (lambda: load_balancing_loss([torch.zeros(4, 6), torch.zeros(5, 6)], 2), ValueError,
+         r"router_logits\[1\] must have the shape of router_logits\[0\]"),
+        (lambda: load_balancing_loss([torch.zeros(4, 6, dtype=torch.long)], 2), TypeError, "must be a float tensor"),
+        (lambda: update_expert_bias_(torch.zeros(4), torch.zeros(3), rate=0.1), ValueError, "counts must have the shape of bias"),
+        (lambda: update_expert_bias_(torch.zeros(4), torch.zeros(4), rate=-1), ValueError, "rate must be a non-negative number"),
+    ],
+)
+def test_errors(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+TOKENS = (5, 9)  # uneven on purpose: the global statistics do not assume equal shares
+
+
+def _global(rank: int, world: int) -> dict:
+    logits = [_logits(T, 10 + r) for r, T in enumerate(TOKENS)]
+    masks = [torch.ones(T) for T in TOKENS]
+    masks[1][-3:] = 0
+    out = {}
+    for masked in (False, True):
+        leaves = [t.clone().requires_grad_() for t in logits[rank]]
+        loss = load_balancing_loss(leaves, K, token_mask=masks[rank] if masked else None, group=dist.group.WORLD)
+        loss.backward()
+        everything = [torch.cat([logits[r][layer] for r in range(world)]) for layer in range(LAYERS)]
+        mask = torch.cat(masks) if masked else None
+        ref, ref_grads = _hf_loss_and_grad(everything, None if mask is None else mask[None, :])
+        rows = slice(sum(TOKENS[:rank]), sum(TOKENS[: rank + 1]))
+        out[masked] = {
+            "value": rel_err(loss.detach(), ref),
+            # Data parallelism averages the ranks' gradients: each carries world x its share.
+            "grad": max(rel_err(t.grad / world, g[rows]) for t, g in zip(leaves, ref_grads)),
+        }
+    g = torch.Generator().manual_seed(rank)
+    counts = expert_counts(torch.randint(0, E, (7 + rank, K), generator=g), E)
+    bias = torch.linspace(-0.2, 0.2, E)
+    update_expert_bias_(bias, counts, rate=0.01, group=dist.group.WORLD)
+    everyone = [torch.empty(E) for _ in range(world)]
+    dist.all_gather(everyone, bias)
+    all_counts = [torch.empty(E) for _ in range(world)]
+    dist.all_gather(all_counts, counts)
+    one_process = update_expert_bias_(torch.linspace(-0.2, 0.2, E), sum(all_counts), rate=0.01)
+    out["bias_identical"] = all(torch.equal(b, everyone[0]) for b in everyone)
+    out["bias_matches_one_process"] = torch.equal(bias, one_process)
+    out["bias_moved"] = not torch.equal(bias, torch.linspace(-0.2, 0.2, E))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_global, 2)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_global_aux_loss_is_the_whole_batch_loss(two_ranks, masked):
+    for result in two_ranks:
+        assert result[masked]["value"] <= TOL and result[masked]["grad"] <= TOL, result[masked]
+
+
+def test_expert_bias_identical_on_every_rank(two_ranks):
+    for result in two_ranks:
+        assert result["bias_identical"] and result["bias_matches_one_process"] and result["bias_moved"]
