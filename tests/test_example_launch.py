@@ -190,3 +190,19 @@ def test_pretrained_weights_read_by_slice_on_two_ranks_match_one_process(referen
     a = torch.tensor([two[1], two[2]], dtype=torch.float64)
     b = torch.tensor([one[1], one[2]], dtype=torch.float64)
     assert rel_err(a, b) <= TOLERANCE[torch.float32], (a, b)
+
+
+def test_two_rank_checkpoint_resumes_in_one_process(reference, tmp_path):
+    """DCP reshards on load: the expert-parallel run's step-4 checkpoint continues in a single
+    process (same global batch through 2 accumulation steps) onto the 2-rank losses."""
+    sys.path.insert(0, str(EXAMPLE))
+    import train
+
+    ckpt = reference[0] / "checkpoints" / "step_00000004"
+    out = tmp_path / "one"
+    assert train.main([*COMMON, "--grad-accum", "2", "--resume", str(ckpt), "--output-dir", str(out)]) == 0
+    resumed, ref = losses(out), losses(reference[0])
+    assert sorted(resumed) == [5, 6]
+    a = torch.tensor([resumed[5], resumed[6]], dtype=torch.float64)
+    b = torch.tensor([ref[5], ref[6]], dtype=torch.float64)
+    assert rel_err(a, b) <= TOLERANCE[torch.float32], (a, b)
