@@ -21,7 +21,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.conftest import TOLERANCE, rel_err
+from tests.conftest import TOLERANCE, rel_err, requires_cuda
 from tests.hf_models import FAMILIES, tiny_batch, tiny_model
 
 pytest.importorskip("transformers")
@@ -143,6 +143,20 @@ def _check_bf16_block(family, *, backend, fused_router, tokens):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_moe_block_matches_eager(family):
     _check_bf16_block(family, backend="torch", fused_router=True, tokens=17)
+
+
+@requires_cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_default_backend_fp32_model(family, reference):
+    """On CUDA the default backend is Triton for both the experts and the fused router."""
+    batch, ref, ref_grads = reference(family, {})
+    model = patch(tiny_model(family).cuda())
+    out, grads = _run(model, {k: v.cuda() for k, v in batch.items()})
+    tol = TOLERANCE[torch.float32]
+    assert rel_err(out.logits.cpu(), ref.logits) <= tol
+    assert rel_err(out.loss.cpu(), ref.loss) <= tol
+    for name, grad in grads.items():
+        assert rel_err(grad.cpu(), ref_grads[name]) <= tol, name
 
 
 # --- triton backend under TRITON_INTERPRET=1 (small: the interpreter is slow) ---------------------

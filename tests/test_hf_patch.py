@@ -176,6 +176,22 @@ def test_autocast_matches_eager_under_autocast():
     assert rel_err(got.loss, want.loss) <= TOLERANCE[torch.bfloat16]
 
 
+def test_patched_moe_block_compiles_fullgraph():
+    """No graph break in the fused router or the registered experts forward (aot_eager: the CPU
+    has no compiler for inductor here); forward and gradients unchanged."""
+    block = hf.patch(tiny_model("deepseek_v3"), backend="torch").model.layers[-1].mlp
+    x = torch.randn(2, 5, block.gate.hidden_dim, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    want = block(x)
+    want.square().sum().backward()
+    want_grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+    block.zero_grad(set_to_none=True)
+    got = torch.compile(block, backend="aot_eager", fullgraph=True)(x)
+    got.square().sum().backward()
+    assert rel_err(got, want) <= TOLERANCE[torch.float32]
+    for name, p in block.named_parameters():
+        assert rel_err(p.grad, want_grads[name]) <= TOLERANCE[torch.float32], name
+
+
 # --- errors ----------------------------------------------------------------------------------------
 
 
@@ -284,6 +300,17 @@ def test_old_or_missing_transformers_is_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match="which is not installed"):
         hf.register()
+
+
+def test_register_if_installed(monkeypatch):
+    """The import-time entry point: registers, or does nothing without transformers, or warns (and
+    leaves the rest of moe_ep importable) on a version that is too old."""
+    assert hf.register_if_installed() is True and hf.is_registered()
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.0.0")
+    with pytest.warns(UserWarning, match=r"transformers>=5\.17\.0, found transformers==5\.0\.0.*not registered"):
+        assert hf.register_if_installed() is False
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    assert hf.register_if_installed() is False
 
 
 def test_name_taken_by_another_function_is_refused(monkeypatch):

@@ -4,7 +4,13 @@ nor any model; ``register()`` and ``patch()`` are explicit."""
 
 from .layout import activation_name, experts_activation
 from .patch import fused_routers, is_patched, patch
-from .registry import EXPERTS_IMPLEMENTATION, is_registered, moe_ep_experts_forward, register
+from .registry import (
+    EXPERTS_IMPLEMENTATION,
+    is_registered,
+    moe_ep_experts_forward,
+    register,
+    register_if_installed,
+)
 from .version import MIN_TRANSFORMERS_VERSION, require_transformers
 
 __all__ = [
@@ -18,5 +24,6 @@ __all__ = [
     "moe_ep_experts_forward",
     "patch",
     "register",
+    "register_if_installed",
     "require_transformers",
 ]

@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
+
 import torch
 
 from ..experts import moe_experts
@@ -70,6 +73,22 @@ def register() -> None:
     # Registered globally (class mapping), so every ExpertsInterface instance sees it, including
     # the one transformers' modeling_utils validates experts_implementation= against.
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, moe_ep_experts_forward)
+
+
+def register_if_installed() -> bool:
+    """What ``import moe_ep`` runs: register when transformers is installed. Returns False without
+    touching anything when it is not installed (the integration is optional); warns and returns
+    False when it is too old, so the rest of moe_ep stays importable while ``patch()`` and
+    ``register()`` still raise the version error."""
+    if importlib.util.find_spec("transformers") is None:
+        return False
+    try:
+        require_transformers()
+    except ImportError as err:
+        warnings.warn(f"{err}; the 'moe_ep' experts implementation is not registered", stacklevel=2)
+        return False
+    register()
+    return True
 
 
 def is_registered() -> bool:
