@@ -40,15 +40,17 @@ class RankError(RuntimeError):
     """A rank raised; the message carries its rank and traceback."""
 
 
-def _child(fn, rank, world_size, store_path, pg_timeout_s, args, kwargs, queue):
+def _child(fn, rank, world_size, backend, store_path, pg_timeout_s, args, kwargs, queue):
     import torch
     import torch.distributed as dist
 
     # Two cores are shared by every rank and every engineer: one intra-op thread per rank.
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             store=dist.FileStore(store_path, world_size),
             rank=rank,
             world_size=world_size,
@@ -63,9 +65,11 @@ def _child(fn, rank, world_size, store_path, pg_timeout_s, args, kwargs, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0, **kwargs) -> list:
-    """``fn(rank, world_size, *args, **kwargs)`` on every rank of a fresh gloo group; returns the
-    ranks' results in rank order. ``fn`` must be a module-level function (it is pickled by name).
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0, backend: str = "gloo",
+              **kwargs) -> list:
+    """``fn(rank, world_size, *args, **kwargs)`` on every rank of a fresh process group (gloo, or
+    nccl with rank r on GPU r); returns the ranks' results in rank order. ``fn`` must be a
+    module-level function (it is pickled by name).
 
     Raises RankError naming the lowest failing rank (with its traceback, and the other failures'
     first lines), or TimeoutError naming the ranks that had not finished after ``timeout`` s."""
@@ -75,7 +79,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
     os.close(fd)
     os.unlink(store_path)  # FileStore creates it; a stale file would hold an old group's keys
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, store_path, pg_timeout, args, kwargs, queue))
+        ctx.Process(target=_child, args=(fn, r, world_size, backend, store_path, pg_timeout, args, kwargs, queue))
         for r in range(world_size)
     ]
     for p in procs:

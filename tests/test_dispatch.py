@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import TOLERANCE, rel_err
+from conftest import TOLERANCE, rel_err, requires_cuda
 from dist_utils import run_ranks
 from moe_ep.dispatch import capacity_keep_mask, expert_capacity, wire_bytes
 from moe_ep.reference import moe_experts_ref
@@ -410,6 +410,42 @@ def test_errors_name_the_argument(world2, name, pattern):
     import re
 
     assert re.search(pattern, world2[0]["errors"][name]), world2[0]["errors"][name]
+
+
+def _cuda_sync_audit(rank: int, world: int) -> dict:
+    """CUDA's own detector (``set_sync_debug_mode("error")``) raises on any synchronising call."""
+    from moe_ep.dispatch import moe_experts_ep
+
+    case = Case("cuda", T=64, E=8, K=2, H=32, I=16)
+    xs, idxs, ws, dys, gate_up, down = case.make(1, seed=4)
+    idx, dy = idxs[0].cuda(), dys[0].cuda()
+    outcome = {}
+    for mode, capacity_factor in (("capacity", 1.0), ("dropless", None)):
+        x, w, gu, dn = (t.cuda().requires_grad_() for t in (xs[0], ws[0], gate_up, down))
+
+        def step():
+            y = moe_experts_ep(x, idx, w, gu, dn, group=dist.group.WORLD, capacity_factor=capacity_factor,
+                               backend="torch")
+            torch.autograd.backward(y, dy)
+
+        step()  # warm-up: lazy initialisation (NCCL communicator, kernels) may synchronise once
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+            outcome[mode] = "no sync"
+        except RuntimeError as exc:
+            outcome[mode] = f"sync: {exc}"
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return outcome
+
+
+@requires_cuda
+def test_capacity_mode_has_no_host_sync_on_cuda():
+    outcome = run_ranks(_cuda_sync_audit, 1, backend="nccl")[0]
+    assert outcome["capacity"] == "no sync", outcome
+    assert outcome["dropless"].startswith("sync:"), outcome  # the count exchange, as documented
 
 
 # ---------------------------------------------------------------------------------------------

@@ -62,26 +62,50 @@ def _remap_routing(routing: str, num_experts: int, ep: int):
     return hook
 
 
-def _build(family: str, *, dtype, experts_implementation: str, routing: str, ep: int, overrides: dict):
+def _drop_like_capacity_mode(capacity_factor: float, world: int):
+    """The reference's side of capacity mode: the documented policy (the loop of test_dispatch)
+    applied to each rank's share of the tokens, dropped pairs' weights set to zero."""
+    from moe_ep.dispatch import expert_capacity
+    from test_dispatch import keep_mask_reference
+
+    def hook(module, args):
+        hidden, idx, weights = args
+        T, K = idx.shape
+        E = module.gate_up_proj.shape[0]
+        capacity = expert_capacity(T // world, K, E, capacity_factor)
+        keep = torch.cat([
+            keep_mask_reference(i, w, E, capacity) for i, w in zip(idx.chunk(world), weights.detach().chunk(world))
+        ])
+        return hidden, idx, weights * keep
+
+    return hook
+
+
+def _build(family: str, *, dtype, experts_implementation: str, routing: str, ep: int, overrides: dict,
+           reference_capacity=None):
     from hf_models import tiny_model
     from moe_ep.hf import register
     from moe_ep.parallel.expert_sharding import experts_modules
 
     register()
     model = tiny_model(family, dtype=dtype, experts_implementation=experts_implementation, **overrides).train()
+    experts = experts_modules(model)
     if routing != "natural":
-        experts = experts_modules(model)
         hook = _remap_routing(routing, experts[0][1].gate_up_proj.shape[0], ep)
         for _, module in experts:
             module.register_forward_pre_hook(hook)
+    if reference_capacity is not None:
+        for _, module in experts:
+            module.register_forward_pre_hook(_drop_like_capacity_mode(*reference_capacity))
     return model
 
 
-def _reference(family, routing, ep, overrides, batch, steps, activation_checkpointing=False):
+def _reference(family, routing, ep, overrides, batch, steps, activation_checkpointing=False, capacity=None):
     """One process, whole batch, float64, transformers' eager experts."""
     from moe_ep.parallel.parallelize import enable_activation_checkpointing
 
-    model = _build(family, dtype=torch.float64, experts_implementation="eager", routing=routing, ep=ep, overrides=overrides)
+    model = _build(family, dtype=torch.float64, experts_implementation="eager", routing=routing, ep=ep,
+                   overrides=overrides, reference_capacity=capacity)
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -99,7 +123,7 @@ def _reference(family, routing, ep, overrides, batch, steps, activation_checkpoi
 
 
 def _parity(rank, world, family, layout, *, routing="natural", overrides=None, steps=STEPS,
-            mixed_precision=None, activation_checkpointing=False) -> dict | None:
+            mixed_precision=None, activation_checkpointing=False, capacity_factor=None) -> dict | None:
     """Train the parallel model; on rank 0 compare with the reference. Returns the relative
     errors (rank 0) or None."""
     from hf_models import tiny_batch
@@ -110,7 +134,8 @@ def _parity(rank, world, family, layout, *, routing="natural", overrides=None, s
     model = _build(family, dtype=torch.float32, experts_implementation="moe_ep", routing=routing, ep=ep, overrides=overrides)
     batch = tiny_batch(model.config, batch=2 * world, seq=7)
     mine = {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
-    parallelize(model, **layout, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing)
+    parallelize(model, **layout, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
+                capacity_factor=capacity_factor)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms, grads = [], [], None
     for step in range(steps):
@@ -126,7 +151,9 @@ def _parity(rank, world, family, layout, *, routing="natural", overrides=None, s
         optimizer.zero_grad()
     if rank != 0:
         return None
-    ref_losses, ref_norms, ref_grads = _reference(family, routing, ep, overrides, batch, steps, activation_checkpointing)
+    capacity = None if capacity_factor is None else (capacity_factor, world)
+    ref_losses, ref_norms, ref_grads = _reference(family, routing, ep, overrides, batch, steps, activation_checkpointing,
+                                                  capacity)
     return {
         "loss": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
         "norm": [abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)],
@@ -212,6 +239,8 @@ def _world_2(rank, world) -> dict:
         "qwen3_ep2_activation_checkpointing": timed("ac", lambda: _parity(
             rank, world, "qwen3_moe", dict(ep=2), steps=1, activation_checkpointing=True)),
         "mixtral_ep1_fsdp_only": timed("ep1", lambda: _parity(rank, world, "mixtral", dict(ep=1), steps=2)),
+        "qwen3_ep2_capacity_drops": timed("capacity", lambda: _parity(
+            rank, world, "qwen3_moe", dict(ep=2), steps=2, capacity_factor=0.5)),
         "mixtral_ep2_bf16": timed("bf16", lambda: _parity(
             rank, world, "mixtral", dict(ep=2), steps=1,
             mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))),
@@ -261,7 +290,7 @@ def _assert_parity(result: dict, tol: float) -> None:
 @pytest.mark.parametrize(
     "name",
     ["mixtral_ep2", "qwen3_ep2", "mixtral_ep2_rank1_gets_nothing", "qwen3_ep2_one_expert_gets_all",
-     "qwen3_ep2_activation_checkpointing", "mixtral_ep1_fsdp_only"],
+     "qwen3_ep2_activation_checkpointing", "mixtral_ep1_fsdp_only", "qwen3_ep2_capacity_drops"],
 )
 def test_two_ranks_match_one_process(world2, name):
     _assert_parity(world2[0]["parity"][name], TOL)
