@@ -43,14 +43,15 @@ _TRITON_TYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "b
 # Configuration spaces, per kernel and dtype. BLOCK_M of the row-blocked kernels must divide the
 # metadata's pad_m (64 or 128, see ``routing_block``). Float32 runs on IEEE FMAs, not tensor
 # cores, and is there for accuracy, so it gets a single small tile.
-_FP32_TILE = [Config(64, 32, 32, num_warps=4, num_stages=2)]
+_FP32_TILE = [Config(64, 32, 32, num_warps=8, num_stages=2)]
 CONFIGS = {
     # Two accumulators (gate and up) per tile: keep the tile at 64 columns.
     "gather_glu": {"half": [Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], "fp32": _FP32_TILE},
     "rows_matmul": {"half": [Config(64, 128, 64, 4, 3), Config(128, 128, 64, 8, 3)], "fp32": _FP32_TILE},
     "glu_backward": {"half": [Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], "fp32": _FP32_TILE},
-    # Weight gradients: M and N tile the weight, K steps over the expert's rows.
-    "weight_grad": {"half": [Config(64, 128, 64, 4, 3), Config(128, 128, 64, 8, 3)], "fp32": _FP32_TILE},
+    # Weight gradients: M and N tile the weight, K steps over the expert's rows. One tile: the
+    # gradient of the activation recomputed in the loop leaves no registers for a 4-warp variant.
+    "weight_grad": {"half": [Config(128, 128, 64, 8, 3)], "fp32": _FP32_TILE},
 }
 
 
@@ -156,27 +157,27 @@ def _gather_glu_kernel(
     valid = slot >= 0
     token = tl.where(valid, slot // top_k, 0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + token[:, None] * H + ks[None, :]
-    # gate_up[e] is [2I, H]: the tile's gate rows are `cols`, its up rows `I + cols`.
-    g_ptrs = w_ptr + expert.to(tl.int64) * 2 * I * H + cols[None, :].to(tl.int64) * H + ks[:, None]
-    u_ptrs = g_ptrs + I * H
+    # Row base pointers only; the tile addresses are rebuilt each step, which keeps the state
+    # carried across iterations (and so the registers) small.
+    x_rows = x_ptr + token * H
+    # gate_up[e] is [2I, H]: the tile's gate rows are `cols`, its up rows `I + cols`. Offsets
+    # inside one expert's weight fit in int32 (the launcher checks its size).
+    g_rows = w_ptr + expert.to(tl.int64) * 2 * I * H + cols * H
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k_ok = ks < H - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        kk = k0 + ks
+        k_ok = kk < H
+        a = tl.load(x_rows[:, None] + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         b_mask = k_ok[:, None] & col_ok[None, :]
-        b_g = tl.load(g_ptrs, mask=b_mask, other=0.0)
-        b_u = tl.load(u_ptrs, mask=b_mask, other=0.0)
+        b_g = tl.load(g_rows[None, :] + kk[:, None], mask=b_mask, other=0.0)
+        b_u = tl.load(g_rows[None, :] + (kk[:, None] + I * H), mask=b_mask, other=0.0)
         if INTERPRETED:
             a = a.to(tl.float32)
             b_g = b_g.to(tl.float32)
             b_u = b_u.to(tl.float32)
         acc_g = tl.dot(a, b_g, acc_g, input_precision="ieee")
         acc_u = tl.dot(a, b_u, acc_u, input_precision="ieee")
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
     # Padding rows (slot -1) read zeros, so they store zeros.
     out_mask = col_ok[None, :]
     tl.store(pre_ptrs, _downcast(acc_g, pre_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
@@ -206,25 +207,27 @@ def _rows_matmul_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * k_red + ks[None, :]
+    a_rows = a_ptr + rows.to(tl.int64) * k_red
+    # Offsets inside one expert's weight fit in int32 (the launcher checks its size).
     w_base = w_ptr + expert.to(tl.int64) * n_out * k_red
     if W_NK:
-        b_ptrs = w_base + cols[None, :].to(tl.int64) * k_red + ks[:, None]
-        b_step = BLOCK_K
+        w_cols = w_base + cols * k_red
     else:
-        b_ptrs = w_base + ks[:, None].to(tl.int64) * n_out + cols[None, :]
-        b_step = BLOCK_K * n_out
+        w_cols = w_base + cols
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, k_red, BLOCK_K):
-        k_ok = ks < k_red - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        kk = k0 + ks
+        k_ok = kk < k_red
+        a = tl.load(a_rows[:, None] + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        if W_NK:
+            b_ptrs = w_cols[None, :] + kk[:, None]
+        else:
+            b_ptrs = w_cols[None, :] + kk[:, None] * n_out
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if INTERPRETED:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision="ieee")
-        a_ptrs += BLOCK_K
-        b_ptrs += b_step
     if SCALE:
         acc *= tl.load(scale_ptr + slot, mask=valid, other=0.0)[:, None]
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * n_out + cols[None, :]
@@ -253,20 +256,19 @@ def _glu_backward_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = dy_ptr + token[:, None] * H + ks[None, :]
+    dy_rows = dy_ptr + token * H
     # down[e] is [H, I]: the reduction runs over H, its rows.
-    b_ptrs = w_ptr + expert.to(tl.int64) * H * I + ks[:, None].to(tl.int64) * I + cols[None, :]
+    w_cols = w_ptr + expert.to(tl.int64) * H * I + cols
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k_ok = ks < H - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        kk = k0 + ks
+        k_ok = kk < H
+        a = tl.load(dy_rows[:, None] + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols[None, :] + kk[:, None] * I, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if INTERPRETED:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision="ieee")
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * I
     tile_mask = valid[:, None] & col_ok[None, :]
     pre_ptrs = pre_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
     gate = tl.load(pre_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
@@ -372,6 +374,12 @@ def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None
         raise ValueError(f"{name} must be contiguous")
 
 
+def _check_expert_size(name: str, w_E: torch.Tensor) -> None:
+    # The kernels index inside one expert's weight with int32 offsets.
+    if w_E[0].numel() >= 2**31:
+        raise ValueError(f"{name} must have fewer than 2**31 elements per expert, got shape {tuple(w_E.shape)}")
+
+
 def _check_float(name: str, t: torch.Tensor) -> None:
     if t.dtype not in _TRITON_TYPE:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
@@ -401,6 +409,7 @@ def gather_glu(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, meta: RoutingMeta
     I = two_I // 2
     _check("x_TH", x_TH, (T, H), x_TH.dtype)
     _check("gate_up_E2IH", gate_up_E2IH, (E, two_I, H), x_TH.dtype)
+    _check_expert_size("gate_up_E2IH", gate_up_E2IH)
     P = meta.sorted_slot_P.numel()
     h_PI = x_TH.new_empty(P, I)
     pre_P2I = x_TH.new_empty(P, two_I)
@@ -430,6 +439,7 @@ def rows_matmul(a_PK: torch.Tensor, w_E: torch.Tensor, meta: RoutingMetadata, *,
     n_out = w_E.shape[1] if w_layout == "nk" else w_E.shape[2]
     _check("a_PK", a_PK, (meta.sorted_slot_P.numel(), k_red), a_PK.dtype)
     _check("w_E", w_E, (E, n_out, k_red) if w_layout == "nk" else (E, k_red, n_out), a_PK.dtype)
+    _check_expert_size("w_E", w_E)
     if scale_N is not None:
         _check("scale_N", scale_N, (meta.slot_pos_N.numel(),), torch.float32)
     out_PN = a_PK.new_empty(P, n_out)
@@ -462,6 +472,7 @@ def glu_backward(dy_TH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Ten
     N = meta.slot_pos_N.numel()
     _check("dy_TH", dy_TH, (T, H), dy_TH.dtype)
     _check("down_EHI", down_EHI, (E, H, I), dy_TH.dtype)
+    _check_expert_size("down_EHI", down_EHI)
     _check("pre_P2I", pre_P2I, (P, 2 * I), dy_TH.dtype)
     _check("w_N", w_N, (N,), torch.float32)
     dpre_P2I = torch.empty_like(pre_P2I)
