@@ -89,6 +89,57 @@ def _exchange_counts(rows_R: torch.Tensor, pairs_R: torch.Tensor, group, ep: int
     return send_splits, recv_splits, num_pairs
 
 
+def _pack_rows(x_TH, idx_TK, w_TK, dest_kept_TK, kept_TK, goes_RT, rows_R, row_pos_RT, num_send, rows_per_rank, L, k_max):
+    """The send buffers: one hidden row per (token, destination), rank-major, and for each row
+    its routing columns (local expert ids, ``L`` = empty; weights) compacted to ``k_max``."""
+    T, ep, device = x_TH.shape[0], goes_RT.shape[0], x_TH.device
+    target_RT = torch.where(goes_RT, row_pos_RT, num_send)
+    row_token = torch.zeros(num_send + 1, dtype=torch.long, device=device)
+    row_token.scatter_(0, target_RT.reshape(-1), torch.arange(T, device=device).repeat(ep))
+    x_SH = x_TH[row_token[:num_send]]
+    if rows_per_rank is not None:  # padding rows of the fixed-size blocks are zeros
+        row_real = (torch.arange(rows_per_rank, device=device)[None, :] < rows_R[:, None]).reshape(-1)
+        x_SH = x_SH.masked_fill(~row_real[:, None], 0)
+
+    row_pos_TK = row_pos_RT.t().gather(1, dest_kept_TK.clamp(max=ep - 1))
+    kept = torch.ones_like(dest_kept_TK, dtype=torch.bool) if kept_TK is None else kept_TK
+    trash = num_send * k_max
+    slot_target = torch.where(kept, row_pos_TK * k_max + _slot_columns(dest_kept_TK), trash).reshape(-1)
+    ids = torch.full((trash + 1,), L, dtype=torch.int32, device=device)
+    ids.scatter_(0, slot_target, (idx_TK % L).reshape(-1).to(torch.int32))
+    weights = torch.zeros(trash + 1, dtype=torch.float32, device=device)
+    weights = weights.scatter(0, slot_target, w_TK.reshape(-1).float())  # out of place: differentiable
+    return x_SH, ids[:trash].view(num_send, k_max), weights[:trash].view(num_send, k_max)
+
+
+def _expert_pairs(x_recv, w_recv, ids_recv, L: int, num_pairs: int, padded: bool):
+    """One entry per (received row, local expert), in row order, and for each (row, column) slot
+    the entry that fills it (``num_pairs`` = none), which ``combine`` sums per row."""
+    ids_N = ids_recv.reshape(-1)
+    pair_slot, pair_real = _compact(ids_N < L, num_pairs)
+    expert_P = ids_N[pair_slot].long()
+    weight_P = w_recv.reshape(-1)[pair_slot]
+    if padded:  # capacity mode's tail entries: expert 0, weight 0, output exactly 0
+        expert_P = torch.where(pair_real, expert_P, 0)
+        weight_P = torch.where(pair_real, weight_P, 0.0)
+    n_slots = ids_N.numel()
+    row_src = torch.full((n_slots + 1,), num_pairs, dtype=torch.long, device=ids_N.device)
+    row_src.scatter_(0, torch.where(pair_real, pair_slot, n_slots), torch.arange(num_pairs, device=ids_N.device))
+    hidden_PH = x_recv[pair_slot // ids_recv.shape[1]]
+    return hidden_PH, expert_P[:, None], weight_P[:, None], row_src[:n_slots]
+
+
+def _return_slots(goes_TR: torch.Tensor, row_pos_RT: torch.Tensor, r_max: int, num_send: int) -> torch.Tensor:
+    """For token t's c-th destination (rank order), the row of the combine exchange holding its
+    partial output: the row it was sent in. ``num_send`` = no such destination."""
+    T, device = goes_TR.shape[0], goes_TR.device
+    column_TR = torch.cumsum(goes_TR, 1) - 1
+    target = torch.where(goes_TR, torch.arange(T, device=device)[:, None] * r_max + column_TR, T * r_max)
+    token_src = torch.full((T * r_max + 1,), num_send, dtype=torch.long, device=device)
+    token_src.scatter_(0, target.reshape(-1), row_pos_RT.t().reshape(-1))
+    return token_src[: T * r_max]
+
+
 def dispatch(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -106,7 +157,7 @@ def dispatch(
     Differentiable in ``hidden_states`` and ``top_k_weights``."""
     ep = check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts)
     check_capacity_factor(capacity_factor)
-    x_TH, device = hidden_states, hidden_states.device
+    device = hidden_states.device
     T, K = top_k_index.shape
     L = num_experts // ep
     k_max, r_max = min(K, L), min(K, ep)
@@ -114,8 +165,7 @@ def dispatch(
     dest_TK = idx_TK // L
 
     if capacity_factor is None:
-        kept_TK = None
-        dest_kept_TK = dest_TK
+        kept_TK, dest_kept_TK = None, dest_TK
     else:
         capacity = expert_capacity(T, K, num_experts, capacity_factor)
         kept_TK = capacity_keep_mask(idx_TK, top_k_weights, num_experts, capacity)
@@ -142,49 +192,15 @@ def dispatch(
         num_pairs = min(num_send * k_max, ep * L * capacity)
         row_pos_RT = torch.arange(ep, device=device)[:, None] * rows_per_rank + rank_in_dest_RT
 
-    # Send rows: which token each row carries (padding rows: none).
-    target_RT = torch.where(goes_RT, row_pos_RT, num_send)
-    row_token = torch.zeros(num_send + 1, dtype=torch.long, device=device)
-    row_token.scatter_(0, target_RT.reshape(-1), torch.arange(T, device=device).repeat(ep))
-    x_send = x_TH[row_token[:num_send]]
-    if kept_TK is not None:
-        row_real = (torch.arange(rows_per_rank, device=device)[None, :] < rows_R[:, None]).reshape(-1)
-        x_send = x_send.masked_fill(~row_real[:, None], 0)
-
-    # Routing of each send row: local ids (L = empty column) and weights, compacted to k_max columns.
-    row_pos_TK = row_pos_RT.t().gather(1, dest_kept_TK.clamp(max=ep - 1))
-    kept_slot = torch.ones_like(dest_TK, dtype=torch.bool) if kept_TK is None else kept_TK
-    slot_target = torch.where(kept_slot, row_pos_TK * k_max + _slot_columns(dest_kept_TK), num_send * k_max)
-    slot_target = slot_target.reshape(-1)
-    ids_send = torch.full((num_send * k_max + 1,), L, dtype=torch.int32, device=device)
-    ids_send.scatter_(0, slot_target, (idx_TK % L).reshape(-1).to(torch.int32))
-    w_send = torch.zeros(num_send * k_max + 1, dtype=torch.float32, device=device)
-    w_send = w_send.scatter(0, slot_target, top_k_weights.reshape(-1).float())
-
-    x_recv = AllToAllRows.apply(x_send, recv_splits, send_splits, group)
-    w_recv, ids_recv = AllToAllRouting.apply(
-        w_send[:-1].view(num_send, k_max), ids_send[:-1].view(num_send, k_max), recv_splits, send_splits, group
+    x_send, ids_send, w_send = _pack_rows(
+        hidden_states, idx_TK, top_k_weights, dest_kept_TK, kept_TK, goes_RT, rows_R, row_pos_RT, num_send,
+        rows_per_rank, L, k_max,
     )
-
-    # Expert side: one entry per (received row, local expert) pair, in row order.
-    num_recv = x_recv.shape[0]
-    ids_N = ids_recv.reshape(-1)
-    pair_slot, pair_real = _compact(ids_N < L, num_pairs)
-    expert_P = ids_N[pair_slot].long()
-    weight_P = w_recv.reshape(-1)[pair_slot]
-    if kept_TK is not None:
-        expert_P = torch.where(pair_real, expert_P, 0)
-        weight_P = torch.where(pair_real, weight_P, 0.0)
-    n_slots = num_recv * k_max
-    row_src = torch.full((n_slots + 1,), num_pairs, dtype=torch.long, device=device)
-    row_src.scatter_(0, torch.where(pair_real, pair_slot, n_slots), torch.arange(num_pairs, device=device))
-
-    # Source side: where each token's returned rows will be, in rank order.
-    column_TR = torch.cumsum(goes_TR, 1) - 1
-    token_target = torch.where(goes_TR, torch.arange(T, device=device)[:, None] * r_max + column_TR, T * r_max)
-    token_src = torch.full((T * r_max + 1,), num_send, dtype=torch.long, device=device)
-    token_src.scatter_(0, token_target.reshape(-1), row_pos_RT.t().reshape(-1))
-
+    x_recv = AllToAllRows.apply(x_send, recv_splits, send_splits, group)
+    w_recv, ids_recv = AllToAllRouting.apply(w_send, ids_send, recv_splits, send_splits, group)
+    hidden_PH, expert_P1, weight_P1, row_src = _expert_pairs(
+        x_recv, w_recv, ids_recv, L, num_pairs, padded=kept_TK is not None
+    )
     layout = DispatchLayout(
         group=group,
         num_tokens=T,
@@ -194,19 +210,14 @@ def dispatch(
         send_splits=send_splits,
         recv_splits=recv_splits,
         rows_per_rank=rows_per_rank,
-        token_src=token_src[: T * r_max],
+        token_src=_return_slots(goes_TR, row_pos_RT, r_max, num_send),
         max_ranks_per_token=r_max,
-        row_src=row_src[:n_slots],
+        row_src=row_src,
         max_slots_per_row=k_max,
         num_pairs=num_pairs,
         kept_TK=kept_TK,
     )
-    return DispatchedTokens(
-        hidden_states=x_recv[pair_slot // k_max],
-        expert_ids=expert_P[:, None],
-        weights=weight_P[:, None],
-        layout=layout,
-    )
+    return DispatchedTokens(hidden_states=hidden_PH, expert_ids=expert_P1, weights=weight_P1, layout=layout)
 
 
 def _sum_groups(rows: torch.Tensor, src: torch.Tensor, groups: int, width: int) -> torch.Tensor:
