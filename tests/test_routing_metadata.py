@@ -43,6 +43,9 @@ CASES = [
     (257, 8, 1, 32, torch.int32, True),
     (50, 3, 1, 1, torch.int64, False),
     (1, 6, 2, 128, torch.int64, False),
+    # More histogram rows than one scan step (64 chunks of 256 slots) and more blocks than one
+    # block-table step (256).
+    (8300, 20, 2, 16, torch.int32, False),
 ]
 
 
