@@ -11,18 +11,11 @@ import warnings
 import torch
 
 from ..experts import moe_experts
+from .autocast import autocast_dtype
 from .layout import experts_activation
 from .version import require_transformers
 
 EXPERTS_IMPLEMENTATION = "moe_ep"
-
-
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The dtype autocast would give a matmul on ``device``, None outside autocast. Custom ops get
-    no autocast of their own, so the cast is done here as ``F.linear`` would do it."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return None
 
 
 def moe_ep_experts_forward(
@@ -34,12 +27,13 @@ def moe_ep_experts_forward(
     """transformers' experts forward signature. An expert-parallel dispatcher installed on the
     module (``moe_ep_dispatcher``) takes the call; otherwise the local ``moe_experts`` op runs with
     the backend stored by ``moe_ep.hf.patch`` (``moe_ep_backend``, None = default)."""
-    activation = experts_activation(self)
+    activation = experts_activation(self)  # also refuses unsupported layouts before any dispatch
     dispatcher = getattr(self, "moe_ep_dispatcher", None)
     if dispatcher is not None:
         return dispatcher(self, hidden_states, top_k_index, top_k_weights)
     gate_up_E2IH, down_EHI, x_TH = self.gate_up_proj, self.down_proj, hidden_states
-    compute_dtype = _autocast_dtype(hidden_states.device)
+    # Under autocast the experts compute in the autocast dtype, as F.linear in the eager experts does.
+    compute_dtype = autocast_dtype(hidden_states.device)
     if compute_dtype is not None:
         gate_up_E2IH, down_EHI, x_TH = (t.to(compute_dtype) for t in (gate_up_E2IH, down_EHI, x_TH))
     y_TH = moe_experts(

@@ -23,13 +23,12 @@ from __future__ import annotations
 import torch
 
 from ..routing import route_topk
+from .autocast import autocast_dtype
 
 
 def _linear_out_dtype(x: torch.Tensor) -> torch.dtype:
     """dtype of ``F.linear(x, w)`` in the caller's context: autocast changes it."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
+    return autocast_dtype(x.device) or x.dtype
 
 
 def _softmax_topk(router, hidden_states, *, normalize: bool, weights_in_logits_dtype: bool):
