@@ -17,6 +17,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GRAD_NAMES = ["hidden_states", "top_k_weights", "gate_up_proj", "down_proj"]
 # Two row blocks per expert, several reduction steps and column tiles, ragged edges.
 MULTI_TILE = Case("multi_tile", T=70, H=72, I=72, E=2, K=2)
+# More experts than one metadata tile and more row blocks than one GEMM program group.
+MANY_EXPERTS = Case("many_experts", T=40, H=16, I=8, E=20, K=3)
 
 
 def triton_experts(x, idx, w, gate_up, down, activation="silu"):
@@ -56,8 +58,9 @@ def test_matches_float64_reference(case, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_several_tiles_per_expert_match_float64_reference(dtype):
-    check_against_reference(MULTI_TILE, dtype)
+@pytest.mark.parametrize("case", [MULTI_TILE, MANY_EXPERTS], ids=lambda c: c.name)
+def test_larger_grids_match_float64_reference(case, dtype):
+    check_against_reference(case, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
