@@ -49,8 +49,8 @@ CONFIGS = {
     "gather_glu": {"half": [Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], "fp32": _FP32_TILE},
     "rows_matmul": {"half": [Config(64, 128, 64, 4, 3), Config(128, 128, 64, 8, 3)], "fp32": _FP32_TILE},
     "glu_backward": {"half": [Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], "fp32": _FP32_TILE},
-    # Weight gradients: M and N tile the weight, K steps over the expert's rows. One tile: the
-    # gradient of the activation recomputed in the loop leaves no registers for a 4-warp variant.
+    # Weight gradients: M and N tile the weight, K steps over the expert's rows. One tile: d down
+    # recomputes the activation inside its loop, and a 4-warp tile of it spills.
     "weight_grad": {"half": [Config(128, 128, 64, 8, 3)], "fp32": _FP32_TILE},
 }
 
