@@ -334,3 +334,15 @@ def test_fresh_start_over_existing_checkpoints_needs_overwrite(tmp_path, capsys,
     assert code == 2 and "--resume never, but" in err and "step_00000002; pass --overwrite to delete them" in err
     assert train.main(["--output-dir", str(tmp_path / "out"), "--overwrite", "--resume", str(tmp_path)]) == 2
     assert "--overwrite starts afresh; it cannot be combined with --resume" in capsys.readouterr().err
+
+
+def test_hf_dataset_needs_the_network_and_the_package(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UsageError, match="need the network, but HF_HUB_OFFLINE"):
+        data.resolve_data(["hf:wikitext:wikitext-2-raw-v1"], "text")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UsageError, match="needs the `datasets` package"):
+        data.resolve_data(["hf:wikitext"], "text")
+    with pytest.raises(UsageError, match="expected hf:NAME"):
+        data.resolve_data(["hf:"], "text")

@@ -14,6 +14,7 @@ Sources (``--data``):
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import sysconfig
@@ -155,10 +156,8 @@ def parse_hf_dataset(spec: str) -> tuple[str, str | None, str]:
         raise UsageError(f"--data: expected hf:NAME[:CONFIG[:SPLIT]], got {spec!r}")
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("", "0"):
         raise UsageError(f"--data {spec}: Hugging Face datasets need the network, but HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set")
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        raise UsageError(f"--data {spec}: needs the `datasets` package (pip install datasets)") from None
+    if importlib.util.find_spec("datasets") is None:
+        raise UsageError(f"--data {spec}: needs the `datasets` package (pip install datasets)")
     name = parts[0]
     config = parts[1] if len(parts) > 1 and parts[1] else None
     split = parts[2] if len(parts) > 2 and parts[2] else "train"

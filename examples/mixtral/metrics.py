@@ -4,9 +4,7 @@ per-layer expert load; a progress bar, a JSON-lines log, optional TensorBoard, a
 from __future__ import annotations
 
 import json
-import math
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -211,11 +209,3 @@ def summary_lines(*, losses: list[tuple[int, float]], throughput: Throughput, wa
         lines.append(f"peak GPU memory (rank 0): {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     lines += [f"{k}: {v}" for k, v in extra.items()]
     return lines
-
-
-def is_finite(x: float) -> bool:
-    return math.isfinite(x)
-
-
-def stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)

@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start afresh: delete the checkpoints, metrics and TensorBoard logs in --output-dir")
     out.add_argument("--export-dir", default=None,
                      help="at the end, write a Hugging Face folder that plain transformers loads")
+    out.add_argument("--step-timeout", type=float, default=1800.0,
+                     help="seconds one step (with its checkpoint) may take before every rank stops with an error")
     out.add_argument("--log-every", type=int, default=1)
     out.add_argument("--tensorboard", action="store_true", help="also log to OUTPUT_DIR/tensorboard")
     out.add_argument("--peak-tflops", type=float, default=None,
@@ -107,6 +109,8 @@ def check_flag_values(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not args.step_timeout > 0:
+        raise UsageError(f"--step-timeout must be > 0, got {args.step_timeout}")
     if not args.lr > 0:
         raise UsageError(f"--lr must be > 0, got {args.lr}")
     if not 0 <= args.min_lr_ratio <= 1:

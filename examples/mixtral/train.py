@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep.losses import load_balancing_loss, router_z_loss
+from moe_ep.parallel import fail_fast
 
 from checkpoint import clear_run, latest_checkpoint, load_checkpoint, read_trainer_state, remove_incomplete, save_checkpoint
 from data import ByteTokenizer, BatchSchedule, PackedSequences, PretrainedTokenizer, cached_tokens, local_batch, resolve_data
@@ -57,6 +58,30 @@ def lr_at(step: int, args) -> float:
     span = max(1, args.steps - args.warmup_steps)
     progress = min(1.0, (step - args.warmup_steps) / span)
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_step(model, optimizer, batch, args, *, aux_coef, top_k, aux_group, autocast):
+    """One optimizer step over ``args.grad_accum`` micro-batches of ``batch``. Returns this rank's
+    language-model and load-balancing losses (means over the micro-batches, detached) and the
+    global gradient norm before clipping."""
+    lm_sum = torch.zeros((), device=batch.device)
+    aux_sum = torch.zeros((), device=batch.device)
+    for i, ids in enumerate(batch.chunk(args.grad_accum)):
+        gradient_sync(model, i == args.grad_accum - 1)
+        with autocast:
+            out = model(input_ids=ids, output_router_logits=True, use_cache=False)
+        lm = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        aux = load_balancing_loss(out.router_logits, top_k, group=aux_group)
+        objective = lm + aux_coef * aux
+        if args.z_loss_coef:
+            objective = objective + args.z_loss_coef * router_z_loss(out.router_logits)
+        (objective / args.grad_accum).backward()
+        lm_sum += lm.detach()
+        aux_sum += aux.detach()
+    grad_norm = clip_grad_norm_(model, args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lm_sum / args.grad_accum, aux_sum / args.grad_accum, grad_norm
 
 
 def env_int(name: str, default: int) -> int:
@@ -220,56 +245,44 @@ def train(args) -> None:
     # Parallelized models cast through FSDP's policy; a lone process uses autocast instead.
     use_autocast = mp_dtype is not None and not dist.is_initialized()
     autocast = torch.autocast(device.type, dtype=mp_dtype) if use_autocast else nullcontext()
+    # A rank that fails mid-step (or hangs past --step-timeout) stops every rank at once, naming
+    # itself, instead of leaving the others blocked in a collective until the NCCL/gloo timeout.
+    step_guard = (lambda: fail_fast(timeout=args.step_timeout)) if dist.is_initialized() else nullcontext
     for step in range(start_step, args.steps):
-        lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        throughput.start()
-        batch = local_batch(packed, schedule, step).to(device)
-        lm_sum = torch.zeros((), device=device)
-        aux_sum = torch.zeros((), device=device)
-        for i, ids in enumerate(batch.chunk(args.grad_accum)):
-            gradient_sync(model, i == args.grad_accum - 1)
-            with autocast:
-                out = model(input_ids=ids, output_router_logits=True, use_cache=False)
-            lm = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-            aux = load_balancing_loss(out.router_logits, top_k, group=aux_group)
-            loss = lm + aux_coef * aux
-            if args.z_loss_coef:
-                loss = loss + args.z_loss_coef * router_z_loss(out.router_logits)
-            (loss / args.grad_accum).backward()
-            lm_sum += lm.detach()
-            aux_sum += aux.detach()
-        max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-        grad_norm = clip_grad_norm_(model, max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        tokens_seen += global_batch * args.seq_len
+        with step_guard():
+            lr = lr_at(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            throughput.start()
+            batch = local_batch(packed, schedule, step).to(device)
+            lm_loss, aux_loss, grad_norm = train_step(model, optimizer, batch, args, aux_coef=aux_coef, top_k=top_k,
+                                                      aux_group=aux_group, autocast=autocast)
+            tokens_seen += global_batch * args.seq_len
 
-        stats = torch.stack([lm_sum, aux_sum]) / args.grad_accum
-        if dist.is_initialized():
-            dist.all_reduce(stats)
-            stats /= world_size
-        # host sync: once per step, for the log and the NaN check.
-        loss, aux_loss = stats.tolist()
-        throughput.stop(global_batch * args.seq_len)
-        if not math.isfinite(loss):
-            raise RuntimeError(f"the loss is {loss} at step {step + 1}; lower --lr or check the data")
-        done = step + 1
-        losses.append((done, loss))
-        if done % args.log_every == 0 or done == args.steps:
-            tps, mfu = throughput.report()
-            reporter.step(
-                {"step": done, "loss": loss, "aux_loss": aux_loss, "grad_norm": float(grad_norm), "lr": lr,
-                 "tokens_per_s": tps, "mfu": mfu, "tokens": tokens_seen, "epoch": schedule.epoch(done)},
-                expert_load.collect(),
-            )
-        if done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
-            trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
-                             "layout": layout.as_dict(), "model": source.name, "data": data_identity}
-            last_ckpt = save_checkpoint(ckpt_root, done, model, optimizer, trainer_state, rank=rank,
-                                        barrier=barrier, keep=args.keep_checkpoints, config=model.config)
-            reporter.info(f"checkpoint {last_ckpt}")
+            stats = torch.stack([lm_loss, aux_loss])
+            if dist.is_initialized():
+                dist.all_reduce(stats)
+                stats /= world_size
+            # host sync: once per step, for the log and the NaN check.
+            loss, aux_loss = stats.tolist()
+            throughput.stop(global_batch * args.seq_len)
+            if not math.isfinite(loss):
+                raise RuntimeError(f"the loss is {loss} at step {step + 1}; lower --lr or check the data")
+            done = step + 1
+            losses.append((done, loss))
+            if done % args.log_every == 0 or done == args.steps:
+                tps, mfu = throughput.report()
+                reporter.step(
+                    {"step": done, "loss": loss, "aux_loss": aux_loss, "grad_norm": float(grad_norm), "lr": lr,
+                     "tokens_per_s": tps, "mfu": mfu, "tokens": tokens_seen, "epoch": schedule.epoch(done)},
+                    expert_load.collect(),
+                )
+            if done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
+                trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
+                                 "layout": layout.as_dict(), "model": source.name, "data": data_identity}
+                last_ckpt = save_checkpoint(ckpt_root, done, model, optimizer, trainer_state, rank=rank,
+                                            barrier=barrier, keep=args.keep_checkpoints, config=model.config)
+                reporter.info(f"checkpoint {last_ckpt}")
 
     extra = {"checkpoint": last_ckpt, "metrics": output_dir / "metrics.jsonl"}
     if args.export_dir is not None:
