@@ -7,14 +7,16 @@ order. ``moe_ep.planner.costs.unit_costs`` builds them from a Hugging Face confi
 bytes of parameters, gradients, optimizer state and activations of each unit, embedding and head
 included); ``moe_ep.parallel.pipeline`` uses the result to cut the model into stages.
 
-Exact, not greedy: a dynamic programme over (stage, first unit of the next stage) finds the
-smallest possible bottleneck time T*; a second pass, restricted to stages no slower than T*,
-picks among the optimal partitions the one whose most loaded rank holds the fewest bytes.
-Both passes cost O(S * n^2) for S stages and n units.
+Exact: the smallest possible bottleneck time T* is found by binary search over the segment
+sums, each probe an exact feasibility check under the time and memory limits (O(n) greedy when
+the micro-batches in flight are monotone over the stages, as in GPipe, 1F1B and ZB-V; a sweep
+over reachable stage ends otherwise); a second search, restricted to stages no slower than T*,
+picks among the optimal partitions the one whose fullest stage holds the fewest bytes.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -194,6 +196,24 @@ def partition(
     return Partition(units, starts, placement, stages_per_rank, inflight_S)
 
 
+def fits(
+    units: Sequence[UnitCost],
+    num_stages: int,
+    memory_cap: float,
+    *,
+    placement: str = "loop",
+    stages_per_rank: int = 1,
+    inflight: Sequence[float] | None = None,
+) -> bool:
+    """Whether some partition meets the memory cap (one feasibility probe, no message built);
+    the same arguments as :func:`partition`."""
+    units = tuple(units)
+    _check_inputs(list(units), num_stages, placement, stages_per_rank, inflight, memory_cap)
+    inflight_S = tuple(float(f) for f in inflight) if inflight is not None else (1.0,) * num_stages
+    seg = _Segments(units, inflight_S, _forbidden_boundaries(units, placement))
+    return seg.feasible(math.inf, memory_cap / stages_per_rank * (1 + _REL_EPS)) is not None
+
+
 def _check_split_points(units, num_stages, split_points, forbidden, stage_cap, inflight_S):
     points = list(split_points)
     n = len(units)
@@ -220,64 +240,182 @@ def _check_split_points(units, num_stages, split_points, forbidden, stage_cap, i
     return starts
 
 
+class _Segments:
+    """Time and bytes of any segment [lo, hi) in O(1): prefix sums, and a table of the largest
+    transient term of each segment."""
+
+    def __init__(self, units: Sequence[UnitCost], inflight_S: Sequence[float], forbidden: dict[int, str]):
+        n = len(units)
+        self.n, self.num_stages, self.inflight_S, self.forbidden = n, len(inflight_S), inflight_S, forbidden
+        self.flops, self.static, self.act = [0.0], [0.0], [0.0]
+        for u in units:
+            self.flops.append(self.flops[-1] + u.flops)
+            self.static.append(self.static[-1] + u.static_bytes)
+            self.act.append(self.act[-1] + u.act_bytes)
+        works = [u.work_bytes for u in units]
+        # work[lo][hi]: the largest transient term in [lo, hi) (index hi <= lo unused).
+        self.work = [[0.0] * (lo + 1) + list(itertools.accumulate(works[lo:], max)) for lo in range(n)]
+        diffs = [y - x for x, y in zip(inflight_S, inflight_S[1:])]
+        self.monotone = "up" if all(d >= 0 for d in diffs) else "down" if all(d <= 0 for d in diffs) else None
+
+    def time(self, lo, hi):
+        return self.flops[hi] - self.flops[lo]
+
+    def bytes(self, s, lo, hi):
+        return self.static[hi] - self.static[lo] + self.inflight_S[s] * (self.act[hi] - self.act[lo]) + self.work[lo][hi]
+
+    def ok(self, s, lo, hi, max_time, max_bytes):
+        return self.time(lo, hi) <= max_time and self.bytes(s, lo, hi) <= max_bytes
+
+    def can_end(self, s, end):
+        """Stage s may end at `end`: not inside a shared-parameter span, room left for the rest."""
+        if end == self.n:
+            return s == self.num_stages - 1
+        return end not in self.forbidden and end <= self.n - (self.num_stages - 1 - s)
+
+    def peaks(self, starts) -> tuple[float, float]:
+        """(slowest stage time, fullest stage bytes)."""
+        segs = list(enumerate(zip(starts, starts[1:])))
+        return max(self.time(lo, hi) for _, (lo, hi) in segs), max(self.bytes(s, lo, hi) for s, (lo, hi) in segs)
+
+    def feasible(self, max_time, max_bytes):
+        """Stage starts with every stage within both limits, or None. Both limits only get
+        harder as a segment grows. When the per-stage factor never decreases, a stage that takes
+        as many units as it can never leaves the later stages worse off, so a greedy pass from
+        the front is exact; when it never increases, the same holds from the back; otherwise an
+        exact sweep over the reachable stage ends."""
+        if self.monotone == "up":
+            return self._greedy_front(max_time, max_bytes)
+        if self.monotone == "down":
+            return self._greedy_back(max_time, max_bytes)
+        return self._reachable(max_time, max_bytes)
+
+    def _greedy_front(self, max_time, max_bytes):
+        starts, lo = [0], 0
+        for s in range(self.num_stages):
+            end = None
+            for hi in range(lo + 1, self.n + 1):
+                if not self.ok(s, lo, hi, max_time, max_bytes):
+                    break
+                if self.can_end(s, hi):
+                    end = hi
+            if end is None:
+                return None
+            starts.append(end)
+            lo = end
+        return tuple(starts) if lo == self.n else None
+
+    def _greedy_back(self, max_time, max_bytes):
+        ends, hi = [self.n], self.n
+        for s in range(self.num_stages - 1, -1, -1):
+            start = None
+            for lo in range(hi - 1, -1, -1):
+                if not self.ok(s, lo, hi, max_time, max_bytes):
+                    break
+                # The first stage starts at 0; any other stage's start ends stage s-1, and the s
+                # stages before it need a unit each.
+                first_ok = s == 0 and lo == 0
+                later_ok = s > 0 and lo >= s and lo not in self.forbidden
+                if first_ok or later_ok:
+                    start = lo
+            if start is None:
+                return None
+            ends.append(start)
+            hi = start
+        return tuple(reversed(ends)) if hi == 0 else None
+
+    def _reachable(self, max_time, max_bytes):
+        """Sweep stage by stage over the positions where the previous stage can end. For a
+        fixed stage the furthest feasible end never moves left as the start moves right, so one
+        pointer serves all starts: O(n) per stage. (The hot loop of the planner, hence inlined.)"""
+        n, S, forbidden = self.n, self.num_stages, self.forbidden
+        flops, static, act, work = self.flops, self.static, self.act, self.work
+        reach = [0]
+        history = []
+        for s in range(S):
+            factor = self.inflight_S[s]
+            last_end = n - (S - 1 - s)
+            pred = {}  # stage end -> a start that reaches it
+            hi = marked = 0
+            for lo in reach:
+                if hi < lo:
+                    hi = lo
+                row, f0, s0, a0 = work[lo], flops[lo], static[lo], act[lo]
+                while hi < n:
+                    nxt = hi + 1
+                    if flops[nxt] - f0 > max_time or static[nxt] - s0 + factor * (act[nxt] - a0) + row[nxt] > max_bytes:
+                        break
+                    hi = nxt
+                for end in range((lo if lo > marked else marked) + 1, (hi if hi < last_end else last_end) + 1):
+                    if end == n or (end not in forbidden and s < S - 1):
+                        pred[end] = lo
+                if hi > marked:
+                    marked = hi
+            history.append(pred)
+            reach = sorted(pred)
+        if n not in reach:
+            return None
+        starts = [n]
+        for pred in reversed(history):
+            starts.append(pred[starts[-1]])
+        return tuple(reversed(starts))
+
+
+def _smallest_feasible(values, probe):
+    """Binary search over sorted candidate limits: the result of the first probe that succeeds."""
+    lo_i, hi_i, found = 0, len(values) - 1, None
+    while lo_i <= hi_i:
+        mid = (lo_i + hi_i) // 2
+        trial = probe(values[mid])
+        if trial is None:
+            lo_i = mid + 1
+        else:
+            hi_i, found = mid - 1, trial
+    return found
+
+
+_DESCENT_STEPS = 8
+
+
+def _least_bytes(seg: _Segments, max_time, max_bytes):
+    """Among partitions within max_time and max_bytes, one with the smallest peak bytes (to
+    1e-12 relative). First probe just below the peak of the best so far: each success strictly
+    lowers it, and the time-optimal cut is usually close already. If that keeps succeeding,
+    bisect between 0 and the peak."""
+    best = seg.feasible(max_time, max_bytes)
+    for _ in range(_DESCENT_STEPS):
+        if best is None or seg.peaks(best)[1] <= 0:
+            return best
+        lower = seg.feasible(max_time, seg.peaks(best)[1] * (1 - _REL_EPS))
+        if lower is None:
+            return best
+        best = lower
+    lo_bytes, hi_bytes = 0.0, seg.peaks(best)[1]
+    while hi_bytes - lo_bytes > 1e-12 * hi_bytes:
+        mid = (lo_bytes + hi_bytes) / 2
+        trial = seg.feasible(max_time, mid)
+        if trial is None:
+            lo_bytes = mid
+        else:
+            best, hi_bytes = trial, seg.peaks(trial)[1]
+    return best
+
+
 def _solve(units, num_stages, forbidden, stage_cap, inflight_S) -> tuple[int, ...]:
-    n = len(units)
-    prefix_flops = [0.0]
-    for u in units:
-        prefix_flops.append(prefix_flops[-1] + u.flops)
-
-    def seg_time(lo, hi):
-        return prefix_flops[hi] - prefix_flops[lo]
-
-    def fits(s, lo, hi):
-        return _segment_bytes(units, lo, hi, inflight_S[s]) <= stage_cap * (1 + _REL_EPS)
-
-    best_time = _dp(n, num_stages, forbidden, lambda s, lo, hi: seg_time(lo, hi), fits)
-    if best_time is None:
-        raise ValueError(_infeasible_message(units, num_stages, forbidden, stage_cap, inflight_S))
-    bound = best_time[0] * (1 + _REL_EPS) + 1e-30
-
-    def fits_in_time(s, lo, hi):
-        return fits(s, lo, hi) and seg_time(lo, hi) <= bound
-
-    best_mem = _dp(
-        n, num_stages, forbidden, lambda s, lo, hi: _segment_bytes(units, lo, hi, inflight_S[s]), fits_in_time
-    )
-    assert best_mem is not None, "the time-optimal partition satisfies the second pass by construction"
-    return best_mem[1]
+    """The smallest bottleneck time is one of the segment sums: binary search over them, each
+    probe an exact feasibility check. Then, at that time, the smallest peak bytes likewise."""
+    seg = _Segments(units, inflight_S, forbidden)
+    cap = stage_cap * (1 + _REL_EPS)
+    if seg.feasible(math.inf, cap) is None:
+        raise ValueError(_infeasible_message(units, num_stages, forbidden, stage_cap, seg))
+    sums = sorted({seg.time(lo, hi) for lo in range(seg.n) for hi in range(lo + 1, seg.n + 1)})
+    starts = _smallest_feasible(sums, lambda t: seg.feasible(t * (1 + _REL_EPS), cap))
+    starts = _least_bytes(seg, seg.peaks(starts)[0] * (1 + _REL_EPS), cap)
+    assert starts is not None, "the time-optimal partition is feasible by construction"
+    return starts
 
 
-def _dp(n, num_stages, forbidden, seg_cost, allowed):
-    """min over partitions of max_s seg_cost(s, lo, hi), with allowed(s, lo, hi) on every stage.
-    Returns (value, starts) or None when nothing is allowed."""
-    inf = math.inf
-    # best[s][u]: the smallest bottleneck of stages 0..s-1 covering units [0, u).
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    arg = [[-1] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        # Stage s-1 ends at u; later stages need at least one unit each.
-        for u in range(s, n - (num_stages - s) + 1):
-            if u < n and u in forbidden:
-                continue
-            for t in range(s - 1, u):
-                # A forbidden t never ends a stage: best[s-1][t] stays inf.
-                if best[s - 1][t] == inf:
-                    continue
-                if not allowed(s - 1, t, u):
-                    continue
-                value = max(best[s - 1][t], seg_cost(s - 1, t, u))
-                if value < best[s][u]:
-                    best[s][u], arg[s][u] = value, t
-    if best[num_stages][n] == inf:
-        return None
-    starts = [n]
-    for s in range(num_stages, 0, -1):
-        starts.append(arg[s][starts[-1]])
-    return best[num_stages][n], tuple(reversed(starts))
-
-
-def _infeasible_message(units, num_stages, forbidden, stage_cap, inflight_S) -> str:
+def _infeasible_message(units, num_stages, forbidden, stage_cap, seg) -> str:
     free = [b for b in range(1, len(units)) if b not in forbidden]
     if len(free) < num_stages - 1:
         keys = sorted(set(forbidden.values()))
@@ -286,12 +424,9 @@ def _infeasible_message(units, num_stages, forbidden, stage_cap, inflight_S) -> 
             f"rank, which leaves {len(free)} possible cuts; use fewer stages, untie the parameters, or a V placement "
             f"(schedule 'zbv') that puts the first and the last stage on one rank"
         )
-    least = _dp(
-        len(units), num_stages, forbidden,
-        lambda s, lo, hi: _segment_bytes(units, lo, hi, inflight_S[s]), lambda s, lo, hi: True,
-    )
+    least = seg.peaks(_least_bytes(seg, math.inf, math.inf))[1]
     return (
         f"no partition into {num_stages} stages fits the memory cap of {format_bytes(stage_cap)} per stage: "
-        f"the best balanced one still needs {format_bytes(least[0])} on its fullest stage; "
+        f"the best balanced one still needs {format_bytes(least)} on its fullest stage; "
         f"raise the cap, add stages or shard further"
     )

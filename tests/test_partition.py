@@ -47,8 +47,11 @@ def _brute_force(units, num_stages, cap, inflight):
     return best
 
 
-def test_matches_brute_force_on_random_small_chains():
-    rng = random.Random(0)
+@pytest.mark.parametrize("inflight_shape", ["random", "non_decreasing", "non_increasing"])
+def test_matches_brute_force_on_random_small_chains(inflight_shape):
+    # Monotone micro-batches in flight (GPipe, ZB-V: constant; 1F1B: non-increasing) take the
+    # greedy paths, anything else the reachable-set sweep; all must be exact.
+    rng = random.Random(hash(inflight_shape) % 1000)
     checked_infeasible = 0
     for _ in range(300):
         n = rng.randint(2, 9)
@@ -59,6 +62,8 @@ def test_matches_brute_force_on_random_small_chains():
             for i in range(n)
         ]
         inflight = [rng.randint(1, S) for _ in range(S)]
+        if inflight_shape != "random":
+            inflight.sort(reverse=inflight_shape == "non_increasing")
         cap = rng.uniform(2, 25)
         expected = _brute_force(units, S, cap, inflight)
         if expected is None:
@@ -72,6 +77,15 @@ def test_matches_brute_force_on_random_small_chains():
         assert max(part.stage_bytes(s) for s in range(S)) == pytest.approx(expected[1], rel=1e-9)
         assert all(part.stage_bytes(s) <= cap * (1 + 1e-9) for s in range(S))
     assert checked_infeasible > 10
+
+
+def test_decreasing_inflight_needs_more_than_a_front_greedy():
+    # Taking as much as possible into stage 0 would leave the heavy unit to stage 1, which keeps
+    # 3 micro-batches in flight; the only fit puts one unit per early stage.
+    units = [UnitCost("a", 1.0, act_bytes=1.0), UnitCost("b", 1.0, act_bytes=1.0),
+             UnitCost("big", 1.0, act_bytes=3.0), UnitCost("c", 1.0, act_bytes=1.0)]
+    part = partition(units, 3, inflight=[3, 3, 1], memory_cap=6.0)
+    assert part.starts == (0, 1, 2, 4)
 
 
 def test_large_embedding_and_head_get_fewer_layers_at_the_ends():

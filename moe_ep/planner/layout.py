@@ -1,0 +1,81 @@
+"""A parallel layout: the degrees of the device mesh, the micro-batching, the pipeline schedule
+and activation checkpointing.
+
+Ranks are numbered ``(pp, dp_replicate, dp_shard)`` row-major, as ``moe_ep.parallel`` builds its
+mesh; expert parallelism splits ``dp_shard`` into ``(edp, ep)`` with ``ep`` innermost, so an
+expert group is ``ep`` consecutive ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .schedules import NO_PIPELINE, SCHEDULES
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    ep: int
+    microbatch_size: int  # sequences per micro-batch
+    microbatches: int  # micro-batches per optimizer step on one data-parallel replica
+    schedule: str  # NO_PIPELINE when pp == 1
+    checkpointing: bool
+
+    def __post_init__(self):
+        for name in ("pp", "dp_replicate", "dp_shard", "ep", "microbatch_size", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.dp_shard % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide dp_shard={self.dp_shard}: experts are sharded over a sub-mesh of dp_shard"
+            )
+        if (self.pp == 1) != (self.schedule == NO_PIPELINE):
+            raise ValueError(
+                f"schedule must be {NO_PIPELINE!r} exactly when pp == 1, got schedule={self.schedule!r} with pp={self.pp}"
+            )
+        if self.pp > 1 and self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {self.schedule!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas of the batch: every rank of a pipeline stage sees its own data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def edp(self) -> int:
+        return self.dp_shard // self.ep
+
+    @property
+    def stages_per_rank(self) -> int:
+        return SCHEDULES[self.schedule].stages_per_rank if self.pp > 1 else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    @property
+    def placement(self) -> str:
+        return SCHEDULES[self.schedule].placement if self.pp > 1 else "loop"
+
+    def inflight(self) -> list[float]:
+        if self.pp == 1:
+            return [1.0]
+        return SCHEDULES[self.schedule].inflight(self.pp, self.microbatches)
+
+    def bubble(self) -> float:
+        return SCHEDULES[self.schedule].bubble(self.pp) if self.pp > 1 else 0.0
+
+    def degrees(self) -> str:
+        return f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} ep={self.ep}"
+
+    def short(self) -> str:
+        sched = f" {self.schedule}" if self.pp > 1 else ""
+        ckpt = " ckpt" if self.checkpointing else ""
+        return f"{self.degrees()} mb={self.microbatch_size}x{self.microbatches}{sched}{ckpt}"

@@ -1,0 +1,169 @@
+"""Memory model: what one rank holds, unit by unit (embedding, decoder layers, head), for a layout.
+
+Assumptions (printed with every plan):
+- mixed precision as FSDP2 does it: fp32 master weights sharded over ``dp_shard`` (dense
+  parameters) or ``ep x edp`` (experts; the same count per rank), bf16 compute copies gathered
+  on use, fp32 gradients reduce-scattered back to the shards, AdamW with two fp32 moments:
+  16 bytes per sharded parameter;
+- without pipeline stages FSDP gathers a layer's bf16 weights just before use (one layer
+  prefetched) and reduce-scatters its fp32 gradient right after its backward, every micro-batch;
+- with pipeline stages torch.distributed.pipelining turns gradient sync off until the last
+  micro-batch, so a stage holds its unsharded bf16 weights and fp32 gradients for the step;
+- activations in bf16 with fp32 norms and loss, SDPA/flash attention (no seq x seq matrix);
+  full checkpointing keeps each decoder layer's input and recomputes one layer at a time;
+- expert-side buffers sized for ``imbalance`` times the mean routed load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..partition import Partition, UnitCost
+from .layout import Layout
+from .spec import BF16, FP32, ModelSpec
+
+STATE_BYTES_PER_PARAM = {"params": FP32, "grads": FP32, "optim": 2 * FP32}
+# Transient bytes per unsharded parameter of the layer that runs: bf16 weights of it and of the
+# prefetched next layer, plus its fp32 gradient before the reduce-scatter.
+FSDP_WORK_BYTES = 2 * BF16 + FP32
+# Held through the step under pipeline stages: bf16 weights and fp32 gradient accumulation.
+PP_UNSHARDED_BYTES = BF16 + FP32
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit of the chain for one micro-batch of ``tokens`` tokens, as one rank sees it."""
+
+    name: str
+    dense_params: int  # global counts
+    expert_params: int
+    fwd_flops: float
+    train_flops: float
+    moe: bool  # has an all-to-all when ep > 1
+    params: float  # bytes on one rank
+    grads: float
+    optim: float
+    act: float  # kept for the backward, per micro-batch in flight
+    act_work: float  # transient: one layer recomputed
+    comm_persist: float  # held for the whole step
+    comm_work: float  # transient while the unit runs
+    shared: frozenset = frozenset()
+
+    def unsharded_params(self, ep: int) -> float:
+        """Parameters of this unit one rank sees gathered (experts stay split over ep)."""
+        return self.dense_params + self.expert_params / ep
+
+
+def build_units(spec: ModelSpec, layout: Layout, seq_len: int, imbalance: float) -> list[Unit]:
+    tokens = layout.microbatch_size * seq_len
+    ds, ep = layout.dp_shard, layout.ep
+    pipelined = layout.pp > 1
+
+    def unit(name, dense, expert, fwd_per_token, act, act_work=0.0, a2a=0.0, recompute=False, moe=False, shared=()):
+        sharded = (dense + expert) / ds
+        gathered = dense + expert / ep
+        fwd = fwd_per_token * tokens
+        return Unit(
+            name=name, dense_params=dense, expert_params=expert, fwd_flops=fwd,
+            train_flops=fwd * (4 if recompute else 3), moe=moe,
+            params=sharded * STATE_BYTES_PER_PARAM["params"], grads=sharded * STATE_BYTES_PER_PARAM["grads"],
+            optim=sharded * STATE_BYTES_PER_PARAM["optim"], act=act, act_work=act_work,
+            comm_persist=PP_UNSHARDED_BYTES * gathered if pipelined else 0.0,
+            comm_work=(0.0 if pipelined else FSDP_WORK_BYTES * gathered) + a2a,
+            shared=frozenset(shared),
+        )
+
+    tied = ("model.embed_tokens.weight",) if spec.tie_word_embeddings else ()
+    units = [unit("embed", spec.embed_params, 0, 0.0, spec.embed_act_bytes * tokens, shared=tied)]
+    full_act = spec.layer_act_bytes * tokens
+    if ep > 1:
+        full_act += (imbalance - 1.0) * spec.layer_expert_act_bytes * tokens
+    # Send and receive buffers of one dispatch: a token row per chosen expert, at most.
+    a2a = 2 * tokens * spec.top_k * spec.hidden_size * BF16 * imbalance if ep > 1 and spec.num_experts else 0.0
+    ckpt = layout.checkpointing
+    for i in range(spec.num_layers):
+        units.append(
+            unit(
+                f"layers.{i}", spec.layer_dense_params, spec.layer_expert_params, spec.layer_flops(seq_len),
+                act=spec.layer_input_bytes * tokens if ckpt else full_act, act_work=full_act if ckpt else 0.0,
+                a2a=a2a, recompute=ckpt, moe=spec.num_experts > 0,
+            )
+        )
+    units.append(
+        unit("head", spec.head_params, 0, spec.head_flops, spec.head_act_bytes * tokens, shared=tied)
+    )
+    return units
+
+
+def unit_costs(units: list[Unit]) -> list[UnitCost]:
+    """The partition's view. Its per-stage transient term is the largest single unit's; the
+    memory table adds the largest recompute set and the largest communication buffer, which
+    coincide because every decoder layer is the same."""
+    return [
+        UnitCost(
+            name=u.name, flops=u.train_flops, param_bytes=u.params, grad_bytes=u.grads,
+            optim_bytes=u.optim + u.comm_persist, act_bytes=u.act, work_bytes=u.act_work + u.comm_work,
+            shared=u.shared,
+        )
+        for u in units
+    ]
+
+
+@dataclass(frozen=True)
+class MemoryTable:
+    """Bytes on the fullest rank."""
+
+    rank: int  # pipeline rank it describes
+    params: float
+    grads: float
+    optim: float
+    activations: float
+    comm: float
+    reserved: float
+    capacity: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optim + self.activations + self.comm + self.reserved
+
+    @property
+    def headroom(self) -> float:
+        return self.capacity - self.total
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom >= 0
+
+    def rows(self) -> list[tuple[str, float]]:
+        return [
+            ("parameters (fp32 master shards)", self.params),
+            ("gradients (fp32 shards)", self.grads),
+            ("optimizer state (AdamW, 2 x fp32)", self.optim),
+            ("activations", self.activations),
+            ("communication buffers", self.comm),
+            ("reserved (CUDA context, NCCL, fragmentation)", self.reserved),
+            ("total", self.total),
+            ("headroom", self.headroom),
+        ]
+
+
+def p2p_bytes(layout: Layout, spec: ModelSpec, seq_len: int) -> float:
+    """Pipeline send and receive buffers of one rank: an activation and its gradient per stage."""
+    if layout.pp == 1:
+        return 0.0
+    return 2 * layout.stages_per_rank * layout.microbatch_size * seq_len * spec.hidden_size * BF16
+
+
+def rank_memory(units: list[Unit], part: Partition, rank: int, p2p: float, reserved: float, capacity: float) -> MemoryTable:
+    stages = [s for s in range(part.num_stages) if part.rank_of_stage(s) == rank]
+    mine = [(s, u) for s in stages for u in units[part.starts[s] : part.starts[s + 1]]]
+    return MemoryTable(
+        rank=rank,
+        params=sum(u.params for _, u in mine),
+        grads=sum(u.grads for _, u in mine),
+        optim=sum(u.optim for _, u in mine),
+        activations=sum(part.inflight[s] * u.act for s, u in mine) + max(u.act_work for _, u in mine),
+        comm=sum(u.comm_persist for _, u in mine) + max(u.comm_work for _, u in mine) + p2p,
+        reserved=reserved,
+        capacity=capacity,
+    )

@@ -1,0 +1,184 @@
+"""The layout planner and `moe-ep plan`: Mixtral-8x7B on 16 nodes of 8 A100-80GB fits, the
+figures follow from the stated cost model, impossible requests say what would be needed."""
+
+import itertools
+import json
+import math
+
+import pytest
+
+from moe_ep.cli import EXIT_IMPOSSIBLE, main
+from moe_ep.partition import partition
+from moe_ep.planner import Cluster, Layout, ModelSpec, PlanError, config_from_name, evaluate, plan
+from moe_ep.planner.memory import build_units, unit_costs
+from moe_ep.planner.timing import remote_ranks_per_token
+
+GiB = 2**30
+A100 = dict(gpus_per_node=8, gpu_memory_gib=80)
+
+
+@pytest.fixture(scope="module")
+def mixtral_plan():
+    return plan("mixtral-8x7b", nodes=16, **A100)
+
+
+def test_mixtral_spec_matches_the_real_model():
+    spec = ModelSpec.resolve("mixtral-8x7b")
+    # The parameter count of the released checkpoint (and of MixtralForCausalLM on meta).
+    assert spec.total_params == 46_702_792_704
+    assert spec.active_params == pytest.approx(12.9e9, rel=0.01)
+    cfg = config_from_name("mixtral-8x7b")
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok) == (4096, 14336, 8, 2)
+
+
+def test_mixtral_on_16_nodes_of_a100_80gb_fits(mixtral_plan):
+    lay, best = mixtral_plan.layout, mixtral_plan.best
+    assert lay.world_size == 128 and lay.dp_shard % lay.ep == 0 and 8 % lay.ep == 0
+    assert best.fits and best.memory.total <= 80 * GiB
+    assert lay.dp * lay.microbatch_size * lay.microbatches * 4096 == 4 * 2**20
+    # Per-rank parameter bytes straight from the model's counts: fp32 shards over dp_shard of the
+    # units on the fullest pipeline rank.
+    spec = mixtral_plan.spec
+    part = best.partition
+    names = [n for s in range(part.num_stages) if part.rank_of_stage(s) == best.memory.rank for n in part.stage_names(s)]
+    count = sum(
+        spec.embed_params if n == "embed" else spec.head_params if n == "head" else spec.layer_params for n in names
+    )
+    assert best.memory.params == pytest.approx(4 * count / lay.dp_shard, rel=1e-12)
+    assert best.memory.grads == best.memory.params and best.memory.optim == 2 * best.memory.params
+
+
+def test_step_time_follows_the_stated_cost_model(mixtral_plan):
+    best, lay, spec, cluster = mixtral_plan.best, mixtral_plan.layout, mixtral_plan.spec, mixtral_plan.cluster
+    rows = dict(best.time.rows())
+    assert rows["total"] == pytest.approx(sum(v for k, v in rows.items() if k != "total"))
+    # Compute: 2 FLOPs per multiply-add over active weights, causal attention, 3x forward for
+    # forward + backward (4x for checkpointed layers), at 40% of 312 TFLOP/s.
+    tokens = lay.microbatch_size * 4096
+    H, I, L, V = 4096, 14336, 32, 32000
+    attn_w = H * (2 * 4096 + 2 * 1024)
+    layer = 2 * (attn_w + 2 * H + 8 * H + 2 * 3 * H * I) + 2 * 2 * 4096 * 4096 / 2
+    per_mb = tokens * (L * layer * (4 if lay.checkpointing else 3) + 3 * 2 * V * H)
+    if lay.pp == 1:
+        assert rows["compute (incl. recompute)"] == pytest.approx(lay.microbatches * per_mb / (312e12 * 0.4), rel=1e-9)
+    assert best.time.total > 0 and rows["pipeline bubble"] >= 0
+    mfu = best.time.model_flops / (best.time.total * 128 * 312e12)
+    assert 0.2 < mfu < 0.4  # at 40% GEMM efficiency the overheads only subtract
+    assert cluster.world_size == 128
+
+
+def test_report_states_layout_memory_time_assumptions_and_alternatives(mixtral_plan):
+    text = mixtral_plan.report()
+    for needle in ("pp=", "dp_replicate=", "dp_shard=", "ep=", "micro-batches", "schedule", "checkpointing",
+                   "parameters (fp32 master shards)", "gradients (fp32 shards)", "optimizer state (AdamW, 2 x fp32)",
+                   "activations", "communication buffers", "headroom", "estimated step time", "pipeline bubble",
+                   "cost model: compute at 40% of 312 TFLOP/s", "16 bytes per sharded parameter", "alternatives"):
+        assert needle in text, needle
+    assert len(mixtral_plan.alternatives) >= 3
+    for cand, reason in mixtral_plan.alternatives:
+        assert cand.key != mixtral_plan.best.key or not cand.fits
+        assert (" s " in reason or " s per step" in reason) and ("GiB" in reason or "%" in reason)
+        if not cand.fits:
+            assert cand.time.total < mixtral_plan.best.time.total and "does not fit" in reason
+        else:
+            assert cand.time.total >= mixtral_plan.best.time.total
+
+
+def test_cli_prints_a_fitting_layout(capsys):
+    code = main(["plan", "--model", "mixtral-8x7b", "--nodes", "16", "--gpus-per-node", "8", "--gpu-memory", "80",
+                 "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    deg = out["degrees"]
+    assert deg["pp"] * deg["dp_replicate"] * deg["dp_shard"] == 128
+    assert out["memory_bytes"]["headroom"] >= 0 and out["step_time_s"]["total"] > 0
+
+
+def test_forced_pipeline_gives_end_stages_no_more_layers_than_the_middle():
+    p = plan("mixtral-8x7b", nodes=16, pp=4, schedule="1f1b", ep=8, dp_shard=32, checkpointing=True, **A100)
+    part = p.best.partition
+    counts = [sum(n.startswith("layers.") for n in part.stage_names(s)) for s in range(4)]
+    assert sum(counts) == 32 and part.stage_names(0)[0] == "embed" and part.stage_names(3)[-1] == "head"
+    assert max(counts[0], counts[-1]) <= min(counts[1:-1])
+    assert "decoder layers per stage" in p.report()
+
+
+def test_impossible_model_says_how_many_nodes_would_do():
+    with pytest.raises(PlanError, match=r"does not fit 1 node\(s\) x 8 GPUs of 80 GiB.*16 B x 46.7 B.*would fit on \d+ nodes"):
+        plan("mixtral-8x7b", nodes=1, checkpointing=True, microbatch_size=1, **A100)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(pp=3), r"pp=3 does not divide the world of 16 nodes x 8 GPUs = 128; choose pp from \[1, 2, 4"),
+        (dict(ep=3), r"ep=3 does not divide the 8 experts of mixtral-8x7b; choose ep from \[1, 2, 4, 8\]"),
+        (dict(pp=2, dp_replicate=2, dp_shard=16), r"pp x dp_replicate x dp_shard = 2 x 2 x 16 = 64, but the world"),
+        (dict(dp_shard=4, ep=8), r"ep=8 must divide dp_shard=4"),
+        (dict(pp=64), r"pp=64 exceeds the 32 decoder layers"),
+        (dict(global_batch_tokens=1000), r"not a whole number of sequences of seq_len=4096; use a multiple of 4096"),
+        (dict(global_batch_tokens=64 * 4096, pp=1), r"must hold a multiple of dp = world / pp sequences \(at least 128"),
+    ],
+)
+def test_impossible_degrees_say_what_would_be_needed(kwargs, message):
+    with pytest.raises(PlanError, match=message):
+        plan("mixtral-8x7b", nodes=16, **A100, **kwargs)
+
+
+def test_cli_reports_impossible_requests_without_a_traceback(capsys):
+    code = main(["plan", "--model", "mixtral-8x7b", "--nodes", "16", "--gpus-per-node", "8", "--gpu-memory", "80",
+                 "--pp", "3"])
+    assert code == EXIT_IMPOSSIBLE
+    err = capsys.readouterr().err
+    assert err.startswith("moe-ep plan: pp=3 does not divide") and "Traceback" not in err
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="model must be a Hugging Face config or one of"):
+        plan("mixtral-7x9b", nodes=1, **A100)
+    with pytest.raises(ValueError, match="nodes must be a positive int, got 0"):
+        plan("mixtral-8x7b", nodes=0, **A100)
+    with pytest.raises(ValueError, match=r"efficiency must lie in \(0, 1\], got 1.5"):
+        Cluster(1, 8, 80, efficiency=1.5)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        plan("mixtral-8x7b", nodes=16, schedule="pipedream", **A100)
+    with pytest.raises(ValueError, match="imbalance must be a number >= 1"):
+        plan("mixtral-8x7b", nodes=16, imbalance=0.5, **A100)
+    with pytest.raises(ValueError, match="ep=8 must divide dp_shard=4"):
+        Layout(1, 1, 4, 8, 1, 1, "none", False)
+    with pytest.raises(ValueError, match="schedule must be 'none' exactly when pp == 1"):
+        Layout(2, 1, 4, 1, 1, 2, "none", False)
+    with pytest.raises(TypeError, match="model config must have an int 'vocab_size'"):
+        ModelSpec.resolve(object())
+
+
+def test_unsupported_and_dense_configs():
+    from transformers import MistralConfig, Qwen2MoeConfig
+
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        ModelSpec.resolve(Qwen2MoeConfig())
+    dense = MistralConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+                          num_key_value_heads=8, vocab_size=32000)
+    p = plan(dense, nodes=1, global_batch_tokens=32 * 4096, **A100)
+    assert p.layout.ep == 1 and p.best.fits
+
+
+def test_remote_ranks_per_token_matches_enumeration():
+    spec = ModelSpec.resolve("mixtral-8x7b")
+    for ep in (1, 2, 4, 8):
+        per_rank = 8 // ep
+        choices = list(itertools.combinations(range(8), 2))
+        expected = sum(len({e // per_rank for e in c} - {0}) for c in choices) / len(choices)
+        assert remote_ranks_per_token(spec, ep) == pytest.approx(expected)
+
+
+def test_evaluate_agrees_with_the_partition_it_reports():
+    spec = ModelSpec.resolve("mixtral-8x7b")
+    cluster = Cluster(16, 8, 80)
+    lay = Layout(4, 1, 32, 8, 1, 32, "zbv", False)
+    cand = evaluate(spec, cluster, lay, 4096)
+    units = build_units(spec, lay, 4096, 1.2)
+    again = partition(unit_costs(units), 8, placement="v", stages_per_rank=2, inflight=lay.inflight())
+    assert again.starts == cand.partition.starts
+    assert cand.partition.rank_of_stage(0) == cand.partition.rank_of_stage(7) == 0
+    assert math.isclose(cand.time.total, sum(v for k, v in cand.time.rows() if k != "total"))
