@@ -76,7 +76,7 @@ def reference(tmp_path_factory):
 
 def test_two_process_launch_trains_and_matches_one_process(reference, tmp_path):
     out, log = reference
-    assert "layout pp=1 dp_replicate=1 dp_shard=2 ep=2 on 2 process(es), cpu | experts moe_ep" in log
+    assert "layout pp=1 dp_replicate=1 dp_shard=2 ep=2 on 2 process(es), cpu, fp32 | experts moe_ep" in log
     assert "=== summary ===" in log
     assert "expert load max/mean per layer" in log
     dist_losses = losses(out)

@@ -346,3 +346,30 @@ def test_hf_dataset_needs_the_network_and_the_package(monkeypatch):
         data.resolve_data(["hf:wikitext"], "text")
     with pytest.raises(UsageError, match="expected hf:NAME"):
         data.resolve_data(["hf:"], "text")
+
+
+# ------------------------------------------------------------------------------------ metrics
+
+
+def test_expert_load_counts_every_routed_slot_and_flops_follow_the_active_parameters():
+    import metrics
+    from models import ModelSource, build_model, count_parameters, mixtral_8x7b_config
+
+    model, _ = tiny_model_and_optimizer()
+    load = metrics.ExpertLoad(model, num_layers=4, num_experts=8, device="cpu")
+    ids = torch.randint(0, 256, (3, 17))
+    with torch.no_grad():
+        model(input_ids=ids)
+    counts = load.collect()
+    assert counts.shape == (4, 8) and counts.sum(1).tolist() == [3 * 17 * 2] * 4
+    assert load.counts_LE.sum() == 0  # collect() starts a new interval
+    assert metrics.balance(torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])) == [1.0, 4.0]
+
+    big = build_model(ModelSource("mixtral-8x7b", mixtral_8x7b_config(), None, True), seed=0, meta=True)
+    total, active = count_parameters(big)
+    assert 46.6e9 < total < 46.8e9 and 12.8e9 < active < 13.0e9  # Mixtral-8x7B: 46.7B, 12.9B active
+    per_token = metrics.flops_per_token(big.config, active, 4096)
+    embed = 32000 * 4096
+    assert per_token == 6 * (active - embed) + 12 * 32 * 4096 * 4096
+    assert metrics.peak_flops(torch.device("cpu"), None) is None
+    assert metrics.peak_flops(torch.device("cpu"), 100.0) == 100e12

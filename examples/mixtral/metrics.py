@@ -133,7 +133,13 @@ class Reporter:
         )
         line += f" | MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
         if load_LE is not None:
-            line += " | expert load max/mean per layer " + " ".join(f"{b:.2f}" for b in balance(load_LE))
+            per_layer = balance(load_LE)
+            if len(per_layer) <= 8:
+                line += " | expert load max/mean per layer " + " ".join(f"{b:.2f}" for b in per_layer)
+            else:
+                worst = max(range(len(per_layer)), key=per_layer.__getitem__)
+                line += (f" | expert load max/mean: layer mean {sum(per_layer) / len(per_layer):.2f}, "
+                         f"worst {per_layer[worst]:.2f} (layer {worst})")
         self.info(line)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)

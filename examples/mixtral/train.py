@@ -231,7 +231,8 @@ def train(args) -> None:
                             peak_flops(device, args.peak_tflops), world_size)
     reporter.info(
         f"model {source.name}: {total_params / 1e6:,.1f}M parameters, {active_params / 1e6:,.1f}M active per token | "
-        f"layout {layout.describe()} on {world_size} process(es), {device.type} | experts {args.experts_implementation}"
+        f"layout {layout.describe()} on {world_size} process(es), {device.type}, "
+        f"{'bf16 compute' if mp_dtype is not None else 'fp32'} | experts {args.experts_implementation}"
     )
     reporter.info(
         f"data {data_spec.describe()}: {tokens.size:,} tokens -> {packed.num_sequences:,} sequences of {args.seq_len}; "
