@@ -327,12 +327,12 @@ def _triton_router_components(p: Problem, inp: Inputs) -> list[Component]:
                               interpreting=triton_interpreting(), **options)
 
     logits_TE, weights_TK, indices_TK = fwd()
-    dweights_TK = torch.ones_like(weights_TK)
+    dweights_TK, dlogits_TE = torch.ones_like(weights_TK), torch.zeros_like(logits_TE)
     fwd_bytes = (p.T * p.H + p.E * p.H) * p.elem + 4 * p.T * p.E + 12 * p.T * p.K
     return [
         Component(*names[0], 2 * p.T * p.H * p.E, fwd_bytes, fwd),
         Component(*names[1], 0, 8 * p.T * p.E + 12 * p.T * p.K,
-                  lambda: router_backward(logits_TE, indices_TK, dweights_TK, None, **options)),
+                  lambda: router_backward(logits_TE, indices_TK, dweights_TK, dlogits_TE, **options)),
     ]
 
 
