@@ -143,6 +143,7 @@ def _parity(rank, world, family, layout, *, routing="natural", overrides=None, s
         loss.backward()
         if step == 0:
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            inf_norm = clip_grad_norm_(model, float("inf"), norm_type=float("inf")).item()  # measures only
         norms.append(clip_grad_norm_(model, MAX_NORM).item())
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
@@ -159,6 +160,7 @@ def _parity(rank, world, family, layout, *, routing="natural", overrides=None, s
         "norm": [abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)],
         "grad": {n: rel_err(grads[n], ref_grads[n]) for n in ref_grads},
         "grad_names_match": sorted(grads) == sorted(ref_grads),
+        "inf_norm": abs(inf_norm - max(g.abs().max().item() for g in ref_grads.values())) / inf_norm,
         "grads_finite": all(bool(g.isfinite().all()) for g in grads.values()),
     }
 
@@ -285,6 +287,7 @@ def _assert_parity(result: dict, tol: float) -> None:
     assert not bad, f"gradients off by more than {tol}: {bad}"
     assert max(result["loss"]) <= tol, f"losses: {result['loss']}"
     assert max(result["norm"]) <= tol, f"gradient norms: {result['norm']}"
+    assert result["inf_norm"] <= tol, f"max-norm: {result['inf_norm']}"
 
 
 @pytest.mark.parametrize(
