@@ -146,7 +146,7 @@ def test_expert_parallel_degree_must_divide(tmp_path, capsys):
 
 
 def test_bad_model_and_values(tmp_path, capsys):
-    assert "neither a named config (tiny, mixtral-8x7b)" in run_main(["--model", "huge"], tmp_path, capsys)
+    assert "neither a named config (tiny, mixtral-8x7b, mixtral-8x22b)" in run_main(["--model", "huge"], tmp_path, capsys)
     (tmp_path / "empty").mkdir()
     assert "has no config.json" in run_main(["--model", str(tmp_path / "empty")], tmp_path, capsys)
     assert "--micro-batch-size must be >= 1, got 0" in run_main(["--micro-batch-size", "0"], tmp_path, capsys)
@@ -362,7 +362,7 @@ def test_hf_dataset_needs_the_network_and_the_package(monkeypatch):
 
 def test_expert_load_counts_every_routed_slot_and_flops_follow_the_active_parameters():
     import metrics
-    from models import ModelSource, build_model, count_parameters, mixtral_8x7b_config
+    from models import build_model, count_parameters, resolve_model
 
     model, _ = tiny_model_and_optimizer()
     load = metrics.ExpertLoad(model, num_layers=4, num_experts=8, device="cpu")
@@ -374,7 +374,7 @@ def test_expert_load_counts_every_routed_slot_and_flops_follow_the_active_parame
     assert load.counts_LE.sum() == 0  # collect() starts a new interval
     assert metrics.balance(torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])) == [1.0, 4.0]
 
-    big = build_model(ModelSource("mixtral-8x7b", mixtral_8x7b_config(), None, True), seed=0, meta=True)
+    big = build_model(resolve_model("mixtral-8x7b"), seed=0, meta=True)
     total, active = count_parameters(big)
     assert 46.6e9 < total < 46.8e9 and 12.8e9 < active < 13.0e9  # Mixtral-8x7B: 46.7B, 12.9B active
     per_token = metrics.flops_per_token(big.config, active, 4096)

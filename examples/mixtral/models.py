@@ -33,19 +33,15 @@ def tiny_config():
     )
 
 
-def mixtral_8x7b_config():
-    from transformers import MixtralConfig
+def named_configs() -> dict:
+    """Name -> (config factory, build on the meta device). The full-size Mixtral shapes are the
+    planner's, so what is trained is what was planned."""
+    from moe_ep.planner import MODEL_NAMES, config_from_name
 
-    # Mixtral-8x7B-v0.1's shapes; the context is kept at 32k (the released model's), not HF's default.
-    return MixtralConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, router_aux_loss_coef=0.02,
-        bos_token_id=1, eos_token_id=2, pad_token_id=None, tie_word_embeddings=False,
-    )
-
-
-NAMED_CONFIGS = {"tiny": (tiny_config, False), "mixtral-8x7b": (mixtral_8x7b_config, True)}
+    table = {"tiny": (tiny_config, False)}
+    for name in MODEL_NAMES:
+        table[name] = (lambda name=name: config_from_name(name), True)
+    return table
 
 
 @dataclass
@@ -58,8 +54,9 @@ class ModelSource:
 
 def resolve_model(spec: str, *, is_local_main: bool = True, barrier=lambda: None) -> ModelSource:
     """``--model`` to a config and where its weights come from; a bad name fails here."""
-    if spec in NAMED_CONFIGS:
-        make, meta = NAMED_CONFIGS[spec]
+    named = named_configs()
+    if spec in named:
+        make, meta = named[spec]
         return ModelSource(spec, make(), None, meta)
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -70,7 +67,7 @@ def resolve_model(spec: str, *, is_local_main: bool = True, barrier=lambda: None
         folder = download_snapshot(spec, is_local_main=is_local_main, barrier=barrier)
     else:
         raise UsageError(
-            f"--model: {spec!r} is neither a named config ({', '.join(NAMED_CONFIGS)}), a local folder, "
+            f"--model: {spec!r} is neither a named config ({', '.join(named)}), a local folder, "
             "nor a Hugging Face id (owner/name)"
         )
     if not (folder / "config.json").is_file():

@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m = p.add_argument_group("model")
     m.add_argument("--model", default="tiny",
-                   help="a named config initialised at random (tiny, mixtral-8x7b), or a Hugging Face id / local "
+                   help="a named config initialised at random (tiny, mixtral-8x7b, mixtral-8x22b), or a Hugging Face id / local "
                         "folder with config.json and safetensors weights")
     m.add_argument("--init", default="auto", choices=["auto", "full", "meta"],
                    help="random init of named configs: full (whole model on every rank, then sharded) or meta "
