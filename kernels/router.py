@@ -1,8 +1,9 @@
-"""Fused MoE router: one program per block of tokens computes the fp32 logits ``x @ W^T``, the
-softmax or sigmoid scores, the (optionally bias-steered, group-limited) top-k choice, the
-renormalised and scaled weights, and writes logits, weights and indices in one pass over ``x``.
-The backward kernel turns the gradients of the weights and of the logits into the gradient of
-the logits; the two matmuls that follow (dX, dW) are plain GEMMs left to the caller.
+"""Fused MoE router: one program per block of tokens computes the fp32 logits ``x @ W^T`` with
+tensor cores, then the softmax or sigmoid scores, the (optionally bias-steered, group-limited)
+top-k choice and the renormalised, scaled weights, and writes logits, weights and indices: one
+launch and one pass over ``x``. The backward kernel turns the gradients of the weights and of
+the logits into the gradient of the logits; the two matmuls that follow (dX, dW) are plain
+GEMMs left to the caller.
 
 Feature switches (score, renormalisation, bias, groups) are runtime arguments excluded from
 Triton's value specialisation, so one compiled kernel per dtype and tile serves every router
@@ -215,8 +216,8 @@ def router_bwd_kernel(
     tl.store(dlogits_ptr + tile, dz, mask=tile_ok)
 
 
-def block_e_for(num_experts: int, minimum: int = MIN_BLOCK_E) -> int:
-    return max(minimum, triton.next_power_of_2(num_experts))
+def block_e_for(num_experts: int) -> int:
+    return max(MIN_BLOCK_E, triton.next_power_of_2(num_experts))
 
 
 def fwd_config(block_e: int, operand_bytes: int) -> FwdConfig:
@@ -322,7 +323,7 @@ _TRITON_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "
 def aot_specs() -> list[KernelSpec]:
     """Every (kernel, dtype, tile) the launchers may choose, for ``python -m moe_ep.kernels.aot``."""
     specs = []
-    block_es = [block_e_for(e) for e in (1, 32, 64, 128, 256)]
+    block_es = sorted({block_e_for(e) for e in range(1, MAX_EXPERTS + 1)})
     # DOT_FP32 is the interpreter's bfloat16 workaround only: never compiled for a GPU.
     for dtype, ty in _TRITON_DTYPE.items():
         for block_e in block_es:

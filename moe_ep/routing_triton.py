@@ -88,7 +88,9 @@ def _backward(ctx, grad_logits, grad_weights, _grad_indices):
 _route_topk.register_autograd(_backward, setup_context=_setup_context)
 
 
-def route_topk_triton(hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale):
+def route_topk_triton(
+    hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale
+):
     """Same contract as ``moe_ep.routing.route_topk_torch``; arguments already validated by
     ``route_topk``. Returns (logits_TE float32, weights_TK float32, indices_TK int64)."""
     if router_weight.dtype != hidden_states.dtype:

@@ -125,17 +125,19 @@ def run_router(x, w, k, kwargs, backend):
     return logits, weights, indices, x.grad, w.grad
 
 
-def check_against(case, dtype, backend, want="reference"):
+def check_against(case, dtype, backend, reference_backend="reference"):
     x, w, kwargs = make_inputs(case, dtype)
     logits, weights, indices, dx, dw = run_router(x, w, case.K, kwargs, backend)
-    ref = run_router(x.double(), w.double(), case.K, kwargs, want)
+    ref = run_router(x.double(), w.double(), case.K, kwargs, reference_backend)
     assert logits.dtype == torch.float32 and weights.dtype == torch.float32 and indices.dtype == torch.int64
     assert logits.shape == (case.T, case.E) and weights.shape == indices.shape == (case.T, case.K)
     assert dx.dtype == dtype and dw.dtype == dtype
     assert torch.equal(indices.cpu(), ref[2].cpu())
     tol = TOLERANCE[dtype]
-    for name, a, b in zip(("logits", "weights", "grad x", "grad W"), (logits, weights, dx, dw), (ref[0], ref[1], ref[3], ref[4])):
-        err = rel_err(a.cpu(), b.cpu())
+    got = dict(logits=logits, weights=weights, grad_x=dx, grad_w=dw)
+    want = dict(logits=ref[0], weights=ref[1], grad_x=ref[3], grad_w=ref[4])
+    for name in got:
+        err = rel_err(got[name].cpu(), want[name].cpu())
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
 
 
@@ -151,7 +153,7 @@ def test_triton_router_deepseek_v3_shape():
 
 
 def test_triton_router_groups_of_one_expert():
-    check_against(GROUPS_OF_ONE, torch.float32, "triton", want="torch_float64")
+    check_against(GROUPS_OF_ONE, torch.float32, "triton", reference_backend="torch_float64")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
