@@ -206,3 +206,15 @@ def test_two_rank_checkpoint_resumes_in_one_process(reference, tmp_path):
     a = torch.tensor([resumed[5], resumed[6]], dtype=torch.float64)
     b = torch.tensor([ref[5], ref[6]], dtype=torch.float64)
     assert rel_err(a, b) <= TOLERANCE[torch.float32], (a, b)
+
+
+def test_resuming_with_other_data_is_refused(reference, tmp_path, capsys):
+    sys.path.insert(0, str(EXAMPLE))
+    import train
+
+    ckpt = reference[0] / "checkpoints" / "step_00000004"
+    argv = [*COMMON, "--micro-batch-size", "3", "--resume", str(ckpt), "--output-dir", str(tmp_path / "other")]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--resume {ckpt}: the checkpoint was trained on other data or another global batch" in err
+    assert not (tmp_path / "other" / "checkpoints").exists()

@@ -84,6 +84,37 @@ def train_step(model, optimizer, batch, args, *, aux_coef, top_k, aux_group, aut
     return lm_sum / args.grad_accum, aux_sum / args.grad_accum, grad_norm
 
 
+def prepare_model(args, source, layout, device, mp_dtype):
+    """HF classes, our expert kernels, then the layout; meta models are materialised shard by
+    shard after it (and pretrained ones filled from their safetensors slices). Returns (model,
+    parameters, active parameters per token)."""
+    meta = source.meta_init if args.init == "auto" or source.pretrained_dir is not None else args.init == "meta"
+    model = build_model(source, seed=args.seed, meta=meta)
+    model = configure_experts(model, args.experts_implementation, args.backend)
+    total_params, active_params = count_parameters(model)
+    if not meta and device.type != "cpu":
+        model.to(device)
+    model = apply_layout(model, layout, mixed_precision=mp_dtype)
+    if meta:
+        materialize(model, device, seed=args.seed)
+        if source.pretrained_dir is not None:
+            from pretrained import load_owned_slices
+
+            load_owned_slices(model, source.pretrained_dir)
+    model.train()
+    return model, total_params, active_params
+
+
+def make_optimizer(model, args) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on vectors (norm weights, biases)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(args.beta1, args.beta2),
+    )
+
+
 def env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
@@ -167,29 +198,21 @@ def train(args) -> None:
     packed = PackedSequences(tokens, args.seq_len)
     global_batch = args.micro_batch_size * args.grad_accum * layout.dp_size
     schedule = BatchSchedule(packed.num_sequences, global_batch, layout.dp_rank(rank), layout.dp_size, args.seed)
+    # What a resumed run must share with the saved one to continue it (the token sum is a cheap checksum).
+    data_identity = {"corpus_tokens": int(tokens.size), "token_sum": int(tokens[: 1 << 20].sum(dtype="int64")),
+                     "seq_len": args.seq_len, "global_batch": global_batch, "seed": args.seed,
+                     "tokenizer": tokenizer.name}
+    if resume is not None:
+        saved_data = read_trainer_state(resume)["data"]
+        if saved_data != data_identity:
+            raise UsageError(
+                f"--resume {resume}: the checkpoint was trained on other data or another global batch "
+                f"({saved_data}, now {data_identity}); resuming would not continue that run: pass --overwrite "
+                "to start afresh, or choose another --output-dir"
+            )
 
-    # Model: HF classes, our expert kernels, then the layout; meta models are materialised shard by shard.
-    meta = source.meta_init if args.init == "auto" or source.pretrained_dir is not None else args.init == "meta"
-    model = build_model(source, seed=args.seed, meta=meta)
-    model = configure_experts(model, args.experts_implementation, args.backend)
-    total_params, active_params = count_parameters(model)
-    if not meta and device.type != "cpu":
-        model.to(device)
-    model = apply_layout(model, layout, mixed_precision=mp_dtype)
-    if meta:
-        materialize(model, device, seed=args.seed)
-        if source.pretrained_dir is not None:
-            from pretrained import load_owned_slices
-
-            load_owned_slices(model, source.pretrained_dir)
-    model.train()
-
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(args.beta1, args.beta2),
-    )
+    model, total_params, active_params = prepare_model(args, source, layout, device, mp_dtype)
+    optimizer = make_optimizer(model, args)
 
     start_step, tokens_seen = 0, 0
     if is_main:
@@ -202,15 +225,8 @@ def train(args) -> None:
     if is_main and removed:
         reporter.info(f"removed {len(removed)} incomplete checkpoint(s) left by an interrupted write: "
                       + ", ".join(p.name for p in removed))
-    data_identity = {"corpus_tokens": int(tokens.size), "seq_len": args.seq_len, "global_batch": global_batch,
-                     "seed": args.seed, "tokenizer": tokenizer.name}
     if resume is not None:
         saved = load_checkpoint(resume, model, optimizer, rank=rank, world_size=world_size)
-        if saved["data"] != data_identity:
-            raise UsageError(
-                f"--resume {resume}: the checkpoint was trained on different data or batch {saved['data']}, now "
-                f"{data_identity}; resuming would not continue the same run (use --resume never or another --output-dir)"
-            )
         start_step, tokens_seen = saved["step"], saved["tokens_seen"]
         reporter.info(f"resumed from {resume} at step {start_step}"
                       + ("" if saved["world_size"] == world_size else
