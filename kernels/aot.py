@@ -8,9 +8,11 @@ than the architecture has, or is a GEMM (``uses_dot``) without mma.sync on sm_80
 sm_90; 2 when the Triton interpreter is switched on (it replaces ``@triton.jit`` functions, so
 nothing could be compiled).
 
-Registers and spills are read from the cubin with the cuobjdump that ships with Triton: ptxas
-keeps spilled registers in the stack frame, and these kernels have no local arrays, so a
-non-zero stack frame (or local memory) is a spill."""
+Each configuration is compiled in the specialisation Triton's JIT gives it for aligned tensors
+and sizes that are multiples of 16 (see ``alignment_hints``). Registers and spills are read from
+the cubin with the cuobjdump that ships with Triton: ptxas keeps spilled registers in the stack
+frame, and these kernels have no local arrays, so a non-zero stack frame (or local memory) is a
+spill."""
 
 from __future__ import annotations
 
@@ -51,7 +53,9 @@ class Row:
 
 
 def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
 
 
 def kernel_modules() -> list[str]:
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows to this JSON file")
     parser.add_argument("--module", nargs="+", choices=kernel_modules(), dest="modules",
                         help="check only these kernel modules (default: every module with aot_specs)")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+    parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
                         help="parallel compiler processes (default: all cores)")
     args = parser.parse_args(argv)
     if interpreter_enabled():
