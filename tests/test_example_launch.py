@@ -61,6 +61,21 @@ def run(cmd, timeout=240) -> str:
     return proc.stdout + proc.stderr
 
 
+def train_in_process(argv) -> int:
+    """train.py's main in this process (world size 1): saves an interpreter start. One intra-op
+    thread, as the launched ranks have (OMP_NUM_THREADS=1): on a busy 2-core machine a second
+    spinning thread slows these tiny steps twentyfold."""
+    sys.path.insert(0, str(EXAMPLE))
+    import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def losses(out: Path) -> dict[int, float]:
     """Step -> loss; a step logged twice (re-run after a resume) keeps its last value."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -84,14 +99,8 @@ def test_two_process_launch_trains_and_matches_one_process(reference, tmp_path):
     assert dist_losses[STEPS] < dist_losses[1] - 0.5, dist_losses
 
     # The same global batch in one process: 2 micro-batches of 2 instead of 2 ranks of 2.
-    # In this process (no launcher, world size 1), which saves a second interpreter start.
     single = tmp_path / "single"
-    sys.path.insert(0, str(EXAMPLE))
-    import train
-
-    argv = [*COMMON, "--grad-accum", "2", "--checkpoint-every", "0",
-            "--output-dir", str(single)]
-    assert train.main(argv) == 0
+    assert train_in_process([*COMMON, "--grad-accum", "2", "--checkpoint-every", "0", "--output-dir", str(single)]) == 0
     one = losses(single)
     a = torch.tensor([dist_losses[s] for s in sorted(dist_losses)], dtype=torch.float64)
     b = torch.tensor([one[s] for s in sorted(one)], dtype=torch.float64)
@@ -179,10 +188,7 @@ def test_pretrained_weights_read_by_slice_on_two_ranks_match_one_process(referen
                   "--checkpoint-every", "0"]
     log = run(accelerate_cmd(tmp_path / "two", *pretrained))
     assert f"model {export}:" in log
-    sys.path.insert(0, str(EXAMPLE))
-    import train
-
-    assert train.main([*COMMON, *pretrained, "--grad-accum", "2", "--output-dir", str(tmp_path / "one")]) == 0
+    assert train_in_process([*COMMON, *pretrained, "--grad-accum", "2", "--output-dir", str(tmp_path / "one")]) == 0
     two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
     assert sorted(two) == sorted(one) == [1, 2]
     # The first loss is the exported model's own (the run it came from ended near it).
@@ -195,12 +201,9 @@ def test_pretrained_weights_read_by_slice_on_two_ranks_match_one_process(referen
 def test_two_rank_checkpoint_resumes_in_one_process(reference, tmp_path):
     """DCP reshards on load: the expert-parallel run's step-4 checkpoint continues in a single
     process (same global batch through 2 accumulation steps) onto the 2-rank losses."""
-    sys.path.insert(0, str(EXAMPLE))
-    import train
-
     ckpt = reference[0] / "checkpoints" / "step_00000004"
     out = tmp_path / "one"
-    assert train.main([*COMMON, "--grad-accum", "2", "--resume", str(ckpt), "--output-dir", str(out)]) == 0
+    assert train_in_process([*COMMON, "--grad-accum", "2", "--resume", str(ckpt), "--output-dir", str(out)]) == 0
     resumed, ref = losses(out), losses(reference[0])
     assert sorted(resumed) == [5, 6]
     a = torch.tensor([resumed[5], resumed[6]], dtype=torch.float64)
@@ -209,12 +212,9 @@ def test_two_rank_checkpoint_resumes_in_one_process(reference, tmp_path):
 
 
 def test_resuming_with_other_data_is_refused(reference, tmp_path, capsys):
-    sys.path.insert(0, str(EXAMPLE))
-    import train
-
     ckpt = reference[0] / "checkpoints" / "step_00000004"
     argv = [*COMMON, "--micro-batch-size", "3", "--resume", str(ckpt), "--output-dir", str(tmp_path / "other")]
-    assert train.main(argv) == 2
+    assert train_in_process(argv) == 2
     err = capsys.readouterr().err
     assert f"--resume {ckpt}: the checkpoint was trained on other data or another global batch" in err
     assert not (tmp_path / "other" / "checkpoints").exists()

@@ -129,13 +129,9 @@ def test_layout_that_does_not_match_the_processes(tmp_path, capsys):
     assert "--pp 3 x --dp-replicate 1 = 3 does not divide the 2 processes launched" in err
 
 
-def test_pipeline_stages_are_refused_until_moe_ep_has_them(tmp_path, capsys):
-    import importlib.util
-
-    if importlib.util.find_spec("moe_ep.training") is not None:
-        pytest.skip("moe_ep.training exists: pipeline layouts are accepted")
+def test_pipeline_stages_are_refused_with_the_reason(tmp_path, capsys):
     err = run_main(["--pp", "2", "--microbatches", "2"], tmp_path, capsys, world_size=2)
-    assert "needs pipeline stages (moe_ep.training), which this checkout of moe_ep does not have yet" in err
+    assert "pipeline stages are not wired into this example yet" in err and "use --pp 1" in err
 
 
 def test_expert_parallel_degree_must_divide(tmp_path, capsys):
