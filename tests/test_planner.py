@@ -10,7 +10,7 @@ import pytest
 from moe_ep.cli import EXIT_IMPOSSIBLE, main
 from moe_ep.partition import partition
 from moe_ep.planner import Cluster, Layout, ModelSpec, PlanError, config_from_name, evaluate, plan
-from moe_ep.planner.memory import build_units, unit_costs
+from moe_ep.planner.memory import build_units, layer_ids, unit_costs
 from moe_ep.planner.timing import remote_ranks_per_token
 
 GiB = 2**30
@@ -40,7 +40,8 @@ def test_mixtral_on_16_nodes_of_a100_80gb_fits(mixtral_plan):
     # units on the fullest pipeline rank.
     spec = mixtral_plan.spec
     part = best.partition
-    names = [n for s in range(part.num_stages) if part.rank_of_stage(s) == best.memory.rank for n in part.stage_names(s)]
+    names = [piece for s in range(part.num_stages) if part.rank_of_stage(s) == best.memory.rank
+             for n in part.stage_names(s) for piece in n.split("+")]
     count = sum(
         spec.embed_params if n == "embed" else spec.head_params if n == "head" else spec.layer_params for n in names
     )
@@ -97,8 +98,8 @@ def test_cli_prints_a_fitting_layout(capsys):
 def test_forced_pipeline_gives_end_stages_no_more_layers_than_the_middle():
     p = plan("mixtral-8x7b", nodes=16, pp=4, schedule="1f1b", ep=8, dp_shard=32, checkpointing=True, **A100)
     part = p.best.partition
-    counts = [sum(n.startswith("layers.") for n in part.stage_names(s)) for s in range(4)]
-    assert sum(counts) == 32 and part.stage_names(0)[0] == "embed" and part.stage_names(3)[-1] == "head"
+    counts = [len(layer_ids(part.stage_names(s))) for s in range(4)]
+    assert sum(counts) == 32 and part.stage_names(0)[0] == "embed+layers.0" and part.stage_names(3)[-1] == "layers.31+head"
     assert max(counts[0], counts[-1]) <= min(counts[1:-1])
     assert "decoder layers per stage" in p.report()
 

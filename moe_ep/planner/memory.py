@@ -96,10 +96,12 @@ def build_units(spec: ModelSpec, layout: Layout, seq_len: int, imbalance: float)
 
 
 def unit_costs(units: list[Unit]) -> list[UnitCost]:
-    """The partition's view. Its per-stage transient term is the largest single unit's; the
-    memory table adds the largest recompute set and the largest communication buffer, which
-    coincide because every decoder layer is the same."""
-    return [
+    """The partition's view, one unit per decoder layer: the embedding rides with the first
+    layer and the head with the last, so every stage passes hidden states of one shape. Its
+    per-stage transient term is the largest single unit's; the memory table adds the largest
+    recompute set and the largest communication buffer, which coincide because every decoder
+    layer is the same."""
+    costs = [
         UnitCost(
             name=u.name, flops=u.train_flops, param_bytes=u.params, grad_bytes=u.grads,
             optim_bytes=u.optim + u.comm_persist, act_bytes=u.act, work_bytes=u.act_work + u.comm_work,
@@ -107,6 +109,25 @@ def unit_costs(units: list[Unit]) -> list[UnitCost]:
         )
         for u in units
     ]
+    if len(costs) < 3:
+        raise ValueError(f"a chain needs an embedding, at least one decoder layer and a head, got {len(costs)} units")
+    embed, layers, head = costs[0], costs[1:-1], costs[-1]
+    layers[0] = _merge(embed, layers[0])
+    layers[-1] = _merge(layers[-1], head)
+    return layers
+
+
+def _merge(a: UnitCost, b: UnitCost) -> UnitCost:
+    return UnitCost(
+        name=f"{a.name}+{b.name}", flops=a.flops + b.flops, param_bytes=a.param_bytes + b.param_bytes,
+        grad_bytes=a.grad_bytes + b.grad_bytes, optim_bytes=a.optim_bytes + b.optim_bytes,
+        act_bytes=a.act_bytes + b.act_bytes, work_bytes=max(a.work_bytes, b.work_bytes), shared=a.shared | b.shared,
+    )
+
+
+def layer_ids(names: list[str]) -> list[int]:
+    """Decoder-layer indices in a stage's unit names (``embed+layers.0``, ``layers.5``, ...)."""
+    return [int(part.split(".")[1]) for name in names for part in name.split("+") if part.startswith("layers.")]
 
 
 @dataclass(frozen=True)
@@ -155,8 +176,8 @@ def p2p_bytes(layout: Layout, spec: ModelSpec, seq_len: int) -> float:
 
 
 def rank_memory(units: list[Unit], part: Partition, rank: int, p2p: float, reserved: float, capacity: float) -> MemoryTable:
-    stages = [s for s in range(part.num_stages) if part.rank_of_stage(s) == rank]
-    mine = [(s, u) for s in stages for u in units[part.starts[s] : part.starts[s + 1]]]
+    """The memory table of pipeline rank ``rank``; ``part`` cuts ``unit_costs(units)``."""
+    mine = [(s, u) for s in range(part.num_stages) if part.rank_of_stage(s) == rank for u in stage_units(units, part, s)]
     return MemoryTable(
         rank=rank,
         params=sum(u.params for _, u in mine),
@@ -167,3 +188,9 @@ def rank_memory(units: list[Unit], part: Partition, rank: int, p2p: float, reser
         reserved=reserved,
         capacity=capacity,
     )
+
+
+def stage_units(units: list[Unit], part: Partition, stage: int) -> list[Unit]:
+    """The planner units (embedding, layers, head) of one stage of a cut of ``unit_costs(units)``."""
+    by_name = {u.name: u for u in units}
+    return [by_name[piece] for name in part.stage_names(stage) for piece in name.split("+")]

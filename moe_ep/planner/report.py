@@ -4,6 +4,7 @@ assumptions behind them and why the closest alternatives lost."""
 from __future__ import annotations
 
 from ..partition import format_bytes
+from .memory import layer_ids
 
 ASSUMPTIONS = (
     "mixed precision as FSDP2 does it: fp32 master weights, bf16 compute, fp32 gradient reduction",
@@ -29,11 +30,8 @@ def _cost_model_line(plan) -> str:
 
 def _stages_line(cand) -> str:
     part, lay = cand.partition, cand.layout
-    counts = [sum(n.startswith("layers.") for n in part.stage_names(s)) for s in range(part.num_stages)]
-    extras = []
-    if part.stage_names(0)[0] == "embed":
-        extras.append("embedding on stage 0")
-    extras.append(f"head on stage {part.num_stages - 1}")
+    counts = [len(layer_ids(part.stage_names(s))) for s in range(part.num_stages)]
+    extras = ["embedding on stage 0", f"head on stage {part.num_stages - 1}"]
     ranks = ", ".join(f"{s}->r{part.rank_of_stage(s)}" for s in range(part.num_stages)) if lay.stages_per_rank > 1 else ""
     return f"decoder layers per stage {counts} ({'; '.join(extras)}{'; ' + ranks if ranks else ''})"
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from ..partition import Partition
 from .cluster import Cluster
 from .layout import Layout
-from .memory import Unit
+from .memory import Unit, stage_units
 from .spec import BF16, FP32, ModelSpec
 
 
@@ -120,8 +120,7 @@ def step_time(
     model_flops = 3 * sum(u.fwd_flops for u in units) * m * layout.dp
 
     def per_rank(rank):
-        mine = [u for s in range(part.num_stages) if part.rank_of_stage(s) == rank
-                for u in units[part.starts[s] : part.starts[s + 1]]]
+        mine = [u for s in range(part.num_stages) if part.rank_of_stage(s) == rank for u in stage_units(units, part, s)]
         compute = sum(u.train_flops for u in mine) / cluster.flops_per_s
         a2a = sum(u.moe for u in mine) * a2a_layer
         return mine, compute, a2a

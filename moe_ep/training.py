@@ -1,0 +1,194 @@
+"""One training step, the same with and without pipeline stages.
+
+``TrainStep(model_or_stages, optimizer, microbatches=M)`` then ``loss = step(batch)`` for every
+step: the batch is cut into micro-batches, each runs forward and backward (through the pipeline
+schedule when given ``PipelineStages``), gradients accumulate, then the optimizer steps and the
+gradients are cleared. The training loop does not change when ``pp`` does.
+
+The loss is the causal-LM cross-entropy summed over the step's predicted tokens and divided by
+their number on this rank, counted over the whole batch before it is cut, so accumulating
+micro-batches of unequal numbers of valid tokens (labels -100) gives exactly the gradient of the
+whole batch's mean. Under FSDP the mean over ranks follows from the FSDP divide factor.
+
+Loss scaling (fp16): ``loss_scale="dynamic"`` multiplies the loss by a scale before backward and
+unscales the gradients after; if any rank finds a non-finite gradient every rank skips the
+optimizer step and halves the scale, which doubles again after ``growth_interval`` good steps.
+A float keeps the scale fixed (a step with a non-finite gradient is still skipped)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from .parallel.pipeline import PipelineStages
+
+IGNORE_INDEX = -100
+
+
+class CausalLMLoss:
+    """``loss_fn(logits [B, S, V], labels [B, S])``: next-token cross-entropy in fp32, summed,
+    divided by ``normalizer`` (the step's predicted-token count) and multiplied by ``scale``."""
+
+    def __init__(self):
+        self.normalizer: torch.Tensor | float = 1.0
+        self.scale: float = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits_NV = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+        target_N = labels[:, 1:].reshape(-1).to(logits.device)
+        total = F.cross_entropy(logits_NV, target_N, ignore_index=IGNORE_INDEX, reduction="sum")
+        return total / self.normalizer * self.scale
+
+
+def predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Tokens whose next token is a target, as a tensor (no host sync); at least 1 so that a
+    batch with every label ignored gives a zero loss, not NaN."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
+
+
+class LossScaler:
+    """Dynamic or static loss scale shared by every rank (see the module docstring)."""
+
+    def __init__(self, loss_scale: float | str, *, growth_interval: int = 2000, init_scale: float = 2.0**16):
+        if loss_scale == "dynamic":
+            self.dynamic, self.scale = True, float(init_scale)
+        elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0:
+            self.dynamic, self.scale = False, float(loss_scale)
+        else:
+            raise ValueError(f"loss_scale must be None, 'dynamic' or a positive number, got {loss_scale!r}")
+        if not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+
+    def unscale_and_check(self, params: list[torch.nn.Parameter]) -> bool:
+        """Divide the gradients by the scale; True when every rank's gradients are finite."""
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+            bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float()
+        else:
+            bad = torch.zeros(())
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        # host sync: every rank must agree on skipping the optimizer step.
+        finite = bad.item() == 0
+        if self.dynamic:
+            if finite:
+                self.good_steps += 1
+                if self.good_steps % self.growth_interval == 0:
+                    self.scale *= 2.0
+            else:
+                self.scale /= 2.0
+                self.good_steps = 0
+        return finite
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class TrainStep:
+    """``TrainStep(model_or_stages, optimizer, *, microbatches=1, loss_scale=None, lr_scheduler=None)``.
+
+    Args:
+        model_or_stages: a transformers causal LM (FSDP-wrapped or not) or the
+            ``PipelineStages`` of ``moe_ep.parallel.pipeline.build_pipeline``; with stages the
+            micro-batch count is theirs and ``microbatches`` must be None or equal to it.
+        optimizer: over ``model.parameters()`` or ``stages.parameters()``.
+        microbatches: gradient-accumulation micro-batches per step (batch dim split evenly).
+        loss_scale: None, ``"dynamic"`` (fp16) or a fixed positive scale.
+        lr_scheduler: stepped after every optimizer step that was taken.
+
+    ``step(batch)`` takes ``{"input_ids": [B, S], "labels": [B, S] (optional, defaults to
+    input_ids)}`` and returns the step's loss, a detached scalar equal on every rank of a
+    pipeline (broadcast from the rank that computes it); no host sync unless loss scaling.
+    """
+
+    def __init__(self, model_or_stages, optimizer: torch.optim.Optimizer, *, microbatches: int | None = None,
+                 loss_scale: float | str | None = None, lr_scheduler=None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.pipelined = isinstance(model_or_stages, PipelineStages)
+        if not self.pipelined and not isinstance(model_or_stages, torch.nn.Module):
+            raise TypeError(
+                f"model_or_stages must be a torch.nn.Module or PipelineStages, got {type(model_or_stages).__name__}"
+            )
+        if self.pipelined:
+            if microbatches not in (None, model_or_stages.microbatches):
+                raise ValueError(
+                    f"microbatches={microbatches} differs from the pipeline's {model_or_stages.microbatches}; the "
+                    f"schedule fixes it (build_pipeline(microbatches=...))"
+                )
+            microbatches = model_or_stages.microbatches
+        elif microbatches is None:
+            microbatches = 1
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+        self.target = model_or_stages
+        self.optimizer = optimizer
+        self.microbatches = microbatches
+        self.scaler = None if loss_scale is None else LossScaler(loss_scale)
+        self.lr_scheduler = lr_scheduler
+        self.loss_fn = CausalLMLoss()
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.steps_skipped = 0
+
+    def _inputs(self, batch):
+        if not isinstance(batch, dict) or "input_ids" not in batch:
+            raise TypeError(f"batch must be a dict with 'input_ids' (and optionally 'labels'), got {type(batch).__name__}")
+        extra = sorted(set(batch) - {"input_ids", "labels"})
+        if extra:
+            raise ValueError(
+                f"batch keys {extra} are not supported: stages compute positions 0..S-1 and a causal mask; "
+                f"right-pad and set padded labels to {IGNORE_INDEX}"
+            )
+        ids = batch["input_ids"]
+        labels = batch.get("labels", ids)
+        if ids.dim() != 2 or labels.shape != ids.shape:
+            raise ValueError(
+                f"input_ids must be [B, S] and labels the same shape, got {tuple(ids.shape)} and {tuple(labels.shape)}"
+            )
+        if ids.shape[0] < self.microbatches:
+            raise ValueError(f"batch of {ids.shape[0]} sequences cannot be cut into {self.microbatches} micro-batches")
+        return ids, labels
+
+    def __call__(self, batch) -> torch.Tensor:
+        ids, labels = self._inputs(batch)
+        self.loss_fn.normalizer = predicted_tokens(labels)
+        self.loss_fn.scale = self.scaler.scale if self.scaler else 1.0
+        loss = self._pipelined(ids, labels) if self.pipelined else self._accumulated(ids, labels)
+        took_step = self.scaler.unscale_and_check(self.params) if self.scaler else True
+        if took_step:
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.steps_skipped += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss / self.loss_fn.scale
+
+    def _accumulated(self, ids, labels) -> torch.Tensor:
+        total = torch.zeros((), device=ids.device)
+        for ids_mb, labels_mb in zip(ids.chunk(self.microbatches), labels.chunk(self.microbatches)):
+            out = self.target(input_ids=ids_mb)
+            logits = out.logits if hasattr(out, "logits") else out
+            loss = self.loss_fn(logits, labels_mb)
+            loss.backward()
+            total = total + loss.detach().to(total.device)
+        return total
+
+    def _pipelined(self, ids, labels) -> torch.Tensor:
+        stages: PipelineStages = self.target
+        schedule = stages.schedule(self.loss_fn)
+        args = (ids,) if stages.has_first else ()
+        losses = [] if stages.has_last else None
+        schedule.step(*args, target=labels if stages.has_last else None, losses=losses)
+        device = stages.stages[0].device
+        loss = torch.stack(losses).sum().detach() if stages.has_last else torch.zeros((), device=device)
+        loss = loss.to(device=device, dtype=torch.float32)
+        dist.broadcast(loss, src=stages.last_stage_global_rank, group=stages.group)
+        return loss
+

@@ -1,0 +1,184 @@
+"""Pipeline stages and the one training-step API on gloo, against ONE process training the same
+tiny Mixtral (hidden 32, 4 layers, 4 experts) on the whole batch in float64 with transformers'
+own eager experts and its own loss (an independent implementation).
+
+The parallel runs are fp32 through moe_ep's experts implementation; five AdamW steps; every
+step's loss must agree within 1e-5. The batch holds ignored labels (-100) spread unevenly over
+the micro-batches, so a loss normalised per micro-batch instead of per step would show.
+
+- 2 ranks, pp=2 alone: GPipe, 1F1B, interleaved 1F1B and ZB-V, one process group.
+- 4 ranks: pp=2 x ep=2 and pp=2 x dp_shard=2 (FSDP2), GPipe and 1F1B, one process group.
+- 1 process: TrainStep with gradient accumulation and no stages; loss scaling.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TOLERANCE, rel_err
+from dist_utils import run_ranks
+
+TOL = TOLERANCE[torch.float32]
+STEPS = 5
+LR = 1e-3  # AdamW turns fp32 noise in near-zero gradients into full steps at larger rates
+BATCH, SEQ, MICRO = 8, 6, 4
+TINY = dict(num_hidden_layers=4, num_local_experts=4, intermediate_size=24)
+
+
+def _model(dtype, experts_implementation):
+    from hf_models import tiny_model
+    from moe_ep.hf import register
+
+    register()
+    return tiny_model("mixtral", dtype=dtype, experts_implementation=experts_implementation, **TINY).train()
+
+
+def _batch():
+    from hf_models import tiny_batch, tiny_config
+
+    batch = tiny_batch(tiny_config("mixtral", **TINY), batch=BATCH, seq=SEQ, seed=1)
+    labels = batch["labels"]
+    # Ignored targets per pair of rows (one micro-batch of 4): 3, 1, 3, 1. The two halves (the
+    # data-parallel shards below) hold 4 each, so the mean of their means is the batch mean.
+    labels[0, 2:5] = -100
+    labels[4, 1:4] = -100
+    labels[2, 3] = -100
+    labels[6, 4] = -100
+    return batch
+
+
+def _reference_losses(batch):
+    model = _model(torch.float64, "eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reference():
+    batch = _batch()
+    return batch, _reference_losses(batch)
+
+
+def _pp_alone(rank, world, batch, schedules):
+    import torch.distributed as dist
+
+    from moe_ep.parallel.pipeline import build_pipeline
+    from moe_ep.training import TrainStep
+
+    out = {}
+    for schedule in schedules:
+        model = _model(torch.float32, "moe_ep")
+        stages = build_pipeline(model, dist.group.WORLD, schedule=schedule, microbatches=MICRO)
+        step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR))
+        losses = [step(batch).item() for _ in range(STEPS)]
+        layers = [list(m.layer_ids) for m in stages.modules]
+        out[schedule] = (losses, layers, stages.stage_ids)
+    return out
+
+
+def _check(losses, expected):
+    for step, (got, want) in enumerate(zip(losses, expected)):
+        assert rel_err(torch.tensor(got), torch.tensor(want)) <= TOL, f"step {step}: {got} vs {want}"
+
+
+def test_pp2_alone_tracks_single_process_losses_for_every_schedule(reference):
+    batch, expected = reference
+    schedules = ["gpipe", "1f1b", "interleaved-1f1b", "zbv"]
+    ranks = run_ranks(_pp_alone, 2, batch, schedules, timeout=300)
+    for schedule in schedules:
+        for rank, result in enumerate(ranks):
+            losses, layers, stage_ids = result[schedule]
+            _check(losses, expected)
+        # Every decoder layer on exactly one stage, stages where the schedule puts them.
+        all_layers = sorted(i for result in ranks for ls in result[schedule][1] for i in ls)
+        assert all_layers == [0, 1, 2, 3], schedule
+    assert ranks[0]["zbv"][2] == [0, 3] and ranks[1]["zbv"][2] == [1, 2]
+    assert ranks[0]["interleaved-1f1b"][2] == [0, 2] and ranks[1]["interleaved-1f1b"][2] == [1, 3]
+
+
+def _composed(rank, world, batch, layouts):
+    from moe_ep.hf import patch
+    from moe_ep.parallel.pipeline import parallelize_pipeline
+    from moe_ep.training import TrainStep
+
+    out = {}
+    for ep, dp_shard, schedule in layouts:
+        model = patch(_model(torch.float32, "eager"), fused_router=False)
+        stages = parallelize_pipeline(model, pp=2, ep=ep, dp_shard=dp_shard, schedule=schedule, microbatches=2)
+        # Each data-parallel rank trains on its half of the batch; both stages of a pipeline
+        # see the same half.
+        dp_rank, dp = stages.meshes.dp.get_local_rank(), stages.meshes.dims.dp
+        half = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
+        step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR))
+        out[(ep, dp_shard, schedule)] = [step(half).item() for _ in range(STEPS)]
+    return out
+
+
+def test_pp2_composes_with_ep2_and_with_fsdp2(reference):
+    batch, expected = reference
+    layouts = [(2, 2, "gpipe"), (2, 2, "1f1b"), (1, 2, "gpipe"), (1, 2, "1f1b")]
+    ranks = run_ranks(_composed, 4, batch, layouts, timeout=400)
+    for layout in layouts:
+        # Each rank reports the loss of its own data-parallel half; their mean is the batch's.
+        by_rank = [r[layout] for r in ranks]
+        mean = [sum(step) / len(step) for step in zip(*by_rank)]
+        _check(mean, expected)
+
+
+def test_train_step_without_stages_accumulates_microbatches(reference):
+    from moe_ep.training import TrainStep
+
+    batch, expected = reference
+    model = _model(torch.float32, "moe_ep")
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=LR), microbatches=MICRO)
+    _check([step(batch).item() for _ in range(STEPS)], expected)
+
+
+def test_dynamic_loss_scaling_skips_overflowing_steps_and_recovers(reference):
+    from moe_ep.training import TrainStep
+
+    batch, expected = reference
+    model = _model(torch.float32, "moe_ep")
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=LR), microbatches=2, loss_scale="dynamic")
+    step.scaler.scale = 2.0**130  # the scaled loss overflows fp32: skipped, scale halved until finite
+    losses = []
+    while len(losses) < STEPS:
+        before = step.steps_skipped
+        loss = step(batch)
+        if step.steps_skipped == before:
+            losses.append(loss.item())
+    assert step.steps_skipped >= 1 and step.scaler.scale < 2.0**130
+    _check(losses, expected)
+
+
+def test_errors():
+    from moe_ep.parallel.pipeline import build_pipeline
+    from moe_ep.training import LossScaler, TrainStep
+
+    model = _model(torch.float32, "moe_ep")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        TrainStep(model, object())
+    with pytest.raises(TypeError, match="model_or_stages must be a torch.nn.Module or PipelineStages"):
+        TrainStep("model", opt)
+    with pytest.raises(ValueError, match="loss_scale must be None, 'dynamic' or a positive number, got -1"):
+        LossScaler(-1)
+    step = TrainStep(model, opt, microbatches=3)
+    with pytest.raises(ValueError, match=r"batch keys \['attention_mask'\] are not supported"):
+        step({"input_ids": torch.ones(4, 5, dtype=torch.long), "attention_mask": torch.ones(4, 5)})
+    with pytest.raises(ValueError, match="batch of 2 sequences cannot be cut into 3 micro-batches"):
+        step({"input_ids": torch.ones(2, 5, dtype=torch.long)})
+    with pytest.raises(TypeError, match="pp_mesh must be a 1-D DeviceMesh or a ProcessGroup"):
+        build_pipeline(model, "pp", microbatches=2)
+    with pytest.raises(TypeError, match="must be a transformers decoder-only"):
+        from moe_ep.parallel.pipeline import CausalLMStage
+
+        CausalLMStage(torch.nn.Linear(2, 2), [0], first=True, last=True)
