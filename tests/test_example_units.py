@@ -378,3 +378,11 @@ def test_expert_load_counts_every_routed_slot_and_flops_follow_the_active_parame
     assert per_token == 6 * (active - embed) + 12 * 32 * 4096 * 4096
     assert metrics.peak_flops(torch.device("cpu"), None) is None
     assert metrics.peak_flops(torch.device("cpu"), 100.0) == 100e12
+
+
+def test_hub_model_that_cannot_be_fetched(tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    err = run_main(["--model", "nobody/no-such-moe"], tmp_path, capsys)
+    assert "--model nobody/no-such-moe: not in the local cache and the Hub cannot be reached" in err

@@ -52,7 +52,7 @@ class ModelSource:
     meta_init: bool
 
 
-def resolve_model(spec: str, *, is_local_main: bool = True, barrier=lambda: None) -> ModelSource:
+def resolve_model(spec: str) -> ModelSource:
     """``--model`` to a config and where its weights come from; a bad name fails here."""
     named = named_configs()
     if spec in named:
@@ -64,7 +64,7 @@ def resolve_model(spec: str, *, is_local_main: bool = True, barrier=lambda: None
     elif path.exists():
         raise UsageError(f"--model: {spec} is a file; expected a folder with config.json and *.safetensors")
     elif spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        folder = download_snapshot(spec, is_local_main=is_local_main, barrier=barrier)
+        folder = download_snapshot(spec)
     else:
         raise UsageError(
             f"--model: {spec!r} is neither a named config ({', '.join(named)}), a local folder, "
@@ -82,17 +82,14 @@ def resolve_model(spec: str, *, is_local_main: bool = True, barrier=lambda: None
     return ModelSource(str(spec), config, folder, True)
 
 
-def download_snapshot(repo_id: str, *, is_local_main: bool, barrier) -> Path:
-    """One download per node; every process then resolves the same local snapshot."""
+def download_snapshot(repo_id: str) -> Path:
+    """The config, tokenizer and safetensors files of a Hub model, from the local cache when there.
+    Every rank calls it; the Hub client's file locks let one process download while the others wait."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model"]
     try:
-        if is_local_main:
-            snapshot_download(repo_id, allow_patterns=patterns)
-        barrier()
-        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"]))
     except LocalEntryNotFoundError:
         raise UsageError(f"--model {repo_id}: not in the local cache and the Hub cannot be reached") from None
 
