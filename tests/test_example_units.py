@@ -149,6 +149,10 @@ def test_bad_model_and_values(tmp_path, capsys):
     assert "--warmup-steps (20) must be smaller than --steps (5)" in run_main(["--steps", "5"], tmp_path, capsys)
     assert "is not a checkpoint folder" in run_main(["--resume", str(tmp_path / "none")], tmp_path, capsys)
     assert "--plan chooses the layout itself; do not also give --ep" in run_main(["--plan", "--ep", "2"], tmp_path, capsys)
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        assert "--tensorboard needs the `tensorboard` package" in run_main(["--tensorboard"], tmp_path, capsys)
 
 
 # -------------------------------------------------------------------------------- checkpoints
