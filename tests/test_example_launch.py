@@ -164,11 +164,14 @@ def test_export_loads_with_plain_transformers_and_gives_the_trained_logits(refer
     subprocess.run([sys.executable, "-c", EXPORT_CHECK, str(export), str(logits_file)], env=clean_env,
                    cwd=tmp_path, check=True, timeout=120)
 
-    # The trained model: the run's final sharded checkpoint loaded into the example's model.
+    # The trained model: the run's final sharded checkpoint loaded into the example's model, with
+    # the moe_ep kernels and fused router it was trained with.
     sys.path.insert(0, str(EXAMPLE))
     from models import tiny_config
 
-    model = AutoModelForCausalLM.from_config(tiny_config())
+    from moe_ep.hf import patch
+
+    model = patch(AutoModelForCausalLM.from_config(tiny_config()))
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
