@@ -22,7 +22,7 @@ class Layout:
     dp_shard: int = 1
     ep: int = 1
     microbatches: int = 1
-    schedule: str = "1F1B"
+    schedule: str = "1f1b"
     activation_checkpointing: bool = False
 
     @property

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--dp-replicate", type=int, default=1, help="replicated data-parallel degree (HSDP)")
     lay.add_argument("--pp", type=int, default=1, help="pipeline stages")
     lay.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: 2 * pp)")
-    lay.add_argument("--schedule", default="1F1B", help="pipeline schedule (GPipe, 1F1B, Interleaved1F1B, ...)")
+    lay.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zbv")
     lay.add_argument("--plan", action="store_true",
                      help="take ep/dp/pp, micro-batches, schedule and activation checkpointing from moe_ep.plan")
     lay.add_argument("--gpu-memory-gib", type=float, default=None, help="for --plan: memory per GPU (default: queried)")
