@@ -41,7 +41,7 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--inter-node-bw", type=float, default=25.0, help="GB/s per GPU across nodes")
     p.add_argument("--peak-tflops", type=float, default=312.0, help="dense bf16 peak per GPU")
     p.add_argument("--efficiency", type=float, default=0.40, help="fraction of the peak the GEMMs reach")
-    p.add_argument("--imbalance", type=float, default=1.2, help="busiest expert rank's load over the mean")
+    p.add_argument("--imbalance", type=float, default=None, help="busiest expert rank's load over the mean (1.2)")
     for name in ("pp", "dp-replicate", "dp-shard", "ep", "microbatch-size"):
         p.add_argument(f"--{name}", type=int, default=None, help="fix this choice")
     p.add_argument("--schedule", default=None, help="fix the schedule: none, gpipe, 1f1b, interleaved-1f1b, zbv")
@@ -52,6 +52,7 @@ def _add_plan_parser(sub) -> None:
 
 def _run_plan(args) -> int:
     from .planner import plan
+    from .planner.memory import DEFAULT_IMBALANCE
     from .planner.search import DEFAULT_GLOBAL_BATCH_TOKENS
 
     result = plan(
@@ -65,7 +66,7 @@ def _run_plan(args) -> int:
         inter_node_gbps=args.inter_node_bw,
         peak_tflops=args.peak_tflops,
         efficiency=args.efficiency,
-        imbalance=args.imbalance,
+        imbalance=DEFAULT_IMBALANCE if args.imbalance is None else args.imbalance,
         pp=args.pp,
         dp_replicate=args.dp_replicate,
         dp_shard=args.dp_shard,

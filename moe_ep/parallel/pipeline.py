@@ -24,7 +24,7 @@ from torch import nn
 
 from ..partition import Partition, UnitCost, partition
 from ..planner.layout import Layout
-from ..planner.memory import build_units, layer_ids, unit_costs
+from ..planner.memory import DEFAULT_IMBALANCE, build_units, layer_ids, unit_costs
 from ..planner.schedules import schedule_info
 from ..planner.spec import ModelSpec
 
@@ -181,7 +181,7 @@ def pipeline_unit_costs(
     spec = ModelSpec.from_config(model.config)
     seq = seq_len or min(DEFAULT_COST_SEQ_LEN, getattr(model.config, "max_position_embeddings", DEFAULT_COST_SEQ_LEN))
     layout = Layout(pp, 1, dp_shard, ep, microbatch_size, microbatches, schedule, checkpointing)
-    costs = unit_costs(build_units(spec, layout, seq, imbalance=1.0))
+    costs = unit_costs(build_units(spec, layout, seq, DEFAULT_IMBALANCE))
     base, head = _parts_of(model)
     if head.weight is base.embed_tokens.weight:
         # The planner marks a tie from the config; the module is what counts.

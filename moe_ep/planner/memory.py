@@ -22,6 +22,8 @@ from ..partition import Partition, UnitCost
 from .layout import Layout
 from .spec import BF16, FP32, ModelSpec
 
+# The busiest expert rank's routed load over the mean that buffers and all-to-all are sized for.
+DEFAULT_IMBALANCE = 1.2
 STATE_BYTES_PER_PARAM = {"params": FP32, "grads": FP32, "optim": 2 * FP32}
 # Transient bytes per unsharded parameter of the layer that runs: bf16 weights of it and of the
 # prefetched next layer, plus its fp32 gradient before the reduce-scatter.

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ..partition import Partition, fits, partition
 from .cluster import Cluster
 from .layout import Layout
-from .memory import MemoryTable, Unit, build_units, p2p_bytes, rank_memory, unit_costs
+from .memory import DEFAULT_IMBALANCE, MemoryTable, Unit, build_units, layer_ids, p2p_bytes, rank_memory, unit_costs
 from .schedules import NO_PIPELINE, SCHEDULES
 from .spec import ModelSpec
 from .timing import StepTime, lower_bound, step_time
@@ -29,8 +29,19 @@ class PlanError(ValueError):
 class Candidate:
     layout: Layout
     partition: Partition
-    memory: MemoryTable  # the fullest rank
+    memory_per_rank: tuple[MemoryTable, ...]  # one table per pipeline rank
     time: StepTime
+
+    @property
+    def memory(self) -> MemoryTable:
+        """The fullest pipeline rank's table."""
+        return max(self.memory_per_rank, key=lambda t: t.total)
+
+    @property
+    def split_points(self) -> list[int]:
+        """The first decoder layer of stages 1..S-1: ``split_points`` of
+        ``moe_ep.parallel.pipeline.build_pipeline`` for exactly this cut."""
+        return [layer_ids(self.partition.stage_names(s))[0] for s in range(1, self.partition.num_stages)]
 
     @property
     def fits(self) -> bool:
@@ -157,7 +168,7 @@ def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_token
 
 
 def evaluate(
-    spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int, imbalance: float = 1.2
+    spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int, imbalance: float = DEFAULT_IMBALANCE
 ) -> Candidate | None:
     """Cost one layout. None when it cannot be partitioned at all (tied parameters that a loop
     placement would separate)."""
@@ -167,23 +178,25 @@ def evaluate(
     capacity = cluster.memory_bytes
     kwargs = dict(placement=layout.placement, stages_per_rank=layout.stages_per_rank, inflight=layout.inflight())
 
-    def fullest(part):
-        tables = [rank_memory(units, part, r, p2p, cluster.reserved_bytes, capacity) for r in range(layout.pp)]
-        return max(tables, key=lambda t: t.total)
+    def tables(part):
+        return tuple(rank_memory(units, part, r, p2p, cluster.reserved_bytes, capacity) for r in range(layout.pp))
+
+    def all_fit(per_rank):
+        return all(t.fits for t in per_rank)
 
     try:
         part = partition(costs, layout.num_stages, **kwargs)
     except ValueError:
         return None
-    memory = fullest(part)
-    if not memory.fits and layout.pp > 1:
+    per_rank = tables(part)
+    if not all_fit(per_rank) and layout.pp > 1:
         # The time-balanced cut does not fit: trade balance for memory.
         budget = capacity - cluster.reserved_bytes - p2p
         if budget > 0 and fits(costs, layout.num_stages, budget, **kwargs):
             capped = partition(costs, layout.num_stages, memory_cap=budget, **kwargs)
-            if fullest(capped).fits:
-                part, memory = capped, fullest(capped)
-    return Candidate(layout, part, memory, step_time(spec, cluster, layout, units, part, seq_len, imbalance))
+            if all_fit(tables(capped)):
+                part, per_rank = capped, tables(capped)
+    return Candidate(layout, part, per_rank, step_time(spec, cluster, layout, units, part, seq_len, imbalance))
 
 
 # The search costs in full every layout whose lower bound is within this factor of the best
@@ -231,7 +244,7 @@ def plan(
     peak_tflops: float = 312.0,
     efficiency: float = 0.40,
     reserve_fraction: float = 0.10,
-    imbalance: float = 1.2,
+    imbalance: float = DEFAULT_IMBALANCE,
     pp: int | None = None,
     dp_replicate: int | None = None,
     dp_shard: int | None = None,
