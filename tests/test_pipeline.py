@@ -7,7 +7,8 @@ step's loss must agree within 1e-5. The batch holds ignored labels (-100) spread
 the micro-batches, so a loss normalised per micro-batch instead of per step would show.
 
 - 2 ranks, pp=2 alone: GPipe, 1F1B, interleaved 1F1B and ZB-V, one process group.
-- 4 ranks: pp=2 x ep=2 and pp=2 x dp_shard=2 (FSDP2), GPipe and 1F1B, one process group.
+- 4 ranks: pp=2 x ep=2 and pp=2 x dp_shard=2 (FSDP2), GPipe and 1F1B, and pp=2 x ep=2 with
+  activation checkpointing, one process group.
 - 1 process: TrainStep with gradient accumulation and no stages; loss scaling.
 """
 
@@ -110,21 +111,23 @@ def _composed(rank, world, batch, layouts):
     from moe_ep.training import TrainStep
 
     out = {}
-    for ep, dp_shard, schedule in layouts:
+    for ep, dp_shard, schedule, ckpt in layouts:
         model = patch(_model(torch.float32, "eager"), fused_router=False)
-        stages = parallelize_pipeline(model, pp=2, ep=ep, dp_shard=dp_shard, schedule=schedule, microbatches=2)
+        stages = parallelize_pipeline(model, pp=2, ep=ep, dp_shard=dp_shard, schedule=schedule, microbatches=2,
+                                      activation_checkpointing=ckpt)
         # Each data-parallel rank trains on its half of the batch; both stages of a pipeline
         # see the same half.
         dp_rank, dp = stages.meshes.dp.get_local_rank(), stages.meshes.dims.dp
         half = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
         step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR))
-        out[(ep, dp_shard, schedule)] = [step(half).item() for _ in range(STEPS)]
+        out[(ep, dp_shard, schedule, ckpt)] = [step(half).item() for _ in range(STEPS)]
     return out
 
 
 def test_pp2_composes_with_ep2_and_with_fsdp2(reference):
     batch, expected = reference
-    layouts = [(2, 2, "gpipe"), (2, 2, "1f1b"), (1, 2, "gpipe"), (1, 2, "1f1b")]
+    layouts = [(2, 2, "gpipe", False), (2, 2, "1f1b", False), (1, 2, "gpipe", False), (1, 2, "1f1b", False),
+               (2, 2, "1f1b", True)]
     ranks = run_ranks(_composed, 4, batch, layouts, timeout=400)
     for layout in layouts:
         # Each rank reports the loss of its own data-parallel half; their mean is the batch's.
