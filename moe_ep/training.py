@@ -13,7 +13,18 @@ whole batch's mean. Under FSDP the mean over ranks follows from the FSDP divide 
 Loss scaling (fp16): ``loss_scale="dynamic"`` multiplies the loss by a scale before backward and
 unscales the gradients after; if any rank finds a non-finite gradient every rank skips the
 optimizer step and halves the scale, which doubles again after ``growth_interval`` good steps.
-A float keeps the scale fixed (a step with a non-finite gradient is still skipped)."""
+A float keeps the scale fixed (a step with a non-finite gradient is still skipped).
+
+Load balancing (``aux_loss_coef > 0``): every MoE layer's load-balancing loss (transformers'
+formula, ``moe_ep.losses.load_balancing_loss``, on that layer's router output for that
+micro-batch) enters the objective as ``coef x`` its mean over layers and micro-batches. It is
+injected where it arises: a forward hook on each MoE block passes the block's output through
+an identity whose backward also feeds the layer's aux loss its gradient (Megatron-Core's
+technique), so it works unchanged on any pipeline stage, under any schedule, and with
+activation checkpointing. The returned loss is the LM loss plus ``coef x`` that mean. Note that
+transformers' own ``output_router_logits`` loss pools the statistics of all layers before the
+product; a pipeline cannot (the layers live on different ranks), so both paths here use the
+per-layer mean, as Megatron-Core does."""
 
 from __future__ import annotations
 
@@ -22,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from .losses import load_balancing_loss
 from .parallel.pipeline import PipelineStages
 
 IGNORE_INDEX = -100
@@ -86,6 +98,56 @@ class LossScaler:
         return finite
 
 
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``hidden``; in backward it also gives ``aux`` the gradient ``weight`` and
+    records the aux value (backward runs once per micro-batch and layer, recompute or not)."""
+
+    @staticmethod
+    def forward(ctx, hidden, aux, weight, record):
+        ctx.weight, ctx.record = weight, record
+        ctx.save_for_backward(aux.detach())
+        return hidden
+
+    @staticmethod
+    def backward(ctx, grad_hidden):
+        (aux,) = ctx.saved_tensors
+        ctx.record.append(aux)
+        return grad_hidden, torch.full_like(aux, ctx.weight), None, None
+
+
+class AuxLossHooks:
+    """Forward hooks on every MoE block of ``modules`` (a block is a module with a ``gate``
+    router returning ``(logits [T, E], weights, indices [T, K])`` and an ``experts`` module); a
+    pipeline rank may have none."""
+
+    def __init__(self, modules):
+        self.blocks = [m for root in modules for m in root.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+        self.weight = 0.0
+        self.record: list[torch.Tensor] = []
+        self.handles = []
+        for block in self.blocks:
+            self.handles.append(block.gate.register_forward_hook(self._router_hook))
+            self.handles.append(block.register_forward_hook(self._block_hook))
+
+    @staticmethod
+    def _router_hook(router, args, output):
+        if not (isinstance(output, tuple) and len(output) == 3 and output[0].dim() == 2 and output[2].dim() == 2):
+            raise TypeError(
+                f"{type(router).__name__} must return (logits [T, E], weights, indices [T, K]) for the aux loss"
+            )
+        router.moe_ep_routing = (output[0], output[2])
+
+    def _block_hook(self, block, args, output):
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{type(block).__name__} must return a tensor for the aux loss, got {type(output).__name__}")
+        logits_TE, idx_TK = block.gate.moe_ep_routing
+        del block.gate.moe_ep_routing
+        if not torch.is_grad_enabled():
+            return output
+        aux = load_balancing_loss(logits_TE, idx_TK.shape[1], top_k_index=idx_TK)
+        return _AttachAuxLoss.apply(output, aux, self.weight, self.record)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -100,15 +162,17 @@ class TrainStep:
         optimizer: over ``model.parameters()`` or ``stages.parameters()``.
         microbatches: gradient-accumulation micro-batches per step (batch dim split evenly).
         loss_scale: None, ``"dynamic"`` (fp16) or a fixed positive scale.
+        aux_loss_coef: weight of the per-layer load-balancing loss (0: none); see the module doc.
         lr_scheduler: stepped after every optimizer step that was taken.
 
     ``step(batch)`` takes ``{"input_ids": [B, S], "labels": [B, S] (optional, defaults to
-    input_ids)}`` and returns the step's loss, a detached scalar equal on every rank of a
-    pipeline (broadcast from the rank that computes it); no host sync unless loss scaling.
+    input_ids)}`` and returns the step's loss (LM loss plus weighted aux loss; the parts are
+    ``last_lm_loss`` and ``last_aux_loss``), a detached scalar equal on every rank of a pipeline
+    (broadcast from the rank that computes it); no host sync unless loss scaling.
     """
 
     def __init__(self, model_or_stages, optimizer: torch.optim.Optimizer, *, microbatches: int | None = None,
-                 loss_scale: float | str | None = None, lr_scheduler=None):
+                 loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, lr_scheduler=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.pipelined = isinstance(model_or_stages, PipelineStages)
@@ -135,6 +199,15 @@ class TrainStep:
         self.loss_fn = CausalLMLoss()
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.steps_skipped = 0
+        if isinstance(aux_loss_coef, bool) or not isinstance(aux_loss_coef, (int, float)) or aux_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef must be a number >= 0, got {aux_loss_coef!r}")
+        self.aux_loss_coef = float(aux_loss_coef)
+        modules = model_or_stages.modules if self.pipelined else [model_or_stages]
+        self.aux = AuxLossHooks(modules) if self.aux_loss_coef else None
+        self.num_moe_layers = self._count_moe_layers()
+        if self.aux is not None and not self.num_moe_layers:
+            raise ValueError("aux_loss_coef > 0 needs MoE blocks (modules with a 'gate' router and 'experts')")
+        self.last_lm_loss = self.last_aux_loss = None
 
     def _inputs(self, batch):
         if not isinstance(batch, dict) or "input_ids" not in batch:
@@ -159,7 +232,15 @@ class TrainStep:
         ids, labels = self._inputs(batch)
         self.loss_fn.normalizer = predicted_tokens(labels)
         self.loss_fn.scale = self.scaler.scale if self.scaler else 1.0
+        if self.aux is not None:
+            self.aux.weight = self.aux_loss_coef * self.loss_fn.scale / (self.num_moe_layers * self.microbatches)
+            self.aux.record.clear()
         loss = self._pipelined(ids, labels) if self.pipelined else self._accumulated(ids, labels)
+        loss = loss / self.loss_fn.scale
+        self.last_lm_loss = loss
+        if self.aux is not None:
+            self.last_aux_loss = self._aux_mean(loss.device)
+            loss = loss + self.aux_loss_coef * self.last_aux_loss
         took_step = self.scaler.unscale_and_check(self.params) if self.scaler else True
         if took_step:
             self.optimizer.step()
@@ -168,7 +249,36 @@ class TrainStep:
         else:
             self.steps_skipped += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return loss / self.loss_fn.scale
+        return loss
+
+    def _count_moe_layers(self) -> int:
+        """MoE layers of the whole model (on every pipeline stage): the aux loss is their mean."""
+        if self.aux is None:
+            return 0
+        local = len(self.aux.blocks)
+        if not self.pipelined:
+            return local
+        count = torch.tensor([float(local)], device=self.target.stages[0].device)
+        dist.all_reduce(count, group=self.target.group)
+        # host sync: once, at construction.
+        return int(count.item())
+
+    def _aux_mean(self, device) -> torch.Tensor:
+        """The step's aux loss, mean over layers and micro-batches, summed over the pipeline.
+        Each micro-batch's backward records each local layer once; torch's pipelining (2.12+)
+        also runs one forward and backward before the first step to infer the stages' shapes,
+        whose records come first and are not the step's, so the last ones are kept."""
+        expected = len(self.aux.blocks) * self.microbatches
+        if len(self.aux.record) < expected:
+            raise RuntimeError(
+                f"the aux loss was recorded {len(self.aux.record)} times this step, expected {expected} "
+                f"({len(self.aux.blocks)} MoE layers x {self.microbatches} micro-batches)"
+            )
+        records = self.aux.record[len(self.aux.record) - expected:]
+        total = torch.stack(records).sum().to(device) if records else torch.zeros((), device=device)
+        if self.pipelined:
+            dist.all_reduce(total, group=self.target.group)
+        return total / (self.num_moe_layers * self.microbatches)
 
     def _accumulated(self, ids, labels) -> torch.Tensor:
         total = torch.zeros((), device=ids.device)

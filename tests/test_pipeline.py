@@ -10,6 +10,9 @@ the micro-batches, so a loss normalised per micro-batch instead of per step woul
 - 4 ranks: pp=2 x ep=2 and pp=2 x dp_shard=2 (FSDP2), GPipe and 1F1B, and pp=2 x ep=2 with
   activation checkpointing, one process group.
 - 1 process: TrainStep with gradient accumulation and no stages; loss scaling.
+
+With ``aux_loss_coef`` the objective adds the per-layer load-balancing loss, averaged over
+layers and micro-batches; the reference computes it by hand from transformers' router logits.
 """
 
 from __future__ import annotations
@@ -49,12 +52,27 @@ def _batch():
     return batch
 
 
-def _reference_losses(batch):
+def _aux_by_hand(logits_TE, top_k):
+    """One layer's load-balancing loss: E * sum_e (routed pairs of e per token) * (mean prob of e)."""
+    probs = logits_TE.softmax(-1)
+    chosen = torch.nn.functional.one_hot(probs.topk(top_k, dim=-1).indices, probs.shape[1]).sum(1)
+    return probs.shape[1] * (chosen.double().mean(0) * probs.mean(0)).sum()
+
+
+def _reference_losses(batch, aux_coef=0.0):
+    """Whole batch, float64, transformers' eager experts and LM loss; the aux loss (if any) is
+    the mean over layers and micro-batches of each layer's loss on that micro-batch's tokens."""
     model = _model(torch.float64, "eager")
+    model.router_aux_loss_coef = 0.0  # transformers' own pooled aux loss stays out of .loss
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for _ in range(STEPS):
-        loss = model(**batch).loss
+        out = model(**batch, output_router_logits=True)
+        aux = torch.stack([
+            _aux_by_hand(chunk, model.config.num_experts_per_tok)
+            for layer in out.router_logits for chunk in layer.chunk(MICRO)
+        ]).mean()
+        loss = out.loss + aux_coef * aux
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -62,10 +80,19 @@ def _reference_losses(batch):
     return losses
 
 
+AUX = 0.1
+
+
 @pytest.fixture(scope="module")
 def reference():
     batch = _batch()
     return batch, _reference_losses(batch)
+
+
+@pytest.fixture(scope="module")
+def reference_aux(reference):
+    batch, _ = reference
+    return batch, _reference_losses(batch, AUX)
 
 
 def _pp_alone(rank, world, batch, schedules):
@@ -75,13 +102,13 @@ def _pp_alone(rank, world, batch, schedules):
     from moe_ep.training import TrainStep
 
     out = {}
-    for schedule in schedules:
+    for schedule, coef in schedules:
         model = _model(torch.float32, "moe_ep")
         stages = build_pipeline(model, dist.group.WORLD, schedule=schedule, microbatches=MICRO)
-        step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR))
+        step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR), aux_loss_coef=coef)
         losses = [step(batch).item() for _ in range(STEPS)]
         layers = [list(m.layer_ids) for m in stages.modules]
-        out[schedule] = (losses, layers, stages.stage_ids)
+        out[schedule, coef] = (losses, layers, stages.stage_ids)
     return out
 
 
@@ -90,19 +117,19 @@ def _check(losses, expected):
         assert rel_err(torch.tensor(got), torch.tensor(want)) <= TOL, f"step {step}: {got} vs {want}"
 
 
-def test_pp2_alone_tracks_single_process_losses_for_every_schedule(reference):
+def test_pp2_alone_tracks_single_process_losses_for_every_schedule(reference, reference_aux):
     batch, expected = reference
-    schedules = ["gpipe", "1f1b", "interleaved-1f1b", "zbv"]
-    ranks = run_ranks(_pp_alone, 2, batch, schedules, timeout=300)
-    for schedule in schedules:
-        for rank, result in enumerate(ranks):
-            losses, layers, stage_ids = result[schedule]
-            _check(losses, expected)
+    _, expected_aux = reference_aux
+    runs = [("gpipe", 0.0), ("1f1b", 0.0), ("interleaved-1f1b", 0.0), ("zbv", 0.0), ("1f1b", AUX), ("zbv", AUX)]
+    ranks = run_ranks(_pp_alone, 2, batch, runs, timeout=300)
+    for run in runs:
+        for result in ranks:
+            _check(result[run][0], expected_aux if run[1] else expected)
         # Every decoder layer on exactly one stage, stages where the schedule puts them.
-        all_layers = sorted(i for result in ranks for ls in result[schedule][1] for i in ls)
-        assert all_layers == [0, 1, 2, 3], schedule
-    assert ranks[0]["zbv"][2] == [0, 3] and ranks[1]["zbv"][2] == [1, 2]
-    assert ranks[0]["interleaved-1f1b"][2] == [0, 2] and ranks[1]["interleaved-1f1b"][2] == [1, 3]
+        all_layers = sorted(i for result in ranks for ls in result[run][1] for i in ls)
+        assert all_layers == [0, 1, 2, 3], run
+    assert ranks[0]["zbv", 0.0][2] == [0, 3] and ranks[1]["zbv", 0.0][2] == [1, 2]
+    assert ranks[0]["interleaved-1f1b", 0.0][2] == [0, 2] and ranks[1]["interleaved-1f1b", 0.0][2] == [1, 3]
 
 
 def _composed(rank, world, batch, layouts):
@@ -111,7 +138,7 @@ def _composed(rank, world, batch, layouts):
     from moe_ep.training import TrainStep
 
     out = {}
-    for ep, dp_shard, schedule, ckpt in layouts:
+    for ep, dp_shard, schedule, ckpt, coef in layouts:
         model = patch(_model(torch.float32, "eager"), fused_router=False)
         stages = parallelize_pipeline(model, pp=2, ep=ep, dp_shard=dp_shard, schedule=schedule, microbatches=2,
                                       activation_checkpointing=ckpt)
@@ -119,30 +146,37 @@ def _composed(rank, world, batch, layouts):
         # see the same half.
         dp_rank, dp = stages.meshes.dp.get_local_rank(), stages.meshes.dims.dp
         half = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
-        step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR))
-        out[(ep, dp_shard, schedule, ckpt)] = [step(half).item() for _ in range(STEPS)]
+        step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR), aux_loss_coef=coef)
+        out[(ep, dp_shard, schedule, ckpt, coef)] = [step(half).item() for _ in range(STEPS)]
     return out
 
 
-def test_pp2_composes_with_ep2_and_with_fsdp2(reference):
+def test_pp2_composes_with_ep2_and_with_fsdp2(reference, reference_aux):
     batch, expected = reference
-    layouts = [(2, 2, "gpipe", False), (2, 2, "1f1b", False), (1, 2, "gpipe", False), (1, 2, "1f1b", False),
-               (2, 2, "1f1b", True)]
+    _, expected_aux = reference_aux
+    # (ep, dp_shard, schedule, activation checkpointing, aux loss coefficient). Two micro-batches
+    # of a data-parallel half are the reference's four micro-batches of the whole batch.
+    layouts = [(2, 2, "gpipe", False, 0.0), (2, 2, "1f1b", False, 0.0), (1, 2, "gpipe", False, 0.0),
+               (1, 2, "1f1b", False, 0.0), (2, 2, "1f1b", True, AUX)]
     ranks = run_ranks(_composed, 4, batch, layouts, timeout=400)
     for layout in layouts:
         # Each rank reports the loss of its own data-parallel half; their mean is the batch's.
         by_rank = [r[layout] for r in ranks]
         mean = [sum(step) / len(step) for step in zip(*by_rank)]
-        _check(mean, expected)
+        _check(mean, expected_aux if layout[-1] else expected)
 
 
-def test_train_step_without_stages_accumulates_microbatches(reference):
+@pytest.mark.parametrize("coef", [0.0, AUX])
+def test_train_step_without_stages_accumulates_microbatches(reference, reference_aux, coef):
     from moe_ep.training import TrainStep
 
-    batch, expected = reference
+    batch, expected = reference_aux if coef else reference
     model = _model(torch.float32, "moe_ep")
-    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=LR), microbatches=MICRO)
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=LR), microbatches=MICRO, aux_loss_coef=coef)
     _check([step(batch).item() for _ in range(STEPS)], expected)
+    if coef:
+        assert step.last_aux_loss > 0 and torch.isclose(step.last_lm_loss + coef * step.last_aux_loss,
+                                                       torch.tensor(expected[-1], dtype=torch.float32), rtol=1e-5)
 
 
 def test_dynamic_loss_scaling_skips_overflowing_steps_and_recovers(reference):
@@ -174,6 +208,11 @@ def test_errors():
         TrainStep("model", opt)
     with pytest.raises(ValueError, match="loss_scale must be None, 'dynamic' or a positive number, got -1"):
         LossScaler(-1)
+    with pytest.raises(ValueError, match="aux_loss_coef must be a number >= 0, got -0.1"):
+        TrainStep(model, opt, aux_loss_coef=-0.1)
+    dense = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="aux_loss_coef > 0 needs MoE blocks"):
+        TrainStep(dense, torch.optim.SGD(dense.parameters(), lr=0.1), aux_loss_coef=0.1)
     step = TrainStep(model, opt, microbatches=3)
     with pytest.raises(ValueError, match=r"batch keys \['attention_mask'\] are not supported"):
         step({"input_ids": torch.ones(4, 5, dtype=torch.long), "attention_mask": torch.ones(4, 5)})
