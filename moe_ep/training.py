@@ -28,6 +28,8 @@ per-layer mean, as Megatron-Core does."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -163,6 +165,8 @@ class TrainStep:
         microbatches: gradient-accumulation micro-batches per step (batch dim split evenly).
         loss_scale: None, ``"dynamic"`` (fp16) or a fixed positive scale.
         aux_loss_coef: weight of the per-layer load-balancing loss (0: none); see the module doc.
+        max_grad_norm: clip the gradients' global 2-norm (all stages, all meshes) to this; the
+            norm before clipping is kept in ``last_grad_norm``.
         lr_scheduler: stepped after every optimizer step that was taken.
 
     ``step(batch)`` takes ``{"input_ids": [B, S], "labels": [B, S] (optional, defaults to
@@ -172,7 +176,8 @@ class TrainStep:
     """
 
     def __init__(self, model_or_stages, optimizer: torch.optim.Optimizer, *, microbatches: int | None = None,
-                 loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, lr_scheduler=None):
+                 loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, max_grad_norm: float | None = None,
+                 lr_scheduler=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.pipelined = isinstance(model_or_stages, PipelineStages)
@@ -202,6 +207,11 @@ class TrainStep:
         if isinstance(aux_loss_coef, bool) or not isinstance(aux_loss_coef, (int, float)) or aux_loss_coef < 0:
             raise ValueError(f"aux_loss_coef must be a number >= 0, got {aux_loss_coef!r}")
         self.aux_loss_coef = float(aux_loss_coef)
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                          or not max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm = None
         modules = model_or_stages.modules if self.pipelined else [model_or_stages]
         self.aux = AuxLossHooks(modules) if self.aux_loss_coef else None
         self.num_moe_layers = self._count_moe_layers()
@@ -242,6 +252,8 @@ class TrainStep:
             self.last_aux_loss = self._aux_mean(loss.device)
             loss = loss + self.aux_loss_coef * self.last_aux_loss
         took_step = self.scaler.unscale_and_check(self.params) if self.scaler else True
+        if took_step and self.max_grad_norm is not None:
+            self.last_grad_norm = self._clip()
         if took_step:
             self.optimizer.step()
             if self.lr_scheduler is not None:
@@ -250,6 +262,24 @@ class TrainStep:
             self.steps_skipped += 1
         self.optimizer.zero_grad(set_to_none=True)
         return loss
+
+    def _clip(self) -> torch.Tensor:
+        """Clip to ``max_grad_norm`` over the whole model. moe_ep.parallel.clip_grad_norm_ gives
+        the norm over this rank's parameters across the dense and expert meshes; a pipeline adds
+        the other stages' (sum of squares over the pipeline group) before the common factor."""
+        from .parallel.clip import clip_grad_norm_
+
+        if not self.pipelined:
+            return clip_grad_norm_(self.params, self.max_grad_norm)
+        stage_norm = clip_grad_norm_(self.params, math.inf)  # the norm only: a factor of 1
+        squares = stage_norm.to(self.target.stages[0].device, torch.float32).square()
+        dist.all_reduce(squares, group=self.target.group)
+        total = squares.sqrt()
+        coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return total
 
     def _count_moe_layers(self) -> int:
         """MoE layers of the whole model (on every pipeline stage): the aux loss is their mean."""
