@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..partition import format_bytes
 from .memory import layer_ids
+from .schedules import SCHEDULES
 
 ASSUMPTIONS = (
     "mixed precision as FSDP2 does it: fp32 master weights, bf16 compute, fp32 gradient reduction",
@@ -51,7 +52,8 @@ def format_plan(plan) -> str:
         f"  (edp={lay.edp}, world {lay.world_size})",
         f"  micro-batches      {lay.microbatches} per step of {lay.microbatch_size} sequence(s) "
         f"({lay.microbatch_size * plan.seq_len} tokens) per data-parallel rank",
-        f"  schedule           {lay.schedule}",
+        f"  schedule           {lay.schedule}"
+        + (f" ({SCHEDULES[lay.schedule].description}, bubble {lay.bubble():.2f} micro-batch times)" if lay.pp > 1 else ""),
         f"  checkpointing      {'full (every decoder layer)' if lay.checkpointing else 'none'}",
     ]
     if lay.pp > 1:
