@@ -2,7 +2,6 @@
 GPU: no failure, no spill, tensor-core instructions in every GEMM. The compiles are cached in
 ~/.triton, so only the first run on a machine is slow."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -11,7 +10,6 @@ import sys
 import textwrap
 
 from moe_ep.kernels import aot
-from moe_ep.kernels.aot_spec import KernelSpec
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -49,8 +47,10 @@ def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):
     assert "TRITON_INTERPRET" in capsys.readouterr().err
 
 
-def test_a_gemm_without_tensor_cores_fails_the_check(tmp_path, monkeypatch):
-    """A kernel declared uses_dot whose product is elementwise must be reported and fail."""
+def test_a_gemm_without_tensor_cores_fails_the_check(tmp_path):
+    """A kernel declared uses_dot whose product is elementwise must be reported and fail. It runs
+    in a fresh process without the interpreter: Triton modules imported while this process has it
+    on refuse to compile (and a warm ~/.triton cache would hide that)."""
     (tmp_path / "fake_gemm.py").write_text(textwrap.dedent('''
         import triton
         import triton.language as tl
@@ -60,13 +60,20 @@ def test_a_gemm_without_tensor_cores_fails_the_check(tmp_path, monkeypatch):
             offs = tl.arange(0, BLOCK)
             tl.store(y_ptr + offs, tl.load(x_ptr + offs) * 2.0)
     '''))
-    # @triton.jit reads TRITON_INTERPRET when it decorates: compile a real JIT function.
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    spec_from_file = importlib.util.spec_from_file_location("fake_gemm", tmp_path / "fake_gemm.py")
-    fake = importlib.util.module_from_spec(spec_from_file)
-    spec_from_file.loader.exec_module(fake)
-    spec = KernelSpec("not_a_gemm", fake.not_a_gemm, {"x_ptr": "*fp16", "y_ptr": "*fp16", "BLOCK": "constexpr"},
-                      {"BLOCK": 128}, uses_dot=True)
-    row = aot.compile_one("fake", spec, 80)
-    assert not row.ok and row.registers and row.spill_bytes == 0
-    assert "FAIL: GEMM without mma.sync" in aot.format_table([row])
+    (tmp_path / "check.py").write_text(textwrap.dedent('''
+        import dataclasses, json
+        from fake_gemm import not_a_gemm
+        from moe_ep.kernels import aot
+        from moe_ep.kernels.aot_spec import KernelSpec
+
+        spec = KernelSpec("not_a_gemm", not_a_gemm, {"x_ptr": "*fp16", "y_ptr": "*fp16", "BLOCK": "constexpr"},
+                          {"BLOCK": 128}, uses_dot=True)
+        row = aot.compile_one("fake", spec, 80)
+        print(json.dumps({"row": dataclasses.asdict(row), "table": aot.format_table([row])}))
+    '''))
+    proc = run_python([str(tmp_path / "check.py")], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    row = result["row"]
+    assert not row["ok"] and row["registers"] and row["spill_bytes"] == 0, row
+    assert "FAIL: GEMM without mma.sync" in result["table"]
