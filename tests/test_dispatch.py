@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import TOLERANCE, rel_err, requires_cuda
 from dist_utils import run_ranks
-from moe_ep.dispatch import capacity_keep_mask, expert_capacity, wire_bytes
+from moe_ep.bench.dispatch import count_sent_bytes
+from moe_ep.dispatch import capacity_keep_mask, count_exchange_bytes, expert_capacity, wire_bytes
 from moe_ep.reference import moe_experts_ref
 
 TOL = TOLERANCE[torch.float32]
@@ -135,7 +136,16 @@ def _check_case(case: Case, rank: int, world: int) -> dict:
         distinct = sum(len(set(row.tolist())) for row in dest)
         result["rows_sent"], result["rows_expected"] = sum(routed.layout.send_splits), distinct
         result["rows_received"] = sum(routed.layout.recv_splits)
-    y = moe_experts_ep(x, idxs[rank], w, gu, dn, group=group, capacity_factor=case.capacity_factor)
+    with count_sent_bytes(dist, rank) as sent:
+        y = moe_experts_ep(x, idxs[rank], w, gu, dn, group=group, capacity_factor=case.capacity_factor)
+    if case.capacity_factor is None:
+        # Combine sends back other ranks' tokens, so the accounting holds for the sum over ranks.
+        measured = torch.tensor([sent[0]])
+        dist.all_reduce(measured)
+        counted = [wire_bytes(i, L, case.H, element_size=x.element_size(), source_rank=r) for r, i in enumerate(idxs)]
+        ours_counts, their_counts = (world * c for c in count_exchange_bytes(case.E, world, case.K))
+        result["bytes"] = {"measured": int(measured), "ours": sum(c.moe_ep_bytes for c in counted) + ours_counts,
+                           "theirs": sum(c.transformers_bytes for c in counted) + their_counts}
     (y * dys[rank]).sum().backward()
 
     x64 = torch.cat(xs).double().requires_grad_()
@@ -349,6 +359,9 @@ def _assert_case(results, name):
             assert case["kept_exact"], f"rank {rank}: dropped pairs differ from the documented policy"
         else:
             assert case["rows_sent"] == case["rows_expected"], f"rank {rank}: {case}"
+            # What the collectives sent is what wire_bytes says, and never more than transformers'.
+            sent = case["bytes"]
+            assert sent["measured"] == sent["ours"] <= sent["theirs"], f"rank {rank}: {sent}"
 
 
 @pytest.mark.parametrize("name", [c.name for c in CASES_2])
@@ -379,7 +392,7 @@ def test_capacity_mode_has_no_host_sync(world2):
 
 def test_dropless_mode_has_exactly_the_count_exchange_sync(world2):
     for result in world2:
-        assert result["audit_dropless"] == ["tolist @ dispatch/dispatcher.py:_exchange_counts"]
+        assert result["audit_dropless"] == ["tolist @ dispatch/dispatcher.py:dropless"]
 
 
 def test_host_sync_recorder_sees_reads_in_backward_and_tolist(world2):
@@ -468,32 +481,49 @@ def test_expert_capacity_formula():
     assert expert_capacity(16, 2, 8, 1.0) == 4
 
 
-def test_wire_bytes_fewer_rows_when_experts_share_a_rank():
+def test_wire_bytes_fewer_when_experts_share_a_rank_and_never_more():
     H, L = 4096, 2
     shared = torch.tensor([[0, 1], [2, 3]])  # both experts of each token on one rank
     apart = torch.tensor([[0, 2], [1, 3]])
     s, a = wire_bytes(shared, L, H), wire_bytes(apart, L, H)
     assert (s.moe_ep_rows, s.transformers_rows) == (2, 4)
-    assert s.moe_ep_payload * 2 == s.transformers_payload
-    assert (a.moe_ep_rows, a.transformers_rows) == (4, 4) and a.moe_ep_payload == a.transformers_payload
-    # The routing columns (int32 id + float32 weight per expert slot) are counted, not hidden.
-    assert a.moe_ep_metadata == 4 * 2 * 8 and a.moe_ep_bytes > a.transformers_bytes
-    ours, theirs = s.per_token()
-    assert ours < theirs
+    # A row carrying two experts carries their routing columns (int32 id + float32 weight each).
+    assert s.moe_ep_metadata == 2 * 2 * 8 and s.moe_ep_payload * 2 == s.transformers_payload
+    assert s.moe_ep_bytes < s.transformers_bytes
+    # No sharing: single rows carry nothing, exactly transformers' bytes.
+    assert (a.moe_ep_rows, a.transformers_rows) == (4, 4) and a.moe_ep_metadata == 0
+    assert a.moe_ep_bytes == a.transformers_bytes
 
 
-def test_wire_bytes_never_more_payload_and_skips_local_rows():
-    g = torch.Generator().manual_seed(0)
-    idx = torch.rand(64, 16, generator=g).topk(4, -1).indices
-    for L in (1, 2, 4, 8, 16):
-        b = wire_bytes(idx, L, 32)
-        assert b.moe_ep_payload <= b.transformers_payload
+@pytest.mark.parametrize("E, K", [(8, 1), (8, 2), (16, 4), (64, 6), (6, 6)])
+def test_wire_bytes_never_more_for_any_degree(E, K):
+    """Totals with the count exchange, for every ep dividing E: never more than transformers at
+    the smallest row the guarantee covers (4 min(K, L) bytes); strictly fewer with any larger row
+    once a token's experts share a rank."""
+    g = torch.Generator().manual_seed(E * K)
+    idx = torch.rand(37, E, generator=g).topk(K, -1).indices
+    for ep in (d for d in range(1, E + 1) if E % d == 0):
+        L = E // ep
+        ours_counts, their_counts = count_exchange_bytes(E, ep, K)
+        assert ours_counts <= their_counts
+        for source in range(ep):
+            smallest = wire_bytes(idx, L, min(K, L), element_size=4, source_rank=source)
+            assert smallest.moe_ep_bytes + ours_counts <= smallest.transformers_bytes + their_counts
+            larger = wire_bytes(idx, L, min(K, L) + 1, element_size=4, source_rank=source)
+            if larger.moe_ep_rows < larger.transformers_rows:
+                assert larger.moe_ep_bytes < larger.transformers_bytes
+
+
+def test_wire_bytes_skips_local_rows():
     local = wire_bytes(torch.tensor([[0, 3]]), 2, 8, source_rank=0)
     assert (local.moe_ep_rows, local.transformers_rows) == (1, 1)
+    assert count_exchange_bytes(8, 1, 2) == (0, 0)
 
 
 def test_wire_bytes_errors():
     with pytest.raises(ValueError, match="experts_per_rank must be a positive int, got 0"):
         wire_bytes(torch.zeros(2, 2, dtype=torch.long), 0, 8)
+    with pytest.raises(ValueError, match="ep must be a positive int, got 0"):
+        count_exchange_bytes(8, 0, 2)
     with pytest.raises(TypeError, match="idx_TK must be int64 or int32"):
         wire_bytes(torch.zeros(2, 2), 1, 8)

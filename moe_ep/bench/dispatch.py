@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..dispatch import wire_bytes
+from ..dispatch import count_exchange_bytes, wire_bytes
 from .optional import Lookup, optional_attr
 from .report import Column, Report, close_figure, environment, new_figure
 from .routing_cases import ROUTINGS, make_routing
@@ -78,19 +78,12 @@ class Traffic:
     bytes: int  # rows, their routing columns and the count exchange
 
 
-def count_exchange_bytes(impl: str, num_experts: int, ep: int) -> int:
-    """Bytes one rank sends in a layer's count exchange (not in ``wire_bytes``, which counts what
-    grows with the tokens): transformers sends one int64 per expert of each peer, ours two int64
-    (rows and pairs) per peer."""
-    per_peer = 8 * (num_experts // ep) if impl == "hf_all_to_all" else 2 * 8
-    return (ep - 1) * per_peer
-
-
 def computed_bytes(s: Settings, model: str, routing: str, ep: int) -> dict[str, Traffic]:
     """Both schemes' forward traffic, summed over all ranks."""
-    E, _ = MODELS[model]
+    E, K = MODELS[model]
     totals = {"hf_all_to_all": Traffic(0, 0), "moe_ep": Traffic(0, 0)}
     element_size = s.element_size
+    counts = dict(zip(("moe_ep", "hf_all_to_all"), count_exchange_bytes(E, ep, K)))
     for rank in range(ep):
         idx_TK = rank_routing(s, model, routing, rank)[0]
         counted = wire_bytes(idx_TK, E // ep, s.hidden, element_size=element_size, source_rank=rank)
@@ -98,7 +91,7 @@ def computed_bytes(s: Settings, model: str, routing: str, ep: int) -> dict[str, 
                     "moe_ep": (2 * counted.moe_ep_rows, counted.moe_ep_bytes)}
         for impl, (rows, bytes_) in per_impl.items():
             t = totals[impl]
-            totals[impl] = Traffic(t.rows + rows, t.bytes + bytes_ + count_exchange_bytes(impl, E, ep))
+            totals[impl] = Traffic(t.rows + rows, t.bytes + bytes_ + counts[impl])
     return totals
 
 

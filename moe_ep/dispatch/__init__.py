@@ -8,7 +8,7 @@ from .dispatcher import combine, dispatch
 from .expert_parallel import ExpertParallelDispatcher, moe_experts_ep
 from .layout import DispatchedTokens, DispatchLayout
 from .transformers_ep import register_transformers_ep
-from .wire_bytes import WireBytes, wire_bytes
+from .wire_bytes import WireBytes, count_exchange_bytes, wire_bytes
 
 __all__ = [
     "DispatchLayout",
@@ -17,6 +17,7 @@ __all__ = [
     "WireBytes",
     "capacity_keep_mask",
     "combine",
+    "count_exchange_bytes",
     "dispatch",
     "expert_capacity",
     "moe_experts_ep",

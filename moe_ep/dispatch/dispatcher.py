@@ -2,28 +2,43 @@
 
 Rank ``j`` of the group owns experts ``[j L, (j+1) L)`` with ``L = E / ep``. ``dispatch`` sends
 each token ONCE to each rank that owns at least one of its chosen experts (DeepEP's scheme;
-transformers' all-to-all sends one copy per chosen expert), together with the local ids and
-routing weights of those experts. The expert rank applies the weights and sums a token's partial
-outputs before ``combine`` sends one row per (token, rank) back; the source rank sums those rows.
+transformers' all-to-all sends one copy per chosen expert). What travels with a row depends on
+how many of the token's experts live on that rank:
+
+- one (a *single* row, the common case): nothing. Inside each destination's block the single rows
+  are sorted by local expert and the per-expert counts travel in the count exchange, so the
+  receiver knows every row's expert, as transformers' scheme does. The expert returns the
+  unweighted output and the source rank applies the routing weight.
+- several (a *multi* row): its local expert ids and routing weights (``min(K, L)`` int32 +
+  float32 columns), sent after the single rows. The expert rank applies the weights and sums the
+  token's partial outputs, so one row comes back instead of several.
+
+So per (token, rank) we send one row where transformers sends ``m``, plus ``8 min(K, L)`` bytes
+when ``m >= 2``; the count exchange is ``L`` int32 per peer (``L + 2`` when rows can be multi,
+``L >= 2``) against transformers' ``L`` int64. Whenever a hidden row is at least ``4 min(K, L)``
+bytes, which every real model's is, we never send more bytes than transformers, and strictly
+fewer (with a larger row) as soon as two experts of a token share a rank (see ``wire_bytes``).
 All reductions are fixed-order sums over a padded grid: deterministic, no float atomics.
 
 Two modes:
 
-- dropless (``capacity_factor=None``): uneven splits. The per-layer exchange of row counts is
-  the one host sync (the split sizes of ``all_to_all_single`` are host integers).
+- dropless (``capacity_factor=None``): uneven splits. The per-layer exchange of counts is the
+  one host sync (the split sizes of ``all_to_all_single`` are host integers).
 - capacity (``capacity_factor=c``): the policy of ``moe_ep.dispatch.capacity`` drops pairs beyond
-  ``ceil(c T K / E)`` per expert; every buffer has a fixed, padded size and nothing is read back
-  to the host.
+  ``ceil(c T K / E)`` per expert; every buffer has a fixed, padded size, the counts are exchanged
+  on the device and nothing is read back to the host.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .._validate import check_float, check_index, check_indices_in_range, check_same_device, check_tensor
-from .all_to_all import AllToAllRouting, AllToAllRows
+from .all_to_all import AllToAllRouting, AllToAllRows, Splits
 from .capacity import capacity_keep_mask, check_capacity_factor, expert_capacity
 from .layout import DispatchedTokens, DispatchLayout
 
@@ -75,41 +90,178 @@ def _slot_columns(dest_TK: torch.Tensor) -> torch.Tensor:
     return ((dest_TK[:, :, None] == dest_TK[:, None, :]) & earlier_KK).sum(-1)
 
 
-def _exchange_counts(rows_R: torch.Tensor, pairs_R: torch.Tensor, group, ep: int):
-    """Dropless mode's count exchange: the split sizes of both row exchanges and the number of
-    (row, expert) pairs this rank will compute."""
-    send_counts = torch.stack([rows_R, pairs_R], dim=1)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    # host sync: the one per layer in dropless mode; all_to_all_single takes host split sizes.
-    sizes = torch.cat([send_counts, recv_counts]).tolist()
-    send_splits = tuple(rows for rows, _ in sizes[:ep])
-    recv_splits = tuple(rows for rows, _ in sizes[ep:])
-    num_pairs = sum(pairs for _, pairs in sizes[ep:])
-    return send_splits, recv_splits, num_pairs
+def _row_keys(dest_kept_TK: torch.Tensor, local_TK: torch.Tensor, ep: int, L: int):
+    """Per (token, rank): how many of the token's kept pairs live there, and the row's key: the
+    local expert of a single row, ``L`` for a multi row, ``L + 1`` when no row goes there."""
+    T, device = dest_kept_TK.shape[0], dest_kept_TK.device
+    slots_TR = torch.zeros(T, ep + 1, dtype=torch.long, device=device)
+    slots_TR.scatter_add_(1, dest_kept_TK, torch.ones_like(dest_kept_TK))
+    # amin is deterministic; only single rows (one writer) use the value.
+    expert_TR = torch.full((T, ep + 1), L, dtype=torch.long, device=device)
+    expert_TR.scatter_reduce_(1, dest_kept_TK, local_TK, reduce="amin")
+    slots_TR, expert_TR = slots_TR[:, :ep], expert_TR[:, :ep]
+    key_TR = torch.where(slots_TR == 1, expert_TR, torch.where(slots_TR > 1, L, L + 1))
+    return slots_TR, key_TR
 
 
-def _pack_rows(x_TH, idx_TK, w_TK, dest_kept_TK, kept_TK, goes_RT, rows_R, row_pos_RT, num_send, rows_per_rank, L, k_max):
-    """The send buffers: one hidden row per (token, destination), rank-major, and for each row
-    its routing columns (local expert ids, ``L`` = empty; weights) compacted to ``k_max``."""
+def _count_columns(key_TR: torch.Tensor, slots_TR: torch.Tensor, L: int, multi: bool) -> torch.Tensor:
+    """``[ep, C]`` int32 counts for each destination: single rows per local expert, then (when
+    rows can be multi) multi rows and the pairs they carry. int32 keeps the exchange no larger than
+    transformers' one int64 per expert."""
+    ep = key_TR.shape[1]
+    keyed_RT = key_TR.t() + torch.arange(ep, device=key_TR.device)[:, None] * (L + 2)
+    counts = torch.zeros(ep * (L + 2), dtype=torch.long, device=key_TR.device)
+    counts.scatter_add_(0, keyed_RT.reshape(-1), torch.ones_like(keyed_RT.reshape(-1)))
+    counts_RC = counts.view(ep, L + 2)
+    if not multi:
+        return counts_RC[:, :L].to(torch.int32)
+    multi_pairs_R = (slots_TR * (key_TR == L)).sum(0)
+    return torch.cat([counts_RC[:, : L + 1], multi_pairs_R[:, None]], dim=1).to(torch.int32)
+
+
+def _exchange_counts(send_RC: torch.Tensor, group) -> torch.Tensor:
+    recv_RC = torch.empty_like(send_RC)
+    dist.all_to_all_single(recv_RC, send_RC, group=group)
+    return recv_RC
+
+
+def _exclusive_cumsum(n_R: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(n_R, 0) - n_R
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Host-side sizes of one layer's exchanges: exact split sizes in dropless mode, fixed padded
+    blocks (every split None) in capacity mode."""
+
+    send_splits: Splits  # hidden rows to each peer
+    recv_splits: Splits
+    meta_send_splits: Splits  # multi rows' routing columns to each peer
+    meta_recv_splits: Splits
+    num_send: int
+    num_recv: int
+    num_meta_send: int
+    num_pairs: int  # (received row, local expert) pairs this rank computes
+    rows_per_rank: int | None = None  # capacity mode's block sizes
+    meta_per_rank: int | None = None
+
+    @classmethod
+    def dropless(cls, send_RC: torch.Tensor, recv_RC: torch.Tensor, L: int, multi: bool) -> "_Sizes":
+        # host sync: the one per layer in dropless mode; all_to_all_single takes host split sizes.
+        send_host, recv_host = torch.stack([send_RC, recv_RC]).tolist()
+        send_splits = tuple(sum(c[: L + 1]) for c in send_host)
+        recv_splits = tuple(sum(c[: L + 1]) for c in recv_host)
+        meta_send_splits = tuple(c[L] for c in send_host) if multi else ()
+        meta_recv_splits = tuple(c[L] for c in recv_host) if multi else ()
+        return cls(
+            send_splits, recv_splits, meta_send_splits, meta_recv_splits,
+            num_send=sum(send_splits), num_recv=sum(recv_splits), num_meta_send=sum(meta_send_splits),
+            num_pairs=sum(sum(c[:L]) + (c[L + 1] if multi else 0) for c in recv_host),
+        )
+
+    @classmethod
+    def padded(cls, T: int, L: int, k_max: int, ep: int, capacity: int) -> "_Sizes":
+        # A row carries >= 1 kept pair (a multi row >= 2), of at most L * capacity per destination.
+        rows_per_rank, meta_per_rank = min(T, L * capacity), min(T, L * capacity // 2)
+        return cls(
+            None, None, None, None,
+            num_send=ep * rows_per_rank, num_recv=ep * rows_per_rank, num_meta_send=ep * meta_per_rank,
+            num_pairs=min(ep * rows_per_rank * k_max, ep * L * capacity),
+            rows_per_rank=rows_per_rank, meta_per_rank=meta_per_rank,
+        )
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """One side's view of the row exchange: for each peer, where its block of rows (and of multi
+    rows' routing columns) starts in the buffer, and how many single rows open it."""
+
+    row_base_R: torch.Tensor
+    meta_base_R: torch.Tensor
+    singles_R: torch.Tensor
+    rows_R: torch.Tensor
+
+    @classmethod
+    def of(cls, counts_RC: torch.Tensor, L: int, sizes: _Sizes) -> "_Blocks":
+        counts_RC = counts_RC.long()
+        singles_R = counts_RC[:, :L].sum(1)
+        multi_R = counts_RC[:, L] if counts_RC.shape[1] > L else torch.zeros_like(singles_R)
+        rows_R = singles_R + multi_R
+        if sizes.rows_per_rank is None:
+            row_base_R, meta_base_R = _exclusive_cumsum(rows_R), _exclusive_cumsum(multi_R)
+        else:
+            peers_R = torch.arange(counts_RC.shape[0], device=counts_RC.device)
+            row_base_R, meta_base_R = peers_R * sizes.rows_per_rank, peers_R * sizes.meta_per_rank
+        return cls(row_base_R, meta_base_R, singles_R, rows_R)
+
+
+def _row_positions(key_TR: torch.Tensor, blocks: _Blocks, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each (token, rank) row goes in the send buffer, and (multi rows) its routing row.
+    Inside a destination's block: single rows by local expert, then multi rows; token order
+    within each (one stable sort; rows that go nowhere sort last)."""
+    T, ep = key_TR.shape
+    device = key_TR.device
+    valid_RT = key_TR.t() <= L
+    sort_key = torch.where(valid_RT, torch.arange(ep, device=device)[:, None] * (L + 1) + key_TR.t(), ep * (L + 1))
+    order = torch.sort(sort_key.reshape(-1), stable=True).indices
+    sorted_pos = torch.empty_like(order)
+    sorted_pos[order] = torch.arange(order.numel(), device=device)
+    in_block_RT = sorted_pos.view(ep, T) - _exclusive_cumsum(blocks.rows_R)[:, None]
+    row_pos_RT = blocks.row_base_R[:, None] + in_block_RT
+    meta_pos_RT = blocks.meta_base_R[:, None] + in_block_RT - blocks.singles_R[:, None]
+    return row_pos_RT, meta_pos_RT
+
+
+def _pack_rows(x_TH: torch.Tensor, goes_RT: torch.Tensor, row_pos_RT: torch.Tensor, num_send: int) -> torch.Tensor:
+    """One hidden row per (token, destination). Capacity mode's padding rows repeat row 0: no
+    pair reads them and their gradient is zero."""
     T, ep, device = x_TH.shape[0], goes_RT.shape[0], x_TH.device
     target_RT = torch.where(goes_RT, row_pos_RT, num_send)
     row_token = torch.zeros(num_send + 1, dtype=torch.long, device=device)
     row_token.scatter_(0, target_RT.reshape(-1), torch.arange(T, device=device).repeat(ep))
-    x_SH = x_TH[row_token[:num_send]]
-    if rows_per_rank is not None:  # padding rows of the fixed-size blocks are zeros
-        row_real = (torch.arange(rows_per_rank, device=device)[None, :] < rows_R[:, None]).reshape(-1)
-        x_SH = x_SH.masked_fill(~row_real[:, None], 0)
+    return x_TH[row_token[:num_send]]
 
-    row_pos_TK = row_pos_RT.t().gather(1, dest_kept_TK.clamp(max=ep - 1))
-    kept = torch.ones_like(dest_kept_TK, dtype=torch.bool) if kept_TK is None else kept_TK
-    trash = num_send * k_max
-    slot_target = torch.where(kept, row_pos_TK * k_max + _slot_columns(dest_kept_TK), trash).reshape(-1)
-    ids = torch.full((trash + 1,), L, dtype=torch.int32, device=device)
+
+def _pack_routing(idx_TK, w_TK, dest_kept_TK, key_TR, meta_pos_RT, L: int, k_max: int, num_meta: int):
+    """The routing columns of the multi rows: local expert ids (``L`` = empty) and weights."""
+    ep = key_TR.shape[1]
+    dest_TK = dest_kept_TK.clamp(max=ep - 1)
+    multi_TK = (dest_kept_TK < ep) & (key_TR.gather(1, dest_TK) == L)
+    meta_pos_TK = meta_pos_RT.t().gather(1, dest_TK)
+    trash = num_meta * k_max
+    slot_target = torch.where(multi_TK, meta_pos_TK * k_max + _slot_columns(dest_kept_TK), trash).reshape(-1)
+    ids = torch.full((trash + 1,), L, dtype=torch.int32, device=idx_TK.device)
     ids.scatter_(0, slot_target, (idx_TK % L).reshape(-1).to(torch.int32))
-    weights = torch.zeros(trash + 1, dtype=torch.float32, device=device)
+    weights = torch.zeros(trash + 1, dtype=torch.float32, device=idx_TK.device)
     weights = weights.scatter(0, slot_target, w_TK.reshape(-1).float())  # out of place: differentiable
-    return x_SH, ids[:trash].view(num_send, k_max), weights[:trash].view(num_send, k_max)
+    return weights[:trash].view(num_meta, k_max), ids[:trash].view(num_meta, k_max)
+
+
+def _received_slots(recv_RC, blocks: _Blocks, sizes: _Sizes, w_meta, ids_meta, L: int, k_max: int):
+    """``[S, k_max]`` local expert ids (``L`` = empty) and weights of every received row: a single
+    row's expert comes from the counts (weight 1: the source applies the routing weight), a multi
+    row's columns from the routing exchange; capacity mode's padding rows are empty."""
+    ep, device, num_recv = recv_RC.shape[0], recv_RC.device, sizes.num_recv
+    per_block = recv_RC[:, : L + 1].long()
+    if sizes.rows_per_rank is not None:
+        per_block = torch.cat([per_block, sizes.rows_per_rank - blocks.rows_R[:, None]], dim=1)
+    key_values = torch.arange(per_block.shape[1], device=device).repeat(ep)
+    key_S = torch.repeat_interleave(key_values, per_block.reshape(-1), output_size=num_recv)
+    single_S = key_S < L
+    ids_SK = torch.full((num_recv, k_max), L, dtype=torch.int32, device=device)
+    ids_SK[:, 0] = torch.where(single_S, key_S, L).to(torch.int32)
+    w_SK = torch.zeros(num_recv, k_max, dtype=torch.float32, device=device)
+    w_SK[:, 0] = single_S.float()
+    if w_meta is None:
+        return w_SK, ids_SK
+    block_S = torch.repeat_interleave(torch.arange(ep, device=device), per_block.sum(1), output_size=num_recv)
+    s = torch.arange(num_recv, device=device)
+    meta_S = blocks.meta_base_R[block_S] + s - blocks.row_base_R[block_S] - blocks.singles_R[block_S]
+    multi_S = key_S == L
+    meta_S = torch.where(multi_S, meta_S, w_meta.shape[0])  # the padding row appended below
+    ids_pad = F.pad(ids_meta, (0, 0, 0, 1), value=L)
+    w_pad = F.pad(w_meta, (0, 0, 0, 1))
+    return torch.where(multi_S[:, None], w_pad[meta_S], w_SK), torch.where(multi_S[:, None], ids_pad[meta_S], ids_SK)
 
 
 def _expert_pairs(x_recv, w_recv, ids_recv, L: int, num_pairs: int, padded: bool):
@@ -129,15 +281,24 @@ def _expert_pairs(x_recv, w_recv, ids_recv, L: int, num_pairs: int, padded: bool
     return hidden_PH, expert_P[:, None], weight_P[:, None], row_src[:n_slots]
 
 
-def _return_slots(goes_TR: torch.Tensor, row_pos_RT: torch.Tensor, r_max: int, num_send: int) -> torch.Tensor:
+def _return_slots(slots_TR, row_pos_RT, w_TK, dest_kept_TK, r_max: int, num_send: int):
     """For token t's c-th destination (rank order), the row of the combine exchange holding its
-    partial output: the row it was sent in. ``num_send`` = no such destination."""
-    T, device = goes_TR.shape[0], goes_TR.device
+    partial output (``num_send`` = no such destination) and the factor the source applies to it:
+    the routing weight for a single row (returned unweighted), 1 for a multi row (weighted and
+    summed on the expert rank)."""
+    T, ep = slots_TR.shape
+    device = slots_TR.device
+    goes_TR = slots_TR > 0
+    # A single row's (token, rank) cell receives exactly one weight; dropped pairs go to column ep.
+    single_w_TR = torch.zeros(T, ep + 1, dtype=torch.float32, device=device)
+    single_w_TR = single_w_TR.scatter_add(1, dest_kept_TK, w_TK.float())[:, :ep]
+    factor_TR = torch.where(slots_TR == 1, single_w_TR, 1.0)
     column_TR = torch.cumsum(goes_TR, 1) - 1
-    target = torch.where(goes_TR, torch.arange(T, device=device)[:, None] * r_max + column_TR, T * r_max)
+    target = torch.where(goes_TR, torch.arange(T, device=device)[:, None] * r_max + column_TR, T * r_max).reshape(-1)
     token_src = torch.full((T * r_max + 1,), num_send, dtype=torch.long, device=device)
-    token_src.scatter_(0, target.reshape(-1), row_pos_RT.t().reshape(-1))
-    return token_src[: T * r_max]
+    token_src.scatter_(0, target, row_pos_RT.t().reshape(-1))
+    factor = torch.ones(T * r_max + 1, dtype=torch.float32, device=device).scatter(0, target, factor_TR.reshape(-1))
+    return token_src[: T * r_max], factor[: T * r_max].view(T, r_max)
 
 
 def dispatch(
@@ -157,10 +318,10 @@ def dispatch(
     Differentiable in ``hidden_states`` and ``top_k_weights``."""
     ep = check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts)
     check_capacity_factor(capacity_factor)
-    device = hidden_states.device
     T, K = top_k_index.shape
     L = num_experts // ep
     k_max, r_max = min(K, L), min(K, ep)
+    multi = k_max > 1  # the same on every rank, so every rank enters the routing exchange or none
     idx_TK = top_k_index.long()
     dest_TK = idx_TK // L
 
@@ -170,36 +331,31 @@ def dispatch(
         capacity = expert_capacity(T, K, num_experts, capacity_factor)
         kept_TK = capacity_keep_mask(idx_TK, top_k_weights, num_experts, capacity)
         dest_kept_TK = torch.where(kept_TK, dest_TK, ep)  # ep = "nowhere"
-    goes_TR = torch.zeros(T, ep + 1, dtype=torch.bool, device=device).scatter_(1, dest_kept_TK, True)[:, :ep]
-    goes_RT = goes_TR.t()
-    rows_R = goes_RT.sum(1)
-    rank_in_dest_RT = torch.cumsum(goes_RT, 1) - 1
-
-    if kept_TK is None:
-        pairs_R = torch.zeros(ep, dtype=torch.long, device=device).scatter_add_(
-            0, dest_TK.reshape(-1), torch.ones(T * K, dtype=torch.long, device=device)
-        )
-        send_splits, recv_splits, num_pairs = _exchange_counts(rows_R, pairs_R, group, ep)
-        rows_per_rank = None
-        num_send = sum(send_splits)
-        row_pos_RT = (torch.cumsum(rows_R, 0) - rows_R)[:, None] + rank_in_dest_RT
+    slots_TR, key_TR = _row_keys(dest_kept_TK, idx_TK % L, ep, L)
+    send_RC = _count_columns(key_TR, slots_TR, L, multi)
+    recv_RC = _exchange_counts(send_RC, group)
+    if capacity_factor is None:
+        sizes = _Sizes.dropless(send_RC, recv_RC, L, multi)
     else:
-        # Each destination gets at most min(T, L * capacity) rows: a row carries >= 1 kept pair.
-        rows_per_rank = min(T, L * capacity)
-        send_splits = recv_splits = None
-        num_send = ep * rows_per_rank
-        # At most `capacity` pairs per expert from each of the ep sources.
-        num_pairs = min(num_send * k_max, ep * L * capacity)
-        row_pos_RT = torch.arange(ep, device=device)[:, None] * rows_per_rank + rank_in_dest_RT
+        sizes = _Sizes.padded(T, L, k_max, ep, capacity)
+    send_blocks = _Blocks.of(send_RC, L, sizes)
+    recv_blocks = _Blocks.of(recv_RC, L, sizes)
 
-    x_send, ids_send, w_send = _pack_rows(
-        hidden_states, idx_TK, top_k_weights, dest_kept_TK, kept_TK, goes_RT, rows_R, row_pos_RT, num_send,
-        rows_per_rank, L, k_max,
-    )
-    x_recv = AllToAllRows.apply(x_send, recv_splits, send_splits, group)
-    w_recv, ids_recv = AllToAllRouting.apply(w_send, ids_send, recv_splits, send_splits, group)
+    row_pos_RT, meta_pos_RT = _row_positions(key_TR, send_blocks, L)
+    x_send = _pack_rows(hidden_states, slots_TR.t() > 0, row_pos_RT, sizes.num_send)
+    x_recv = AllToAllRows.apply(x_send, sizes.recv_splits, sizes.send_splits, group)
+    w_meta = ids_meta = None
+    if multi:
+        w_send, ids_send = _pack_routing(
+            idx_TK, top_k_weights, dest_kept_TK, key_TR, meta_pos_RT, L, k_max, sizes.num_meta_send
+        )
+        w_meta, ids_meta = AllToAllRouting.apply(w_send, ids_send, sizes.meta_recv_splits, sizes.meta_send_splits, group)
+    w_recv, ids_recv = _received_slots(recv_RC, recv_blocks, sizes, w_meta, ids_meta, L, k_max)
     hidden_PH, expert_P1, weight_P1, row_src = _expert_pairs(
-        x_recv, w_recv, ids_recv, L, num_pairs, padded=kept_TK is not None
+        x_recv, w_recv, ids_recv, L, sizes.num_pairs, padded=kept_TK is not None
+    )
+    token_src, source_weights = _return_slots(
+        slots_TR, row_pos_RT, top_k_weights, dest_kept_TK, r_max, sizes.num_send
     )
     layout = DispatchLayout(
         group=group,
@@ -207,24 +363,27 @@ def dispatch(
         num_experts=num_experts,
         experts_per_rank=L,
         top_k=K,
-        send_splits=send_splits,
-        recv_splits=recv_splits,
-        rows_per_rank=rows_per_rank,
-        token_src=_return_slots(goes_TR, row_pos_RT, r_max, num_send),
+        send_splits=sizes.send_splits,
+        recv_splits=sizes.recv_splits,
+        rows_per_rank=sizes.rows_per_rank,
+        token_src=token_src,
+        source_weights=source_weights,
         max_ranks_per_token=r_max,
         row_src=row_src,
         max_slots_per_row=k_max,
-        num_pairs=num_pairs,
+        num_pairs=sizes.num_pairs,
         kept_TK=kept_TK,
     )
     return DispatchedTokens(hidden_states=hidden_PH, expert_ids=expert_P1, weights=weight_P1, layout=layout)
 
 
-def _sum_groups(rows: torch.Tensor, src: torch.Tensor, groups: int, width: int) -> torch.Tensor:
-    """``out[g] = sum_c rows[src[g * width + c]]`` in float32, fixed order; index ``len(rows)``
-    reads a zero row."""
-    padded = F.pad(rows, (0, 0, 0, 1))
-    return padded[src].view(groups, width, rows.shape[1]).sum(1, dtype=torch.float32).to(rows.dtype)
+def _sum_groups(rows: torch.Tensor, src: torch.Tensor, groups: int, width: int, factor=None) -> torch.Tensor:
+    """``out[g] = sum_c factor[g, c] * rows[src[g * width + c]]`` in float32, fixed order; index
+    ``len(rows)`` reads a zero row."""
+    picked = F.pad(rows, (0, 0, 0, 1))[src].view(groups, width, rows.shape[1]).float()
+    if factor is not None:
+        picked = picked * factor[:, :, None]
+    return picked.sum(1).to(rows.dtype)
 
 
 def combine(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
@@ -241,4 +400,6 @@ def combine(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor
     num_recv = layout.row_src.numel() // layout.max_slots_per_row
     rows_SH = _sum_groups(expert_output, layout.row_src, num_recv, layout.max_slots_per_row)
     returned = AllToAllRows.apply(rows_SH, layout.send_splits, layout.recv_splits, layout.group)
-    return _sum_groups(returned, layout.token_src, layout.num_tokens, layout.max_ranks_per_token)
+    return _sum_groups(
+        returned, layout.token_src, layout.num_tokens, layout.max_ranks_per_token, layout.source_weights
+    )

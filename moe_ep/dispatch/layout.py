@@ -1,6 +1,7 @@
 """The named, frozen records that ``dispatch`` returns and ``combine`` consumes. They hold index
-tensors and split sizes only; nothing in them is differentiable or mutable, so one dispatch can
-be combined exactly once per forward without hidden state in the dispatcher."""
+tensors, split sizes and the routing weights the source applies itself; nothing in them is
+mutable, so one dispatch can be combined exactly once per forward without hidden state in the
+dispatcher."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from .all_to_all import Splits
 class DispatchLayout:
     """Where every row went, for the way back.
 
-    Rows are packed rank-major: the rows for rank 0, then rank 1, ...; inside a rank, in token
-    order. ``send_splits[j]`` rows go to rank ``j`` and ``recv_splits[j]`` come from it (None in
-    capacity mode, where every rank sends ``rows_per_rank`` rows to every rank, padding included).
+    Rows are packed rank-major: the rows for rank 0, then rank 1, ...; inside a rank, the single
+    rows by local expert, then the multi rows, each in token order. ``send_splits[j]`` rows go to
+    rank ``j`` and ``recv_splits[j]`` come from it (None in capacity mode, where every rank sends
+    ``rows_per_rank`` rows to every rank, padding included).
     """
 
     group: object  # torch.distributed.ProcessGroup
@@ -31,6 +33,9 @@ class DispatchLayout:
     # Source side: token t's c-th destination (in rank order) is returned row token_src[t*Rmax+c]
     # of the combine exchange; the value num_returned_rows means "no such destination" (a zero).
     token_src: torch.Tensor
+    # Source side: the factor applied to that row, [T, Rmax]: the routing weight of a single row
+    # (the expert returned it unweighted), 1 for a multi row. Differentiable in the weights.
+    source_weights: torch.Tensor
     max_ranks_per_token: int  # Rmax = min(ep, K)
     # Expert side: slot c of received row s takes pair output row_src[s*Kmax+c]; num_pairs = none.
     row_src: torch.Tensor
@@ -47,12 +52,14 @@ class DispatchLayout:
 class DispatchedTokens:
     """What the local experts compute on: one entry per (received row, local expert) pair.
 
-    ``expert_ids`` are local (``[0, L)``), ``weights`` the routing weights, so the expert output
-    for entry p is ``weights[p] * expert[expert_ids[p]](hidden_states[p])``, exactly what
-    ``moe_experts(hidden_states, expert_ids, weights, gate_up_local, down_local)`` returns. In
-    capacity mode the tail entries are padding: a zero weight and expert 0."""
+    ``expert_ids`` are local (``[0, L)``) and ``weights`` the weights the expert rank applies, so
+    the expert output for entry p is ``weights[p] * expert[expert_ids[p]](hidden_states[p])``,
+    exactly what ``moe_experts(hidden_states, expert_ids, weights, gate_up_local, down_local)``
+    returns. The weight is the routing weight for a pair of a multi row and 1 for a single row,
+    whose routing weight the source applies in ``combine``. In capacity mode the tail entries are
+    padding: a zero weight and expert 0."""
 
     hidden_states: torch.Tensor  # [P, H], differentiable
     expert_ids: torch.Tensor  # [P, 1] int64, local ids
-    weights: torch.Tensor  # [P, 1] float32, differentiable
+    weights: torch.Tensor  # [P, 1] float32, differentiable (constant 1 for single rows)
     layout: DispatchLayout

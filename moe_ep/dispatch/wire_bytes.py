@@ -2,13 +2,17 @@
 ``AllToAllEP``, computed from one rank's routing alone (a pure function, no process group).
 
 - moe_ep: one row per (token, destination rank), however many of the token's experts live on that
-  rank, each carrying ``min(K, L)`` (local id int32, weight float32) columns; one row per
-  (token, rank) comes back, already reduced on the expert rank.
-- transformers: one row per (token, chosen expert) each way; the weights stay on the sender.
+  rank; a row carrying ``m >= 2`` of them also carries ``min(K, L)`` (local id int32, weight
+  float32) columns; one row per (token, rank) comes back, already reduced on the expert rank.
+  The count exchange sends ``L`` int32 per peer, ``L + 2`` when rows can carry several experts.
+- transformers: one row per (token, chosen expert) each way; the weights stay on the sender and
+  the count exchange sends one int64 per expert of each peer.
 
-Forward only (backward moves the same rows the other way, plus our float32 weight gradients).
-Not counted: the per-layer count exchange, which does not grow with the tokens (moe_ep: 2 int64
-per peer; transformers: one int64 per expert of the peer)."""
+So, per (token, rank) with ``m`` experts there, we send ``2 row`` bytes (+ ``8 min(K, L)`` when
+``m >= 2``) against transformers' ``2 m row``: never more when ``row >= 4 min(K, L)`` bytes,
+strictly fewer when ``row > 4 min(K, L)`` and some token has two experts on one remote rank; the
+count exchange is never larger either. Forward only (backward moves the same rows the other
+way, plus our float32 weight gradients of the multi rows)."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ class WireBytes:
     moe_ep_rows: int  # rows dispatched (the same number comes back in combine)
     transformers_rows: int
     moe_ep_payload: int  # hidden-state bytes, dispatch + combine
-    moe_ep_metadata: int  # routing columns sent with the rows
+    moe_ep_metadata: int  # routing columns of the multi rows
     transformers_payload: int
 
     @property
@@ -44,6 +48,12 @@ class WireBytes:
         return self.moe_ep_bytes / n, self.transformers_bytes / n
 
 
+def _check_positive(**values) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 def wire_bytes(
     idx_TK: torch.Tensor,
     experts_per_rank: int,
@@ -57,24 +67,30 @@ def wire_bytes(
     With ``source_rank``, rows the rank keeps for itself are local copies and not counted."""
     check_tensor("idx_TK", idx_TK, ndim=2)
     check_index("idx_TK", idx_TK)
-    for name, value in (("experts_per_rank", experts_per_rank), ("hidden_size", hidden_size), ("element_size", element_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _check_positive(experts_per_rank=experts_per_rank, hidden_size=hidden_size, element_size=element_size)
     T, K = idx_TK.shape
-    dest_TK = idx_TK.long() // experts_per_rank
+    dest_TK = idx_TK.long().cpu() // experts_per_rank
     num_ranks = int(dest_TK.max()) + 1 if T else 1
-    goes_TR = torch.zeros(T, num_ranks, dtype=torch.bool).scatter_(1, dest_TK.cpu(), True)
-    pair_remote_TK = torch.ones(T, K, dtype=torch.bool)
+    experts_TR = torch.zeros(T, num_ranks, dtype=torch.long).scatter_add_(1, dest_TK, torch.ones_like(dest_TK))
     if source_rank is not None:
-        goes_TR[:, source_rank:source_rank + 1] = False
-        pair_remote_TK = dest_TK.cpu() != source_rank
-    ours_rows, their_rows = int(goes_TR.sum()), int(pair_remote_TK.sum())
+        experts_TR[:, source_rank:source_rank + 1] = 0
+    ours_rows, their_rows = int((experts_TR > 0).sum()), int(experts_TR.sum())
+    multi_rows = int((experts_TR > 1).sum())
     row_bytes = hidden_size * element_size
     return WireBytes(
         num_tokens=T,
         moe_ep_rows=ours_rows,
         transformers_rows=their_rows,
         moe_ep_payload=2 * ours_rows * row_bytes,
-        moe_ep_metadata=ours_rows * min(K, experts_per_rank) * _ROUTING_COLUMN_BYTES,
+        moe_ep_metadata=multi_rows * min(K, experts_per_rank) * _ROUTING_COLUMN_BYTES,
         transformers_payload=2 * their_rows * row_bytes,
     )
+
+
+def count_exchange_bytes(num_experts: int, ep: int, top_k: int) -> tuple[int, int]:
+    """(moe_ep, transformers) bytes one rank sends to its peers in a layer's count exchange, which
+    does not grow with the tokens."""
+    _check_positive(num_experts=num_experts, ep=ep, top_k=top_k)
+    L = num_experts // ep
+    ours_per_peer = 4 * (L + 2 if min(top_k, L) > 1 else L)
+    return (ep - 1) * ours_per_peer, (ep - 1) * 8 * L
