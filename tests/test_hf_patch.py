@@ -4,6 +4,9 @@ layout, router or transformers version is refused with an error that names it.""
 
 from __future__ import annotations
 
+import json
+import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -91,13 +94,42 @@ def test_register_is_idempotent_and_visible_to_transformers():
     assert not hf.is_patched(model)
 
 
-def test_import_patches_nothing():
-    import moe_ep  # noqa: F401
+IMPORT_CHECK = """
+import json, sys
+import transformers
+from transformers.models.mixtral import modeling_mixtral as mm
+classes = (mm.MixtralSparseMoeBlock, mm.MixtralExperts, mm.MixtralTopKRouter)
+before = {c.__name__: c.forward for c in classes}
+import moe_ep
+from transformers.distributed.expert_parallel import EPImplementationInterface
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+sys.path.insert(0, "tests")
+from hf_models import tiny_config
+plain = transformers.AutoModelForCausalLM.from_config(tiny_config("mixtral"))
+fast = transformers.AutoModelForCausalLM.from_config(tiny_config("mixtral"), experts_implementation="moe_ep")
+print(json.dumps({
+    "experts_registered": ALL_EXPERTS_FUNCTIONS.get("moe_ep") is moe_ep.hf.moe_ep_experts_forward,
+    "ep_registered": "moe_ep" in EPImplementationInterface(),
+    "classes_untouched": all(c.forward is before[c.__name__] for c in classes),
+    "default_model_untouched": plain.config._experts_implementation != "moe_ep" and not moe_ep.hf.is_patched(plain),
+    "from_config_patched": moe_ep.hf.is_patched(fast),
+    "api": [name for name in ("moe_experts", "route_topk", "patch", "parallelize", "plan") if hasattr(moe_ep, name)],
+}))
+"""
 
-    model = tiny_model("mixtral", experts_implementation=None)
-    assert model.config._experts_implementation != "moe_ep"
-    assert hf.fused_routers(model) == []
-    assert not any(hasattr(m, "moe_ep_backend") for m in model.modules())
+
+def test_import_registers_and_patches_nothing():
+    """In a fresh process: ``import moe_ep`` registers both transformers entries and the public
+    API, and leaves every class and every model built without asking for moe_ep as it was."""
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", IMPORT_CHECK], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found == {
+        "experts_registered": True, "ep_registered": True, "classes_untouched": True,
+        "default_model_untouched": True, "from_config_patched": True,
+        "api": ["moe_experts", "route_topk", "patch", "parallelize", "plan"],
+    }
 
 
 def test_patch_is_idempotent_and_reversible():
