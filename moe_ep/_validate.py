@@ -35,17 +35,28 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device, got {listing}")
 
 
-def check_indices_in_range(name: str, idx: torch.Tensor, num_experts: int) -> None:
-    """Expert ids must lie in [0, num_experts).
+def _queued_on_device(t: torch.Tensor) -> bool:
+    """Checks of tensor values are queued on the device (``torch._assert_async``) where reading
+    them back would be a host sync per layer (CUDA) or a graph break (torch.compile): a failure
+    then stops the program at the next synchronisation, never silently."""
+    return t.device.type == "cuda" or torch.compiler.is_compiling()
 
-    On the CPU this is an ordinary check. On CUDA reading the values back would be a host sync
-    per layer, and under torch.compile a graph break, so there the check is queued on the device
-    instead (``torch._assert_async``): a bad id stops the program at the next synchronisation,
-    never silently."""
+
+def check_on_device(condition: torch.Tensor, message: str) -> None:
+    """Raise ValueError(message) unless the 0-d bool ``condition`` holds; queued on the device
+    where that avoids a host sync."""
+    if _queued_on_device(condition):
+        torch._assert_async(condition, message)
+    elif not bool(condition):
+        raise ValueError(message)
+
+
+def check_indices_in_range(name: str, idx: torch.Tensor, num_experts: int) -> None:
+    """Expert ids must lie in [0, num_experts); on the CPU the error names the values found."""
     if idx.numel() == 0:
         return
     message = f"{name} must hold expert ids in [0, {num_experts})"
-    if idx.device.type == "cuda" or torch.compiler.is_compiling():
+    if _queued_on_device(idx):
         torch._assert_async(((idx >= 0) & (idx < num_experts)).all(), message)
         return
     lo, hi = int(idx.min()), int(idx.max())

@@ -145,7 +145,8 @@ def _check_case(case: Case, rank: int, world: int) -> dict:
         counted = [wire_bytes(i, L, case.H, element_size=x.element_size(), source_rank=r) for r, i in enumerate(idxs)]
         ours_counts, their_counts = (world * c for c in count_exchange_bytes(case.E, world, case.K))
         result["bytes"] = {"measured": int(measured), "ours": sum(c.moe_ep_bytes for c in counted) + ours_counts,
-                           "theirs": sum(c.transformers_bytes for c in counted) + their_counts}
+                           "theirs": sum(c.transformers_bytes for c in counted) + their_counts,
+                           "shared": any(c.moe_ep_rows < c.transformers_rows for c in counted)}
     (y * dys[rank]).sum().backward()
 
     x64 = torch.cat(xs).double().requires_grad_()
@@ -172,10 +173,14 @@ def _check_case(case: Case, rank: int, world: int) -> dict:
 
 class HostSyncRecorder(TorchDispatchMode):
     """Records host reads: ops that copy a value to the host (``.item()``, ``int()``, ``bool()``
-    go through ``_local_scalar_dense``) or whose output size depends on values (``nonzero`` and
-    friends), plus ``Tensor.tolist``/``numpy``, which bypass the dispatcher."""
+    go through ``_local_scalar_dense``) or whose output size depends on values (``nonzero``,
+    boolean-mask indexing and friends), plus ``Tensor.tolist``/``numpy``, which bypass the
+    dispatcher. On the CPU a ``.cpu()`` copy is a no-op it cannot see: the CUDA audit below covers
+    that."""
 
-    SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "equal", "is_nonzero"}
+    SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "masked_scatter", "unique", "_unique2",
+                "unique_consecutive", "equal", "is_nonzero", "bincount", "histc"}
+    MASK_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 
     def __init__(self):
         super().__init__()
@@ -191,6 +196,10 @@ class HostSyncRecorder(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         if name in self.SYNC_OPS or (name == "repeat_interleave" and "output_size" not in (kwargs or {})):
             self._record(name)
+        elif name in self.MASK_INDEX_OPS and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
+        ):
+            self._record(f"{name} with a bool mask")
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
@@ -211,9 +220,9 @@ class HostSyncRecorder(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-# The expert-id range check of the public ops reads min/max on the CPU only; on CUDA it is
-# queued on the device (torch._assert_async), so it is no host sync where one matters.
-CPU_ONLY_CHECK = "_validate.py:check_indices_in_range"
+# The value checks of the public ops read values on the CPU only; on CUDA they are queued on the
+# device (torch._assert_async), so they are no host sync where one matters.
+CPU_ONLY_CHECKS = ("_validate.py:check_indices_in_range", "_validate.py:check_on_device")
 
 
 def _audit(rank: int, world: int, capacity_factor) -> list[str]:
@@ -229,7 +238,7 @@ def _audit(rank: int, world: int, capacity_factor) -> list[str]:
     with HostSyncRecorder() as recorder:
         y = moe_experts_ep(x, idxs[rank], w, gu, dn, group=dist.group.WORLD, capacity_factor=capacity_factor)
         torch.autograd.backward(y, dys[rank])
-    return [s for s in recorder.sites if CPU_ONLY_CHECK not in s]
+    return [s for s in recorder.sites if not any(check in s for check in CPU_ONLY_CHECKS)]
 
 
 def _recorder_self_test() -> list[str]:
@@ -249,6 +258,8 @@ def _recorder_self_test() -> list[str]:
     with HostSyncRecorder() as recorder:
         ReadsInBackward.apply(t).sum().backward()
         torch.arange(3).tolist()
+        torch.arange(3)[torch.tensor([True, False, True])]
+        torch.bincount(torch.arange(3))
     return recorder.sites
 
 
@@ -314,6 +325,14 @@ def _errors(rank: int, world: int) -> dict:
             messages[name] = "no error"
         except (ValueError, TypeError) as exc:
             messages[name] = f"{type(exc).__name__}: {exc}"
+    # Every rank enters the count exchange, then every rank sees a peer with another T and raises.
+    T = 4 + rank
+    try:
+        dispatch(torch.randn(T, 8), torch.randint(0, 4, (T, 2)), torch.rand(T, 2), group=group, num_experts=4,
+                 capacity_factor=1.0)
+        messages["capacity_uneven_tokens"] = "no error"
+    except ValueError as exc:
+        messages["capacity_uneven_tokens"] = f"ValueError: {exc}"
     routed = dispatch(x, idx, w, group=group, num_experts=4)
     try:
         combine(torch.randn(routed.layout.num_pairs + 1, 8), routed.layout)
@@ -359,9 +378,12 @@ def _assert_case(results, name):
             assert case["kept_exact"], f"rank {rank}: dropped pairs differ from the documented policy"
         else:
             assert case["rows_sent"] == case["rows_expected"], f"rank {rank}: {case}"
-            # What the collectives sent is what wire_bytes says, and never more than transformers'.
+            # What the collectives sent is what wire_bytes says, never more than transformers', and
+            # strictly less once a token has two experts on one remote rank.
             sent = case["bytes"]
             assert sent["measured"] == sent["ours"] <= sent["theirs"], f"rank {rank}: {sent}"
+            if sent["shared"]:
+                assert sent["ours"] < sent["theirs"], f"rank {rank}: {sent}"
 
 
 @pytest.mark.parametrize("name", [c.name for c in CASES_2])
@@ -376,6 +398,8 @@ def test_four_ranks_match_float64_reference(world4, name):
 
 def test_hard_cases_are_what_they_claim(world2, world4):
     assert world2[1]["cases"]["rank1_receives_nothing"]["rows_received"] == 0
+    assert all(r["cases"]["same_rank"]["bytes"]["shared"] for r in world2)
+    assert not any(r["cases"]["k1"]["bytes"]["shared"] for r in world2)
     assert all(r["cases"]["rank1_receives_nothing"]["rows_received"] == 0 for r in world4[1:])
     # Both experts of a token on one rank: one row, not two.
     for r in world2:
@@ -397,7 +421,8 @@ def test_dropless_mode_has_exactly_the_count_exchange_sync(world2):
 
 def test_host_sync_recorder_sees_reads_in_backward_and_tolist(world2):
     sites = world2[0]["recorder_self_test"]
-    assert any(s.startswith("_local_scalar_dense") for s in sites) and any(s.startswith("tolist") for s in sites)
+    for read in ("_local_scalar_dense", "tolist", "index with a bool mask", "bincount"):
+        assert any(s.startswith(read) for s in sites), (read, sites)
 
 
 def test_transformers_registry_entry(world2):
@@ -417,48 +442,53 @@ def test_transformers_registry_entry(world2):
         ("group_type", "group must be a torch.distributed.ProcessGroup, got str"),
         ("layout_type", "layout must be the DispatchLayout returned by dispatch, got str"),
         ("pairs_mismatch", "expert_output must have one row per dispatched pair"),
+        ("capacity_uneven_tokens", "capacity mode needs the same number of tokens on every rank .* T=4"),
     ],
 )
 def test_errors_name_the_argument(world2, name, pattern):
     import re
 
     assert re.search(pattern, world2[0]["errors"][name]), world2[0]["errors"][name]
+    assert world2[1]["errors"][name] != "no error"
 
 
 def _cuda_sync_audit(rank: int, world: int) -> dict:
-    """CUDA's own detector (``set_sync_debug_mode("error")``) raises on any synchronising call."""
+    """CUDA's own detector (``set_sync_debug_mode("error")``) raises on any synchronising call,
+    ``.cpu()`` copies included, which the CPU recorder cannot see."""
     from moe_ep.dispatch import moe_experts_ep
 
     case = Case("cuda", T=64, E=8, K=2, H=32, I=16)
     xs, idxs, ws, dys, gate_up, down = case.make(1, seed=4)
     idx, dy = idxs[0].cuda(), dys[0].cuda()
     outcome = {}
-    for mode, capacity_factor in (("capacity", 1.0), ("dropless", None)):
-        x, w, gu, dn = (t.cuda().requires_grad_() for t in (xs[0], ws[0], gate_up, down))
+    for backend in ("triton", "torch"):
+        for mode, capacity_factor in (("capacity", 1.0), ("dropless", None)):
+            x, w, gu, dn = (t.cuda().requires_grad_() for t in (xs[0], ws[0], gate_up, down))
 
-        def step():
-            y = moe_experts_ep(x, idx, w, gu, dn, group=dist.group.WORLD, capacity_factor=capacity_factor,
-                               backend="torch")
-            torch.autograd.backward(y, dy)
+            def step():
+                y = moe_experts_ep(x, idx, w, gu, dn, group=dist.group.WORLD, capacity_factor=capacity_factor,
+                                   backend=backend)
+                torch.autograd.backward(y, dy)
 
-        step()  # warm-up: lazy initialisation (NCCL communicator, kernels) may synchronise once
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step()
-            outcome[mode] = "no sync"
-        except RuntimeError as exc:
-            outcome[mode] = f"sync: {exc}"
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+            step()  # warm-up: lazy initialisation (NCCL communicator, autotuning) may synchronise once
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step()
+                outcome[f"{backend} {mode}"] = "no sync"
+            except RuntimeError as exc:
+                outcome[f"{backend} {mode}"] = f"sync: {exc}"
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
     return outcome
 
 
 @requires_cuda
 def test_capacity_mode_has_no_host_sync_on_cuda():
     outcome = run_ranks(_cuda_sync_audit, 1, backend="nccl")[0]
-    assert outcome["capacity"] == "no sync", outcome
-    assert outcome["dropless"].startswith("sync:"), outcome  # the count exchange, as documented
+    for backend in ("triton", "torch"):
+        assert outcome[f"{backend} capacity"] == "no sync", outcome
+        assert outcome[f"{backend} dropless"].startswith("sync:"), outcome  # the count exchange, as documented
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ Two modes:
 - dropless (``capacity_factor=None``): uneven splits. The per-layer exchange of counts is the
   one host sync (the split sizes of ``all_to_all_single`` are host integers).
 - capacity (``capacity_factor=c``): the policy of ``moe_ep.dispatch.capacity`` drops pairs beyond
-  ``ceil(c T K / E)`` per expert; every buffer has a fixed, padded size, the counts are exchanged
-  on the device and nothing is read back to the host.
+  ``ceil(c T K / E)`` per expert; every buffer has a fixed, padded size (so every rank needs the
+  same T, checked), the counts are exchanged on the device and nothing is read back to the host.
+  The padding costs bytes: the "never more than transformers" bound above is dropless mode's.
 """
 
 from __future__ import annotations
@@ -37,7 +38,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .._validate import check_float, check_index, check_indices_in_range, check_same_device, check_tensor
+from .._validate import (
+    check_float,
+    check_index,
+    check_indices_in_range,
+    check_on_device,
+    check_same_device,
+    check_tensor,
+)
 from .all_to_all import AllToAllRouting, AllToAllRows, Splits
 from .capacity import capacity_keep_mask, check_capacity_factor, expert_capacity
 from .layout import DispatchedTokens, DispatchLayout
@@ -123,6 +131,21 @@ def _exchange_counts(send_RC: torch.Tensor, group) -> torch.Tensor:
     recv_RC = torch.empty_like(send_RC)
     dist.all_to_all_single(recv_RC, send_RC, group=group)
     return recv_RC
+
+
+def _exchange_counts_checking_tokens(send_RC: torch.Tensor, T: int, group) -> torch.Tensor:
+    """Capacity mode's count exchange, with each rank's token count riding along: the padded
+    blocks are sized from T, so every rank of the group must have the same T or the row exchange
+    would not line up (a crash or a hang instead of an error)."""
+    tokens = torch.full((send_RC.shape[0], 1), T, dtype=send_RC.dtype, device=send_RC.device)
+    recv = _exchange_counts(torch.cat([send_RC, tokens], dim=1), group)
+    check_on_device(
+        (recv[:, -1] == T).all(),
+        f"capacity mode needs the same number of tokens on every rank of the expert-parallel group "
+        f"(its padded buffers are sized from it); this rank has T={T}: pad the batches to one length "
+        f"or use capacity_factor=None",
+    )
+    return recv[:, :-1]
 
 
 def _exclusive_cumsum(n_R: torch.Tensor) -> torch.Tensor:
@@ -333,10 +356,11 @@ def dispatch(
         dest_kept_TK = torch.where(kept_TK, dest_TK, ep)  # ep = "nowhere"
     slots_TR, key_TR = _row_keys(dest_kept_TK, idx_TK % L, ep, L)
     send_RC = _count_columns(key_TR, slots_TR, L, multi)
-    recv_RC = _exchange_counts(send_RC, group)
     if capacity_factor is None:
+        recv_RC = _exchange_counts(send_RC, group)
         sizes = _Sizes.dropless(send_RC, recv_RC, L, multi)
     else:
+        recv_RC = _exchange_counts_checking_tokens(send_RC, T, group)
         sizes = _Sizes.padded(T, L, k_max, ep, capacity)
     send_blocks = _Blocks.of(send_RC, L, sizes)
     recv_blocks = _Blocks.of(recv_RC, L, sizes)
@@ -360,9 +384,6 @@ def dispatch(
     layout = DispatchLayout(
         group=group,
         num_tokens=T,
-        num_experts=num_experts,
-        experts_per_rank=L,
-        top_k=K,
         send_splits=sizes.send_splits,
         recv_splits=sizes.recv_splits,
         rows_per_rank=sizes.rows_per_rank,

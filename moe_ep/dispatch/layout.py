@@ -24,9 +24,6 @@ class DispatchLayout:
 
     group: object  # torch.distributed.ProcessGroup
     num_tokens: int  # T on this (source) rank
-    num_experts: int  # E, global
-    experts_per_rank: int  # L = E / ep; rank j owns experts [j L, (j+1) L)
-    top_k: int  # K
     send_splits: Splits
     recv_splits: Splits
     rows_per_rank: int | None  # capacity mode: rows in each rank's padded block; None = dropless
@@ -42,10 +39,6 @@ class DispatchLayout:
     max_slots_per_row: int  # Kmax = min(K, L)
     num_pairs: int  # P, rows handed to the local experts
     kept_TK: torch.Tensor | None  # capacity mode: the (token, slot) pairs that were not dropped
-
-    @property
-    def capacity_mode(self) -> bool:
-        return self.rows_per_rank is not None
 
 
 @dataclass(frozen=True)
