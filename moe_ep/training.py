@@ -3,7 +3,9 @@
 ``TrainStep(model_or_stages, optimizer, microbatches=M)`` then ``loss = step(batch)`` for every
 step: the batch is cut into micro-batches, each runs forward and backward (through the pipeline
 schedule when given ``PipelineStages``), gradients accumulate, then the optimizer steps and the
-gradients are cleared. The training loop does not change when ``pp`` does.
+gradients are cleared. ``model_or_stages`` is what ``moe_ep.parallelize`` returns (the model
+when ``pp=1``, this rank's ``PipelineStages`` when ``pp>1``), so the training loop does not
+change when ``pp`` does.
 
 The loss is the causal-LM cross-entropy summed over the step's predicted tokens and divided by
 their number on this rank, counted over the whole batch before it is cut, so accumulating
@@ -158,9 +160,9 @@ class TrainStep:
     """``TrainStep(model_or_stages, optimizer, *, microbatches=1, loss_scale=None, lr_scheduler=None)``.
 
     Args:
-        model_or_stages: a transformers causal LM (FSDP-wrapped or not) or the
-            ``PipelineStages`` of ``moe_ep.parallel.pipeline.build_pipeline``; with stages the
-            micro-batch count is theirs and ``microbatches`` must be None or equal to it.
+        model_or_stages: what ``moe_ep.parallelize`` returns: a transformers causal LM
+            (parallelized or not) or ``PipelineStages`` (also from ``build_pipeline``); with stages
+            the micro-batch count is theirs and ``microbatches`` must be None or equal to it.
         optimizer: over ``model.parameters()`` or ``stages.parameters()``.
         microbatches: gradient-accumulation micro-batches per step (batch dim split evenly).
         loss_scale: None, ``"dynamic"`` (fp16) or a fixed positive scale.
@@ -189,7 +191,7 @@ class TrainStep:
             if microbatches not in (None, model_or_stages.microbatches):
                 raise ValueError(
                     f"microbatches={microbatches} differs from the pipeline's {model_or_stages.microbatches}; the "
-                    f"schedule fixes it (build_pipeline(microbatches=...))"
+                    f"schedule fixes it (parallelize(microbatches=...))"
                 )
             microbatches = model_or_stages.microbatches
         elif microbatches is None:

@@ -202,7 +202,7 @@ def _errors(rank, world) -> dict:
         try:
             fn()
             messages[name] = "no error"
-        except (ValueError, TypeError, NotImplementedError, RuntimeError) as exc:
+        except (ValueError, TypeError, RuntimeError) as exc:
             messages[name] = f"{type(exc).__name__}: {exc}"
 
     def build(impl="moe_ep", **overrides):
@@ -212,11 +212,26 @@ def _errors(rank, world) -> dict:
     attempt("eager_experts_with_ep", lambda: parallelize(build("eager"), ep=2))
     attempt("experts_not_divisible", lambda: parallelize(build(num_local_experts=5), ep=2))
     attempt("world_mismatch", lambda: parallelize(build(), ep=1, dp_replicate=2, dp_shard=2))
-    attempt("pipeline", lambda: parallelize(build(), ep=2, pp=2))
+    attempt("pipeline_without_microbatches", lambda: parallelize(build(), pp=2))
+    attempt("schedule_without_pipeline", lambda: parallelize(build(), ep=2, schedule="zbv"))
+    attempt("microbatches_without_pipeline", lambda: parallelize(build(), ep=2, microbatches=4))
+    attempt("split_points_without_pipeline", lambda: parallelize(build(), ep=2, split_points=[1]))
     attempt("capacity_without_ep", lambda: parallelize(build(), ep=1, capacity_factor=1.0))
+    attempt("capacity_without_ep_pipeline", lambda: parallelize(build(), pp=2, microbatches=2, capacity_factor=1.0))
     attempt("mixed_precision_type", lambda: parallelize(build(), ep=2, mixed_precision=torch.bfloat16))
     model = parallelize(build(), ep=2)
     attempt("twice", lambda: parallelize(model, ep=2))
+    # pp > 1 gives this rank's pipeline stages (what TrainStep takes); the model is marked as cut.
+    from moe_ep.parallel import PipelineStages, meshes_of
+
+    cut = build()
+    stages = parallelize(cut, pp=2, microbatches=2)
+    messages["pipeline_returns_stages"] = (
+        f"{type(stages).__name__} pp={stages.meshes.dims.pp} stage_ids={stages.stage_ids}"
+        if isinstance(stages, PipelineStages) else type(stages).__name__
+    )
+    attempt("pipeline_twice", lambda: parallelize(cut, pp=2, microbatches=2))
+    attempt("pipeline_meshes_of", lambda: meshes_of(cut))
     return messages
 
 
@@ -330,10 +345,17 @@ def test_full_state_dict_roundtrip(world2):
         ("eager_experts_with_ep", r"needs the 'moe_ep' experts implementation on 'model\.layers\.0\.mlp\.experts', found 'eager'"),
         ("experts_not_divisible", r"ValueError: the model's 5 experts cannot be split evenly over ep=2"),
         ("world_mismatch", r"dp_replicate \* dp_shard = 1 \* 2 \* 2 = 4 do not match the world size 2"),
-        ("pipeline", r"NotImplementedError: pp=2: pipeline parallelism"),
+        ("pipeline_without_microbatches", r"ValueError: pp=2 needs microbatches"),
+        ("schedule_without_pipeline", r"ValueError: schedule='zbv' describes pipeline stages and needs pp > 1, got pp=1"),
+        ("microbatches_without_pipeline", r"ValueError: microbatches=4 describes pipeline stages and needs pp > 1"),
+        ("split_points_without_pipeline", r"ValueError: split_points=\[1\] describes pipeline stages and needs pp > 1"),
         ("capacity_without_ep", r"capacity_factor=1.0 applies to the expert-parallel dispatcher; ep=1 has none"),
+        ("capacity_without_ep_pipeline", r"capacity_factor=1.0 applies to the expert-parallel dispatcher; ep=1 has none"),
         ("mixed_precision_type", r"TypeError: mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy"),
         ("twice", r"already parallelized"),
+        ("pipeline_returns_stages", r"^PipelineStages pp=2 stage_ids=\[0\]$"),
+        ("pipeline_twice", r"already parallelized"),
+        ("pipeline_meshes_of", r"was cut into pipeline stages; their meshes are on the PipelineStages"),
     ],
 )
 def test_parallelize_errors(world2, name, pattern):
@@ -406,6 +428,9 @@ def test_resolve_dims_layouts():
 
     dims = resolve_dims(8, ep=2, dp_replicate=2, num_experts=8)
     assert (dims.dp_shard, dims.edp, dims.dp, dims.world_size) == (4, 2, 8, 8)
+    # Pipeline stages take their share first: dp_shard is what each pipeline rank's slice leaves.
+    dims = resolve_dims(8, pp=2, ep=2, num_experts=8)
+    assert (dims.pp, dims.dp_shard, dims.edp, dims.dp, dims.world_size) == (2, 4, 2, 4, 8)
 
 
 @pytest.mark.parametrize(
@@ -416,7 +441,8 @@ def test_resolve_dims_layouts():
         (dict(dp_replicate=3), ValueError, "world size 4 is not divisible by pp \\* dp_replicate = 1 \\* 3"),
         (dict(dp_shard=2), ValueError, "do not match the world size 4"),
         (dict(ep=0), ValueError, "ep must be a positive int, got 0"),
-        (dict(pp=2), NotImplementedError, "pipeline parallelism is not implemented yet"),
+        (dict(pp=3), ValueError, "world size 4 is not divisible by pp \\* dp_replicate = 3 \\* 1"),
+        (dict(pp=0), ValueError, "pp must be a positive int, got 0"),
     ],
 )
 def test_resolve_dims_errors(kwargs, error, pattern):

@@ -1,12 +1,13 @@
 """The parallel degrees and the device meshes of DESIGN.md ("Parallel layout").
 
 One world mesh ``(pp, dp_replicate, edp, ep)``, ``ep`` fastest-varying so an expert group is a
-block of consecutive ranks (one node, on GPUs). Two views of it:
+block of consecutive ranks (one node, on GPUs) and ``pp`` slowest, so each pipeline rank owns a
+block of ``world / pp`` consecutive ranks. Within one pipeline rank, two views:
 
 - dense parameters: ``(dp_replicate, dp_shard)`` with ``dp_shard = edp * ep`` flattened;
 - expert parameters: DTensor ``Shard(0)`` over ``ep``, then FSDP over ``(dp_replicate, edp)``.
 
-``pp`` is a dimension of size 1 until pipeline stages exist."""
+The ranks of one pipeline (same data-parallel coordinates, every ``pp``) form ``world["pp"]``."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class ParallelDims:
         return self.pp * self.dp
 
 
-def _check_degree(name: str, value) -> None:
+def check_degree(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
@@ -57,11 +58,7 @@ def resolve_dims(
     """Check the degrees against each other, the world size and the number of experts.
     ``dp_shard=None`` takes what the world leaves: ``world_size / (pp * dp_replicate)``."""
     for name, value in (("ep", ep), ("dp_replicate", dp_replicate), ("pp", pp)):
-        _check_degree(name, value)
-    if pp != 1:
-        raise NotImplementedError(
-            f"pp={pp}: pipeline parallelism is not implemented yet (pipeline stages come in a later issue); use pp=1"
-        )
+        check_degree(name, value)
     if dp_shard is None:
         if world_size % (pp * dp_replicate):
             raise ValueError(
@@ -69,7 +66,7 @@ def resolve_dims(
                 "cannot be derived; pass degrees whose product is the world size"
             )
         dp_shard = world_size // (pp * dp_replicate)
-    _check_degree("dp_shard", dp_shard)
+    check_degree("dp_shard", dp_shard)
     if pp * dp_replicate * dp_shard != world_size:
         raise ValueError(
             f"the degrees pp * dp_replicate * dp_shard = {pp} * {dp_replicate} * {dp_shard} = "

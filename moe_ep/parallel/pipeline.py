@@ -6,7 +6,7 @@ Stage modules do not copy anything: they hold the model's own submodules under t
 names (``model.embed_tokens``, ``model.layers.<i>``, ``model.norm``, ``lm_head``), so state dicts
 of the stages are slices of the model's. ``stage_transform`` runs on each stage module before it
 is wrapped, which is where expert parallelism and FSDP2 are applied per stage
-(``parallelize_stages``).
+(``parallelize_pipeline``, which ``moe_ep.parallelize`` calls for ``pp > 1``).
 
 Inputs: stage 0 takes ``input_ids [B, S]``; positions are ``0..S-1`` and attention is causal with
 no padding mask (right-pad and set the padded labels to -100). The last stage returns logits.
@@ -27,6 +27,10 @@ from ..planner.layout import Layout
 from ..planner.memory import DEFAULT_IMBALANCE, build_units, layer_ids, unit_costs
 from ..planner.schedules import schedule_info
 from ..planner.spec import ModelSpec
+from .expert_sharding import experts_modules, shard_experts
+from .fsdp import apply_fsdp
+from .mesh import check_degree
+from .parallelize import PIPELINE_MESHES_ATTRIBUTE, prepare
 
 DEFAULT_COST_SEQ_LEN = 4096
 
@@ -301,39 +305,24 @@ def parallelize_pipeline(
     experts_backend: str | None = None,
 ) -> PipelineStages:
     """Pipeline stages composed with expert parallelism and FSDP2/HSDP: what
-    ``moe_ep.parallel.parallelize`` does for ``pp > 1``. Builds the meshes of DESIGN.md with a
-    real ``pp`` dimension, cuts the model, and on each of this rank's stages shards the experts
-    over ``ep`` and applies FSDP2 exactly as ``parallelize`` does for a whole model. Returns the
-    stages with the meshes on ``stages.meshes``.
+    ``moe_ep.parallelize`` does for ``pp > 1``, plus the automatic cut's knobs of
+    ``build_pipeline`` (``memory_cap``, ``seq_len``, ``microbatch_size``). Builds the meshes of
+    DESIGN.md with a real ``pp`` dimension, cuts the model, and on each of this rank's stages
+    shards the experts over ``ep`` and applies FSDP2 exactly as ``parallelize`` does for a whole
+    model; the other arguments are checked as there (``capacity_factor`` needs ``ep > 1``). A
+    model without experts modules is accepted (dense stages). Returns the stages with the meshes
+    on ``stages.meshes``.
 
     ``reshard_after_forward`` defaults to False: the schedule keeps a stage's gradients unsharded
     until its last micro-batch anyway, and regathering weights for every micro-batch would
     multiply the all-gather traffic by the micro-batch count."""
-    from dataclasses import replace
-
-    from ..dispatch.capacity import check_capacity_factor
-    from .expert_sharding import experts_modules, num_experts_of, shard_experts
-    from .fsdp import apply_fsdp
-    from .mesh import build_meshes, resolve_dims
-    from .parallelize import enable_activation_checkpointing
-
-    if not dist.is_initialized():
-        raise RuntimeError("parallelize_pipeline needs an initialised default process group")
-    world = dist.get_world_size()
-    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1 or world % pp:
-        raise ValueError(f"pp must be a positive int dividing the world size {world}, got {pp!r}")
-    check_capacity_factor(capacity_factor)
-    experts = experts_modules(model)
-    # The data-parallel degrees are checked as for one pipeline stage's share of the world.
-    dims = resolve_dims(
-        world // pp, ep=ep, dp_replicate=dp_replicate, dp_shard=dp_shard,
-        num_experts=num_experts_of(experts) if experts else None,
+    check_degree("pp", pp)
+    _, meshes = prepare(
+        model, "parallelize_pipeline", pp=pp, ep=ep, dp_replicate=dp_replicate, dp_shard=dp_shard,
+        mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
+        capacity_factor=capacity_factor, reshard_after_forward=reshard_after_forward, require_experts=False,
     )
-    dims = replace(dims, pp=pp)
-    device = next(model.parameters()).device
-    meshes = build_meshes(dims, "cuda" if device.type == "cuda" else "cpu")
-    if activation_checkpointing:
-        enable_activation_checkpointing(model)
+    dims = meshes.dims
 
     def shard_stage(stage: nn.Module) -> None:
         stage_experts = experts_modules(stage)
@@ -350,4 +339,5 @@ def parallelize_pipeline(
         checkpointing=activation_checkpointing, stage_transform=shard_stage,
     )
     stages.meshes = meshes
+    setattr(model, PIPELINE_MESHES_ATTRIBUTE, meshes)
     return stages
