@@ -120,15 +120,11 @@ def experts_torch_bwd(
     dy_NH = dy_TH.to(dtype)[token_N]
     x_NH = x_TH[token_N]
     w_N = w_TK.reshape(-1)[order_N].float()
-    # Gradient of the unweighted expert output w.r.t. h: dy @ down[e].
+    # Gradient of the unweighted expert output w.r.t. h: dy @ down[e]. Since
+    # d w_n = <dy_t, down[e] h_n> = <dy_t @ down[e], h_n>, the expert output need not be kept.
     dh_raw_NI = grouped_linear(dy_NH, down_EHI.transpose(1, 2), offsets_E)
-    h_NI, _ = glu_bwd(gate_up_N2I, dh_raw_NI, activation)
-    # d w_n = <dy_t, down[e] h_n> = <dy_t @ down[e], h_n>: no need to keep the expert output.
-    dw_N = (h_NI * dh_raw_NI.float()).sum(-1)
+    dw_N, h_NI, d_gate_up_N2I = glu_bwd(gate_up_N2I, dh_raw_NI, w_N, activation)
     dw_TK = torch.empty_like(dw_N).index_copy_(0, order_N, dw_N).view(T, K).to(w_TK.dtype)
-    dh_NI = dh_raw_NI.float() * w_N[:, None]
-    _, d_gate_up_N2I = glu_bwd(gate_up_N2I, dh_NI, activation)
-    d_gate_up_N2I = d_gate_up_N2I.to(dtype)
     dyw_NH = (dy_NH.float() * w_N[:, None]).to(dtype)
     d_down_EHI = grouped_outer(dyw_NH, h_NI.to(dtype), offsets_E)
     d_gate_up_E2IH = grouped_outer(d_gate_up_N2I, x_NH, offsets_E)
@@ -151,6 +147,8 @@ def _setup_context(ctx, inputs, output):
     x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation = inputs
     _, order_N, offsets_E, gate_up_N2I = output
     ctx.activation = activation
+    # The saved outputs get no gradient: do not make autograd fill zeros of their size.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x_TH, w_TK, gate_up_E2IH, down_EHI, order_N, offsets_E, gate_up_N2I)
 
 
