@@ -49,6 +49,7 @@ from .._validate import (
 from .all_to_all import AllToAllRouting, AllToAllRows, Splits
 from .capacity import capacity_keep_mask, check_capacity_factor, expert_capacity
 from .layout import DispatchedTokens, DispatchLayout
+from .row_ops import gather_rows, sum_rows
 
 
 def check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts) -> int:
@@ -235,14 +236,12 @@ def _row_positions(key_TR: torch.Tensor, blocks: _Blocks, L: int) -> tuple[torch
     return row_pos_RT, meta_pos_RT
 
 
-def _pack_rows(x_TH: torch.Tensor, goes_RT: torch.Tensor, row_pos_RT: torch.Tensor, num_send: int) -> torch.Tensor:
-    """One hidden row per (token, destination). Capacity mode's padding rows repeat row 0: no
-    pair reads them and their gradient is zero."""
-    T, ep, device = x_TH.shape[0], goes_RT.shape[0], x_TH.device
-    target_RT = torch.where(goes_RT, row_pos_RT, num_send)
-    row_token = torch.zeros(num_send + 1, dtype=torch.long, device=device)
-    row_token.scatter_(0, target_RT.reshape(-1), torch.arange(T, device=device).repeat(ep))
-    return x_TH[row_token[:num_send]]
+def _pack_rows(x_TH: torch.Tensor, token_src_TC: torch.Tensor, source_reader_S: torch.Tensor) -> torch.Tensor:
+    """One hidden row per (token, destination), at the positions ``_return_slots`` gives them.
+    Capacity mode's padding rows repeat row 0; no pair reads them and they pass no gradient."""
+    T, r_max = token_src_TC.shape
+    row_token_S = torch.where(source_reader_S < T * r_max, source_reader_S // r_max, 0)
+    return gather_rows(x_TH, row_token_S, token_src_TC)
 
 
 def _pack_routing(idx_TK, w_TK, dest_kept_TK, key_TR, meta_pos_RT, L: int, k_max: int, num_meta: int):
@@ -288,8 +287,10 @@ def _received_slots(recv_RC, blocks: _Blocks, sizes: _Sizes, w_meta, ids_meta, L
 
 
 def _expert_pairs(x_recv, w_recv, ids_recv, L: int, num_pairs: int, padded: bool):
-    """One entry per (received row, local expert), in row order, and for each (row, column) slot
-    the entry that fills it (``num_pairs`` = none), which ``combine`` sums per row."""
+    """One entry per (received row, local expert), in row order; for each (row, column) slot the
+    entry that fills it (``num_pairs`` = none), which ``combine`` sums per row; and for each entry
+    its slot (``S * k_max`` = none: capacity mode's padding)."""
+    S, k_max = ids_recv.shape
     ids_N = ids_recv.reshape(-1)
     pair_slot, pair_real = _compact(ids_N < L, num_pairs)
     expert_P = ids_N[pair_slot].long()
@@ -297,18 +298,20 @@ def _expert_pairs(x_recv, w_recv, ids_recv, L: int, num_pairs: int, padded: bool
     if padded:  # capacity mode's tail entries: expert 0, weight 0, output exactly 0
         expert_P = torch.where(pair_real, expert_P, 0)
         weight_P = torch.where(pair_real, weight_P, 0.0)
-    n_slots = ids_N.numel()
-    row_src = torch.full((n_slots + 1,), num_pairs, dtype=torch.long, device=ids_N.device)
-    row_src.scatter_(0, torch.where(pair_real, pair_slot, n_slots), torch.arange(num_pairs, device=ids_N.device))
-    hidden_PH = x_recv[pair_slot // ids_recv.shape[1]]
-    return hidden_PH, expert_P[:, None], weight_P[:, None], row_src[:n_slots]
+    pair_reader = torch.where(pair_real, pair_slot, S * k_max)
+    row_src = torch.full((S * k_max + 1,), num_pairs, dtype=torch.long, device=ids_N.device)
+    row_src.scatter_(0, pair_reader, torch.arange(num_pairs, device=ids_N.device))
+    row_src_SC = row_src[: S * k_max].view(S, k_max)
+    hidden_PH = gather_rows(x_recv, pair_slot // k_max, row_src_SC)
+    return hidden_PH, expert_P[:, None], weight_P[:, None], row_src_SC, pair_reader
 
 
 def _return_slots(slots_TR, row_pos_RT, w_TK, dest_kept_TK, r_max: int, num_send: int):
-    """For token t's c-th destination (rank order), the row of the combine exchange holding its
-    partial output (``num_send`` = no such destination) and the factor the source applies to it:
+    """For token t's c-th destination (rank order), the row of both exchanges that carries it
+    (``num_send`` = no such destination) and the factor the source applies to the returned row:
     the routing weight for a single row (returned unweighted), 1 for a multi row (weighted and
-    summed on the expert rank)."""
+    summed on the expert rank). Also, for each row, its (token, column) as ``t * r_max + c``
+    (``T * r_max`` = a padding row)."""
     T, ep = slots_TR.shape
     device = slots_TR.device
     goes_TR = slots_TR > 0
@@ -320,8 +323,11 @@ def _return_slots(slots_TR, row_pos_RT, w_TK, dest_kept_TK, r_max: int, num_send
     target = torch.where(goes_TR, torch.arange(T, device=device)[:, None] * r_max + column_TR, T * r_max).reshape(-1)
     token_src = torch.full((T * r_max + 1,), num_send, dtype=torch.long, device=device)
     token_src.scatter_(0, target, row_pos_RT.t().reshape(-1))
+    token_src_TC = token_src[: T * r_max].view(T, r_max)
+    source_reader = torch.full((num_send + 1,), T * r_max, dtype=torch.long, device=device)
+    source_reader.scatter_(0, token_src_TC.reshape(-1), torch.arange(T * r_max, device=device))
     factor = torch.ones(T * r_max + 1, dtype=torch.float32, device=device).scatter(0, target, factor_TR.reshape(-1))
-    return token_src[: T * r_max], factor[: T * r_max].view(T, r_max)
+    return token_src_TC, source_reader[:num_send], factor[: T * r_max].view(T, r_max)
 
 
 def dispatch(
@@ -366,7 +372,10 @@ def dispatch(
     recv_blocks = _Blocks.of(recv_RC, L, sizes)
 
     row_pos_RT, meta_pos_RT = _row_positions(key_TR, send_blocks, L)
-    x_send = _pack_rows(hidden_states, slots_TR.t() > 0, row_pos_RT, sizes.num_send)
+    token_src_TC, source_reader_S, source_weights_TC = _return_slots(
+        slots_TR, row_pos_RT, top_k_weights, dest_kept_TK, r_max, sizes.num_send
+    )
+    x_send = _pack_rows(hidden_states, token_src_TC, source_reader_S)
     x_recv = AllToAllRows.apply(x_send, sizes.recv_splits, sizes.send_splits, group)
     w_meta = ids_meta = None
     if multi:
@@ -375,11 +384,8 @@ def dispatch(
         )
         w_meta, ids_meta = AllToAllRouting.apply(w_send, ids_send, sizes.meta_recv_splits, sizes.meta_send_splits, group)
     w_recv, ids_recv = _received_slots(recv_RC, recv_blocks, sizes, w_meta, ids_meta, L, k_max)
-    hidden_PH, expert_P1, weight_P1, row_src = _expert_pairs(
+    hidden_PH, expert_P1, weight_P1, row_src_SC, pair_reader_P = _expert_pairs(
         x_recv, w_recv, ids_recv, L, sizes.num_pairs, padded=kept_TK is not None
-    )
-    token_src, source_weights = _return_slots(
-        slots_TR, row_pos_RT, top_k_weights, dest_kept_TK, r_max, sizes.num_send
     )
     layout = DispatchLayout(
         group=group,
@@ -387,24 +393,15 @@ def dispatch(
         send_splits=sizes.send_splits,
         recv_splits=sizes.recv_splits,
         rows_per_rank=sizes.rows_per_rank,
-        token_src=token_src,
-        source_weights=source_weights,
-        max_ranks_per_token=r_max,
-        row_src=row_src,
-        max_slots_per_row=k_max,
+        token_src=token_src_TC,
+        source_reader=source_reader_S,
+        source_weights=source_weights_TC,
+        row_src=row_src_SC,
+        pair_reader=pair_reader_P,
         num_pairs=sizes.num_pairs,
         kept_TK=kept_TK,
     )
     return DispatchedTokens(hidden_states=hidden_PH, expert_ids=expert_P1, weights=weight_P1, layout=layout)
-
-
-def _sum_groups(rows: torch.Tensor, src: torch.Tensor, groups: int, width: int, factor=None) -> torch.Tensor:
-    """``out[g] = sum_c factor[g, c] * rows[src[g * width + c]]`` in float32, fixed order; index
-    ``len(rows)`` reads a zero row."""
-    picked = F.pad(rows, (0, 0, 0, 1))[src].view(groups, width, rows.shape[1]).float()
-    if factor is not None:
-        picked = picked * factor[:, :, None]
-    return picked.sum(1).to(rows.dtype)
 
 
 def combine(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
@@ -418,9 +415,6 @@ def combine(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor
             f"expert_output must have one row per dispatched pair ({layout.num_pairs}), "
             f"got shape {tuple(expert_output.shape)}"
         )
-    num_recv = layout.row_src.numel() // layout.max_slots_per_row
-    rows_SH = _sum_groups(expert_output, layout.row_src, num_recv, layout.max_slots_per_row)
+    rows_SH = sum_rows(expert_output, layout.row_src, layout.pair_reader)
     returned = AllToAllRows.apply(rows_SH, layout.send_splits, layout.recv_splits, layout.group)
-    return _sum_groups(
-        returned, layout.token_src, layout.num_tokens, layout.max_ranks_per_token, layout.source_weights
-    )
+    return sum_rows(returned, layout.token_src, layout.source_reader, layout.source_weights)

@@ -27,16 +27,18 @@ class DispatchLayout:
     send_splits: Splits
     recv_splits: Splits
     rows_per_rank: int | None  # capacity mode: rows in each rank's padded block; None = dropless
-    # Source side: token t's c-th destination (in rank order) is returned row token_src[t*Rmax+c]
-    # of the combine exchange; the value num_returned_rows means "no such destination" (a zero).
+    # Source side: token t's c-th destination (in rank order) went out in, and comes back in, row
+    # token_src[t, c] of the exchanges (num_rows = none), [T, Rmax] with Rmax = min(ep, K); the
+    # returned row is scaled by source_weights[t, c]: the routing weight of a single row (the
+    # expert returned it unweighted), 1 for a multi row. source_reader[s] = t * Rmax + c inverts
+    # token_src (T * Rmax = a padding row). source_weights is differentiable in the weights.
     token_src: torch.Tensor
-    # Source side: the factor applied to that row, [T, Rmax]: the routing weight of a single row
-    # (the expert returned it unweighted), 1 for a multi row. Differentiable in the weights.
+    source_reader: torch.Tensor
     source_weights: torch.Tensor
-    max_ranks_per_token: int  # Rmax = min(ep, K)
-    # Expert side: slot c of received row s takes pair output row_src[s*Kmax+c]; num_pairs = none.
+    # Expert side: slot c of received row s takes pair output row_src[s, c] (num_pairs = none),
+    # [S, Kmax] with Kmax = min(K, L); pair_reader[p] = s * Kmax + c inverts it.
     row_src: torch.Tensor
-    max_slots_per_row: int  # Kmax = min(K, L)
+    pair_reader: torch.Tensor
     num_pairs: int  # P, rows handed to the local experts
     kept_TK: torch.Tensor | None  # capacity mode: the (token, slot) pairs that were not dropped
 

@@ -1,0 +1,91 @@
+"""The two row movements of the dispatcher, as a pair of autograd functions that are each
+other's backward, so that both directions are deterministic and free of float atomics (an
+indexing backward would scatter-add on the GPU):
+
+- ``gather_rows``: copies of rows, ``out[i] = x[index[i]]``. A row may be copied several times;
+  its gradient is the fixed-order sum of its copies' gradients, a ``sum_rows``.
+- ``sum_rows``: ``out[g] = sum_c scale[g, c] * rows[src[g, c]]``, where every row is read by at
+  most one ``(g, c)``. Its gradient is a scaled gather, a ``gather_rows``.
+
+Index tensors use ``len(source)`` for "none": a missing term of a sum, a row nobody reads."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _sum(rows_IH: torch.Tensor, src_GC: torch.Tensor, scale_GC: torch.Tensor | None) -> torch.Tensor:
+    """Accumulated in float32, column by column; one gather and one fused multiply-add each."""
+    valid_GC = src_GC < rows_IH.shape[0]
+    scale_GC = valid_GC.float() if scale_GC is None else torch.where(valid_GC, scale_GC.float(), 0.0)
+    if rows_IH.shape[0] == 0:
+        rows_IH = rows_IH.new_zeros(1, rows_IH.shape[1])
+    src_GC = torch.where(valid_GC, src_GC, 0)
+    out_GH = torch.mul(rows_IH[src_GC[:, 0]], scale_GC[:, :1])
+    for c in range(1, src_GC.shape[1]):
+        out_GH.addcmul_(rows_IH[src_GC[:, c]], scale_GC[:, c:c + 1])
+    return out_GH.to(rows_IH.dtype)
+
+
+def _gather(x_JH: torch.Tensor, index_I: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` with zero rows where ``index == len(x)``."""
+    valid_I = index_I < x_JH.shape[0]
+    if x_JH.shape[0] == 0:
+        x_JH = x_JH.new_zeros(1, x_JH.shape[1])
+    return torch.where(valid_I[:, None], x_JH[torch.where(valid_I, index_I, 0)], 0)
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_JH, index_I, copies_JC):
+        ctx.save_for_backward(copies_JC)
+        return x_JH[index_I]
+
+    @staticmethod
+    def backward(ctx, grad_IH):
+        (copies_JC,) = ctx.saved_tensors
+        return _sum(grad_IH, copies_JC, None), None, None
+
+
+class _SumRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_IH, src_GC, scale_GC, reader_I):
+        # The rows are needed again only for the gradient of the scale.
+        keep = rows_IH if ctx.needs_input_grad[2] else None
+        ctx.save_for_backward(keep, src_GC, scale_GC, reader_I)
+        ctx.num_rows = rows_IH.shape[0]
+        return _sum(rows_IH, src_GC, scale_GC)
+
+    @staticmethod
+    def backward(ctx, grad_GH):
+        rows_IH, src_GC, scale_GC, reader_I = ctx.saved_tensors
+        G, width = src_GC.shape
+        read_I = reader_I < G * width
+        # grad_I[i] = grad[g] for the term (g, c) that reads row i: one gather in row order.
+        grad_I = _gather(grad_GH, torch.where(read_I, reader_I // width, G))
+        if scale_GC is None:
+            return grad_I, None, None, None
+        flat_scale = F.pad(scale_GC.reshape(-1).float(), (0, 1))
+        grad_rows = (grad_I * flat_scale[reader_I][:, None]).to(grad_GH.dtype)
+        grad_scale = None
+        if ctx.needs_input_grad[2]:
+            # d scale[g, c] = <grad[g], rows[src[g, c]]>: a row-wise dot in row order, then put
+            # where the term sits (every term reads a distinct row).
+            dots_I = (grad_I.float() * rows_IH.float()).sum(-1)
+            grad_scale = torch.zeros(G * width + 1, dtype=torch.float32, device=grad_GH.device)
+            grad_scale = grad_scale.index_copy(0, reader_I, dots_I)[: G * width].view(G, width).to(scale_GC.dtype)
+        return grad_rows, None, grad_scale, None
+
+
+def gather_rows(x_JH: torch.Tensor, index_I: torch.Tensor, copies_JC: torch.Tensor) -> torch.Tensor:
+    """``x[index]``, where ``copies[j]`` lists the positions of ``out`` that copy row ``j``
+    (``len(index)`` = none); rows of ``out`` not listed there get no gradient."""
+    return _GatherRows.apply(x_JH, index_I, copies_JC)
+
+
+def sum_rows(rows_IH, src_GC, reader_I, scale_GC=None) -> torch.Tensor:
+    """``out[g] = sum_c scale[g, c] * rows[src[g, c]]`` (``scale`` defaults to 1), where
+    ``reader[i] = g * C + c`` is the one term that reads row ``i`` (``G * C`` = none).
+    Differentiable in ``rows`` and ``scale``."""
+    return _SumRows.apply(rows_IH, src_GC, scale_GC, reader_I)
