@@ -20,7 +20,7 @@ from moe_ep.hf import fused_routers, is_patched, patch  # noqa: E402
 FP32 = TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_save_pretrained_writes_identical_safetensors(family, tmp_path):
     unpatched = tiny_model(family)
     model = patch(tiny_model(family), backend="torch")

@@ -132,14 +132,16 @@ def test_import_registers_and_patches_nothing():
     }
 
 
-def test_patch_is_idempotent_and_reversible():
-    unpatched = tiny_model("deepseek_v3")
-    model = tiny_model("deepseek_v3")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patch_is_idempotent_and_reversible(family):
+    unpatched = tiny_model(family)
+    model = tiny_model(family)
     assert hf.patch(model, backend="torch") is model
     first = _state(model)
     hf.patch(model, backend="torch")
     assert _state(model) == first
-    assert hf.fused_routers(model) == ["model.layers.1.mlp.gate"]
+    first_moe_layer = 1 if family == "deepseek_v3" else 0
+    assert hf.fused_routers(model) == [f"model.layers.{i}.mlp.gate" for i in range(first_moe_layer, 2)]
     # Names, shapes and values of parameters and buffers are the unpatched model's.
     sd, ref = model.state_dict(), unpatched.state_dict()
     assert list(sd) == list(ref)
