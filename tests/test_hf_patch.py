@@ -266,14 +266,16 @@ def test_custom_apply_gate_is_refused():
     _assert_untouched(model)
 
 
-def test_gpt_oss_is_refused_with_its_flag():
+def test_gpt_oss_is_refused_with_all_its_flags():
     config = transformers.GptOssConfig(
         vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
     )
     model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
-    with pytest.raises(ValueError, match=r"GptOssExperts\.is_concatenated=False is not supported"):
+    with pytest.raises(ValueError, match=r"GptOssExperts\.is_concatenated=False is not supported") as refused:
         hf.patch(model)
+    assert "GptOssExperts.is_transposed=True" in str(refused.value)
+    assert "GptOssExperts.has_bias=True" in str(refused.value)
 
 
 def test_tanh_gelu_is_refused():

@@ -34,13 +34,16 @@ def _is_experts_module(module: torch.nn.Module) -> bool:
 def experts_activation(module: torch.nn.Module) -> str:
     """The ``activation`` argument of ``moe_experts`` for a transformers experts module.
 
-    Raises ValueError naming the first unsupported layout flag, a custom ``_apply_gate`` or an
+    Raises ValueError naming every unsupported layout flag, a custom ``_apply_gate`` or an
     activation other than SiLU and exact GELU."""
     name = type(module).__name__
-    for flag, needed, why in _LAYOUT_FLAGS:
-        value = getattr(module, flag, needed)
-        if value != needed:
-            raise ValueError(f"{name}.{flag}={value!r} is not supported by moe_ep: {why} (needs {flag}={needed!r})")
+    refused = [
+        f"{name}.{flag}={getattr(module, flag)!r} is not supported by moe_ep: {why} (needs {flag}={needed!r})"
+        for flag, needed, why in _LAYOUT_FLAGS
+        if getattr(module, flag, needed) != needed
+    ]
+    if refused:
+        raise ValueError("; ".join(refused))
     from transformers.integrations.moe import _default_apply_gate
 
     if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
