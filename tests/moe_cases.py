@@ -46,4 +46,5 @@ CASES = [
     Case("one_expert", T=17, H=16, I=16, E=4, K=1, routing="one_expert"),
     Case("t1", T=1, H=16, I=8, E=4, K=2),
     Case("t0", T=0, H=16, I=8, E=4, K=2),
+    Case("k3_of_5", T=9, H=16, I=8, E=5, K=3),
 ]
