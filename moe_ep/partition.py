@@ -1,29 +1,34 @@
 """Automatic pipeline partition: split a chain of units (embedding, decoder layers, head) into
-contiguous pipeline stages so that the slowest stage is as fast as possible while every rank
-stays under a memory cap.
+contiguous pipeline stages so that the slowest stage is as fast as possible, then the second
+slowest, and so on, while every rank stays under a memory cap.
 
 The algorithm knows nothing about models: it takes one :class:`UnitCost` per unit, in execution
-order. ``moe_ep.planner.costs.unit_costs`` builds them from a Hugging Face config (FLOPs and the
+order. ``moe_ep.planner.memory.unit_costs`` builds them from a Hugging Face config (FLOPs and the
 bytes of parameters, gradients, optimizer state and activations of each unit, embedding and head
 included); ``moe_ep.parallel.pipeline`` uses the result to cut the model into stages.
 
 Exact: the smallest possible bottleneck time T* is found by binary search over the segment
 sums, each probe an exact feasibility check under the time and memory limits (O(n) greedy when
 the micro-batches in flight are monotone over the stages, as in GPipe, 1F1B and ZB-V; a sweep
-over reachable stage ends otherwise); a second search, restricted to stages no slower than T*,
-picks among the optimal partitions the one whose fullest stage holds the fewest bytes.
+over reachable stage ends otherwise). Minimising the bottleneck alone leaves the other stages
+arbitrary: once a heavy LM head makes the last stage the bottleneck, any split of the other
+layers ties, e.g. [9, 1, 1, 1]. So a dynamic programme over stages no slower than T* then picks
+the lexicographically smallest vector of stage times sorted from the slowest down (leximax),
+and among those the leximax one in stage bytes (so equal stages go where they hold least, e.g.
+the fewest layers on the stage with the most micro-batches in flight).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Sequence
 
 PLACEMENTS = ("loop", "v")
-# Two stage times closer than this (relative) count as equal: the DP compares sums of floats
-# accumulated in different orders.
+# Slack on the memory cap (relative): a stage's bytes add a multiple of its activations to exact
+# sums, which rounds.
 _REL_EPS = 1e-9
 
 
@@ -48,6 +53,13 @@ class UnitCost:
     act_bytes: float = 0.0
     work_bytes: float = 0.0
     shared: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self):
+        # The solver relies on a stage never getting faster or smaller as it takes more units.
+        for name in ("flops", "param_bytes", "grad_bytes", "optim_bytes", "act_bytes", "work_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"UnitCost {self.name!r}: {name} must be a finite number >= 0, got {value!r}")
 
     @property
     def static_bytes(self) -> float:
@@ -240,21 +252,40 @@ def _check_split_points(units, num_stages, split_points, forbidden, stage_cap, i
     return starts
 
 
+def _exact_prefix(values: Sequence[float]) -> list[float]:
+    """Prefix sums whose differences are exact: each value is first rounded to a multiple of a
+    power of two q with sum / q < 2^52, so every partial sum is an integer multiple of q that a
+    double represents exactly. A value moves by at most q / 2 (2^-53 of the sum); in exchange
+    stages holding equal units cost exactly the same wherever they sit, and the leximax
+    compares real differences, never rounding noise."""
+    prefix = [0.0]
+    total = math.fsum(values)
+    if total == 0:
+        return prefix * (len(values) + 1)
+    q = 2.0 ** (math.frexp(total)[1] - 52)
+    for v in values:
+        prefix.append(prefix[-1] + round(v / q) * q)
+    return prefix
+
+
 class _Segments:
-    """Time and bytes of any segment [lo, hi) in O(1): prefix sums, and a table of the largest
-    transient term of each segment."""
+    """Time and bytes of any segment [lo, hi) in O(1): exact prefix sums, and a table of the
+    largest transient term of each segment."""
 
     def __init__(self, units: Sequence[UnitCost], inflight_S: Sequence[float], forbidden: dict[int, str]):
         n = len(units)
         self.n, self.num_stages, self.inflight_S, self.forbidden = n, len(inflight_S), inflight_S, forbidden
-        self.flops, self.static, self.act = [0.0], [0.0], [0.0]
-        for u in units:
-            self.flops.append(self.flops[-1] + u.flops)
-            self.static.append(self.static[-1] + u.static_bytes)
-            self.act.append(self.act[-1] + u.act_bytes)
+        self.flops = _exact_prefix([u.flops for u in units])
+        self.static = _exact_prefix([u.static_bytes for u in units])
+        self.act = _exact_prefix([u.act_bytes for u in units])
         works = [u.work_bytes for u in units]
         # work[lo][hi]: the largest transient term in [lo, hi) (index hi <= lo unused).
         self.work = [[0.0] * (lo + 1) + list(itertools.accumulate(works[lo:], max)) for lo in range(n)]
+        # Whether a stage may start at each position, and how many such cuts lie strictly before
+        # and after it: the stages on either side of a cut need cuts of their own, not just units.
+        self.free = [0 < c < n and c not in forbidden for c in range(n + 1)]
+        self.free_before = list(itertools.accumulate([0] + self.free[:-1]))
+        self.free_after = list(itertools.accumulate([0] + self.free[:0:-1]))[::-1]
         diffs = [y - x for x, y in zip(inflight_S, inflight_S[1:])]
         self.monotone = "up" if all(d >= 0 for d in diffs) else "down" if all(d <= 0 for d in diffs) else None
 
@@ -268,10 +299,11 @@ class _Segments:
         return self.time(lo, hi) <= max_time and self.bytes(s, lo, hi) <= max_bytes
 
     def can_end(self, s, end):
-        """Stage s may end at `end`: not inside a shared-parameter span, room left for the rest."""
+        """Stage s may end at `end`: not inside a shared-parameter span, and enough allowed cuts
+        left after it for the stages that follow."""
         if end == self.n:
             return s == self.num_stages - 1
-        return end not in self.forbidden and end <= self.n - (self.num_stages - 1 - s)
+        return self.free[end] and self.free_after[end] >= self.num_stages - 2 - s
 
     def peaks(self, starts) -> tuple[float, float]:
         """(slowest stage time, fullest stage bytes)."""
@@ -312,10 +344,10 @@ class _Segments:
             for lo in range(hi - 1, -1, -1):
                 if not self.ok(s, lo, hi, max_time, max_bytes):
                     break
-                # The first stage starts at 0; any other stage's start ends stage s-1, and the s
-                # stages before it need a unit each.
+                # The first stage starts at 0; any other stage's start is a cut, and the s stages
+                # before it need s - 1 more.
                 first_ok = s == 0 and lo == 0
-                later_ok = s > 0 and lo >= s and lo not in self.forbidden
+                later_ok = s > 0 and self.free[lo] and self.free_before[lo] >= s - 1
                 if first_ok or later_ok:
                     start = lo
             if start is None:
@@ -377,23 +409,23 @@ def _smallest_feasible(values, probe):
 _DESCENT_STEPS = 8
 
 
-def _least_bytes(seg: _Segments, max_time, max_bytes):
-    """Among partitions within max_time and max_bytes, one with the smallest peak bytes (to
-    1e-12 relative). First probe just below the peak of the best so far: each success strictly
-    lowers it, and the time-optimal cut is usually close already. If that keeps succeeding,
-    bisect between 0 and the peak."""
-    best = seg.feasible(max_time, max_bytes)
+def _least_bytes(seg: _Segments):
+    """A partition with the smallest peak bytes (to 1e-12 relative), whatever its time. First
+    probe just below the peak of the best so far: each success strictly lowers it, and the
+    first cut found is usually close already. If that keeps succeeding, bisect between 0 and
+    the peak."""
+    best = seg.feasible(math.inf, math.inf)
     for _ in range(_DESCENT_STEPS):
         if best is None or seg.peaks(best)[1] <= 0:
             return best
-        lower = seg.feasible(max_time, seg.peaks(best)[1] * (1 - _REL_EPS))
+        lower = seg.feasible(math.inf, seg.peaks(best)[1] * (1 - _REL_EPS))
         if lower is None:
             return best
         best = lower
     lo_bytes, hi_bytes = 0.0, seg.peaks(best)[1]
     while hi_bytes - lo_bytes > 1e-12 * hi_bytes:
         mid = (lo_bytes + hi_bytes) / 2
-        trial = seg.feasible(max_time, mid)
+        trial = seg.feasible(math.inf, mid)
         if trial is None:
             lo_bytes = mid
         else:
@@ -401,32 +433,77 @@ def _least_bytes(seg: _Segments, max_time, max_bytes):
     return best
 
 
+def _leximax(seg: _Segments, max_time, max_bytes):
+    """Among partitions with every stage within max_time and max_bytes, the one whose stage
+    times, sorted from the slowest down, are lexicographically smallest; among those, likewise
+    for the stage bytes (the fullest stage as empty as possible, then the next...). None if
+    there is none.
+
+    Dynamic programme over (stage, where it ends). Adding the same stage to two partial
+    partitions keeps their order (it is decided by the largest value in which their multisets
+    differ, and a common value is not one), so the best prefix ending at a position is the only
+    one worth extending. max_time is the optimal bottleneck: no slower segment can be part of
+    the answer, which on balanced chains bounds a stage at about n / S units and the work at
+    about n^2 segment steps."""
+    n, S, free = seg.n, seg.num_stages, seg.free
+    flops, static, act, work = seg.flops, seg.static, seg.act, seg.work
+    # Reachable end -> (stage times, stage bytes), each negated and sorted ascending: larger is
+    # better, so Python's tuple order does the leximax comparison.
+    best: dict[int, tuple] = {0: ((), ())}
+    history = []
+    for s in range(S):
+        step, pred, factor = {}, {}, seg.inflight_S[s]
+        for lo, (neg_times, neg_bytes) in best.items():
+            ends = [n] if s == S - 1 else range(lo + 1, n - (S - 1 - s) + 1)
+            row, f0, s0, a0 = work[lo], flops[lo], static[lo], act[lo]
+            for hi in ends:
+                # seg.time and seg.bytes, inlined: this is the planner's hot loop.
+                t, b = flops[hi] - f0, static[hi] - s0 + factor * (act[hi] - a0) + row[hi]
+                # Both only grow with hi: nothing further along fits either.
+                if t > max_time or b > max_bytes:
+                    break
+                if hi != n and not free[hi]:
+                    continue
+                i, j = bisect_left(neg_times, -t), bisect_left(neg_bytes, -b)
+                key = (neg_times[:i] + (-t,) + neg_times[i:], neg_bytes[:j] + (-b,) + neg_bytes[j:])
+                if hi not in step or key > step[hi]:
+                    step[hi], pred[hi] = key, lo
+        history.append(pred)
+        best = step
+    if n not in best:
+        return None
+    starts = [n]
+    for pred in reversed(history):
+        starts.append(pred[starts[-1]])
+    return tuple(reversed(starts))
+
+
 def _solve(units, num_stages, forbidden, stage_cap, inflight_S) -> tuple[int, ...]:
     """The smallest bottleneck time is one of the segment sums: binary search over them, each
-    probe an exact feasibility check. Then, at that time, the smallest peak bytes likewise."""
+    probe an exact feasibility check. Then the leximax partition within that bottleneck."""
     seg = _Segments(units, inflight_S, forbidden)
     cap = stage_cap * (1 + _REL_EPS)
     if seg.feasible(math.inf, cap) is None:
         raise ValueError(_infeasible_message(units, num_stages, forbidden, stage_cap, seg))
     sums = sorted({seg.time(lo, hi) for lo in range(seg.n) for hi in range(lo + 1, seg.n + 1)})
-    starts = _smallest_feasible(sums, lambda t: seg.feasible(t * (1 + _REL_EPS), cap))
-    starts = _least_bytes(seg, seg.peaks(starts)[0] * (1 + _REL_EPS), cap)
-    assert starts is not None, "the time-optimal partition is feasible by construction"
+    bottleneck = seg.peaks(_smallest_feasible(sums, lambda t: seg.feasible(t, cap)))[0]
+    starts = _leximax(seg, bottleneck, cap)
+    assert starts is not None, "a partition within the optimal bottleneck exists by construction"
     return starts
 
 
 def _infeasible_message(units, num_stages, forbidden, stage_cap, seg) -> str:
-    free = [b for b in range(1, len(units)) if b not in forbidden]
-    if len(free) < num_stages - 1:
+    free = sum(seg.free)
+    if free < num_stages - 1:
         keys = sorted(set(forbidden.values()))
         return (
             f"cannot cut {len(units)} units into {num_stages} stages: shared parameters {keys} must stay on one "
-            f"rank, which leaves {len(free)} possible cuts; use fewer stages, untie the parameters, or a V placement "
+            f"rank, which leaves {free} possible cuts; use fewer stages, untie the parameters, or a V placement "
             f"(schedule 'zbv') that puts the first and the last stage on one rank"
         )
-    least = seg.peaks(_least_bytes(seg, math.inf, math.inf))[1]
+    least = seg.peaks(_least_bytes(seg))[1]
     return (
         f"no partition into {num_stages} stages fits the memory cap of {format_bytes(stage_cap)} per stage: "
-        f"the best balanced one still needs {format_bytes(least)} on its fullest stage; "
+        f"the partition that needs the least memory still needs {format_bytes(least)} on its fullest stage; "
         f"raise the cap, add stages or shard further"
     )

@@ -104,6 +104,23 @@ def test_forced_pipeline_gives_end_stages_no_more_layers_than_the_middle():
     assert "decoder layers per stage" in p.report()
 
 
+@pytest.mark.parametrize("vocab", [32000, 256000])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_heavy_head_of_a_small_model_leaves_the_other_stages_balanced(vocab, schedule):
+    # A 12-layer Mixtral with hidden 256: the LM head costs 5 (32k) or 33 (256k) decoder layers,
+    # so the last stage takes one layer and is the bottleneck; the other 11 layers still split
+    # 3/4/4 (minimising only the bottleneck gave [5, 5, 1, 1] and [9, 1, 1, 1] under GPipe).
+    from transformers import MixtralConfig
+
+    spec = ModelSpec.from_config(MixtralConfig(
+        vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=12, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
+    ))
+    lay = Layout(4, 1, 1, 1, 1, 8, schedule, False)
+    part = partition(unit_costs(build_units(spec, lay, 4096, 1.2)), 4, inflight=lay.inflight())
+    assert [len(layer_ids(part.stage_names(s))) for s in range(4)] == [3, 4, 4, 1]
+
+
 def test_impossible_model_says_how_many_nodes_would_do():
     with pytest.raises(PlanError, match=r"does not fit 1 node\(s\) x 8 GPUs of 80 GiB.*16 B x 46.7 B.*would fit on \d+ nodes"):
         plan("mixtral-8x7b", nodes=1, checkpointing=True, microbatch_size=1, **A100)
