@@ -7,8 +7,9 @@ step's loss must agree within 1e-5. The batch holds ignored labels (-100) spread
 the micro-batches, so a loss normalised per micro-batch instead of per step would show.
 
 - 2 ranks, pp=2 alone: GPipe, 1F1B, interleaved 1F1B and ZB-V, one process group.
-- 4 ranks: pp=2 x ep=2 and pp=2 x dp_shard=2 (FSDP2), GPipe and 1F1B, and pp=2 x ep=2 with
-  activation checkpointing, one process group.
+- 4 ranks, through ``moe_ep.parallelize(pp=2, ...)``: pp=2 x ep=2 and pp=2 x dp_shard=2 (FSDP2)
+  under GPipe, 1F1B, interleaved 1F1B and ZB-V; pp=2 x dp_replicate=2 (HSDP); pp=2 x ep=2 with
+  activation checkpointing and the aux loss, and with dynamic loss scaling; one process group.
 - 1 process: TrainStep with gradient accumulation and no stages; loss scaling.
 
 With ``aux_loss_coef`` the objective adds the per-layer load-balancing loss, averaged over
@@ -16,6 +17,8 @@ layers and micro-batches; the reference computes it by hand from transformers' r
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -156,38 +159,83 @@ def test_pp2_alone_tracks_single_process_losses_for_every_schedule(reference, re
     assert ranks[0]["interleaved-1f1b", 0.0, None][2] == [0, 2] and ranks[1]["interleaved-1f1b", 0.0, None][2] == [1, 3]
 
 
-def _composed(rank, world, batch, layouts):
+class Composed(NamedTuple):
+    """One 4-rank run: pp=2 composed with the other degrees (dp = 4 / pp ranks of data)."""
+
+    ep: int = 1
+    dp_replicate: int = 1
+    schedule: str = "1f1b"
+    checkpointing: bool = False
+    aux: float = 0.0
+    loss_scale: str | None = None
+
+
+# Each data-parallel half runs 2 micro-batches: the reference's 4 micro-batches of the whole batch.
+COMPOSED = {
+    "ep2_gpipe": Composed(ep=2, schedule="gpipe"),
+    "ep2_1f1b": Composed(ep=2),
+    "fsdp2_gpipe": Composed(schedule="gpipe"),
+    "fsdp2_1f1b": Composed(),
+    "ep2_1f1b_checkpointing_aux": Composed(ep=2, checkpointing=True, aux=AUX),
+    "ep2_interleaved": Composed(ep=2, schedule="interleaved-1f1b"),
+    "ep2_zbv": Composed(ep=2, schedule="zbv"),
+    "fsdp2_interleaved": Composed(schedule="interleaved-1f1b"),
+    "fsdp2_zbv": Composed(schedule="zbv"),
+    "hsdp_dp_replicate2_1f1b": Composed(dp_replicate=2),
+    "ep2_1f1b_dynamic_loss_scale": Composed(ep=2, loss_scale="dynamic"),
+}
+
+
+def _composed(rank, world, batch, runs):
+    import moe_ep
     from moe_ep.hf import patch
-    from moe_ep.parallel.pipeline import parallelize_pipeline
     from moe_ep.training import TrainStep
 
     out = {}
-    for ep, dp_shard, schedule, ckpt, coef in layouts:
+    for name, run in runs.items():
         model = patch(_model(torch.float32, "eager"), fused_router=False)
-        stages = parallelize_pipeline(model, pp=2, ep=ep, dp_shard=dp_shard, schedule=schedule, microbatches=2,
-                                      activation_checkpointing=ckpt)
+        # dp_shard takes what pp and dp_replicate leave: ep=2 borrows both of its ranks from it.
+        stages = moe_ep.parallelize(model, pp=2, ep=run.ep, dp_replicate=run.dp_replicate, schedule=run.schedule,
+                                    microbatches=2, activation_checkpointing=run.checkpointing)
         # Each data-parallel rank trains on its half of the batch; both stages of a pipeline
         # see the same half.
         dp_rank, dp = stages.meshes.dp.get_local_rank(), stages.meshes.dims.dp
         half = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
-        step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR), aux_loss_coef=coef)
-        out[(ep, dp_shard, schedule, ckpt, coef)] = [step(half).item() for _ in range(STEPS)]
+        step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR), aux_loss_coef=run.aux,
+                         loss_scale=run.loss_scale)
+        if run.loss_scale == "dynamic":
+            step.scaler.scale = 2.0**130  # the scaled loss overflows fp32: skipped, scale halved until finite
+        losses = []
+        while len(losses) < STEPS:
+            skipped = step.steps_skipped
+            loss = step(half).item()
+            if step.steps_skipped == skipped:
+                losses.append(loss)
+        out[name] = {"losses": losses, "skipped": step.steps_skipped,
+                     "scale": step.scaler.scale if step.scaler else None, "dp": dp}
     return out
 
 
-def test_pp2_composes_with_ep2_and_with_fsdp2(reference, reference_aux):
-    batch, expected = reference
+@pytest.fixture(scope="module")
+def world4(reference):
+    """Every 4-rank run in ONE process group."""
+    batch, _ = reference
+    return run_ranks(_composed, 4, batch, COMPOSED, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_pp2_composes_with_ep_fsdp2_and_hsdp_for_every_schedule(world4, reference, reference_aux, name):
+    _, expected = reference
     _, expected_aux = reference_aux
-    # (ep, dp_shard, schedule, activation checkpointing, aux loss coefficient). Two micro-batches
-    # of a data-parallel half are the reference's four micro-batches of the whole batch.
-    layouts = [(2, 2, "gpipe", False, 0.0), (2, 2, "1f1b", False, 0.0), (1, 2, "gpipe", False, 0.0),
-               (1, 2, "1f1b", False, 0.0), (2, 2, "1f1b", True, AUX)]
-    ranks = run_ranks(_composed, 4, batch, layouts, timeout=400)
-    for layout in layouts:
-        # Each rank reports the loss of its own data-parallel half; their mean is the batch's.
-        by_rank = [r[layout] for r in ranks]
-        mean = [sum(step) / len(step) for step in zip(*by_rank)]
-        _check(mean, expected_aux if layout[-1] else expected)
+    by_rank = [r[name] for r in world4]
+    assert all(r["dp"] == 2 for r in by_rank)
+    # Each rank reports the loss of its own data-parallel half; their mean is the batch's.
+    mean = [sum(step) / len(step) for step in zip(*(r["losses"] for r in by_rank))]
+    _check(mean, expected_aux if COMPOSED[name].aux else expected)
+    if COMPOSED[name].loss_scale:
+        # Every rank skipped the same overflowing steps and lowered the scale alike.
+        assert len({(r["skipped"], r["scale"]) for r in by_rank}) == 1
+        assert by_rank[0]["skipped"] >= 1 and by_rank[0]["scale"] < 2.0**130
 
 
 @pytest.mark.parametrize("coef", [0.0, AUX])
