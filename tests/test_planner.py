@@ -4,6 +4,7 @@ figures follow from the stated cost model, impossible requests say what would be
 import itertools
 import json
 import math
+import re
 
 import pytest
 
@@ -121,9 +122,32 @@ def test_heavy_head_of_a_small_model_leaves_the_other_stages_balanced(vocab, sch
     assert [len(layer_ids(part.stage_names(s))) for s in range(4)] == [3, 4, 4, 1]
 
 
-def test_impossible_model_says_how_many_nodes_would_do():
-    with pytest.raises(PlanError, match=r"does not fit 1 node\(s\) x 8 GPUs of 80 GiB.*16 B x 46.7 B.*would fit on \d+ nodes"):
-        plan("mixtral-8x7b", nodes=1, checkpointing=True, microbatch_size=1, **A100)
+def test_impossible_model_says_how_many_nodes_would_do_at_the_requested_batch():
+    fixed = dict(checkpointing=True, microbatch_size=1, **A100)
+    with pytest.raises(PlanError) as err:
+        plan("mixtral-8x7b", nodes=1, **fixed)
+    message = str(err.value)
+    assert re.search(r"does not fit 1 node\(s\) x 8 GPUs of 80 GiB.*16 B x 46.7 B", message)
+    assert "It would fit on 2 nodes (16 GPUs) at the same global batch of 4194304 tokens" in message
+    assert "grown" not in message
+    # What it proposes does plan.
+    assert plan("mixtral-8x7b", nodes=2, global_batch_tokens=4194304, **fixed).best.fits
+
+
+def test_impossible_model_grows_the_batch_only_when_the_requested_one_cannot_spread():
+    # 8 sequences give at most 8 GPUs a sequence each, and 8 GPUs cannot hold the model.
+    fixed = dict(checkpointing=True, microbatch_size=1, **A100)
+    with pytest.raises(PlanError) as err:
+        plan("mixtral-8x7b", nodes=1, global_batch_tokens=8 * 4096, **fixed)
+    message = str(err.value)
+    assert (
+        "No cluster of up to 64 nodes fits it at the requested global batch of 32768 tokens (8 sequences): every "
+        "layout needs at least one sequence per GPU" in message
+    )
+    assert "it would fit on 2 nodes (16 GPUs) at a global batch of 65536 tokens (16 sequences)" in message
+    with pytest.raises(PlanError):
+        plan("mixtral-8x7b", nodes=2, global_batch_tokens=8 * 4096, **fixed)
+    assert plan("mixtral-8x7b", nodes=2, global_batch_tokens=16 * 4096, **fixed).best.fits
 
 
 @pytest.mark.parametrize(

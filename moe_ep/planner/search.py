@@ -333,19 +333,45 @@ def _nothing_fits(spec, cluster, seq_len, global_batch_tokens, imbalance, fixed,
         f"Parameters, gradients and AdamW state alone take 16 B x {spec.total_params / 1e9:.1f} B = "
         f"{format_bytes(state)}, at least {math.ceil(state / usable)} GPUs' worth of usable memory."
     )
+    requested = _fit_on_more_nodes(spec, cluster, seq_len, lambda growth: global_batch_tokens, imbalance, fixed)
+    if requested is not None:
+        growth, best = requested
+        nodes = cluster.nodes * growth
+        return message + (
+            f" It would fit on {nodes} nodes ({nodes * cluster.gpus_per_node} GPUs) at the same global batch of "
+            f"{global_batch_tokens} tokens, as {best.layout.short()} using {format_bytes(best.memory.total)} per GPU."
+        )
+    # More GPUs need more sequences: at least one per GPU, split evenly over the data-parallel
+    # replicas. Only when the requested batch is too small for any cluster that would hold the
+    # model is it worth proposing a bigger batch, and then the message must say so.
+    scaled = _fit_on_more_nodes(spec, cluster, seq_len, lambda growth: global_batch_tokens * growth, imbalance, fixed)
+    most = cluster.nodes * _MAX_GROWTH
+    if scaled is not None:
+        growth, best = scaled
+        nodes, tokens = cluster.nodes * growth, global_batch_tokens * growth
+        return message + (
+            f" No cluster of up to {most} nodes fits it at the requested global batch of {global_batch_tokens} tokens "
+            f"({global_batch_tokens // seq_len} sequences): every layout needs at least one sequence per GPU, split "
+            f"evenly over the data-parallel replicas. With the batch grown along with the nodes, it would fit on "
+            f"{nodes} nodes ({nodes * cluster.gpus_per_node} GPUs) at a global batch of {tokens} tokens "
+            f"({tokens // seq_len} sequences), as {best.layout.short()} using {format_bytes(best.memory.total)} "
+            f"per GPU."
+        )
+    return message + f" Nothing fits even on {most} nodes; use GPUs with more memory."
+
+
+def _fit_on_more_nodes(spec, cluster, seq_len, tokens_for, imbalance, fixed):
+    """(growth, fastest fitting candidate) for the smallest growth of the node count, doubling up
+    to _MAX_GROWTH, with ``tokens_for(growth)`` tokens per step and the mesh degrees left free;
+    or None."""
+    fixed_free = dict(fixed, pp=None, dp_replicate=None, dp_shard=None)
     for growth in (2**i for i in range(1, _MAX_GROWTH.bit_length())):
         nodes = cluster.nodes * growth
         bigger = Cluster(
             nodes, cluster.gpus_per_node, cluster.gpu_memory_gib, cluster.intra_node_gbps, cluster.inter_node_gbps,
             cluster.peak_tflops, cluster.efficiency, cluster.reserve_fraction,
         )
-        tokens = global_batch_tokens * growth
-        fixed_free = dict(fixed, pp=None, dp_replicate=None, dp_shard=None)
-        found = [c for c in _search(spec, bigger, seq_len, tokens, imbalance, fixed_free)[0] if c.fits]
+        found = [c for c in _search(spec, bigger, seq_len, tokens_for(growth), imbalance, fixed_free)[0] if c.fits]
         if found:
-            best = min(found, key=_rank)
-            return message + (
-                f" It would fit on {nodes} nodes ({nodes * cluster.gpus_per_node} GPUs) with a global batch of "
-                f"{tokens} tokens, as {best.layout.short()} using {format_bytes(best.memory.total)} per GPU."
-            )
-    return message + f" Nothing fits even on {cluster.nodes * _MAX_GROWTH} nodes; use GPUs with more memory."
+            return growth, min(found, key=_rank)
+    return None
