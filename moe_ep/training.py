@@ -8,9 +8,13 @@ when ``pp=1``, this rank's ``PipelineStages`` when ``pp>1``), so the training lo
 change when ``pp`` does.
 
 The loss is the causal-LM cross-entropy summed over the step's predicted tokens and divided by
-their number on this rank, counted over the whole batch before it is cut, so accumulating
-micro-batches of unequal numbers of valid tokens (labels -100) gives exactly the gradient of the
-whole batch's mean. Under FSDP the mean over ranks follows from the FSDP divide factor.
+their number, counted over the whole batch before it is cut and summed over the data-parallel
+ranks of ``moe_ep.parallelize``'s meshes (an all-reduce of one count, no host sync): the step's
+objective is the mean over every token of the global batch, however the ignored labels (-100)
+fall on micro-batches and ranks. FSDP averages gradients over the ``dp`` data-parallel ranks
+(parallelize's divide factor), so each rank backpropagates ``dp`` x its tokens' share of that
+mean; the average is then exactly the global mean's gradient. A model that parallelize did not
+prepare is normalised by its own batch's tokens.
 
 Loss scaling (fp16): ``loss_scale="dynamic"`` multiplies the loss by a scale before backward and
 unscales the gradients after; if any rank finds a non-finite gradient every rank skips the
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from .losses import load_balancing_loss
+from .parallel.parallelize import MESHES_ATTRIBUTE
 from .parallel.pipeline import PipelineStages
 
 IGNORE_INDEX = -100
@@ -59,9 +64,8 @@ class CausalLMLoss:
 
 
 def predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """Tokens whose next token is a target, as a tensor (no host sync); at least 1 so that a
-    batch with every label ignored gives a zero loss, not NaN."""
-    return (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
+    """Tokens whose next token is a target, as a tensor (no host sync)."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
 
 
 class LossScaler:
@@ -172,9 +176,10 @@ class TrainStep:
         lr_scheduler: stepped after every optimizer step that was taken.
 
     ``step(batch)`` takes ``{"input_ids": [B, S], "labels": [B, S] (optional, defaults to
-    input_ids)}`` and returns the step's loss (LM loss plus weighted aux loss; the parts are
-    ``last_lm_loss`` and ``last_aux_loss``), a detached scalar equal on every rank of a pipeline
-    (broadcast from the rank that computes it); no host sync unless loss scaling.
+    input_ids)}`` (this rank's share of the global batch) and returns the step's loss (LM loss
+    plus weighted aux loss; the parts are ``last_lm_loss`` and ``last_aux_loss``): the mean over
+    the global batch, a detached scalar equal on every rank (broadcast from the pipeline rank
+    that computes it, averaged over the data-parallel ranks); no host sync unless loss scaling.
     """
 
     def __init__(self, model_or_stages, optimizer: torch.optim.Optimizer, *, microbatches: int | None = None,
@@ -199,6 +204,9 @@ class TrainStep:
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
         self.target = model_or_stages
+        meshes = model_or_stages.meshes if self.pipelined else getattr(model_or_stages, MESHES_ATTRIBUTE, None)
+        self.dp = meshes.dims.dp if meshes is not None else 1
+        self.dp_group = meshes.dp_group if self.dp > 1 else None
         self.optimizer = optimizer
         self.microbatches = microbatches
         self.scaler = None if loss_scale is None else LossScaler(loss_scale)
@@ -242,16 +250,24 @@ class TrainStep:
 
     def __call__(self, batch) -> torch.Tensor:
         ids, labels = self._inputs(batch)
-        self.loss_fn.normalizer = predicted_tokens(labels)
+        self.loss_fn.normalizer = self._normalizer(labels)
         self.loss_fn.scale = self.scaler.scale if self.scaler else 1.0
         if self.aux is not None:
             self.aux.weight = self.aux_loss_coef * self.loss_fn.scale / (self.num_moe_layers * self.microbatches)
             self.aux.record.clear()
         loss = self._pipelined(ids, labels) if self.pipelined else self._accumulated(ids, labels)
-        loss = loss / self.loss_fn.scale
-        self.last_lm_loss = loss
+        parts = [loss / self.loss_fn.scale]
         if self.aux is not None:
-            self.last_aux_loss = self._aux_mean(loss.device)
+            parts.append(self._aux_mean(loss.device))
+        if self.dp_group is not None:
+            # The LM parts add up to the global mean (times dp); the aux parts are means of
+            # equally many micro-batches per rank, so their mean is the global one.
+            summed = torch.stack(parts)
+            dist.all_reduce(summed, group=self.dp_group)
+            parts = list((summed / self.dp).unbind())
+        self.last_lm_loss = loss = parts[0]
+        if self.aux is not None:
+            self.last_aux_loss = parts[1]
             loss = loss + self.aux_loss_coef * self.last_aux_loss
         took_step = self.scaler.unscale_and_check(self.params) if self.scaler else True
         if took_step and self.max_grad_norm is not None:
@@ -264,6 +280,17 @@ class TrainStep:
             self.steps_skipped += 1
         self.optimizer.zero_grad(set_to_none=True)
         return loss
+
+    def _normalizer(self, labels: torch.Tensor) -> torch.Tensor:
+        """The loss divisor of this rank: the global batch's predicted tokens over ``dp`` (see
+        the module docstring); at least 1/dp so that a batch with every label ignored gives a
+        zero loss, not NaN."""
+        tokens = predicted_tokens(labels)  # int64: exact at any batch size
+        if self.dp_group is not None:
+            device = self.target.stages[0].device if self.pipelined else next(self.target.parameters()).device
+            tokens = tokens.to(device)
+            dist.all_reduce(tokens, group=self.dp_group)
+        return tokens.clamp(min=1) / self.dp
 
     def _clip(self) -> torch.Tensor:
         """Clip to ``max_grad_norm`` over the whole model. moe_ep.parallel.clip_grad_norm_ gives

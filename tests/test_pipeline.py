@@ -10,6 +10,8 @@ the micro-batches, so a loss normalised per micro-batch instead of per step woul
 - 4 ranks, through ``moe_ep.parallelize(pp=2, ...)``: pp=2 x ep=2 and pp=2 x dp_shard=2 (FSDP2)
   under GPipe, 1F1B, interleaved 1F1B and ZB-V; pp=2 x dp_replicate=2 (HSDP); pp=2 x ep=2 with
   activation checkpointing and the aux loss, and with dynamic loss scaling; one process group.
+  Also a batch whose data-parallel shards hold very different numbers of targets, with and
+  without pipeline stages (the same loop): the loss is the global token mean.
 - 1 process: TrainStep with gradient accumulation and no stages; loss scaling.
 
 With ``aux_loss_coef`` the objective adds the per-layer load-balancing loss, averaged over
@@ -55,6 +57,16 @@ def _batch():
     return batch
 
 
+def _unbalanced_batch():
+    """``_batch`` with ignored targets piled on the first rows: of the 5 targets of each row, the
+    data-parallel halves keep 10 and 16, the quarters 2, 8, 7 and 9. A loss normalised by each
+    rank's own tokens would then differ from the global mean."""
+    batch = _batch()
+    batch["labels"][1, 1:] = -100
+    batch["labels"][3, 5] = -100
+    return batch
+
+
 def _aux_by_hand(logits_TE, top_k):
     """One layer's load-balancing loss: E * sum_e (routed pairs of e per token) * (mean prob of e)."""
     probs = logits_TE.softmax(-1)
@@ -92,6 +104,18 @@ MAX_NORM = 1.0
 @pytest.fixture(scope="module")
 def reference():
     batch = _batch()
+    return batch, _reference_losses(batch)
+
+
+@pytest.fixture(scope="module")
+def reference_unbalanced():
+    batch = _unbalanced_batch()
+    # The case has teeth: the mean of the halves' own token means is far from the batch mean.
+    model = _model(torch.float64, "eager")
+    with torch.no_grad():
+        per_half = sum(model(**{k: v.chunk(2)[i] for k, v in batch.items()}).loss.item() for i in range(2)) / 2
+        whole = model(**batch).loss.item()
+    assert abs(per_half - whole) > 1e-3 * whole
     return batch, _reference_losses(batch)
 
 
@@ -160,14 +184,17 @@ def test_pp2_alone_tracks_single_process_losses_for_every_schedule(reference, re
 
 
 class Composed(NamedTuple):
-    """One 4-rank run: pp=2 composed with the other degrees (dp = 4 / pp ranks of data)."""
+    """One 4-rank run: pp=2 (by default) composed with the other degrees (dp = 4 / pp ranks of
+    data); ``unbalanced``: the batch whose data-parallel shards hold different numbers of targets."""
 
+    pp: int = 2
     ep: int = 1
     dp_replicate: int = 1
     schedule: str = "1f1b"
     checkpointing: bool = False
     aux: float = 0.0
     loss_scale: str | None = None
+    unbalanced: bool = False
 
 
 # Each data-parallel half runs 2 micro-batches: the reference's 4 micro-batches of the whole batch.
@@ -183,32 +210,39 @@ COMPOSED = {
     "fsdp2_zbv": Composed(schedule="zbv"),
     "hsdp_dp_replicate2_1f1b": Composed(dp_replicate=2),
     "ep2_1f1b_dynamic_loss_scale": Composed(ep=2, loss_scale="dynamic"),
+    "unbalanced_fsdp2_1f1b": Composed(unbalanced=True),
+    "unbalanced_ep2_zbv": Composed(ep=2, schedule="zbv", unbalanced=True),
+    # No pipeline, the same loop: parallelize returns the model, 4 data-parallel quarters.
+    "unbalanced_pp1_ep2_dp_shard4": Composed(pp=1, ep=2, schedule=None, unbalanced=True),
 }
 
 
-def _composed(rank, world, batch, runs):
+def _composed(rank, world, batches, runs):
     import moe_ep
     from moe_ep.hf import patch
+    from moe_ep.parallel import meshes_of
     from moe_ep.training import TrainStep
 
     out = {}
     for name, run in runs.items():
+        batch = batches[run.unbalanced]
         model = patch(_model(torch.float32, "eager"), fused_router=False)
         # dp_shard takes what pp and dp_replicate leave: ep=2 borrows both of its ranks from it.
-        stages = moe_ep.parallelize(model, pp=2, ep=run.ep, dp_replicate=run.dp_replicate, schedule=run.schedule,
-                                    microbatches=2, activation_checkpointing=run.checkpointing)
-        # Each data-parallel rank trains on its half of the batch; both stages of a pipeline
-        # see the same half.
-        dp_rank, dp = stages.meshes.dp.get_local_rank(), stages.meshes.dims.dp
-        half = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
-        step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR), aux_loss_coef=run.aux,
+        target = moe_ep.parallelize(model, pp=run.pp, ep=run.ep, dp_replicate=run.dp_replicate, schedule=run.schedule,
+                                    microbatches=2 if run.pp > 1 else None, activation_checkpointing=run.checkpointing)
+        meshes = target.meshes if run.pp > 1 else meshes_of(target)
+        # Each data-parallel rank trains on its share of the batch; every stage of a pipeline
+        # sees the same share.
+        dp_rank, dp = meshes.dp.get_local_rank(), meshes.dims.dp
+        share = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
+        step = TrainStep(target, torch.optim.AdamW(target.parameters(), lr=LR), microbatches=2, aux_loss_coef=run.aux,
                          loss_scale=run.loss_scale)
         if run.loss_scale == "dynamic":
             step.scaler.scale = 2.0**130  # the scaled loss overflows fp32: skipped, scale halved until finite
         losses = []
         while len(losses) < STEPS:
             skipped = step.steps_skipped
-            loss = step(half).item()
+            loss = step(share).item()
             if step.steps_skipped == skipped:
                 losses.append(loss)
         out[name] = {"losses": losses, "skipped": step.steps_skipped,
@@ -217,21 +251,22 @@ def _composed(rank, world, batch, runs):
 
 
 @pytest.fixture(scope="module")
-def world4(reference):
+def world4(reference, reference_unbalanced):
     """Every 4-rank run in ONE process group."""
-    batch, _ = reference
-    return run_ranks(_composed, 4, batch, COMPOSED, timeout=600)
+    batches = {False: reference[0], True: reference_unbalanced[0]}
+    return run_ranks(_composed, 4, batches, COMPOSED, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(COMPOSED))
-def test_pp2_composes_with_ep_fsdp2_and_hsdp_for_every_schedule(world4, reference, reference_aux, name):
-    _, expected = reference
-    _, expected_aux = reference_aux
+def test_pp2_composes_with_ep_fsdp2_and_hsdp_for_every_schedule(world4, reference, reference_aux,
+                                                                reference_unbalanced, name):
+    run = COMPOSED[name]
+    expected = (reference_unbalanced if run.unbalanced else reference_aux if run.aux else reference)[1]
     by_rank = [r[name] for r in world4]
-    assert all(r["dp"] == 2 for r in by_rank)
-    # Each rank reports the loss of its own data-parallel half; their mean is the batch's.
-    mean = [sum(step) / len(step) for step in zip(*(r["losses"] for r in by_rank))]
-    _check(mean, expected_aux if COMPOSED[name].aux else expected)
+    assert all(r["dp"] == 4 // run.pp for r in by_rank)
+    # Every rank returns the loss of the global batch, though it trained on its share only.
+    for result in by_rank:
+        _check(result["losses"], expected)
     if COMPOSED[name].loss_scale:
         # Every rank skipped the same overflowing steps and lowered the scale alike.
         assert len({(r["skipped"], r["scale"]) for r in by_rank}) == 1
