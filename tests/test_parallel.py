@@ -283,6 +283,9 @@ def _world_4(rank, world) -> dict:
     for name, layout in layouts.items():
         results[f"mixtral_{name}"] = _parity(rank, world, "mixtral", layout, overrides=MIXTRAL_8)
         results[f"qwen3_{name}"] = _parity(rank, world, "qwen3_moe", layout)
+    # 6 experts: the router weight [6, 32] FSDP-sharded over dp_shard=4 leaves rank 3 no rows,
+    # and 3 local experts over edp=2 shard the intermediate dimension instead.
+    results["mixtral_e6_ep2_dp_shard4_empty_shard"] = _parity(rank, world, "mixtral", dict(ep=2, dp_shard=4))
     return {"parity": results}
 
 
@@ -326,7 +329,7 @@ def test_two_ranks_bf16_mixed_precision_loss(world2):
 @pytest.mark.parametrize(
     "name",
     [f"{family}_{layout}" for family in ("mixtral", "qwen3") for layout in
-     ("ep4", "ep2_hsdp_dp_replicate2", "ep2_dp_shard4_edp2")],
+     ("ep4", "ep2_hsdp_dp_replicate2", "ep2_dp_shard4_edp2")] + ["mixtral_e6_ep2_dp_shard4_empty_shard"],
 )
 def test_four_ranks_match_one_process(world4, name):
     _assert_parity(world4[0]["parity"][name], TOL)

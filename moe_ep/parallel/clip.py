@@ -1,7 +1,8 @@
 """Gradient-norm clipping across the two meshes. ``torch.nn.utils.clip_grad_norm_`` stacks the
 per-parameter norms, which fails for DTensors on different meshes (dense grads live on
 ``(dp_replicate, dp_shard)``, expert grads on ``(dp_replicate, edp, ep)``). Here each mesh's norm
-is reduced by DTensor over that mesh (replicated dimensions counted once); every rank then holds
+is reduced by DTensor over that mesh (replicated dimensions counted once; the inf-norm by hand,
+which tolerates empty local shards); every rank then holds
 every mesh's norm as an ordinary tensor and combines them the same way."""
 
 from __future__ import annotations
@@ -10,11 +11,27 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
 def _mesh_key(grad: torch.Tensor):
     return grad.device_mesh if isinstance(grad, DTensor) else None
+
+
+def _max_norm(mesh, members: list[torch.Tensor]) -> torch.Tensor:
+    """The inf-norm of ``members`` (gradients on ``mesh``, or plain tensors when it is None).
+    Not through DTensor: FSDP leaves a rank an empty shard when a dimension has fewer rows than
+    ranks (a [6, H] router over 4 ranks), and the inf-norm of an empty tensor is an error. Here
+    an empty shard contributes 0 (the identity of max over norms), and the local maxima are
+    reduced over every mesh dimension: max counts a replicated dimension once by itself."""
+    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in members]
+    maxima = [torch.linalg.vector_norm(t, math.inf, dtype=torch.float32) for t in locals_ if t.numel()]
+    norm = torch.stack(maxima).amax() if maxima else torch.zeros((), dtype=torch.float32, device=locals_[0].device)
+    if mesh is not None:
+        for dim in range(mesh.ndim):
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    return norm
 
 
 def clip_grad_norm_(
@@ -44,6 +61,9 @@ def clip_grad_norm_(
         groups.setdefault(_mesh_key(g), []).append(g)
     group_norms = []
     for mesh, members in groups.items():
+        if math.isinf(norm_type):
+            group_norms.append(_max_norm(mesh, members))
+            continue
         norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in members]
         norm = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         group_norms.append(norm.full_tensor() if mesh is not None else norm)
