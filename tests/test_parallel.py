@@ -10,9 +10,10 @@ error, that one or ours (the expert gradient of an ep group is a sum over its ra
 here as a factor 2 or 4 on some gradients.
 
 Layouts: ep=2 (2 ranks), ep=4, ep=2 x dp_replicate=2 (HSDP), ep=2 x dp_shard=4 (experts
-FSDP-sharded over edp=2), ep=1; Mixtral and Qwen3-MoE; natural routing, routing where rank 1 owns
-no chosen expert, and routing where one expert gets every token. Every layout of one world size
-runs inside ONE spawned process group."""
+FSDP-sharded over edp=2), ep=1; Mixtral and Qwen3-MoE; natural routing, routing where only the
+first rank of an ep group owns a chosen expert (the others receive no tokens), and routing where
+one expert gets every token, each on every 4-rank layout for both families. Every layout of one
+world size runs inside ONE spawned process group."""
 
 from __future__ import annotations
 
@@ -273,16 +274,22 @@ def _world_2(rank, world) -> dict:
 MIXTRAL_8 = {"num_local_experts": 8}
 
 
+LAYOUTS_4 = {
+    "ep4": dict(ep=4),
+    "ep2_hsdp_dp_replicate2": dict(ep=2, dp_replicate=2, dp_shard=2),
+    "ep2_dp_shard4_edp2": dict(ep=2, dp_shard=4),
+}
+FAMILIES_4 = {"mixtral": ("mixtral", MIXTRAL_8), "qwen3": ("qwen3_moe", {})}
+HARD_ROUTINGS = ("first_rank_only", "one_expert_all")
+
+
 def _world_4(rank, world) -> dict:
-    layouts = {
-        "ep4": dict(ep=4),
-        "ep2_hsdp_dp_replicate2": dict(ep=2, dp_replicate=2, dp_shard=2),
-        "ep2_dp_shard4_edp2": dict(ep=2, dp_shard=4),
-    }
     results = {}
-    for name, layout in layouts.items():
-        results[f"mixtral_{name}"] = _parity(rank, world, "mixtral", layout, overrides=MIXTRAL_8)
-        results[f"qwen3_{name}"] = _parity(rank, world, "qwen3_moe", layout)
+    for name, layout in LAYOUTS_4.items():
+        for short, (family, overrides) in FAMILIES_4.items():
+            for routing in ("natural",) + HARD_ROUTINGS:
+                key = f"{short}_{name}" + ("" if routing == "natural" else f"_{routing}")
+                results[key] = _parity(rank, world, family, layout, routing=routing, overrides=overrides)
     # 6 experts: the router weight [6, 32] FSDP-sharded over dp_shard=4 leaves rank 3 no rows,
     # and 3 local experts over edp=2 shard the intermediate dimension instead.
     results["mixtral_e6_ep2_dp_shard4_empty_shard"] = _parity(rank, world, "mixtral", dict(ep=2, dp_shard=4))
@@ -328,8 +335,8 @@ def test_two_ranks_bf16_mixed_precision_loss(world2):
 
 @pytest.mark.parametrize(
     "name",
-    [f"{family}_{layout}" for family in ("mixtral", "qwen3") for layout in
-     ("ep4", "ep2_hsdp_dp_replicate2", "ep2_dp_shard4_edp2")] + ["mixtral_e6_ep2_dp_shard4_empty_shard"],
+    [f"{family}_{layout}{suffix}" for family in FAMILIES_4 for layout in LAYOUTS_4
+     for suffix in ("", *(f"_{routing}" for routing in HARD_ROUTINGS))] + ["mixtral_e6_ep2_dp_shard4_empty_shard"],
 )
 def test_four_ranks_match_one_process(world4, name):
     _assert_parity(world4[0]["parity"][name], TOL)
