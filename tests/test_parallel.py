@@ -12,8 +12,9 @@ here as a factor 2 or 4 on some gradients.
 Layouts: ep=2 (2 ranks), ep=4, ep=2 x dp_replicate=2 (HSDP), ep=2 x dp_shard=4 (experts
 FSDP-sharded over edp=2), ep=1; Mixtral and Qwen3-MoE; natural routing, routing where only the
 first rank of an ep group owns a chosen expert (the others receive no tokens), and routing where
-one expert gets every token, each on every 4-rank layout for both families. Every layout of one
-world size runs inside ONE spawned process group."""
+one expert gets every token, each on every 4-rank layout for both families; capacity mode (ep=2
+and ep=4), the reference dropping the pairs the policy picks from the parallel model's own fp32
+routing weights. Every layout of one world size runs inside ONE spawned process group."""
 
 from __future__ import annotations
 
@@ -63,27 +64,46 @@ def _remap_routing(routing: str, num_experts: int, ep: int):
     return hook
 
 
-def _drop_like_capacity_mode(capacity_factor: float, world: int):
+def _record_routing(records: list):
+    """A pre-hook on each experts module of the parallel model: the (experts, weights) it routes
+    with, in call order (layers, then steps)."""
+
+    def hook(module, args):
+        _, idx, weights = args
+        records.append((idx.detach().clone(), weights.detach().clone()))
+
+    return hook
+
+
+def _drop_as_recorded(capacity_factor: float, records_by_rank: list, dropped: list):
     """The reference's side of capacity mode: the documented policy (the loop of test_dispatch)
-    applied to each rank's share of the tokens, dropped pairs' weights set to zero."""
+    applied to each rank's share of the tokens, dropped pairs' weights set to zero. The policy
+    reads the fp32 weights the parallel model routed with (``_record_routing``), not the float64
+    ones: a near tie (seen: 0.030845307 vs 0.030845288) can order differently in float64 and drop
+    another token. Appends each call's dropped pairs to ``dropped``."""
     from moe_ep.dispatch import expert_capacity
     from test_dispatch import keep_mask_reference
 
+    calls = iter(zip(*records_by_rank))
+
     def hook(module, args):
         hidden, idx, weights = args
-        T, K = idx.shape
+        shares = next(calls)  # this call's (idx, weights) on each rank, in rank (= batch) order
+        if not torch.equal(idx, torch.cat([i for i, _ in shares])):
+            raise AssertionError("the float64 reference chose other experts than the fp32 model (a routing near tie)")
         E = module.gate_up_proj.shape[0]
-        capacity = expert_capacity(T // world, K, E, capacity_factor)
         keep = torch.cat([
-            keep_mask_reference(i, w, E, capacity) for i, w in zip(idx.chunk(world), weights.detach().chunk(world))
+            keep_mask_reference(i, w, E, expert_capacity(i.shape[0], i.shape[1], E, capacity_factor))
+            for i, w in shares
         ])
+        dropped.append(int((~keep).sum()))
         return hidden, idx, weights * keep
 
     return hook
 
 
 def _build(family: str, *, dtype, experts_implementation: str, routing: str, ep: int, overrides: dict,
-           reference_capacity=None):
+           capacity_hook=None):
     from hf_models import tiny_model
     from moe_ep.hf import register
     from moe_ep.parallel.expert_sharding import experts_modules
@@ -95,18 +115,18 @@ def _build(family: str, *, dtype, experts_implementation: str, routing: str, ep:
         hook = _remap_routing(routing, experts[0][1].gate_up_proj.shape[0], ep)
         for _, module in experts:
             module.register_forward_pre_hook(hook)
-    if reference_capacity is not None:
+    if capacity_hook is not None:  # after the remapping: it sees the experts actually routed to
         for _, module in experts:
-            module.register_forward_pre_hook(_drop_like_capacity_mode(*reference_capacity))
+            module.register_forward_pre_hook(capacity_hook)
     return model
 
 
-def _reference(family, routing, ep, overrides, batch, steps, activation_checkpointing=False, capacity=None):
+def _reference(family, routing, ep, overrides, batch, steps, activation_checkpointing=False, capacity_hook=None):
     """One process, whole batch, float64, transformers' eager experts."""
     from moe_ep.parallel.parallelize import enable_activation_checkpointing
 
     model = _build(family, dtype=torch.float64, experts_implementation="eager", routing=routing, ep=ep,
-                   overrides=overrides, reference_capacity=capacity)
+                   overrides=overrides, capacity_hook=capacity_hook)
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -132,7 +152,9 @@ def _parity(rank, world, family, layout, *, routing="natural", overrides=None, s
 
     overrides = overrides or {}
     ep = layout.get("ep", 1)
-    model = _build(family, dtype=torch.float32, experts_implementation="moe_ep", routing=routing, ep=ep, overrides=overrides)
+    routed = []
+    model = _build(family, dtype=torch.float32, experts_implementation="moe_ep", routing=routing, ep=ep,
+                   overrides=overrides, capacity_hook=None if capacity_factor is None else _record_routing(routed))
     batch = tiny_batch(model.config, batch=2 * world, seq=7)
     mine = {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
     parallelize(model, **layout, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
@@ -151,11 +173,15 @@ def _parity(rank, world, family, layout, *, routing="natural", overrides=None, s
         losses.append(mean_loss.item() / world)
         optimizer.step()
         optimizer.zero_grad()
+    routed_by_rank = [None] * world
+    if capacity_factor is not None:
+        dist.all_gather_object(routed_by_rank, routed)
     if rank != 0:
         return None
-    capacity = None if capacity_factor is None else (capacity_factor, world)
+    dropped = []
+    hook = None if capacity_factor is None else _drop_as_recorded(capacity_factor, routed_by_rank, dropped)
     ref_losses, ref_norms, ref_grads = _reference(family, routing, ep, overrides, batch, steps, activation_checkpointing,
-                                                  capacity)
+                                                  hook)
     return {
         "loss": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
         "norm": [abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)],
@@ -163,6 +189,7 @@ def _parity(rank, world, family, layout, *, routing="natural", overrides=None, s
         "grad_names_match": sorted(grads) == sorted(ref_grads),
         "inf_norm": abs(inf_norm - max(g.abs().max().item() for g in ref_grads.values())) / inf_norm,
         "grads_finite": all(bool(g.isfinite().all()) for g in grads.values()),
+        "dropped": sum(dropped),
     }
 
 
@@ -293,6 +320,8 @@ def _world_4(rank, world) -> dict:
     # 6 experts: the router weight [6, 32] FSDP-sharded over dp_shard=4 leaves rank 3 no rows,
     # and 3 local experts over edp=2 shard the intermediate dimension instead.
     results["mixtral_e6_ep2_dp_shard4_empty_shard"] = _parity(rank, world, "mixtral", dict(ep=2, dp_shard=4))
+    results["mixtral_ep4_capacity_drops"] = _parity(rank, world, "mixtral", dict(ep=4), overrides=MIXTRAL_8,
+                                                    capacity_factor=0.75)
     return {"parity": results}
 
 
@@ -306,7 +335,9 @@ def world4():
     return run_ranks(_world_4, 4, timeout=240)
 
 
-def _assert_parity(result: dict, tol: float) -> None:
+def _assert_parity(result: dict, tol: float, *, capacity: bool = False) -> None:
+    if capacity:
+        assert result["dropped"] > 0, "capacity mode dropped nothing: the case tests no dropping"
     assert result["grad_names_match"]
     bad = {n: e for n, e in result["grad"].items() if not e <= tol}
     assert not bad, f"gradients off by more than {tol}: {bad}"
@@ -321,7 +352,7 @@ def _assert_parity(result: dict, tol: float) -> None:
      "qwen3_ep2_activation_checkpointing", "mixtral_ep1_fsdp_only", "qwen3_ep2_capacity_drops"],
 )
 def test_two_ranks_match_one_process(world2, name):
-    _assert_parity(world2[0]["parity"][name], TOL)
+    _assert_parity(world2[0]["parity"][name], TOL, capacity="capacity" in name)
 
 
 def test_two_ranks_bf16_mixed_precision_loss(world2):
@@ -336,10 +367,11 @@ def test_two_ranks_bf16_mixed_precision_loss(world2):
 @pytest.mark.parametrize(
     "name",
     [f"{family}_{layout}{suffix}" for family in FAMILIES_4 for layout in LAYOUTS_4
-     for suffix in ("", *(f"_{routing}" for routing in HARD_ROUTINGS))] + ["mixtral_e6_ep2_dp_shard4_empty_shard"],
+     for suffix in ("", *(f"_{routing}" for routing in HARD_ROUTINGS))]
+    + ["mixtral_e6_ep2_dp_shard4_empty_shard", "mixtral_ep4_capacity_drops"],
 )
 def test_four_ranks_match_one_process(world4, name):
-    _assert_parity(world4[0]["parity"][name], TOL)
+    _assert_parity(world4[0]["parity"][name], TOL, capacity="capacity" in name)
 
 
 def test_full_state_dict_roundtrip(world2):
