@@ -29,22 +29,26 @@ def act_bwd(grad: torch.Tensor, gate: torch.Tensor, activation: str, *, out: tor
 def glu_fwd(gate_up_N2I: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up, computed in float32, returned in float32."""
     gate, up = gate_up_N2I.float().chunk(2, dim=-1)
-    return act_fwd(gate, activation) * up
+    return act_fwd(gate, activation).mul_(up)
 
 
 def glu_bwd(gate_up_N2I: torch.Tensor, dh_NI: torch.Tensor, w_N: torch.Tensor, activation: str):
     """Backward of ``w * (act(gate) * up)`` from ``dh_NI``, the gradient of the unweighted
-    product, recomputing the activation instead of storing it. Returns ``(dw_N float32,
-    h_NI float32, d gate_up_N2I in the dtype of gate_up_N2I)``; one pass per output, and the two
-    halves of the input gradient written in place rather than concatenated."""
+    product, recomputing the activation instead of storing it. ``dh_NI`` is consumed (scaled in
+    place when it is float32). Returns ``(dw_N, wh_NI, d gate_up_N2I)``: the routing weights'
+    gradient, ``w * act(gate) * up`` (what the down projection's weight gradient needs against the
+    unweighted output gradient), both float32, and the input gradient in the dtype of
+    ``gate_up_N2I``. Temporaries are reused so that a large backward allocates little."""
     gate, up = gate_up_N2I.float().chunk(2, dim=-1)
-    act = act_fwd(gate, activation)
-    h_NI = act * up
     dh = dh_NI.float()
-    dw_N = (h_NI * dh).sum(-1)
-    dh = dh * w_N[:, None]
+    act = act_fwd(gate, activation)
+    wh = act * up
+    dw_N = (wh * dh).sum(-1)
+    w = w_N[:, None]
+    dh.mul_(w)
+    wh.mul_(w)
     d_gate_up_N2I = torch.empty(gate_up_N2I.shape, dtype=torch.float32, device=gate_up_N2I.device)
     d_gate, d_up = d_gate_up_N2I.chunk(2, dim=-1)
-    act_bwd(dh * up, gate, activation, out=d_gate)
     torch.mul(dh, act, out=d_up)
-    return dw_N, h_NI, d_gate_up_N2I.to(gate_up_N2I.dtype)
+    act_bwd(torch.mul(dh, up, out=act), gate, activation, out=d_gate)
+    return dw_N, wh, d_gate_up_N2I.to(gate_up_N2I.dtype)

@@ -71,7 +71,7 @@ def _forward_impl(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation):
     h_NI = glu_fwd(gate_up_N2I, activation).to(x_TH.dtype)
     out_NH = grouped_linear(h_NI, down_EHI, offsets_E)
     w_N = w_TK.reshape(-1)[order_N].float()
-    out_NH = (out_NH.float() * w_N[:, None]).to(x_TH.dtype)
+    out_NH = out_NH.float().mul_(w_N[:, None]).to(x_TH.dtype)  # in place for float32
     y_TH = _unsort_sum(out_NH, order_N, T, K).to(x_TH.dtype)
     return y_TH, order_N, offsets_E, gate_up_N2I
 
@@ -123,10 +123,10 @@ def experts_torch_bwd(
     # Gradient of the unweighted expert output w.r.t. h: dy @ down[e]. Since
     # d w_n = <dy_t, down[e] h_n> = <dy_t @ down[e], h_n>, the expert output need not be kept.
     dh_raw_NI = grouped_linear(dy_NH, down_EHI.transpose(1, 2), offsets_E)
-    dw_N, h_NI, d_gate_up_N2I = glu_bwd(gate_up_N2I, dh_raw_NI, w_N, activation)
+    dw_N, wh_NI, d_gate_up_N2I = glu_bwd(gate_up_N2I, dh_raw_NI, w_N, activation)
     dw_TK = torch.empty_like(dw_N).index_copy_(0, order_N, dw_N).view(T, K).to(w_TK.dtype)
-    dyw_NH = (dy_NH.float() * w_N[:, None]).to(dtype)
-    d_down_EHI = grouped_outer(dyw_NH, h_NI.to(dtype), offsets_E)
+    # d down[e] = sum_n (w_n dy_n)^T h_n = sum_n dy_n^T (w_n h_n): the weight goes on h.
+    d_down_EHI = grouped_outer(dy_NH, wh_NI.to(dtype), offsets_E)
     d_gate_up_E2IH = grouped_outer(d_gate_up_N2I, x_NH, offsets_E)
     dx_NH = grouped_linear(d_gate_up_N2I, gate_up_E2IH.transpose(1, 2), offsets_E)
     dx_TH = _unsort_sum(dx_NH, order_N, T, K).to(dtype)
