@@ -465,10 +465,16 @@ def target_notes(rows: list[dict], device: torch.device) -> list[str]:
         for routing in sorted({r["routing"] for r in rows if r["kind"] == "op"}):
             r = row("moe_ep[torch]", "fwd+bwd", routing=routing)
             if r is not None:
-                notes.append(
-                    f"CPU target, {routing}, T={r['T']}: torch backend fwd+bwd vs grouped_mm "
-                    f"{verdict(r.get('vs_grouped_mm'), 1.0)}, vs eager {verdict(r.get('vs_eager'), 2.0)}"
-                )
+                note = (f"CPU target, {routing}, T={r['T']}: torch backend fwd+bwd vs grouped_mm "
+                        f"{verdict(r.get('vs_grouped_mm'), 1.0)}, vs eager {verdict(r.get('vs_eager'), 2.0)}")
+                eager = row(REFERENCE, "fwd+bwd", routing=routing)
+                dense = next((d for d in rows if d["kind"] == "dense" and d["routing"] == routing
+                              and d.get("phase") == "fwd+bwd" and d.get("ms") is not None), None)
+                if eager is not None and dense is not None:
+                    # Half of eager's time is below the time the same FLOPs take as one dense GEMM chain.
+                    note += (f"; 2x eager = {eager['ms'] / 2:.1f} ms against a dense-GEMM floor of "
+                             f"{dense['ms']:.1f} ms for the same FLOPs")
+                notes.append(note)
         return notes
     fb, f = row("moe_ep[triton]", "fwd+bwd", T=16384), row("moe_ep[triton]", "fwd", T=16384)
     g = row(GROUPED_MM, "fwd+bwd", T=16384)
