@@ -557,3 +557,59 @@ def test_wire_bytes_errors():
         count_exchange_bytes(8, 0, 2)
     with pytest.raises(TypeError, match="idx_TK must be int64 or int32"):
         wire_bytes(torch.zeros(2, 2), 1, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# The dispatcher's row movements, against dense float64 math.
+
+
+def _row_problem(seed: int, I: int = 11, G: int = 6, C: int = 3, H: int = 5, read: int = 8):
+    """``read`` of the ``I`` rows each read by a distinct (g, c) term; the rest read by none."""
+    g = torch.Generator().manual_seed(seed)
+    terms = torch.randperm(G * C, generator=g)[:read]
+    rows = torch.randperm(I, generator=g)[:read]
+    src_GC = torch.full((G * C,), I, dtype=torch.long)
+    src_GC[terms] = rows
+    reader_I = torch.full((I,), G * C, dtype=torch.long)
+    reader_I[rows] = terms
+    x = torch.randn(I, H, generator=g, dtype=torch.float64)
+    scale = torch.rand(G, C, generator=g, dtype=torch.float64)
+    return x, src_GC.view(G, C), reader_I, scale
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sum_rows_both_orders_match_float64_and_gradients(seed):
+    from moe_ep.dispatch.row_ops import _sum_by_columns, _sum_by_rows, sum_rows
+
+    x, src_GC, reader_I, scale = _row_problem(seed)
+    G, C = src_GC.shape
+    dense = torch.zeros(G, C, x.shape[0], dtype=torch.float64)  # out = (scale * A) @ x
+    valid = src_GC < x.shape[0]
+    dense[valid.nonzero(as_tuple=True) + (src_GC[valid],)] = 1.0
+    ref = ((dense * scale[:, :, None]).sum(1)) @ x
+    target_I = torch.where(reader_I < G * C, reader_I // C, G)
+    for got in (_sum_by_rows(x.float(), target_I, G, scale.float(), reader_I),
+                _sum_by_columns(x.float(), src_GC, scale.float())):
+        assert rel_err(got, ref) <= TOL
+    xs, ss = x.float().requires_grad_(), scale.float().requires_grad_()
+    x64, s64 = x.clone().requires_grad_(), scale.clone().requires_grad_()
+    dy = torch.randn(G, x.shape[1], dtype=torch.float64)
+    (sum_rows(xs, src_GC, reader_I, ss) * dy.float()).sum().backward()
+    ((((dense * s64[:, :, None]).sum(1)) @ x64) * dy).sum().backward()
+    assert rel_err(xs.grad, x64.grad) <= TOL and rel_err(ss.grad, s64.grad) <= TOL
+
+
+def test_gather_rows_gradient_sums_listed_copies_only():
+    from moe_ep.dispatch.row_ops import gather_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    index = torch.tensor([2, 0, 2, 1, 0])  # the last row is a padding copy nobody lists
+    copies = torch.tensor([[1, 5], [3, 5], [0, 2], [5, 5]])
+    dy = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    xs = x.float().requires_grad_()
+    out = gather_rows(xs, index, copies)
+    assert torch.equal(out, x.float()[index])
+    (out * dy.float()).sum().backward()
+    want = torch.stack([dy[1], dy[3], dy[0] + dy[2], torch.zeros(3, dtype=torch.float64)])
+    assert rel_err(xs.grad, want) <= TOL

@@ -15,8 +15,29 @@ import torch
 import torch.nn.functional as F
 
 
-def _sum(rows_IH: torch.Tensor, src_GC: torch.Tensor, scale_GC: torch.Tensor | None) -> torch.Tensor:
-    """Accumulated in float32, column by column; one gather and one fused multiply-add each."""
+def _sum(rows_IH, src_GC, target_I, scale_GC=None, reader_I=None) -> torch.Tensor:
+    """``out[g] = sum_c scale[g, c] * rows[src[g, c]]`` accumulated in float32, the terms given
+    both ways: ``src_GC`` (term -> row) and ``target_I`` (row -> its ``g``, ``G`` = read by none)
+    with ``reader_I`` (row -> its flat term, for the scale)."""
+    if rows_IH.device.type == "cpu":
+        return _sum_by_rows(rows_IH, target_I, src_GC.shape[0], scale_GC, reader_I)
+    return _sum_by_columns(rows_IH, src_GC, scale_GC)
+
+
+def _sum_by_rows(rows_IH, target_I, G: int, scale_GC=None, reader_I=None) -> torch.Tensor:
+    """``index_add_``, deterministic on the CPU (it adds in row order): one pass over the rows,
+    whatever the number of terms. On a GPU it would add with atomics."""
+    terms_IH = rows_IH.float()
+    if scale_GC is not None:
+        scale_I = F.pad(scale_GC.reshape(-1).float(), (0, 1))[reader_I]
+        terms_IH = terms_IH * scale_I[:, None]
+    out_GH = torch.zeros(G + 1, rows_IH.shape[1], dtype=torch.float32, device=rows_IH.device)
+    return out_GH.index_add_(0, target_I, terms_IH)[:G].to(rows_IH.dtype)
+
+
+def _sum_by_columns(rows_IH, src_GC, scale_GC=None) -> torch.Tensor:
+    """Column by column, one gather and one fused multiply-add each (padding terms included):
+    the deterministic order on a GPU."""
     valid_GC = src_GC < rows_IH.shape[0]
     scale_GC = valid_GC.float() if scale_GC is None else torch.where(valid_GC, scale_GC.float(), 0.0)
     if rows_IH.shape[0] == 0:
@@ -39,13 +60,17 @@ def _gather(x_JH: torch.Tensor, index_I: torch.Tensor) -> torch.Tensor:
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_JH, index_I, copies_JC):
-        ctx.save_for_backward(copies_JC)
+        # Rows of out that are nobody's listed copy (capacity padding) pass no gradient.
+        num_out = index_I.shape[0]
+        listed = torch.zeros(num_out + 1, dtype=torch.bool, device=index_I.device)
+        listed = listed.index_fill_(0, copies_JC.reshape(-1), True)[:num_out]
+        ctx.save_for_backward(copies_JC, torch.where(listed, index_I, x_JH.shape[0]))
         return x_JH[index_I]
 
     @staticmethod
     def backward(ctx, grad_IH):
-        (copies_JC,) = ctx.saved_tensors
-        return _sum(grad_IH, copies_JC, None), None, None
+        copies_JC, target_I = ctx.saved_tensors
+        return _sum(grad_IH, copies_JC, target_I), None, None
 
 
 class _SumRows(torch.autograd.Function):
@@ -55,7 +80,9 @@ class _SumRows(torch.autograd.Function):
         keep = rows_IH if ctx.needs_input_grad[2] else None
         ctx.save_for_backward(keep, src_GC, scale_GC, reader_I)
         ctx.num_rows = rows_IH.shape[0]
-        return _sum(rows_IH, src_GC, scale_GC)
+        G, width = src_GC.shape
+        target_I = torch.where(reader_I < G * width, reader_I // width, G)
+        return _sum(rows_IH, src_GC, target_I, scale_GC, reader_I)
 
     @staticmethod
     def backward(ctx, grad_GH):
