@@ -301,6 +301,38 @@ def _transformers_ep(rank: int, world: int) -> dict:
             "err": rel_err(y, ref.view(world, T, -1)[rank])}
 
 
+def _transformers_ep_from_pretrained(rank: int, world: int, checkpoint: str) -> dict:
+    """What a transformers user writes: from_pretrained with DistributedConfig(ep_implementation=
+    "moe_ep"). Each rank's loss against a float64 single process on that rank's batch, and every
+    gradient against transformers' own all-to-all on the same layout."""
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from hf_models import tiny_batch
+
+    runs = {}
+    for impl in ("all_to_all", "moe_ep"):
+        config = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation=impl)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=config, experts_implementation="eager")
+        batch = tiny_batch(model.config, batch=2 * world)
+        mine = {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
+        loss = model(**mine).loss
+        loss.backward()
+        grads = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
+        runs[impl] = (loss.detach(), grads)
+        # transformers keeps the implementation in the closure of the forward it installs.
+        installed = model.model.layers[0].mlp.experts.forward.__closure__ or ()
+        runs[impl + " class"] = sorted({type(c.cell_contents).__name__ for c in installed} - {"function", "DeviceMesh"})
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, experts_implementation="eager", dtype=torch.float64)
+    with torch.no_grad():
+        ref_loss = reference(**mine).loss
+    (loss, grads), (_, their_grads) = runs["moe_ep"], runs["all_to_all"]
+    return {"classes": runs["moe_ep class"], "loss_err": rel_err(loss, ref_loss),
+            "grad_err": max(rel_err(grads[n], their_grads[n]) for n in grads),
+            "grads_compared": len(grads)}
+
+
 # ---------------------------------------------------------------------------------------------
 # Argument errors that need a process group.
 
@@ -344,8 +376,9 @@ def _errors(rank: int, world: int) -> dict:
     return messages
 
 
-def _world_2(rank: int, world: int) -> dict:
+def _world_2(rank: int, world: int, checkpoint: str) -> dict:
     return {
+        "transformers_ep_from_pretrained": _transformers_ep_from_pretrained(rank, world, checkpoint),
         "cases": {c.name: _check_case(c, rank, world) for c in CASES_2},
         "audit_capacity": _audit(rank, world, 1.0),
         "audit_dropless": _audit(rank, world, None),
@@ -360,8 +393,12 @@ def _world_4(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return run_ranks(_world_2, 2)
+def world2(tmp_path_factory):
+    from hf_models import tiny_model
+
+    checkpoint = tmp_path_factory.mktemp("tiny_mixtral")
+    tiny_model("mixtral").save_pretrained(checkpoint)
+    return run_ranks(_world_2, 2, str(checkpoint))
 
 
 @pytest.fixture(scope="module")
@@ -430,6 +467,13 @@ def test_transformers_registry_entry(world2):
         ep = result["transformers_ep"]
         assert ep["registered"] and ep["in_registry"]
         assert ep["err"] <= TOL
+
+
+def test_transformers_distributed_config_runs_our_dispatcher(world2):
+    for result in world2:
+        run = result["transformers_ep_from_pretrained"]
+        assert "MoeEpAllToAll" in run["classes"], run
+        assert run["loss_err"] <= TOL and run["grad_err"] <= TOL and run["grads_compared"] > 0, run
 
 
 @pytest.mark.parametrize(
