@@ -1,7 +1,9 @@
 """examples/mixtral end to end on the CPU: `accelerate launch` with 2 gloo processes against a
 single-process run of the same model and data; a run killed mid-way (while it writes a checkpoint)
 resumes onto the uninterrupted run's losses bit for bit; the exported folder loads with plain
-transformers in a fresh process and gives the trained model's logits."""
+transformers in a fresh process and gives the trained model's logits. Pipeline stages on 4
+processes (flags and --plan) against moe_ep's TrainStep on the unsplit model in one process, their
+checkpoints resumed bit for bit, under the planner's layout, and exported."""
 
 from __future__ import annotations
 
@@ -32,6 +34,12 @@ COMMON = [
 ]
 # Expert parallel over both ranks (FSDP2 over the same two ranks for the dense weights).
 LAYOUT = ["--ep", "2"]
+# 2 pipeline stages on 4 processes, each stage FSDP-sharded over 2 with its experts split over the
+# same 2; 4 micro-batches of 1 sequence per data-parallel rank: a global batch of 8 sequences, the
+# batch that the planner's layout for 4 processes below (4 stages, 8 micro-batches) also takes.
+PIPELINE = ["--pp", "2", "--ep", "2", "--micro-batch-size", "1"]
+PLANNED = ["--plan", "--gpu-memory-gib", "1", "--global-batch-tokens", "512"]
+PIPELINE_BATCH = 8
 
 
 def env():
@@ -47,11 +55,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_cmd(out: Path, *extra: str) -> list[str]:
+def accelerate_cmd(out: Path, *extra: str, processes: int = 2, layout=LAYOUT) -> list[str]:
     return [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(EXAMPLE / "configs" / "cpu.yaml"),
-        "--num_processes", "2", "--main_process_port", str(free_port()), str(EXAMPLE / "train.py"),
-        *COMMON, *LAYOUT, "--output-dir", str(out), *extra,
+        "--num_processes", str(processes), "--main_process_port", str(free_port()), str(EXAMPLE / "train.py"),
+        *COMMON, *layout, "--output-dir", str(out), *extra,
     ]
 
 
@@ -221,3 +229,129 @@ def test_resuming_with_other_data_is_refused(reference, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--resume {ckpt}: the checkpoint was trained on other data or another global batch" in err
     assert not (tmp_path / "other" / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------------------- pipeline stages
+
+
+def pipeline_cmd(out: Path, *extra: str, layout=PIPELINE) -> list[str]:
+    return accelerate_cmd(out, *extra, processes=4, layout=layout)
+
+
+def records(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline")
+    log = run(pipeline_cmd(out, "--export-dir", str(out / "hf")))
+    return out, log
+
+
+@pytest.fixture(scope="module")
+def pipeline_reference(pipeline_run):
+    """The pipeline runs in one process: moe_ep's TrainStep on the whole model (pipeline stages
+    compute its per-layer load-balancing loss, not train.py's pooled one), the global batch of 8
+    sequences as 8 micro-batches of 1 (the data-parallel ranks' blocks in turn), with train.py's
+    initialisation, data, optimizer, learning rates and clipping. Returns ({step: (loss, aux)},
+    the trained model)."""
+    sys.path.insert(0, str(EXAMPLE))
+    import data
+    import train
+    from models import build_model, configure_experts, resolve_model
+    from options import build_parser
+
+    from moe_ep.training import TrainStep
+
+    args = build_parser().parse_args([*COMMON, *PIPELINE])
+    source = resolve_model(args.model)
+    model = configure_experts(build_model(source, seed=args.seed, meta=False), "moe_ep", None)
+    optimizer = train.make_optimizer(model, args)
+    step = TrainStep(model, optimizer, microbatches=PIPELINE_BATCH, aux_loss_coef=source.config.router_aux_loss_coef,
+                     max_grad_norm=args.max_grad_norm)
+    tokens = data.cached_tokens(data.resolve_data(args.data, args.text_field), data.ByteTokenizer(),
+                                pipeline_run[0] / "token_cache", is_local_main=True, barrier=lambda: None,
+                                max_tokens=args.max_corpus_tokens)
+    packed = data.PackedSequences(tokens, args.seq_len)
+    schedule = data.BatchSchedule(packed.num_sequences, PIPELINE_BATCH, 0, 1, args.seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        losses = {}
+        for s in range(args.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = train.lr_at(s, args)
+            step({"input_ids": data.local_batch(packed, schedule, s)})
+            losses[s + 1] = (step.last_lm_loss.item(), step.last_aux_loss.item())
+    finally:
+        torch.set_num_threads(threads)
+    return losses, model
+
+
+def assert_matches_reference(out: Path, reference: dict, steps) -> None:
+    got = records(out)
+    a = torch.tensor([[got[s]["loss"], got[s]["aux_loss"]] for s in steps], dtype=torch.float64)
+    b = torch.tensor([reference[s] for s in steps], dtype=torch.float64)
+    assert rel_err(a, b) <= TOLERANCE[torch.float32], (a, b)
+
+
+def test_pipeline_stages_on_four_processes_match_one_process(pipeline_run, pipeline_reference):
+    out, log = pipeline_run
+    assert "layout pp=2 dp_replicate=1 dp_shard=2 ep=2 microbatches=4 schedule=1f1b on 4 process(es)" in log
+    assert "global batch 8 sequences = 512 tokens/step" in log
+    got = records(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert got[STEPS]["loss"] < got[1]["loss"] - 0.5
+    assert_matches_reference(out, pipeline_reference[0], range(1, STEPS + 1))
+    # Every routed slot of the step counted once, on whichever stage holds its layer; the pass
+    # torch's stages make to infer shapes before their first step is not.
+    for r in got.values():
+        assert [sum(layer) for layer in r["expert_load"]] == [PIPELINE_BATCH * 64 * 2] * 4, r["step"]
+
+
+def test_pipeline_checkpoint_resumes_bit_for_bit(pipeline_run, tmp_path):
+    out = tmp_path / "resumed"
+    ckpt = pipeline_run[0] / "checkpoints" / "step_00000004"
+    log = run(pipeline_cmd(out, "--resume", str(ckpt)))
+    assert f"resumed from {ckpt} at step 4" in log
+    resumed, uninterrupted = records(out), records(pipeline_run[0])
+    assert sorted(resumed) == [5, 6]
+    for s in (5, 6):
+        for key in ("loss", "aux_loss", "grad_norm", "expert_load"):
+            assert resumed[s][key] == uninterrupted[s][key], (s, key)  # exact
+
+
+def test_plan_with_pipeline_stages_resumes_another_layouts_checkpoint(pipeline_run, pipeline_reference, tmp_path):
+    """--plan on one node of 4 picks 4 stages of one layer (1F1B, 8 micro-batches of 1); it takes
+    over the 2-stage expert-parallel run's step-4 checkpoint (DCP reshards it by name) and
+    continues onto the single-process losses."""
+    out = tmp_path / "planned"
+    ckpt = pipeline_run[0] / "checkpoints" / "step_00000004"
+    log = run(pipeline_cmd(out, "--resume", str(ckpt), layout=PLANNED))
+    assert "decoder layers per stage [1, 1, 1, 1]" in log
+    assert "--plan: micro-batch 1 x 8 pipeline micro-batches per rank" in log
+    assert "layout pp=4 dp_replicate=1 dp_shard=1 ep=1 microbatches=8 schedule=1f1b on 4 process(es)" in log
+    assert f"resumed from {ckpt} at step 4" in log
+    assert sorted(records(out)) == [5, 6]
+    assert_matches_reference(out, pipeline_reference[0], (5, 6))
+
+
+def test_pipeline_checkpoint_exports_to_a_plain_transformers_folder(pipeline_run, pipeline_reference, tmp_path):
+    """export.py reads a pipeline run's checkpoint (each stage's shards under the model's names)
+    into the same folder train.py --export-dir wrote, whose logits are the single-process model's."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import export
+
+    out = pipeline_run[0]
+    ckpt = out / "checkpoints" / f"step_{STEPS:08d}"
+    assert export.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    mine, at_end = load_file(tmp_path / "hf" / "model.safetensors"), load_file(out / "hf" / "model.safetensors")
+    assert mine.keys() == at_end.keys() and all(torch.equal(mine[k], at_end[k]) for k in mine)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.tensor([list(b"def train(model):\n    return model")])
+    with torch.no_grad():
+        exported, trained = model(input_ids=ids).logits, pipeline_reference[1](input_ids=ids).logits
+    assert rel_err(exported, trained) <= TOLERANCE[torch.float32]

@@ -129,9 +129,48 @@ def test_layout_that_does_not_match_the_processes(tmp_path, capsys):
     assert "--pp 3 x --dp-replicate 1 = 3 does not divide the 2 processes launched" in err
 
 
-def test_pipeline_stages_are_refused_with_the_reason(tmp_path, capsys):
-    err = run_main(["--pp", "2", "--microbatches", "2"], tmp_path, capsys, world_size=2)
-    assert "pipeline stages are not wired into this example yet" in err and "use --pp 1" in err
+@pytest.mark.parametrize("argv, world_size, message", [
+    (["--pp", "2", "--aux-loss", "global"], 2,
+     "--aux-loss global is not available with pipeline stages (--pp 2): each stage balances its own layers"),
+    (["--pp", "2", "--z-loss-coef", "1e-3"], 2, "--z-loss-coef is not available with pipeline stages (--pp 2)"),
+    (["--pp", "2", "--grad-accum", "2"], 2,
+     "--grad-accum 2 does not apply with pipeline stages (--pp 2): the pipeline's --microbatches are the step's"),
+    (["--pp", "2", "--schedule", "pipedream"], 2,
+     "--schedule: schedule must be one of ('gpipe', '1f1b', 'interleaved-1f1b', 'zbv'), got 'pipedream'"),
+    (["--pp", "2", "--microbatches", "1"], 4,
+     "--microbatches 1: schedule '1f1b' needs at least pp=2 micro-batches, got 1"),
+    (["--pp", "2", "--schedule", "interleaved-1f1b", "--microbatches", "3"], 2,
+     "--microbatches 3: schedule 'interleaved-1f1b' needs a multiple of pp=2 micro-batches, got 3"),
+    (["--pp", "4", "--schedule", "zbv"], 4,
+     "--pp 4 needs 8 pipeline stages (2 per rank for zbv), one decoder layer at least each, but the model has 4"),
+    (["--pp", "8"], 8, "--pp 8 needs 8 pipeline stages, one decoder layer at least each, but the model has 4 layers"),
+    (["--schedule", "gpipe"], 2, "--schedule applies to pipeline stages only (--pp > 1)"),
+    (["--microbatches", "4", "--schedule", "1f1b"], 2, "--schedule and --microbatches apply to pipeline stages only"),
+    (["--plan", "--schedule", "zbv"], 2, "--plan chooses the layout itself; do not also give --schedule"),
+])
+def test_pipeline_flags_that_cannot_apply_fail_before_any_work(argv, world_size, message, tmp_path, capsys):
+    assert message in run_main(argv, tmp_path, capsys, world_size=world_size)
+
+
+def test_rank_view_gives_each_rank_its_stages_under_the_models_names():
+    """ZB-V on 2 ranks and 4 layers puts stages 0 and 3 on rank 0, 1 and 2 on rank 1: each rank's
+    view holds its layers once, under the full model's names, and the ranks together hold the
+    model's state dict exactly (what a pipeline checkpoint stores and any layout loads)."""
+    from layout import rank_view
+
+    from moe_ep.parallel import CausalLMStage
+
+    model, _ = tiny_model_and_optimizer()
+    stage = [CausalLMStage(model, [i], first=i == 0, last=i == 3) for i in range(4)]
+    views = [rank_view(model, [stage[0], stage[3]]), rank_view(model, [stage[1], stage[2]])]
+    full = model.state_dict()
+    held = [v.state_dict() for v in views]
+    assert not held[0].keys() & held[1].keys() and held[0].keys() | held[1].keys() == full.keys()
+    assert {k.split(".")[2] for k in held[0] if k.startswith("model.layers.")} == {"0", "3"}
+    for part in held:
+        for name, t in part.items():
+            assert t.data_ptr() == full[name].data_ptr(), name
+    assert views[0].config is model.config
 
 
 def test_expert_parallel_degree_must_divide(tmp_path, capsys):
@@ -321,6 +360,20 @@ def test_plan_chooses_a_layout_for_the_launched_processes(monkeypatch):
     )
     assert layout.world_size == 2 and plan.layout.dp_shard == layout.dp_shard and plan.layout.ep == layout.ep
     assert args.micro_batch_size * args.grad_accum * layout.dp_size * args.seq_len == 4096
+
+
+def test_plan_may_choose_pipeline_stages_and_the_cut(monkeypatch):
+    """One node of 4 with room to spare and 8 sequences per step: the planner prefers 4 pipeline
+    stages of one layer each over sharding (its cost model); the example takes its schedule,
+    micro-batches and cut, and the global batch stays the plan's."""
+    pytest.importorskip("moe_ep.planner")
+    args, (_, _, _, _, layout, plan, *_) = validate_with_world(
+        ["--plan", "--gpu-memory-gib", "1", "--global-batch-tokens", "512", "--seq-len", "64"], 4, monkeypatch
+    )
+    assert (layout.pp, layout.dp_size, layout.schedule, layout.microbatches) == (4, 1, "1f1b", 8)
+    assert layout.split_points == tuple(plan.best.split_points) == (1, 2, 3)
+    assert args.grad_accum == 1 and args.micro_batch_size == plan.layout.microbatch_size == 1
+    assert layout.sequences_per_rank(args.micro_batch_size, args.grad_accum) * layout.dp_size * args.seq_len == 512
 
 
 def test_plan_errors_say_what_is_missing(monkeypatch):

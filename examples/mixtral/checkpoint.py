@@ -21,13 +21,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from errors import UsageError
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 TMP_PREFIX = ".tmp-"
 TRAINER_STATE = "trainer_state.json"
+# Optimizer state and hyper-parameters keyed by parameter name (state.<fqn>.exp_avg,
+# param_groups.<fqn>.lr), not by position in the param groups: the ranks of different pipeline
+# stages hold different groups, and a checkpoint then loads under any other layout.
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @contextmanager
@@ -107,14 +111,15 @@ def _fsync_dir(path: Path) -> None:
 
 def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict, *, rank: int, barrier,
                     keep: int, config=None) -> Path:
-    """Collective: every rank calls it. Returns the final folder."""
+    """Collective: every rank calls it with what it trains (the model, or its pipeline stages
+    under the model's names, layout.rank_view). Returns the final folder."""
     final, tmp = step_dir(root, step), root / f"{TMP_PREFIX}step_{step:08d}"
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     with quiet_single_process():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save(rng_state(), tmp / f"rng-rank{rank:05d}.pt")
@@ -145,11 +150,12 @@ def load_checkpoint(path: Path, model, optimizer, *, rank: int, world_size: int)
     """Collective: load model and optimizer shards (DCP reshards if the layout changed) and this
     rank's RNG state. Returns the trainer state."""
     trainer_state = read_trainer_state(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     state = {"model": model_sd, "optim": optim_sd}
     with quiet_single_process():
         dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=STATE_DICT_OPTIONS)
     rng_file = path / f"rng-rank{rank:05d}.pt"
     if trainer_state["world_size"] == world_size and rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))

@@ -48,10 +48,14 @@ class ExpertLoad:
     Forward hooks on the MoE blocks' routers read the chosen expert ids (the router's last output),
     so what is counted is the routing that actually ran, with any kernel. Counts accumulate on the
     device with no host sync; ``collect`` sums them over all ranks (each rank routes its own tokens;
-    with pipeline stages each layer lives on one stage)."""
+    with pipeline stages each layer lives on one stage).
 
-    def __init__(self, model: torch.nn.Module, num_layers: int, num_experts: int, device):
+    ``pipeline``: torch's pipeline stages run their first micro-batch once more before the first
+    step, to infer the shapes they exchange; that pass is not training and is not counted."""
+
+    def __init__(self, model: torch.nn.Module, num_layers: int, num_experts: int, device, *, pipeline: bool = False):
         self.counts_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
+        self._uncounted = set(range(num_layers)) if pipeline else set()
         self._handles = []
         for name, module in model.named_modules():
             gate = getattr(module, "gate", None)
@@ -70,6 +74,9 @@ class ExpertLoad:
                 raise TypeError(
                     f"the router of {name} returned {type(output).__name__}; expected a tuple ending in expert ids"
                 )
+            if layer in self._uncounted:
+                self._uncounted.discard(layer)
+                return
             idx = output[-1].reshape(-1).long()
             self.counts_LE[layer].scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.float64))
         return hook
@@ -127,8 +134,10 @@ class Reporter:
             record["expert_load_max_over_mean"] = [round(b, 4) for b in balance(load_LE)]
             record["expert_load"] = load_LE.tolist()
         self.jsonl.write(json.dumps(record) + "\n")
+        # None: not computed (a pipeline run without load-balancing loss).
+        aux = "n/a" if record["aux_loss"] is None else f"{record['aux_loss']:.4f}"
         line = (
-            f"step {record['step']:>6} | loss {record['loss']:.4f} | aux {record['aux_loss']:.4f} "
+            f"step {record['step']:>6} | loss {record['loss']:.4f} | aux {aux} "
             f"| grad_norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s"
         )
         line += f" | MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""

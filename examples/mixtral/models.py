@@ -147,12 +147,16 @@ def local_parameters(module: nn.Module):
         module._parameters.update(saved)
 
 
-def materialize(model: nn.Module, device: torch.device, *, seed: int) -> None:
+def materialize(model: nn.Module, device: torch.device, *, seed: int, part: nn.Module | None = None) -> None:
     """Allocate a meta model's (possibly sharded) storage on ``device`` and initialise it with the
     model's own ``_init_weights``. Each local chunk is seeded from (seed, module, chunk offset), so a
-    chunk gets the same values whichever rank holds it (replicas agree) and distinct chunks differ."""
-    model.to_empty(device=device)
-    for module_name, module in model.named_modules():
+    chunk gets the same values whichever rank holds it (replicas agree) and distinct chunks differ.
+    ``part``: what this rank holds under the model's names (its pipeline stages, so that a chunk's
+    seed does not depend on the stage it lands on); the other stages' layers stay on the meta
+    device."""
+    part = model if part is None else part
+    part.to_empty(device=device)
+    for module_name, module in part.named_modules():
         params = [p for p in module._parameters.values() if p is not None]
         offsets = [local_chunk(p)[1] for p in params]
         digest = hashlib.sha256(f"{seed}|{module_name}|{offsets}".encode()).digest()

@@ -35,8 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--dp-shard", type=int, default=None, help="sharded data-parallel degree (default: what is left)")
     lay.add_argument("--dp-replicate", type=int, default=1, help="replicated data-parallel degree (HSDP)")
     lay.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    lay.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: 2 * pp)")
-    lay.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zbv")
+    lay.add_argument("--microbatches", type=int, default=None,
+                     help="pipeline micro-batches per step, each of --micro-batch-size sequences (default: 2 * pp)")
+    lay.add_argument("--schedule", default=None,
+                     help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zbv (default with --pp > 1: 1f1b)")
     lay.add_argument("--plan", action="store_true",
                      help="take ep/dp/pp, micro-batches, schedule and activation checkpointing from moe_ep.plan")
     lay.add_argument("--gpu-memory-gib", type=float, default=None, help="for --plan: memory per GPU (default: queried)")
@@ -52,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-corpus-tokens", type=int, default=None, help="cap on the tokens read from --data")
     d.add_argument("--seq-len", type=int, default=256, help="tokens per packed sequence")
     d.add_argument("--micro-batch-size", type=int, default=4, help="sequences per data-parallel rank per micro-step")
-    d.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    d.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-steps per optimizer step (with --pp > 1: --microbatches instead)")
     d.add_argument("--seed", type=int, default=0)
 
     o = p.add_argument_group("optimisation")
@@ -93,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 POSITIVE = ("ep", "dp_replicate", "pp", "seq_len", "micro_batch_size", "grad_accum", "steps", "log_every",
             "keep_checkpoints")
-LAYOUT_DEFAULTS = {"ep": 1, "dp_replicate": 1, "pp": 1, "dp_shard": None, "microbatches": None}
+LAYOUT_DEFAULTS = {"ep": 1, "dp_replicate": 1, "pp": 1, "dp_shard": None, "microbatches": None, "schedule": None}
 NON_NEGATIVE = ("checkpoint_every", "warmup_steps", "weight_decay", "max_grad_norm", "z_loss_coef")
 
 

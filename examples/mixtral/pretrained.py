@@ -106,20 +106,22 @@ class SafetensorsFolder:
 
 
 @torch.no_grad()
-def load_owned_slices(model: torch.nn.Module, folder: Path) -> int:
+def load_owned_slices(model: torch.nn.Module, folder: Path, *, part: torch.nn.Module | None = None) -> int:
     """Fill every parameter's local shard of a materialised (possibly sharded) model from ``folder``;
-    recomputes non-persistent buffers (rotary tables) with the model's own init. Returns the bytes
-    read, which tests compare with the checkpoint size."""
+    recomputes non-persistent buffers (rotary tables) with the model's own init. ``part``: what
+    this rank holds under the model's names (its pipeline stages), default the whole model.
+    Returns the bytes read, which tests compare with the checkpoint size."""
+    part = model if part is None else part
     reader = SafetensorsFolder(folder)
     try:
-        for name, param in model.named_parameters():
+        for name, param in part.named_parameters():
             local, offset = local_chunk(param)
             if local.numel() == 0:
                 continue
             local.copy_(reader.read(name, offset, tuple(local.shape)))
     finally:
         reader.close()
-    for module in model.modules():
+    for module in part.modules():
         if "RotaryEmbedding" in type(module).__name__:
             model._init_weights(module)
     return reader.bytes_read

@@ -36,6 +36,8 @@ from layout import (
     layout_from_flags,
     layout_from_plan,
     meshes_of,
+    num_experts_of,
+    rank_view,
 )
 from metrics import ExpertLoad, Reporter, Throughput, flops_per_token, peak_flops, summary_lines
 from models import (
@@ -84,25 +86,63 @@ def train_step(model, optimizer, batch, args, *, aux_coef, top_k, aux_group, aut
     return lm_sum / args.grad_accum, aux_sum / args.grad_accum, grad_norm
 
 
+def make_step(target, optimizer, args, layout, *, aux_coef, top_k, aux_group, autocast, world_size):
+    """``step(batch) -> (lm_loss, aux_loss, grad_norm)``, one optimizer step on this rank's share
+    of the global batch: the language-model and load-balancing losses as means over the
+    data-parallel ranks (tensors, the same on every rank; aux None when it is not computed) and
+    the global gradient norm before clipping.
+
+    Without pipeline stages, ``train_step`` above, with transformers' load-balancing loss (all
+    layers' statistics pooled), the global variant and the z-loss. With them, moe_ep's TrainStep,
+    which injects the aux loss inside each stage, so it is the mean of the per-layer losses
+    (Megatron-Core's form: the layers live on different ranks); its loss is computed by the last
+    stage and broadcast, so rank 0 logs it like any other."""
+    if layout.pp == 1:
+        def step(batch):
+            lm, aux, grad_norm = train_step(target, optimizer, batch, args, aux_coef=aux_coef, top_k=top_k,
+                                            aux_group=aux_group, autocast=autocast)
+            stats = torch.stack([lm, aux])
+            if dist.is_initialized():
+                dist.all_reduce(stats)
+                stats /= world_size
+            return stats[0], stats[1], grad_norm
+        return step
+
+    from moe_ep.training import TrainStep
+
+    # Clipping to an infinite norm still measures it, for the log.
+    pipeline = TrainStep(target, optimizer, aux_loss_coef=aux_coef,
+                         max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else math.inf)
+
+    def step(batch):
+        pipeline({"input_ids": batch})
+        return pipeline.last_lm_loss, pipeline.last_aux_loss, pipeline.last_grad_norm
+    return step
+
+
 def prepare_model(args, source, layout, device, mp_dtype):
     """HF classes, our expert kernels, then the layout; meta models are materialised shard by
-    shard after it (and pretrained ones filled from their safetensors slices). Returns (model,
-    parameters, active parameters per token)."""
+    shard after it (and pretrained ones filled from their safetensors slices). Returns (target,
+    module, parameters, active parameters per token): ``target`` is what trains (the model, or
+    with ``--pp > 1`` this rank's moe_ep PipelineStages), ``module`` what this rank holds under
+    the model's names (the model, or its stages, layout.rank_view) for the optimizer,
+    checkpoints and metrics."""
     meta = source.meta_init if args.init == "auto" or source.pretrained_dir is not None else args.init == "meta"
     model = build_model(source, seed=args.seed, meta=meta)
     model = configure_experts(model, args.experts_implementation, args.backend)
     total_params, active_params = count_parameters(model)
     if not meta and device.type != "cpu":
         model.to(device)
-    model = apply_layout(model, layout, mixed_precision=mp_dtype)
+    target = apply_layout(model, layout, mixed_precision=mp_dtype)
+    module = model if layout.pp == 1 else rank_view(model, target.modules)
     if meta:
-        materialize(model, device, seed=args.seed)
+        materialize(model, device, seed=args.seed, part=module)
         if source.pretrained_dir is not None:
             from pretrained import load_owned_slices
 
-            load_owned_slices(model, source.pretrained_dir)
-    model.train()
-    return model, total_params, active_params
+            load_owned_slices(model, source.pretrained_dir, part=module)
+    target.train()
+    return target, module, total_params, active_params
 
 
 def make_optimizer(model, args) -> torch.optim.Optimizer:
@@ -164,13 +204,12 @@ def validate(args):
     source = resolve_model(args.model)
     tokenizer = select_tokenizer(source, args.tokenizer)
     check_against_model(args, source.config, tokenizer)
-    num_experts = getattr(source.config, "num_local_experts", None) or source.config.num_experts
     chosen_plan = None
     if args.plan:
         layout, chosen_plan = layout_from_plan(args, source.config, world_size, env_int("LOCAL_WORLD_SIZE", world_size))
     else:
-        layout = layout_from_flags(args, world_size, num_experts)
-    check_layout_supported(layout)
+        layout = layout_from_flags(args, world_size, source.config)
+    check_layout_supported(layout, args)
     data_spec = resolve_data(args.data, args.text_field)
     mp_dtype = mixed_precision_dtype()
     resume = resume_target(args, Path(args.output_dir) / "checkpoints")
@@ -196,7 +235,7 @@ def train(args) -> None:
     tokens = cached_tokens(data_spec, tokenizer, output_dir / "token_cache", is_local_main=state.is_local_main_process,
                            barrier=barrier, max_tokens=args.max_corpus_tokens)
     packed = PackedSequences(tokens, args.seq_len)
-    global_batch = args.micro_batch_size * args.grad_accum * layout.dp_size
+    global_batch = layout.sequences_per_rank(args.micro_batch_size, args.grad_accum) * layout.dp_size
     schedule = BatchSchedule(packed.num_sequences, global_batch, layout.dp_rank(rank), layout.dp_size, args.seed)
     # What a resumed run must share with the saved one to continue it (the token sum is a cheap checksum).
     data_identity = {"corpus_tokens": int(tokens.size), "token_sum": int(tokens[: 1 << 20].sum(dtype="int64")),
@@ -211,8 +250,8 @@ def train(args) -> None:
                 "to start afresh, or choose another --output-dir"
             )
 
-    model, total_params, active_params = prepare_model(args, source, layout, device, mp_dtype)
-    optimizer = make_optimizer(model, args)
+    target, module, total_params, active_params = prepare_model(args, source, layout, device, mp_dtype)
+    optimizer = make_optimizer(module, args)
 
     start_step, tokens_seen = 0, 0
     if is_main:
@@ -226,7 +265,7 @@ def train(args) -> None:
         reporter.info(f"removed {len(removed)} incomplete checkpoint(s) left by an interrupted write: "
                       + ", ".join(p.name for p in removed))
     if resume is not None:
-        saved = load_checkpoint(resume, model, optimizer, rank=rank, world_size=world_size)
+        saved = load_checkpoint(resume, module, optimizer, rank=rank, world_size=world_size)
         start_step, tokens_seen = saved["step"], saved["tokens_seen"]
         reporter.info(f"resumed from {resume} at step {start_step}"
                       + ("" if saved["world_size"] == world_size else
@@ -235,14 +274,14 @@ def train(args) -> None:
         reporter.bar.update(start_step)
     if chosen_plan is not None:
         reporter.info(chosen_plan.report())
-        reporter.info(f"--plan: micro-batch {args.micro_batch_size} x {args.grad_accum} accumulation step(s) per rank")
+        steps_per_rank = (f"{layout.microbatches} pipeline micro-batches" if layout.pp > 1
+                          else f"{args.grad_accum} accumulation step(s)")
+        reporter.info(f"--plan: micro-batch {args.micro_batch_size} x {steps_per_rank} per rank")
 
     num_layers = source.config.num_hidden_layers
-    num_experts = getattr(source.config, "num_local_experts", None) or source.config.num_experts
-    expert_load = ExpertLoad(model, num_layers, num_experts, device)
+    expert_load = ExpertLoad(module, num_layers, num_experts_of(source.config), device, pipeline=layout.pp > 1)
     aux_coef = source.config.router_aux_loss_coef if args.aux_loss_coef is None else args.aux_loss_coef
-    top_k = source.config.num_experts_per_tok
-    aux_group = meshes_of(model).dp_group if args.aux_loss == "global" and dist.is_initialized() else None
+    aux_group = meshes_of(module).dp_group if args.aux_loss == "global" and dist.is_initialized() else None
     throughput = Throughput(flops_per_token(source.config, active_params, args.seq_len),
                             peak_flops(device, args.peak_tflops), world_size)
     reporter.info(
@@ -265,6 +304,9 @@ def train(args) -> None:
     # A rank that fails mid-step (or hangs past --step-timeout) stops every rank at once, naming
     # itself, instead of leaving the others blocked in a collective until the NCCL/gloo timeout.
     step_guard = (lambda: fail_fast(timeout=args.step_timeout)) if dist.is_initialized() else nullcontext
+    train_one_step = make_step(target, optimizer, args, layout, aux_coef=aux_coef,
+                               top_k=source.config.num_experts_per_tok, aux_group=aux_group, autocast=autocast,
+                               world_size=world_size)
     for step in range(start_step, args.steps):
         with step_guard():
             lr = lr_at(step, args)
@@ -272,16 +314,12 @@ def train(args) -> None:
                 group["lr"] = lr
             throughput.start()
             batch = local_batch(packed, schedule, step).to(device)
-            lm_loss, aux_loss, grad_norm = train_step(model, optimizer, batch, args, aux_coef=aux_coef, top_k=top_k,
-                                                      aux_group=aux_group, autocast=autocast)
+            lm_loss, aux_loss, grad_norm = train_one_step(batch)
             tokens_seen += global_batch * args.seq_len
-
-            stats = torch.stack([lm_loss, aux_loss])
-            if dist.is_initialized():
-                dist.all_reduce(stats)
-                stats /= world_size
+            measured = torch.stack([lm_loss] + ([] if aux_loss is None else [aux_loss]))
             # host sync: once per step, for the log and the NaN check.
-            loss, aux_loss = stats.tolist()
+            loss, *aux = measured.tolist()
+            aux_loss = aux[0] if aux else None
             throughput.stop(global_batch * args.seq_len)
             if not math.isfinite(loss):
                 raise RuntimeError(f"the loss is {loss} at step {step + 1}; lower --lr or check the data")
@@ -297,8 +335,8 @@ def train(args) -> None:
             if done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
                 trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
                                  "layout": layout.as_dict(), "model": source.name, "data": data_identity}
-                last_ckpt = save_checkpoint(ckpt_root, done, model, optimizer, trainer_state, rank=rank,
-                                            barrier=barrier, keep=args.keep_checkpoints, config=model.config)
+                last_ckpt = save_checkpoint(ckpt_root, done, module, optimizer, trainer_state, rank=rank,
+                                            barrier=barrier, keep=args.keep_checkpoints, config=module.config)
                 reporter.info(f"checkpoint {last_ckpt}")
 
     extra = {"checkpoint": last_ckpt, "metrics": output_dir / "metrics.jsonl"}
