@@ -5,6 +5,8 @@ CPU, 2 gloo processes, the tiny model on the Python standard library's sources:
     ACCELERATE_USE_CPU=true accelerate launch --config_file examples/mixtral/configs/cpu.yaml \\
         examples/mixtral/train.py --model tiny --ep 2
 
+and with 2 pipeline stages on 4 processes: ``--num_processes 4`` and ``--pp 2 --ep 2``.
+
 Everything a user can get wrong (flags, data files, sequence length, layout against the number of
 processes) is checked before the process group, the model or the data exist. See README.md beside
 this file for GPUs, clusters and the planner.
