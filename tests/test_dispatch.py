@@ -632,13 +632,13 @@ def test_sum_rows_both_orders_match_float64_and_gradients(seed):
     dense[valid.nonzero(as_tuple=True) + (src_GC[valid],)] = 1.0
     ref = ((dense * scale[:, :, None]).sum(1)) @ x
     target_I = torch.where(reader_I < G * C, reader_I // C, G)
-    for got in (_sum_by_rows(x.float(), target_I, G, scale.float(), reader_I),
+    for got in (_sum_by_rows(x.float(), target_I, G, scale.float(), reader_I, padded=True),
                 _sum_by_columns(x.float(), src_GC, scale.float())):
         assert rel_err(got, ref) <= TOL
     xs, ss = x.float().requires_grad_(), scale.float().requires_grad_()
     x64, s64 = x.clone().requires_grad_(), scale.clone().requires_grad_()
     dy = torch.randn(G, x.shape[1], dtype=torch.float64)
-    (sum_rows(xs, src_GC, reader_I, ss) * dy.float()).sum().backward()
+    (sum_rows(xs, src_GC, reader_I, ss, padded=True) * dy.float()).sum().backward()
     ((((dense * s64[:, :, None]).sum(1)) @ x64) * dy).sum().backward()
     assert rel_err(xs.grad, x64.grad) <= TOL and rel_err(ss.grad, s64.grad) <= TOL
 
@@ -652,7 +652,7 @@ def test_gather_rows_gradient_sums_listed_copies_only():
     copies = torch.tensor([[1, 5], [3, 5], [0, 2], [5, 5]])
     dy = torch.randn(5, 3, generator=g, dtype=torch.float64)
     xs = x.float().requires_grad_()
-    out = gather_rows(xs, index, copies)
+    out = gather_rows(xs, index, copies, padded=True)
     assert torch.equal(out, x.float()[index])
     (out * dy.float()).sum().backward()
     want = torch.stack([dy[1], dy[3], dy[0] + dy[2], torch.zeros(3, dtype=torch.float64)])

@@ -236,12 +236,12 @@ def _row_positions(key_TR: torch.Tensor, blocks: _Blocks, L: int) -> tuple[torch
     return row_pos_RT, meta_pos_RT
 
 
-def _pack_rows(x_TH: torch.Tensor, token_src_TC: torch.Tensor, source_reader_S: torch.Tensor) -> torch.Tensor:
+def _pack_rows(x_TH, token_src_TC, source_reader_S, padded: bool) -> torch.Tensor:
     """One hidden row per (token, destination), at the positions ``_return_slots`` gives them.
     Capacity mode's padding rows repeat row 0; no pair reads them and they pass no gradient."""
     T, r_max = token_src_TC.shape
     row_token_S = torch.where(source_reader_S < T * r_max, source_reader_S // r_max, 0)
-    return gather_rows(x_TH, row_token_S, token_src_TC)
+    return gather_rows(x_TH, row_token_S, token_src_TC, padded=padded)
 
 
 def _pack_routing(idx_TK, w_TK, dest_kept_TK, key_TR, meta_pos_RT, L: int, k_max: int, num_meta: int):
@@ -302,7 +302,7 @@ def _expert_pairs(x_recv, w_recv, ids_recv, L: int, num_pairs: int, padded: bool
     row_src = torch.full((S * k_max + 1,), num_pairs, dtype=torch.long, device=ids_N.device)
     row_src.scatter_(0, pair_reader, torch.arange(num_pairs, device=ids_N.device))
     row_src_SC = row_src[: S * k_max].view(S, k_max)
-    hidden_PH = gather_rows(x_recv, pair_slot // k_max, row_src_SC)
+    hidden_PH = gather_rows(x_recv, pair_slot // k_max, row_src_SC, padded=padded)
     return hidden_PH, expert_P[:, None], weight_P[:, None], row_src_SC, pair_reader
 
 
@@ -375,7 +375,7 @@ def dispatch(
     token_src_TC, source_reader_S, source_weights_TC = _return_slots(
         slots_TR, row_pos_RT, top_k_weights, dest_kept_TK, r_max, sizes.num_send
     )
-    x_send = _pack_rows(hidden_states, token_src_TC, source_reader_S)
+    x_send = _pack_rows(hidden_states, token_src_TC, source_reader_S, padded=kept_TK is not None)
     x_recv = AllToAllRows.apply(x_send, sizes.recv_splits, sizes.send_splits, group)
     w_meta = ids_meta = None
     if multi:
@@ -415,6 +415,7 @@ def combine(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor
             f"expert_output must have one row per dispatched pair ({layout.num_pairs}), "
             f"got shape {tuple(expert_output.shape)}"
         )
-    rows_SH = sum_rows(expert_output, layout.row_src, layout.pair_reader)
+    padded = layout.rows_per_rank is not None
+    rows_SH = sum_rows(expert_output, layout.row_src, layout.pair_reader, padded=padded)
     returned = AllToAllRows.apply(rows_SH, layout.send_splits, layout.recv_splits, layout.group)
-    return sum_rows(returned, layout.token_src, layout.source_reader, layout.source_weights)
+    return sum_rows(returned, layout.token_src, layout.source_reader, layout.source_weights, padded=padded)

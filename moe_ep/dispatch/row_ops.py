@@ -15,24 +15,28 @@ import torch
 import torch.nn.functional as F
 
 
-def _sum(rows_IH, src_GC, target_I, scale_GC=None, reader_I=None) -> torch.Tensor:
+def _sum(rows_IH, src_GC, target_I, scale_GC=None, reader_I=None, *, padded: bool) -> torch.Tensor:
     """``out[g] = sum_c scale[g, c] * rows[src[g, c]]`` accumulated in float32, the terms given
     both ways: ``src_GC`` (term -> row) and ``target_I`` (row -> its ``g``, ``G`` = read by none)
-    with ``reader_I`` (row -> its flat term, for the scale)."""
+    with ``reader_I`` (row -> its flat term, for the scale). ``padded``: some rows are read by no
+    term (capacity mode's padding); without it every row is read."""
     if rows_IH.device.type == "cpu":
-        return _sum_by_rows(rows_IH, target_I, src_GC.shape[0], scale_GC, reader_I)
+        return _sum_by_rows(rows_IH, target_I, src_GC.shape[0], scale_GC, reader_I, padded=padded)
     return _sum_by_columns(rows_IH, src_GC, scale_GC)
 
 
-def _sum_by_rows(rows_IH, target_I, G: int, scale_GC=None, reader_I=None) -> torch.Tensor:
+def _sum_by_rows(rows_IH, target_I, G: int, scale_GC=None, reader_I=None, *, padded: bool = True) -> torch.Tensor:
     """``index_add_``, deterministic on the CPU (it adds in row order): one pass over the rows,
-    whatever the number of terms. On a GPU it would add with atomics."""
+    whatever the number of terms. On a GPU it would add with atomics. Unread rows go to a spare
+    output row, cut off with a copy: the result must not be a view (FSDP2 warns about module
+    outputs that are, since an in-place op on one would skip its gradient hook)."""
     terms_IH = rows_IH.float()
     if scale_GC is not None:
         scale_I = F.pad(scale_GC.reshape(-1).float(), (0, 1))[reader_I]
         terms_IH = terms_IH * scale_I[:, None]
-    out_GH = torch.zeros(G + 1, rows_IH.shape[1], dtype=torch.float32, device=rows_IH.device)
-    return out_GH.index_add_(0, target_I, terms_IH)[:G].to(rows_IH.dtype)
+    out_GH = torch.zeros(G + padded, rows_IH.shape[1], dtype=torch.float32, device=rows_IH.device)
+    out_GH.index_add_(0, target_I, terms_IH)
+    return out_GH[:G].to(rows_IH.dtype, copy=True) if padded else out_GH.to(rows_IH.dtype)
 
 
 def _sum_by_columns(rows_IH, src_GC, scale_GC=None) -> torch.Tensor:
@@ -59,7 +63,8 @@ def _gather(x_JH: torch.Tensor, index_I: torch.Tensor) -> torch.Tensor:
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_JH, index_I, copies_JC):
+    def forward(ctx, x_JH, index_I, copies_JC, padded):
+        ctx.padded = padded
         # Rows of out that are nobody's listed copy (capacity padding) pass no gradient.
         num_out = index_I.shape[0]
         listed = torch.zeros(num_out + 1, dtype=torch.bool, device=index_I.device)
@@ -70,19 +75,19 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_IH):
         copies_JC, target_I = ctx.saved_tensors
-        return _sum(grad_IH, copies_JC, target_I), None, None
+        return _sum(grad_IH, copies_JC, target_I, padded=ctx.padded), None, None, None
 
 
 class _SumRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows_IH, src_GC, scale_GC, reader_I):
+    def forward(ctx, rows_IH, src_GC, scale_GC, reader_I, padded):
         # The rows are needed again only for the gradient of the scale.
         keep = rows_IH if ctx.needs_input_grad[2] else None
         ctx.save_for_backward(keep, src_GC, scale_GC, reader_I)
         ctx.num_rows = rows_IH.shape[0]
         G, width = src_GC.shape
         target_I = torch.where(reader_I < G * width, reader_I // width, G)
-        return _sum(rows_IH, src_GC, target_I, scale_GC, reader_I)
+        return _sum(rows_IH, src_GC, target_I, scale_GC, reader_I, padded=padded)
 
     @staticmethod
     def backward(ctx, grad_GH):
@@ -92,7 +97,7 @@ class _SumRows(torch.autograd.Function):
         # grad_I[i] = grad[g] for the term (g, c) that reads row i: one gather in row order.
         grad_I = _gather(grad_GH, torch.where(read_I, reader_I // width, G))
         if scale_GC is None:
-            return grad_I, None, None, None
+            return grad_I, None, None, None, None
         flat_scale = F.pad(scale_GC.reshape(-1).float(), (0, 1))
         grad_rows = (grad_I * flat_scale[reader_I][:, None]).to(grad_GH.dtype)
         grad_scale = None
@@ -102,17 +107,18 @@ class _SumRows(torch.autograd.Function):
             dots_I = (grad_I.float() * rows_IH.float()).sum(-1)
             grad_scale = torch.zeros(G * width + 1, dtype=torch.float32, device=grad_GH.device)
             grad_scale = grad_scale.index_copy(0, reader_I, dots_I)[: G * width].view(G, width).to(scale_GC.dtype)
-        return grad_rows, None, grad_scale, None
+        return grad_rows, None, grad_scale, None, None
 
 
-def gather_rows(x_JH: torch.Tensor, index_I: torch.Tensor, copies_JC: torch.Tensor) -> torch.Tensor:
+def gather_rows(x_JH: torch.Tensor, index_I: torch.Tensor, copies_JC: torch.Tensor, *, padded: bool) -> torch.Tensor:
     """``x[index]``, where ``copies[j]`` lists the positions of ``out`` that copy row ``j``
-    (``len(index)`` = none); rows of ``out`` not listed there get no gradient."""
-    return _GatherRows.apply(x_JH, index_I, copies_JC)
+    (``len(index)`` = none); ``padded``: some rows of ``out`` are listed nowhere (they get no
+    gradient); without it every row is some row's copy."""
+    return _GatherRows.apply(x_JH, index_I, copies_JC, padded)
 
 
-def sum_rows(rows_IH, src_GC, reader_I, scale_GC=None) -> torch.Tensor:
+def sum_rows(rows_IH, src_GC, reader_I, scale_GC=None, *, padded: bool) -> torch.Tensor:
     """``out[g] = sum_c scale[g, c] * rows[src[g, c]]`` (``scale`` defaults to 1), where
-    ``reader[i] = g * C + c`` is the one term that reads row ``i`` (``G * C`` = none).
-    Differentiable in ``rows`` and ``scale``."""
-    return _SumRows.apply(rows_IH, src_GC, scale_GC, reader_I)
+    ``reader[i] = g * C + c`` is the one term that reads row ``i`` (``G * C`` = none; only when
+    ``padded``). Differentiable in ``rows`` and ``scale``."""
+    return _SumRows.apply(rows_IH, src_GC, scale_GC, reader_I, padded)
