@@ -23,8 +23,11 @@ A float keeps the scale fixed (a step with a non-finite gradient is still skippe
 
 Load balancing (``aux_loss_coef > 0``): every MoE layer's load-balancing loss (transformers'
 formula, ``moe_ep.losses.load_balancing_loss``, on that layer's router output for that
-micro-batch) enters the objective as ``coef x`` its mean over layers and micro-batches. It is
-injected where it arises: a forward hook on each MoE block passes the block's output through
+micro-batch) enters the objective as ``coef x`` its mean over layers and micro-batches. With
+``global_aux_loss=True`` each layer's statistics of a micro-batch are summed over the
+data-parallel ranks first (Megatron-Core's global aux loss: the balance of the whole global
+micro-batch, not of each rank's share). The router z-loss (``z_loss_coef > 0``, ST-MoE,
+``moe_ep.losses.router_z_loss``) enters the same way. Both are injected where they arise: a forward hook on each MoE block passes the block's output through
 an identity whose backward also feeds the layer's aux loss its gradient (Megatron-Core's
 technique), so it works unchanged on any pipeline stage, under any schedule, and with
 activation checkpointing. The returned loss is the LM loss plus ``coef x`` that mean. Note that
@@ -41,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from .losses import load_balancing_loss
+from .losses import load_balancing_loss, router_z_loss
 from .parallel.parallelize import MESHES_ATTRIBUTE
 from .parallel.pipeline import PipelineStages
 
@@ -107,30 +110,33 @@ class LossScaler:
 
 
 class _AttachAuxLoss(torch.autograd.Function):
-    """Identity on ``hidden``; in backward it also gives ``aux`` the gradient ``weight`` and
-    records the aux value (backward runs once per micro-batch and layer, recompute or not)."""
+    """Identity on ``hidden``; in backward it also gives the layer's ``terms`` (aux loss, z-loss)
+    the gradients ``weights`` and records their values (backward runs once per micro-batch and
+    layer, recompute or not)."""
 
     @staticmethod
-    def forward(ctx, hidden, aux, weight, record):
-        ctx.weight, ctx.record = weight, record
-        ctx.save_for_backward(aux.detach())
+    def forward(ctx, hidden, terms, weights, record):
+        ctx.weights, ctx.record = weights, record
+        ctx.save_for_backward(terms.detach())
         return hidden
 
     @staticmethod
     def backward(ctx, grad_hidden):
-        (aux,) = ctx.saved_tensors
-        ctx.record.append(aux)
-        return grad_hidden, torch.full_like(aux, ctx.weight), None, None
+        (terms,) = ctx.saved_tensors
+        ctx.record.append(terms)
+        return grad_hidden, torch.tensor(ctx.weights, dtype=terms.dtype, device=terms.device), None, None
 
 
 class AuxLossHooks:
     """Forward hooks on every MoE block of ``modules`` (a block is a module with a ``gate``
     router returning ``(logits [T, E], weights, indices [T, K])`` and an ``experts`` module); a
-    pipeline rank may have none."""
+    pipeline rank may have none. ``group``: sum the aux loss statistics over it (global aux
+    loss; collective, every rank of it runs the same blocks in the same order)."""
 
-    def __init__(self, modules):
+    def __init__(self, modules, *, group: dist.ProcessGroup | None = None):
         self.blocks = [m for root in modules for m in root.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
-        self.weight = 0.0
+        self.group = group
+        self.weights = (0.0, 0.0)  # gradient weights of (aux loss, z-loss)
         self.record: list[torch.Tensor] = []
         self.handles = []
         for block in self.blocks:
@@ -152,8 +158,9 @@ class AuxLossHooks:
         del block.gate.moe_ep_routing
         if not torch.is_grad_enabled():
             return output
-        aux = load_balancing_loss(logits_TE, idx_TK.shape[1], top_k_index=idx_TK)
-        return _AttachAuxLoss.apply(output, aux, self.weight, self.record)
+        aux = load_balancing_loss(logits_TE, idx_TK.shape[1], top_k_index=idx_TK, group=self.group)
+        terms = torch.stack([aux, router_z_loss(logits_TE).to(aux.dtype)])
+        return _AttachAuxLoss.apply(output, terms, self.weights, self.record)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -171,20 +178,23 @@ class TrainStep:
         microbatches: gradient-accumulation micro-batches per step (batch dim split evenly).
         loss_scale: None, ``"dynamic"`` (fp16) or a fixed positive scale.
         aux_loss_coef: weight of the per-layer load-balancing loss (0: none); see the module doc.
+        global_aux_loss: compute it from the statistics of every data-parallel rank.
+        z_loss_coef: weight of the per-layer router z-loss (0: none).
         max_grad_norm: clip the gradients' global 2-norm (all stages, all meshes) to this; the
             norm before clipping is kept in ``last_grad_norm``.
         lr_scheduler: stepped after every optimizer step that was taken.
 
     ``step(batch)`` takes ``{"input_ids": [B, S], "labels": [B, S] (optional, defaults to
     input_ids)}`` (this rank's share of the global batch) and returns the step's loss (LM loss
-    plus weighted aux loss; the parts are ``last_lm_loss`` and ``last_aux_loss``): the mean over
+    plus the weighted aux and z losses; the parts are ``last_lm_loss``, ``last_aux_loss`` and
+    ``last_z_loss``): the mean over
     the global batch, a detached scalar equal on every rank (broadcast from the pipeline rank
     that computes it, averaged over the data-parallel ranks); no host sync unless loss scaling.
     """
 
     def __init__(self, model_or_stages, optimizer: torch.optim.Optimizer, *, microbatches: int | None = None,
-                 loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, max_grad_norm: float | None = None,
-                 lr_scheduler=None):
+                 loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, global_aux_loss: bool = False,
+                 z_loss_coef: float = 0.0, max_grad_norm: float | None = None, lr_scheduler=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.pipelined = isinstance(model_or_stages, PipelineStages)
@@ -214,20 +224,26 @@ class TrainStep:
         self.loss_fn = CausalLMLoss()
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.steps_skipped = 0
-        if isinstance(aux_loss_coef, bool) or not isinstance(aux_loss_coef, (int, float)) or aux_loss_coef < 0:
-            raise ValueError(f"aux_loss_coef must be a number >= 0, got {aux_loss_coef!r}")
-        self.aux_loss_coef = float(aux_loss_coef)
+        for name, coef in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+            if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {coef!r}")
+        if global_aux_loss and not aux_loss_coef:
+            raise ValueError("global_aux_loss=True needs aux_loss_coef > 0")
+        self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                           or not max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm = None
         modules = model_or_stages.modules if self.pipelined else [model_or_stages]
-        self.aux = AuxLossHooks(modules) if self.aux_loss_coef else None
+        self.aux = None
+        if self.aux_loss_coef or self.z_loss_coef:
+            self.aux = AuxLossHooks(modules, group=self.dp_group if global_aux_loss else None)
         self.num_moe_layers = self._count_moe_layers()
         if self.aux is not None and not self.num_moe_layers:
-            raise ValueError("aux_loss_coef > 0 needs MoE blocks (modules with a 'gate' router and 'experts')")
-        self.last_lm_loss = self.last_aux_loss = None
+            raise ValueError("aux_loss_coef or z_loss_coef > 0 needs MoE blocks (modules with a 'gate' router and "
+                             "'experts')")
+        self.last_lm_loss = self.last_aux_loss = self.last_z_loss = None
 
     def _inputs(self, batch):
         if not isinstance(batch, dict) or "input_ids" not in batch:
@@ -253,12 +269,13 @@ class TrainStep:
         self.loss_fn.normalizer = self._normalizer(labels)
         self.loss_fn.scale = self.scaler.scale if self.scaler else 1.0
         if self.aux is not None:
-            self.aux.weight = self.aux_loss_coef * self.loss_fn.scale / (self.num_moe_layers * self.microbatches)
+            per_term = self.loss_fn.scale / (self.num_moe_layers * self.microbatches)
+            self.aux.weights = (self.aux_loss_coef * per_term, self.z_loss_coef * per_term)
             self.aux.record.clear()
         loss = self._pipelined(ids, labels) if self.pipelined else self._accumulated(ids, labels)
         parts = [loss / self.loss_fn.scale]
         if self.aux is not None:
-            parts.append(self._aux_mean(loss.device))
+            parts.extend(self._aux_mean(loss.device).unbind())
         if self.dp_group is not None:
             # The LM parts add up to the global mean (times dp); the aux parts are means of
             # equally many micro-batches per rank, so their mean is the global one.
@@ -267,8 +284,8 @@ class TrainStep:
             parts = list((summed / self.dp).unbind())
         self.last_lm_loss = loss = parts[0]
         if self.aux is not None:
-            self.last_aux_loss = parts[1]
-            loss = loss + self.aux_loss_coef * self.last_aux_loss
+            self.last_aux_loss, self.last_z_loss = parts[1], parts[2]
+            loss = loss + self.aux_loss_coef * self.last_aux_loss + self.z_loss_coef * self.last_z_loss
         took_step = self.scaler.unscale_and_check(self.params) if self.scaler else True
         if took_step and self.max_grad_norm is not None:
             self.last_grad_norm = self._clip()
@@ -323,7 +340,8 @@ class TrainStep:
         return int(count.item())
 
     def _aux_mean(self, device) -> torch.Tensor:
-        """The step's aux loss, mean over layers and micro-batches, summed over the pipeline.
+        """The step's (aux loss, z-loss), means over layers and micro-batches, summed over the
+        pipeline.
         Each micro-batch's backward records each local layer once; torch's pipelining (2.12+)
         also runs one forward and backward before the first step to infer the stages' shapes,
         whose records come first and are not the step's, so the last ones are kept."""
@@ -334,7 +352,7 @@ class TrainStep:
                 f"({len(self.aux.blocks)} MoE layers x {self.microbatches} micro-batches)"
             )
         records = self.aux.record[len(self.aux.record) - expected:]
-        total = torch.stack(records).sum().to(device) if records else torch.zeros((), device=device)
+        total = torch.stack(records).sum(0).to(device) if records else torch.zeros(2, device=device)
         if self.pipelined:
             dist.all_reduce(total, group=self.target.group)
         return total / (self.num_moe_layers * self.microbatches)

@@ -74,20 +74,32 @@ def _aux_by_hand(logits_TE, top_k):
     return probs.shape[1] * (chosen.double().mean(0) * probs.mean(0)).sum()
 
 
-def _reference_losses(batch, aux_coef=0.0, max_norm=None, norms=None):
+def _z_by_hand(logits_TE):
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+def _reference_losses(batch, aux_coef=0.0, max_norm=None, norms=None, z_coef=0.0, aux_chunks=None):
     """Whole batch, float64, transformers' eager experts and LM loss; the aux loss (if any) is
-    the mean over layers and micro-batches of each layer's loss on that micro-batch's tokens."""
+    the mean over layers and micro-batches of each layer's loss on that micro-batch's tokens, the
+    z-loss likewise. ``aux_chunks``: the rows of each micro-batch the aux loss balances (default:
+    MICRO consecutive blocks; a global aux loss joins the data-parallel ranks' micro-batches)."""
     model = _model(torch.float64, "eager")
     model.router_aux_loss_coef = 0.0  # transformers' own pooled aux loss stays out of .loss
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    rows = batch["input_ids"].shape[0]
+    chunks = [torch.tensor(c) for c in aux_chunks] if aux_chunks else list(torch.arange(rows).chunk(MICRO))
     losses = []
     for _ in range(STEPS):
         out = model(**batch, output_router_logits=True)
+        # router_logits: [B * S, E] per layer, rows of a sequence contiguous.
+        per_layer = [layer.view(rows, -1, layer.shape[-1]) for layer in out.router_logits]
         aux = torch.stack([
-            _aux_by_hand(chunk, model.config.num_experts_per_tok)
-            for layer in out.router_logits for chunk in layer.chunk(MICRO)
+            _aux_by_hand(layer[chunk].reshape(-1, layer.shape[-1]), model.config.num_experts_per_tok)
+            for layer in per_layer for chunk in chunks
         ]).mean()
-        loss = out.loss + aux_coef * aux
+        z = torch.stack([_z_by_hand(layer[chunk].reshape(-1, layer.shape[-1])) for layer in per_layer
+                         for chunk in chunks]).mean()
+        loss = out.loss + aux_coef * aux + z_coef * z
         loss.backward()
         if max_norm is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
@@ -98,7 +110,11 @@ def _reference_losses(batch, aux_coef=0.0, max_norm=None, norms=None):
 
 
 AUX = 0.1
+Z = 0.01
 MAX_NORM = 1.0
+# A global aux loss on 2 data-parallel halves of 2 micro-batches: micro-batch m joins rows
+# 2m, 2m+1 of each half.
+GLOBAL_CHUNKS = [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +139,12 @@ def reference_unbalanced():
 def reference_aux(reference):
     batch, _ = reference
     return batch, _reference_losses(batch, AUX)
+
+
+@pytest.fixture(scope="module")
+def reference_global_aux_z(reference):
+    batch, _ = reference
+    return batch, _reference_losses(batch, AUX, z_coef=Z, aux_chunks=GLOBAL_CHUNKS)
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +215,8 @@ class Composed(NamedTuple):
     schedule: str = "1f1b"
     checkpointing: bool = False
     aux: float = 0.0
+    global_aux: bool = False
+    z: float = 0.0
     loss_scale: str | None = None
     unbalanced: bool = False
 
@@ -204,6 +228,7 @@ COMPOSED = {
     "fsdp2_gpipe": Composed(schedule="gpipe"),
     "fsdp2_1f1b": Composed(),
     "ep2_1f1b_checkpointing_aux": Composed(ep=2, checkpointing=True, aux=AUX),
+    "ep2_1f1b_checkpointing_global_aux_z": Composed(ep=2, checkpointing=True, aux=AUX, global_aux=True, z=Z),
     "ep2_interleaved": Composed(ep=2, schedule="interleaved-1f1b"),
     "ep2_zbv": Composed(ep=2, schedule="zbv"),
     "fsdp2_interleaved": Composed(schedule="interleaved-1f1b"),
@@ -236,7 +261,7 @@ def _composed(rank, world, batches, runs):
         dp_rank, dp = meshes.dp.get_local_rank(), meshes.dims.dp
         share = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
         step = TrainStep(target, torch.optim.AdamW(target.parameters(), lr=LR), microbatches=2, aux_loss_coef=run.aux,
-                         loss_scale=run.loss_scale)
+                         global_aux_loss=run.global_aux, z_loss_coef=run.z, loss_scale=run.loss_scale)
         if run.loss_scale == "dynamic":
             step.scaler.scale = 2.0**130  # the scaled loss overflows fp32: skipped, scale halved until finite
         losses = []
@@ -259,9 +284,10 @@ def world4(reference, reference_unbalanced):
 
 @pytest.mark.parametrize("name", list(COMPOSED))
 def test_pp2_composes_with_ep_fsdp2_and_hsdp_for_every_schedule(world4, reference, reference_aux,
-                                                                reference_unbalanced, name):
+                                                                reference_unbalanced, reference_global_aux_z, name):
     run = COMPOSED[name]
-    expected = (reference_unbalanced if run.unbalanced else reference_aux if run.aux else reference)[1]
+    expected = (reference_unbalanced if run.unbalanced else reference_global_aux_z if run.global_aux
+                else reference_aux if run.aux else reference)[1]
     by_rank = [r[name] for r in world4]
     assert all(r["dp"] == 4 // run.pp for r in by_rank)
     # Every rank returns the loss of the global batch, though it trained on its share only.
@@ -271,6 +297,18 @@ def test_pp2_composes_with_ep_fsdp2_and_hsdp_for_every_schedule(world4, referenc
         # Every rank skipped the same overflowing steps and lowered the scale alike.
         assert len({(r["skipped"], r["scale"]) for r in by_rank}) == 1
         assert by_rank[0]["skipped"] >= 1 and by_rank[0]["scale"] < 2.0**130
+
+
+def test_train_step_z_loss_without_stages(reference):
+    from moe_ep.training import TrainStep
+
+    batch, _ = reference
+    expected = _reference_losses(batch, AUX, z_coef=Z)
+    model = _model(torch.float32, "moe_ep")
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=LR), microbatches=MICRO, aux_loss_coef=AUX,
+                     z_loss_coef=Z)
+    _check([step(batch).item() for _ in range(STEPS)], expected)
+    assert step.last_z_loss > 0
 
 
 @pytest.mark.parametrize("coef", [0.0, AUX])
@@ -319,8 +357,12 @@ def test_errors():
         TrainStep(model, opt, max_grad_norm=0)
     with pytest.raises(ValueError, match="aux_loss_coef must be a number >= 0, got -0.1"):
         TrainStep(model, opt, aux_loss_coef=-0.1)
+    with pytest.raises(ValueError, match="z_loss_coef must be a number >= 0, got -1"):
+        TrainStep(model, opt, z_loss_coef=-1)
+    with pytest.raises(ValueError, match="global_aux_loss=True needs aux_loss_coef > 0"):
+        TrainStep(model, opt, global_aux_loss=True)
     dense = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="aux_loss_coef > 0 needs MoE blocks"):
+    with pytest.raises(ValueError, match="aux_loss_coef or z_loss_coef > 0 needs MoE blocks"):
         TrainStep(dense, torch.optim.SGD(dense.parameters(), lr=0.1), aux_loss_coef=0.1)
     step = TrainStep(model, opt, microbatches=3)
     with pytest.raises(ValueError, match=r"batch keys \['attention_mask'\] are not supported"):
