@@ -130,9 +130,6 @@ def test_layout_that_does_not_match_the_processes(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, world_size, message", [
-    (["--pp", "2", "--aux-loss", "global"], 2,
-     "--aux-loss global is not available with pipeline stages (--pp 2): each stage balances its own layers"),
-    (["--pp", "2", "--z-loss-coef", "1e-3"], 2, "--z-loss-coef is not available with pipeline stages (--pp 2)"),
     (["--pp", "2", "--grad-accum", "2"], 2,
      "--grad-accum 2 does not apply with pipeline stages (--pp 2): the pipeline's --microbatches are the step's"),
     (["--pp", "2", "--schedule", "pipedream"], 2,

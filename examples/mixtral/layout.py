@@ -127,35 +127,10 @@ def check_pipeline(layout: Layout, num_layers: int) -> None:
                          f"each, but the model has {num_layers} layers")
 
 
-def missing_piece(module: str, attr: str) -> bool:
-    try:
-        return not hasattr(importlib.import_module(module), attr)
-    except ModuleNotFoundError:
-        return True
-
-
 def check_layout_supported(layout: Layout, args) -> None:
-    """Fail before any work when the layout needs a piece of moe_ep that is not installed, or a
-    flag asks for what the pipeline's training step (moe_ep.training.TrainStep) does not do."""
-    if layout.world_size > 1 and missing_piece("moe_ep.parallel", "parallelize"):
-        raise UsageError(
-            f"layout {layout.describe()} needs moe_ep.parallel.parallelize, which this installation of moe_ep "
-            "does not have; run one process, or install a moe_ep with expert parallelism"
-        )
-    if layout.pp == 1:
-        return
-    if missing_piece("moe_ep.training", "TrainStep"):
-        raise UsageError(f"layout {layout.describe()} needs moe_ep.training.TrainStep, which this installation of "
-                         "moe_ep does not have; use --pp 1")
-    pipelined = f"with pipeline stages ({'--plan chose pp=' if args.plan else '--pp '}{layout.pp})"
-    if args.aux_loss == "global":
-        # TrainStep injects each layer's aux loss inside its stage, from that stage's tokens only.
-        raise UsageError(f"--aux-loss global is not available {pipelined}: each stage balances its own "
-                         "layers on its own tokens; use --aux-loss local")
-    if args.z_loss_coef:
-        raise UsageError(f"--z-loss-coef is not available {pipelined}: moe_ep's pipeline step has no router "
-                         "z-loss; use --z-loss-coef 0")
-    if args.grad_accum != 1:
+    """Fail before any work when a flag asks for what the pipeline's training step does not do."""
+    if layout.pp > 1 and args.grad_accum != 1:
+        pipelined = f"with pipeline stages ({'--plan chose pp=' if args.plan else '--pp '}{layout.pp})"
         raise UsageError(f"--grad-accum {args.grad_accum} does not apply {pipelined}: the pipeline's "
                          "--microbatches are the step's accumulation; raise those instead")
 
@@ -163,9 +138,6 @@ def check_layout_supported(layout: Layout, args) -> None:
 def layout_from_plan(args, config, world_size: int, gpus_per_node: int):
     """The planner's layout for this model on the launched processes. Returns (layout, plan); sets
     ``args.micro_batch_size`` and ``args.grad_accum`` from the plan's micro-batching."""
-    if missing_piece("moe_ep.planner", "plan"):
-        raise UsageError("--plan needs moe_ep.planner, which this installation of moe_ep does not have; "
-                         "give --ep/--dp-shard/--dp-replicate/--pp instead")
     from moe_ep.planner import plan
 
     if world_size % gpus_per_node:

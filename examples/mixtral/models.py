@@ -186,18 +186,6 @@ def configure_experts(model: nn.Module, implementation: str, backend: str | None
     return model
 
 
-def check_moe_ep_hf_available(implementation: str) -> None:
-    if implementation != "moe_ep":
-        return
-    import importlib.util
-
-    if importlib.util.find_spec("moe_ep.hf") is None:
-        raise UsageError(
-            "--experts-implementation moe_ep needs moe_ep.hf, which this checkout of moe_ep does not have yet; "
-            "use --experts-implementation eager (or grouped_mm) meanwhile"
-        )
-
-
 def seed_everything(seed: int) -> None:
     import random
 

@@ -44,7 +44,6 @@ from layout import (
 from metrics import ExpertLoad, Reporter, Throughput, flops_per_token, peak_flops, summary_lines
 from models import (
     build_model,
-    check_moe_ep_hf_available,
     configure_experts,
     count_parameters,
     materialize,
@@ -88,7 +87,7 @@ def train_step(model, optimizer, batch, args, *, aux_coef, top_k, aux_group, aut
     return lm_sum / args.grad_accum, aux_sum / args.grad_accum, grad_norm
 
 
-def make_step(target, optimizer, args, layout, *, aux_coef, top_k, aux_group, autocast, world_size):
+def make_step(target, optimizer, args, layout, *, aux_coef, top_k, aux_group, global_aux, autocast, world_size):
     """``step(batch) -> (lm_loss, aux_loss, grad_norm)``, one optimizer step on this rank's share
     of the global batch: the language-model and load-balancing losses as means over the
     data-parallel ranks (tensors, the same on every rank; aux None when it is not computed) and
@@ -96,9 +95,9 @@ def make_step(target, optimizer, args, layout, *, aux_coef, top_k, aux_group, au
 
     Without pipeline stages, ``train_step`` above, with transformers' load-balancing loss (all
     layers' statistics pooled), the global variant and the z-loss. With them, moe_ep's TrainStep,
-    which injects the aux loss inside each stage, so it is the mean of the per-layer losses
-    (Megatron-Core's form: the layers live on different ranks); its loss is computed by the last
-    stage and broadcast, so rank 0 logs it like any other."""
+    which injects the aux and z losses inside each stage, so they are means of the per-layer
+    losses (Megatron-Core's form: the layers live on different ranks); its loss is computed by the
+    last stage and broadcast, so rank 0 logs it like any other."""
     if layout.pp == 1:
         def step(batch):
             lm, aux, grad_norm = train_step(target, optimizer, batch, args, aux_coef=aux_coef, top_k=top_k,
@@ -113,7 +112,8 @@ def make_step(target, optimizer, args, layout, *, aux_coef, top_k, aux_group, au
     from moe_ep.training import TrainStep
 
     # Clipping to an infinite norm still measures it, for the log.
-    pipeline = TrainStep(target, optimizer, aux_loss_coef=aux_coef,
+    pipeline = TrainStep(target, optimizer, aux_loss_coef=aux_coef, global_aux_loss=global_aux and aux_coef > 0,
+                         z_loss_coef=args.z_loss_coef,
                          max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else math.inf)
 
     def step(batch):
@@ -202,7 +202,6 @@ def validate(args):
     """Every check that needs no process group, model weights or data; identical on every rank."""
     check_flag_values(args)
     world_size, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
-    check_moe_ep_hf_available(args.experts_implementation)
     source = resolve_model(args.model)
     tokenizer = select_tokenizer(source, args.tokenizer)
     check_against_model(args, source.config, tokenizer)
@@ -283,7 +282,9 @@ def train(args) -> None:
     num_layers = source.config.num_hidden_layers
     expert_load = ExpertLoad(module, num_layers, num_experts_of(source.config), device, pipeline=layout.pp > 1)
     aux_coef = source.config.router_aux_loss_coef if args.aux_loss_coef is None else args.aux_loss_coef
-    aux_group = meshes_of(module).dp_group if args.aux_loss == "global" and dist.is_initialized() else None
+    global_aux = args.aux_loss == "global" and dist.is_initialized()
+    # With stages TrainStep finds the data-parallel group itself (the model is cut: no meshes_of).
+    aux_group = meshes_of(module).dp_group if global_aux and layout.pp == 1 else None
     throughput = Throughput(flops_per_token(source.config, active_params, args.seq_len),
                             peak_flops(device, args.peak_tflops), world_size)
     reporter.info(
@@ -307,8 +308,8 @@ def train(args) -> None:
     # itself, instead of leaving the others blocked in a collective until the NCCL/gloo timeout.
     step_guard = (lambda: fail_fast(timeout=args.step_timeout)) if dist.is_initialized() else nullcontext
     train_one_step = make_step(target, optimizer, args, layout, aux_coef=aux_coef,
-                               top_k=source.config.num_experts_per_tok, aux_group=aux_group, autocast=autocast,
-                               world_size=world_size)
+                               top_k=source.config.num_experts_per_tok, aux_group=aux_group, global_aux=global_aux,
+                               autocast=autocast, world_size=world_size)
     for step in range(start_step, args.steps):
         with step_guard():
             lr = lr_at(step, args)
