@@ -73,7 +73,9 @@ def _forward_impl(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation):
     w_N = w_TK.reshape(-1)[order_N].float()
     out_NH = out_NH.float().mul_(w_N[:, None]).to(x_TH.dtype)  # in place for float32
     y_TH = _unsort_sum(out_NH, order_N, T, K).to(x_TH.dtype)
-    return y_TH, order_N, offsets_E, gate_up_N2I
+    # Odd intermediate sizes leave a view of the padded product: the op's outputs must be dense,
+    # as its fake implementation says (a no-op for the aligned sizes of real models).
+    return y_TH, order_N, offsets_E, gate_up_N2I.contiguous()
 
 
 @torch.library.custom_op("moe_ep::experts_torch_fwd", mutates_args=())

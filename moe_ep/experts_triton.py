@@ -101,6 +101,9 @@ def _setup_context(ctx, inputs, output):
     x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation, pad_m = inputs
     ctx.activation = activation
     ctx.pad_m = pad_m
+    # Only y gets a gradient: without this autograd would allocate and zero-fill one of pre_P2I's
+    # size (2I columns per padded row) for every backward.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x_TH, w_TK, gate_up_E2IH, down_EHI, *output[1:])
 
 

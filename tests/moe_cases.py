@@ -1,5 +1,5 @@
 """Routing cases shared by the expert-op tests: odd sizes, every top-k, empty experts, one hot
-expert, no tokens, one token."""
+expert, no tokens, one token; and the forward-and-gradients runner the expert-op tests share."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ class Case:
     K: int
     routing: str = "random"  # random | one_expert | skip_last (expert E-1 gets no token)
 
-    def make(self, dtype, device="cpu", seed=0):
+    def make(self, dtype, device="cpu", seed=0, weights_dtype=torch.float32):
+        """(x, idx, w, gate_up, down): floats in ``dtype`` except the routing weights, which models
+        usually keep in float32 (``weights_dtype`` picks theirs)."""
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(self.T, self.H, generator=g)
         gate_up = torch.randn(self.E, 2 * self.I, self.H, generator=g) / self.H**0.5
@@ -31,10 +33,18 @@ class Case:
             pool = self.E - 1 if self.routing == "skip_last" else self.E
             scores = torch.rand(self.T, pool, generator=g)
             idx = scores.topk(self.K, dim=-1).indices
-        return tuple(
-            t.to(device=device, dtype=dtype if t.is_floating_point() and t is not w else t.dtype)
-            for t in (x, idx, w, gate_up, down)
-        )
+        x, gate_up, down = (t.to(device=device, dtype=dtype) for t in (x, gate_up, down))
+        return x, idx.to(device), w.to(device=device, dtype=weights_dtype), gate_up, down
+
+
+def run_with_grads(fn, x, idx, w, gate_up, down, dy):
+    """``fn``'s output and its gradients in (hidden states, routing weights, gate_up, down) for the
+    output gradient ``dy``; an input the output does not depend on gets a zero gradient."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, gate_up, down)]
+    xl, wl, gul, dl = leaves
+    y = fn(xl, idx, wl, gul, dl)
+    grads = torch.autograd.grad(y, leaves, dy.to(device=y.device, dtype=y.dtype), allow_unused=True)
+    return y.detach(), [g if g is not None else torch.zeros_like(l) for g, l in zip(grads, leaves)]
 
 
 CASES = [
