@@ -10,13 +10,16 @@ setup(
     packages=find_namespace_packages(include=["moe_ep", "moe_ep.*"]),
     install_requires=[
         "torch>=2.9",
-        "triton>=3.2",
-        "transformers>=5.0",
+        # The oldest releases the code is written against: triton.knobs and the AOT compile API of
+        # Triton 3.6, the router and experts interfaces of transformers 5.17 (moe_ep.hf.version).
+        "triton>=3.6",
+        "transformers>=5.17",
         "accelerate>=1.0",
         "safetensors>=0.4",
     ],
     extras_require={
-        "test": ["pytest>=8", "matplotlib>=3.7"],
+        # kernels: Hugging Face's package of that name, so the tests can show that ours never shadows it.
+        "test": ["pytest>=8", "matplotlib>=3.7", "kernels>=0.10"],
         "bench": ["matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["moe-ep=moe_ep.cli:main"]},

@@ -8,31 +8,45 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_import_kernels_does_not_resolve_into_this_repository(tmp_path):
-    """Hugging Face's PyPI package `kernels` (imported by transformers) must win over our top-level
-    kernels/ folder, even from the repository root where that folder sits first on sys.path.
-    A stand-in regular package placed *after* the repository on the path plays its part."""
+def test_import_kernels_does_not_resolve_into_this_repository():
+    """From the repository root, where our top-level kernels/ folder sits first on sys.path,
+    `import kernels` still gets Hugging Face's PyPI package (a test dependency; transformers
+    imports it): a folder without __init__.py is only a namespace package, which any regular
+    package of that name found later on the path beats."""
+    assert not (REPO / "kernels" / "__init__.py").exists()
+    hf_kernels = importlib.metadata.distribution("kernels")
+    code = "import kernels, sys; print(sys.path[0] == ''); print(kernels.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    repo_first, origin = out.stdout.split()
+    assert repo_first == "True"
+    assert pathlib.Path(origin).resolve() == pathlib.Path(hf_kernels.locate_file("kernels/__init__.py")).resolve()
+    assert not pathlib.Path(origin).resolve().is_relative_to(REPO / "kernels"), origin
+
+
+def test_a_regular_package_later_on_the_path_beats_our_folder(tmp_path):
+    """The same rule with a stand-in package, whatever is installed: the repository first on
+    PYTHONPATH, the stand-in after it."""
     fake = tmp_path / "site" / "kernels"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("WHO = 'huggingface'\n")
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path / 'site'}")
-    code = "import kernels, sys; print(kernels.__file__); print(kernels.WHO)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    code = "import kernels; print(kernels.__file__); print(kernels.WHO)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
     origin, who = out.stdout.split()
     assert who == "huggingface"
     assert not origin.startswith(str(REPO)), origin
-    assert not (REPO / "kernels" / "__init__.py").exists()
 
 
-def test_transformers_does_not_mistake_our_folder_for_hf_kernels():
-    try:
-        importlib.metadata.distribution("kernels")
-        hf_kernels_installed = True
-    except importlib.metadata.PackageNotFoundError:
-        hf_kernels_installed = False
+def test_transformers_does_not_mistake_our_folder_for_hf_kernels(tmp_path):
+    """transformers' answer to "is Hugging Face's kernels package usable?" is the same from the
+    repository root, where our folder is on sys.path, as from a folder where it is not."""
     code = "from transformers.utils import is_kernels_available; print(is_kernels_available())"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == str(hf_kernels_installed)
+    answers = [
+        subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True)
+        .stdout.strip().splitlines()[-1]
+        for cwd in (REPO, tmp_path)
+    ]
+    assert answers[0] == answers[1], answers
 
 
 def test_kernels_ship_as_moe_ep_kernels():
