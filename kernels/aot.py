@@ -30,6 +30,8 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 
+from moe_ep.kernels.interpreter import interpreting
+
 PACKAGE = "moe_ep.kernels"
 FOLDER = pathlib.Path(__file__).resolve().parent
 ARCHS = (80, 90)
@@ -50,12 +52,6 @@ class Row:
     tensor_core: str = "-"
     seconds: float = 0.0
     problem: str = ""
-
-
-def interpreter_enabled() -> bool:
-    from triton import knobs
-
-    return bool(knobs.runtime.interpret)
 
 
 def kernel_modules() -> list[str]:
@@ -199,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
                         help="parallel compiler processes (default: all cores)")
     args = parser.parse_args(argv)
-    if interpreter_enabled():
+    if interpreting():
         print(
             "moe_ep.kernels.aot: TRITON_INTERPRET is set, which turns every @triton.jit function into "
             "an interpreted one that cannot be compiled. Run with TRITON_INTERPRET=0.",

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from moe_ep.backend import triton_interpreting
+from moe_ep.kernels.interpreter import interpreting
 
 ENV_VAR = "MOE_EP_AUTOTUNE"
 
@@ -59,7 +59,7 @@ def _cuda_arch(index: int) -> str:
 
 
 def device_arch(device: torch.device) -> str:
-    if triton_interpreting():
+    if interpreting():
         return "interpreter"
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device unless TRITON_INTERPRET=1, got {device}")
@@ -74,7 +74,7 @@ def _timing_enabled() -> bool:
     value = os.environ.get(ENV_VAR, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{ENV_VAR} must be '0' or '1', got {value!r}")
-    return value == "1" and not triton_interpreting()
+    return value == "1" and not interpreting()
 
 
 def choose(

@@ -23,10 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ep.backend import triton_interpreting
 from moe_ep.kernels import autotune
 from moe_ep.kernels.aot_spec import KernelSpec
 from moe_ep.kernels.autotune import Config
+from moe_ep.kernels.interpreter import interpreting
 from moe_ep.kernels.routing_metadata import RoutingMetadata
 
 ACTIVATIONS = ("silu", "gelu")
@@ -420,7 +420,7 @@ def gather_glu(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, meta: RoutingMeta
         _gather_glu_kernel[_row_grid(c, P, I)](
             x_TH, gate_up_E2IH, meta.block_expert_B, meta.sorted_slot_P, h_PI, pre_P2I,
             P, H, I, top_k, meta.pad_m, gelu,
-            GROUP_M=GROUP_M, INTERPRETED=triton_interpreting(), **c.constexprs(), **c.launch_options(),
+            GROUP_M=GROUP_M, INTERPRETED=interpreting(), **c.constexprs(), **c.launch_options(),
         )
         return h_PI, pre_P2I
 
@@ -453,7 +453,7 @@ def rows_matmul(a_PK: torch.Tensor, w_E: torch.Tensor, meta: RoutingMetadata, *,
             a_PK, w_E, meta.block_expert_B, meta.sorted_slot_P, scale, out_PN,
             P, n_out, k_red, meta.pad_m,
             W_NK=w_layout == "nk", SCALE=scale_N is not None,
-            GROUP_M=GROUP_M, INTERPRETED=triton_interpreting(), **c.constexprs(), **c.launch_options(),
+            GROUP_M=GROUP_M, INTERPRETED=interpreting(), **c.constexprs(), **c.launch_options(),
         )
         return out_PN
 
@@ -485,7 +485,7 @@ def glu_backward(dy_TH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Ten
         _glu_backward_kernel[_row_grid(c, P, I)](
             dy_TH, down_EHI, pre_P2I, w_N, meta.block_expert_B, meta.sorted_slot_P, dpre_P2I, dw_part,
             P, H, I, top_k, meta.pad_m, gelu,
-            GROUP_M=GROUP_M, INTERPRETED=triton_interpreting(), **c.constexprs(), **c.launch_options(),
+            GROUP_M=GROUP_M, INTERPRETED=interpreting(), **c.constexprs(), **c.launch_options(),
         )
         return dpre_P2I, dw_part
 
@@ -507,7 +507,7 @@ def _weight_grad(a, b, scale_N, meta: RoutingMetadata, out_EMN, top_k: int, gelu
             a, b, scale_N, meta.padded_offsets_E1, meta.sorted_slot_P, out_EMN,
             M, N, top_k, gelu,
             A_GATHER=a_gather, A_SCALE=a_scale, B_GATHER=b_gather, B_GLU=b_glu,
-            INTERPRETED=triton_interpreting(), **c.constexprs(), **c.launch_options(),
+            INTERPRETED=interpreting(), **c.constexprs(), **c.launch_options(),
         )
         return out_EMN
 
@@ -562,7 +562,7 @@ def combine(rows_PH: torch.Tensor, meta: RoutingMetadata, num_tokens: int, top_k
     grid = (triton.cdiv(num_tokens, COMBINE_BLOCK_T), triton.cdiv(H, COMBINE_BLOCK_H))
     _combine_kernel[grid](
         rows_PH, meta.slot_pos_N, y_TH, num_tokens, H, top_k,
-        BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H, INTERPRETED=triton_interpreting(), num_warps=COMBINE_WARPS,
+        BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H, INTERPRETED=interpreting(), num_warps=COMBINE_WARPS,
     )
     return y_TH
 

@@ -7,12 +7,10 @@ import os
 
 import torch
 
+from .kernels.interpreter import interpreting
+
 BACKENDS = ("triton", "torch")
 ENV_VAR = "MOE_EP_BACKEND"
-
-
-def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
@@ -25,7 +23,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         return "triton" if device.type == "cuda" else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"{source} must be one of {BACKENDS} or None, got {backend!r}")
-    if backend == "triton" and device.type != "cuda" and not triton_interpreting():
+    if backend == "triton" and device.type != "cuda" and not interpreting():
         raise ValueError(
             f"{source}='triton' needs CUDA tensors or TRITON_INTERPRET=1, got tensors on {device}"
         )

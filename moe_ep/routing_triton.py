@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import triton_interpreting
+from .kernels.interpreter import interpreting
 from .kernels.router import router_backward, router_forward
 
 
@@ -30,7 +30,7 @@ def _route_topk(
     return router_forward(
         hidden_states, router_weight, top_k,
         sigmoid=score == "sigmoid", normalize=normalize, bias_E=correction_bias,
-        n_group=n_group, topk_group=topk_group, scale=scale, interpreting=triton_interpreting(),
+        n_group=n_group, topk_group=topk_group, scale=scale, interpreting=interpreting(),
     )
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moe_ep.backend import triton_interpreting
+from moe_ep.kernels.interpreter import interpreting
 from moe_ep.experts import moe_experts
 from moe_ep.kernels import autotune
 from moe_ep.kernels.autotune import Config
@@ -33,7 +33,7 @@ def test_token_bucket():
 
 def test_key_holds_kernel_shapes_dtype_arch_and_bucket():
     arch = autotune.device_arch(DEVICE)
-    assert arch == ("interpreter" if triton_interpreting() else "sm_%d%d" % torch.cuda.get_device_capability())
+    assert arch == ("interpreter" if interpreting() else "sm_%d%d" % torch.cuda.get_device_capability())
     key = autotune.tuning_key("k", (16, 8), torch.bfloat16, DEVICE, 100)
     assert key == ("k", (16, 8), torch.bfloat16, arch, 128)
 
@@ -51,7 +51,7 @@ def test_results_are_cached_per_key(monkeypatch):
 
 
 def test_no_timing_under_interpreter_or_when_disabled(monkeypatch):
-    if not triton_interpreting():
+    if not interpreting():
         monkeypatch.setenv(autotune.ENV_VAR, "0")
     calls = []
     assert choose(launch=calls.append) == CONFIGS[0]

@@ -1,3 +1,4 @@
+import ast
 import importlib.metadata
 import importlib.util
 import os
@@ -52,3 +53,22 @@ def test_transformers_does_not_mistake_our_folder_for_hf_kernels(tmp_path):
 def test_kernels_ship_as_moe_ep_kernels():
     assert (REPO / "moe_ep" / "kernels").is_symlink()
     assert importlib.util.find_spec("moe_ep.kernels") is not None
+
+
+def test_kernels_import_nothing_above_them():
+    """DESIGN.md's layering: the kernels know nothing of autograd, modules, distributed or Hugging
+    Face, so they import only Triton, torch, the standard library and each other."""
+
+    def allowed(name: str) -> bool:
+        top = name.split(".")[0]
+        return top in sys.stdlib_module_names or top in ("triton", "torch") or name.startswith("moe_ep.kernels")
+
+    for path in sorted((REPO / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            assert all(allowed(name) for name in names), f"{path.name} imports {names}"

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ..backend import triton_interpreting
+from ..kernels.interpreter import interpreting
 from ..experts import moe_experts
 from ..experts_torch import grouped_linear, routing_order
 from ..routing import route_topk
@@ -324,7 +324,7 @@ def _triton_router_components(p: Problem, inp: Inputs) -> list[Component]:
 
     def fwd():
         return router_forward(x_TH, w_EH, p.K, bias_E=None, n_group=1, topk_group=1,
-                              interpreting=triton_interpreting(), **options)
+                              interpreting=interpreting(), **options)
 
     logits_TE, weights_TK, indices_TK = fwd()
     dweights_TK, dlogits_TE = torch.ones_like(weights_TK), torch.zeros_like(logits_TE)
