@@ -26,7 +26,7 @@ from ..kernels.interpreter import interpreting
 from ..experts import moe_experts
 from ..experts_torch import grouped_linear, routing_order
 from ..routing import route_topk
-from .optional import Lookup, optional_attr, optional_import
+from .optional import Lookup, optional_attr
 from .report import Column, Report, close_figure, environment, new_figure
 from .routing_cases import ROUTINGS, make_routing, max_load_share
 from .timing import measure, measure_many, peak_memory_bytes, synchronize
@@ -162,8 +162,7 @@ def _hf_eager(inp: Inputs) -> torch.Tensor:
 def expert_variants(device: torch.device) -> dict[str, Lookup]:
     variants = {"moe_ep[torch]": Lookup(partial(_moe_ep, "torch"), None)}
     if device.type == "cuda":
-        triton_op = optional_import("moe_ep.experts_triton")
-        variants["moe_ep[triton]"] = Lookup(partial(_moe_ep, "triton"), None) if triton_op.available else triton_op
+        variants["moe_ep[triton]"] = Lookup(partial(_moe_ep, "triton"), None)
     grouped = optional_attr("transformers.integrations.moe", "grouped_mm_experts_forward")
     variants[GROUPED_MM] = Lookup(partial(_hf_grouped_mm, grouped.value), None) if grouped.available else grouped
     variants[REFERENCE] = Lookup(_hf_eager, None)
@@ -313,12 +312,9 @@ def _torch_components(p: Problem, inp: Inputs) -> list[Component]:
 
 def _triton_router_components(p: Problem, inp: Inputs) -> list[Component]:
     """The fused router kernel alone: forward (logits, top-k, weights) and backward (d logits)."""
+    from ..kernels.router import router_backward, router_forward
+
     names = ("router[triton]", "fwd"), ("router[triton]", "bwd")
-    found = [optional_attr("moe_ep.kernels.router", fn) for fn in ("router_forward", "router_backward")]
-    missing = [f for f in found if not f.available]
-    if missing:
-        return [Component(name, phase, 0, 0, None, missing[0].reason) for name, phase in names]
-    router_forward, router_backward = (f.value for f in found)
     x_TH, w_EH = inp.x_TH.detach(), inp.router_EH.detach()
     options = dict(sigmoid=False, normalize=True, scale=1.0)
 
@@ -345,12 +341,9 @@ TRITON_GEMMS = (
 def _triton_gemm_components(p: Problem, inp: Inputs) -> list[Component]:
     """Each launcher of the Triton experts op, forward and backward, on that op's own routing
     metadata and intermediates (computed once, untimed)."""
-    meta_mod = optional_import("moe_ep.kernels.routing_metadata")
-    gg = optional_import("moe_ep.kernels.grouped_gemm")
-    if not (meta_mod.available and gg.available):
-        reason = (meta_mod if not meta_mod.available else gg).reason
-        return [Component(name, phase, 0, 0, None, reason) for name, phase in TRITON_GEMMS]
-    gg, routing_metadata = gg.value, meta_mod.value.routing_metadata
+    from ..kernels import grouped_gemm as gg
+    from ..kernels.routing_metadata import routing_metadata
+
     x_TH, dy_TH = inp.x_TH.detach(), inp.dy_TH
     gate_up, down = inp.gate_up_E2IH.detach(), inp.down_EHI.detach()
     w_N = inp.w_TK.detach().reshape(-1).float().contiguous()
@@ -415,11 +408,7 @@ def _sync_checks(p: Problem, inp: Inputs) -> dict[str, Lookup]:
     checks = {}
     variants = expert_variants(p.device)
     for backend in ("torch", "triton"):
-        router = Lookup(True, None) if backend == "torch" else optional_import("moe_ep.routing_triton")
-        checks[f"route_topk[{backend}]"] = (
-            Lookup(partial(route_topk, inp.x_TH, inp.router_EH, p.K, backend=backend), None)
-            if router.available else router
-        )
+        checks[f"route_topk[{backend}]"] = Lookup(partial(route_topk, inp.x_TH, inp.router_EH, p.K, backend=backend), None)
         op = variants.get(f"moe_ep[{backend}]", Lookup(None, f"not run on {p.device.type}"))
         checks[f"moe_experts[{backend}] fwd+bwd"] = Lookup(partial(_outputs, op.value, inp), None) if op.available else op
     return checks

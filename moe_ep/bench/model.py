@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .optional import Lookup, optional_attr
+from ..hf import patch
 from .report import Column, Report, close_figure, environment, new_figure
 from .timing import measure_many, peak_memory_bytes
 
@@ -40,8 +40,11 @@ MODELS = {
         batch=1, seq=4096, dtype=torch.bfloat16,
     ),
 }
-VARIANTS = ("eager", "grouped_mm", "moe_ep", "moe_ep+fused_router")
-SWITCHABLE = VARIANTS[:3]  # through set_experts_implementation; the last one patches the model
+# Selected with set_experts_implementation ("moe_ep" is registered by importing moe_ep), so they can
+# take turns; the patched variant also fuses the router, which cannot be undone.
+SWITCHABLE = ("eager", "grouped_mm", "moe_ep")
+PATCHED = "moe_ep+fused_router"
+VARIANTS = SWITCHABLE + (PATCHED,)
 
 COLUMNS = [
     Column("model", "model"),
@@ -68,23 +71,11 @@ def build_model(setup: ModelSetup, device: torch.device, seed: int):
     return model.to(setup.dtype).train()
 
 
-def select_variant(model, variant: str) -> Lookup:
-    """Switch ``model`` to ``variant``; returns Lookup(True) or why it is not available."""
-    if variant in ("eager", "grouped_mm"):
+def select_variant(model, variant: str) -> None:
+    if variant == PATCHED:
+        patch(model, fused_router=True)
+    else:
         model.set_experts_implementation(variant)
-        return Lookup(True, None)
-    if variant == "moe_ep":
-        register = optional_attr("moe_ep.hf", "register")
-        if not register.available:
-            return register
-        register.value()
-        model.set_experts_implementation("moe_ep")
-        return Lookup(True, None)
-    patch = optional_attr("moe_ep.hf", "patch")
-    if not patch.available:
-        return patch
-    patch.value(model, fused_router=True)
-    return Lookup(True, None)
 
 
 def bench_model(name: str, setup: ModelSetup, device: torch.device, args) -> list[dict]:
@@ -104,46 +95,40 @@ def bench_model(name: str, setup: ModelSetup, device: torch.device, args) -> lis
 
     def switch_to(variant):
         def setup():
-            model.set_experts_implementation(variant)
+            select_variant(model, variant)
             return fresh_grads()
 
         return setup
 
     def time_in_turns(cases):
-        return measure_many(cases, device=device, warmup=args.warmup, reps=args.reps) if cases else {}
+        return measure_many(cases, device=device, warmup=args.warmup, reps=args.reps)
 
-    # The registry variants switch back and forth, so they are timed in turns (see measure_many);
-    # patching cannot be undone, so the patched variant comes after them, on its own.
-    rows, timings, switchable = {}, {}, {}
-    for variant in VARIANTS:
-        row = rows[variant] = dict(model=name, variant=variant, tokens=n_tokens)
-        if variant not in SWITCHABLE:
-            timings.update(time_in_turns(switchable))
-            switchable = {}
-        selected = select_variant(model, variant)
-        if not selected.available:
-            row["status"] = selected.reason
-            continue
+    rows = {}
+
+    def first_step(variant):
+        select_variant(model, variant)
         fresh_grads()
         loss = step().item()  # host sync: once per variant, outside the timed region
         fresh_grads()
         peak = peak_memory_bytes(step, device)
-        row.update(loss=loss, peak_mib=None if peak is None else peak / 2**20, status="ok")
-        if variant in SWITCHABLE:
-            switchable[variant] = (step, switch_to(variant))
-        else:
-            timings.update(time_in_turns({variant: (step, fresh_grads)}))
-    timings.update(time_in_turns(switchable))
+        rows[variant] = dict(model=name, variant=variant, tokens=n_tokens, loss=loss,
+                             peak_mib=None if peak is None else peak / 2**20, status="ok")
+
+    # The registry variants switch back and forth, so they are timed in turns (see measure_many);
+    # the patched variant comes after them, on its own.
+    for variant in SWITCHABLE:
+        first_step(variant)
+    timings = time_in_turns({variant: (step, switch_to(variant)) for variant in SWITCHABLE})
+    first_step(PATCHED)
+    timings.update(time_in_turns({PATCHED: (step, fresh_grads)}))
     for variant, t in timings.items():
         rows[variant].update(ms=t.median_s * 1e3, min_ms=t.min_s * 1e3, tokens_per_s=n_tokens / t.median_s)
-    rows = list(rows.values())
     model.zero_grad(set_to_none=True)
-    timed = {r["variant"]: r for r in rows if r.get("ms") is not None}
-    for row in timed.values():
-        for col, other in (("vs_grouped_mm", "grouped_mm"), ("vs_eager", "eager")):
-            row[col] = timed[other]["ms"] / row["ms"] if other in timed else None
-        row["loss_diff"] = abs(row["loss"] - timed["eager"]["loss"]) if "eager" in timed else None
-    return rows
+    eager, grouped_mm = rows["eager"], rows["grouped_mm"]
+    for row in rows.values():
+        row.update(vs_grouped_mm=grouped_mm["ms"] / row["ms"], vs_eager=eager["ms"] / row["ms"],
+                   loss_diff=abs(row["loss"] - eager["loss"]))
+    return list(rows.values())
 
 
 def plot(report: Report, path: Path) -> None:
