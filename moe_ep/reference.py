@@ -36,7 +36,8 @@ def route_topk_ref(x_TH, router_weight_EH, top_k: int, *, score: str = "softmax"
     T, E = choice.shape
     if n_group > 1:
         grouped = choice.view(T, n_group, E // n_group)
-        group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        # A group's score is the sum of its two best experts (its only one in groups of one).
+        group_score = grouped.topk(min(2, E // n_group), dim=-1).values.sum(-1)
         keep = group_score.topk(topk_group, dim=-1).indices
         mask = torch.zeros(T, n_group, dtype=torch.bool).scatter_(1, keep, True)
         choice = choice.masked_fill(~mask.repeat_interleave(E // n_group, dim=1), float("-inf"))

@@ -94,8 +94,16 @@ def route_topk(
     to one. ``score="sigmoid"``, ``correction_bias``, ``n_group``/``topk_group`` and ``scale``
     give DeepSeek-V3's router. Differentiable in ``hidden_states`` and ``router_weight`` through
     the logits and the weights; the indices carry no gradient.
+
+    ``hidden_states`` is ``[T, H]`` (flatten batch and sequence first). ``router_weight`` may have
+    another float dtype than ``hidden_states`` (a float32 router over bfloat16 activations): both
+    are then promoted to the wider dtype, on either backend, and each gradient comes back in its
+    input's dtype.
     """
     check_route_args(hidden_states, router_weight, top_k, score, correction_bias, n_group, topk_group)
+    if router_weight.dtype != hidden_states.dtype:
+        dtype = torch.promote_types(hidden_states.dtype, router_weight.dtype)
+        hidden_states, router_weight = hidden_states.to(dtype), router_weight.to(dtype)
     backend = resolve_backend(backend, hidden_states.device)
     args = (hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale)
     if backend == "triton":

@@ -92,11 +92,8 @@ def route_topk_triton(
     hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale
 ):
     """Same contract as ``moe_ep.routing.route_topk_torch``; arguments already validated by
-    ``route_topk``. Returns (logits_TE float32, weights_TK float32, indices_TK int64)."""
-    if router_weight.dtype != hidden_states.dtype:
-        raise TypeError(
-            f"router_weight must have the dtype of hidden_states ({hidden_states.dtype}), got {router_weight.dtype}"
-        )
+    ``route_topk``, which gives both tensors one dtype. Returns (logits_TE float32, weights_TK
+    float32, indices_TK int64)."""
     return _route_topk(
         hidden_states, router_weight, top_k, score, bool(normalize), correction_bias,
         n_group, topk_group, float(scale),

@@ -70,10 +70,27 @@ def test_bad_activation_and_backend():
         (dict(n_group=3), "n_group"),
         (dict(n_group=2, topk_group=3), "topk_group"),
         (dict(correction_bias=torch.zeros(E + 1)), "correction_bias"),
+        (dict(hidden_states=torch.randn(2, T // 2, H)), "hidden_states"),
     ],
 )
 def test_route_topk_rejects(kwargs, pattern):
     args = dict(hidden_states=torch.randn(T, H), router_weight=torch.randn(E, H), top_k=K)
     args.update(kwargs)
     with pytest.raises(ValueError, match=pattern):
+        moe_ep.route_topk(**args)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(hidden_states=torch.randint(0, 5, (T, H))), "hidden_states"),
+        (dict(router_weight=torch.randint(0, 5, (E, H))), "router_weight"),
+        (dict(hidden_states=[[1.0] * H] * T), "hidden_states"),
+    ],
+    ids=["integer_hidden", "integer_router", "not_a_tensor"],
+)
+def test_route_topk_rejects_types(kwargs, pattern):
+    args = dict(hidden_states=torch.randn(T, H), router_weight=torch.randn(E, H), top_k=K)
+    args.update(kwargs)
+    with pytest.raises(TypeError, match=pattern):
         moe_ep.route_topk(**args)
