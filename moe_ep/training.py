@@ -38,6 +38,7 @@ per-layer mean, as Megatron-Core does."""
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -183,9 +184,13 @@ class TrainStep:
         max_grad_norm: clip the gradients' global 2-norm (all stages, all meshes) to this; the
             norm before clipping is kept in ``last_grad_norm``.
         lr_scheduler: stepped after every optimizer step that was taken.
+        autocast_dtype: run the forward (without pipeline stages) under ``torch.autocast`` in
+            this dtype, for a model that FSDP's ``MixedPrecisionPolicy`` does not cast (one
+            process); the loss is computed in fp32 and backward runs outside autocast.
 
     ``step(batch)`` takes ``{"input_ids": [B, S], "labels": [B, S] (optional, defaults to
-    input_ids)}`` (this rank's share of the global batch) and returns the step's loss (LM loss
+    input_ids)}`` (this rank's share of the global batch, ``B`` a multiple of the micro-batches)
+    and returns the step's loss (LM loss
     plus the weighted aux and z losses; the parts are ``last_lm_loss``, ``last_aux_loss`` and
     ``last_z_loss``): the mean over
     the global batch, a detached scalar equal on every rank (broadcast from the pipeline rank
@@ -194,7 +199,8 @@ class TrainStep:
 
     def __init__(self, model_or_stages, optimizer: torch.optim.Optimizer, *, microbatches: int | None = None,
                  loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, global_aux_loss: bool = False,
-                 z_loss_coef: float = 0.0, max_grad_norm: float | None = None, lr_scheduler=None):
+                 z_loss_coef: float = 0.0, max_grad_norm: float | None = None, lr_scheduler=None,
+                 autocast_dtype: torch.dtype | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.pipelined = isinstance(model_or_stages, PipelineStages)
@@ -235,6 +241,18 @@ class TrainStep:
             raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm = None
+        if autocast_dtype is not None:
+            if not isinstance(autocast_dtype, torch.dtype) or not autocast_dtype.is_floating_point:
+                raise TypeError(f"autocast_dtype must be a floating torch.dtype or None, got {autocast_dtype!r}")
+            if self.pipelined:
+                raise ValueError(
+                    f"autocast_dtype={autocast_dtype} applies without pipeline stages; stages compute in low "
+                    "precision through parallelize(mixed_precision=MixedPrecisionPolicy(param_dtype=...))"
+                )
+        self.autocast_dtype = autocast_dtype
+        # A transformers model would otherwise fill a key/value cache that training never reads.
+        config = None if self.pipelined else getattr(model_or_stages, "config", None)
+        self.forward_kwargs = {"use_cache": False} if hasattr(config, "use_cache") else {}
         modules = model_or_stages.modules if self.pipelined else [model_or_stages]
         self.aux = None
         if self.aux_loss_coef or self.z_loss_coef:
@@ -260,8 +278,14 @@ class TrainStep:
             raise ValueError(
                 f"input_ids must be [B, S] and labels the same shape, got {tuple(ids.shape)} and {tuple(labels.shape)}"
             )
-        if ids.shape[0] < self.microbatches:
-            raise ValueError(f"batch of {ids.shape[0]} sequences cannot be cut into {self.microbatches} micro-batches")
+        if ids.shape[0] < self.microbatches or ids.shape[0] % self.microbatches:
+            # Checked before any work: an uneven cut would run fewer micro-batches than the loss
+            # and the aux loss are scaled for.
+            raise ValueError(
+                f"batch of {ids.shape[0]} sequences cannot be cut into {self.microbatches} micro-batches: "
+                f"microbatches={self.microbatches} must divide input_ids' first dimension, got shape "
+                f"{tuple(ids.shape)}"
+            )
         return ids, labels
 
     def __call__(self, batch) -> torch.Tensor:
@@ -360,7 +384,10 @@ class TrainStep:
     def _accumulated(self, ids, labels) -> torch.Tensor:
         total = torch.zeros((), device=ids.device)
         for ids_mb, labels_mb in zip(ids.chunk(self.microbatches), labels.chunk(self.microbatches)):
-            out = self.target(input_ids=ids_mb)
+            autocast = nullcontext() if self.autocast_dtype is None else torch.autocast(ids.device.type,
+                                                                                      dtype=self.autocast_dtype)
+            with autocast:
+                out = self.target(input_ids=ids_mb, **self.forward_kwargs)
             logits = out.logits if hasattr(out, "logits") else out
             loss = self.loss_fn(logits, labels_mb)
             loss.backward()

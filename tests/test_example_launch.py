@@ -1,14 +1,16 @@
 """examples/mixtral end to end on the CPU: `accelerate launch` with 2 gloo processes against a
 single-process run of the same model and data; a run killed mid-way (while it writes a checkpoint)
 resumes onto the uninterrupted run's losses bit for bit; the exported folder loads with plain
-transformers in a fresh process and gives the trained model's logits. Pipeline stages on 4
-processes (flags and --plan) against moe_ep's TrainStep on the unsplit model in one process, their
-checkpoints resumed bit for bit, under the planner's layout, and exported."""
+transformers in a fresh process and gives the trained model's logits; `torchrun` continues
+training it, each rank reading its slices of the weights. Pipeline stages on 4 processes (flags
+and --plan) against the same script without stages in one process (moe_ep's TrainStep either
+way), their checkpoints resumed bit for bit, under the planner's layout, and exported."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -63,6 +65,14 @@ def accelerate_cmd(out: Path, *extra: str, processes: int = 2, layout=LAYOUT) ->
     ]
 
 
+def torchrun_cmd(out: Path, *extra: str, processes: int = 2, layout=LAYOUT) -> list[str]:
+    """The same run through torchrun (no accelerate launcher; --standalone picks a free port)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+        str(EXAMPLE / "train.py"), *COMMON, *layout, "--output-dir", str(out), *extra,
+    ]
+
+
 def run(cmd, timeout=240) -> str:
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -99,7 +109,7 @@ def reference(tmp_path_factory):
 
 def test_two_process_launch_trains_and_matches_one_process(reference, tmp_path):
     out, log = reference
-    assert "layout pp=1 dp_replicate=1 dp_shard=2 ep=2 on 2 process(es), cpu, fp32 | experts moe_ep" in log
+    assert "layout pp=1 dp_replicate=1 dp_shard=2 ep=2 mb=2x1 on 2 process(es), cpu, fp32 | experts moe_ep" in log
     assert "=== summary ===" in log
     assert "expert load max/mean per layer" in log
     dist_losses = losses(out)
@@ -145,7 +155,7 @@ def test_killed_run_resumes_onto_the_same_losses_bit_for_bit(reference, tmp_path
     resumed_from = 2 if killed_mid_write else 4
     assert f"resumed from {out / 'checkpoints' / f'step_{resumed_from:08d}'} at step {resumed_from}" in log
     if killed_mid_write:
-        assert "removed 1 incomplete checkpoint(s) left by an interrupted write: .tmp-step_00000004" in log
+        assert "removed 1 incomplete checkpoint(s) left by an interrupted write or deletion: .tmp-step_00000004" in log
     assert losses(out) == losses(reference[0])  # exact float equality, every step
 
 
@@ -161,9 +171,6 @@ with torch.no_grad():
 
 
 def test_export_loads_with_plain_transformers_and_gives_the_trained_logits(reference, tmp_path):
-    import torch.distributed.checkpoint as dcp
-    from transformers import AutoModelForCausalLM
-
     out, _ = reference
     export = out / "hf"
     assert (export / "config.json").is_file() and "moe_ep" not in (export / "config.json").read_text()
@@ -172,8 +179,19 @@ def test_export_loads_with_plain_transformers_and_gives_the_trained_logits(refer
     subprocess.run([sys.executable, "-c", EXPORT_CHECK, str(export), str(logits_file)], env=clean_env,
                    cwd=tmp_path, check=True, timeout=120)
 
-    # The trained model: the run's final sharded checkpoint loaded into the example's model, with
-    # the moe_ep kernels and fused router it was trained with.
+    ids = torch.tensor([list(b"def train(model):\n    return model")])
+    with torch.no_grad():
+        trained = trained_model(out / "checkpoints" / f"step_{STEPS:08d}")(input_ids=ids).logits
+    exported = torch.load(logits_file)
+    assert rel_err(exported, trained) <= TOLERANCE[torch.float32]
+
+
+def trained_model(ckpt: Path):
+    """A run's sharded checkpoint loaded into the example's model, with the moe_ep kernels and
+    fused router it was trained with."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
     sys.path.insert(0, str(EXAMPLE))
     from models import tiny_config
 
@@ -183,23 +201,23 @@ def test_export_loads_with_plain_transformers_and_gives_the_trained_logits(refer
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(out / "checkpoints" / f"step_{STEPS:08d}"), no_dist=True)
-    ids = torch.tensor([list(b"def train(model):\n    return model")])
-    with torch.no_grad():
-        trained = model(input_ids=ids).logits
-    exported = torch.load(logits_file)
-    assert rel_err(exported, trained) <= TOLERANCE[torch.float32]
+        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    return model
 
 
-def test_pretrained_weights_read_by_slice_on_two_ranks_match_one_process(reference, tmp_path):
-    """Continue training the exported model: each of the 2 ranks reads only its experts and FSDP
-    shards from the safetensors file; the losses must be those of one process reading it whole."""
+def test_pretrained_weights_read_by_slice_on_two_ranks_match_one_process(reference, tmp_path, capsys):
+    """Continue training the exported model, launched by torchrun: each of the 2 ranks reads only
+    its experts and FSDP shards from the safetensors file; the losses must be those of one
+    process reading it whole."""
+    from safetensors.torch import load_file
+
     export = reference[0] / "hf"
     pretrained = ["--model", str(export), "--tokenizer", "byte", "--steps", "2", "--warmup-steps", "1",
                   "--checkpoint-every", "0"]
-    log = run(accelerate_cmd(tmp_path / "two", *pretrained))
+    log = run(torchrun_cmd(tmp_path / "two", *pretrained))
     assert f"model {export}:" in log
     assert train_in_process([*COMMON, *pretrained, "--grad-accum", "2", "--output-dir", str(tmp_path / "one")]) == 0
+    one_log = capsys.readouterr().out
     two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
     assert sorted(two) == sorted(one) == [1, 2]
     # The first loss is the exported model's own (the run it came from ended near it).
@@ -207,6 +225,19 @@ def test_pretrained_weights_read_by_slice_on_two_ranks_match_one_process(referen
     a = torch.tensor([two[1], two[2]], dtype=torch.float64)
     b = torch.tensor([one[1], one[2]], dtype=torch.float64)
     assert rel_err(a, b) <= TOLERANCE[torch.float32], (a, b)
+
+    # What was read: ep=2 x FSDP over the same 2 ranks splits every tensor in two, so the two
+    # ranks' reads add up to the checkpoint, each below it, and the experts are read once.
+    tensors = load_file(export / "model.safetensors")
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    experts = sum(t.numel() * t.element_size() for name, t in tensors.items() if ".experts." in name)
+    read = re.search(r"pretrained weights read by slice: ([\d,]+) to ([\d,]+) bytes per rank; expert tensors "
+                     r"([\d,]+) bytes over all 2 rank\(s\)", log)
+    assert read is not None, log[-3000:]
+    least, most, expert_bytes = (int(g.replace(",", "")) for g in read.groups())
+    assert least + most == total and most < total and expert_bytes == experts, (least, most, expert_bytes, total)
+    assert (f"pretrained weights read by slice: {total:,} to {total:,} bytes per rank; expert tensors {experts:,} "
+            "bytes over all 1 rank(s)") in one_log
 
 
 def test_two_rank_checkpoint_resumes_in_one_process(reference, tmp_path):
@@ -250,43 +281,15 @@ def pipeline_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pipeline_reference(pipeline_run):
-    """The pipeline runs in one process: moe_ep's TrainStep on the whole model (pipeline stages
-    compute its per-layer load-balancing loss, not train.py's pooled one), the global batch of 8
-    sequences as 8 micro-batches of 1 (the data-parallel ranks' blocks in turn), with train.py's
-    initialisation, data, optimizer, learning rates and clipping. Returns ({step: (loss, aux)},
-    the trained model)."""
-    sys.path.insert(0, str(EXAMPLE))
-    import data
-    import train
-    from models import build_model, configure_experts, resolve_model
-    from options import build_parser
-
-    from moe_ep.training import TrainStep
-
-    args = build_parser().parse_args([*COMMON, *PIPELINE])
-    source = resolve_model(args.model)
-    model = configure_experts(build_model(source, seed=args.seed, meta=False), "moe_ep", None)
-    optimizer = train.make_optimizer(model, args)
-    step = TrainStep(model, optimizer, microbatches=PIPELINE_BATCH, aux_loss_coef=source.config.router_aux_loss_coef,
-                     max_grad_norm=args.max_grad_norm)
-    tokens = data.cached_tokens(data.resolve_data(args.data, args.text_field), data.ByteTokenizer(),
-                                pipeline_run[0] / "token_cache", is_local_main=True, barrier=lambda: None,
-                                max_tokens=args.max_corpus_tokens)
-    packed = data.PackedSequences(tokens, args.seq_len)
-    schedule = data.BatchSchedule(packed.num_sequences, PIPELINE_BATCH, 0, 1, args.seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        losses = {}
-        for s in range(args.steps):
-            for group in optimizer.param_groups:
-                group["lr"] = train.lr_at(s, args)
-            step({"input_ids": data.local_batch(packed, schedule, s)})
-            losses[s + 1] = (step.last_lm_loss.item(), step.last_aux_loss.item())
-    finally:
-        torch.set_num_threads(threads)
-    return losses, model
+def pipeline_reference(tmp_path_factory):
+    """The pipeline's global batch of 8 sequences in one process, through train.py without stages:
+    8 accumulation steps of 1 sequence (the data-parallel ranks' blocks in turn), the same
+    TrainStep and losses, without a schedule. Returns ({step: (loss, aux)}, its final checkpoint)."""
+    out = tmp_path_factory.mktemp("pipeline_reference")
+    argv = [*COMMON, "--micro-batch-size", "1", "--grad-accum", str(PIPELINE_BATCH), "--checkpoint-every", "0",
+            "--output-dir", str(out)]
+    assert train_in_process(argv) == 0
+    return {s: (r["loss"], r["aux_loss"]) for s, r in records(out).items()}, out / "checkpoints" / f"step_{STEPS:08d}"
 
 
 def assert_matches_reference(out: Path, reference: dict, steps) -> None:
@@ -298,7 +301,7 @@ def assert_matches_reference(out: Path, reference: dict, steps) -> None:
 
 def test_pipeline_stages_on_four_processes_match_one_process(pipeline_run, pipeline_reference):
     out, log = pipeline_run
-    assert "layout pp=2 dp_replicate=1 dp_shard=2 ep=2 microbatches=4 schedule=1f1b on 4 process(es)" in log
+    assert "layout pp=2 dp_replicate=1 dp_shard=2 ep=2 mb=1x4 1f1b on 4 process(es)" in log
     assert "global batch 8 sequences = 512 tokens/step" in log
     got = records(out)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -331,7 +334,7 @@ def test_plan_with_pipeline_stages_resumes_another_layouts_checkpoint(pipeline_r
     log = run(pipeline_cmd(out, "--resume", str(ckpt), layout=PLANNED))
     assert "decoder layers per stage [1, 1, 1, 1]" in log
     assert "--plan: micro-batch 1 x 8 pipeline micro-batches per rank" in log
-    assert "layout pp=4 dp_replicate=1 dp_shard=1 ep=1 microbatches=8 schedule=1f1b on 4 process(es)" in log
+    assert "layout pp=4 dp_replicate=1 dp_shard=1 ep=1 mb=1x8 1f1b on 4 process(es)" in log
     assert f"resumed from {ckpt} at step 4" in log
     assert sorted(records(out)) == [5, 6]
     assert_matches_reference(out, pipeline_reference[0], (5, 6))
@@ -353,5 +356,5 @@ def test_pipeline_checkpoint_exports_to_a_plain_transformers_folder(pipeline_run
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     ids = torch.tensor([list(b"def train(model):\n    return model")])
     with torch.no_grad():
-        exported, trained = model(input_ids=ids).logits, pipeline_reference[1](input_ids=ids).logits
+        exported, trained = model(input_ids=ids).logits, trained_model(pipeline_reference[1])(input_ids=ids).logits
     assert rel_err(exported, trained) <= TOLERANCE[torch.float32]

@@ -4,7 +4,10 @@ A checkpoint is written into ``checkpoints/.tmp-step_XXXXXXXX`` by every rank, a
 ranks have finished (DCP's metadata, each rank's RNG state, the trainer state) does rank 0 rename it
 to ``checkpoints/step_XXXXXXXX``. A rename within one folder is atomic, so a folder with the final
 name is always complete, and a run killed mid-write leaves only a ``.tmp-`` folder, which is never
-read and is removed by the next run. The output folder must be shared by all nodes.
+read and is removed by the next run. Deletion is the same in reverse: a checkpoint that is replaced
+or pruned is first renamed to ``.trash-step_XXXXXXXX``, then deleted, so a run killed mid-delete
+never leaves a partly deleted folder under a final name. The output folder must be shared by all
+nodes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from errors import UsageError
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
 TRAINER_STATE = "trainer_state.json"
 # Optimizer state and hyper-parameters keyed by parameter name (state.<fqn>.exp_avg,
 # param_groups.<fqn>.lr), not by position in the param groups: the ranks of different pipeline
@@ -69,20 +73,34 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def remove_incomplete(root: Path) -> list[Path]:
-    """Delete the leftovers of interrupted writes (rank 0 only). Returns what it removed."""
+    """Delete the leftovers of interrupted writes and deletions (rank 0 only). Returns what it
+    removed."""
     if not root.is_dir():
         return []
-    stale = [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX)]
+    stale = sorted(p for p in root.iterdir() if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
     for path in stale:
         shutil.rmtree(path)
     return stale
+
+
+def delete_atomically(path: Path) -> None:
+    """Rename ``path`` to a ``.trash-`` name beside it (atomic), then delete it: whenever the
+    deletion stops, nothing is left under the old name."""
+    trash = path.with_name(TRASH_PREFIX + path.name)
+    if trash.exists():  # left by an earlier interrupted deletion
+        shutil.rmtree(trash)
+    os.rename(path, trash)
+    _fsync_dir(path.parent)
+    shutil.rmtree(trash)
 
 
 def clear_run(output_dir: Path) -> None:
     """What --overwrite deletes: checkpoints, metrics and TensorBoard logs (the token cache stays)."""
     for path in (output_dir / "checkpoints", output_dir / "tensorboard"):
         if path.exists():
-            shutil.rmtree(path)
+            delete_atomically(path)
+    for leftover in output_dir.glob(TRASH_PREFIX + "*"):
+        shutil.rmtree(leftover)
     (output_dir / "metrics.jsonl").unlink(missing_ok=True)
 
 
@@ -129,13 +147,20 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
         if config is not None:
             config.save_pretrained(tmp)
         _fsync_dir(tmp)
+        trash = None
         if final.exists():
-            # A complete checkpoint of this step exists (a resumed run re-saving it): replace it.
-            shutil.rmtree(final)
+            # A complete checkpoint of this step exists (a resumed run re-saving it): moved aside
+            # whole, and deleted only once the new one holds the name.
+            trash = root / f"{TRASH_PREFIX}{final.name}"
+            if trash.exists():
+                shutil.rmtree(trash)
+            os.rename(final, trash)
         os.rename(tmp, final)
         _fsync_dir(root)
+        if trash is not None:
+            shutil.rmtree(trash)
         for old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
+            delete_atomically(old)
     barrier()
     return final
 

@@ -7,58 +7,43 @@ from sharded data parallelism and every rank of a pipeline stage trains on its o
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
-from errors import UsageError
+from moe_ep.parallel.parallelize import DEFAULT_SCHEDULE
+from moe_ep.planner import Layout
+from moe_ep.planner.schedules import NO_PIPELINE
 
-DEFAULT_SCHEDULE = "1f1b"
-NO_PIPELINE = "none"
+from errors import UsageError
+from models import num_experts_in
 
 
 @dataclass(frozen=True)
-class Layout:
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    ep: int = 1
-    microbatches: int = 1
-    schedule: str = NO_PIPELINE
-    activation_checkpointing: bool = False
+class RunLayout(Layout):
+    """moe_ep's planner Layout (degrees, ``microbatch_size`` x ``microbatches`` sequences per
+    step on each data-parallel rank: pipeline micro-batches with ``pp > 1``, gradient-accumulation
+    steps without; schedule; activation checkpointing) and where the pipeline is cut."""
+
     # The first decoder layer of stages 1..S-1 (the planner's cut); None: moe_ep's automatic cut.
     split_points: tuple[int, ...] | None = None
 
-    @property
-    def dp_size(self) -> int:
-        """Ranks that see different data (expert parallel included)."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_size
-
     def dp_rank(self, rank: int) -> int:
-        return rank % self.dp_size
+        """Ranks of a pipeline stage are consecutive (mesh ``(pp, dp_replicate, dp_shard)``), so
+        the data-parallel rank is the position within the stage."""
+        return rank % self.dp
 
-    def sequences_per_rank(self, micro_batch_size: int, grad_accum: int) -> int:
-        """One optimizer step's sequences on one data-parallel rank: the pipeline's micro-batches
-        take the place of gradient accumulation."""
-        return micro_batch_size * (self.microbatches if self.pp > 1 else grad_accum)
+    @property
+    def global_batch(self) -> int:
+        """Sequences of one optimizer step over all data-parallel ranks."""
+        return self.microbatch_size * self.microbatches * self.dp
 
     def describe(self) -> str:
-        text = f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} ep={self.ep}"
-        if self.pp > 1:
-            text += f" microbatches={self.microbatches} schedule={self.schedule}"
-        return text + (" activation_checkpointing" if self.activation_checkpointing else "")
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+        return self.short()
 
 
-def layout_from_flags(args, world_size: int, config) -> Layout:
+def layout_from_flags(args, world_size: int, config) -> RunLayout:
     """Degrees from the flags; ``--dp-shard`` defaults to the ranks the other degrees leave."""
     if args.pp == 1:
         given = [flag for flag, value in (("--schedule", args.schedule), ("--microbatches", args.microbatches))
@@ -67,6 +52,9 @@ def layout_from_flags(args, world_size: int, config) -> Layout:
             verb = "applies" if len(given) == 1 else "apply"
             raise UsageError(f"{' and '.join(given)} {verb} to pipeline stages only (--pp > 1); gradient "
                              "accumulation without a pipeline is --grad-accum")
+    elif args.grad_accum != 1:
+        raise UsageError(f"--grad-accum {args.grad_accum} does not apply with pipeline stages (--pp {args.pp}): the "
+                         "pipeline's --microbatches are the step's accumulation; raise those instead")
     rest = args.pp * args.dp_replicate
     if args.dp_shard is None:
         if world_size % rest:
@@ -77,67 +65,56 @@ def layout_from_flags(args, world_size: int, config) -> Layout:
         dp_shard = world_size // rest
     else:
         dp_shard = args.dp_shard
-    layout = Layout(
-        pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=dp_shard, ep=args.ep,
-        microbatches=args.microbatches or (2 * args.pp if args.pp > 1 else 1),
-        schedule=(args.schedule or DEFAULT_SCHEDULE) if args.pp > 1 else NO_PIPELINE,
-        activation_checkpointing=args.activation_checkpointing,
-    )
-    check_layout(layout, world_size, config)
-    return layout
+    degrees = {"pp": args.pp, "dp_replicate": args.dp_replicate, "dp_shard": dp_shard, "ep": args.ep}
+    schedule = (args.schedule or DEFAULT_SCHEDULE) if args.pp > 1 else NO_PIPELINE
+    microbatches = (args.microbatches or 2 * args.pp) if args.pp > 1 else args.grad_accum
+    check_layout(degrees, schedule, microbatches, world_size, config)
+    return RunLayout(**degrees, microbatch_size=args.micro_batch_size, microbatches=microbatches,
+                     schedule=schedule, checkpointing=args.activation_checkpointing)
 
 
-def num_experts_of(config) -> int:
-    return getattr(config, "num_local_experts", None) or config.num_experts
-
-
-def check_layout(layout: Layout, world_size: int, config) -> None:
-    if layout.world_size != world_size:
+def check_layout(degrees: dict[str, int], schedule: str, microbatches: int, world_size: int, config) -> None:
+    """What moe_ep (and the planner's Layout) would refuse after start-up, said before it in
+    terms of the flags."""
+    pp, dp_replicate, dp_shard, ep = (degrees[k] for k in ("pp", "dp_replicate", "dp_shard", "ep"))
+    if pp * dp_replicate * dp_shard != world_size:
         raise UsageError(
-            f"layout {layout.describe()} needs pp*dp_replicate*dp_shard = {layout.world_size} processes, "
-            f"but {world_size} were launched (accelerate launch --num_processes / torchrun --nproc_per_node)"
+            f"layout pp={pp} dp_replicate={dp_replicate} dp_shard={dp_shard} ep={ep} needs pp*dp_replicate*dp_shard "
+            f"= {pp * dp_replicate * dp_shard} processes, but {world_size} were launched (accelerate launch "
+            "--num_processes / torchrun --nproc-per-node)"
         )
-    if layout.dp_shard % layout.ep:
+    if dp_shard % ep:
         raise UsageError(
-            f"--ep {layout.ep} must divide --dp-shard {layout.dp_shard}: expert parallelism borrows its ranks "
+            f"--ep {ep} must divide --dp-shard {dp_shard}: expert parallelism borrows its ranks "
             "from sharded data parallelism"
         )
-    num_experts = num_experts_of(config)
-    if num_experts % layout.ep:
-        raise UsageError(f"--ep {layout.ep} must divide the model's {num_experts} experts")
-    if layout.pp > 1:
-        check_pipeline(layout, config.num_hidden_layers)
+    num_experts = num_experts_in(config)
+    if num_experts % ep:
+        raise UsageError(f"--ep {ep} must divide the model's {num_experts} experts")
+    if pp > 1:
+        check_pipeline(pp, schedule, microbatches, config.num_hidden_layers)
 
 
-def check_pipeline(layout: Layout, num_layers: int) -> None:
-    """What moe_ep's pipeline would refuse after start-up, said before it."""
+def check_pipeline(pp: int, schedule: str, microbatches: int, num_layers: int) -> None:
     from moe_ep.planner import schedule_info
 
     try:
-        info = schedule_info(layout.schedule)
+        info = schedule_info(schedule)
     except ValueError as err:
         raise UsageError(f"--schedule: {err}") from None
-    problem = info.check_microbatches(layout.pp, layout.microbatches)
+    problem = info.check_microbatches(pp, microbatches)
     if problem:
-        raise UsageError(f"--microbatches {layout.microbatches}: {problem}")
-    stages = layout.pp * info.stages_per_rank
+        raise UsageError(f"--microbatches {microbatches}: {problem}")
+    stages = pp * info.stages_per_rank
     if stages > num_layers:
-        per_rank = f" ({info.stages_per_rank} per rank for {layout.schedule})" if info.stages_per_rank > 1 else ""
-        raise UsageError(f"--pp {layout.pp} needs {stages} pipeline stages{per_rank}, one decoder layer at least "
+        per_rank = f" ({info.stages_per_rank} per rank for {schedule})" if info.stages_per_rank > 1 else ""
+        raise UsageError(f"--pp {pp} needs {stages} pipeline stages{per_rank}, one decoder layer at least "
                          f"each, but the model has {num_layers} layers")
 
 
-def check_layout_supported(layout: Layout, args) -> None:
-    """Fail before any work when a flag asks for what the pipeline's training step does not do."""
-    if layout.pp > 1 and args.grad_accum != 1:
-        pipelined = f"with pipeline stages ({'--plan chose pp=' if args.plan else '--pp '}{layout.pp})"
-        raise UsageError(f"--grad-accum {args.grad_accum} does not apply {pipelined}: the pipeline's "
-                         "--microbatches are the step's accumulation; raise those instead")
-
-
 def layout_from_plan(args, config, world_size: int, gpus_per_node: int):
-    """The planner's layout for this model on the launched processes. Returns (layout, plan); sets
-    ``args.micro_batch_size`` and ``args.grad_accum`` from the plan's micro-batching."""
+    """The planner's layout for this model on the launched processes, its micro-batching
+    included (it replaces --micro-batch-size and --grad-accum). Returns (layout, plan)."""
     from moe_ep.planner import plan
 
     if world_size % gpus_per_node:
@@ -158,18 +135,13 @@ def layout_from_plan(args, config, world_size: int, gpus_per_node: int):
     except ValueError as err:  # the planner's PlanError says what would be needed
         raise UsageError(f"--plan: {err}") from None
     p = chosen.layout
-    layout = Layout(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, ep=p.ep,
-                    microbatches=p.microbatches if p.pp > 1 else 1, schedule=p.schedule,
-                    activation_checkpointing=p.checkpointing,
-                    split_points=tuple(chosen.best.split_points) if p.pp > 1 else None)
-    check_layout(layout, world_size, config)
-    # Without pipeline stages the plan's micro-batches are gradient-accumulation steps.
-    args.micro_batch_size = p.microbatch_size
-    args.grad_accum = 1 if p.pp > 1 else p.microbatches
-    return layout, chosen
+    check_layout({"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "ep": p.ep}, p.schedule,
+                 p.microbatches, world_size, config)
+    split_points = tuple(chosen.best.split_points) if p.pp > 1 else None
+    return RunLayout(**asdict(p), split_points=split_points), chosen
 
 
-def apply_layout(model: torch.nn.Module, layout: Layout, *, mixed_precision: torch.dtype | None):
+def apply_layout(model: torch.nn.Module, layout: RunLayout, *, mixed_precision: torch.dtype | None):
     """Shard the model in place with moe_ep.parallelize (collective). Returns the model, or with
     ``pp > 1`` this rank's moe_ep.parallel.PipelineStages. One process without a process group
     keeps the model as it is."""
@@ -187,7 +159,7 @@ def apply_layout(model: torch.nn.Module, layout: Layout, *, mixed_precision: tor
                     "split_points": None if layout.split_points is None else list(layout.split_points)}
     return parallelize(
         model, ep=layout.ep, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, pp=layout.pp,
-        mixed_precision=policy, activation_checkpointing=layout.activation_checkpointing, **pipeline,
+        mixed_precision=policy, activation_checkpointing=layout.checkpointing, **pipeline,
     )
 
 
@@ -217,28 +189,3 @@ def _merge(children: list[dict[str, nn.Module]]) -> nn.Module:
         else:
             raise ValueError(f"pipeline stages hold different modules named {name!r}")
     return merged
-
-
-def meshes_of(model: torch.nn.Module):
-    from moe_ep.parallel import meshes_of as meshes
-
-    return meshes(model)
-
-
-def is_parallelized(model: torch.nn.Module) -> bool:
-    return hasattr(model, "moe_ep_meshes")
-
-
-def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """The global gradient norm (clipped to ``max_norm``) across the dense and expert meshes."""
-    if is_parallelized(model):
-        from moe_ep.parallel import clip_grad_norm_ as clip_across_meshes
-
-        return clip_across_meshes(model, max_norm)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-
-
-def gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
-    """Skip the gradient reduce-scatter on all micro-batches but the last of a step."""
-    if is_parallelized(model):
-        model.set_requires_gradient_sync(enabled)

@@ -134,10 +134,11 @@ class Reporter:
             record["expert_load_max_over_mean"] = [round(b, 4) for b in balance(load_LE)]
             record["expert_load"] = load_LE.tolist()
         self.jsonl.write(json.dumps(record) + "\n")
-        # None: not computed (a pipeline run without load-balancing loss).
+        # None: not computed (no load-balancing loss, --aux-loss-coef 0).
         aux = "n/a" if record["aux_loss"] is None else f"{record['aux_loss']:.4f}"
+        z = "" if record.get("z_loss") is None else f" | z {record['z_loss']:.4f}"
         line = (
-            f"step {record['step']:>6} | loss {record['loss']:.4f} | aux {aux} "
+            f"step {record['step']:>6} | loss {record['loss']:.4f} | aux {aux}{z} "
             f"| grad_norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s"
         )
         line += f" | MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
@@ -154,7 +155,7 @@ class Reporter:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
             self.bar.update(record["step"] - self.bar.n)
         if self.tb is not None:
-            for key in ("loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "mfu"):
+            for key in ("loss", "aux_loss", "z_loss", "grad_norm", "lr", "tokens_per_s", "mfu"):
                 if record.get(key) is not None:
                     self.tb.add_scalar(f"train/{key}", record[key], record["step"])
             if load_LE is not None:

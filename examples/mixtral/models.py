@@ -77,9 +77,17 @@ def resolve_model(spec: str) -> ModelSource:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
-    if getattr(config, "num_local_experts", None) is None and getattr(config, "num_experts", None) is None:
+    if not num_experts_in(config):
         raise UsageError(f"--model: {folder} is a {config.model_type} model, not a mixture of experts")
     return ModelSource(str(spec), config, folder, True)
+
+
+def num_experts_in(config) -> int:
+    """The experts of each MoE layer, 0 for a dense config. Families name it differently
+    (Mixtral ``num_local_experts``, Qwen2-MoE ``num_experts``; transformers aliases some, not all);
+    moe_ep.planner's ModelSpec reads it alike but refuses the shared-expert and dense-first families
+    that this example trains."""
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
 
 
 def download_snapshot(repo_id: str) -> Path:
@@ -109,7 +117,7 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(total, active per token): only ``top_k`` of the ``E`` experts of a layer run for a token.
     Works on meta models and on sharded ones (DTensor ``numel`` is global)."""
     config = model.config
-    n_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 1)
+    n_experts = num_experts_in(config)
     top_k = getattr(config, "num_experts_per_tok", 1)
     total = active = 0
     for name, p in model.named_parameters():

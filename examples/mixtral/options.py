@@ -53,9 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--text-field", default="text", help="field holding the text in .jsonl records and HF datasets")
     d.add_argument("--max-corpus-tokens", type=int, default=None, help="cap on the tokens read from --data")
     d.add_argument("--seq-len", type=int, default=256, help="tokens per packed sequence")
-    d.add_argument("--micro-batch-size", type=int, default=4, help="sequences per data-parallel rank per micro-step")
+    d.add_argument("--micro-batch-size", type=int, default=4,
+                   help="sequences per data-parallel rank per micro-step (--plan chooses its own)")
     d.add_argument("--grad-accum", type=int, default=1,
-                   help="micro-steps per optimizer step (with --pp > 1: --microbatches instead)")
+                   help="micro-steps per optimizer step (with --pp > 1: --microbatches instead; --plan chooses them)")
     d.add_argument("--seed", type=int, default=0)
 
     o = p.add_argument_group("optimisation")
@@ -96,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 POSITIVE = ("ep", "dp_replicate", "pp", "seq_len", "micro_batch_size", "grad_accum", "steps", "log_every",
             "keep_checkpoints")
-LAYOUT_DEFAULTS = {"ep": 1, "dp_replicate": 1, "pp": 1, "dp_shard": None, "microbatches": None, "schedule": None}
+LAYOUT_DEFAULTS = {"ep": 1, "dp_replicate": 1, "pp": 1, "dp_shard": None, "microbatches": None, "schedule": None,
+                   "grad_accum": 1}
 NON_NEGATIVE = ("checkpoint_every", "warmup_steps", "weight_decay", "max_grad_norm", "z_loss_coef")
 
 

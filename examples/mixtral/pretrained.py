@@ -106,22 +106,33 @@ class SafetensorsFolder:
 
 
 @torch.no_grad()
-def load_owned_slices(model: torch.nn.Module, folder: Path, *, part: torch.nn.Module | None = None) -> int:
-    """Fill every parameter's local shard of a materialised (possibly sharded) model from ``folder``;
-    recomputes non-persistent buffers (rotary tables) with the model's own init. ``part``: what
-    this rank holds under the model's names (its pipeline stages), default the whole model.
-    Returns the bytes read, which tests compare with the checkpoint size."""
+def load_pretrained(model: torch.nn.Module, folder: Path, device: torch.device, *,
+                    part: torch.nn.Module | None = None) -> dict[str, int]:
+    """Allocate the local shards of a meta (possibly sharded) model on ``device`` and fill them from
+    ``folder``, with no random initialisation first: every parameter and persistent buffer is read
+    from the checkpoint, and only the non-persistent buffers (rotary tables), which checkpoints do
+    not hold, are computed by the model's own init. ``part``: what this rank holds under the
+    model's names (its pipeline stages), default the whole model. Returns the bytes read from the
+    safetensors files per tensor name (this rank's slices only)."""
     part = model if part is None else part
+    part.to_empty(device=device)
+    non_persistent = set()
+    for module_name, module in part.named_modules():
+        if module._non_persistent_buffers_set:
+            # Before the reads: it would also re-draw the module's own parameters, if it had any.
+            model._init_weights(module)
+            non_persistent |= {f"{module_name}.{b}" if module_name else b for b in module._non_persistent_buffers_set}
+    tensors = [*part.named_parameters(), *((n, b) for n, b in part.named_buffers() if n not in non_persistent)]
     reader = SafetensorsFolder(folder)
+    read = {}
     try:
-        for name, param in part.named_parameters():
-            local, offset = local_chunk(param)
+        for name, tensor in tensors:
+            local, offset = local_chunk(tensor)
             if local.numel() == 0:
                 continue
+            before = reader.bytes_read
             local.copy_(reader.read(name, offset, tuple(local.shape)))
+            read[name] = reader.bytes_read - before
     finally:
         reader.close()
-    for module in part.modules():
-        if "RotaryEmbedding" in type(module).__name__:
-            model._init_weights(module)
-    return reader.bytes_read
+    return read

@@ -19,28 +19,20 @@ import os
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from moe_ep.losses import load_balancing_loss, router_z_loss
 from moe_ep.parallel import fail_fast
+from moe_ep.parallel.expert_sharding import experts_modules, num_experts_of
+from moe_ep.training import TrainStep
 
 from checkpoint import clear_run, latest_checkpoint, load_checkpoint, read_trainer_state, remove_incomplete, save_checkpoint
 from data import ByteTokenizer, BatchSchedule, PackedSequences, PretrainedTokenizer, cached_tokens, local_batch, resolve_data
 from errors import UsageError
-from layout import (
-    apply_layout,
-    check_layout_supported,
-    clip_grad_norm_,
-    gradient_sync,
-    layout_from_flags,
-    layout_from_plan,
-    meshes_of,
-    num_experts_of,
-    rank_view,
-)
+from layout import apply_layout, layout_from_flags, layout_from_plan, rank_view
 from metrics import ExpertLoad, Reporter, Throughput, flops_per_token, peak_flops, summary_lines
 from models import (
     build_model,
@@ -63,69 +55,25 @@ def lr_at(step: int, args) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train_step(model, optimizer, batch, args, *, aux_coef, top_k, aux_group, autocast):
-    """One optimizer step over ``args.grad_accum`` micro-batches of ``batch``. Returns this rank's
-    language-model and load-balancing losses (means over the micro-batches, detached) and the
-    global gradient norm before clipping."""
-    lm_sum = torch.zeros((), device=batch.device)
-    aux_sum = torch.zeros((), device=batch.device)
-    for i, ids in enumerate(batch.chunk(args.grad_accum)):
-        gradient_sync(model, i == args.grad_accum - 1)
-        with autocast:
-            out = model(input_ids=ids, output_router_logits=True, use_cache=False)
-        lm = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-        aux = load_balancing_loss(out.router_logits, top_k, group=aux_group)
-        objective = lm + aux_coef * aux
-        if args.z_loss_coef:
-            objective = objective + args.z_loss_coef * router_z_loss(out.router_logits)
-        (objective / args.grad_accum).backward()
-        lm_sum += lm.detach()
-        aux_sum += aux.detach()
-    grad_norm = clip_grad_norm_(model, args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return lm_sum / args.grad_accum, aux_sum / args.grad_accum, grad_norm
-
-
-def make_step(target, optimizer, args, layout, *, aux_coef, top_k, aux_group, global_aux, autocast, world_size):
-    """``step(batch) -> (lm_loss, aux_loss, grad_norm)``, one optimizer step on this rank's share
-    of the global batch: the language-model and load-balancing losses as means over the
-    data-parallel ranks (tensors, the same on every rank; aux None when it is not computed) and
-    the global gradient norm before clipping.
-
-    Without pipeline stages, ``train_step`` above, with transformers' load-balancing loss (all
-    layers' statistics pooled), the global variant and the z-loss. With them, moe_ep's TrainStep,
-    which injects the aux and z losses inside each stage, so they are means of the per-layer
-    losses (Megatron-Core's form: the layers live on different ranks); its loss is computed by the
-    last stage and broadcast, so rank 0 logs it like any other."""
-    if layout.pp == 1:
-        def step(batch):
-            lm, aux, grad_norm = train_step(target, optimizer, batch, args, aux_coef=aux_coef, top_k=top_k,
-                                            aux_group=aux_group, autocast=autocast)
-            stats = torch.stack([lm, aux])
-            if dist.is_initialized():
-                dist.all_reduce(stats)
-                stats /= world_size
-            return stats[0], stats[1], grad_norm
-        return step
-
-    from moe_ep.training import TrainStep
-
+def make_step(target, optimizer, args, layout, *, aux_coef: float, autocast_dtype) -> TrainStep:
+    """moe_ep's TrainStep for every layout, so that the logged losses mean the same with and
+    without pipeline stages: the LM loss is the mean over the global batch's tokens, the aux and z
+    losses means over layers and micro-batches of each layer's loss (Megatron-Core's form;
+    transformers' ``output_router_logits`` loss pools all layers' statistics instead, which a
+    pipeline cannot do). ``layout.microbatches`` are the pipeline's micro-batches with ``pp > 1``
+    and the gradient-accumulation steps without."""
     # Clipping to an infinite norm still measures it, for the log.
-    pipeline = TrainStep(target, optimizer, aux_loss_coef=aux_coef, global_aux_loss=global_aux and aux_coef > 0,
-                         z_loss_coef=args.z_loss_coef,
-                         max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else math.inf)
-
-    def step(batch):
-        pipeline({"input_ids": batch})
-        return pipeline.last_lm_loss, pipeline.last_aux_loss, pipeline.last_grad_norm
-    return step
+    return TrainStep(target, optimizer, microbatches=layout.microbatches, aux_loss_coef=aux_coef,
+                     global_aux_loss=args.aux_loss == "global" and aux_coef > 0, z_loss_coef=args.z_loss_coef,
+                     max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else math.inf,
+                     autocast_dtype=autocast_dtype)
 
 
 def prepare_model(args, source, layout, device, mp_dtype):
     """HF classes, our expert kernels, then the layout; meta models are materialised shard by
-    shard after it (and pretrained ones filled from their safetensors slices). Returns (target,
-    module, parameters, active parameters per token): ``target`` is what trains (the model, or
+    shard after it: random ones initialised, pretrained ones read from their safetensors slices
+    (nothing drawn at random first). Returns (target, module, parameters, active parameters per
+    token, bytes read per pretrained tensor or None): ``target`` is what trains (the model, or
     with ``--pp > 1`` this rank's moe_ep PipelineStages), ``module`` what this rank holds under
     the model's names (the model, or its stages, layout.rank_view) for the optimizer,
     checkpoints and metrics."""
@@ -137,14 +85,27 @@ def prepare_model(args, source, layout, device, mp_dtype):
         model.to(device)
     target = apply_layout(model, layout, mixed_precision=mp_dtype)
     module = model if layout.pp == 1 else rank_view(model, target.modules)
-    if meta:
-        materialize(model, device, seed=args.seed, part=module)
-        if source.pretrained_dir is not None:
-            from pretrained import load_owned_slices
+    bytes_read = None
+    if source.pretrained_dir is not None:
+        from pretrained import load_pretrained
 
-            load_owned_slices(model, source.pretrained_dir, part=module)
+        bytes_read = load_pretrained(model, source.pretrained_dir, device, part=module)
+    elif meta:
+        materialize(model, device, seed=args.seed, part=module)
     target.train()
-    return target, module, total_params, active_params
+    return target, module, total_params, active_params, bytes_read
+
+
+def pretrained_read_report(bytes_read: dict[str, int], world_size: int) -> str:
+    """One line for rank 0: what the ranks read of the pretrained checkpoint (collective)."""
+    mine = (sum(bytes_read.values()), sum(n for name, n in bytes_read.items() if ".experts." in name))
+    per_rank = [mine] * world_size
+    if dist.is_initialized():
+        # host sync: once, after loading.
+        dist.all_gather_object(per_rank, mine)
+    totals = [t for t, _ in per_rank]
+    return (f"pretrained weights read by slice: {min(totals):,} to {max(totals):,} bytes per rank; expert tensors "
+            f"{sum(e for _, e in per_rank):,} bytes over all {world_size} rank(s)")
 
 
 def make_optimizer(model, args) -> torch.optim.Optimizer:
@@ -210,7 +171,6 @@ def validate(args):
         layout, chosen_plan = layout_from_plan(args, source.config, world_size, env_int("LOCAL_WORLD_SIZE", world_size))
     else:
         layout = layout_from_flags(args, world_size, source.config)
-    check_layout_supported(layout, args)
     data_spec = resolve_data(args.data, args.text_field)
     mp_dtype = mixed_precision_dtype()
     resume = resume_target(args, Path(args.output_dir) / "checkpoints")
@@ -236,8 +196,8 @@ def train(args) -> None:
     tokens = cached_tokens(data_spec, tokenizer, output_dir / "token_cache", is_local_main=state.is_local_main_process,
                            barrier=barrier, max_tokens=args.max_corpus_tokens)
     packed = PackedSequences(tokens, args.seq_len)
-    global_batch = layout.sequences_per_rank(args.micro_batch_size, args.grad_accum) * layout.dp_size
-    schedule = BatchSchedule(packed.num_sequences, global_batch, layout.dp_rank(rank), layout.dp_size, args.seed)
+    global_batch = layout.global_batch
+    schedule = BatchSchedule(packed.num_sequences, global_batch, layout.dp_rank(rank), layout.dp, args.seed)
     # What a resumed run must share with the saved one to continue it (the token sum is a cheap checksum).
     data_identity = {"corpus_tokens": int(tokens.size), "token_sum": int(tokens[: 1 << 20].sum(dtype="int64")),
                      "seq_len": args.seq_len, "global_batch": global_batch, "seed": args.seed,
@@ -251,7 +211,7 @@ def train(args) -> None:
                 "to start afresh, or choose another --output-dir"
             )
 
-    target, module, total_params, active_params = prepare_model(args, source, layout, device, mp_dtype)
+    target, module, total_params, active_params, bytes_read = prepare_model(args, source, layout, device, mp_dtype)
     optimizer = make_optimizer(module, args)
 
     start_step, tokens_seen = 0, 0
@@ -263,7 +223,7 @@ def train(args) -> None:
     reporter = Reporter(output_dir, enabled=is_main, total_steps=args.steps, start_step=0,
                         progress=not args.no_progress, tensorboard=args.tensorboard)
     if is_main and removed:
-        reporter.info(f"removed {len(removed)} incomplete checkpoint(s) left by an interrupted write: "
+        reporter.info(f"removed {len(removed)} incomplete checkpoint(s) left by an interrupted write or deletion: "
                       + ", ".join(p.name for p in removed))
     if resume is not None:
         saved = load_checkpoint(resume, module, optimizer, rank=rank, world_size=world_size)
@@ -276,15 +236,15 @@ def train(args) -> None:
     if chosen_plan is not None:
         reporter.info(chosen_plan.report())
         steps_per_rank = (f"{layout.microbatches} pipeline micro-batches" if layout.pp > 1
-                          else f"{args.grad_accum} accumulation step(s)")
-        reporter.info(f"--plan: micro-batch {args.micro_batch_size} x {steps_per_rank} per rank")
+                          else f"{layout.microbatches} accumulation step(s)")
+        reporter.info(f"--plan: micro-batch {layout.microbatch_size} x {steps_per_rank} per rank")
+    if bytes_read is not None:
+        reporter.info(pretrained_read_report(bytes_read, world_size))
 
     num_layers = source.config.num_hidden_layers
-    expert_load = ExpertLoad(module, num_layers, num_experts_of(source.config), device, pipeline=layout.pp > 1)
+    expert_load = ExpertLoad(module, num_layers, num_experts_of(experts_modules(module)), device,
+                             pipeline=layout.pp > 1)
     aux_coef = source.config.router_aux_loss_coef if args.aux_loss_coef is None else args.aux_loss_coef
-    global_aux = args.aux_loss == "global" and dist.is_initialized()
-    # With stages TrainStep finds the data-parallel group itself (the model is cut: no meshes_of).
-    aux_group = meshes_of(module).dp_group if global_aux and layout.pp == 1 else None
     throughput = Throughput(flops_per_token(source.config, active_params, args.seq_len),
                             peak_flops(device, args.peak_tflops), world_size)
     reporter.info(
@@ -302,14 +262,11 @@ def train(args) -> None:
     losses: list[tuple[int, float]] = []
     last_ckpt = resume
     # Parallelized models cast through FSDP's policy; a lone process uses autocast instead.
-    use_autocast = mp_dtype is not None and not dist.is_initialized()
-    autocast = torch.autocast(device.type, dtype=mp_dtype) if use_autocast else nullcontext()
+    autocast_dtype = mp_dtype if not dist.is_initialized() else None
     # A rank that fails mid-step (or hangs past --step-timeout) stops every rank at once, naming
     # itself, instead of leaving the others blocked in a collective until the NCCL/gloo timeout.
     step_guard = (lambda: fail_fast(timeout=args.step_timeout)) if dist.is_initialized() else nullcontext
-    train_one_step = make_step(target, optimizer, args, layout, aux_coef=aux_coef,
-                               top_k=source.config.num_experts_per_tok, aux_group=aux_group, global_aux=global_aux,
-                               autocast=autocast, world_size=world_size)
+    train_step = make_step(target, optimizer, args, layout, aux_coef=aux_coef, autocast_dtype=autocast_dtype)
     for step in range(start_step, args.steps):
         with step_guard():
             lr = lr_at(step, args)
@@ -317,12 +274,16 @@ def train(args) -> None:
                 group["lr"] = lr
             throughput.start()
             batch = local_batch(packed, schedule, step).to(device)
-            lm_loss, aux_loss, grad_norm = train_one_step(batch)
+            train_step({"input_ids": batch})
             tokens_seen += global_batch * args.seq_len
-            measured = torch.stack([lm_loss] + ([] if aux_loss is None else [aux_loss]))
+            # The LM loss, then (with a load-balancing or z loss) the aux and z losses: means over the
+            # global batch, the same on every rank.
+            measured = [train_step.last_grad_norm, train_step.last_lm_loss]
+            if train_step.last_aux_loss is not None:
+                measured += [train_step.last_aux_loss, train_step.last_z_loss]
             # host sync: once per step, for the log and the NaN check.
-            loss, *aux = measured.tolist()
-            aux_loss = aux[0] if aux else None
+            grad_norm, loss, *aux_z = torch.stack([t.to(device, torch.float32) for t in measured]).tolist()
+            aux_loss, z_loss = aux_z if aux_z else (None, None)
             throughput.stop(global_batch * args.seq_len)
             if not math.isfinite(loss):
                 raise RuntimeError(f"the loss is {loss} at step {step + 1}; lower --lr or check the data")
@@ -331,13 +292,14 @@ def train(args) -> None:
             if done % args.log_every == 0 or done == args.steps:
                 tps, mfu = throughput.report()
                 reporter.step(
-                    {"step": done, "loss": loss, "aux_loss": aux_loss, "grad_norm": float(grad_norm), "lr": lr,
+                    {"step": done, "loss": loss, "aux_loss": aux_loss if aux_coef else None,
+                     "z_loss": z_loss if args.z_loss_coef else None, "grad_norm": grad_norm, "lr": lr,
                      "tokens_per_s": tps, "mfu": mfu, "tokens": tokens_seen, "epoch": schedule.epoch(done)},
                     expert_load.collect(),
                 )
             if done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
                 trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
-                                 "layout": layout.as_dict(), "model": source.name, "data": data_identity}
+                                 "layout": asdict(layout), "model": source.name, "data": data_identity}
                 last_ckpt = save_checkpoint(ckpt_root, done, module, optimizer, trainer_state, rank=rank,
                                             barrier=barrier, keep=args.keep_checkpoints, config=module.config)
                 reporter.info(f"checkpoint {last_ckpt}")
