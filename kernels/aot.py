@@ -8,8 +8,9 @@ than the architecture has, or is a GEMM (``uses_dot``) without mma.sync on sm_80
 sm_90; 2 when the Triton interpreter is switched on (it replaces ``@triton.jit`` functions, so
 nothing could be compiled).
 
-Each configuration is compiled in the specialisation Triton's JIT gives it for aligned tensors
-and sizes that are multiples of 16 (see ``alignment_hints``). Registers and spills are read from
+Each configuration is compiled in the specialisation Triton's JIT gives it for aligned tensors,
+sizes that are multiples of 16, and top-k and expert counts that are not (see
+``alignment_hints``). Registers and spills are read from
 the cubin with the cuobjdump that ships with Triton: ptxas keeps spilled registers in the stack
 frame, and these kernels have no local arrays, so a non-zero stack frame (or local memory) is a
 spill."""
@@ -102,12 +103,13 @@ def alignment_hints(spec) -> dict:
     """Triton's JIT marks a pointer argument 16-byte aligned, and an integer argument a multiple
     of 16, whenever the value at launch is one, unless the kernel opts out with
     ``do_not_specialize`` (or ``do_not_specialize_on_alignment``). Freshly allocated tensors and
-    production sizes (powers of two) get that specialisation, so it is the one compiled here."""
+    production sizes (hidden and intermediate sizes, padded row counts) get that specialisation;
+    top-k and expert counts usually do not (``spec.unaligned``). That is the launch compiled here."""
     params = {p.name: p for p in spec.fn.params}
     hints = {}
     for i, (name, ty) in enumerate(spec.signature.items()):
         param = params[name]
-        hintable = ty.startswith("*") or ty in ("i32", "i64", "u32", "u64")
+        hintable = (ty.startswith("*") or ty in ("i32", "i64", "u32", "u64")) and name not in spec.unaligned
         if hintable and not (param.do_not_specialize or param.do_not_specialize_on_alignment):
             hints[(i,)] = [["tt.divisibility", 16]]
     return hints

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+# Triton's names of the element types the kernels take, as pointer and scalar signatures spell them.
+TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
 
 @dataclass(frozen=True)
 class KernelSpec:
@@ -18,4 +23,7 @@ class KernelSpec:
     num_warps: int = 4
     num_stages: int = 3
     uses_dot: bool = False  # GEMMs must lower to mma (sm_80) / wgmma (sm_90)
+    # Integer arguments whose real values are not multiples of 16 (top-k, expert counts): compiled
+    # without the divisibility hint Triton's JIT would only give a multiple of 16.
+    unaligned: tuple = ()
     archs: tuple = field(default=(80, 90))

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from moe_ep.kernels import autotune
-from moe_ep.kernels.aot_spec import KernelSpec
+from moe_ep.kernels.aot_spec import TRITON_TYPES, KernelSpec
 from moe_ep.kernels.autotune import Config
 from moe_ep.kernels.interpreter import interpreting
 from moe_ep.kernels.routing_metadata import RoutingMetadata
@@ -38,7 +38,6 @@ COMBINE_BLOCK_H = 128
 COMBINE_WARPS = 4
 
 _HALF = (torch.bfloat16, torch.float16)
-_TRITON_TYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 # Configuration spaces, per kernel and dtype. BLOCK_M of the row-blocked kernels must divide the
 # metadata's pad_m (64 or 128, see ``routing_block``). Float32 runs on IEEE FMAs, not tensor
@@ -381,7 +380,7 @@ def _check_expert_size(name: str, w_E: torch.Tensor) -> None:
 
 
 def _check_float(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in _TRITON_TYPE:
+    if t.dtype not in TRITON_TYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
 
 
@@ -574,13 +573,14 @@ def combine(rows_PH: torch.Tensor, meta: RoutingMetadata, num_tokens: int, top_k
 def _spec(name, fn, pointers: dict, ints: tuple, constexprs: dict, config: Config | None, uses_dot: bool):
     signature = {**pointers, **{n: "i32" for n in ints}, **{n: "constexpr" for n in constexprs}}
     options = config.launch_options() if config is not None else {"num_warps": COMBINE_WARPS, "num_stages": 3}
-    return KernelSpec(name=name, fn=fn, signature=signature, constexprs=constexprs, uses_dot=uses_dot, **options)
+    return KernelSpec(name=name, fn=fn, signature=signature, constexprs=constexprs, uses_dot=uses_dot,
+                      unaligned=("top_k",), **options)
 
 
 def aot_specs() -> list[KernelSpec]:
     """Every (kernel, dtype, configuration) the launchers above may launch on a GPU."""
     specs = []
-    for dtype, ty in _TRITON_TYPE.items():
+    for dtype, ty in TRITON_TYPES.items():
         # IEEE float32 dot products run on FMAs: only the half types must reach tensor cores.
         on_tensor_cores = dtype in _HALF
         common = {"GROUP_M": GROUP_M, "INTERPRETED": False}

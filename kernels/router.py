@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ep.kernels.aot_spec import KernelSpec
+from moe_ep.kernels.aot_spec import TRITON_TYPES, KernelSpec
 
 # tl.dot needs every dimension >= 16; the experts axis is padded to a power of two at least this.
 MIN_BLOCK_E = 16
@@ -317,15 +317,12 @@ def router_backward(
     return dlogits_TE
 
 
-_TRITON_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
 def aot_specs() -> list[KernelSpec]:
     """Every (kernel, dtype, tile) the launchers may choose, for ``python -m moe_ep.kernels.aot``."""
     specs = []
     block_es = sorted({block_e_for(e) for e in range(1, MAX_EXPERTS + 1)})
     # DOT_FP32 is the interpreter's bfloat16 workaround only: never compiled for a GPU.
-    for dtype, ty in _TRITON_DTYPE.items():
+    for dtype, ty in TRITON_TYPES.items():
         for block_e in block_es:
             cfg = fwd_config(block_e, dtype.itemsize)
             signature = {
@@ -346,6 +343,7 @@ def aot_specs() -> list[KernelSpec]:
                      f"w{cfg.num_warps}s{cfg.num_stages}",
                 fn=router_fwd_kernel, signature=signature, constexprs=constexprs,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, uses_dot=True,
+                unaligned=("E", "top_k", "n_group", "topk_group"),
             ))
     for block_e in block_es:
         cfg = bwd_config(block_e)
@@ -360,6 +358,6 @@ def aot_specs() -> list[KernelSpec]:
             name=f"router_bwd E<={block_e} t{cfg.block_t}w{cfg.num_warps}",
             fn=router_bwd_kernel, signature=signature,
             constexprs={"BLOCK_T": cfg.block_t, "BLOCK_E": block_e},
-            num_warps=cfg.num_warps, uses_dot=False,
+            num_warps=cfg.num_warps, uses_dot=False, unaligned=("E", "top_k"),
         ))
     return specs

@@ -169,7 +169,7 @@ def aot_specs() -> list[KernelSpec]:
                 "C_TILE": "constexpr", "E_TILE": "constexpr", "B_TILE": "constexpr",
             },
             constexprs={"C_TILE": C_TILE, "E_TILE": E_TILE, "B_TILE": B_TILE},
-            num_warps=NUM_WARPS,
+            num_warps=NUM_WARPS, unaligned=("num_experts",),
         )
     ]
     for idx_type in ("i32", "i64"):
@@ -181,7 +181,7 @@ def aot_specs() -> list[KernelSpec]:
                 "CHUNK": "constexpr", "E_TILE": "constexpr",
             },
             constexprs={"CHUNK": CHUNK, "E_TILE": E_TILE},
-            num_warps=NUM_WARPS,
+            num_warps=NUM_WARPS, unaligned=("num_experts",),
         ))
         specs.append(KernelSpec(
             name=f"routing_scatter_{idx_type}",
@@ -192,6 +192,6 @@ def aot_specs() -> list[KernelSpec]:
                 "CHUNK": "constexpr", "E_TILE": "constexpr",
             },
             constexprs={"CHUNK": CHUNK, "E_TILE": E_TILE},
-            num_warps=NUM_WARPS,
+            num_warps=NUM_WARPS, unaligned=("num_experts",),
         ))
     return specs
