@@ -5,26 +5,34 @@ float32: the patched model against the eager model in float64 (the independent r
 logits, loss with the auxiliary loss, the auxiliary loss, recorded router logits and every
 parameter's gradient <= 1e-5.
 
-bfloat16: gradients are compared at the MoE block, where ours and the reference get the same
-input and output gradient: the block's output, input gradient and every parameter gradient
-<= 1e-2, on both backends, against float64 with our fused router and against the eager bf16 block
-with the model's own (bf16-logit) router. Through the whole network, transformers' bf16 attention,
-norms and router put even the eager bf16 model 0.6e-2..5e-2 (logits) and up to 7e-1 (parameter
-gradients) away from float64, and independent bf16 roundings compound in both models alike, so
-the whole bf16 model is checked on its logits (against eager bf16) and its loss with the auxiliary
-loss (against float64), on the torch backend."""
+bfloat16, at the MoE block, where ours and the reference get the same input and output gradient:
+the block's output, input gradient and every parameter gradient <= 1e-2, on both backends,
+against float64 with our fused router and against the eager bf16 block with the model's own
+(bf16-logit) router.
+
+bfloat16, whole model: logits, loss with the auxiliary loss and every gradient, against the eager
+model in float64 on the same bf16-rounded weights. Through the network transformers' bf16
+attention, norms and router put the eager bf16 model itself 1e-2..2e-2 (logits), 0.8e-2..8e-2 (all
+gradients) and up to 2.5e-1 (single parameters) away from float64, and two bf16 implementations
+differ by as much: transformers' own batched_mm and grouped_mm experts are 1.3e-2..2.2e-2 away from
+its eager experts on single parameters' gradients (1.6e-2 over all gradients for Mixtral). So a
+per-parameter 1e-2 against eager bf16 (or against float64) is met by no bf16 implementation; what
+is asserted instead, on both backends: the loss and the auxiliary loss <= 1e-2; the logits <= 1e-2
+against eager bf16 on the torch backend (triton's differ by up to 1.15e-2); and our error against
+float64 no worse than the eager bf16 model's own error times a small factor: 2 for the logits and
+for all gradients together (measured at most 1.32), 3 for each parameter's gradient against the
+larger of eager's error on that parameter and on all gradients (measured at most 2.09; eager's own
+error on one parameter varies 3x between input batches)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from moe_ep.hf import fused_routers, patch
 from tests.conftest import TOLERANCE, rel_err, requires_cuda
 from tests.hf_models import FAMILIES, tiny_batch, tiny_model
 
-pytest.importorskip("transformers")
-
-from moe_ep.hf import fused_routers, patch  # noqa: E402
 
 def _run(model, batch):
     model.zero_grad(set_to_none=True)
@@ -50,21 +58,47 @@ def reference():
     return get
 
 
+def _moe_layer_count(model) -> int:
+    return sum(hasattr(layer.mlp, "experts") for layer in model.model.layers)
+
+
+def _records_router_logits(family: str, model) -> bool:
+    """Whether ``output_router_logits=True`` yields router logits: every family records them but
+    DeepSeek-V3, which does from transformers 5.23 on (its ``_can_record_outputs`` says so)."""
+    records = "router_logits" in model._can_record_outputs
+    assert records or family == "deepseek_v3", f"{family} no longer records router logits"
+    return records
+
+
+def _aux_and_router_logits(family, model, out, ref) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(name, ours, reference)`` for the auxiliary loss and each recorded router logits, after
+    asserting that they are present wherever transformers computes them (every family but
+    DeepSeek-V3, which has no auxiliary loss) and absent elsewhere."""
+    pairs = []
+    if family == "deepseek_v3":
+        assert getattr(out, "aux_loss", None) is None and getattr(ref, "aux_loss", None) is None
+    else:
+        assert out.aux_loss is not None and ref.aux_loss is not None
+        assert out.aux_loss.requires_grad
+        pairs.append(("aux_loss", out.aux_loss, ref.aux_loss))
+    if _records_router_logits(family, model):
+        assert len(out.router_logits) == len(ref.router_logits) == _moe_layer_count(model)
+        for i, (got, want) in enumerate(zip(out.router_logits, ref.router_logits)):
+            assert got.dtype == (torch.float32 if family == "deepseek_v3" else model.dtype)
+            pairs.append((f"router_logits[{i}]", got, want))
+    else:
+        assert getattr(out, "router_logits", None) is None
+    return pairs
+
+
 def _check_whole_model(family, model, reference, batch_kwargs):
     batch, ref, ref_grads = reference(family, batch_kwargs)
     out, grads = _run(model, batch)
     tol = TOLERANCE[torch.float32]
     assert rel_err(out.logits, ref.logits) <= tol
     assert rel_err(out.loss, ref.loss) <= tol
-    # DeepSeek-V3 has no auxiliary loss, and before transformers 5.23 no recorded router logits.
-    if getattr(ref, "aux_loss", None) is not None:
-        assert out.aux_loss is not None and out.aux_loss.requires_grad
-        assert rel_err(out.aux_loss, ref.aux_loss) <= tol
-    if getattr(ref, "router_logits", None) is not None:
-        assert len(out.router_logits) == len(ref.router_logits) > 0
-        for got, want in zip(out.router_logits, ref.router_logits):
-            assert got.dtype == torch.float32
-            assert rel_err(got, want) <= tol
+    for name, got, want in _aux_and_router_logits(family, model, out, ref):
+        assert rel_err(got, want) <= tol, name
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         assert grad is not None, name
@@ -80,7 +114,7 @@ def test_fp32_model_matches_fp64_eager(family, reference):
     _check_whole_model(family, model, reference, {})
 
 
-@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_experts_implementation_alone_matches(family, reference):
     """from_config(..., experts_implementation="moe_ep") without patch(): the model's own routers."""
     model = tiny_model(family, experts_implementation="moe_ep")
@@ -88,22 +122,65 @@ def test_experts_implementation_alone_matches(family, reference):
     _check_whole_model(family, model, reference, {})
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_model_logits_and_loss(family, reference):
-    batch, ref, _ = reference(family, {})
-    eager = tiny_model(family, dtype=torch.bfloat16)
-    model = patch(tiny_model(family, dtype=torch.bfloat16), backend="torch")
-    with torch.no_grad():
-        out = model(**batch, output_router_logits=True)
-        want = eager(**batch, output_router_logits=True)
+@pytest.fixture(scope="module")
+def bf16_reference():
+    """Per family and batch: the eager model's outputs and gradients in bfloat16 and in float64, both
+    on the same bf16-rounded weights (computed once)."""
+    cache = {}
+
+    def get(family, batch_kwargs):
+        key = (family, tuple(sorted(batch_kwargs.items())))
+        if key not in cache:
+            eager = tiny_model(family, dtype=torch.bfloat16)
+            batch = tiny_batch(eager.config, **batch_kwargs)
+            fp64 = tiny_model(family, dtype=torch.bfloat16).to(torch.float64)
+            cache[key] = (batch, _run(eager, batch), _run(fp64, batch))
+        return cache[key]
+
+    return get
+
+
+# Our bf16 error against float64 may exceed the eager bf16 model's own by these factors (see the
+# module docstring for the measured figures).
+_AGGREGATE_FACTOR = 2  # logits, all gradients concatenated
+_PARAMETER_FACTOR = 3  # one parameter's gradient, against max(eager's on it, eager's on all)
+
+
+def _all(grads):
+    return torch.cat([g.flatten() for g in grads.values()])
+
+
+def _check_bf16_model(family, model, bf16_reference, batch_kwargs, *, logits_vs_eager: bool):
+    """The whole bf16 model against float64 on the same weights, bounded by the eager bf16 model's
+    own error (module docstring)."""
+    batch, (eager, eager_grads), (ref, ref_grads) = bf16_reference(family, batch_kwargs)
+    out, grads = _run(model, batch)
     tol = TOLERANCE[torch.bfloat16]
     assert out.logits.dtype == torch.bfloat16
-    assert rel_err(out.logits, want.logits) <= tol
+    if logits_vs_eager:
+        assert rel_err(out.logits, eager.logits) <= tol
+    assert rel_err(out.logits, ref.logits) <= _AGGREGATE_FACTOR * rel_err(eager.logits, ref.logits)
     assert rel_err(out.loss, ref.loss) <= tol
-    if getattr(ref, "aux_loss", None) is not None:
-        assert rel_err(out.aux_loss, ref.aux_loss) <= tol
-    for got, exp in zip(getattr(out, "router_logits", None) or (), getattr(want, "router_logits", None) or ()):
-        assert got.dtype == exp.dtype
+    eager_pairs = _aux_and_router_logits(family, model, eager, ref)
+    for (name, got, want), (_, eager_got, _) in zip(_aux_and_router_logits(family, model, out, ref), eager_pairs):
+        if name == "aux_loss":
+            assert rel_err(got, want) <= tol
+        else:  # the eager bf16 model's own router logits are 0.4e-2..1.3e-2 away from float64
+            assert rel_err(got, want) <= _AGGREGATE_FACTOR * rel_err(eager_got, want), name
+    assert grads.keys() == ref_grads.keys()
+    assert all(g is not None and g.dtype == torch.bfloat16 for g in grads.values())
+    eager_all = rel_err(_all(eager_grads), _all(ref_grads))
+    assert rel_err(_all(grads), _all(ref_grads)) <= _AGGREGATE_FACTOR * eager_all
+    for name, grad in grads.items():
+        eager_err = rel_err(eager_grads[name], ref_grads[name])
+        assert rel_err(grad, ref_grads[name]) <= _PARAMETER_FACTOR * max(eager_err, eager_all), name
+
+
+@pytest.mark.parametrize("fused_router", [True, False], ids=["fused_router", "model_router"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_model(family, fused_router, bf16_reference):
+    model = patch(tiny_model(family, dtype=torch.bfloat16), backend="torch", fused_router=fused_router)
+    _check_bf16_model(family, model, bf16_reference, {}, logits_vs_eager=True)
 
 
 def _moe_block(model):
@@ -175,6 +252,12 @@ def test_triton_experts_fp32_model(family, reference):
 def test_triton_experts_and_router_fp32_model(family, reference):
     model = patch(tiny_model(family), backend="triton")
     _check_whole_model(family, model, reference, _TRITON_BATCH)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_triton_bf16_model(family, bf16_reference):
+    model = patch(tiny_model(family, dtype=torch.bfloat16), backend="triton")
+    _check_bf16_model(family, model, bf16_reference, _TRITON_BATCH, logits_vs_eager=False)
 
 
 @pytest.mark.parametrize("fused_router", [True, False], ids=["fused_router", "model_router"])

@@ -1,6 +1,20 @@
 """Hugging Face integration: the ``"moe_ep"`` experts implementation of transformers' registry and
-``patch(model)`` for models already built. Importing this package touches neither transformers
-nor any model; ``register()`` and ``patch()`` are explicit."""
+``patch(model)`` for models already built.
+
+``import moe_ep`` (the package, see ``moe_ep/__init__.py``) imports transformers when it is
+installed and calls ``register_if_installed()``, which adds ``"moe_ep"`` to transformers'
+experts registry (and moe_ep's expert-parallel entry); nothing else is touched on import: no
+class, no model, no router. ``patch(model)`` switches a built model, on request.
+
+Routers: with ``patch(model, fused_router=True)`` (the default) each MoE router's forward runs
+``moe_ep.route_topk``, which computes the router logits in float32 (as Megatron-Core's router
+dtype fp32 does), where Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE compute them in the activation
+dtype. In bf16 a near tie between two experts' logits can round to a tie or swap, so for such a
+token the fused router may pick another expert than the model's own router would; it picks what
+the float32 model picks. ``fused_router=False``, and a model switched by
+``experts_implementation="moe_ep"`` alone, keep the model's own router computation (bf16 logits
+included). Each fused router class is verified against the installed transformers' own router on
+a probe input before it is patched (``moe_ep.hf.routers.verify_fused_router``)."""
 
 from .layout import activation_name, experts_activation
 from .patch import fused_routers, is_patched, patch

@@ -16,7 +16,7 @@ import torch
 from ..backend import BACKENDS
 from .layout import _is_experts_module, experts_activation
 from .registry import EXPERTS_IMPLEMENTATION, register
-from .routers import FUSED_ROUTER_FORWARDS, fused_router_forward, router_key
+from .routers import FUSED_ROUTER_FORWARDS, fused_router_forward, router_key, verify_fused_router
 
 # The attribute that holds a router's live forward. accelerate's hooks (device_map dispatch,
 # offloading) move the original forward to ``_old_forward`` and wrap it; patching under them keeps
@@ -71,6 +71,7 @@ def _check_router(name: str, router: torch.nn.Module | None) -> None:
             f"fused_router=True: router {name!r} of class {router_key(router)} has no fused-router semantics in "
             f"moe_ep (supported: {supported}); pass fused_router=False to keep its own routing"
         )
+    verify_fused_router(router)
     installed = _installed_forward(router)
     if installed is not None and installed not in FUSED_ROUTER_FORWARDS.values():
         raise ValueError(
@@ -91,9 +92,23 @@ def patch(model: torch.nn.Module, *, backend: str | None = None, fused_router: b
         fused_router: replace each router's computation (not its module) by ``route_topk`` with
             the family's semantics; False restores the model's own router forward.
 
+    The fused router computes the router logits in float32 from the activations and the router
+    weight (as Megatron-Core does with its router dtype fp32), whereas Mixtral, Qwen2-MoE, Qwen3-MoE
+    and OLMoE compute them in the activation dtype. In bf16, two experts whose logits nearly tie
+    can round to a tie or swap order, so for such tokens the fused router may choose another
+    expert than the model's own router; it chooses what the float32 model would. The returned
+    logits are cast to the activation dtype as the model's router returns them. DeepSeek-V3's
+    router is float32 already. ``fused_router=False`` keeps the model's own router computation,
+    bf16 logits included.
+
+    Before a router's forward is replaced, the fused router is run once per router class and
+    configuration against the class's own forward on a 16-token probe in float32 (and for shapes
+    and dtypes in bfloat16); a transformers release whose router returns anything else is refused
+    with a ValueError naming the class and the installed version, not patched silently.
+
     Returns ``model``, patched in place. Idempotent: patching again with the same arguments changes
     nothing. Raises ImportError for an unsupported transformers version, TypeError/ValueError
-    naming the argument or the unsupported layout flag otherwise.
+    naming the argument, the unsupported layout flag or the router whose semantics differ otherwise.
     """
     register()
     from transformers import PreTrainedModel

@@ -18,6 +18,20 @@ from .version import require_transformers
 EXPERTS_IMPLEMENTATION = "moe_ep"
 
 
+class _ExpertsInDtype:
+    """An experts module as a dispatcher reads it (``gate_up_proj``, ``down_proj``), with both
+    weights cast to ``dtype``; the casts are differentiable, so gradients reach the module's own
+    parameters (DTensor shards included) in their dtype."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype):
+        self.module = module
+        self.gate_up_proj = module.gate_up_proj.to(dtype)
+        self.down_proj = module.down_proj.to(dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self.module).__name__} in {self.gate_up_proj.dtype}"
+
+
 def moe_ep_experts_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -26,25 +40,30 @@ def moe_ep_experts_forward(
 ) -> torch.Tensor:
     """transformers' experts forward signature. An expert-parallel dispatcher installed on the
     module (``moe_ep_dispatcher``) takes the call; otherwise the local ``moe_experts`` op runs with
-    the backend stored by ``moe_ep.hf.patch`` (``moe_ep_backend``, None = default)."""
+    the backend stored by ``moe_ep.hf.patch`` (``moe_ep_backend``, None = default).
+
+    Under autocast both paths compute in the autocast dtype, as ``F.linear`` in the eager experts
+    does: the activations and weights are cast before the local op or the dispatcher sees them
+    (the dispatcher then reads the cast weights), and the output is cast back to the dtype of
+    ``hidden_states``."""
     activation = experts_activation(self)  # also refuses unsupported layouts before any dispatch
+    compute_dtype = autocast_dtype(hidden_states.device)
+    experts, x_TH = self, hidden_states
+    if compute_dtype is not None:
+        experts, x_TH = _ExpertsInDtype(self, compute_dtype), hidden_states.to(compute_dtype)
     dispatcher = getattr(self, "moe_ep_dispatcher", None)
     if dispatcher is not None:
-        return dispatcher(self, hidden_states, top_k_index, top_k_weights)
-    gate_up_E2IH, down_EHI, x_TH = self.gate_up_proj, self.down_proj, hidden_states
-    # Under autocast the experts compute in the autocast dtype, as F.linear in the eager experts does.
-    compute_dtype = autocast_dtype(hidden_states.device)
-    if compute_dtype is not None:
-        gate_up_E2IH, down_EHI, x_TH = (t.to(compute_dtype) for t in (gate_up_E2IH, down_EHI, x_TH))
-    y_TH = moe_experts(
-        x_TH,
-        top_k_index,
-        top_k_weights,
-        gate_up_E2IH,
-        down_EHI,
-        activation=activation,
-        backend=getattr(self, "moe_ep_backend", None),
-    )
+        y_TH = dispatcher(experts, x_TH, top_k_index, top_k_weights)
+    else:
+        y_TH = moe_experts(
+            x_TH,
+            top_k_index,
+            top_k_weights,
+            experts.gate_up_proj,
+            experts.down_proj,
+            activation=activation,
+            backend=getattr(self, "moe_ep_backend", None),
+        )
     return y_TH.to(hidden_states.dtype)
 
 

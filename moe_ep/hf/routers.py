@@ -6,7 +6,7 @@ replaced by ``moe_ep.routing.route_topk``. transformers records ``router_logits`
 hook on the router class (``OutputRecorder(<Router>, index=0)``), so the auxiliary loss of
 ``output_router_logits=True`` is computed from our logits exactly as from its own.
 
-Semantics read from transformers 5.17-5.23:
+Semantics read from transformers 5.17-5.23 (``SEMANTICS_READ_FROM``):
 - Mixtral: logits in the activation dtype; softmax in float32 over all experts; top-k;
   always renormalised; weights stay float32.
 - Qwen2-MoE, Qwen3-MoE, OLMoE: the same softmax top-k, renormalised only when
@@ -16,6 +16,20 @@ Semantics read from transformers 5.17-5.23:
   groups ranked by the sum of their two best biased scores, ``topk_group`` kept); weights from the
   unbiased scores, renormalised (+1e-20) when ``norm_topk_prob``, times ``routed_scaling_factor``.
   transformers takes the top-k unsorted; we return the same experts sorted by score.
+
+One deliberate difference: the fused router always computes the logits in float32 (``route_topk``
+upcasts, as Megatron-Core's router dtype fp32 does), where Mixtral, Qwen2/3-MoE and OLMoE compute
+them with a matmul in the activation dtype and only then upcast for the softmax. bf16 logits of
+nearly tied experts can round to a tie or swap order, so in bf16 (or under autocast) the fused
+router can pick another expert than the model's own router for such a token; its choice is the one
+a float32/float64 model makes. The logits are returned in the activation dtype, as the family's
+router returns them. ``patch(model, fused_router=False)`` keeps the model's own router computation,
+bf16 logits included.
+
+Classes are matched by qualified name, and a matched router is verified once per class, class
+forward and configuration (``verify_fused_router``) on a probe input before its forward is
+replaced: a transformers release whose router returns something else is refused, not patched with
+the semantics above.
 """
 
 from __future__ import annotations
@@ -25,49 +39,72 @@ import torch
 from ..routing import route_topk
 from .autocast import autocast_dtype
 
+SEMANTICS_READ_FROM = "5.17-5.23"
+
 
 def _linear_out_dtype(x: torch.Tensor) -> torch.dtype:
     """dtype of ``F.linear(x, w)`` in the caller's context: autocast changes it."""
     return autocast_dtype(x.device) or x.dtype
 
 
-def _softmax_topk(router, hidden_states, *, normalize: bool, weights_in_logits_dtype: bool):
+def _softmax_topk(router, hidden_states, backend, *, normalize: bool, weights_in_logits_dtype: bool):
     x_TH = hidden_states.reshape(-1, router.hidden_dim)
     logits_dtype = _linear_out_dtype(x_TH)
     logits_TE, w_TK, idx_TK = route_topk(
-        x_TH, router.weight, router.top_k, score="softmax", normalize=normalize, backend=router.moe_ep_backend
+        x_TH, router.weight, router.top_k, score="softmax", normalize=normalize, backend=backend
     )
     if weights_in_logits_dtype:
         w_TK = w_TK.to(logits_dtype)
     return logits_TE.to(logits_dtype), w_TK, idx_TK
 
 
-def mixtral_router_forward(self, hidden_states):
-    return _softmax_topk(self, hidden_states, normalize=True, weights_in_logits_dtype=False)
+def mixtral_route(router, hidden_states, backend):
+    return _softmax_topk(router, hidden_states, backend, normalize=True, weights_in_logits_dtype=False)
 
 
-def qwen_router_forward(self, hidden_states):
+def qwen_route(router, hidden_states, backend):
     """Qwen2-MoE, Qwen3-MoE and OLMoE share this router."""
-    return _softmax_topk(self, hidden_states, normalize=self.norm_topk_prob, weights_in_logits_dtype=True)
+    return _softmax_topk(
+        router, hidden_states, backend, normalize=router.norm_topk_prob, weights_in_logits_dtype=True
+    )
 
 
-def deepseek_v3_router_forward(self, hidden_states):
-    x_TH = hidden_states.reshape(-1, self.hidden_dim).float()
+def deepseek_v3_route(router, hidden_states, backend):
+    x_TH = hidden_states.reshape(-1, router.hidden_dim).float()
     logits_dtype = _linear_out_dtype(x_TH)
     logits_TE, w_TK, idx_TK = route_topk(
         x_TH,
-        self.weight.float(),
-        self.top_k,
+        router.weight.float(),
+        router.top_k,
         score="sigmoid",
-        normalize=bool(self.norm_topk_prob),
-        correction_bias=self.e_score_correction_bias,
-        n_group=self.num_group,
-        topk_group=self.topk_group,
-        scale=float(self.routed_scaling_factor),
-        backend=self.moe_ep_backend,
+        normalize=bool(router.norm_topk_prob),
+        correction_bias=router.e_score_correction_bias,
+        n_group=router.num_group,
+        topk_group=router.topk_group,
+        scale=float(router.routed_scaling_factor),
+        backend=backend,
     )
     return logits_TE.to(logits_dtype), w_TK, idx_TK
 
+
+# The instance-level forwards patch() installs: the family's route with the backend patch() stored.
+def mixtral_router_forward(self, hidden_states):
+    return mixtral_route(self, hidden_states, self.moe_ep_backend)
+
+
+def qwen_router_forward(self, hidden_states):
+    return qwen_route(self, hidden_states, self.moe_ep_backend)
+
+
+def deepseek_v3_router_forward(self, hidden_states):
+    return deepseek_v3_route(self, hidden_states, self.moe_ep_backend)
+
+
+_ROUTE_OF = {
+    mixtral_router_forward: mixtral_route,
+    qwen_router_forward: qwen_route,
+    deepseek_v3_router_forward: deepseek_v3_route,
+}
 
 # Router classes by "module.qualname" (matched exactly: a subclass may compute something else),
 # so that no modeling module is imported just to look it up.
@@ -88,3 +125,113 @@ def router_key(router: torch.nn.Module) -> str:
 def fused_router_forward(router: torch.nn.Module):
     """The fused forward for ``router``'s class, or None when moe_ep has no semantics for it."""
     return FUSED_ROUTER_FORWARDS.get(router_key(router))
+
+
+# --- verification against the installed transformers ---------------------------------------------
+
+_PROBE_TOKENS = 16
+_VERIFIED: set = set()
+
+
+class _Call(torch.nn.Module):
+    """Holds ``router`` as a submodule, so that ``functional_call`` swaps in the probe tensors, and
+    calls ``fn(router, x)`` directly: no hook and no instance-level forward runs."""
+
+    def __init__(self, router: torch.nn.Module, fn):
+        super().__init__()
+        self.router = router
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.router, x)
+
+
+def _configuration(router: torch.nn.Module) -> tuple:
+    """The router's plain attributes (top_k, norm_topk_prob, n_group, scaling factor, ...): a
+    router configured otherwise may take another branch of its forward, so it is probed again."""
+    return tuple(
+        sorted(
+            (name, value)
+            for name, value in vars(router).items()
+            if not name.startswith("_")
+            and name not in ("training", "moe_ep_backend")
+            and isinstance(value, (bool, int, float, str, type(None)))
+        )
+    )
+
+
+def _probe_tensors(router: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Random CPU tensors named and shaped as the router's parameters and buffers: matrices with
+    logits of a few units (decisive choices, no ties), vectors ~0.3 (a live correction bias).
+    Never the router's own values, which may sit on the meta device, be sharded DTensors, or be
+    all zeros (ties everywhere) before a checkpoint is loaded."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, t in [*router.named_parameters(), *router.named_buffers()]:
+        if not t.is_floating_point():
+            tensors[name] = torch.zeros(t.shape, dtype=t.dtype)
+            continue
+        scale = 4 * t.shape[-1] ** -0.5 if t.dim() > 1 else 0.3
+        tensors[name] = (torch.randn(t.shape, generator=g) * scale).to(dtype)
+    return tensors
+
+
+def _run_probe(router, own_forward, route, dtype):
+    tensors = {f"router.{name}": t for name, t in _probe_tensors(router, dtype).items()}
+    x_TH = torch.randn(_PROBE_TOKENS, router.hidden_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        want = torch.func.functional_call(_Call(router, own_forward), tensors, (x_TH,))
+        got = torch.func.functional_call(_Call(router, lambda r, x: route(r, x, "torch")), tensors, (x_TH,))
+    return got, want
+
+
+def _structure(outputs) -> list:
+    if not isinstance(outputs, tuple):
+        return [type(outputs).__name__]
+    return [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__ for t in outputs]
+
+
+def _disagreement(got, want, *, values: bool) -> str | None:
+    """What differs between the fused and the own router's outputs, None when nothing does."""
+    if _structure(got) != _structure(want):
+        return f"it returns {_structure(want)} (shape, dtype), the fused router {_structure(got)}"
+    if not values:
+        return None
+    (logits, w_TK, idx_TK), (w_logits, w_w_TK, w_idx_TK) = got, want
+    # The experts of a token compare as a set (DeepSeek-V3 takes its top-k unsorted).
+    order, w_order = idx_TK.sort(-1).indices, w_idx_TK.sort(-1).indices
+    if not torch.equal(idx_TK.gather(1, order), w_idx_TK.gather(1, w_order)):
+        return "it chooses other experts"
+    if not torch.allclose(logits, w_logits, rtol=1e-5, atol=1e-6):
+        return f"its router logits differ by up to {(logits - w_logits).abs().max().item():.3g}"
+    w, w_w = w_TK.gather(1, order), w_w_TK.gather(1, w_order)
+    if not torch.allclose(w, w_w, rtol=1e-5, atol=1e-6):
+        return f"its routing weights differ by up to {(w - w_w).abs().max().item():.3g}"
+    return None
+
+
+def verify_fused_router(router: torch.nn.Module) -> None:
+    """Raise ValueError unless moe_ep's fused router for ``router``'s class returns what the
+    class's own forward returns, run on a probe of 16 tokens with random weights of the router's
+    shapes: the same experts, logits and routing weights in float32 (1e-5), the same shapes and
+    dtypes in bfloat16 (where float32 and bf16 logits may legitimately pick other experts). Cached
+    per class, class forward and configuration, so a model's routers cost one probe per family."""
+    forward = fused_router_forward(router)
+    cls = type(router)
+    key = (cls, cls.forward, _configuration(router))
+    if key in _VERIFIED:
+        return
+    route = _ROUTE_OF[forward]
+    for dtype, values in ((torch.float32, True), (torch.bfloat16, False)):
+        why = _disagreement(*_run_probe(router, cls.forward, route, dtype), values=values)
+        if why is not None:
+            import transformers
+
+            raise ValueError(
+                f"fused_router=True: moe_ep's fused router for {router_key(router)} (semantics read from "
+                f"transformers {SEMANTICS_READ_FROM}) does not return what {cls.__name__}.forward returns under "
+                f"the installed transformers=={transformers.__version__} on a {dtype} probe input: {why}. The "
+                "router's semantics changed, or its forward was replaced, so moe_ep refuses to patch it; pass "
+                "fused_router=False to keep the model's own router"
+            )
+    _VERIFIED.add(key)
