@@ -26,7 +26,7 @@ import triton.language as tl
 from moe_ep.kernels import autotune
 from moe_ep.kernels.aot_spec import TRITON_TYPES, KernelSpec
 from moe_ep.kernels.autotune import Config
-from moe_ep.kernels.interpreter import interpreting
+from moe_ep.kernels.runtime import interpreting, on_device
 from moe_ep.kernels.routing_metadata import RoutingMetadata
 
 ACTIVATIONS = ("silu", "gelu")
@@ -391,11 +391,12 @@ def _row_grid(config: Config, num_rows: int, n_out: int) -> tuple:
 def _tuned(kernel: str, meta: RoutingMetadata, dtype, device, shapes: tuple, launch):
     """Choose a configuration (timing on first sight of the key) and launch with it."""
     num_rows = meta.slot_pos_N.numel()
-    config = autotune.choose(
-        kernel, configs_for(kernel, dtype, meta.pad_m if kernel != "weight_grad" else None),
-        shapes=shapes + (meta.pad_m,), dtype=dtype, device=device, num_rows=num_rows, launch=launch,
-    )
-    return launch(config)
+    with on_device(device):
+        config = autotune.choose(
+            kernel, configs_for(kernel, dtype, meta.pad_m if kernel != "weight_grad" else None),
+            shapes=shapes + (meta.pad_m,), dtype=dtype, device=device, num_rows=num_rows, launch=launch,
+        )
+        return launch(config)
 
 
 def gather_glu(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, meta: RoutingMetadata, top_k: int,
@@ -559,10 +560,11 @@ def combine(rows_PH: torch.Tensor, meta: RoutingMetadata, num_tokens: int, top_k
     if num_tokens == 0:
         return y_TH
     grid = (triton.cdiv(num_tokens, COMBINE_BLOCK_T), triton.cdiv(H, COMBINE_BLOCK_H))
-    _combine_kernel[grid](
-        rows_PH, meta.slot_pos_N, y_TH, num_tokens, H, top_k,
-        BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H, INTERPRETED=interpreting(), num_warps=COMBINE_WARPS,
-    )
+    with on_device(rows_PH.device):
+        _combine_kernel[grid](
+            rows_PH, meta.slot_pos_N, y_TH, num_tokens, H, top_k,
+            BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H, INTERPRETED=interpreting(), num_warps=COMBINE_WARPS,
+        )
     return y_TH
 
 

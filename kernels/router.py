@@ -12,7 +12,6 @@ compiles small and complete."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
@@ -20,6 +19,7 @@ import triton
 import triton.language as tl
 
 from moe_ep.kernels.aot_spec import TRITON_TYPES, KernelSpec
+from moe_ep.kernels.runtime import on_device
 
 # tl.dot needs every dimension >= 16; the experts axis is padded to a power of two at least this.
 MIN_BLOCK_E = 16
@@ -237,11 +237,6 @@ def bwd_config(block_e: int) -> BwdConfig:
     return BwdConfig(max(1, 1024 // block_e), 4)
 
 
-def _on_device(device: torch.device):
-    # Triton launches on the current CUDA device; make it the tensors' device.
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def router_forward(
     x_TH: torch.Tensor,
     w_EH: torch.Tensor,
@@ -275,7 +270,7 @@ def router_forward(
     dot_fp32 = interpreting and x_TH.dtype == torch.bfloat16
     cfg = fwd_config(block_e, x_TH.element_size())
     bias = bias_E.contiguous() if bias_E is not None else logits_TE  # never read without has_bias
-    with _on_device(x_TH.device):
+    with on_device(x_TH.device):
         router_fwd_kernel[(triton.cdiv(T, cfg.block_t),)](
             x_TH, w_EH, bias, logits_TE, weights_TK, indices_TK,
             T, H, E, top_k, n_group, topk_group, float(scale),
@@ -306,7 +301,7 @@ def router_backward(
         return dlogits_TE
     block_e = block_e_for(E)
     cfg = bwd_config(block_e)
-    with _on_device(logits_TE.device):
+    with on_device(logits_TE.device):
         router_bwd_kernel[(triton.cdiv(T, cfg.block_t),)](
             logits_TE.contiguous(), indices_TK.contiguous(), grad_weights_TK.contiguous(),
             grad_logits_TE.contiguous(), dlogits_TE,

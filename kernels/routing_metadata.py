@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from moe_ep.kernels.aot_spec import KernelSpec
+from moe_ep.kernels.runtime import on_device
 
 # [CHUNK, E_TILE] one-hot tiles: 4096 int32 per program, which stays in registers at 4 warps.
 CHUNK = 256
@@ -141,19 +142,20 @@ def routing_metadata(idx: torch.Tensor, num_experts: int, pad_m: int) -> Routing
     slot_pos_N = torch.empty(N, **int32)
     block_expert_B = torch.empty(P // pad_m, **int32)
     if N > 0:
-        num_chunks = triton.cdiv(N, CHUNK)
-        chunk_counts = torch.empty(num_chunks, E, **int32)
-        chunk_base = torch.empty(num_chunks, E, **int32)
-        _histogram_kernel[(num_chunks,)](flat_N, chunk_counts, N, E, CHUNK=CHUNK, E_TILE=E_TILE, num_warps=NUM_WARPS)
-        _scan_kernel[(1,)](
-            chunk_counts, chunk_base, counts_E, padded_offsets_E1, block_expert_B,
-            num_chunks, E, pad_m, P // pad_m,
-            C_TILE=C_TILE, E_TILE=E_TILE, B_TILE=B_TILE, num_warps=NUM_WARPS,
-        )
-        _scatter_kernel[(num_chunks,)](
-            flat_N, chunk_base, padded_offsets_E1, sorted_slot_P, slot_pos_N, N, E,
-            CHUNK=CHUNK, E_TILE=E_TILE, num_warps=NUM_WARPS,
-        )
+        with on_device(device):
+            num_chunks = triton.cdiv(N, CHUNK)
+            chunk_counts = torch.empty(num_chunks, E, **int32)
+            chunk_base = torch.empty(num_chunks, E, **int32)
+            _histogram_kernel[(num_chunks,)](flat_N, chunk_counts, N, E, CHUNK=CHUNK, E_TILE=E_TILE, num_warps=NUM_WARPS)
+            _scan_kernel[(1,)](
+                chunk_counts, chunk_base, counts_E, padded_offsets_E1, block_expert_B,
+                num_chunks, E, pad_m, P // pad_m,
+                C_TILE=C_TILE, E_TILE=E_TILE, B_TILE=B_TILE, num_warps=NUM_WARPS,
+            )
+            _scatter_kernel[(num_chunks,)](
+                flat_N, chunk_base, padded_offsets_E1, sorted_slot_P, slot_pos_N, N, E,
+                CHUNK=CHUNK, E_TILE=E_TILE, num_warps=NUM_WARPS,
+            )
     return RoutingMetadata(counts_E, padded_offsets_E1, sorted_slot_P, slot_pos_N, block_expert_B, pad_m)
 
 

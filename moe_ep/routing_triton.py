@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.interpreter import interpreting
+from .kernels.runtime import interpreting
 from .kernels.router import router_backward, router_forward
 
 

@@ -66,3 +66,19 @@ def test_backward_fills_no_gradient_for_saved_outputs(backend):
         outputs[0].sum().backward()
     saved_shapes = {tuple(t.shape) for t in outputs[1:]}
     assert not saved_shapes & set(fills.shapes), fills.shapes
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensors_on_another_gpu_than_the_current_one(backend):
+    """Triton launches on the current device; the launchers must switch to the tensors' one."""
+    case = CASES[0]
+    x, idx, w, gate_up, down = case.make(torch.bfloat16, device="cuda:1")
+    dy = torch.randn(case.T, case.H, dtype=torch.float64)
+    with torch.cuda.device(0):
+        y, grads = run_with_grads(lambda *a: moe_ep.moe_experts(*a, backend=backend), x, idx, w, gate_up, down, dy)
+        _, weights, _ = moe_ep.route_topk(x, gate_up[:, 0, :].contiguous(), 2, backend=backend)
+    y_ref, grads_ref = run_with_grads(moe_experts_ref, *(t.cpu() for t in (x, idx, w, gate_up, down)), dy)
+    assert y.device == torch.device("cuda:1") and weights.device == torch.device("cuda:1")
+    assert rel_err(y.cpu(), y_ref) <= TOLERANCE[torch.bfloat16]
+    assert all(rel_err(g.cpu(), g_ref) <= TOLERANCE[torch.bfloat16] for g, g_ref in zip(grads, grads_ref))

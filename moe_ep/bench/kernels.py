@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ..kernels.interpreter import interpreting
+from ..kernels.runtime import interpreting
 from ..experts import moe_experts
 from ..experts_torch import grouped_linear, routing_order
 from ..routing import route_topk
