@@ -11,15 +11,14 @@ import sys
 
 import pytest
 import torch
+import transformers
 
+import moe_ep.hf as hf
+from moe_ep.experts import moe_experts
+from moe_ep.hf import routers
+from moe_ep.hf.routers import FUSED_ROUTER_FORWARDS
 from tests.conftest import TOLERANCE, rel_err
 from tests.hf_models import FAMILIES, tiny_batch, tiny_config, tiny_model
-
-transformers = pytest.importorskip("transformers")
-
-import moe_ep.hf as hf  # noqa: E402
-from moe_ep.experts import moe_experts  # noqa: E402
-from moe_ep.hf.routers import FUSED_ROUTER_FORWARDS  # noqa: E402
 
 
 def _router(model):
@@ -62,6 +61,91 @@ def test_fused_router_returns_what_the_family_router_returns(family, dtype):
     tol = TOLERANCE[dtype]
     assert rel_err(logits, w_logits) <= tol
     assert rel_err(weights.gather(1, order), w_weights.gather(1, w_order)) <= tol
+
+
+# Router forwards of a hypothetical transformers release whose semantics moved away from the ones
+# moe_ep's fused routers implement; each must be refused, not patched.
+def _mixtral_without_renormalisation(self, hidden_states):
+    logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    weights, idx = logits.float().softmax(-1).topk(self.top_k, dim=-1)
+    return logits, weights, idx
+
+
+def _mixtral_probabilities_as_logits(self, hidden_states):
+    """What Mixtral's router returned before 5.17."""
+    logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    probs = logits.float().softmax(-1)
+    weights, idx = probs.topk(self.top_k, dim=-1)
+    return probs, weights / weights.sum(-1, keepdim=True), idx
+
+
+def _qwen_weights_left_in_float32(self, hidden_states):
+    """Right in float32; in bf16 the weights would no longer come back in the logits' dtype."""
+    logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    weights, idx = logits.softmax(-1, dtype=torch.float).topk(self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return logits, weights, idx
+
+
+def _deepseek_without_scaling(self, hidden_states):
+    """transformers' DeepSeek-V3 router with routed_scaling_factor dropped."""
+    logits, weights, idx = _DEEPSEEK_FORWARD(self, hidden_states)
+    return logits, weights / self.routed_scaling_factor, idx
+
+
+_DEEPSEEK_FORWARD = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter.forward
+
+
+@pytest.mark.parametrize(
+    "family, altered, what",
+    [
+        ("mixtral", _mixtral_without_renormalisation, "float32 probe input: its routing weights differ"),
+        ("mixtral", _mixtral_probabilities_as_logits, "float32 probe input: its router logits differ"),
+        ("qwen2_moe", _qwen_weights_left_in_float32, r"bfloat16 probe input: it returns .* the fused router"),
+        ("deepseek_v3", _deepseek_without_scaling, "float32 probe input: its routing weights differ"),
+    ],
+)
+def test_router_with_other_semantics_is_refused(family, altered, what, monkeypatch):
+    """The fused router is checked against the installed class's own forward, once per class,
+    class forward and configuration: a router class whose forward changed is probed again even
+    after the original passed, and refused with its class and the transformers version named."""
+    hf.patch(tiny_model(family), backend="torch")  # the original forward passes, and is cached
+    model = tiny_model(family)
+    router_class = type(_router(model))
+    monkeypatch.setattr(router_class, "forward", altered)
+    message = (
+        rf"fused router for .*\.{router_class.__name__} \(semantics read from transformers 5\.17-5\.23\) does "
+        rf"not return what {router_class.__name__}\.forward returns under the installed "
+        rf"transformers=={transformers.__version__} on a torch\.{what}"
+    )
+    with pytest.raises(ValueError, match=message):
+        hf.patch(model, backend="torch")
+    _assert_untouched(model)
+    hf.patch(model, fused_router=False)  # the model's own (altered) router is still usable
+    assert hf.is_patched(model) and hf.fused_routers(model) == []
+
+
+def test_router_probe_runs_once_per_class_and_configuration(monkeypatch):
+    probes = []
+    run_probe = routers._run_probe
+    monkeypatch.setattr(routers, "_VERIFIED", set())
+    monkeypatch.setattr(routers, "_run_probe", lambda router, *args: probes.append(router) or run_probe(router, *args))
+    hf.patch(tiny_model("qwen3_moe"), backend="torch")
+    assert len(probes) == 2  # float32 and bfloat16 probes of the first router; the second is cached
+    hf.patch(tiny_model("qwen3_moe"), backend="torch")
+    assert len(probes) == 2
+    hf.patch(tiny_model("qwen3_moe", norm_topk_prob=False), backend="torch")  # another branch
+    assert len(probes) == 4
+
+
+def test_router_probe_needs_no_router_values(monkeypatch):
+    """The probe uses random tensors of the router's shapes: a router on the meta device (a model
+    built before its checkpoint is loaded) is verified all the same, and keeps its tensors."""
+    router = _router(tiny_model("deepseek_v3")).to("meta")
+    monkeypatch.setattr(routers, "_VERIFIED", set())
+    routers.verify_fused_router(router)
+    assert routers._VERIFIED and router.weight.is_meta and router.e_score_correction_bias.is_meta
 
 
 def test_router_hooks_still_record_logits_and_aux_loss():
@@ -208,6 +292,30 @@ def test_autocast_matches_eager_under_autocast():
     assert got.logits.dtype == want.logits.dtype
     assert rel_err(got.logits, want.logits) <= TOLERANCE[torch.bfloat16]
     assert rel_err(got.loss, want.loss) <= TOLERANCE[torch.bfloat16]
+
+
+def test_autocast_reaches_the_expert_parallel_dispatcher():
+    """An installed dispatcher gets what the local op gets under autocast: activations and both
+    weights in the autocast dtype (differentiable casts of the float32 parameters), so the two
+    paths compute alike; the output comes back in the activations' dtype."""
+    model = hf.patch(tiny_model("qwen2_moe"), backend="torch")
+    experts = _experts(model)
+    batch = tiny_batch(model.config)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(**batch).logits
+    seen = []
+
+    def dispatcher(module, hidden_states, top_k_index, top_k_weights):
+        seen.append((hidden_states.dtype, module.gate_up_proj.dtype, module.down_proj.dtype))
+        return moe_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
+
+    experts.moe_ep_dispatcher = dispatcher
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(**batch)
+    assert seen == [(torch.bfloat16,) * 3]
+    assert torch.equal(out.logits, want)
+    out.loss.backward()
+    assert experts.gate_up_proj.grad.dtype == torch.float32 and experts.gate_up_proj.grad.norm() > 0
 
 
 def test_patched_moe_block_compiles_fullgraph():
