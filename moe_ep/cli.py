@@ -19,8 +19,8 @@ def _load_model(value: str):
     if os.path.exists(value):
         from transformers import AutoConfig
 
-        path = os.path.dirname(value) if os.path.isfile(value) else value
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        # A file path loads that file; a folder its config.json.
+        return AutoConfig.from_pretrained(value, local_files_only=True)
     raise ValueError(f"--model must be one of {MODEL_NAMES} or a local config.json or model folder, got {value!r}")
 
 

@@ -96,9 +96,6 @@ class Partition:
     def rank_of_stage(self, stage: int) -> int:
         return stage_to_rank(stage, self.num_stages // self.stages_per_rank, self.num_stages, self.placement)
 
-    def rank_bytes(self, rank: int) -> float:
-        return sum(self.stage_bytes(s) for s in range(self.num_stages) if self.rank_of_stage(s) == rank)
-
     def stage_names(self, stage: int) -> list[str]:
         return [u.name for u in self.stage_units(stage)]
 

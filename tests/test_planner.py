@@ -44,7 +44,8 @@ def test_mixtral_on_16_nodes_of_a100_80gb_fits(mixtral_plan):
     names = [piece for s in range(part.num_stages) if part.rank_of_stage(s) == best.memory.rank
              for n in part.stage_names(s) for piece in n.split("+")]
     count = sum(
-        spec.embed_params if n == "embed" else spec.head_params if n == "head" else spec.layer_params for n in names
+        spec.embed_params if n == "embed" else spec.head_params if n == "head" else spec.layer_params(layer_ids([n])[0])
+        for n in names
     )
     assert best.memory.params == pytest.approx(4 * count / lay.dp_shard, rel=1e-12)
     assert best.memory.grads == best.memory.params and best.memory.optim == 2 * best.memory.params
@@ -96,13 +97,24 @@ def test_cli_prints_a_fitting_layout(capsys):
     assert out["memory_bytes"]["headroom"] >= 0 and out["step_time_s"]["total"] > 0
 
 
-def test_forced_pipeline_gives_end_stages_no_more_layers_than_the_middle():
-    p = plan("mixtral-8x7b", nodes=16, pp=4, schedule="1f1b", ep=8, dp_shard=32, checkpointing=True, **A100)
+def test_forced_pipeline_gives_end_stages_fewer_layers_than_the_middle():
+    # Mixtral-8x7B with a 320k vocabulary, checkpointed: the LM head costs 2.4 decoder layers of
+    # compute (its 3 passes against a recomputed layer's 4), so the last stage must take fewer
+    # layers: 6 + head = 8.4 layers' worth against 9 in the middle (7 + head would be the slowest
+    # stage). The embedding costs no FLOPs, but it and 1F1B's most micro-batches in flight make
+    # stage 0 the fullest, so of the time-optimal cuts (26 layers over the first three stages: 9,
+    # 9 and 8 in some order) the one with the 8 there wins.
+    from transformers import MixtralConfig
+
+    config = config_from_name("mixtral-8x7b").to_dict()
+    config.update(vocab_size=320000)
+    p = plan(MixtralConfig(**config), nodes=16, pp=4, schedule="1f1b", ep=8, dp_shard=32, checkpointing=True, **A100)
     part = p.best.partition
     counts = [len(layer_ids(part.stage_names(s))) for s in range(4)]
-    assert sum(counts) == 32 and part.stage_names(0)[0] == "embed+layers.0" and part.stage_names(3)[-1] == "layers.31+head"
-    assert max(counts[0], counts[-1]) <= min(counts[1:-1])
-    assert "decoder layers per stage" in p.report()
+    assert part.stage_names(0)[0] == "embed+layers.0" and part.stage_names(3)[-1] == "layers.31+head"
+    assert counts == [8, 9, 9, 6]
+    assert max(counts[0], counts[-1]) < min(counts[1:-1])
+    assert "decoder layers per stage [8, 9, 9, 6]" in p.report()
 
 
 @pytest.mark.parametrize("vocab", [32000, 256000])
@@ -194,15 +206,106 @@ def test_argument_errors():
         ModelSpec.resolve(object())
 
 
-def test_unsupported_and_dense_configs():
-    from transformers import MistralConfig, Qwen2MoeConfig
+# Each family's layout, with the switches that change its parameter count.
+FAMILY_VARIANTS = {
+    "mixtral": ("mixtral", {}),
+    "mixtral_tied": ("mixtral", dict(tie_word_embeddings=True)),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen2_moe_dense_layers_no_bias": ("qwen2_moe", dict(mlp_only_layers=[1], decoder_sparse_step=2, qkv_bias=False)),
+    "qwen3_moe_biased": ("qwen3_moe", dict(attention_bias=True, decoder_sparse_step=2)),
+    "olmoe_biased": ("olmoe", dict(attention_bias=True)),
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v3_direct_q_biased": (
+        "deepseek_v3", dict(q_lora_rank=None, attention_bias=True, first_k_dense_replace=2, n_shared_experts=2),
+    ),
+}
 
-    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
-        ModelSpec.resolve(Qwen2MoeConfig())
+
+def _meta_model(config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _count(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _experts_count(layer) -> int:
+    from moe_ep.parallel.expert_sharding import experts_modules
+
+    return sum(_count(m) for _, m in experts_modules(layer))
+
+
+@pytest.mark.parametrize("variant", list(FAMILY_VARIANTS))
+def test_spec_counts_every_parameter_of_the_model_built_on_meta(variant):
+    from hf_models import tiny_config
+
+    family, overrides = FAMILY_VARIANTS[variant]
+    config = tiny_config(family, num_hidden_layers=4, **overrides)
+    model, spec = _meta_model(config), ModelSpec.from_config(config)
+    layers = model.model.layers
+    assert [spec.is_moe_layer(i) for i in range(4)] == [_experts_count(layer) > 0 for layer in layers]
+    assert [spec.layer_params(i) for i in range(4)] == [_count(layer) for layer in layers]
+    assert [spec.layer_expert_params(i) for i in range(4)] == [_experts_count(layer) for layer in layers]
+    assert spec.embed_params == _count(model.model.embed_tokens)
+    assert spec.total_params == _count(model)
+    if family in ("qwen2_moe", "deepseek_v3"):
+        assert spec.shared_intermediate_size > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_planner_memory_of_shared_expert_families_matches_the_model(family):
+    # Each pipeline rank's fp32 shards, from the parameters of the modules its stages hold in the
+    # model built on meta: DeepSeek's dense first layer and MLA, Qwen2-MoE's shared expert and its
+    # gate included. Only the MoE layers dispatch tokens.
+    from hf_models import tiny_config
+
+    config = tiny_config(family, num_hidden_layers=6)
+    spec, model = ModelSpec.from_config(config), _meta_model(config)
+    lay = Layout(2, 1, 4, 2, 1, 4, "1f1b", False)
+    cand = evaluate(spec, Cluster(1, 8, 80), lay, 64)
+    units = build_units(spec, lay, 64, 1.2)
+    assert [u.moe for u in units[1:-1]] == [_experts_count(layer) > 0 for layer in model.model.layers]
+    assert family != "deepseek_v3" or not units[1].moe
+    part = cand.partition
+    for rank in range(2):
+        names = [piece for s in range(part.num_stages) if part.rank_of_stage(s) == rank
+                 for n in part.stage_names(s) for piece in n.split("+")]
+        held = [model.model.embed_tokens] if "embed" in names else []
+        held += [model.model.layers[i] for i in layer_ids(names)]
+        held += [model.model.norm, model.lm_head] if "head" in names else []
+        table = cand.memory_per_rank[rank]
+        assert table.params == pytest.approx(4 * sum(_count(m) for m in held) / lay.dp_shard, rel=1e-12)
+        assert table.grads == table.params and table.optim == 2 * table.params
+
+
+def test_unsupported_and_dense_configs():
+    from transformers import LlamaConfig, MistralConfig
+
+    with pytest.raises(ValueError, match="mlp_bias=True: a layout the planner does not model"):
+        ModelSpec.resolve(LlamaConfig(mlp_bias=True))
     dense = MistralConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
                           num_key_value_heads=8, vocab_size=32000)
+    assert ModelSpec.resolve(dense).total_params == _count(_meta_model(dense))
     p = plan(dense, nodes=1, global_batch_tokens=32 * 4096, **A100)
     assert p.layout.ep == 1 and p.best.fits
+
+
+def test_cli_reads_the_config_file_it_is_given(tmp_path, capsys):
+    # A folder's config.json and another file beside it: a path to the file plans that file.
+    from hf_models import tiny_config
+
+    tiny_config("mixtral").save_pretrained(tmp_path)
+    (tmp_path / "qwen.json").write_text(tiny_config("qwen2_moe").to_json_string())
+    args = ["--nodes", "1", "--gpus-per-node", "2", "--gpu-memory", "80", "--seq-len", "64",
+            "--global-batch-tokens", "512", "--json"]
+    for path, model_type in ((tmp_path / "qwen.json", "qwen2_moe"), (tmp_path, "mixtral"),
+                             (tmp_path / "config.json", "mixtral")):
+        assert main(["plan", "--model", str(path), *args]) == 0
+        assert json.loads(capsys.readouterr().out)["model"] == model_type
 
 
 def test_remote_ranks_per_token_matches_enumeration():

@@ -77,18 +77,19 @@ def build_units(spec: ModelSpec, layout: Layout, seq_len: int, imbalance: float)
 
     tied = ("model.embed_tokens.weight",) if spec.tie_word_embeddings else ()
     units = [unit("embed", spec.embed_params, 0, 0.0, spec.embed_act_bytes * tokens, shared=tied)]
-    full_act = spec.layer_act_bytes * tokens
-    if ep > 1:
-        full_act += (imbalance - 1.0) * spec.layer_expert_act_bytes * tokens
-    # Send and receive buffers of one dispatch: a token row per chosen expert, at most.
-    a2a = 2 * tokens * spec.top_k * spec.hidden_size * BF16 * imbalance if ep > 1 and spec.num_experts else 0.0
     ckpt = layout.checkpointing
     for i in range(spec.num_layers):
+        moe = spec.is_moe_layer(i)
+        full_act = spec.layer_act_bytes(i) * tokens
+        if ep > 1:
+            full_act += (imbalance - 1.0) * spec.layer_expert_act_bytes(i) * tokens
+        # Send and receive buffers of one dispatch: a token row per chosen expert, at most.
+        a2a = 2 * tokens * spec.top_k * spec.hidden_size * BF16 * imbalance if ep > 1 and moe else 0.0
         units.append(
             unit(
-                f"layers.{i}", spec.layer_dense_params, spec.layer_expert_params, spec.layer_flops(seq_len),
+                f"layers.{i}", spec.layer_dense_params(i), spec.layer_expert_params(i), spec.layer_flops(i, seq_len),
                 act=spec.layer_input_bytes * tokens if ckpt else full_act, act_work=full_act if ckpt else 0.0,
-                a2a=a2a, recompute=ckpt, moe=spec.num_experts > 0,
+                a2a=a2a, recompute=ckpt, moe=moe,
             )
         )
     units.append(
@@ -98,22 +99,26 @@ def build_units(spec: ModelSpec, layout: Layout, seq_len: int, imbalance: float)
 
 
 def unit_costs(units: list[Unit]) -> list[UnitCost]:
-    """The partition's view, one unit per decoder layer: the embedding rides with the first
-    layer and the head with the last, so every stage passes hidden states of one shape. Its
-    per-stage transient term is the largest single unit's; the memory table adds the largest
-    recompute set and the largest communication buffer, which coincide because every decoder
-    layer is the same."""
-    costs = [
+    """The partition's view of ``units``, one unit per decoder layer (see :func:`layer_chain`).
+    A stage's transient term is its largest unit's (recompute set plus communication buffers),
+    as in the memory table (``rank_memory``)."""
+    return layer_chain([
         UnitCost(
             name=u.name, flops=u.train_flops, param_bytes=u.params, grad_bytes=u.grads,
             optim_bytes=u.optim + u.comm_persist, act_bytes=u.act, work_bytes=u.act_work + u.comm_work,
             shared=u.shared,
         )
         for u in units
-    ]
+    ])
+
+
+def layer_chain(costs: list[UnitCost]) -> list[UnitCost]:
+    """``[embed, layers.0, ..., layers.L-1, head]`` as one unit per decoder layer: the embedding
+    rides with the first layer and the head with the last (``embed+layers.0``,
+    ``layers.L-1+head``), so every stage passes hidden states of one shape."""
     if len(costs) < 3:
         raise ValueError(f"a chain needs an embedding, at least one decoder layer and a head, got {len(costs)} units")
-    embed, layers, head = costs[0], costs[1:-1], costs[-1]
+    embed, layers, head = costs[0], list(costs[1:-1]), costs[-1]
     layers[0] = _merge(embed, layers[0])
     layers[-1] = _merge(layers[-1], head)
     return layers
@@ -180,13 +185,16 @@ def p2p_bytes(layout: Layout, spec: ModelSpec, seq_len: int) -> float:
 def rank_memory(units: list[Unit], part: Partition, rank: int, p2p: float, reserved: float, capacity: float) -> MemoryTable:
     """The memory table of pipeline rank ``rank``; ``part`` cuts ``unit_costs(units)``."""
     mine = [(s, u) for s in range(part.num_stages) if part.rank_of_stage(s) == rank for u in stage_units(units, part, s)]
+    # One unit runs at a time: its recompute set and its communication buffers are the transient
+    # peak (the partition's work term), split between the two rows.
+    _, running = max(mine, key=lambda su: su[1].act_work + su[1].comm_work)
     return MemoryTable(
         rank=rank,
         params=sum(u.params for _, u in mine),
         grads=sum(u.grads for _, u in mine),
         optim=sum(u.optim for _, u in mine),
-        activations=sum(part.inflight[s] * u.act for s, u in mine) + max(u.act_work for _, u in mine),
-        comm=sum(u.comm_persist for _, u in mine) + max(u.comm_work for _, u in mine) + p2p,
+        activations=sum(part.inflight[s] * u.act for s, u in mine) + running.act_work,
+        comm=sum(u.comm_persist for _, u in mine) + running.comm_work + p2p,
         reserved=reserved,
         capacity=capacity,
     )

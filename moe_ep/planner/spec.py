@@ -2,9 +2,18 @@
 config, with parameter counts, FLOPs and activation bytes per token for each unit of the chain
 (embedding, decoder layer, head).
 
-Supported: configs with Mixtral's layout (every layer an MoE block of ``E`` SwiGLU experts and a
-router, no shared expert) and dense Llama/Mistral-style configs. Configs with shared experts or
-dense-first layers are rejected rather than mis-modelled.
+Modelled layouts (parameter counts exact for each; tests compare them with the models built on
+the meta device):
+- attention: grouped-query attention with optional biases (Qwen2-MoE's ``qkv_bias``, Llama-style
+  ``attention_bias``) and q/k norms (Qwen3-MoE per head, OLMoE over the whole projection), or
+  DeepSeek's multi-head latent attention (``kv_lora_rank``, optional ``q_lora_rank``);
+- MLP: MoE layers of ``E`` SwiGLU experts and a router, optionally with a shared expert every
+  token runs (Qwen2-MoE's ``shared_expert`` with its sigmoid ``shared_expert_gate``, DeepSeek's
+  ``n_shared_experts``); dense SwiGLU layers inside an MoE model (DeepSeek's
+  ``first_k_dense_replace``, Qwen's ``mlp_only_layers`` / ``decoder_sparse_step``); dense models
+  (Llama / Mistral).
+Layouts it does not describe (MLP biases, other interleavings of dense and MoE layers) are
+rejected rather than mis-modelled.
 """
 
 from __future__ import annotations
@@ -14,8 +23,11 @@ from dataclasses import dataclass
 BF16 = 2
 FP32 = 4
 
-# Attributes whose presence means a layout this model does not describe.
-_UNSUPPORTED = ("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace")
+# Attributes that describe a layout this model does not, when set to anything but these values.
+_UNSUPPORTED = {"mlp_bias": (None, False), "moe_layer_freq": (None, 1), "interleave_moe_layer_step": (None, 1)}
+# Families whose attention normalises queries and keys: per head (one head_dim weight each for q
+# and k) or over the whole projection (the q and k widths). Read from the modeling files.
+_QK_NORM = {"qwen3_moe": "head", "qwen3": "head", "olmoe": "full"}
 
 
 def _named_configs():
@@ -54,11 +66,21 @@ class ModelSpec:
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
-    intermediate_size: int  # of one expert, or of the dense MLP when num_experts == 0
+    head_dim: int  # of queries and keys (DeepSeek: qk_nope_head_dim + qk_rope_head_dim)
+    intermediate_size: int  # of one routed expert, or of the dense MLP when num_experts == 0
     num_experts: int
     top_k: int
     tie_word_embeddings: bool
+    v_head_dim: int | None = None  # None: head_dim
+    # Multi-head latent attention when kv_lora_rank > 0; q_lora_rank 0 projects queries directly.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    attn_extra_params: int = 0  # biases and q/k norms of one layer's attention
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model whose MLP is dense
+    dense_intermediate_size: int = 0  # their MLP width
+    shared_intermediate_size: int = 0  # the shared expert of every MoE layer (0: none)
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(Linear(H, 1)) scales the shared expert
 
     @classmethod
     def from_config(cls, config, name: str | None = None) -> "ModelSpec":
@@ -68,31 +90,65 @@ class ModelSpec:
                     f"model config must have an int {attr!r} (a decoder-only Hugging Face config), "
                     f"got {type(config).__name__} without it"
                 )
-        for attr in _UNSUPPORTED:
-            if getattr(config, attr, None):
+        for attr, allowed in _UNSUPPORTED.items():
+            if getattr(config, attr, None) not in allowed:
                 raise ValueError(
-                    f"model config {type(config).__name__} has {attr}={getattr(config, attr)!r}: shared experts and "
-                    f"dense-first layers are not modelled by the planner"
+                    f"model config {type(config).__name__} has {attr}={getattr(config, attr)!r}: a layout the "
+                    f"planner does not model (expected {attr} unset or {allowed[-1]!r})"
                 )
-        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
-            raise ValueError(
-                f"model config {type(config).__name__} mixes dense and MoE layers "
-                f"(mlp_only_layers / decoder_sparse_step): not modelled by the planner"
-            )
+        H, L, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
-        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        kv_lora = getattr(config, "kv_lora_rank", None) or 0
+        if kv_lora:
+            q_lora, rope = getattr(config, "q_lora_rank", None) or 0, config.qk_rope_head_dim
+            head_dim, v_head_dim = config.qk_nope_head_dim + rope, config.v_head_dim
+            # Biased when attention_bias: q_a_proj (only with q_lora), kv_a_proj_with_mqa, o_proj;
+            # RMSNorms on the two latents.
+            bias = (q_lora + kv_lora + rope + H) if attention_bias else 0
+            extra = bias + q_lora + kv_lora
+        else:
+            q_lora = rope = 0
+            head_dim = getattr(config, "head_dim", None) or H // heads
+            v_head_dim = head_dim
+            q, kv = heads * head_dim, kv_heads * head_dim
+            # Qwen2-MoE biases q, k and v; attention_bias (Llama, Qwen3, OLMoE) also o_proj.
+            bias = q + 2 * kv if getattr(config, "qkv_bias", False) else (q + 2 * kv + H if attention_bias else 0)
+            norms = {"head": 2 * head_dim, "full": q + kv, None: 0}[_QK_NORM.get(getattr(config, "model_type", None))]
+            extra = bias + norms
+        if experts:
+            first_dense = getattr(config, "first_k_dense_replace", None) or 0
+            mlp_only = set(getattr(config, "mlp_only_layers", None) or ())
+            step = getattr(config, "decoder_sparse_step", None) or 1
+            dense_layers = tuple(i for i in range(L) if i < first_dense or i in mlp_only or (i + 1) % step)
+        else:
+            dense_layers = ()
+        expert_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        shared_width = getattr(config, "shared_expert_intermediate_size", None) or (
+            (getattr(config, "n_shared_experts", None) or 0) * expert_width
+        )
         return cls(
             name=name or getattr(config, "model_type", type(config).__name__),
             vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
+            hidden_size=H,
+            num_layers=L,
             num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            intermediate_size=getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=expert_width if experts else config.intermediate_size,
             num_experts=experts,
             top_k=getattr(config, "num_experts_per_tok", 1) if experts else 0,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            v_head_dim=v_head_dim,
+            q_lora_rank=q_lora,
+            kv_lora_rank=kv_lora,
+            qk_rope_head_dim=rope,
+            attn_extra_params=extra,
+            dense_layers=dense_layers,
+            dense_intermediate_size=config.intermediate_size if dense_layers else 0,
+            shared_intermediate_size=shared_width if experts else 0,
+            shared_expert_gate=bool(experts and getattr(config, "shared_expert_intermediate_size", None)),
         )
 
     @classmethod
@@ -103,6 +159,17 @@ class ModelSpec:
         if isinstance(model, str):
             return cls.from_config(config_from_name(model), name=model)
         return cls.from_config(model)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     # Parameter counts.
     @property
@@ -116,41 +183,54 @@ class ModelSpec:
 
     @property
     def attn_params(self) -> int:
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        return self.hidden_size * (2 * q + 2 * kv)
+        H, nh, qk, v = self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim
+        if self.kv_lora_rank:
+            q = H * self.q_lora_rank + self.q_lora_rank * nh * qk if self.q_lora_rank else H * nh * qk
+            kv = H * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * nh * (qk - self.qk_rope_head_dim + v)
+            return q + kv + nh * v * H + self.attn_extra_params
+        kv = self.num_kv_heads * qk
+        return H * (nh * qk + 2 * kv) + nh * v * H + self.attn_extra_params
 
-    @property
-    def layer_dense_params(self) -> int:
-        """Parameters of a decoder layer sharded over the dense mesh: attention, norms, router
-        (and the MLP of a dense model)."""
-        mlp = 0 if self.num_experts else 3 * self.hidden_size * self.intermediate_size
-        return self.attn_params + 2 * self.hidden_size + self.num_experts * self.hidden_size + mlp
+    def _mlp_params(self, width: int) -> int:
+        return 3 * self.hidden_size * width
 
-    @property
-    def layer_expert_params(self) -> int:
-        return self.num_experts * 3 * self.hidden_size * self.intermediate_size
+    def layer_dense_params(self, layer: int) -> int:
+        """Parameters of decoder layer ``layer`` sharded over the dense mesh: attention, norms and
+        either the dense MLP or the router and shared expert (with its gate)."""
+        common = self.attn_params + 2 * self.hidden_size
+        if not self.num_experts:
+            return common + self._mlp_params(self.intermediate_size)
+        if not self.is_moe_layer(layer):
+            return common + self._mlp_params(self.dense_intermediate_size)
+        gate = self.hidden_size if self.shared_expert_gate else 0
+        return common + self.num_experts * self.hidden_size + self._mlp_params(self.shared_intermediate_size) + gate
 
-    @property
-    def layer_params(self) -> int:
-        return self.layer_dense_params + self.layer_expert_params
+    def layer_expert_params(self, layer: int) -> int:
+        """Parameters of the routed experts of decoder layer ``layer`` (sharded over ep, then edp)."""
+        return self.num_experts * self._mlp_params(self.intermediate_size) if self.is_moe_layer(layer) else 0
+
+    def layer_params(self, layer: int) -> int:
+        return self.layer_dense_params(layer) + self.layer_expert_params(layer)
+
+    def _layer_active_params(self, layer: int) -> int:
+        """Parameters one token touches in decoder layer ``layer`` (its top-k routed experts)."""
+        routed = self.top_k * self._mlp_params(self.intermediate_size) if self.is_moe_layer(layer) else 0
+        return self.layer_dense_params(layer) + routed
 
     @property
     def total_params(self) -> int:
-        return self.embed_params + self.num_layers * self.layer_params + self.head_params
+        return self.embed_params + sum(self.layer_params(i) for i in range(self.num_layers)) + self.head_params
 
     @property
     def active_params(self) -> int:
-        """Parameters one token touches (top-k experts per layer)."""
-        expert = self.top_k * 3 * self.hidden_size * self.intermediate_size
-        return self.embed_params + self.num_layers * (self.layer_dense_params + expert) + self.head_params
+        """Parameters one token touches (top-k experts per MoE layer)."""
+        return self.embed_params + sum(self._layer_active_params(i) for i in range(self.num_layers)) + self.head_params
 
     # Forward FLOPs per token (a multiply-add counts 2).
-    def layer_flops(self, seq_len: int) -> float:
-        expert = self.top_k * 3 * self.hidden_size * self.intermediate_size
+    def layer_flops(self, layer: int, seq_len: int) -> float:
         # Causal attention: on average a token scores against seq_len / 2 keys, for QK^T and for AV.
-        attention_core = 2 * 2 * self.num_heads * self.head_dim * seq_len / 2
-        return 2.0 * (self.layer_dense_params + expert) + attention_core
+        attention_core = 2 * self.num_heads * (self.head_dim + self.value_head_dim) * seq_len / 2
+        return 2.0 * self._layer_active_params(layer) + attention_core
 
     @property
     def head_flops(self) -> float:
@@ -158,29 +238,49 @@ class ModelSpec:
 
     # Activation bytes per token kept for the backward, bf16 compute with fp32 norms and loss,
     # flash/SDPA attention (no seq x seq score matrix).
-    @property
-    def layer_expert_act_bytes(self) -> float:
-        """The expert side of layer_act_bytes: per routed slot the gathered row, the gate/up
+    def layer_expert_act_bytes(self, layer: int) -> float:
+        """The routed-expert side of layer_act_bytes: per routed slot the gathered row, the gate/up
         output, the SwiGLU output and the down output."""
-        if not self.num_experts:
+        if not self.is_moe_layer(layer):
             return 0.0
         H, I = self.hidden_size, self.intermediate_size
         return self.top_k * BF16 * (H + 2 * I + I + H)
 
     @property
-    def layer_act_bytes(self) -> float:
-        H, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    def _attention_act_bytes(self) -> float:
+        H, nh, qk, v = self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim
         norm = FP32 * H + BF16 * H  # RMSNorm: fp32 copy of its input and the bf16 output
-        attention = (
+        if self.kv_lora_rank:
+            latent_norm = (FP32 + BF16) * (self.q_lora_rank + self.kv_lora_rank)
+            return (
+                norm
+                + BF16 * self.q_lora_rank  # q_a_proj output
+                + BF16 * nh * qk  # queries
+                + BF16 * (self.kv_lora_rank + self.qk_rope_head_dim)  # compressed kv and rotary key
+                + latent_norm
+                + BF16 * nh * (qk - self.qk_rope_head_dim + v)  # kv_b_proj output
+                + BF16 * 2 * nh * qk  # queries and keys after rotary embedding, as attention reads them
+                + BF16 * nh * v  # attention output, input of o_proj
+            )
+        q, kv = nh * qk, self.num_kv_heads * qk
+        return (
             norm
             + BF16 * (q + 2 * kv)  # q, k, v projections
             + BF16 * (q + kv)  # q, k after rotary embedding
             + BF16 * q  # attention output, input of o_proj
         )
-        if not self.num_experts:
-            return attention + norm + BF16 * 3 * self.intermediate_size
+
+    def layer_act_bytes(self, layer: int) -> float:
+        H = self.hidden_size
+        norm = FP32 * H + BF16 * H
+        if not self.is_moe_layer(layer):
+            width = self.dense_intermediate_size if self.num_experts else self.intermediate_size
+            return self._attention_act_bytes + norm + BF16 * 3 * width
         router = FP32 * 2 * self.num_experts  # fp32 logits and probabilities
-        return attention + norm + router + self.layer_expert_act_bytes
+        shared = BF16 * 3 * self.shared_intermediate_size if self.shared_intermediate_size else 0.0
+        if self.shared_expert_gate:
+            shared += BF16 * (2 + H)  # gate logit, its sigmoid, the shared output it scales
+        return self._attention_act_bytes + norm + router + shared + self.layer_expert_act_bytes(layer)
 
     @property
     def layer_input_bytes(self) -> float:

@@ -86,9 +86,9 @@ def lower_bound(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int,
     """A step time no layout of these degrees can beat: perfectly balanced stages, FSDP fully
     hidden. Lets the search skip layouts that cannot win."""
     tokens = layout.microbatch_size * seq_len
-    layer = spec.layer_flops(seq_len) * (4 if layout.checkpointing else 3)
-    flops = tokens * (spec.num_layers * layer + 3 * spec.head_flops)
-    a2a = spec.num_layers * _all_to_all_seconds(spec, cluster, layout, tokens, imbalance) if spec.num_experts else 0.0
+    layers = sum(spec.layer_flops(i, seq_len) for i in range(spec.num_layers)) * (4 if layout.checkpointing else 3)
+    flops = tokens * (layers + 3 * spec.head_flops)
+    a2a = spec.num_moe_layers * _all_to_all_seconds(spec, cluster, layout, tokens, imbalance)
     per_rank = (flops / cluster.flops_per_s + a2a) / layout.pp + _p2p_seconds(spec, cluster, layout, tokens)
     return (layout.microbatches + layout.bubble()) * per_rank
 
