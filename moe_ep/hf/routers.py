@@ -161,24 +161,25 @@ def _configuration(router: torch.nn.Module) -> tuple:
 
 
 def _probe_tensors(router: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Random CPU tensors named and shaped as the router's parameters and buffers: matrices with
-    logits of a few units (decisive choices, no ties), vectors ~0.3 (a live correction bias).
-    Never the router's own values, which may sit on the meta device, be sharded DTensors, or be
-    all zeros (ties everywhere) before a checkpoint is loaded."""
+    """Random tensors named and shaped as the router's parameters and buffers, on the CPU whatever
+    the default device: matrices giving logits of a few units (decisive choices, no ties), vectors
+    ~0.3 (a live correction bias). Never the router's own values, which may sit on the meta device,
+    be sharded DTensors, or be all zeros (ties everywhere) before a checkpoint is loaded."""
     g = torch.Generator().manual_seed(0)
     tensors = {}
     for name, t in [*router.named_parameters(), *router.named_buffers()]:
         if not t.is_floating_point():
-            tensors[name] = torch.zeros(t.shape, dtype=t.dtype)
+            tensors[name] = torch.zeros(t.shape, dtype=t.dtype, device="cpu")
             continue
         scale = 4 * t.shape[-1] ** -0.5 if t.dim() > 1 else 0.3
-        tensors[name] = (torch.randn(t.shape, generator=g) * scale).to(dtype)
+        tensors[name] = (torch.randn(t.shape, generator=g, device="cpu") * scale).to(dtype)
     return tensors
 
 
 def _run_probe(router, own_forward, route, dtype):
     tensors = {f"router.{name}": t for name, t in _probe_tensors(router, dtype).items()}
-    x_TH = torch.randn(_PROBE_TOKENS, router.hidden_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    g = torch.Generator().manual_seed(1)
+    x_TH = torch.randn(_PROBE_TOKENS, router.hidden_dim, generator=g, device="cpu").to(dtype)
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         want = torch.func.functional_call(_Call(router, own_forward), tensors, (x_TH,))
         got = torch.func.functional_call(_Call(router, lambda r, x: route(r, x, "torch")), tensors, (x_TH,))
@@ -211,8 +212,8 @@ def _disagreement(got, want, *, values: bool) -> str | None:
 
 
 def verify_fused_router(router: torch.nn.Module) -> None:
-    """Raise ValueError unless moe_ep's fused router for ``router``'s class returns what the
-    class's own forward returns, run on a probe of 16 tokens with random weights of the router's
+    """Raise ValueError unless moe_ep's fused router for ``router``'s class (one that
+    ``fused_router_forward`` knows) returns what the class's own forward returns, run on a probe of 16 tokens with random weights of the router's
     shapes: the same experts, logits and routing weights in float32 (1e-5), the same shapes and
     dtypes in bfloat16 (where float32 and bf16 logits may legitimately pick other experts). Cached
     per class, class forward and configuration, so a model's routers cost one probe per family."""
