@@ -1,9 +1,12 @@
 """One training step, the same with and without pipeline stages.
 
 ``TrainStep(model_or_stages, optimizer, microbatches=M)`` then ``loss = step(batch)`` for every
-step: the batch is cut into micro-batches, each runs forward and backward (through the pipeline
-schedule when given ``PipelineStages``), gradients accumulate, then the optimizer steps and the
-gradients are cleared. ``model_or_stages`` is what ``moe_ep.parallelize`` returns (the model
+step: the batch is cut into M equal micro-batches (its size must be a multiple of M, checked
+before any work), each runs forward and backward (through the pipeline schedule when given
+``PipelineStages``), gradients accumulate, then the optimizer steps and the gradients are
+cleared. Without stages FSDP2 reduce-scatters the gradients after every micro-batch, so they
+stay sharded in between (deferring it to the last one would hold every unsharded gradient of the
+model meanwhile). ``model_or_stages`` is what ``moe_ep.parallelize`` returns (the model
 when ``pp=1``, this rank's ``PipelineStages`` when ``pp>1``), so the training loop does not
 change when ``pp`` does.
 
@@ -190,10 +193,9 @@ class TrainStep:
 
     ``step(batch)`` takes ``{"input_ids": [B, S], "labels": [B, S] (optional, defaults to
     input_ids)}`` (this rank's share of the global batch, ``B`` a multiple of the micro-batches)
-    and returns the step's loss (LM loss
-    plus the weighted aux and z losses; the parts are ``last_lm_loss``, ``last_aux_loss`` and
-    ``last_z_loss``): the mean over
-    the global batch, a detached scalar equal on every rank (broadcast from the pipeline rank
+    and returns the step's loss (LM loss plus the weighted aux and z losses; the parts are
+    ``last_lm_loss``, ``last_aux_loss`` and ``last_z_loss``): the mean over the global batch, a
+    detached scalar equal on every rank (broadcast from the pipeline rank
     that computes it, averaged over the data-parallel ranks); no host sync unless loss scaling.
     """
 
