@@ -6,13 +6,18 @@ The parallel runs are fp32 through moe_ep's experts implementation; five AdamW s
 step's loss must agree within 1e-5. The batch holds ignored labels (-100) spread unevenly over
 the micro-batches, so a loss normalised per micro-batch instead of per step would show.
 
-- 2 ranks, pp=2 alone: GPipe, 1F1B, interleaved 1F1B and ZB-V, one process group.
+- 2 ranks, pp=2 alone: GPipe, 1F1B, interleaved 1F1B and ZB-V; through ``moe_ep.parallelize``
+  (FSDP2 on each stage) a Mixtral whose LM head is tied to its embedding under ZB-V, and the
+  shared-expert families Qwen2-MoE and DeepSeek-V3 (dense first layer) cut automatically; one
+  process group, each against its own float64 reference.
 - 4 ranks, through ``moe_ep.parallelize(pp=2, ...)``: pp=2 x ep=2 and pp=2 x dp_shard=2 (FSDP2)
   under GPipe, 1F1B, interleaved 1F1B and ZB-V; pp=2 x dp_replicate=2 (HSDP); pp=2 x ep=2 with
   activation checkpointing and the aux loss, and with dynamic loss scaling; one process group.
   Also a batch whose data-parallel shards hold very different numbers of targets, with and
   without pipeline stages (the same loop): the loss is the global token mean.
-- 1 process: TrainStep with gradient accumulation and no stages; loss scaling.
+- 1 process: TrainStep with gradient accumulation and no stages; loss scaling; on torch's fake
+  process group (no data moves), the structure of a tied head under ZB-V, the cut's memory cap
+  and batch shape through ``parallelize``, and arguments refused before the model changes.
 
 With ``aux_loss_coef`` the objective adds the per-layer load-balancing loss, averaged over
 layers and micro-batches; the reference computes it by hand from transformers' router logits.
@@ -33,14 +38,26 @@ STEPS = 5
 LR = 1e-3  # AdamW turns fp32 noise in near-zero gradients into full steps at larger rates
 BATCH, SEQ, MICRO = 8, 6, 4
 TINY = dict(num_hidden_layers=4, num_local_experts=4, intermediate_size=24)
+# Four layers of every family; the other families keep hf_models' sizes.
+TINY_OF = {"mixtral": TINY, "qwen2_moe": dict(num_hidden_layers=4), "deepseek_v3": dict(num_hidden_layers=4)}
 
 
-def _model(dtype, experts_implementation):
+def _model(dtype, experts_implementation, family="mixtral", **overrides):
     from hf_models import tiny_model
     from moe_ep.hf import register
 
     register()
-    return tiny_model("mixtral", dtype=dtype, experts_implementation=experts_implementation, **TINY).train()
+    return tiny_model(family, dtype=dtype, experts_implementation=experts_implementation,
+                      **{**TINY_OF[family], **overrides}).train()
+
+
+def _meta_model(family="mixtral", **overrides):
+    """The same tiny model on the meta device (no weights), for structure checks."""
+    from hf_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(tiny_config(family, **{**TINY_OF[family], **overrides}))
 
 
 def _batch():
@@ -78,12 +95,13 @@ def _z_by_hand(logits_TE):
     return torch.logsumexp(logits_TE, dim=-1).square().mean()
 
 
-def _reference_losses(batch, aux_coef=0.0, max_norm=None, norms=None, z_coef=0.0, aux_chunks=None):
+def _reference_losses(batch, aux_coef=0.0, max_norm=None, norms=None, z_coef=0.0, aux_chunks=None, model_kwargs=None):
     """Whole batch, float64, transformers' eager experts and LM loss; the aux loss (if any) is
     the mean over layers and micro-batches of each layer's loss on that micro-batch's tokens, the
     z-loss likewise. ``aux_chunks``: the rows of each micro-batch the aux loss balances (default:
-    MICRO consecutive blocks; a global aux loss joins the data-parallel ranks' micro-batches)."""
-    model = _model(torch.float64, "eager")
+    MICRO consecutive blocks; a global aux loss joins the data-parallel ranks' micro-batches).
+    ``model_kwargs``: family and config overrides for ``_model``."""
+    model = _model(torch.float64, "eager", **(model_kwargs or {}))
     model.router_aux_loss_coef = 0.0  # transformers' own pooled aux loss stays out of .loss
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     rows = batch["input_ids"].shape[0]
@@ -147,6 +165,35 @@ def reference_global_aux_z(reference):
     return batch, _reference_losses(batch, AUX, z_coef=Z, aux_chunks=GLOBAL_CHUNKS)
 
 
+# Runs through moe_ep.parallelize on the 2-rank world: (family, config overrides, schedule).
+FAMILY_RUNS = {
+    "mixtral_tied_head_zbv": ("mixtral", dict(tie_word_embeddings=True), "zbv"),
+    "qwen2_moe_shared_expert_1f1b": ("qwen2_moe", {}, "1f1b"),
+    "deepseek_v3_dense_first_layer_gpipe": ("deepseek_v3", {}, "gpipe"),
+}
+
+
+@pytest.fixture(scope="module")
+def reference_families(reference):
+    batch, _ = reference
+    expected = {}
+    for name, (family, overrides, _) in FAMILY_RUNS.items():
+        expected[name] = _reference_losses(batch, model_kwargs=dict(family=family, **overrides))
+    # The tied case has teeth: the same model with its head untied from the embedding trains apart.
+    untied = _model(torch.float64, "eager", tie_word_embeddings=True)
+    assert untied.lm_head.weight is untied.model.embed_tokens.weight
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    optimizer = torch.optim.AdamW(untied.parameters(), lr=LR)
+    for _ in range(2):
+        untied(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        drift = abs(untied(**batch).loss.item() - expected["mixtral_tied_head_zbv"][2])
+    assert drift > 100 * TOL * expected["mixtral_tied_head_zbv"][2]
+    return expected
+
+
 @pytest.fixture(scope="module")
 def reference_clipped(reference):
     batch, _ = reference
@@ -156,9 +203,10 @@ def reference_clipped(reference):
     return losses, norms
 
 
-def _pp_alone(rank, world, batch, schedules):
+def _pp_alone(rank, world, batch, schedules, families):
     import torch.distributed as dist
 
+    import moe_ep
     from moe_ep.parallel.pipeline import build_pipeline
     from moe_ep.training import TrainStep
 
@@ -175,6 +223,14 @@ def _pp_alone(rank, world, batch, schedules):
             norms.append(step.last_grad_norm.item() if max_norm else None)
         layers = [list(m.layer_ids) for m in stages.modules]
         out[run] = (losses, layers, stages.stage_ids, norms)
+    for name, (family, overrides, schedule) in families.items():
+        # Through parallelize: FSDP2 on every stage (over one rank here), where a tied head could
+        # come apart from its embedding.
+        model = _model(torch.float32, "moe_ep", family, **overrides)
+        stages = moe_ep.parallelize(model, pp=2, schedule=schedule, microbatches=MICRO)
+        step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR))
+        losses = [step(batch).item() for _ in range(STEPS)]
+        out[name] = (losses, [list(m.layer_ids) for m in stages.modules], stages.stage_ids, stages.tied_stages)
     return out
 
 
@@ -183,13 +239,22 @@ def _check(losses, expected):
         assert rel_err(torch.tensor(got), torch.tensor(want)) <= TOL, f"step {step}: {got} vs {want}"
 
 
-def test_pp2_alone_tracks_single_process_losses_for_every_schedule(reference, reference_aux, reference_clipped):
-    batch, expected = reference
+PP_ALONE = [("gpipe", 0.0, None), ("1f1b", 0.0, None), ("interleaved-1f1b", 0.0, None), ("zbv", 0.0, None),
+            ("1f1b", AUX, None), ("zbv", AUX, None), ("interleaved-1f1b", AUX, MAX_NORM)]
+
+
+@pytest.fixture(scope="module")
+def world2(reference):
+    """Every 2-rank run in ONE process group."""
+    return run_ranks(_pp_alone, 2, reference[0], PP_ALONE, FAMILY_RUNS, timeout=300)
+
+
+def test_pp2_alone_tracks_single_process_losses_for_every_schedule(world2, reference, reference_aux,
+                                                                   reference_clipped):
+    _, expected = reference
     _, expected_aux = reference_aux
     expected_clipped, expected_norms = reference_clipped
-    runs = [("gpipe", 0.0, None), ("1f1b", 0.0, None), ("interleaved-1f1b", 0.0, None), ("zbv", 0.0, None),
-            ("1f1b", AUX, None), ("zbv", AUX, None), ("interleaved-1f1b", AUX, MAX_NORM)]
-    ranks = run_ranks(_pp_alone, 2, batch, runs, timeout=300)
+    runs, ranks = PP_ALONE, world2
     for run in runs:
         for result in ranks:
             _check(result[run][0], expected_clipped if run[2] else expected_aux if run[1] else expected)
@@ -203,6 +268,16 @@ def test_pp2_alone_tracks_single_process_losses_for_every_schedule(reference, re
         assert all_layers == [0, 1, 2, 3], run
     assert ranks[0]["zbv", 0.0, None][2] == [0, 3] and ranks[1]["zbv", 0.0, None][2] == [1, 2]
     assert ranks[0]["interleaved-1f1b", 0.0, None][2] == [0, 2] and ranks[1]["interleaved-1f1b", 0.0, None][2] == [1, 3]
+
+
+@pytest.mark.parametrize("name", list(FAMILY_RUNS))
+def test_tied_head_and_shared_expert_families_track_single_process_losses(world2, reference_families, name):
+    for losses, _, _, _ in (result[name] for result in world2):
+        _check(losses, reference_families[name])
+    assert sorted(i for result in world2 for ls in result[name][1] for i in ls) == [0, 1, 2, 3]
+    if FAMILY_RUNS[name][2] == "zbv":
+        # The head rides with stage 3 on rank 0, beside the embedding it is tied to.
+        assert world2[0][name][2] == [0, 3] and world2[0][name][3] == ((0, 3),) and world2[1][name][3] == ()
 
 
 class Composed(NamedTuple):
@@ -375,3 +450,133 @@ def test_errors():
         from moe_ep.parallel.pipeline import CausalLMStage
 
         CausalLMStage(torch.nn.Linear(2, 2), [0], first=True, last=True)
+
+
+def _checkpointing_on(model) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_tied_head_under_zbv_stays_one_fsdp_parameter():
+    # Rank 0 of pp=2 x dp_shard=2 on the fake process group: ZB-V puts stages 0 and 3 there, and
+    # the embedding and the head stay one parameter, sharded once over dp_shard.
+    import moe_ep
+    from test_plan_fake_pg import fake_rank
+    from torch.distributed.tensor import DTensor
+
+    with fake_rank(0, 4):
+        model = _meta_model(tie_word_embeddings=True)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        base = model.model
+        held = {id(p) for m in (base.embed_tokens, base.layers[0], base.layers[3], base.norm, model.lm_head)
+                for p in m.parameters()}
+        stages = moe_ep.parallelize(model, pp=2, schedule="zbv", microbatches=2)
+        first, last = stages.modules
+        assert stages.stage_ids == [0, 3] and stages.tied_stages == ((0, 3),)
+        weight = first.model.embed_tokens.weight
+        assert last.lm_head.weight is weight and isinstance(weight, DTensor)
+        assert tuple(weight.to_local().shape) == (96 // 2, 32)
+        names = [n for n, _ in stages.named_parameters()]
+        assert names.count("model.embed_tokens.weight") == 1 and "lm_head.weight" not in names
+        assert len(names) == len(held)  # the embedding and the head count once
+        # The schedule built over them reduces the tied gradient after stage 3's last use.
+        stages.schedule(lambda logits, labels: logits.sum())
+
+
+def test_tied_stages_reduce_after_the_last_use():
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    from moe_ep.parallel.pipeline import _check_tied_order
+
+    F, B, W, RG = (_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_WEIGHT,
+                   _ComputationType.REDUCE_GRAD)
+    start = [_Action(0, F, 0), _Action(3, F, 0), _Action(3, B, 0)]
+    good = start + [_Action(3, RG, None), _Action(0, B, 0), _Action(0, RG, None)]
+    _check_tied_order(SimpleNamespace(pipeline_order_with_comms={0: good}), 0, ((0, 3),))
+    bad = start + [_Action(0, B, 0), _Action(0, RG, None), _Action(3, W, 0), _Action(3, RG, None)]
+    with pytest.raises(RuntimeError, match=r"runs \['0REDUCE_GRAD'\] of stage 0.*before stage 3's last computation"):
+        _check_tied_order(SimpleNamespace(pipeline_order_with_comms={0: bad}), 0, ((0, 3),))
+
+
+def test_memory_cap_and_batch_shape_reach_the_cut_through_parallelize():
+    # 1F1B keeps 2 micro-batches in flight on stage 0 of 2: at 2048 tokens activations dominate,
+    # so the even cut's stage 0 is the fullest stage of either cut, and a cap between the two
+    # fullest stages moves a layer off it. Half the tokens per micro-batch fit the even cut again.
+    import moe_ep
+    from moe_ep.parallel.pipeline import pipeline_unit_costs
+    from test_plan_fake_pg import fake_rank
+
+    from moe_ep.partition import partition
+
+    with fake_rank(0, 2):
+        costs = pipeline_unit_costs(_meta_model(), 2, schedule="1f1b", microbatches=2, seq_len=2048)
+        fullest = [max(partition(costs, 2, split_points=[p], inflight=[2, 1]).stage_bytes(s) for s in range(2))
+                   for p in (2, 1)]
+        assert fullest[1] < fullest[0]
+        cap = (fullest[0] + fullest[1]) / 2
+
+        def cut(**kwargs):
+            return moe_ep.parallelize(_meta_model(), pp=2, microbatches=2, **kwargs).partition.starts
+
+        assert cut(seq_len=2048) == (0, 2, 4)
+        assert cut(seq_len=2048, memory_cap=cap) == (0, 1, 4)
+        assert cut(seq_len=1024, microbatch_size=2, memory_cap=cap) == (0, 1, 4)
+        assert cut(seq_len=1024, memory_cap=cap) == (0, 2, 4)
+        with pytest.raises(ValueError, match="no partition into 2 stages fits the memory cap"):
+            cut(seq_len=2048, memory_cap=cap / 4)
+
+
+def test_explicit_split_points_need_no_cost_model():
+    # MLP biases are outside the planner's model: the automatic cut refuses, a cut by hand works.
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from moe_ep.parallel.pipeline import build_pipeline
+    from test_plan_fake_pg import fake_rank
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, mlp_bias=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with fake_rank(1, 2):
+        with pytest.raises(ValueError, match="mlp_bias=True: a layout the planner does not model"):
+            build_pipeline(model, dist.group.WORLD, microbatches=2)
+        stages = build_pipeline(model, dist.group.WORLD, microbatches=2, split_points=[3])
+        assert stages.stage_ids == [1] and list(stages.modules[0].layer_ids) == [3]
+        with pytest.raises(ValueError, match=r"split_points must hold 1 ints"):
+            build_pipeline(model, dist.group.WORLD, microbatches=2, split_points=[1, 2])
+        with pytest.raises(ValueError, match=r"strictly increasing within \[1, 3\], got \[4\]"):
+            build_pipeline(model, dist.group.WORLD, microbatches=2, split_points=[4])
+
+
+@pytest.mark.parametrize(
+    "world, kwargs, message",
+    [
+        (2, dict(ep=2), "expert parallelism needs the 'moe_ep' experts implementation"),
+        (4, dict(pp=2, ep=2, microbatches=2), "expert parallelism needs the 'moe_ep' experts implementation"),
+        (2, dict(memory_cap=2**30), r"memory_cap=1073741824 describes pipeline stages and needs pp > 1"),
+        (2, dict(seq_len=128), r"seq_len=128 describes pipeline stages and needs pp > 1"),
+        (2, dict(microbatch_size=2), r"microbatch_size=2 describes pipeline stages and needs pp > 1"),
+        (2, dict(pp=2, microbatches=2, memory_cap=-1.0), "memory_cap must be a positive finite number of bytes"),
+        (2, dict(pp=2, microbatches=2, seq_len=0), "seq_len must be a positive int or None, got 0"),
+        (2, dict(pp=2, microbatches=2, microbatch_size=1.5), "microbatch_size must be a positive int or None, got 1.5"),
+        (2, dict(pp=2, microbatches=1), "needs at least pp=2 micro-batches"),
+        (2, dict(pp=2, microbatches=2, schedule="pipedream"), "schedule must be one of"),
+    ],
+)
+def test_refused_arguments_leave_the_model_untouched(world, kwargs, message):
+    # Refused before meshes are built, experts sharded or checkpointing turned on: the caller may
+    # fix the call and try again on the same model.
+    import moe_ep
+    from moe_ep.parallel.parallelize import MESHES_ATTRIBUTE, PIPELINE_MESHES_ATTRIBUTE
+    from test_plan_fake_pg import fake_rank
+    from torch.distributed.tensor import DTensor
+
+    with fake_rank(0, world):
+        model = _meta_model()  # transformers' eager experts: ep > 1 needs moe_ep's
+        with pytest.raises(ValueError, match=message):
+            moe_ep.parallelize(model, activation_checkpointing=True, **kwargs)
+    assert not _checkpointing_on(model)
+    assert not hasattr(model, MESHES_ATTRIBUTE) and not hasattr(model, PIPELINE_MESHES_ATTRIBUTE)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..dispatch.capacity import check_capacity_factor
-from .expert_sharding import experts_modules, num_experts_of, shard_experts
+from .expert_sharding import check_experts_implementation, experts_modules, num_experts_of, shard_experts
 from .fsdp import apply_fsdp
 from .mesh import MoEMeshes, ParallelDims, build_meshes, check_degree, resolve_dims
 
@@ -35,6 +35,9 @@ def parallelize(
     schedule: str | None = None,
     microbatches: int | None = None,
     split_points: Sequence[int] | None = None,
+    memory_cap: float | None = None,
+    seq_len: int | None = None,
+    microbatch_size: int | None = None,
     mixed_precision: MixedPrecisionPolicy | None = None,
     activation_checkpointing: bool = False,
     capacity_factor: float | None = None,
@@ -64,13 +67,15 @@ def parallelize(
     - ``dp_replicate`` x ``dp_shard``: FSDP2 over ``dp_shard`` ranks, HSDP replicas over
       ``dp_replicate``; ``dp_shard=None`` uses the rest of the world. Experts are FSDP-sharded over
       ``edp = dp_shard / ep`` and replicated over ``dp_replicate``.
-    - ``pp``: pipeline stages (``moe_ep.parallel.pipeline.parallelize_pipeline``, which also takes
-      the automatic cut's cost and memory knobs). ``schedule`` is ``"gpipe"``, ``"1f1b"`` (the
-      default), ``"interleaved-1f1b"`` or ``"zbv"``; ``microbatches`` (required, at least ``pp``)
-      is the number of micro-batches per step; ``split_points`` the decoder-layer indices that
-      start stages 1..S-1 (default: an automatic cut by the planner's costs). All three are
-      refused with ``pp=1``, where there is no pipeline (gradient accumulation without a pipeline:
-      ``TrainStep(microbatches=...)``).
+    - ``pp``: pipeline stages (``moe_ep.parallel.pipeline.parallelize_pipeline``). ``schedule`` is
+      ``"gpipe"``, ``"1f1b"`` (the default), ``"interleaved-1f1b"`` or ``"zbv"``; ``microbatches``
+      (required, at least ``pp``) is the number of micro-batches per step; ``split_points`` the
+      decoder-layer indices that start stages 1..S-1 (default: an automatic cut that balances the
+      planner's per-layer costs). The automatic cut keeps every rank under ``memory_cap`` bytes
+      (planner's memory model; None: no cap) for micro-batches of ``microbatch_size`` sequences
+      (default 1) of ``seq_len`` tokens (default: the model's context, at most 4096). All six
+      are refused with ``pp=1``, where there is no pipeline (gradient accumulation without a
+      pipeline: ``TrainStep(microbatches=...)``).
 
     Options:
 
@@ -96,12 +101,15 @@ def parallelize(
         return parallelize_pipeline(
             model, pp=pp, ep=ep, dp_replicate=dp_replicate, dp_shard=dp_shard,
             schedule=DEFAULT_SCHEDULE if schedule is None else schedule, microbatches=microbatches,
-            split_points=split_points, mixed_precision=mixed_precision,
+            split_points=split_points, memory_cap=memory_cap, seq_len=seq_len, microbatch_size=microbatch_size,
+            mixed_precision=mixed_precision,
             activation_checkpointing=activation_checkpointing, capacity_factor=capacity_factor,
             reshard_after_forward=False if reshard_after_forward is None else reshard_after_forward,
             experts_backend=experts_backend,
         )
-    for name, value in (("schedule", schedule), ("microbatches", microbatches), ("split_points", split_points)):
+    pipeline_only = (("schedule", schedule), ("microbatches", microbatches), ("split_points", split_points),
+                     ("memory_cap", memory_cap), ("seq_len", seq_len), ("microbatch_size", microbatch_size))
+    for name, value in pipeline_only:
         if value is not None:
             raise ValueError(
                 f"{name}={value!r} describes pipeline stages and needs pp > 1, got pp=1 (gradient accumulation "
@@ -137,8 +145,9 @@ def prepare(
     reshard_after_forward: bool,
     require_experts: bool,
 ) -> tuple[list[tuple[str, torch.nn.Module]], MoEMeshes]:
-    """What every layout checks before changing anything, then the meshes (collective) and, if
-    asked for, activation checkpointing. Returns the model's experts modules and the meshes."""
+    """What every layout checks before changing anything (a refused model is left as it was),
+    then the meshes (collective) and, if asked for, activation checkpointing. Returns the
+    model's experts modules and the meshes."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
@@ -164,6 +173,9 @@ def prepare(
     )
     if capacity_factor is not None and dims.ep == 1:
         raise ValueError(f"capacity_factor={capacity_factor} applies to the expert-parallel dispatcher; ep=1 has none")
+    if dims.ep > 1:
+        for name, module in experts:
+            check_experts_implementation(name, module)
     if activation_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"activation_checkpointing=True: {type(model).__name__} does not support gradient checkpointing")
     device = next(model.parameters()).device

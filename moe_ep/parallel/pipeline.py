@@ -1,12 +1,17 @@
 """Pipeline stages of a Hugging Face decoder-only causal LM with torch.distributed.pipelining.
 
 ``build_pipeline`` cuts the model at decoder-layer boundaries, automatically (moe_ep.partition
-over the planner's per-unit costs) or at explicit split points, and returns this rank's stages.
-Stage modules do not copy anything: they hold the model's own submodules under the model's own
-names (``model.embed_tokens``, ``model.layers.<i>``, ``model.norm``, ``lm_head``), so state dicts
-of the stages are slices of the model's. ``stage_transform`` runs on each stage module before it
-is wrapped, which is where expert parallelism and FSDP2 are applied per stage
-(``parallelize_pipeline``, which ``moe_ep.parallelize`` calls for ``pp > 1``).
+over the planner's per-unit costs) or at explicit split points (no cost model needed), and
+returns this rank's stages. Stage modules do not copy anything: they hold the model's own
+submodules under the model's own names (``model.embed_tokens``, ``model.layers.<i>``,
+``model.norm``, ``lm_head``), so state dicts of the stages are slices of the model's.
+``stage_transform`` runs on this rank's stage modules before they are wrapped, which is where
+expert parallelism and FSDP2 are applied per stage (``parallelize_pipeline``, which
+``moe_ep.parallelize`` calls for ``pp > 1``).
+
+Tied parameters (an LM head tied to the embedding) stay on one rank: the automatic cut keeps the
+stages that share them there (ZB-V puts the first and the last stage on rank 0), and FSDP2 shards
+such a parameter once, with the stage that holds it first (see ``_shard_tied_stages``).
 
 Inputs: stage 0 takes ``input_ids [B, S]``; positions are ``0..S-1`` and attention is causal with
 no padding mask (right-pad and set the padded labels to -100). The last stage returns logits.
@@ -15,6 +20,8 @@ moe_ep.training.TrainStep, which drives it)."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -24,7 +31,7 @@ from torch import nn
 
 from ..partition import Partition, UnitCost, partition
 from ..planner.layout import Layout
-from ..planner.memory import DEFAULT_IMBALANCE, build_units, layer_ids, unit_costs
+from ..planner.memory import DEFAULT_IMBALANCE, build_units, layer_chain, layer_ids, unit_costs
 from ..planner.schedules import schedule_info
 from ..planner.spec import ModelSpec
 from .expert_sharding import experts_modules, shard_experts
@@ -113,15 +120,13 @@ class PipelineStages:
     microbatches: int
     group: dist.ProcessGroup
     meshes: object = None  # MoEMeshes when built by parallelize_pipeline
+    # (stage that shards a tied parameter, later stage of this rank that uses it), by stage id.
+    tied_stages: tuple[tuple[int, int], ...] = ()
     _schedule: object = field(default=None, repr=False)
 
     @property
     def num_stages(self) -> int:
         return self.partition.num_stages
-
-    @property
-    def pp_size(self) -> int:
-        return self.group.size()
 
     @property
     def pp_rank(self) -> int:
@@ -171,8 +176,38 @@ class PipelineStages:
             info = schedule_info(self.schedule_name)
             cls = getattr(schedules, info.torch_class)
             stages = self.stages[0] if info.stages_per_rank == 1 else self.stages
-            self._schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            _check_tied_order(schedule, self.pp_rank, self.tied_stages)
+            self._schedule = schedule
         return self._schedule
+
+
+def _check_tied_order(schedule, rank: int, tied_stages) -> None:
+    """A tied parameter is gathered, reduced and resharded with the stage that shards it
+    (``_shard_tied_stages``), so that stage's gradient reduction and reshard must come after
+    every computation of the later stage that uses it too, or the later stage's last gradient
+    contributions would miss the reduction. torch's ZB-V ends each rank's step with stage 0; this
+    checks the schedule actually built rather than assuming it."""
+    if not tied_stages:
+        return
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if order is None:
+        raise RuntimeError(
+            f"{type(schedule).__name__} exposes no per-rank action list to check that stages {list(tied_stages)} "
+            "sharing a parameter reduce it after both have run"
+        )
+    actions = [a for a in order[rank] if a is not None]
+    compute = {"FORWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "FULL_BACKWARD", "OVERLAP_F_B"}
+    for owner, user in tied_stages:
+        last_use = max(i for i, a in enumerate(actions) if a.stage_index == user and a.computation_type.name in compute)
+        early = [str(a) for i, a in enumerate(actions)
+                 if a.stage_index == owner and a.computation_type.name in ("REDUCE_GRAD", "RESHARD") and i < last_use]
+        if early:
+            raise RuntimeError(
+                f"schedule {type(schedule).__name__} runs {early} of stage {owner}, which shards the parameter it "
+                f"shares with stage {user}, before stage {user}'s last computation: the shared gradient would be "
+                "reduced incomplete"
+            )
 
 
 def pipeline_unit_costs(
@@ -181,29 +216,60 @@ def pipeline_unit_costs(
 ) -> list[UnitCost]:
     """Per-unit costs of ``model`` for one micro-batch, one unit per decoder layer (embedding
     and head ride with the first and last), from the planner's cost model, so that the automatic
-    cut and the planner agree."""
+    cut and the planner agree. ``seq_len`` defaults to the model's context, at most
+    ``DEFAULT_COST_SEQ_LEN``."""
     spec = ModelSpec.from_config(model.config)
     seq = seq_len or min(DEFAULT_COST_SEQ_LEN, getattr(model.config, "max_position_embeddings", DEFAULT_COST_SEQ_LEN))
     layout = Layout(pp, 1, dp_shard, ep, microbatch_size, microbatches, schedule, checkpointing)
-    costs = unit_costs(build_units(spec, layout, seq, DEFAULT_IMBALANCE))
+    return _with_tie(model, unit_costs(build_units(spec, layout, seq, DEFAULT_IMBALANCE)))
+
+
+def _layer_units(model: nn.Module, num_layers: int) -> list[UnitCost]:
+    """The chain of ``pipeline_unit_costs`` with names and ties only: what explicit split points
+    need, so cutting a model by hand never depends on the planner modelling its family."""
+    names = ["embed", *(f"layers.{i}" for i in range(num_layers)), "head"]
+    return _with_tie(model, layer_chain([UnitCost(name, 0.0) for name in names]))
+
+
+def _with_tie(model: nn.Module, costs: list[UnitCost]) -> list[UnitCost]:
+    """The end units marked as sharing the embedding exactly when the model's head is tied to it:
+    the planner reads a tie from the config, the module is what counts."""
     base, head = _parts_of(model)
-    if head.weight is base.embed_tokens.weight:
-        # The planner marks a tie from the config; the module is what counts.
-        key = frozenset({"embed_tokens.weight"})
-        costs[0] = UnitCost(**{**costs[0].__dict__, "shared": key})
-        costs[-1] = UnitCost(**{**costs[-1].__dict__, "shared": key})
+    key = frozenset({"embed_tokens.weight"}) if head.weight is base.embed_tokens.weight else frozenset()
+    costs = list(costs)
+    for i in {0, len(costs) - 1}:
+        costs[i] = UnitCost(**{**costs[i].__dict__, "shared": key})
     return costs
 
 
-def _check_split_points(split_points, num_layers: int, num_stages: int) -> list[int]:
-    points = list(split_points)
-    if len(points) != num_stages - 1 or not all(isinstance(p, int) and 0 < p < num_layers for p in points):
+def _check_cut_options(memory_cap, seq_len, microbatch_size) -> None:
+    if memory_cap is not None and (
+        isinstance(memory_cap, bool) or not isinstance(memory_cap, (int, float)) or not 0 < memory_cap < math.inf
+    ):
+        raise ValueError(f"memory_cap must be a positive finite number of bytes or None, got {memory_cap!r}")
+    for name, value in (("seq_len", seq_len), ("microbatch_size", microbatch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def _check_pipeline(model: nn.Module, pp: int, schedule: str, microbatches, memory_cap, seq_len, microbatch_size):
+    """Everything about a pipeline that can be checked before anything changes. Returns the
+    schedule's ScheduleInfo and the model's number of decoder layers."""
+    info = schedule_info(schedule)
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    problem = info.check_microbatches(pp, microbatches)
+    if problem:
+        raise ValueError(f"microbatches={microbatches}: {problem}")
+    _check_cut_options(memory_cap, seq_len, microbatch_size)
+    base, _ = _parts_of(model)
+    num_layers = len(base.layers)
+    if pp * info.stages_per_rank > num_layers:
         raise ValueError(
-            f"split_points must hold {num_stages - 1} decoder-layer indices in [1, {num_layers - 1}] (the first "
-            f"layer of stages 1..{num_stages - 1}), got {points}"
+            f"{pp * info.stages_per_rank} stages ({pp} ranks x {info.stages_per_rank} for {schedule!r}) need at "
+            f"least as many decoder layers, the model has {num_layers}"
         )
-    # Unit i is decoder layer i (the embedding rides with layer 0, the head with the last).
-    return points
+    return info, num_layers
 
 
 def build_pipeline(
@@ -215,11 +281,11 @@ def build_pipeline(
     split_points: Sequence[int] | None = None,
     memory_cap: float | None = None,
     seq_len: int | None = None,
-    microbatch_size: int = 1,
+    microbatch_size: int | None = None,
     dp_shard: int = 1,
     ep: int = 1,
     checkpointing: bool = False,
-    stage_transform: Callable[[nn.Module], None] | None = None,
+    stage_transform: Callable[[list[nn.Module]], None] | None = None,
     device: torch.device | str | None = None,
 ) -> PipelineStages:
     """Cut ``model`` into pipeline stages and return this rank's.
@@ -230,12 +296,16 @@ def build_pipeline(
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` (2 stages per rank) or ``"zbv"``
             (zero-bubble V, 2 stages per rank, first and last stage on pipeline rank 0).
         microbatches: micro-batches per step (at least the pipeline size).
-        split_points: decoder-layer indices that start stages 1..S-1; overrides the automatic cut.
-        memory_cap: bytes one rank may hold, checked with the planner's memory model under the
-            batch shape ``seq_len`` x ``microbatch_size`` and sharding ``dp_shard``, ``ep``.
+        split_points: decoder-layer indices that start stages 1..S-1; overrides the automatic cut
+            and, without ``memory_cap``, needs no cost model (any decoder-only family).
+        memory_cap: bytes one rank may hold, checked with the planner's memory model.
+        seq_len, microbatch_size: the shape of one micro-batch the cost model assumes: tokens per
+            sequence (default: the model's context, at most 4096) and sequences (default 1).
+        dp_shard, ep: the sharding the cost model assumes.
         checkpointing: whether layers will be recomputed (costs and memory only; enabling it is
             the caller's, e.g. ``enable_activation_checkpointing``).
-        stage_transform: called on each stage module before it is wrapped (expert sharding, FSDP).
+        stage_transform: called once with this rank's stage modules (in stage order) before they
+            are wrapped (expert sharding, FSDP).
         device: where the stages compute; defaults to the model's parameters' device (cpu for meta).
     """
     if isinstance(pp_mesh, dist.ProcessGroup):
@@ -244,29 +314,20 @@ def build_pipeline(
         group = pp_mesh.get_group()
     else:
         raise TypeError(f"pp_mesh must be a 1-D DeviceMesh or a ProcessGroup, got {type(pp_mesh).__name__}")
-    info = schedule_info(schedule)
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
     pp = group.size()
-    problem = info.check_microbatches(pp, microbatches)
-    if problem:
-        raise ValueError(f"microbatches={microbatches}: {problem}")
-    base, _ = _parts_of(model)
-    num_layers = len(base.layers)
+    info, num_layers = _check_pipeline(model, pp, schedule, microbatches, memory_cap, seq_len, microbatch_size)
     num_stages = pp * info.stages_per_rank
-    if num_stages > num_layers:
-        raise ValueError(
-            f"{num_stages} stages ({pp} ranks x {info.stages_per_rank} for {schedule!r}) need at least as many "
-            f"decoder layers, the model has {num_layers}"
+    if split_points is not None and memory_cap is None:
+        costs = _layer_units(model, num_layers)
+    else:
+        costs = pipeline_unit_costs(
+            model, pp, schedule=schedule, microbatches=microbatches, seq_len=seq_len,
+            microbatch_size=microbatch_size or 1, dp_shard=dp_shard, ep=ep, checkpointing=checkpointing,
         )
-    costs = pipeline_unit_costs(
-        model, pp, schedule=schedule, microbatches=microbatches, seq_len=seq_len, microbatch_size=microbatch_size,
-        dp_shard=dp_shard, ep=ep, checkpointing=checkpointing,
-    )
+    # Unit i is decoder layer i, so split points index units and decoder layers alike.
     part = partition(
-        costs, num_stages, memory_cap=memory_cap,
-        split_points=None if split_points is None else _check_split_points(split_points, num_layers, num_stages),
-        placement=info.placement, stages_per_rank=info.stages_per_rank, inflight=info.inflight(pp, microbatches),
+        costs, num_stages, memory_cap=memory_cap, split_points=split_points, placement=info.placement,
+        stages_per_rank=info.stages_per_rank, inflight=info.inflight(pp, microbatches),
     )
     if device is None:
         device = next(model.parameters()).device
@@ -275,14 +336,82 @@ def build_pipeline(
 
     rank = group.rank()
     stage_ids = [s for s in range(num_stages) if part.rank_of_stage(s) == rank]
-    modules, stages = [], []
-    for s in stage_ids:
-        module = CausalLMStage(model, layer_ids(part.stage_names(s)), first=s == 0, last=s == num_stages - 1)
-        if stage_transform is not None:
-            stage_transform(module)
-        modules.append(module)
-        stages.append(PipelineStage(module, s, num_stages, torch.device(device), group=group))
+    modules = [
+        CausalLMStage(model, layer_ids(part.stage_names(s)), first=s == 0, last=s == num_stages - 1) for s in stage_ids
+    ]
+    if stage_transform is not None:
+        stage_transform(modules)
+    stages = [PipelineStage(m, s, num_stages, torch.device(device), group=group) for m, s in zip(modules, stage_ids)]
     return PipelineStages(modules, stages, stage_ids, part, schedule, microbatches, group)
+
+
+@dataclass(frozen=True)
+class _Borrowed:
+    """A submodule of stage ``user`` (``parent.<name>``) whose parameters stage ``owner`` (an
+    earlier stage of the same rank) holds too: an LM head tied to the embedding under ZB-V."""
+
+    owner: int
+    user: int
+    parent: nn.Module
+    name: str
+    module: nn.Module
+
+
+def _borrowed_modules(stages: list[nn.Module]) -> list[_Borrowed]:
+    """The submodules of this rank's stages that hold parameters of an earlier stage, by index
+    into ``stages``."""
+    owner_of: dict[int, int] = {}
+    found = []
+    for s, stage in enumerate(stages):
+        for parent in stage.modules():
+            for name, child in parent.named_children():
+                owners = {owner_of.get(id(p)) for p in child.parameters(recurse=False)}
+                if owners in (set(), {None}):
+                    continue
+                if len(owners) != 1 or None in owners:
+                    raise ValueError(
+                        f"{type(child).__name__} {name!r} of pipeline stage {s} mixes parameters of other stages of "
+                        f"this rank ({sorted(o for o in owners if o is not None)}) with its own; FSDP2 can keep a "
+                        "parameter tied across stages only when the module using it holds nothing else"
+                    )
+                found.append(_Borrowed(owners.pop(), s, parent, name, child))
+        for p in stage.parameters():
+            owner_of.setdefault(id(p), s)
+    return found
+
+
+@contextlib.contextmanager
+def _swapped(parent: nn.Module, name: str, module: nn.Module):
+    """``parent.<name>`` replaced by ``module`` (or attached, if absent) for the block, then restored."""
+    had, old = name in parent._modules, parent._modules.get(name)
+    parent._modules[name] = module
+    try:
+        yield
+    finally:
+        if had:
+            parent._modules[name] = old
+        else:
+            del parent._modules[name]
+
+
+def _shard_tied_stages(stages: list[nn.Module], shard: Callable[[nn.Module], None]) -> list[tuple[int, int]]:
+    """Run ``shard`` (FSDP2) on each stage so that parameters shared between stages of this rank
+    stay one parameter. FSDP2 ties only what one ``fully_shard`` call sees, and each stage is its
+    own FSDP root (a root must be one module, and the pipeline drives each stage's gradient
+    reduction itself). So the stage that holds a shared parameter first is sharded with the
+    modules of the later stages that use it attached for the call: FSDP records them as sharing
+    the parameter and sets its sharded and gathered tensors on them too. The later stage is
+    sharded with those modules set aside, so it leaves the parameter alone. Returns the
+    (owner, user) pairs, by index into ``stages``."""
+    borrowed = _borrowed_modules(stages)
+    for s, stage in enumerate(stages):
+        with contextlib.ExitStack() as stack:
+            for i, b in enumerate(x for x in borrowed if x.owner == s):
+                stack.enter_context(_swapped(stage, f"_moe_ep_tied_{i}", b.module))
+            for b in (x for x in borrowed if x.user == s):
+                stack.enter_context(_swapped(b.parent, b.name, nn.Identity()))
+            shard(stage)
+    return sorted({(b.owner, b.user) for b in borrowed})
 
 
 def parallelize_pipeline(
@@ -297,7 +426,7 @@ def parallelize_pipeline(
     split_points: Sequence[int] | None = None,
     memory_cap: float | None = None,
     seq_len: int | None = None,
-    microbatch_size: int = 1,
+    microbatch_size: int | None = None,
     mixed_precision=None,
     activation_checkpointing: bool = False,
     capacity_factor: float | None = None,
@@ -305,39 +434,43 @@ def parallelize_pipeline(
     experts_backend: str | None = None,
 ) -> PipelineStages:
     """Pipeline stages composed with expert parallelism and FSDP2/HSDP: what
-    ``moe_ep.parallelize`` does for ``pp > 1``, plus the automatic cut's knobs of
-    ``build_pipeline`` (``memory_cap``, ``seq_len``, ``microbatch_size``). Builds the meshes of
-    DESIGN.md with a real ``pp`` dimension, cuts the model, and on each of this rank's stages
-    shards the experts over ``ep`` and applies FSDP2 exactly as ``parallelize`` does for a whole
-    model; the other arguments are checked as there (``capacity_factor`` needs ``ep > 1``). A
-    model without experts modules is accepted (dense stages). Returns the stages with the meshes
-    on ``stages.meshes``.
+    ``moe_ep.parallelize`` does for ``pp > 1`` (the arguments are its, see there). Builds the
+    meshes of DESIGN.md with a real ``pp`` dimension, cuts the model (``build_pipeline``), and on
+    each of this rank's stages shards the experts over ``ep`` and applies FSDP2 exactly as
+    ``parallelize`` does for a whole model; a parameter tied between two stages of one rank (ZB-V
+    with a tied LM head) stays one FSDP parameter. A model without experts modules is accepted
+    (dense stages). Returns the stages with the meshes on ``stages.meshes``.
 
     ``reshard_after_forward`` defaults to False: the schedule keeps a stage's gradients unsharded
     until its last micro-batch anyway, and regathering weights for every micro-batch would
     multiply the all-gather traffic by the micro-batch count."""
     check_degree("pp", pp)
+    _check_pipeline(model, pp, schedule, microbatches, memory_cap, seq_len, microbatch_size)
     _, meshes = prepare(
         model, "parallelize_pipeline", pp=pp, ep=ep, dp_replicate=dp_replicate, dp_shard=dp_shard,
         mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
         capacity_factor=capacity_factor, reshard_after_forward=reshard_after_forward, require_experts=False,
     )
     dims = meshes.dims
+    tied = []
 
-    def shard_stage(stage: nn.Module) -> None:
-        stage_experts = experts_modules(stage)
+    def shard_stages(stages: list[nn.Module]) -> None:
+        stage_experts = [experts_modules(stage) for stage in stages]
         if dims.ep > 1:
-            shard_experts(stage, meshes.ep, capacity_factor=capacity_factor, backend=experts_backend)
-        apply_fsdp(
-            stage, meshes, [m for _, m in stage_experts], mixed_precision=mixed_precision,
+            for stage in stages:
+                shard_experts(stage, meshes.ep, capacity_factor=capacity_factor, backend=experts_backend)
+        experts_of = {id(stage): [m for _, m in found] for stage, found in zip(stages, stage_experts)}
+        tied.extend(_shard_tied_stages(stages, lambda stage: apply_fsdp(
+            stage, meshes, experts_of[id(stage)], mixed_precision=mixed_precision,
             reshard_after_forward=reshard_after_forward,
-        )
+        )))
 
     stages = build_pipeline(
         model, meshes.world["pp"], schedule=schedule, microbatches=microbatches, split_points=split_points,
         memory_cap=memory_cap, seq_len=seq_len, microbatch_size=microbatch_size, dp_shard=dims.dp_shard, ep=dims.ep,
-        checkpointing=activation_checkpointing, stage_transform=shard_stage,
+        checkpointing=activation_checkpointing, stage_transform=shard_stages,
     )
     stages.meshes = meshes
+    stages.tied_stages = tuple((stages.stage_ids[o], stages.stage_ids[u]) for o, u in tied)
     setattr(model, PIPELINE_MESHES_ATTRIBUTE, meshes)
     return stages
