@@ -301,20 +301,45 @@ def _transformers_ep(rank: int, world: int) -> dict:
             "err": rel_err(y, ref.view(world, T, -1)[rank])}
 
 
-def _transformers_ep_from_pretrained(rank: int, world: int, checkpoint: str) -> dict:
+def _transformers_ep_from_pretrained(rank: int, world: int, checkpoint: str, *, ep: int | None = None,
+                                     routed_to_first_rank: tuple[int, ...] = (),
+                                     impls: tuple[str, ...] = ("all_to_all", "moe_ep")) -> dict:
     """What a transformers user writes: from_pretrained with DistributedConfig(ep_implementation=
-    "moe_ep"). Each rank's loss against a float64 single process on that rank's batch, and every
-    gradient against transformers' own all-to-all on the same layout."""
+    "moe_ep"), FSDP over the world and ``ep`` (default: the world) expert ranks. Each rank's loss
+    against a float64 single process on that rank's batch, and every gradient against
+    transformers' own all-to-all on the same layout (when ``impls`` runs both).
+
+    On the ranks in ``routed_to_first_rank`` every token's experts are rewritten to experts of
+    the first rank of its expert group (``_remap_routing``), so when a whole group is rewritten its
+    other ranks receive no rows, and transformers' eager experts answer an empty batch with a
+    tensor outside the autograd graph."""
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     from hf_models import tiny_batch
+    from moe_ep.parallel.expert_sharding import experts_modules
+    from test_parallel import _remap_routing
+
+    ep = world if ep is None else ep
+    routed = []
+
+    def with_routing(model):
+        if rank not in routed_to_first_rank:
+            return model
+        experts = experts_modules(model)
+        hook = _remap_routing("first_rank_only", experts[0][1].config.num_local_experts, ep)
+        for _, module in experts:
+            module.register_forward_pre_hook(hook)
+            module.register_forward_pre_hook(lambda module, args: routed.append(args[1].detach().clone()))
+        return model
 
     runs = {}
-    for impl in ("all_to_all", "moe_ep"):
-        config = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation=impl)
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=config, experts_implementation="eager")
+    for impl in impls:
+        config = DistributedConfig(fsdp_size=world, ep_size=ep, ep_implementation=impl)
+        model = with_routing(
+            AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=config, experts_implementation="eager")
+        )
         batch = tiny_batch(model.config, batch=2 * world)
         mine = {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
         loss = model(**mine).loss
@@ -324,13 +349,25 @@ def _transformers_ep_from_pretrained(rank: int, world: int, checkpoint: str) -> 
         # transformers keeps the implementation in the closure of the forward it installs.
         installed = model.model.layers[0].mlp.experts.forward.__closure__ or ()
         runs[impl + " class"] = sorted({type(c.cell_contents).__name__ for c in installed} - {"function", "DeviceMesh"})
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint, experts_implementation="eager", dtype=torch.float64)
+    reference = with_routing(
+        AutoModelForCausalLM.from_pretrained(checkpoint, experts_implementation="eager", dtype=torch.float64)
+    )
     with torch.no_grad():
         ref_loss = reference(**mine).loss
-    (loss, grads), (_, their_grads) = runs["moe_ep"], runs["all_to_all"]
-    return {"classes": runs["moe_ep class"], "loss_err": rel_err(loss, ref_loss),
-            "grad_err": max(rel_err(grads[n], their_grads[n]) for n in grads),
-            "grads_compared": len(grads)}
+    loss, grads = runs["moe_ep"]
+    result = {"classes": runs["moe_ep class"], "loss_err": rel_err(loss, ref_loss),
+              "grads_missing": sorted(n for n, g in grads.items() if g is None)}
+    if "all_to_all" in runs:
+        their_grads = runs["all_to_all"][1]
+        result["grads_missing"] += sorted(n for n, g in their_grads.items() if g is None)
+        result["grad_err"] = max(rel_err(g, their_grads[n]) for n, g in grads.items() if g is not None)
+        result["grads_compared"] = len(grads)
+    if routed_to_first_rank:  # the rewritten ranks routed to the first expert rank only
+        L = model.config.num_local_experts // ep
+        result["only_first_rank_experts"] = bool(routed) == (rank in routed_to_first_rank) and all(
+            bool((idx < L).all()) for idx in routed
+        )
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,6 +416,8 @@ def _errors(rank: int, world: int) -> dict:
 def _world_2(rank: int, world: int, checkpoint: str) -> dict:
     return {
         "transformers_ep_from_pretrained": _transformers_ep_from_pretrained(rank, world, checkpoint),
+        "transformers_ep_rank1_gets_nothing": _transformers_ep_from_pretrained(
+            rank, world, checkpoint, routed_to_first_rank=(0, 1)),
         "cases": {c.name: _check_case(c, rank, world) for c in CASES_2},
         "audit_capacity": _audit(rank, world, 1.0),
         "audit_dropless": _audit(rank, world, None),
@@ -388,22 +427,34 @@ def _world_2(rank: int, world: int, checkpoint: str) -> dict:
     }
 
 
-def _world_4(rank: int, world: int) -> dict:
-    return {"cases": {c.name: _check_case(c, rank, world) for c in CASES_4}}
+def _world_4(rank: int, world: int, checkpoint: str) -> dict:
+    return {
+        "cases": {c.name: _check_case(c, rank, world) for c in CASES_4},
+        # Expert groups {0, 1} and {2, 3}, the expert shards FSDP-sharded over {0, 2} and {1, 3}:
+        # rank 3 receives no rows while its FSDP peer rank 1 does, so rank 3's experts must still
+        # produce (zero) gradients or FSDP's reduce-scatter of the shards would hang.
+        "transformers_ep_rank3_gets_nothing": _transformers_ep_from_pretrained(
+            rank, world, checkpoint, ep=2, routed_to_first_rank=(2, 3), impls=("moe_ep",)),
+    }
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
+def tiny_mixtral_checkpoint(tmp_path_factory) -> str:
     from hf_models import tiny_model
 
     checkpoint = tmp_path_factory.mktemp("tiny_mixtral")
     tiny_model("mixtral").save_pretrained(checkpoint)
-    return run_ranks(_world_2, 2, str(checkpoint))
+    return str(checkpoint)
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_ranks(_world_4, 4)
+def world2(tiny_mixtral_checkpoint):
+    return run_ranks(_world_2, 2, tiny_mixtral_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def world4(tiny_mixtral_checkpoint):
+    return run_ranks(_world_4, 4, tiny_mixtral_checkpoint)
 
 
 def _assert_case(results, name):
@@ -469,17 +520,31 @@ def test_transformers_registry_entry(world2):
         assert ep["err"] <= TOL
 
 
-def test_transformers_distributed_config_runs_our_dispatcher(world2):
+@pytest.mark.parametrize("run_name", ["transformers_ep_from_pretrained", "transformers_ep_rank1_gets_nothing"])
+def test_transformers_distributed_config_runs_our_dispatcher(world2, run_name):
     for result in world2:
-        run = result["transformers_ep_from_pretrained"]
+        run = result[run_name]
         assert "MoeEpAllToAll" in run["classes"], run
         assert run["loss_err"] <= TOL and run["grad_err"] <= TOL and run["grads_compared"] > 0, run
+        assert run["grads_missing"] == [], run
+        if run_name == "transformers_ep_rank1_gets_nothing":  # the case is what it claims
+            assert run["only_first_rank_experts"], run
+
+
+def test_transformers_distributed_config_rank_without_rows_beside_fsdp_peer_with_rows(world4):
+    # Finishing at all is the main check (a skipped collective hangs); then the loss, and a
+    # gradient for every parameter on every rank.
+    for rank, result in enumerate(world4):
+        run = result["transformers_ep_rank3_gets_nothing"]
+        assert "MoeEpAllToAll" in run["classes"], run
+        assert run["loss_err"] <= TOL and run["grads_missing"] == [], (rank, run)
+        assert run["only_first_rank_experts"], (rank, run)
 
 
 @pytest.mark.parametrize(
     "name, pattern",
     [
-        ("num_experts_not_multiple", "num_experts must be a positive multiple of the group size 2, got 3"),
+        ("num_experts_not_multiple", r"num_experts must be a positive int divisible by ep=2 .*, got 3"),
         ("index_out_of_range", r"top_k_index must hold expert ids in \[0, 4\)"),
         ("weights_shape", "top_k_index and top_k_weights must both have shape"),
         ("capacity_factor", "capacity_factor must be a positive number or None"),

@@ -14,7 +14,8 @@ FSDP-sharded over edp=2), ep=1; Mixtral and Qwen3-MoE; natural routing, routing 
 first rank of an ep group owns a chosen expert (the others receive no tokens), and routing where
 one expert gets every token, each on every 4-rank layout for both families; capacity mode (ep=2
 and ep=4), the reference dropping the pairs the policy picks from the parallel model's own fp32
-routing weights. Every layout of one world size runs inside ONE spawned process group."""
+routing weights; full state dicts gathered and loaded back on ep=2, ep=2 x edp=2 and HSDP. Every
+layout of one world size runs inside ONE spawned process group."""
 
 from __future__ import annotations
 
@@ -193,32 +194,37 @@ def _parity(rank, world, family, layout, *, routing="natural", overrides=None, s
     }
 
 
-def _state_dict_roundtrip(rank, world) -> dict:
+def _state_dict_roundtrip(rank, world, layout: dict) -> dict:
     """full_state_dict has HF names, global shapes and the values of the unparallelized model;
     load_full_state_dict puts them back into a differently initialised parallel model."""
     from moe_ep.parallel import full_state_dict, load_full_state_dict, parallelize
 
-    original = _build("qwen3_moe", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=2, overrides={})
+    ep = layout.get("ep", 1)
+    original = _build("qwen3_moe", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=ep, overrides={})
     expected = {k: v.clone() for k, v in original.state_dict().items()}
-    parallelize(original, ep=2)
+    parallelize(original, **layout)
     gathered = full_state_dict(original)
-    other = _build("qwen3_moe", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=2, overrides={})
+    other = _build("qwen3_moe", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=ep, overrides={})
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(-0.5)
-    parallelize(other, ep=2)
+    parallelize(other, **layout)
     load_full_state_dict(other, gathered if rank == 0 else {})
     reloaded = full_state_dict(other)
+    # Gathered on every rank from its own shards: every replica (HSDP) received the values.
+    reloaded_here = full_state_dict(other, cpu_offload=False)
     local_expert_rows = other.model.layers[0].mlp.experts.gate_up_proj.to_local().shape
+    result = {"reloaded_on_every_rank": all(torch.equal(reloaded_here[k], expected[k]) for k in expected)}
     if rank != 0:
-        return {"empty_off_rank0": gathered == {} and reloaded == {}}
-    return {
-        "keys": sorted(gathered) == sorted(expected),
-        "shapes": all(gathered[k].shape == expected[k].shape for k in expected),
-        "values": all(torch.equal(gathered[k], expected[k]) for k in expected),
-        "reloaded": all(torch.equal(reloaded[k], expected[k]) for k in expected),
-        "local_expert_rows": local_expert_rows[0],
-    }
+        return dict(result, empty_off_rank0=gathered == {} and reloaded == {})
+    return dict(
+        result,
+        keys=sorted(gathered) == sorted(expected),
+        shapes=all(gathered[k].shape == expected[k].shape for k in expected),
+        values=all(torch.equal(gathered[k], expected[k]) for k in expected),
+        reloaded=all(torch.equal(reloaded[k], expected[k]) for k in expected),
+        local_expert_rows=local_expert_rows[0],
+    )
 
 
 def _errors(rank, world) -> dict:
@@ -292,7 +298,7 @@ def _world_2(rank, world) -> dict:
     }
     return {
         "parity": results,
-        "state_dict": timed("state_dict", lambda: _state_dict_roundtrip(rank, world)),
+        "state_dict": {"ep2": timed("state_dict", lambda: _state_dict_roundtrip(rank, world, dict(ep=2)))},
         "errors": _errors(rank, world),
         "timings": timings,
     }
@@ -322,7 +328,10 @@ def _world_4(rank, world) -> dict:
     results["mixtral_e6_ep2_dp_shard4_empty_shard"] = _parity(rank, world, "mixtral", dict(ep=2, dp_shard=4))
     results["mixtral_ep4_capacity_drops"] = _parity(rank, world, "mixtral", dict(ep=4), overrides=MIXTRAL_8,
                                                     capacity_factor=0.75)
-    return {"parity": results}
+    # The layouts whose expert shards are split or replicated beyond ep: FSDP over edp=2, HSDP.
+    state_dicts = {name: _state_dict_roundtrip(rank, world, LAYOUTS_4[name])
+                   for name in ("ep2_dp_shard4_edp2", "ep2_hsdp_dp_replicate2")}
+    return {"parity": results, "state_dict": state_dicts}
 
 
 @pytest.fixture(scope="module")
@@ -374,18 +383,28 @@ def test_four_ranks_match_one_process(world4, name):
     _assert_parity(world4[0]["parity"][name], TOL, capacity="capacity" in name)
 
 
-def test_full_state_dict_roundtrip(world2):
-    sd = world2[0]["state_dict"]
+@pytest.mark.parametrize(
+    "world, layout, local_expert_rows",
+    [
+        ("world2", "ep2", 4),  # 8 experts over ep=2
+        ("world4", "ep2_dp_shard4_edp2", 2),  # ... then FSDP over edp=2
+        ("world4", "ep2_hsdp_dp_replicate2", 4),  # ... replicated over dp_replicate=2
+    ],
+)
+def test_full_state_dict_roundtrip(request, world, layout, local_expert_rows):
+    results = request.getfixturevalue(world)
+    sd = results[0]["state_dict"][layout]
     assert sd["keys"] and sd["shapes"] and sd["values"] and sd["reloaded"]
-    assert sd["local_expert_rows"] == 4  # 8 experts over ep=2: the shards really are split
-    assert world2[1]["state_dict"]["empty_off_rank0"]
+    assert sd["local_expert_rows"] == local_expert_rows  # the shards really are split
+    assert all(r["state_dict"][layout]["empty_off_rank0"] for r in results[1:])
+    assert all(r["state_dict"][layout]["reloaded_on_every_rank"] for r in results)
 
 
 @pytest.mark.parametrize(
     "name, pattern",
     [
         ("eager_experts_with_ep", r"needs the 'moe_ep' experts implementation on 'model\.layers\.0\.mlp\.experts', found 'eager'"),
-        ("experts_not_divisible", r"ValueError: the model's 5 experts cannot be split evenly over ep=2"),
+        ("experts_not_divisible", r"ValueError: the model's expert count must be a positive int divisible by ep=2 .*, got 5"),
         ("world_mismatch", r"dp_replicate \* dp_shard = 1 \* 2 \* 2 = 4 do not match the world size 2"),
         ("pipeline_without_microbatches", r"ValueError: pp=2 needs microbatches"),
         ("schedule_without_pipeline", r"ValueError: schedule='zbv' describes pipeline stages and needs pp > 1, got pp=1"),
@@ -408,19 +427,33 @@ def test_parallelize_errors(world2, name, pattern):
 # A rank that raises mid-step: the others stop within a bounded time, naming it.
 
 
-def _raise_mid_step(rank, world) -> tuple[str, float]:
+def _raise_mid_step(rank, world, where: str) -> tuple[str, float]:
+    """One step of an ep=2 model in which rank 1 raises inside the MoE of the second layer: in its
+    forward (between two dispatches), or in its backward, as the gradient reaches that layer's
+    output (before the backward all-to-alls that rank 0 then waits in)."""
     from hf_models import tiny_batch
     from moe_ep.parallel import PeerFailure, fail_fast, parallelize
 
     model = _build("qwen3_moe", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=2, overrides={})
     parallelize(model, ep=2)
     batch = tiny_batch(model.config)
-    if rank == 1:  # rank 1 fails inside the MoE of the second layer, between two dispatches
+    message = f"injected failure in the {where} of layer 1"
 
-        def broken(*args):
-            raise ValueError("injected failure in layer 1")
+    def fail(*args):
+        raise ValueError(message)
 
-        model.model.layers[1].mlp.experts.moe_ep_dispatcher = broken
+    experts = model.model.layers[1].mlp.experts
+    if rank == 1 and where == "forward":
+        experts.moe_ep_dispatcher = fail
+    elif rank == 1:
+        dispatcher = experts.moe_ep_dispatcher
+
+        def fails_in_backward(*args):
+            y = dispatcher(*args)
+            y.register_hook(fail)
+            return y
+
+        experts.moe_ep_dispatcher = fails_in_backward
     start = time.monotonic()
     try:
         with fail_fast(timeout=60):
@@ -447,11 +480,14 @@ def _hang_past_timeout(rank, world) -> tuple[str, float]:
         return f"{type(exc).__name__}: {exc}", time.monotonic() - start
 
 
-def test_rank_failing_mid_step_stops_the_others_quickly():
-    # The process-group timeout is 60 s: stopping in seconds is fail_fast's doing.
-    (msg0, t0), (msg1, t1) = run_ranks(_raise_mid_step, 2, pg_timeout=60, timeout=90)
-    assert msg1 == "ValueError: injected failure in layer 1"
-    assert msg0.startswith("PeerFailure: rank 1 failed mid-step") and "injected failure in layer 1" in msg0, msg0
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_rank_failing_mid_step_stops_the_others_quickly(where):
+    # The process-group timeout is 60 s: stopping in seconds is fail_fast's doing. One world per
+    # case: on gloo the others are released when the failing process exits (see fail_fast).
+    (msg0, t0), (msg1, _) = run_ranks(_raise_mid_step, 2, where, pg_timeout=60, timeout=90)
+    injected = f"injected failure in the {where} of layer 1"
+    assert msg1 == f"ValueError: {injected}"
+    assert msg0.startswith("PeerFailure: rank 1 failed mid-step") and injected in msg0, msg0
     assert t0 < 15, f"rank 0 took {t0:.1f} s to stop"
 
 
@@ -479,7 +515,7 @@ def test_resolve_dims_layouts():
     "kwargs, error, pattern",
     [
         (dict(ep=3, num_experts=8), ValueError, "dp_shard=4 must be divisible by ep=3"),
-        (dict(ep=4, num_experts=6), ValueError, "6 experts cannot be split evenly over ep=4"),
+        (dict(ep=4, num_experts=6), ValueError, "expert count must be a positive int divisible by ep=4 .*, got 6"),
         (dict(dp_replicate=3), ValueError, "world size 4 is not divisible by pp \\* dp_replicate = 1 \\* 3"),
         (dict(dp_shard=2), ValueError, "do not match the world size 4"),
         (dict(ep=0), ValueError, "ep must be a positive int, got 0"),
@@ -492,6 +528,51 @@ def test_resolve_dims_errors(kwargs, error, pattern):
 
     with pytest.raises(error, match=pattern):
         resolve_dims(4, **kwargs)
+
+
+def test_parallelize_refuses_dp_shard_not_divisible_by_ep():
+    # Through the entry point, on torch's fake process group (one process, no communication):
+    # 6 ranks of dp_shard with ep=4 while the 8 experts would split over 4 ranks.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from moe_ep.parallel import parallelize
+
+    model = _build("mixtral", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=4,
+                   overrides=MIXTRAL_8)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=6)
+    try:
+        with pytest.raises(ValueError, match=r"dp_shard=6 must be divisible by ep=4"):
+            parallelize(model, ep=4)
+    finally:
+        dist.destroy_process_group()
+    # Refused before any change: no meshes, experts still whole.
+    assert not hasattr(model, "moe_ep_meshes")
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
+    assert type(model.model.layers[0].mlp.experts.gate_up_proj) is torch.nn.Parameter
+
+
+def test_clip_grad_norm_without_gradients_is_zero_on_the_parameters_device():
+    from moe_ep.parallel import clip_grad_norm_
+
+    norm = clip_grad_norm_(torch.nn.Linear(2, 2, device="meta"), 1.0)
+    assert norm.device.type == "meta" and norm.dtype == torch.float32 and norm.shape == ()
+    assert clip_grad_norm_([], 1.0).device.type == "cpu"
+
+
+def test_clip_grad_norm_of_plain_tensors_matches_torch():
+    from moe_ep.parallel import clip_grad_norm_
+
+    g = torch.Generator().manual_seed(0)
+    ours = [torch.randn(3, 4, generator=g, requires_grad=True), torch.randn(5, generator=g, requires_grad=True)]
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    for p, q in zip(ours, theirs):
+        p.grad = torch.randn(p.shape, generator=g)
+        q.grad = p.grad.clone()
+    for norm_type in (2.0, float("inf")):
+        got = clip_grad_norm_(ours, 0.5, norm_type=norm_type)
+        want = torch.nn.utils.clip_grad_norm_(theirs, 0.5, norm_type=norm_type)
+        assert rel_err(got, want) <= TOL
+        assert all(rel_err(p.grad, q.grad) <= TOL for p, q in zip(ours, theirs))
 
 
 def test_parallelize_needs_a_process_group():

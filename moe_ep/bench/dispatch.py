@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..dispatch import count_exchange_bytes, wire_bytes
+from ..dispatch import combine, count_exchange_bytes, dispatch, wire_bytes
 from .optional import Lookup, optional_attr
 from .report import Column, Report, close_figure, environment, new_figure
 from .routing_cases import ROUTINGS, make_routing
@@ -159,11 +159,6 @@ def _hf_exchange(ep_mesh, tp_mesh, num_experts: int) -> Lookup:
 
 
 def _moe_ep_exchange(ep_mesh, tp_mesh, num_experts: int) -> Lookup:
-    found = [optional_attr("moe_ep.dispatch", name) for name in ("dispatch", "combine")]
-    missing = [f for f in found if not f.available]
-    if missing:
-        return missing[0]
-    dispatch, combine = (f.value for f in found)
     group = ep_mesh.get_group()
 
     def exchange(x_TH, idx_TK, w_TK):

@@ -25,9 +25,18 @@ Two modes:
 - dropless (``capacity_factor=None``): uneven splits. The per-layer exchange of counts is the
   one host sync (the split sizes of ``all_to_all_single`` are host integers).
 - capacity (``capacity_factor=c``): the policy of ``moe_ep.dispatch.capacity`` drops pairs beyond
-  ``ceil(c T K / E)`` per expert; every buffer has a fixed, padded size (so every rank needs the
-  same T, checked), the counts are exchanged on the device and nothing is read back to the host.
-  The padding costs bytes: the "never more than transformers" bound above is dropless mode's.
+  ``ceil(c T K / E)`` per expert; every buffer has a fixed, padded size, the counts are exchanged
+  on the device and nothing is read back to the host. The padding costs bytes: the "never more
+  than transformers" bound above is dropless mode's.
+
+  Precondition: every rank of the group passes the same number of tokens T (the padded sizes
+  derive from it). It is checked with the count exchange, before any row moves, but the check
+  reads a device value: on the CPU a mismatch raises ValueError on every rank; on CUDA it is
+  queued (``torch._assert_async``, so as not to add the host sync this mode exists to avoid), the
+  host goes on to launch the row all-to-all with mismatched sizes, and the job then fails with a
+  device-side assert at its next synchronisation, or stops in that exchange until
+  ``moe_ep.parallel.fail_fast``'s or the process group's timeout. Pad every rank's batch to one
+  length (a fixed sequence length and micro-batch size), or use dropless mode.
 """
 
 from __future__ import annotations
@@ -52,6 +61,17 @@ from .layout import DispatchedTokens, DispatchLayout
 from .row_ops import gather_rows, sum_rows
 
 
+def check_num_experts(num_experts, ep: int, *, name: str = "num_experts") -> int:
+    """The one check that ``num_experts`` experts split evenly over ``ep`` expert-parallel ranks;
+    returns the experts per rank ``L = num_experts / ep``. ``name`` says what the count is."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1 or num_experts % ep:
+        raise ValueError(
+            f"{name} must be a positive int divisible by ep={ep} (every expert-parallel rank holds the same "
+            f"number of experts), got {num_experts!r}"
+        )
+    return num_experts // ep
+
+
 def check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts) -> int:
     """Validates the public arguments; returns the expert-parallel group size."""
     check_tensor("hidden_states", hidden_states, ndim=2)
@@ -69,8 +89,7 @@ def check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_ex
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
     ep = dist.get_world_size(group)
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1 or num_experts % ep:
-        raise ValueError(f"num_experts must be a positive multiple of the group size {ep}, got {num_experts!r}")
+    check_num_experts(num_experts, ep)
     if not 1 <= top_k_index.shape[1] <= num_experts:
         raise ValueError(f"top_k_index must choose between 1 and E={num_experts} experts, got {top_k_index.shape[1]}")
     check_indices_in_range("top_k_index", top_k_index, num_experts)
@@ -137,7 +156,9 @@ def _exchange_counts(send_RC: torch.Tensor, group) -> torch.Tensor:
 def _exchange_counts_checking_tokens(send_RC: torch.Tensor, T: int, group) -> torch.Tensor:
     """Capacity mode's count exchange, with each rank's token count riding along: the padded
     blocks are sized from T, so every rank of the group must have the same T or the row exchange
-    would not line up (a crash or a hang instead of an error)."""
+    would not line up (a crash or a hang instead of an error). On the CPU the check raises here,
+    on every rank, before the rows move; on CUDA it is queued on the device and fires only at the
+    next synchronisation, after the mismatched row exchange was launched (see the module doc)."""
     tokens = torch.full((send_RC.shape[0], 1), T, dtype=send_RC.dtype, device=send_RC.device)
     recv = _exchange_counts(torch.cat([send_RC, tokens], dim=1), group)
     check_on_device(
@@ -343,8 +364,10 @@ def dispatch(
 
     ``top_k_index [T, K]`` holds global expert ids, ``top_k_weights [T, K]`` their weights. Returns
     the (row, local expert) pairs this rank's experts must compute and the layout ``combine``
-    needs. Every rank of ``group`` must call it (collective), whatever its number of tokens.
-    Differentiable in ``hidden_states`` and ``top_k_weights``."""
+    needs. Every rank of ``group`` must call it (collective), whatever its number of tokens; in
+    capacity mode (``capacity_factor`` not None) every rank must also pass the same number of
+    tokens, which on CUDA is only checked asynchronously (module doc). Differentiable in
+    ``hidden_states`` and ``top_k_weights``."""
     ep = check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts)
     check_capacity_factor(capacity_factor)
     T, K = top_k_index.shape
@@ -404,9 +427,40 @@ def dispatch(
     return DispatchedTokens(hidden_states=hidden_PH, expert_ids=expert_P1, weights=weight_P1, layout=layout)
 
 
+class _JoinedToDispatch(torch.autograd.Function):
+    """The experts' output, unchanged, as a function of the rows and weights ``dispatch`` handed
+    them too. Backward passes no gradient along the extra edges (autograd still visits the nodes
+    behind them, with zeros); what matters is that the edges exist."""
+
+    @staticmethod
+    def forward(ctx, expert_output_PH, hidden_PH, weights_P1):
+        return expert_output_PH.view_as(expert_output_PH)
+
+    @staticmethod
+    def backward(ctx, grad_PH):
+        return grad_PH, None, None
+
+
+def join_to_dispatch(expert_output: torch.Tensor, tokens: DispatchedTokens) -> torch.Tensor:
+    """``expert_output`` tied into the autograd graph of ``tokens``' exchanges, so that the
+    backward of ``dispatch`` and ``combine`` runs on this rank whatever the experts did: experts
+    may return a tensor that is cut off from their inputs when they get no rows (transformers'
+    eager experts return a fresh ``zeros_like``), and then this rank would skip the backward
+    all-to-alls that every other rank enters, and the group would hang. Costs one graph node
+    and no copy; a no-op outside autograd."""
+    check_tensor("expert_output", expert_output)
+    if not isinstance(tokens, DispatchedTokens):
+        raise TypeError(f"tokens must be the DispatchedTokens returned by dispatch, got {type(tokens).__name__}")
+    return _JoinedToDispatch.apply(expert_output, tokens.hidden_states, tokens.weights)
+
+
 def combine(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
     """The weighted expert outputs ``[P, H]`` of ``dispatch``'s pairs back to their tokens:
-    ``[T, H]`` on the source rank, in the dtype of ``expert_output``. Collective, differentiable."""
+    ``[T, H]`` on the source rank, in the dtype of ``expert_output``. Collective, differentiable.
+
+    Every rank must also enter the backward of both exchanges, so ``expert_output`` must depend
+    on the dispatched rows in the autograd graph; for experts that do not promise that, pass
+    their output through ``join_to_dispatch`` first."""
     check_tensor("expert_output", expert_output, ndim=2)
     if not isinstance(layout, DispatchLayout):
         raise TypeError(f"layout must be the DispatchLayout returned by dispatch, got {type(layout).__name__}")

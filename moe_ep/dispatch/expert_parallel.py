@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .._validate import check_tensor
 from ..activations import check_activation
 from ..experts import moe_experts
 from .capacity import check_capacity_factor
-from .dispatcher import combine, dispatch
+from .dispatcher import check_num_experts, combine, dispatch, join_to_dispatch
 
 
 def moe_experts_ep(
@@ -29,8 +30,8 @@ def moe_experts_ep(
     """``moe_experts`` with the ``E = L * ep`` experts spread over ``group``: this rank holds
     experts ``[rank L, (rank+1) L)`` as ``gate_up_local [L, 2I, H]`` and ``down_local [L, H, I]``.
     ``top_k_index`` holds global ids. Returns ``[T, H]`` for this rank's tokens. Collective."""
-    if not isinstance(gate_up_local, torch.Tensor):
-        raise TypeError(f"gate_up_local must be a torch.Tensor, got {type(gate_up_local).__name__}")
+    check_tensor("gate_up_local", gate_up_local, ndim=3)
+    check_tensor("down_local", down_local, ndim=3)
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
     num_experts = gate_up_local.shape[0] * dist.get_world_size(group)
@@ -42,7 +43,9 @@ def moe_experts_ep(
         tokens.hidden_states, tokens.expert_ids, tokens.weights, gate_up_local, down_local,
         activation=activation, backend=backend,
     )
-    return combine(out_PH, tokens.layout)
+    # moe_experts keeps even an empty batch in the graph, but the backward all-to-alls that
+    # every rank must enter should not hang on that promise.
+    return combine(join_to_dispatch(out_PH, tokens), tokens.layout)
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
@@ -72,14 +75,12 @@ class ExpertParallelDispatcher:
     ):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
-        ep = dist.get_world_size(group)
-        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1 or num_experts % ep:
-            raise ValueError(f"num_experts must be a positive multiple of ep={ep}, got {num_experts!r}")
+        experts_per_rank = check_num_experts(num_experts, dist.get_world_size(group))
         check_activation(activation)
         check_capacity_factor(capacity_factor)
         self.group = group
         self.num_experts = num_experts
-        self.experts_per_rank = num_experts // ep
+        self.experts_per_rank = experts_per_rank
         self.activation = activation
         self.capacity_factor = capacity_factor
         self.backend = backend

@@ -28,10 +28,11 @@ class DispatchLayout:
     recv_splits: Splits
     rows_per_rank: int | None  # capacity mode: rows in each rank's padded block; None = dropless
     # Source side: token t's c-th destination (in rank order) went out in, and comes back in, row
-    # token_src[t, c] of the exchanges (num_rows = none), [T, Rmax] with Rmax = min(ep, K); the
-    # returned row is scaled by source_weights[t, c]: the routing weight of a single row (the
-    # expert returned it unweighted), 1 for a multi row. source_reader[s] = t * Rmax + c inverts
-    # token_src (T * Rmax = a padding row). source_weights is differentiable in the weights.
+    # token_src[t, c] of the exchanges (the number of rows sent = none), [T, Rmax] with
+    # Rmax = min(ep, K); the returned row is scaled by source_weights[t, c]: the routing weight of
+    # a single row (the expert returned it unweighted), 1 for a multi row. source_reader[s] =
+    # t * Rmax + c inverts token_src (T * Rmax = a padding row). source_weights is differentiable
+    # in the weights.
     token_src: torch.Tensor
     source_reader: torch.Tensor
     source_weights: torch.Tensor

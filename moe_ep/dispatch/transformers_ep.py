@@ -19,7 +19,7 @@ def _registry_module():
 
 
 def _implementation_class(module):
-    from .dispatcher import combine, dispatch
+    from .dispatcher import combine, dispatch, join_to_dispatch
 
     class MoeEpAllToAll(module.EPImplementation):
         """Tokens go once to each rank owning one of their experts; the expert rank applies the
@@ -41,8 +41,21 @@ def _implementation_class(module):
 
         def __call__(self, hidden_states, top_k_index, top_k_weights):
             tokens = dispatch(hidden_states, top_k_index, top_k_weights, group=self.group, num_experts=self.num_experts)
-            expert_output = self.experts_forward(tokens.hidden_states, tokens.expert_ids, tokens.weights)
-            return combine(expert_output.to(hidden_states.dtype), tokens.layout)
+            if tokens.layout.num_pairs:
+                expert_output = self.experts_forward(tokens.hidden_states, tokens.expert_ids, tokens.weights)
+            else:
+                # Nothing to compute here. The experts still run, on one zero row (local expert 0,
+                # weight 0) cut off again: their parameters get a zero gradient, so the FSDP
+                # reduce-scatter of the expert shards runs on this rank as on its peers, and no
+                # experts implementation has to cope with an empty batch.
+                placeholder = tokens.hidden_states.new_zeros(1, tokens.hidden_states.shape[1])
+                expert_output = self.experts_forward(
+                    placeholder, tokens.expert_ids.new_zeros(1, 1), tokens.weights.new_zeros(1, 1)
+                )[:0]
+            # The experts' own forward may cut its output off the graph (eager experts answer zero
+            # rows with a fresh zeros_like); joined, this rank still enters both backward all-to-alls.
+            expert_output = join_to_dispatch(expert_output.to(hidden_states.dtype), tokens)
+            return combine(expert_output, tokens.layout)
 
     return MoeEpAllToAll
 

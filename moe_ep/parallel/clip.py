@@ -43,12 +43,12 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip the gradients of ``parameters`` (a module or an iterable of tensors) in place so that
     their global ``norm_type`` norm is at most ``max_norm``; returns the norm before clipping, a
-    plain tensor equal on every rank. Collective over every mesh that holds a gradient: call it
+    plain float32 tensor equal on every rank (0 on the parameters' device when none has a
+    gradient). Collective over every mesh that holds a gradient: call it
     on every rank, in the same order."""
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
         raise ValueError(f"max_norm must be a non-negative number, got {max_norm!r}")
     norm_type = float(norm_type)
@@ -68,7 +68,9 @@ def clip_grad_norm_(
         norm = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         group_norms.append(norm.full_tensor() if mesh is not None else norm)
     if not group_norms:
-        return torch.zeros(())
+        # No gradient to clip: a zero norm on the parameters' device (the CPU without parameters).
+        device = parameters[0].device if parameters else torch.device("cpu")
+        return torch.zeros((), dtype=torch.float32, device=device)
     device = group_norms[0].device
     total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in group_norms]), norm_type)
     # host sync: only on request, to raise before touching the gradients.

@@ -3,12 +3,19 @@ time with an error naming that rank, instead of waiting in a collective until th
 timeout (30 minutes by default) or forever.
 
 Inside ``with fail_fast():`` a rank that raises writes ``rank: error`` to the process group's
-store, then aborts its process groups and re-raises. Aborting closes its gloo connections, so
-peers blocked on it fail at once; a watcher thread on every rank also polls the store and aborts
-its own groups when a peer has failed, which is what unblocks NCCL collectives. The peers then
-raise ``PeerFailure`` with the failing rank's message. A step that runs past ``timeout`` seconds
-is reported the same way (the hung rank is named). After a failure the process groups are gone:
-the job must exit and restart from its last checkpoint."""
+store, then aborts its process groups and re-raises. A watcher thread on every rank polls the
+store and aborts its own groups when a peer has failed, which is what unblocks NCCL collectives.
+The peers then raise ``PeerFailure`` with the failing rank's message. A step that runs past
+``timeout`` seconds is reported the same way (the hung rank is named). After a failure the
+process groups are gone: the job must exit and restart from its last checkpoint.
+
+gloo has no abort (``ProcessGroupGloo`` does not implement it, torch 2.13): a peer blocked in a
+gloo collective is released when the failing rank's connections close, which happens when its
+process exits (or once nothing holds its process groups, and a parallelized model, FSDP2 or
+DTensor keep them alive). So on gloo the bound is "as soon as the failing process exits", which
+it does when the exception ends the training script; a failing rank that stays alive (catching
+the error to clean up at length) keeps its peers waiting until then, or until the process-group
+timeout."""
 
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..dispatch.dispatcher import check_num_experts
+
 DENSE_DIMS = ("pp", "dp_replicate", "dp_shard")
 
 
@@ -77,8 +79,8 @@ def resolve_dims(
             f"dp_shard={dp_shard} must be divisible by ep={ep}: experts are spread over ep ranks inside each "
             f"dp_shard group (edp = dp_shard / ep)"
         )
-    if num_experts is not None and num_experts % ep:
-        raise ValueError(f"the model's {num_experts} experts cannot be split evenly over ep={ep} ranks")
+    if num_experts is not None:
+        check_num_experts(num_experts, ep, name="the model's expert count")
     return ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep)
 
 
