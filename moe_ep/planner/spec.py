@@ -19,6 +19,7 @@ rejected rather than mis-modelled.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 BF16 = 2
 FP32 = 4
@@ -163,7 +164,7 @@ class ModelSpec:
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 
-    @property
+    @cached_property
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
@@ -181,7 +182,7 @@ class ModelSpec:
         """Final norm and LM head; a tied head reuses the embedding and adds only the norm."""
         return self.hidden_size + (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
 
-    @property
+    @cached_property  # the search asks once per layer and layout
     def attn_params(self) -> int:
         H, nh, qk, v = self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim
         if self.kv_lora_rank:
