@@ -80,7 +80,9 @@ def _apply_plan(best):
 def _every_local_expert(self, x_TH, idx_TK, w_TK):
     """Stand-in for the experts' forward: this rank's experts on every token, scaled by the
     token's routing weights. Static shapes, and every expert weight gets a gradient."""
-    gate_up_E2IH, down_EHI = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
+    gate_up_E2IH, down_EHI = (
+        w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj)
+    )
     gate_ETI, up_ETI = torch.einsum("th,eih->eti", x_TH, gate_up_E2IH).chunk(2, dim=-1)
     y_TH = torch.einsum("eti,ehi->th", torch.nn.functional.silu(gate_ETI) * up_ETI, down_EHI)
     return y_TH * w_TK.sum(-1, keepdim=True).to(y_TH.dtype)

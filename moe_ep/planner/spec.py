@@ -187,7 +187,8 @@ class ModelSpec:
         H, nh, qk, v = self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim
         if self.kv_lora_rank:
             q = H * self.q_lora_rank + self.q_lora_rank * nh * qk if self.q_lora_rank else H * nh * qk
-            kv = H * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * nh * (qk - self.qk_rope_head_dim + v)
+            nope = qk - self.qk_rope_head_dim
+            kv = H * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * nh * (nope + v)
             return q + kv + nh * v * H + self.attn_extra_params
         kv = self.num_kv_heads * qk
         return H * (nh * qk + 2 * kv) + nh * v * H + self.attn_extra_params
