@@ -282,7 +282,8 @@ def test_tied_head_and_shared_expert_families_track_single_process_losses(world2
 
 class Composed(NamedTuple):
     """One 4-rank run: pp=2 (by default) composed with the other degrees (dp = 4 / pp ranks of
-    data); ``unbalanced``: the batch whose data-parallel shards hold different numbers of targets."""
+    data); ``unbalanced``: the batch whose data-parallel shards hold different numbers of targets;
+    ``tied``: the model's LM head tied to its embedding."""
 
     pp: int = 2
     ep: int = 1
@@ -294,6 +295,7 @@ class Composed(NamedTuple):
     z: float = 0.0
     loss_scale: str | None = None
     unbalanced: bool = False
+    tied: bool = False
 
 
 # Each data-parallel half runs 2 micro-batches: the reference's 4 micro-batches of the whole batch.
@@ -314,6 +316,9 @@ COMPOSED = {
     "unbalanced_ep2_zbv": Composed(ep=2, schedule="zbv", unbalanced=True),
     # No pipeline, the same loop: parallelize returns the model, 4 data-parallel quarters.
     "unbalanced_pp1_ep2_dp_shard4": Composed(pp=1, ep=2, schedule=None, unbalanced=True),
+    # ZB-V keeps the tied embedding and head on rank 0 of each pipeline: one parameter,
+    # FSDP-sharded over dp_shard=2.
+    "fsdp2_zbv_tied_head": Composed(schedule="zbv", tied=True),
 }
 
 
@@ -326,7 +331,7 @@ def _composed(rank, world, batches, runs):
     out = {}
     for name, run in runs.items():
         batch = batches[run.unbalanced]
-        model = patch(_model(torch.float32, "eager"), fused_router=False)
+        model = patch(_model(torch.float32, "eager", tie_word_embeddings=run.tied), fused_router=False)
         # dp_shard takes what pp and dp_replicate leave: ep=2 borrows both of its ranks from it.
         target = moe_ep.parallelize(model, pp=run.pp, ep=run.ep, dp_replicate=run.dp_replicate, schedule=run.schedule,
                                     microbatches=2 if run.pp > 1 else None, activation_checkpointing=run.checkpointing)
@@ -359,10 +364,13 @@ def world4(reference, reference_unbalanced):
 
 @pytest.mark.parametrize("name", list(COMPOSED))
 def test_pp2_composes_with_ep_fsdp2_and_hsdp_for_every_schedule(world4, reference, reference_aux,
-                                                                reference_unbalanced, reference_global_aux_z, name):
+                                                                reference_unbalanced, reference_global_aux_z,
+                                                                reference_families, name):
     run = COMPOSED[name]
     expected = (reference_unbalanced if run.unbalanced else reference_global_aux_z if run.global_aux
                 else reference_aux if run.aux else reference)[1]
+    if run.tied:
+        expected = reference_families["mixtral_tied_head_zbv"]
     by_rank = [r[name] for r in world4]
     assert all(r["dp"] == 4 // run.pp for r in by_rank)
     # Every rank returns the loss of the global batch, though it trained on its share only.
