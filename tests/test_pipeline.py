@@ -12,7 +12,8 @@ the micro-batches, so a loss normalised per micro-batch instead of per step woul
   process group, each against its own float64 reference.
 - 4 ranks, through ``moe_ep.parallelize(pp=2, ...)``: pp=2 x ep=2 and pp=2 x dp_shard=2 (FSDP2)
   under GPipe, 1F1B, interleaved 1F1B and ZB-V; pp=2 x dp_replicate=2 (HSDP); pp=2 x ep=2 with
-  activation checkpointing and the aux loss, and with dynamic loss scaling; one process group.
+  activation checkpointing and the aux loss, and with dynamic loss scaling; a tied head under
+  ZB-V with its one parameter FSDP-sharded over dp_shard=2; one process group.
   Also a batch whose data-parallel shards hold very different numbers of targets, with and
   without pipeline stages (the same loop): the loss is the global token mean.
 - 1 process: TrainStep with gradient accumulation and no stages; loss scaling; on torch's fake
