@@ -6,8 +6,11 @@ Bytes come from ``moe_ep.dispatch.wire_bytes`` (computed from each rank's routin
 plus each scheme's per-layer count exchange; they are also counted on the wire by wrapping each
 implementation's collectives, which checks the accounting. Times come from
 ``ep`` spawned processes: NCCL when there are ``ep`` GPUs, gloo on the CPU otherwise (there they
-are only indicative: all ranks share the host's cores). The experts are an identity so only the
-exchange is timed; each rank times its own calls and the slowest rank's median is reported."""
+are only indicative: all ranks share the host's cores, so each rank gets ``threads // ep`` torch
+threads, at least one, instead of every rank starting the host's full count and the ranks'
+OpenMP barriers waiting on each other's descheduled threads). The experts are an identity that
+applies the weights they are handed (ours: a multi row's routing weights) so only the exchange
+is timed; each rank times its own calls and the slowest rank's median is reported."""
 
 from __future__ import annotations
 
@@ -192,11 +195,17 @@ def _time_rank(s: Settings, impl, x_TH, idx_TK, w_TK, device) -> tuple[float, fl
     return tuple(slowest.tolist())
 
 
-def _worker(rank: int, ep: int, port: int, backend: str, settings: dict, out_path: str) -> None:
+def threads_per_rank(ep: int) -> int:
+    """The host's torch threads (``--threads``, else torch's default) shared by the ``ep`` ranks."""
+    return max(1, torch.get_num_threads() // ep)
+
+
+def _worker(rank: int, ep: int, port: int, backend: str, threads: int, settings: dict, out_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
     s = Settings(**settings)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -251,8 +260,8 @@ def run_ranks(s: Settings, ep: int, backend: str) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "results.json")
-        mp.start_processes(_worker, args=(ep, _free_port(), backend, asdict(s), out_path), nprocs=ep,
-                           start_method="spawn")
+        mp.start_processes(_worker, args=(ep, _free_port(), backend, threads_per_rank(ep), asdict(s), out_path),
+                           nprocs=ep, start_method="spawn")
         return json.loads(Path(out_path).read_text())
 
 
@@ -314,6 +323,7 @@ def run(args, device: torch.device) -> Report:
     report.meta = dict(environment(device), **asdict(s), ep=list(args.ep))
     report.notes.append("bytes/token: sent to other ranks in one forward dispatch+combine, averaged over all "
                         "ranks' tokens; 'measured' counts what each implementation's collectives actually sent")
+    report.notes.append("torch threads per rank: " + ", ".join(f"ep={ep}: {threads_per_rank(ep)}" for ep in args.ep))
     for ep in args.ep:
         backend, note = pick_backend(device, ep)
         if note:

@@ -1,10 +1,11 @@
 """Expert-parallel token dispatch: stateless ``dispatch`` / ``combine`` over a process group,
-dropless or with a capacity, the ``moe_experts_ep`` layer built on them, the dispatcher object
+dropless or with a capacity (``join_to_dispatch`` for experts that may return a tensor outside
+the autograd graph), the ``moe_experts_ep`` layer built on them, the dispatcher object
 that ``moe_ep.parallel.parallelize`` installs on transformers experts modules, transformers'
 expert-parallel registry entry ``"moe_ep"``, and the byte count of both dispatch schemes."""
 
 from .capacity import capacity_keep_mask, expert_capacity
-from .dispatcher import combine, dispatch
+from .dispatcher import combine, dispatch, join_to_dispatch
 from .expert_parallel import ExpertParallelDispatcher, moe_experts_ep
 from .layout import DispatchedTokens, DispatchLayout
 from .transformers_ep import register_transformers_ep
@@ -20,6 +21,7 @@ __all__ = [
     "count_exchange_bytes",
     "dispatch",
     "expert_capacity",
+    "join_to_dispatch",
     "moe_experts_ep",
     "register_transformers_ep",
     "wire_bytes",

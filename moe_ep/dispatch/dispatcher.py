@@ -323,8 +323,19 @@ def _expert_pairs(x_recv, w_recv, ids_recv, L: int, num_pairs: int, padded: bool
     row_src = torch.full((S * k_max + 1,), num_pairs, dtype=torch.long, device=ids_N.device)
     row_src.scatter_(0, pair_reader, torch.arange(num_pairs, device=ids_N.device))
     row_src_SC = row_src[: S * k_max].view(S, k_max)
-    hidden_PH = gather_rows(x_recv, pair_slot // k_max, row_src_SC, padded=padded)
+    if _pairs_are_rows(num_pairs, S, padded):
+        hidden_PH = x_recv  # no copy: entry p is row p
+    else:
+        hidden_PH = gather_rows(x_recv, pair_slot // k_max, row_src_SC, padded=padded)
     return hidden_PH, expert_P[:, None], weight_P[:, None], row_src_SC, pair_reader
+
+
+def _pairs_are_rows(num_pairs: int, num_rows: int, padded: bool) -> bool:
+    """Whether the pairs are the received rows themselves, in order: in dropless mode every row
+    carries at least one pair and a multi row two, so as many pairs as rows means every row is
+    single. Always so with one expert per rank (Mixtral-8x7B over ep=8) or top-1 routing; then
+    neither the pairs' gather in ``dispatch`` nor the per-row sum in ``combine`` is needed."""
+    return not padded and num_pairs == num_rows
 
 
 def _return_slots(slots_TR, row_pos_RT, w_TK, dest_kept_TK, r_max: int, num_send: int):
@@ -470,6 +481,9 @@ def combine(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor
             f"got shape {tuple(expert_output.shape)}"
         )
     padded = layout.rows_per_rank is not None
-    rows_SH = sum_rows(expert_output, layout.row_src, layout.pair_reader, padded=padded)
+    if _pairs_are_rows(layout.num_pairs, layout.row_src.shape[0], padded):
+        rows_SH = expert_output
+    else:
+        rows_SH = sum_rows(expert_output, layout.row_src, layout.pair_reader, padded=padded)
     returned = AllToAllRows.apply(rows_SH, layout.send_splits, layout.recv_splits, layout.group)
     return sum_rows(returned, layout.token_src, layout.source_reader, layout.source_weights, padded=padded)

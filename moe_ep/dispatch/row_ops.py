@@ -7,7 +7,8 @@ indexing backward would scatter-add on the GPU):
 - ``sum_rows``: ``out[g] = sum_c scale[g, c] * rows[src[g, c]]``, where every row is read by at
   most one ``(g, c)``. Its gradient is a scaled gather, a ``gather_rows``.
 
-Index tensors use ``len(source)`` for "none": a missing term of a sum, a row nobody reads."""
+Index tensors use ``len(source)`` for "none": a missing term of a sum, a row nobody reads.
+Row gathers use ``index_select`` (on the CPU 2-3x faster than advanced indexing on [N, H] rows)."""
 
 from __future__ import annotations
 
@@ -47,18 +48,21 @@ def _sum_by_columns(rows_IH, src_GC, scale_GC=None) -> torch.Tensor:
     if rows_IH.shape[0] == 0:
         rows_IH = rows_IH.new_zeros(1, rows_IH.shape[1])
     src_GC = torch.where(valid_GC, src_GC, 0)
-    out_GH = torch.mul(rows_IH[src_GC[:, 0]], scale_GC[:, :1])
+    out_GH = torch.mul(rows_IH.index_select(0, src_GC[:, 0]), scale_GC[:, :1])
     for c in range(1, src_GC.shape[1]):
-        out_GH.addcmul_(rows_IH[src_GC[:, c]], scale_GC[:, c:c + 1])
+        out_GH.addcmul_(rows_IH.index_select(0, src_GC[:, c]), scale_GC[:, c:c + 1])
     return out_GH.to(rows_IH.dtype)
 
 
-def _gather(x_JH: torch.Tensor, index_I: torch.Tensor) -> torch.Tensor:
-    """``x[index]`` with zero rows where ``index == len(x)``."""
+def _gather(x_JH: torch.Tensor, index_I: torch.Tensor, *, padded: bool) -> torch.Tensor:
+    """``x[index]``; with ``padded``, zero rows where ``index == len(x)`` (without, every index
+    is a row of ``x``)."""
+    if not padded:
+        return x_JH.index_select(0, index_I)
     valid_I = index_I < x_JH.shape[0]
     if x_JH.shape[0] == 0:
         x_JH = x_JH.new_zeros(1, x_JH.shape[1])
-    return torch.where(valid_I[:, None], x_JH[torch.where(valid_I, index_I, 0)], 0)
+    return x_JH.index_select(0, torch.where(valid_I, index_I, 0)).masked_fill_(~valid_I[:, None], 0)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -70,7 +74,7 @@ class _GatherRows(torch.autograd.Function):
         listed = torch.zeros(num_out + 1, dtype=torch.bool, device=index_I.device)
         listed = listed.index_fill_(0, copies_JC.reshape(-1), True)[:num_out]
         ctx.save_for_backward(copies_JC, torch.where(listed, index_I, x_JH.shape[0]))
-        return x_JH[index_I]
+        return x_JH.index_select(0, index_I)
 
     @staticmethod
     def backward(ctx, grad_IH):
@@ -84,7 +88,7 @@ class _SumRows(torch.autograd.Function):
         # The rows are needed again only for the gradient of the scale.
         keep = rows_IH if ctx.needs_input_grad[2] else None
         ctx.save_for_backward(keep, src_GC, scale_GC, reader_I)
-        ctx.num_rows = rows_IH.shape[0]
+        ctx.padded = padded
         G, width = src_GC.shape
         target_I = torch.where(reader_I < G * width, reader_I // width, G)
         return _sum(rows_IH, src_GC, target_I, scale_GC, reader_I, padded=padded)
@@ -95,7 +99,7 @@ class _SumRows(torch.autograd.Function):
         G, width = src_GC.shape
         read_I = reader_I < G * width
         # grad_I[i] = grad[g] for the term (g, c) that reads row i: one gather in row order.
-        grad_I = _gather(grad_GH, torch.where(read_I, reader_I // width, G))
+        grad_I = _gather(grad_GH, torch.where(read_I, reader_I // width, G), padded=ctx.padded)
         if scale_GC is None:
             return grad_I, None, None, None, None
         flat_scale = F.pad(scale_GC.reshape(-1).float(), (0, 1))
