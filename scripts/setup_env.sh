@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Creates .venv with the CPU build of PyTorch and moe_ep installed in editable mode.
-# torch is installed first, pinned, from PyTorch's CPU index: on Linux, PyPI's torch is the
-# multi-GB CUDA build. Where a local wheel of the same version is already configured for pip
-# (find-links), that wheel is used and the CPU index may be unreachable without harm.
+# torch is installed first and pinned: on Linux, PyPI's torch is the multi-GB CUDA build. A CPU
+# wheel that pip already finds on this machine (its configured find-links) is taken without the
+# network; only where there is none does pip go to PyTorch's CPU index, which machines without
+# internet access cannot reach (each lookup there would fail slowly, after retries).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-}"
+PIP=(.venv/bin/pip install -q --disable-pip-version-check)
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 \
-    --extra-index-url https://download.pytorch.org/whl/cpu
-.venv/bin/pip install -q --disable-pip-version-check -e ".${EXTRAS}"
+if "${PIP[@]}" --no-index --no-deps torch==2.13.0 2>/dev/null; then
+    "${PIP[@]}" torch==2.13.0  # its dependencies, from the ordinary index
+else
+    "${PIP[@]}" torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
+fi
+"${PIP[@]}" -e ".${EXTRAS}"

@@ -33,8 +33,8 @@ def test_save_pretrained_writes_identical_safetensors(family, tmp_path):
 
 def _legacy_state_dict(model, family: str) -> dict[str, torch.Tensor]:
     """The model's weights in the pre-5.x per-expert layout: Mixtral's
-    ``block_sparse_moe.experts.N.w1/w3/w2`` (gate/up/down), Qwen2-MoE's
-    ``mlp.experts.N.gate_proj/up_proj/down_proj``."""
+    ``block_sparse_moe.experts.N.w1/w3/w2`` (gate/up/down), the other families'
+    ``mlp.experts.N.gate_proj/up_proj/down_proj`` (as their published checkpoints hold them)."""
     out = {}
     for key, value in model.state_dict().items():
         if family == "mixtral":
@@ -55,7 +55,7 @@ def _legacy_state_dict(model, family: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_legacy_per_expert_checkpoint_loads(family, tmp_path):
     unpatched = tiny_model(family)
     legacy = _legacy_state_dict(unpatched, family)
