@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moe_ep.bench import dispatch, kernels
+from moe_ep.bench import model as model_bench
 from moe_ep.bench.cli import main
 from moe_ep.bench.optional import optional_attr, optional_import
 from moe_ep.bench.routing_cases import make_routing, max_load_share
@@ -85,14 +86,17 @@ def test_kernels_mode_on_cuda(tmp_path):
 
 
 def test_model_mode_smoke(tmp_path):
-    main(["model", "--device", "cpu", "--models", "tiny", "--seq", "8", "--batch", "1",
-          "--out-dir", str(tmp_path), *TINY])
-    rows = {r["variant"]: r for r in written(tmp_path, "model")["rows"]}
-    assert rows["eager"]["status"] == rows["grouped_mm"]["status"] == "ok"
-    assert rows["grouped_mm"]["tokens_per_s"] > 0
-    for variant in ("moe_ep", "moe_ep+fused_router"):
-        assert rows[variant]["status"] == "ok" and rows[variant]["tokens_per_s"] > 0
-        assert rows[variant]["loss_diff"] <= 1e-5 * abs(rows["eager"]["loss"])
+    """Every family's tiny model (the CPU default), each variant on the eager model's loss."""
+    main(["model", "--device", "cpu", "--seq", "8", "--batch", "1", "--out-dir", str(tmp_path), *TINY])
+    results = written(tmp_path, "model")["rows"]
+    assert {r["model"] for r in results} == set(model_bench.TINY_MODELS)
+    for name in model_bench.TINY_MODELS:
+        rows = {r["variant"]: r for r in results if r["model"] == name}
+        assert rows["eager"]["status"] == rows["grouped_mm"]["status"] == "ok"
+        assert rows["grouped_mm"]["tokens_per_s"] > 0
+        for variant in ("moe_ep", "moe_ep+fused_router"):
+            assert rows[variant]["status"] == "ok" and rows[variant]["tokens_per_s"] > 0, (name, variant)
+            assert rows[variant]["loss_diff"] <= 1e-5 * abs(rows["eager"]["loss"]), (name, variant)
 
 
 def test_dispatch_mode_bytes_only(tmp_path):

@@ -1,11 +1,13 @@
-"""Whole-model benchmark: forward+backward tokens/s of a Hugging Face Mixtral with
+"""Whole-model benchmark: forward+backward tokens/s of a Hugging Face MoE model with
 ``experts_implementation`` "moe_ep" (and ``moe_ep.hf.patch``, which also fuses the router)
 against "grouped_mm" and "eager" on the same model, weights and batch.
 
-A tiny Mixtral on the CPU; on CUDA also a 2-layer model with Mixtral-8x7B layer shapes
-(H=4096, I=14336, 32 heads, 8 KV heads, E=8, k=2) in bfloat16. The variants share one model
-object, switched with ``set_experts_implementation``, so their weights are identical by
-construction; the patched variant runs last because patching replaces the router's computation."""
+On the CPU a tiny model of every supported family (Mixtral, Qwen2-MoE with its shared expert,
+Qwen3-MoE, OLMoE, DeepSeek-V3 with its group-limited sigmoid router); on CUDA also a 2-layer
+model with Mixtral-8x7B layer shapes (H=4096, I=14336, 32 heads, 8 KV heads, E=8, k=2) in
+bfloat16. The variants share one model object, switched with ``set_experts_implementation``, so
+their weights are identical by construction; the patched variant runs last because patching
+replaces the router's computation."""
 
 from __future__ import annotations
 
@@ -22,26 +24,42 @@ from .timing import measure_many, peak_memory_bytes
 
 @dataclass(frozen=True)
 class ModelSetup:
+    model_type: str  # transformers' name of the family
     config: dict
     batch: int
     seq: int
     dtype: torch.dtype
 
 
+# The tiny models share H=256 and expert width 512, 8 experts, top-2 (DeepSeek-V3: 2 of 4 groups).
+_TINY = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+_TINY_QWEN = dict(_TINY, intermediate_size=512, moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2)
+
+
+def _tiny(model_type: str, **config) -> ModelSetup:
+    return ModelSetup(model_type, dict(_TINY, **config), batch=4, seq=256, dtype=torch.float32)
+
+
 MODELS = {
-    "tiny": ModelSetup(
-        dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-             num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2),
-        batch=4, seq=256, dtype=torch.float32,
+    "tiny": _tiny("mixtral", intermediate_size=512, num_local_experts=8, num_experts_per_tok=2),
+    "tiny-qwen2-moe": _tiny("qwen2_moe", **_TINY_QWEN, shared_expert_intermediate_size=512),
+    "tiny-qwen3-moe": _tiny("qwen3_moe", **_TINY_QWEN, head_dim=32, norm_topk_prob=True),
+    "tiny-olmoe": _tiny("olmoe", intermediate_size=512, num_experts=8, num_experts_per_tok=2),
+    "tiny-deepseek-v3": _tiny(
+        "deepseek_v3", intermediate_size=512, moe_intermediate_size=512, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=64, q_lora_rank=128,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, num_key_value_heads=8,
     ),
     "mixtral-8x7b-2layer": ModelSetup(
+        "mixtral",
         dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
              num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2),
         batch=1, seq=4096, dtype=torch.bfloat16,
     ),
 }
+TINY_MODELS = tuple(name for name in MODELS if name.startswith("tiny"))
 # Selected with set_experts_implementation ("moe_ep" is registered by importing moe_ep), so they can
-# take turns; the patched variant also fuses the router, which cannot be undone.
+# take turns; the patched variant, which also replaces the router's computation, is timed after them.
 SWITCHABLE = ("eager", "grouped_mm", "moe_ep")
 PATCHED = "moe_ep+fused_router"
 VARIANTS = SWITCHABLE + (PATCHED,)
@@ -62,12 +80,12 @@ COLUMNS = [
 
 
 def build_model(setup: ModelSetup, device: torch.device, seed: int):
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = MixtralConfig(**setup.config, max_position_embeddings=max(setup.seq, 4096))
+    config = AutoConfig.for_model(setup.model_type, **setup.config, max_position_embeddings=max(setup.seq, 4096))
     with torch.device(device):
-        model = MixtralForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return model.to(setup.dtype).train()
 
 
@@ -141,25 +159,27 @@ def plot(report: Report, path: Path) -> None:
         ax.set_ylabel("tokens/s, forward+backward (higher is better)")
         ax.set_title(name)
         ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"Mixtral training step, {report.meta.get('device')}", fontsize=9)
+    fig.suptitle(f"MoE model training step, {report.meta.get('device')}", fontsize=9)
     close_figure(fig, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS),
-                        help="default: tiny on CPU; tiny and mixtral-8x7b-2layer on CUDA")
+                        help="default: the tiny models on CPU; those and mixtral-8x7b-2layer on CUDA")
     parser.add_argument("--seq", type=int, help="override every model's sequence length")
     parser.add_argument("--batch", type=int, help="override every model's batch size")
 
 
 def run(args, device: torch.device) -> Report:
-    names = args.models or (tuple(MODELS) if device.type == "cuda" else ("tiny",))
+    names = args.models or (tuple(MODELS) if device.type == "cuda" else TINY_MODELS)
     report = Report("model", device, COLUMNS, plot=plot)
     report.meta = dict(environment(device), models={}, warmup=args.warmup, reps=args.reps)
     for name in names:
         setup = MODELS[name]
-        setup = ModelSetup(setup.config, args.batch or setup.batch, args.seq or setup.seq, setup.dtype)
-        report.meta["models"][name] = dict(setup.config, batch=setup.batch, seq=setup.seq, dtype=str(setup.dtype))
+        setup = ModelSetup(setup.model_type, setup.config, args.batch or setup.batch, args.seq or setup.seq,
+                           setup.dtype)
+        report.meta["models"][name] = dict(setup.config, model_type=setup.model_type, batch=setup.batch,
+                                           seq=setup.seq, dtype=str(setup.dtype))
         print(f"[model] {name}: batch {setup.batch} x seq {setup.seq}", flush=True)
         report.rows += bench_model(name, setup, device, args)
     return report
