@@ -27,6 +27,12 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 PLACEMENTS = ("loop", "v")
+
+
+class InfeasiblePartition(ValueError):
+    """No cut of the chain meets the constraints (shared parameters, memory cap). Its own class
+    so that a caller probing many layouts can skip exactly these and still see any other error."""
+
 # Slack on the memory cap (relative): a stage's bytes add a multiple of its activations to exact
 # sums, which rounds.
 _REL_EPS = 1e-9
@@ -191,7 +197,9 @@ def partition(
         inflight: micro-batches whose activations stage ``s`` keeps alive at its peak
             (1F1B: ``pp - s``); defaults to 1 for every stage.
 
-    Raises ValueError when no partition satisfies the constraints, saying which one binds.
+    Raises InfeasiblePartition (a ValueError) when no partition satisfies the constraints, saying
+    which one binds; ValueError or TypeError for malformed arguments or ``split_points`` that break
+    a constraint.
     """
     units = tuple(units)
     _check_inputs(list(units), num_stages, placement, stages_per_rank, inflight, memory_cap)
@@ -481,7 +489,7 @@ def _solve(units, num_stages, forbidden, stage_cap, inflight_S) -> tuple[int, ..
     seg = _Segments(units, inflight_S, forbidden)
     cap = stage_cap * (1 + _REL_EPS)
     if seg.feasible(math.inf, cap) is None:
-        raise ValueError(_infeasible_message(units, num_stages, forbidden, stage_cap, seg))
+        raise InfeasiblePartition(_infeasible_message(units, num_stages, forbidden, stage_cap, seg))
     sums = sorted({seg.time(lo, hi) for lo in range(seg.n) for hi in range(lo + 1, seg.n + 1)})
     bottleneck = seg.peaks(_smallest_feasible(sums, lambda t: seg.feasible(t, cap)))[0]
     starts = _leximax(seg, bottleneck, cap)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from moe_ep.partition import UnitCost, partition, stage_to_rank
+from moe_ep.partition import InfeasiblePartition, UnitCost, partition, stage_to_rank
 
 GiB = 2**30
 
@@ -43,61 +43,81 @@ def _leximax_key(units, starts, inflight):
     return tuple(times), tuple(mem)
 
 
-def _feasible_keys(units, num_stages, cap, inflight):
-    """The leximax key of every way to cut that keeps units sharing a parameter together and
-    every stage under ``cap``."""
+def _feasible_keys(units, num_stages, stage_cap, inflight, placement="loop"):
+    """The leximax key of every way to cut that keeps each stage under ``stage_cap`` and units
+    sharing a parameter in one stage, or, under the V placement, a parameter shared by exactly
+    the first and the last unit (their stages, the first and the last, are both on rank 0)."""
     owners = {}
     for i, u in enumerate(units):
         for key in u.shared:
-            owners.setdefault(key, []).append(i)
+            owners.setdefault(key, set()).add(i)
+    ends = {0, len(units) - 1}
     keys = []
     for cuts in itertools.combinations(range(1, len(units)), num_stages - 1):
-        if any(min(idx) < c <= max(idx) for c in cuts for idx in owners.values()):
+        stage_of = [sum(c <= i for c in cuts) for i in range(len(units))]
+        if any(len({stage_of[i] for i in idx}) > 1 and not (placement == "v" and idx == ends)
+               for idx in owners.values()):
             continue
         key = _leximax_key(units, (0, *cuts, len(units)), inflight)
-        if key[1][0] <= cap:
+        if key[1][0] <= stage_cap:
             keys.append(key)
     return keys
 
 
+# placement, stages per rank: GPipe / 1F1B, interleaved 1F1B, ZB-V.
+PLACEMENT_CASES = {"loop": ("loop", 1), "interleaved": ("loop", 2), "v": ("v", 2)}
+
+
+@pytest.mark.parametrize("case", list(PLACEMENT_CASES))
 @pytest.mark.parametrize("inflight_shape", ["random", "non_decreasing", "non_increasing"])
-def test_matches_brute_force_on_random_small_chains(inflight_shape):
+def test_matches_brute_force_on_random_small_chains(inflight_shape, case):
     # Monotone micro-batches in flight (GPipe, ZB-V: constant; 1F1B: non-increasing) take the
     # greedy paths, anything else the reachable-set sweep; all must be exact. Times drawn from a
     # few integers tie often, which exercises every level of the leximax and the byte tie-break.
-    rng = random.Random(inflight_shape)  # a str seed is the same in every process, unlike hash()
+    # With two stages per rank each stage gets half the rank's cap; under V a parameter tied
+    # between the first and the last unit (embedding and head) is no obstacle to cutting.
+    placement, per_rank = PLACEMENT_CASES[case]
+    rng = random.Random(f"{inflight_shape}/{case}")  # a str seed is the same in every process, unlike hash()
     checked = {"infeasible": 0, "shared": 0, "beyond_bottleneck": 0}
+    if placement == "v":
+        checked["tied_ends_cut"] = 0
     for _ in range(400):
         n = rng.randint(2, 10)
-        S = rng.randint(1, min(5, n))
+        S = per_rank * rng.randint(1, min(5, n) // per_rank)
         units = [
             UnitCost(f"u{i}", rng.choice([0.0, 1.0, 2.0, rng.uniform(0.1, 5)]), param_bytes=rng.uniform(0, 3),
                      act_bytes=rng.uniform(0, 2), work_bytes=rng.uniform(0, 1))
             for i in range(n)
         ]
+        tied = None
         if rng.random() < 0.3:
-            for k in rng.sample(range(n), 2):
+            tied = {0, n - 1} if placement == "v" and rng.random() < 0.5 else set(rng.sample(range(n), 2))
+            for k in tied:
                 units[k] = dataclasses.replace(units[k], shared=frozenset({"w"}))
             checked["shared"] += 1
         inflight = [rng.randint(1, S) for _ in range(S)]
         if inflight_shape != "random":
             inflight.sort(reverse=inflight_shape == "non_increasing")
-        cap = rng.uniform(4, 40)
-        keys = _feasible_keys(units, S, cap, inflight)
+        cap = rng.uniform(4, 40) * per_rank
+        kwargs = dict(memory_cap=cap, inflight=inflight, placement=placement, stages_per_rank=per_rank)
+        keys = _feasible_keys(units, S, cap / per_rank, inflight, placement)
         if not keys:
             checked["infeasible"] += 1
-            cause = "memory cap" if _feasible_keys(units, S, math.inf, inflight) else "shared parameters"
-            with pytest.raises(ValueError, match=cause):
-                partition(units, S, memory_cap=cap, inflight=inflight)
+            cause = "memory cap" if _feasible_keys(units, S, math.inf, inflight, placement) else "shared parameters"
+            with pytest.raises(InfeasiblePartition, match=cause):
+                partition(units, S, **kwargs)
             continue
         expected = min(keys)
-        part = partition(units, S, memory_cap=cap, inflight=inflight)
+        part = partition(units, S, **kwargs)
         assert part.num_stages == S and part.starts[0] == 0 and part.starts[-1] == n
         times, mem = _leximax_key(units, part.starts, inflight)
         assert times == pytest.approx(expected[0], rel=1e-9, abs=1e-12)
         assert mem == pytest.approx(expected[1], rel=1e-9)
         assert part.bottleneck_flops == pytest.approx(expected[0][0], rel=1e-9, abs=1e-12)
-        assert all(part.stage_bytes(s) <= cap * (1 + 1e-9) for s in range(S))
+        assert all(part.stage_bytes(s) <= cap / per_rank * (1 + 1e-9) for s in range(S))
+        if tied == {0, n - 1} and S > 1 and placement == "v":
+            assert part.rank_of_stage(0) == part.rank_of_stage(S - 1) == 0
+            checked["tied_ends_cut"] += 1
         # Cases where minimising the slowest stage alone would not have settled the answer.
         if any(k[0][0] == expected[0][0] and k[0] != expected[0] for k in keys):
             checked["beyond_bottleneck"] += 1
@@ -152,13 +172,14 @@ def test_memory_cap_moves_layers_off_the_stage_with_most_microbatches_in_flight(
     capped = partition(units, 2, inflight=[2, 1], memory_cap=5.0)
     assert _layers_per_stage(capped) == [1, 3]
     assert [capped.stage_bytes(s) for s in range(2)] == [3.0, 5.0]
-    with pytest.raises(ValueError, match=r"4 B per stage: the partition that needs the least memory still needs 5 B"):
+    least = r"4 B per stage: the partition that needs the least memory still needs 5 B"
+    with pytest.raises(InfeasiblePartition, match=least):
         partition(units, 2, inflight=[2, 1], memory_cap=4.0)
 
 
 def test_tied_embedding_and_head_stay_on_one_rank():
     units = _chain([1.0] * 6, tied=True)
-    with pytest.raises(ValueError, match=r"embed_tokens\.weight.*V placement"):
+    with pytest.raises(InfeasiblePartition, match=r"embed_tokens\.weight.*V placement"):
         partition(units, 2)
     assert partition(units, 1).num_stages == 1
     part = partition(units, 4, placement="v", stages_per_rank=2)
@@ -198,8 +219,10 @@ def test_split_points_override_and_their_errors():
 
 def test_argument_errors():
     units = _chain([1.0] * 2)
-    with pytest.raises(ValueError, match=r"num_stages=5 exceeds the number of units \(4\)"):
+    with pytest.raises(ValueError, match=r"num_stages=5 exceeds the number of units \(4\)") as err:
         partition(units, 5)
+    # A malformed request is not "no feasible cut": the planner skips only the latter.
+    assert not isinstance(err.value, InfeasiblePartition)
     with pytest.raises(ValueError, match="num_stages must be a positive int, got 0"):
         partition(units, 0)
     with pytest.raises(ValueError, match="placement must be one of"):

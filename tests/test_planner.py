@@ -172,6 +172,31 @@ def test_impossible_model_grows_the_batch_only_when_the_requested_one_cannot_spr
         (dict(pp=64), r"pp=64 exceeds the 32 decoder layers"),
         (dict(global_batch_tokens=1000), r"not a whole number of sequences of seq_len=4096; use a multiple of 4096"),
         (dict(global_batch_tokens=64 * 4096, pp=1), r"must hold a multiple of dp = world / pp sequences \(at least 128"),
+        # Two chunks per rank: 64 stages for 32 layers (not the batch, which divides fine).
+        (dict(pp=32, schedule="zbv"), r"schedule='zbv' runs 2 stages on each pipeline rank, so pp=32 needs 64 stages"
+                                      r".* mixtral-8x7b has 32; use pp at most 16 with 'zbv', or .*\(gpipe, 1f1b\)"),
+        (dict(pp=32, schedule="interleaved-1f1b"),
+         r"pp=32 needs 64 stages.*use pp at most 16 with 'interleaved-1f1b'"),
+        (dict(schedule="1f1b", dp_shard=128),
+         r"schedule='1f1b' is a pipeline schedule and needs pp > 1, .* leave pp=1"),
+        (dict(schedule="none", dp_replicate=1, dp_shard=8),
+         r"schedule='none' means no pipeline \(pp=1\), .* pp in \[16\]"),
+        # 1024 sequences over dp = 4 ... 128 replicas: 8 ... 256 per replica, all powers of two.
+        (dict(microbatch_size=3), r"microbatch_size=3 divides no data-parallel replica's batch.* give \[8, 16, 32, 64, "
+                                  r"128, 256\] sequences per replica; .* or a global batch of 384 sequences"),
+        (dict(pp=16, microbatch_size=64), r"pp=16 with dp=8 leaves 128 sequences per replica, 2 micro-batches of 64, "
+                                          r"and schedule 'gpipe' needs at least pp=16 micro-batches, got 2"),
+        (dict(pp=16, global_batch_tokens=64 * 4096), r"needs at least pp=16 micro-batches, got 8; a global batch of "
+                                                     r"world x microbatch_size = 128 sequences"),
+        (dict(pp=8, schedule="interleaved-1f1b", global_batch_tokens=192 * 4096),
+         r"'interleaved-1f1b' needs a multiple of pp=8 micro-batches, got 12"),
+        # ep=8 inside dp_shard, with 128 / 32 = 4 ranks per pipeline stage.
+        (dict(pp=32, ep=8), r"ep=8 must divide dp_shard .* with pp=32 dp_shard = 128 / \(pp x dp_replicate\) is at "
+                            r"most 4; choose pp x dp_replicate dividing 16 \(= 128 / ep\), or ep from \[1, 2, 4\]"),
+        (dict(dp_replicate=32, ep=8), r"ep=8 must divide dp_shard .* with dp_replicate=32 .* at most 4"),
+        (dict(pp=32, dp_shard=8), r"pp x dp_shard = 32 x 8 = 256 does not divide the world of 128 GPUs"),
+        (dict(dp_replicate=1, dp_shard=1), r"leaves pp = 128 / 1 = 128 pipeline ranks, more than the 32 decoder layers"
+                                           r".*choose dp_replicate x dp_shard from \[4, 8, 16, 32, 64, 128\]"),
     ],
 )
 def test_impossible_degrees_say_what_would_be_needed(kwargs, message):
@@ -179,12 +204,41 @@ def test_impossible_degrees_say_what_would_be_needed(kwargs, message):
         plan("mixtral-8x7b", nodes=16, **A100, **kwargs)
 
 
-def test_cli_reports_impossible_requests_without_a_traceback(capsys):
+def test_stages_are_counted_against_the_decoder_layers_alone():
+    # The embedding and the head ride with the first and the last decoder layer, so 14 layers
+    # make at most 14 stages: ZB-V over pp=8 (16 stages) is refused up front with that reason.
+    from hf_models import tiny_config
+
+    config = tiny_config("mixtral", num_hidden_layers=14)
+    small = dict(nodes=1, gpus_per_node=8, gpu_memory_gib=80, seq_len=64, global_batch_tokens=64 * 64)
+    with pytest.raises(PlanError, match=r"pp=8 needs 16 stages of at least one decoder layer each, but .* has 14; "
+                                        r"use pp at most 7 with 'zbv'"):
+        plan(config, pp=8, schedule="zbv", **small)
+    assert plan(config, pp=8, schedule="1f1b", **small).best.partition.num_stages == 8
+
+
+def test_tied_model_under_a_loop_schedule_says_why_no_layout_can_be_cut():
+    # Embedding and head share a weight and ride with the first and the last layer: GPipe and
+    # 1F1B would separate them at every cut; only pp=1 or a V schedule keeps them on one rank.
+    from transformers import MixtralConfig
+
+    config = config_from_name("mixtral-8x7b").to_dict()
+    config.update(tie_word_embeddings=True)
+    with pytest.raises(PlanError, match=r"no layout under the fixed choices \{'schedule': '1f1b'\} can be cut into "
+                                        r"pipeline stages; e.g. pp=\d+ .*shared parameters \['model.embed_tokens"):
+        plan(MixtralConfig(**config), nodes=16, schedule="1f1b", **A100)
+
+
+@pytest.mark.parametrize("args, start", [
+    (["--pp", "3"], "moe-ep plan: pp=3 does not divide"),
+    (["--pp", "32", "--schedule", "zbv"], "moe-ep plan: schedule='zbv' runs 2 stages on each pipeline rank"),
+])
+def test_cli_reports_impossible_requests_without_a_traceback(capsys, args, start):
     code = main(["plan", "--model", "mixtral-8x7b", "--nodes", "16", "--gpus-per-node", "8", "--gpu-memory", "80",
-                 "--pp", "3"])
+                 *args])
     assert code == EXIT_IMPOSSIBLE
     err = capsys.readouterr().err
-    assert err.startswith("moe-ep plan: pp=3 does not divide") and "Traceback" not in err
+    assert err.startswith(start) and "Traceback" not in err
 
 
 def test_argument_errors():

@@ -51,10 +51,6 @@ class Unit:
     comm_work: float  # transient while the unit runs
     shared: frozenset = frozenset()
 
-    def unsharded_params(self, ep: int) -> float:
-        """Parameters of this unit one rank sees gathered (experts stay split over ep)."""
-        return self.dense_params + self.expert_params / ep
-
 
 def build_units(spec: ModelSpec, layout: Layout, seq_len: int, imbalance: float) -> list[Unit]:
     tokens = layout.microbatch_size * seq_len

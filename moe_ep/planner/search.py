@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from ..partition import Partition, fits, partition
+from ..partition import InfeasiblePartition, Partition, fits, partition
 from .cluster import Cluster
 from .layout import Layout
 from .memory import DEFAULT_IMBALANCE, MemoryTable, Unit, build_units, layer_ids, p2p_bytes, rank_memory, unit_costs
@@ -131,47 +132,73 @@ def _check_fixed_degrees(spec: ModelSpec, cluster: Cluster, fixed: dict) -> None
         raise PlanError(f"schedule={NO_PIPELINE!r} means no pipeline, but pp={fixed['pp']}")
 
 
-def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_tokens: int, fixed: dict):
-    world = cluster.world_size
-    sequences = global_batch_tokens // seq_len
+class _Mesh(NamedTuple):
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    ep: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+def _meshes(spec: ModelSpec, world: int, fixed: dict) -> list[_Mesh]:
+    """The degrees that multiply to the world and honour the fixed ones: at most one pipeline
+    rank per decoder layer, ep dividing both dp_shard and the experts."""
+    meshes = []
     for pp in divisors(world):
         if pp > spec.num_layers or fixed["pp"] not in (None, pp):
             continue
         dp = world // pp
-        if sequences % dp:
-            continue
-        per_replica = sequences // dp
         for dp_shard in divisors(dp):
             dp_replicate = dp // dp_shard
             if fixed["dp_shard"] not in (None, dp_shard) or fixed["dp_replicate"] not in (None, dp_replicate):
                 continue
             for ep in divisors(math.gcd(dp_shard, spec.num_experts or 1)):
-                if fixed["ep"] not in (None, ep):
-                    continue
-                schedules = [NO_PIPELINE] if pp == 1 else list(SCHEDULES)
-                for schedule in schedules:
-                    if fixed["schedule"] not in (None, schedule):
-                        continue
-                    info = SCHEDULES.get(schedule)
-                    if info is not None and pp * info.stages_per_rank > spec.num_layers + 2:
-                        continue
-                    for mbs in divisors(per_replica):
-                        m = per_replica // mbs
-                        if fixed["microbatch_size"] not in (None, mbs):
-                            continue
-                        if info is not None and info.check_microbatches(pp, m):
-                            continue
-                        for ckpt in (False, True):
-                            if fixed["checkpointing"] not in (None, ckpt):
-                                continue
-                            yield Layout(pp, dp_replicate, dp_shard, ep, mbs, m, schedule, ckpt)
+                if fixed["ep"] in (None, ep):
+                    meshes.append(_Mesh(pp, dp_replicate, dp_shard, ep))
+    return meshes
+
+
+def _schedules(spec: ModelSpec, pp: int, fixed: dict) -> list[str]:
+    """The schedules that can run pp pipeline ranks: each stage needs a decoder layer of its own
+    (the embedding and the head ride with the first and the last), so pp x stages per rank must
+    not exceed the layers."""
+    names = [NO_PIPELINE] if pp == 1 else [
+        name for name, info in SCHEDULES.items() if pp * info.stages_per_rank <= spec.num_layers
+    ]
+    return [name for name in names if fixed["schedule"] in (None, name)]
+
+
+def _microbatchings(pp: int, per_replica: int, schedule: str, fixed: dict) -> list[tuple[int, int]]:
+    """(micro-batch size, micro-batches) that split a replica's sequences as the schedule needs."""
+    info = SCHEDULES.get(schedule)
+    return [
+        (mbs, per_replica // mbs) for mbs in divisors(per_replica)
+        if fixed["microbatch_size"] in (None, mbs)
+        and (info is None or info.check_microbatches(pp, per_replica // mbs) is None)
+    ]
+
+
+def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_tokens: int, fixed: dict):
+    sequences = global_batch_tokens // seq_len
+    for mesh in _meshes(spec, cluster.world_size, fixed):
+        if sequences % mesh.dp:
+            continue
+        per_replica = sequences // mesh.dp
+        for schedule in _schedules(spec, mesh.pp, fixed):
+            for mbs, m in _microbatchings(mesh.pp, per_replica, schedule, fixed):
+                for ckpt in (False, True):
+                    if fixed["checkpointing"] in (None, ckpt):
+                        yield Layout(*mesh, mbs, m, schedule, ckpt)
 
 
 def evaluate(
     spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int, imbalance: float = DEFAULT_IMBALANCE
-) -> Candidate | None:
-    """Cost one layout. None when it cannot be partitioned at all (tied parameters that a loop
-    placement would separate)."""
+) -> Candidate:
+    """Cost one layout. Raises InfeasiblePartition (a ValueError) when it cannot be cut into its
+    pipeline stages at all (tied parameters that a loop placement would separate)."""
     units: list[Unit] = build_units(spec, layout, seq_len, imbalance)
     costs = unit_costs(units)
     p2p = p2p_bytes(layout, spec, seq_len)
@@ -184,10 +211,7 @@ def evaluate(
     def all_fit(per_rank):
         return all(t.fits for t in per_rank)
 
-    try:
-        part = partition(costs, layout.num_stages, **kwargs)
-    except ValueError:
-        return None
+    part = partition(costs, layout.num_stages, **kwargs)
     per_rank = tables(part)
     if not all_fit(per_rank) and layout.pp > 1:
         # The time-balanced cut does not fit: trade balance for memory.
@@ -207,24 +231,27 @@ _GIVE_UP_WINDOW = 2.0
 
 
 def _search(spec, cluster, seq_len, global_batch_tokens, imbalance, fixed, num_alternatives=0):
-    """(costed candidates, number of layouts enumerated)."""
+    """(costed candidates, number of layouts enumerated, the first layout that could not be cut
+    into stages with the reason, or None)."""
     layouts = list(_layouts(spec, cluster, seq_len, global_batch_tokens, fixed))
     bounded = sorted(((lower_bound(spec, cluster, lay, seq_len, imbalance), i) for i, lay in enumerate(layouts)))
-    candidates, best, shapes = [], None, set()
+    candidates, best, shapes, uncut = [], None, set(), None
     for bound, i in bounded:
         if best is not None:
             window = _EXPLAIN_WINDOW if len(shapes - {best.key}) >= num_alternatives else _GIVE_UP_WINDOW
             if bound > best.time.total * window:
                 break
-        cand = evaluate(spec, cluster, layouts[i], seq_len, imbalance)
-        if cand is None:
+        try:
+            cand = evaluate(spec, cluster, layouts[i], seq_len, imbalance)
+        except InfeasiblePartition as err:
+            uncut = uncut or (layouts[i], str(err))
             continue
         candidates.append(cand)
         if cand.fits:
             shapes.add(cand.key)
             if best is None or _rank(cand) < _rank(best):
                 best = cand
-    return candidates, len(layouts)
+    return candidates, len(layouts), uncut
 
 
 def _rank(c: Candidate):
@@ -290,9 +317,11 @@ def plan(
             f"global_batch_tokens={global_batch_tokens} is not a whole number of sequences of seq_len={seq_len}; "
             f"use a multiple of {seq_len}, e.g. {max(1, round(global_batch_tokens / seq_len)) * seq_len}"
         )
-    candidates, enumerated = _search(spec, cluster, seq_len, global_batch_tokens, imbalance, fixed, num_alternatives)
+    candidates, enumerated, uncut = _search(
+        spec, cluster, seq_len, global_batch_tokens, imbalance, fixed, num_alternatives
+    )
     if not candidates:
-        raise PlanError(_nothing_to_search(spec, cluster, seq_len, global_batch_tokens, fixed))
+        raise PlanError(_nothing_to_search(spec, cluster, seq_len, global_batch_tokens, fixed, uncut))
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise PlanError(_nothing_fits(spec, cluster, seq_len, global_batch_tokens, imbalance, fixed, candidates))
@@ -305,17 +334,111 @@ def plan(
     )
 
 
-def _nothing_to_search(spec, cluster, seq_len, global_batch_tokens, fixed) -> str:
-    sequences = global_batch_tokens // seq_len
+def _nothing_to_search(spec, cluster, seq_len, global_batch_tokens, fixed, uncut) -> str:
+    """Why no layout was costed: the constraints of the enumeration (``_layouts``) applied one
+    after another, mesh degrees first, naming the first that leaves nothing and what would lift
+    it; if every layout was enumerated but none could be cut into stages, the partition's reason."""
     world = cluster.world_size
-    pps = [p for p in divisors(world) if fixed["pp"] in (None, p) and p <= spec.num_layers]
-    smallest_dp = world // max(pps) if pps else world
+    sequences = global_batch_tokens // seq_len
+    chosen = {k: v for k, v in fixed.items() if v is not None}
+    under = f" under the fixed choices {chosen}" if chosen else ""
+    meshes = _meshes(spec, world, fixed)
+    if not meshes:
+        return _no_mesh(spec, world, fixed)
+    pipelines = [(mesh, schedule) for mesh in meshes for schedule in _schedules(spec, mesh.pp, fixed)]
+    if not pipelines:
+        return _no_schedule(spec, meshes, fixed["schedule"], under)
+    batched = [(mesh, schedule) for mesh, schedule in pipelines if sequences % mesh.dp == 0]
+    if not batched:
+        smallest_dp = min(mesh.dp for mesh, _ in pipelines)
+        return (
+            f"no layout of {world} GPUs divides the global batch of {sequences} sequences of {seq_len} tokens "
+            f"among its data-parallel replicas{under}: every replica needs whole micro-batches, so the batch must "
+            f"hold a multiple of dp = world / pp sequences (at least {smallest_dp}, i.e. global_batch_tokens a "
+            f"multiple of {smallest_dp * seq_len})"
+        )
+    if not any(_microbatchings(mesh.pp, sequences // mesh.dp, schedule, fixed) for mesh, schedule in batched):
+        return _no_microbatching(world, sequences, seq_len, batched, fixed, under)
+    layout, reason = uncut
+    return f"no layout{under} can be cut into pipeline stages; e.g. {layout.short()}: {reason}"
+
+
+def _no_mesh(spec, world, fixed) -> str:
+    names = [name for name in ("pp", "dp_replicate", "dp_shard") if fixed[name] is not None]
+    triples = [(pp, dp // ds, ds) for pp in divisors(world) if pp <= spec.num_layers and fixed["pp"] in (None, pp)
+               for dp in [world // pp] for ds in divisors(dp)
+               if fixed["dp_shard"] in (None, ds) and fixed["dp_replicate"] in (None, dp // ds)]
+    if not triples:
+        # One of pp, dp_replicate, dp_shard fixed always completes to the world (each divides
+        # it, and pp=1 or any fixed pp <= the layers is a stage count); all three fixed are
+        # checked up front. So two are fixed: their product misses the world, or the third, pp,
+        # would need more stages than there are decoder layers.
+        product = math.prod(fixed[name] for name in names)
+        spelled = " x ".join(names) + " = " + " x ".join(str(fixed[name]) for name in names) + f" = {product}"
+        if world % product:
+            return f"{spelled} does not divide the world of {world} GPUs; choose a product in {divisors(world)}"
+        enough = min(d for d in divisors(world) if world // d <= spec.num_layers)
+        return (
+            f"{spelled} leaves pp = {world} / {product} = {world // product} pipeline ranks, more than the "
+            f"{spec.num_layers} decoder layers of {spec.name} (a stage needs at least one); choose dp_replicate x "
+            f"dp_shard from {[d for d in divisors(world) if d >= enough]}"
+        )
+    # The triples exist, so the fixed ep is what no dp_shard among them admits.
+    ep = fixed["ep"]
+    largest = max(ds for _, _, ds in triples)
+    others = ", ".join(f"{name}={fixed[name]}" for name in names)
     return (
-        f"no layout of {world} GPUs divides the global batch of {sequences} sequences of {seq_len} tokens "
-        f"among its data-parallel replicas under the fixed choices "
-        f"{ {k: v for k, v in fixed.items() if v is not None} }: every replica needs whole micro-batches, "
-        f"so the batch must hold a multiple of dp = world / pp sequences (at least {smallest_dp}, i.e. "
-        f"global_batch_tokens a multiple of {smallest_dp * seq_len})"
+        f"ep={ep} must divide dp_shard (experts are sharded inside dp_shard), but with {others} dp_shard = "
+        f"{world} / (pp x dp_replicate) is at most {largest}; choose pp x dp_replicate dividing {world // ep} "
+        f"(= {world} / ep), or ep from {[e for e in divisors(spec.num_experts) if largest % e == 0]}"
+    )
+
+
+def _no_schedule(spec, meshes, schedule, under) -> str:
+    # Left free, the schedule always has an option: 'none' for pp = 1, GPipe for any pp up to
+    # the layers. So a fixed one binds.
+    pps = sorted({mesh.pp for mesh in meshes})
+    if schedule == NO_PIPELINE:
+        return (
+            f"schedule={NO_PIPELINE!r} means no pipeline (pp=1), but the mesh degrees{under} leave pp in {pps}; "
+            f"fix dp_replicate x dp_shard to the world size or leave the schedule free"
+        )
+    info = SCHEDULES[schedule]
+    if pps == [1]:
+        return f"schedule={schedule!r} is a pipeline schedule and needs pp > 1, but the mesh degrees{under} leave pp=1"
+    pp = min(p for p in pps if p > 1)
+    one_per_rank = [name for name, other in SCHEDULES.items() if other.stages_per_rank == 1]
+    return (
+        f"schedule={schedule!r} runs {info.stages_per_rank} stages on each pipeline rank, so pp={pp} needs "
+        f"{pp * info.stages_per_rank} stages of at least one decoder layer each, but {spec.name} has "
+        f"{spec.num_layers}; use pp at most {spec.num_layers // info.stages_per_rank} with {schedule!r}, or a "
+        f"schedule with one stage per rank ({', '.join(one_per_rank)})"
+    )
+
+
+def _no_microbatching(world, sequences, seq_len, batched, fixed, under) -> str:
+    mbs = fixed["microbatch_size"]
+    per_replica = sorted({sequences // mesh.dp for mesh, _ in batched})
+    if mbs is not None and all(n % mbs for n in per_replica):
+        return (
+            f"microbatch_size={mbs} divides no data-parallel replica's batch{under}: the {sequences} sequences "
+            f"split over dp = world / pp replicas give {per_replica} sequences per replica; choose a "
+            f"microbatch_size dividing one of them, or a global batch of {world * mbs} sequences "
+            f"({world * mbs * seq_len} tokens)"
+        )
+    # Every split into whole micro-batches leaves a pipeline with too few of them (or, for
+    # interleaved 1F1B, not a multiple of pp); pp = 1 takes any split, so every split here is
+    # pipelined. Name the one with the most micro-batches.
+    splits = [(n // size, mesh, schedule, size) for mesh, schedule in batched for n in [sequences // mesh.dp]
+              for size in divisors(n) if mbs in (None, size)]
+    m, mesh, schedule, size = max(splits, key=lambda split: split[0])
+    size_fixed = mbs or 1
+    return (
+        f"no split into micro-batches suits the pipeline schedule{under}: e.g. pp={mesh.pp} with dp={mesh.dp} "
+        f"leaves {sequences // mesh.dp} sequences per replica, {m} micro-batches of {size}, and "
+        f"{SCHEDULES[schedule].check_microbatches(mesh.pp, m)}; a global batch of world x microbatch_size = "
+        f"{world * size_fixed} sequences ({world * size_fixed * seq_len} tokens) gives every replica pp "
+        f"micro-batches of {size_fixed}" + (", or use a smaller microbatch_size" if mbs is not None else "")
     )
 
 
