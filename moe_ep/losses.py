@@ -120,27 +120,38 @@ def router_z_loss(router_logits: torch.Tensor | Sequence[torch.Tensor]) -> torch
 
 @torch.no_grad()
 def update_expert_bias_(
-    bias: torch.Tensor,
-    counts: torch.Tensor,
+    bias: torch.Tensor | Sequence[torch.Tensor],
+    counts: torch.Tensor | Sequence[torch.Tensor],
     *,
     rate: float,
     group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | list[torch.Tensor]:
     """Aux-loss-free balancing (DeepSeek-V3): ``bias += rate * sign(mean(load) - load)``, in place.
 
-    ``counts [E]`` are this rank's routed pairs per expert since the last update (e.g. summed
-    ``expert_counts`` over micro-batches). With ``group`` they are summed over it first, in
-    float64 (exact for integer counts), so every rank applies the same update to the same bias:
-    the biases stay identical without being broadcast. Returns ``bias``."""
-    check_tensor("bias", bias, ndim=1)
-    check_tensor("counts", counts, ndim=1)
-    if counts.shape != bias.shape:
-        raise ValueError(f"counts must have the shape of bias {tuple(bias.shape)}, got {tuple(counts.shape)}")
+    ``bias [E]`` and ``counts [E]``: one tensor each, or one per MoE layer (sequences of equal
+    length; each layer is balanced on its own). ``counts`` are this rank's routed pairs per expert
+    since the last update (e.g. summed ``expert_counts`` over micro-batches). With ``group`` they
+    are summed over it first, in float64 (exact for integer counts; one all-reduce for every
+    layer), so every rank applies the same update to the same bias: the biases stay identical
+    without being broadcast. Returns ``bias``."""
+    single = isinstance(bias, torch.Tensor)
+    biases = [bias] if single else list(bias)
+    loads = [counts] if isinstance(counts, torch.Tensor) else list(counts)
+    if not biases:
+        raise ValueError("bias must be a tensor or a non-empty sequence of tensors, got an empty sequence")
+    if len(loads) != len(biases):
+        raise ValueError(f"counts must give one tensor per bias ({len(biases)}), got {len(loads)}")
+    for i, (b, c) in enumerate(zip(biases, loads)):
+        at = "" if single else f"[{i}]"
+        check_tensor(f"bias{at}", b, ndim=1)
+        check_tensor(f"counts{at}", c, ndim=1)
+        if c.shape != b.shape:
+            raise ValueError(f"counts{at} must have the shape of bias{at} {tuple(b.shape)}, got {tuple(c.shape)}")
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
         raise ValueError(f"rate must be a non-negative number, got {rate!r}")
-    load = counts.to(torch.float64)
+    load = torch.cat([c.to(torch.float64) for c in loads])  # a new tensor: the callers' counts stay as they are
     if group is not None:
-        load = load.clone()
         dist.all_reduce(load, group=group)
-    bias.add_(torch.sign(load.mean() - load).to(bias.dtype), alpha=rate)
-    return bias
+    for b, layer_load in zip(biases, load.split([b.numel() for b in biases])):
+        b.add_(torch.sign(layer_load.mean() - layer_load).to(b.dtype), alpha=rate)
+    return bias if single else biases

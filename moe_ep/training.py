@@ -36,19 +36,36 @@ technique), so it works unchanged on any pipeline stage, under any schedule, and
 activation checkpointing. The returned loss is the LM loss plus ``coef x`` that mean. Note that
 transformers' own ``output_router_logits`` loss pools the statistics of all layers before the
 product; a pipeline cannot (the layers live on different ranks), so both paths here use the
-per-layer mean, as Megatron-Core does."""
+per-layer mean, as Megatron-Core does.
+
+Aux-loss-free balancing (``expert_bias_rate > 0``, DeepSeek-V3): the same hooks count each MoE
+block's routed (token, slot) pairs per expert over the step's micro-batches, on the device; after
+each optimizer step that was taken (not one skipped by loss scaling) every local block's
+``gate.e_score_correction_bias`` moves by ``rate x sign(mean load - load)``
+(``moe_ep.losses.update_expert_bias_``), with the loads summed over the data-parallel ranks, so
+every rank applies the identical update and the biases never need a broadcast. The bias steers
+the routers' choice only, so no gradient flows through it. Counts are recorded in the backward
+of the identity above, so a micro-batch counts once however often its forward runs (activation
+checkpointing recomputes it; torch's pipelining runs an extra shape-inference pass before its
+first step, whose records are dropped). A router without that buffer is refused at construction.
+
+The hooks act only during their own TrainStep's step: several TrainSteps may share a model (or
+stages), and forwards outside a step are untouched. ``close()`` removes them for good."""
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from .losses import load_balancing_loss, router_z_loss
+from .losses import expert_counts, load_balancing_loss, router_z_loss, update_expert_bias_
 from .parallel.parallelize import MESHES_ATTRIBUTE
 from .parallel.pipeline import PipelineStages
 
@@ -113,58 +130,89 @@ class LossScaler:
         return finite
 
 
+class _Record(NamedTuple):
+    """What one MoE block's backward of one micro-batch leaves (see ``_AttachAuxLoss``)."""
+
+    block: int  # index into AuxLossHooks.blocks
+    terms: torch.Tensor | None  # (aux loss, z-loss) values; None when neither is weighted
+    counts_E: torch.Tensor | None  # routed (token, slot) pairs per expert; None unless counting
+
+
 class _AttachAuxLoss(torch.autograd.Function):
     """Identity on ``hidden``; in backward it also gives the layer's ``terms`` (aux loss, z-loss)
-    the gradients ``weights`` and records their values (backward runs once per micro-batch and
-    layer, recompute or not)."""
+    the gradients ``weights`` and records their values and ``counts_E`` for ``block``. Recording in
+    backward counts each micro-batch and layer once: activation checkpointing recomputes the
+    forward, never this backward."""
 
     @staticmethod
-    def forward(ctx, hidden, terms, weights, record):
-        ctx.weights, ctx.record = weights, record
-        ctx.save_for_backward(terms.detach())
+    def forward(ctx, hidden, terms, counts_E, weights, record, block):
+        ctx.weights, ctx.record, ctx.block = weights, record, block
+        ctx.save_for_backward(None if terms is None else terms.detach(), counts_E)
         return hidden
 
     @staticmethod
     def backward(ctx, grad_hidden):
-        (terms,) = ctx.saved_tensors
-        ctx.record.append(terms)
-        return grad_hidden, torch.tensor(ctx.weights, dtype=terms.dtype, device=terms.device), None, None
+        terms, counts_E = ctx.saved_tensors
+        ctx.record.append(_Record(ctx.block, terms, counts_E))
+        grad_terms = None if terms is None else torch.tensor(ctx.weights, dtype=terms.dtype, device=terms.device)
+        return grad_hidden, grad_terms, None, None, None, None
 
 
 class AuxLossHooks:
     """Forward hooks on every MoE block of ``modules`` (a block is a module with a ``gate``
     router returning ``(logits [T, E], weights, indices [T, K])`` and an ``experts`` module); a
-    pipeline rank may have none. ``group``: sum the aux loss statistics over it (global aux
-    loss; collective, every rank of it runs the same blocks in the same order)."""
+    pipeline rank may have none. ``losses``: attach the aux loss and z-loss; ``counts``: record the
+    routed pairs per expert. ``group``: sum the aux loss statistics over it (global aux loss;
+    collective, every rank of it runs the same blocks in the same order).
 
-    def __init__(self, modules, *, group: dist.ProcessGroup | None = None):
-        self.blocks = [m for root in modules for m in root.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
-        self.group = group
+    The hooks act only while ``active`` (TrainStep sets it for its own step): a forward outside
+    the step, or inside another TrainStep's step on the same model, is left alone, so TrainSteps
+    sharing a model never feed each other's losses or records. ``close()`` removes the hooks."""
+
+    def __init__(self, modules, *, losses: bool, counts: bool, group: dist.ProcessGroup | None = None):
+        found = [(name, m) for root in modules for name, m in root.named_modules()
+                 if hasattr(m, "gate") and hasattr(m, "experts")]
+        self.names = [name for name, _ in found]
+        self.blocks = [m for _, m in found]
+        self.losses, self.counts, self.group = losses, counts, group
         self.weights = (0.0, 0.0)  # gradient weights of (aux loss, z-loss)
-        self.record: list[torch.Tensor] = []
+        self.record: list[_Record] = []
+        self.active = False
+        self._routing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id(router), router to block hook
         self.handles = []
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             self.handles.append(block.gate.register_forward_hook(self._router_hook))
-            self.handles.append(block.register_forward_hook(self._block_hook))
+            self.handles.append(block.register_forward_hook(functools.partial(self._block_hook, i)))
 
-    @staticmethod
-    def _router_hook(router, args, output):
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _router_hook(self, router, args, output):
+        if not self.active:
+            return
         if not (isinstance(output, tuple) and len(output) == 3 and output[0].dim() == 2 and output[2].dim() == 2):
             raise TypeError(
                 f"{type(router).__name__} must return (logits [T, E], weights, indices [T, K]) for the aux loss"
             )
-        router.moe_ep_routing = (output[0], output[2])
+        self._routing[id(router)] = (output[0], output[2])
 
-    def _block_hook(self, block, args, output):
+    def _block_hook(self, index, block, args, output):
+        if not self.active:
+            return output
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"{type(block).__name__} must return a tensor for the aux loss, got {type(output).__name__}")
-        logits_TE, idx_TK = block.gate.moe_ep_routing
-        del block.gate.moe_ep_routing
+        logits_TE, idx_TK = self._routing.pop(id(block.gate))
         if not torch.is_grad_enabled():
             return output
-        aux = load_balancing_loss(logits_TE, idx_TK.shape[1], top_k_index=idx_TK, group=self.group)
-        terms = torch.stack([aux, router_z_loss(logits_TE).to(aux.dtype)])
-        return _AttachAuxLoss.apply(output, terms, self.weights, self.record)
+        terms = counts_E = None
+        if self.losses:
+            aux = load_balancing_loss(logits_TE, idx_TK.shape[1], top_k_index=idx_TK, group=self.group)
+            terms = torch.stack([aux, router_z_loss(logits_TE).to(aux.dtype)])
+        if self.counts:
+            counts_E = expert_counts(idx_TK, logits_TE.shape[1])
+        return _AttachAuxLoss.apply(output, terms, counts_E, self.weights, self.record, index)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -184,6 +232,8 @@ class TrainStep:
         aux_loss_coef: weight of the per-layer load-balancing loss (0: none); see the module doc.
         global_aux_loss: compute it from the statistics of every data-parallel rank.
         z_loss_coef: weight of the per-layer router z-loss (0: none).
+        expert_bias_rate: step size of DeepSeek-V3's aux-loss-free expert bias (0: none; every
+            MoE router must hold ``e_score_correction_bias``); see the module doc.
         max_grad_norm: clip the gradients' global 2-norm (all stages, all meshes) to this; the
             norm before clipping is kept in ``last_grad_norm``.
         lr_scheduler: stepped after every optimizer step that was taken.
@@ -197,12 +247,13 @@ class TrainStep:
     ``last_lm_loss``, ``last_aux_loss`` and ``last_z_loss``): the mean over the global batch, a
     detached scalar equal on every rank (broadcast from the pipeline rank
     that computes it, averaged over the data-parallel ranks); no host sync unless loss scaling.
+    ``close()`` removes the step's hooks from the model (the step cannot run afterwards).
     """
 
     def __init__(self, model_or_stages, optimizer: torch.optim.Optimizer, *, microbatches: int | None = None,
                  loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, global_aux_loss: bool = False,
-                 z_loss_coef: float = 0.0, max_grad_norm: float | None = None, lr_scheduler=None,
-                 autocast_dtype: torch.dtype | None = None):
+                 z_loss_coef: float = 0.0, expert_bias_rate: float = 0.0, max_grad_norm: float | None = None,
+                 lr_scheduler=None, autocast_dtype: torch.dtype | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.pipelined = isinstance(model_or_stages, PipelineStages)
@@ -232,12 +283,14 @@ class TrainStep:
         self.loss_fn = CausalLMLoss()
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.steps_skipped = 0
-        for name, coef in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+        for name, coef in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
+                           ("expert_bias_rate", expert_bias_rate)):
             if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {coef!r}")
         if global_aux_loss and not aux_loss_coef:
             raise ValueError("global_aux_loss=True needs aux_loss_coef > 0")
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
+        self.expert_bias_rate = float(expert_bias_rate)
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                           or not max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
@@ -257,13 +310,43 @@ class TrainStep:
         self.forward_kwargs = {"use_cache": False} if hasattr(config, "use_cache") else {}
         modules = model_or_stages.modules if self.pipelined else [model_or_stages]
         self.aux = None
-        if self.aux_loss_coef or self.z_loss_coef:
-            self.aux = AuxLossHooks(modules, group=self.dp_group if global_aux_loss else None)
-        self.num_moe_layers = self._count_moe_layers()
-        if self.aux is not None and not self.num_moe_layers:
-            raise ValueError("aux_loss_coef or z_loss_coef > 0 needs MoE blocks (modules with a 'gate' router and "
-                             "'experts')")
+        losses = bool(self.aux_loss_coef or self.z_loss_coef)
+        if losses or self.expert_bias_rate:
+            self.aux = AuxLossHooks(modules, losses=losses, counts=bool(self.expert_bias_rate),
+                                    group=self.dp_group if global_aux_loss else None)
+        self.num_moe_layers = 0
+        if self.aux is not None:
+            try:
+                self.num_moe_layers = self._count_moe_layers()
+                if not self.num_moe_layers:
+                    needs = "aux_loss_coef or z_loss_coef" if losses else "expert_bias_rate"
+                    raise ValueError(f"{needs} > 0 needs MoE blocks (modules with a 'gate' router and 'experts')")
+                if self.expert_bias_rate:
+                    self._check_expert_bias()
+            except BaseException:
+                self.aux.close()  # a refused TrainStep leaves no hooks on the model
+                raise
+        self.closed = False
         self.last_lm_loss = self.last_aux_loss = self.last_z_loss = None
+
+    def _check_expert_bias(self) -> None:
+        for name, block in zip(self.aux.names, self.aux.blocks):
+            bias = getattr(block.gate, "e_score_correction_bias", None)
+            if not isinstance(bias, torch.Tensor) or bias.dim() != 1:
+                found = "none" if bias is None else (
+                    f"one of shape {tuple(bias.shape)}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+                )
+                raise ValueError(
+                    f"expert_bias_rate={self.expert_bias_rate} needs every MoE block's router to hold a 1-D "
+                    f"'e_score_correction_bias' (DeepSeek-V3's aux-loss-free bias); the gate of {name!r} "
+                    f"({type(block.gate).__name__}) has {found}"
+                )
+
+    def close(self) -> None:
+        """Remove this step's hooks from the model; the step cannot run afterwards."""
+        if self.aux is not None:
+            self.aux.close()
+        self.closed = True
 
     def _inputs(self, batch):
         if not isinstance(batch, dict) or "input_ids" not in batch:
@@ -291,6 +374,8 @@ class TrainStep:
         return ids, labels
 
     def __call__(self, batch) -> torch.Tensor:
+        if self.closed:
+            raise RuntimeError("this TrainStep was closed (its hooks are removed); build a new one")
         ids, labels = self._inputs(batch)
         self.loss_fn.normalizer = self._normalizer(labels)
         self.loss_fn.scale = self.scaler.scale if self.scaler else 1.0
@@ -298,10 +383,16 @@ class TrainStep:
             per_term = self.loss_fn.scale / (self.num_moe_layers * self.microbatches)
             self.aux.weights = (self.aux_loss_coef * per_term, self.z_loss_coef * per_term)
             self.aux.record.clear()
-        loss = self._pipelined(ids, labels) if self.pipelined else self._accumulated(ids, labels)
+            self.aux.active = True
+        try:
+            loss = self._pipelined(ids, labels) if self.pipelined else self._accumulated(ids, labels)
+        finally:
+            if self.aux is not None:
+                self.aux.active = False
+        records = self._step_records() if self.aux is not None else None
         parts = [loss / self.loss_fn.scale]
-        if self.aux is not None:
-            parts.extend(self._aux_mean(loss.device).unbind())
+        if self.aux is not None and self.aux.losses:
+            parts.extend(self._aux_mean(records, loss.device).unbind())
         if self.dp_group is not None:
             # The LM parts add up to the global mean (times dp); the aux parts are means of
             # equally many micro-batches per rank, so their mean is the global one.
@@ -309,7 +400,7 @@ class TrainStep:
             dist.all_reduce(summed, group=self.dp_group)
             parts = list((summed / self.dp).unbind())
         self.last_lm_loss = loss = parts[0]
-        if self.aux is not None:
+        if self.aux is not None and self.aux.losses:
             self.last_aux_loss, self.last_z_loss = parts[1], parts[2]
             loss = loss + self.aux_loss_coef * self.last_aux_loss + self.z_loss_coef * self.last_z_loss
         took_step = self.scaler.unscale_and_check(self.params) if self.scaler else True
@@ -317,6 +408,8 @@ class TrainStep:
             self.last_grad_norm = self._clip()
         if took_step:
             self.optimizer.step()
+            if self.expert_bias_rate:
+                self._update_expert_bias(records)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:
@@ -355,8 +448,6 @@ class TrainStep:
 
     def _count_moe_layers(self) -> int:
         """MoE layers of the whole model (on every pipeline stage): the aux loss is their mean."""
-        if self.aux is None:
-            return 0
         local = len(self.aux.blocks)
         if not self.pipelined:
             return local
@@ -365,23 +456,45 @@ class TrainStep:
         # host sync: once, at construction.
         return int(count.item())
 
-    def _aux_mean(self, device) -> torch.Tensor:
-        """The step's (aux loss, z-loss), means over layers and micro-batches, summed over the
-        pipeline.
-        Each micro-batch's backward records each local layer once; torch's pipelining (2.12+)
+    def _step_records(self) -> list[_Record]:
+        """The step's records: one per local MoE layer and micro-batch. torch's pipelining (2.12+)
         also runs one forward and backward before the first step to infer the stages' shapes,
         whose records come first and are not the step's, so the last ones are kept."""
-        expected = len(self.aux.blocks) * self.microbatches
-        if len(self.aux.record) < expected:
+        blocks = len(self.aux.blocks)
+        expected = blocks * self.microbatches
+        records = self.aux.record[max(len(self.aux.record) - expected, 0):]
+        per_block = collections.Counter(r.block for r in records)
+        if len(records) < expected or any(per_block[i] != self.microbatches for i in range(blocks)):
             raise RuntimeError(
-                f"the aux loss was recorded {len(self.aux.record)} times this step, expected {expected} "
-                f"({len(self.aux.blocks)} MoE layers x {self.microbatches} micro-batches)"
+                f"the MoE layers were recorded {len(self.aux.record)} times this step, expected {expected} "
+                f"({blocks} MoE layers x {self.microbatches} micro-batches), the last {expected} of them once per "
+                f"layer and micro-batch"
             )
-        records = self.aux.record[len(self.aux.record) - expected:]
-        total = torch.stack(records).sum(0).to(device) if records else torch.zeros(2, device=device)
+        return records
+
+    def _aux_mean(self, records: list[_Record], device) -> torch.Tensor:
+        """The step's (aux loss, z-loss), means over layers and micro-batches, summed over the
+        pipeline."""
+        terms = [r.terms for r in records]
+        total = torch.stack(terms).sum(0).to(device) if terms else torch.zeros(2, device=device)
         if self.pipelined:
             dist.all_reduce(total, group=self.target.group)
         return total / (self.num_moe_layers * self.microbatches)
+
+    def _update_expert_bias(self, records: list[_Record]) -> None:
+        """Every local block's bias moved by its step's load: the routed pairs of all its
+        micro-batches, summed over the data-parallel ranks (one all-reduce for all layers), so that
+        every rank applies the same update. A pipeline rank updates its own stages' blocks; the
+        data-parallel peers of a stage hold the same blocks, so the collective matches."""
+        if not self.aux.blocks:
+            return
+        counts = [[] for _ in self.aux.blocks]
+        for r in records:
+            counts[r.block].append(r.counts_E)
+        # float64: integer counts stay exact however many tokens a step routes.
+        load = [torch.stack(c).to(torch.float64).sum(0) for c in counts]
+        biases = [block.gate.e_score_correction_bias for block in self.aux.blocks]
+        update_expert_bias_(biases, load, rate=self.expert_bias_rate, group=self.dp_group)
 
     def _accumulated(self, ids, labels) -> torch.Tensor:
         total = torch.zeros((), device=ids.device)

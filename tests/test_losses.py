@@ -1,7 +1,8 @@
 """Load-balancing losses against transformers' own ``load_balancing_loss_func`` in float64, on
 one process and on 2 gloo ranks (global counts: each rank's value must be the loss of the whole
 batch, and the gradient averaged over ranks the whole batch's gradient), plus the z-loss and the
-expert-bias update (identical on every rank, equal to the one-process update)."""
+expert-bias update (identical on every rank, equal to the one-process update; several layers in
+one call, each balanced on its own)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,17 @@ def test_expert_counts_and_bias_update_one_process():
     assert masked.tolist() == [2, 2, 0, 0]
 
 
+def test_bias_update_of_several_layers_balances_each_on_its_own():
+    biases = [torch.zeros(4), torch.ones(4, dtype=torch.float64)]
+    counts = [torch.tensor([3.0, 2, 1, 0]), torch.tensor([0.0, 0, 0, 8])]
+    kept = [c.clone() for c in counts]
+    returned = update_expert_bias_(biases, counts, rate=0.1)
+    assert len(returned) == 2 and all(r is b for r, b in zip(returned, biases))
+    assert torch.allclose(biases[0], torch.tensor([-0.1, -0.1, 0.1, 0.1]))
+    assert torch.equal(biases[1], torch.tensor([1.1, 1.1, 1.1, 0.9], dtype=torch.float64))
+    assert all(torch.equal(c, k) for c, k in zip(counts, kept))
+
+
 @pytest.mark.parametrize(
     "call, error, pattern",
     [
@@ -80,6 +92,11 @@ def test_expert_counts_and_bias_update_one_process():
         (lambda: load_balancing_loss([torch.zeros(4, 6, dtype=torch.long)], 2), TypeError, "must be a float tensor"),
         (lambda: update_expert_bias_(torch.zeros(4), torch.zeros(3), rate=0.1), ValueError, "counts must have the shape of bias"),
         (lambda: update_expert_bias_(torch.zeros(4), torch.zeros(4), rate=-1), ValueError, "rate must be a non-negative number"),
+        (lambda: update_expert_bias_([torch.zeros(4)] * 2, [torch.zeros(4)], rate=0.1), ValueError,
+         r"counts must give one tensor per bias \(2\), got 1"),
+        (lambda: update_expert_bias_([torch.zeros(4), torch.zeros(4)], [torch.zeros(4), torch.zeros(3)], rate=0.1),
+         ValueError, r"counts\[1\] must have the shape of bias\[1\] \(4,\), got \(3,\)"),
+        (lambda: update_expert_bias_([], [], rate=0.1), ValueError, "bias must be a tensor or a non-empty sequence"),
     ],
 )
 def test_errors(call, error, pattern):
@@ -120,6 +137,14 @@ def _global(rank: int, world: int) -> dict:
     out["bias_identical"] = all(torch.equal(b, everyone[0]) for b in everyone)
     out["bias_matches_one_process"] = torch.equal(bias, one_process)
     out["bias_moved"] = not torch.equal(bias, torch.linspace(-0.2, 0.2, E))
+    # Several layers in one all-reduce: each as if updated alone on the whole batch.
+    layers = [torch.linspace(-0.2, 0.2, E), torch.zeros(E)]
+    layer_counts = [counts, counts.flip(0) * (1 + rank)]
+    update_expert_bias_(layers, layer_counts, rate=0.01, group=dist.group.WORLD)
+    flipped = [c.flip(0) * (1 + r) for r, c in enumerate(all_counts)]
+    alone = [update_expert_bias_(torch.linspace(-0.2, 0.2, E), sum(all_counts), rate=0.01),
+             update_expert_bias_(torch.zeros(E), sum(flipped), rate=0.01)]
+    out["layers_match_one_process"] = all(torch.equal(b, a) for b, a in zip(layers, alone))
     return out
 
 
@@ -137,3 +162,4 @@ def test_global_aux_loss_is_the_whole_batch_loss(two_ranks, masked):
 def test_expert_bias_identical_on_every_rank(two_ranks):
     for result in two_ranks:
         assert result["bias_identical"] and result["bias_matches_one_process"] and result["bias_moved"]
+        assert result["layers_match_one_process"]

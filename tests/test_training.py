@@ -1,12 +1,18 @@
 """moe_ep.training.TrainStep in one process: what it refuses before any work, and the forward
-options the example's single-process runs use (autocast, no key/value cache). The losses of
-every layout against float64 are in test_pipeline.py."""
+options the example's single-process runs use (autocast, no key/value cache); the aux-loss-free
+expert bias against a hand-computed update (with activation checkpointing), and on 2 gloo ranks
+(data-parallel, and pipeline stages) against one process on the whole batch; TrainSteps
+sharing a model or pipeline stages without leaking hooks or loss functions into each other. The
+losses of every layout against float64 are in test_pipeline.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import torch.distributed as dist
+
+from dist_utils import run_ranks
 from hf_models import tiny_batch, tiny_config, tiny_model
 
 TINY = dict(num_hidden_layers=2, num_local_experts=4, intermediate_size=24)
@@ -65,3 +71,184 @@ def test_autocast_forward_without_cache():
     assert all(p.dtype == torch.float32 for p in model.parameters())
     with pytest.raises(TypeError, match="autocast_dtype must be a floating torch.dtype or None, got 'bf16'"):
         TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), autocast_dtype="bf16")
+
+
+# DeepSeek-V3 with a dense first layer: MoE blocks at layers 1 and 2 (8 experts, top-3, biased choice).
+DSV3 = dict(num_hidden_layers=3)
+RATE, DSV3_LR = 0.01, 1e-2
+
+
+def _dsv3(seed=0):
+    return tiny_model("deepseek_v3", dtype=torch.float64, seed=seed, **DSV3).train()
+
+
+def _dsv3_batch(batch=8, seed=3):
+    return tiny_batch(tiny_config("deepseek_v3", **DSV3), batch=batch, seq=5, seed=seed)
+
+
+def _biases(modules) -> list[torch.Tensor]:
+    return [m.gate.e_score_correction_bias.clone() for root in modules for m in root.modules()
+            if type(m).__name__ == "DeepseekV3MoE"]
+
+
+def _hand_update(model, ids) -> list[torch.Tensor]:
+    """Each MoE layer's bias after one update on ``ids``: the routers' choices counted per expert
+    by hand, then ``bias + RATE`` below the mean load, ``- RATE`` above it."""
+    chosen = []
+    routers = [m.gate for m in model.modules() if type(m).__name__ == "DeepseekV3MoE"]
+    handles = [r.register_forward_hook(lambda mod, args, out: chosen.append(out[2])) for r in routers]
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for h in handles:
+        h.remove()
+    updated = []
+    for router, idx in zip(routers, chosen):
+        load = [int((idx == e).sum()) for e in range(router.e_score_correction_bias.numel())]
+        mean = sum(load) / len(load)
+        delta = [RATE if n < mean else -RATE if n > mean else 0.0 for n in load]
+        updated.append(router.e_score_correction_bias + torch.tensor(delta, dtype=torch.float64))
+    return updated
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_expert_bias_follows_each_steps_routed_load(checkpointing):
+    """Two AdamW steps of 2 micro-batches: after each, every MoE layer's bias is the hand-computed
+    update from that step's routing (parameters and bias as the step found them); each layer and
+    micro-batch is recorded once, recompute or not."""
+    from moe_ep.parallel.parallelize import enable_activation_checkpointing
+    from moe_ep.training import TrainStep
+
+    model = _dsv3()
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    batch = _dsv3_batch()
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=DSV3_LR), microbatches=2,
+                     expert_bias_rate=RATE)
+    start = _biases([model])
+    for _ in range(2):
+        expected = _hand_update(model, batch["input_ids"])
+        step(batch)
+        assert all(torch.equal(b, e) for b, e in zip(_biases([model]), expected))
+        assert len(step.aux.record) == 2 * 2  # MoE layers x micro-batches
+        tokens_mb = batch["input_ids"].numel() // 2
+        assert all(r.counts_E.sum() == tokens_mb * model.config.num_experts_per_tok for r in step.aux.record)
+    assert not any(torch.equal(b, s) for b, s in zip(_biases([model]), start))
+
+
+def test_expert_bias_refused_without_a_correction_bias():
+    from moe_ep.training import TrainStep
+
+    model = _model()
+    hooks = [len(m._forward_hooks) for m in model.modules()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    message = (r"expert_bias_rate=0.01 needs every MoE block's router to hold a 1-D 'e_score_correction_bias' "
+               r"\(DeepSeek-V3's aux-loss-free bias\); the gate of 'model.layers.0.mlp' \(MixtralTopKRouter\) has none")
+    with pytest.raises(ValueError, match=message):
+        TrainStep(model, opt, expert_bias_rate=0.01)
+    assert [len(m._forward_hooks) for m in model.modules()] == hooks  # refused: no hooks left behind
+    dense = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="expert_bias_rate > 0 needs MoE blocks"):
+        TrainStep(dense, torch.optim.SGD(dense.parameters(), lr=0.1), expert_bias_rate=0.01)
+    with pytest.raises(ValueError, match="expert_bias_rate must be a number >= 0, got -0.1"):
+        TrainStep(model, opt, expert_bias_rate=-0.1)
+
+
+def test_train_steps_sharing_a_model_keep_their_hooks_apart():
+    """Hooks act only in their own TrainStep's step: a second step on the same model neither
+    fails on the first one's hooks nor receives its aux-loss gradient; ``close`` removes them."""
+    from moe_ep.training import TrainStep
+
+    model = _model()
+    batch = tiny_batch(tiny_config("mixtral", **TINY), batch=4, seq=6)
+    hooks = sum(len(m._forward_hooks) for m in model.modules())
+    a = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), aux_loss_coef=0.5)
+    b = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), aux_loss_coef=0.1, microbatches=2)
+    c = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    loss_a = a(batch)
+    records_a = list(a.aux.record)
+    loss_b, loss_c = b(batch), c(batch)
+    model(input_ids=batch["input_ids"]).logits.sum().backward()  # a forward outside any step
+    assert a.aux.record == records_a and len(b.aux.record) == 2 * 2  # layers x b's micro-batches
+    torch.testing.assert_close(a.last_lm_loss, loss_c, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss_a - 0.5 * a.last_aux_loss, loss_b - 0.1 * b.last_aux_loss, rtol=1e-6, atol=0)
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks + 2 * 2 * 2  # a's and b's: router, block
+    a.close()
+    b.close()
+    c.close()
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks
+    with pytest.raises(RuntimeError, match="this TrainStep was closed"):
+        a(batch)
+
+
+def _one_stage(model):
+    """``model`` as a one-stage pipeline on a one-rank gloo group (the caller's, in this process)."""
+    from moe_ep.parallel.pipeline import build_pipeline
+
+    return build_pipeline(model, dist.group.WORLD, schedule="gpipe", microbatches=2, split_points=[])
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_train_steps_sharing_pipeline_stages_use_their_own_loss(one_rank):
+    """The stages' schedule is built once; each TrainStep's steps must still use its own loss
+    function (here: its own loss scale), in any order."""
+    from moe_ep.training import TrainStep
+
+    stages = _one_stage(_model())
+    batch = tiny_batch(tiny_config("mixtral", **TINY), batch=4, seq=6)
+    plain = TrainStep(stages, torch.optim.SGD(stages.parameters(), lr=0.0))
+    scaled = TrainStep(stages, torch.optim.SGD(stages.parameters(), lr=0.0), loss_scale=4.0)
+    losses = [plain(batch), scaled(batch), plain(batch)]
+    assert losses[0] > 0 and all(torch.equal(loss, losses[0]) for loss in losses)
+    with pytest.raises(TypeError, match="loss_fn must be callable as loss_fn\\(logits, labels\\), got str"):
+        stages.schedule("cross-entropy")
+
+
+def _expert_bias_two_ranks(rank, world):
+    """(biases after 2 steps with FSDP2 over dp_shard=2, each rank holding half the batch;
+    this rank's stage's biases after 2 steps as one of 2 pipeline stages, with the whole batch;
+    the records of the pipeline's first step, shape inference included)."""
+    import moe_ep
+    from moe_ep.parallel.pipeline import build_pipeline
+    from moe_ep.training import TrainStep
+
+    model = moe_ep.parallelize(_dsv3(), dp_shard=world, activation_checkpointing=True)
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=DSV3_LR), microbatches=2, expert_bias_rate=RATE)
+    batch = {k: v.chunk(world)[rank] for k, v in _dsv3_batch().items()}
+    for _ in range(2):
+        step(batch)
+    # Layers 0-1 (dense, MoE) on stage 0, layer 2 (MoE) on stage 1.
+    stages = build_pipeline(_dsv3(), dist.group.WORLD, schedule="1f1b", microbatches=2, split_points=[2])
+    piped = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=DSV3_LR), expert_bias_rate=RATE)
+    piped(_dsv3_batch())
+    first_records = len(piped.aux.record)
+    piped(_dsv3_batch())
+    # floats: tensors would travel through shared memory that dies with the rank
+    return [b.tolist() for b in _biases([model])], [b.tolist() for b in _biases(stages.modules)], first_records
+
+
+def test_expert_bias_identical_on_data_parallel_ranks_and_equal_to_one_process():
+    """2 gloo ranks, against one process stepping on the whole batch for 2 steps: with FSDP2
+    (dp_shard=2, activation checkpointing) and half the batch each, every rank holds the same
+    biases, the one-process ones; as 2 pipeline stages, each rank holds its layer's. torch's
+    pipelining runs an extra forward and backward to infer shapes before the first step: its
+    records must not count."""
+    from moe_ep.training import TrainStep
+
+    ranks = run_ranks(_expert_bias_two_ranks, 2)
+    model = _dsv3()
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=DSV3_LR), microbatches=4,
+                     expert_bias_rate=RATE)
+    for _ in range(2):
+        step(_dsv3_batch())
+    expected = [b.tolist() for b in _biases([model])]
+    assert [dp for dp, _, _ in ranks] == [expected, expected]
+    assert [pp for _, pp, _ in ranks] == [[expected[0]], [expected[1]]]
+    assert max(r for _, _, r in ranks) > 2  # the shape inference did record: the case is exercised

@@ -107,6 +107,16 @@ class CausalLMStage(nn.Module):
         return hidden
 
 
+class _LatestLoss:
+    """The loss function the schedule calls: the one ``PipelineStages.schedule`` got last. A
+    separate object, so that the schedule holds no reference back to the stages."""
+
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.fn(logits, labels)
+
+
 @dataclass
 class PipelineStages:
     """This rank's share of a pipeline: stage modules (in stage order), their torch
@@ -123,6 +133,7 @@ class PipelineStages:
     # (stage that shards a tied parameter, later stage of this rank that uses it), by stage id.
     tied_stages: tuple[tuple[int, int], ...] = ()
     _schedule: object = field(default=None, repr=False)
+    _loss: _LatestLoss = field(default_factory=_LatestLoss, repr=False)
 
     @property
     def num_stages(self) -> int:
@@ -167,16 +178,22 @@ class PipelineStages:
         return self
 
     def schedule(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        """The torch schedule over these stages with ``loss_fn(logits, labels)``; built once.
-        Gradients are not divided by the number of micro-batches: ``loss_fn`` normalises by the
-        tokens of the whole step (moe_ep.training.CausalLMLoss)."""
+        """The torch schedule over these stages, computing the loss with ``loss_fn(logits, labels)``
+        until the next call gives another (so every TrainStep on these stages calls this before
+        each of its steps). The schedule is built once: it holds the stages' communication set-up
+        and shape inference, which a second schedule would redo on the same stages; it calls the
+        loss through ``_LatestLoss``. Gradients are not divided by the number of micro-batches:
+        ``loss_fn`` normalises by the tokens of the whole step (moe_ep.training.CausalLMLoss)."""
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(logits, labels), got {type(loss_fn).__name__}")
+        self._loss.fn = loss_fn
         if self._schedule is None:
             from torch.distributed.pipelining import schedules
 
             info = schedule_info(self.schedule_name)
             cls = getattr(schedules, info.torch_class)
             stages = self.stages[0] if info.stages_per_rank == 1 else self.stages
-            schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
             _check_tied_order(schedule, self.pp_rank, self.tied_stages)
             self._schedule = schedule
         return self._schedule
