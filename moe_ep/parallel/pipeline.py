@@ -92,10 +92,9 @@ class CausalLMStage(nn.Module):
         hidden = trunk.embed_tokens(x) if self.first else x
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         position_embeddings = trunk.rotary_emb(hidden, position_ids)
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-            position_ids=position_ids,
-        )
+        # The (absent) cache goes positionally: transformers 5.17 names it past_key_values, later
+        # releases cache and warn about the old name.
+        mask = create_causal_mask(self.config, hidden, None, None, position_ids=position_ids)
         for layer in trunk.layers.values():
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
                            position_embeddings=position_embeddings)
