@@ -44,8 +44,9 @@ PLANNED = ["--plan", "--gpu-memory-gib", "1", "--global-batch-tokens", "512"]
 PIPELINE_BATCH = 8
 
 
-def env():
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+def env(**extra: str):
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+             **extra)
     e.pop("WORLD_SIZE", None)
     e.pop("RANK", None)
     return e
@@ -127,18 +128,18 @@ def test_two_process_launch_trains_and_matches_one_process(reference, tmp_path):
 
 def test_killed_run_resumes_onto_the_same_losses_bit_for_bit(reference, tmp_path):
     out = tmp_path / "killed"
-    proc = subprocess.Popen(accelerate_cmd(out), env=env(), cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # checkpoint.py's test hook: both ranks stop inside the step-4 save, their shards and RNG
+    # states written into the .tmp- folder, the folder not yet renamed; the run is killed there.
+    proc = subprocess.Popen(accelerate_cmd(out), env=env(MIXTRAL_EXAMPLE_TEST_PAUSE_IN_CHECKPOINT="4"), cwd=ROOT,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     partial = out / "checkpoints" / ".tmp-step_00000004"
+    paused = [partial / f"paused-rank{r:05d}" for r in range(2)]
     deadline = time.monotonic() + 240
     try:
-        # Kill the whole launch the moment the step-4 checkpoint is being written (or, if that write
-        # was too quick to see, as soon as step 5 is logged).
-        while time.monotonic() < deadline and proc.poll() is None:
-            if partial.exists() or (out / "metrics.jsonl").exists() and 5 in losses(out):
-                break
-            time.sleep(0.005)
+        while time.monotonic() < deadline and proc.poll() is None and not all(p.exists() for p in paused):
+            time.sleep(0.05)
         assert proc.poll() is None, proc.stdout.read()
+        assert all(p.exists() for p in paused), "the run did not reach the step-4 checkpoint in time"
         # torchrun starts its workers in their own sessions: kill the launcher's whole tree by pid.
         tree = psutil.Process(proc.pid).children(recursive=True)
         for p in tree:
@@ -147,15 +148,12 @@ def test_killed_run_resumes_onto_the_same_losses_bit_for_bit(reference, tmp_path
         psutil.wait_procs(tree, timeout=30)
     finally:
         proc.wait(timeout=30)
-    killed_mid_write = partial.exists()
-    before = losses(out)
-    assert max(before) < STEPS
+    assert (partial / ".metadata").is_file() and not (out / "checkpoints" / "step_00000004").exists()
+    assert max(losses(out)) == 4
 
     log = run(accelerate_cmd(out))
-    resumed_from = 2 if killed_mid_write else 4
-    assert f"resumed from {out / 'checkpoints' / f'step_{resumed_from:08d}'} at step {resumed_from}" in log
-    if killed_mid_write:
-        assert "removed 1 incomplete checkpoint(s) left by an interrupted write or deletion: .tmp-step_00000004" in log
+    assert f"resumed from {out / 'checkpoints' / 'step_00000002'} at step 2" in log
+    assert "removed 1 incomplete checkpoint(s) left by an interrupted write or deletion: .tmp-step_00000004" in log
     assert losses(out) == losses(reference[0])  # exact float equality, every step
 
 
@@ -259,7 +257,8 @@ def test_resuming_with_other_data_is_refused(reference, tmp_path, capsys):
     assert train_in_process(argv) == 2
     err = capsys.readouterr().err
     assert f"--resume {ckpt}: the checkpoint was trained on other data or another global batch" in err
-    assert not (tmp_path / "other" / "checkpoints").exists()
+    assert "global_batch: 4 then, 3 now" in err
+    assert not (tmp_path / "other").exists()  # refused before the data was tokenized
 
 
 # ------------------------------------------------------------------------------- pipeline stages

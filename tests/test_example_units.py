@@ -29,8 +29,8 @@ def test_byte_tokenizer_round_trip_and_specials():
     tok = data.ByteTokenizer()
     text = "def f(x):\n    return 'ünï'  # ✓\n"
     ids = tok.encode(text)
-    assert ids.max() < 256 and tok.decode(ids) == text
-    assert {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id} == {256, 257, 258}
+    assert ids.max() < 256 and bytes(ids.tolist()).decode("utf-8") == text
+    assert (tok.bos_token_id, tok.eos_token_id) == (256, 257)
     assert tok.vocab_size == 259 <= tiny_config().vocab_size
 
 
@@ -64,7 +64,8 @@ def test_packing_frames_documents_and_drops_the_tail(tmp_path):
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "xy"}) + "\n\n" + json.dumps({"text": "z"}) + "\n")
     spec = data.resolve_data([str(tmp_path)], "text")
     tok = data.ByteTokenizer()
-    tokens = data.cached_tokens(spec, tok, tmp_path / "cache", is_local_main=True, barrier=lambda: None)
+    cache_file = data.token_cache_file(spec, tok, tmp_path / "cache", None)
+    tokens = data.cached_tokens(spec, tok, cache_file, is_local_main=True, barrier=lambda: None)
     B, E = tok.bos_token_id, tok.eos_token_id
     assert tokens.tolist() == [B, *b"abc", E, B, *b"xy", E, B, *b"z", E]
     packed = data.PackedSequences(tokens, 4)
@@ -72,8 +73,29 @@ def test_packing_frames_documents_and_drops_the_tail(tmp_path):
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"tokens-{data.corpus_key(spec, tok, None)}.npy"]
 
 
-def test_corpus_smaller_than_a_batch_is_an_error():
-    with pytest.raises(UsageError, match="fewer than one global batch of 8"):
+@pytest.mark.parametrize("max_tokens", [None, 3, 7, 12, 100])
+@pytest.mark.parametrize("checksum_tokens", [1 << 20, 6])
+def test_survey_counts_the_byte_token_stream_before_tokenizing(max_tokens, checksum_tokens, tmp_path, monkeypatch):
+    """The figures that validate checks (corpus size, a resume's data) are those of the token
+    stream the run trains on, the cap and the checksum's reach cutting inside a document or not."""
+    monkeypatch.setattr(data, "CHECKSUM_TOKENS", checksum_tokens)
+    (tmp_path / "a.txt").write_text("abc\r\nü")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "xy"}) + "\n" + json.dumps({"text": "z"}) + "\n")
+    spec = data.resolve_data([str(tmp_path)], "text")
+    tok = data.ByteTokenizer()
+    cache_file = data.token_cache_file(spec, tok, tmp_path / "cache", max_tokens)
+    surveyed = data.survey_corpus(spec, tok, cache_file, max_tokens)
+    assert not cache_file.exists()
+    tokens = data.cached_tokens(spec, tok, cache_file, is_local_main=True, barrier=lambda: None, max_tokens=max_tokens)
+    assert surveyed == data.corpus_stats(tokens)
+    assert tokens[1:8].tolist() == [*b"abc\r\n", 0xC3, 0xBC][: len(tokens) - 1]  # the file's bytes, CRLF kept
+    # Once the cache exists it vouches for the files, which are not read again.
+    monkeypatch.setattr(data, "iter_documents", None)
+    assert data.survey_corpus(spec, tok, cache_file, max_tokens) == surveyed
+
+
+def test_schedule_needs_one_global_batch():
+    with pytest.raises(ValueError, match="num_sequences=5 must be >= global_batch=8"):
         data.BatchSchedule(5, 8, 0, 2, seed=0)
 
 
@@ -115,6 +137,61 @@ def test_jsonl_without_the_text_field(tmp_path, capsys):
 def test_jsonl_that_is_not_json(tmp_path, capsys):
     (tmp_path / "d.jsonl").write_text("{not json\n")
     assert "d.jsonl:1 is not valid JSON" in run_main(["--data", str(tmp_path / "d.jsonl")], tmp_path, capsys)
+
+
+def test_every_jsonl_line_is_checked_before_any_work(tmp_path, capsys):
+    good = json.dumps({"text": "x" * 300}) + "\n"
+    (tmp_path / "d.jsonl").write_text(good * 20 + "\n" + json.dumps({"body": "y"}) + "\n" + good)
+    err = run_main(["--data", str(tmp_path / "d.jsonl")], tmp_path, capsys)
+    assert "d.jsonl:22 has no string field 'text' (--text-field); it has ['body']" in err
+    (tmp_path / "d.jsonl").write_text(good * 3 + "{broken\n")
+    assert "d.jsonl:4 is not valid JSON" in run_main(["--data", str(tmp_path / "d.jsonl")], tmp_path, capsys)
+    (tmp_path / "d.jsonl").write_text(good + '{"text": "half of a pair \\ud83d"}\n')
+    err = run_main(["--data", str(tmp_path / "d.jsonl")], tmp_path, capsys)
+    assert "d.jsonl:2, field 'text' holds a lone surrogate (\\ud83d at character 15), which is not Unicode text" in err
+    (tmp_path / "d.jsonl").write_text("")
+    assert "--data: no documents in 1 file(s)" in run_main(["--data", str(tmp_path / "d.jsonl")], tmp_path, capsys)
+
+
+def test_text_that_is_not_utf8_is_refused_with_its_byte_offset(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_bytes("naïve text\n".encode("latin-1"))
+    err = run_main(["--data", str(tmp_path / "notes.txt")], tmp_path, capsys)
+    assert "notes.txt is not UTF-8: byte offset 2 of the file (invalid continuation byte, byte 0xef)" in err
+    line = (json.dumps({"text": "ok"}) + "\n").encode()
+    (tmp_path / "d.jsonl").write_bytes(line * 2 + b'{"text": "caf\xe9"}\n')
+    err = run_main(["--data", str(tmp_path / "d.jsonl")], tmp_path, capsys)
+    assert f"d.jsonl:3 is not UTF-8: byte offset {2 * len(line) + 13} of the file" in err
+
+
+def test_corpus_smaller_than_a_global_batch_stops_before_any_work(tmp_path, capsys):
+    (tmp_path / "small.txt").write_text("x" * 1000)
+    err = run_main(["--data", str(tmp_path / "small.txt"), "--seq-len", "300", "--micro-batch-size", "2"],
+                   tmp_path, capsys, world_size=2)
+    assert ("--data: the corpus's 1,002 tokens pack into 3 sequence(s) of --seq-len 300, fewer than one global "
+            "batch of 4; give more data, a shorter --seq-len or a smaller batch") in err
+
+
+def fake_datasets(records, monkeypatch):
+    """A stand-in for the `datasets` package (not installed, and offline here) streaming ``records``."""
+    import importlib.machinery
+    import types
+
+    module = types.ModuleType("datasets")
+    module.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
+    module.load_dataset = lambda name, config, split, streaming: iter(records)
+    monkeypatch.setitem(sys.modules, "datasets", module)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+
+
+def test_hf_dataset_without_the_text_field_stops_before_any_work(tmp_path, capsys, monkeypatch):
+    fake_datasets([{"body": "hello"}], monkeypatch)
+    err = run_main(["--data", "hf:someone/corpus"], tmp_path, capsys)
+    assert ("--data hf:someone/corpus:train: records have no string field 'text' (--text-field); "
+            "they have ['body']") in err
+    fake_datasets([], monkeypatch)
+    assert "--data hf:someone/corpus:test: the split 'test' holds no records" in run_main(
+        ["--data", "hf:someone/corpus::test"], tmp_path, capsys)
 
 
 def test_sequence_longer_than_the_model(tmp_path, capsys):
@@ -186,10 +263,35 @@ def test_bad_model_and_values(tmp_path, capsys):
     assert "--warmup-steps (20) must be smaller than --steps (5)" in run_main(["--steps", "5"], tmp_path, capsys)
     assert "is not a checkpoint folder" in run_main(["--resume", str(tmp_path / "none")], tmp_path, capsys)
     assert "--plan chooses the layout itself; do not also give --ep" in run_main(["--plan", "--ep", "2"], tmp_path, capsys)
+
+
+def test_tensorboard_without_the_package(tmp_path, capsys, monkeypatch):
     import importlib.util
 
-    if importlib.util.find_spec("tensorboard") is None:
-        assert "--tensorboard needs the `tensorboard` package" in run_main(["--tensorboard"], tmp_path, capsys)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
+    err = run_main(["--tensorboard"], tmp_path, capsys)
+    assert "error: --tensorboard needs the `tensorboard` package (pip install tensorboard)" in err
+
+
+def test_tensorboard_logs_the_step_and_the_expert_load(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import metrics
+
+    reporter = metrics.Reporter(tmp_path, enabled=True, total_steps=2, progress=False, tensorboard=True)
+    for step, loss in ((1, 2.5), (2, 2.25)):
+        reporter.step({"step": step, "loss": loss, "aux_loss": 0.125, "z_loss": None, "grad_norm": 1.0, "lr": 1e-3,
+                       "tokens_per_s": 100.0, "mfu": None}, torch.tensor([[1.0, 3.0], [2.0, 2.0]]))
+    reporter.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert sorted(events.Tags()["scalars"]) == [
+        "expert_load_max_over_mean/layer0", "expert_load_max_over_mean/layer1", "train/aux_loss", "train/grad_norm",
+        "train/loss", "train/lr", "train/tokens_per_s"]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 2.5), (2, 2.25)]
+    assert [e.value for e in events.Scalars("expert_load_max_over_mean/layer0")] == [1.5, 1.5]
 
 
 # -------------------------------------------------------------------------------- checkpoints
@@ -320,6 +422,72 @@ def test_interrupted_prune_replace_and_overwrite_never_expose_a_partial_checkpoi
     assert names(tmp_path / "out") == []
 
 
+def test_resume_on_other_data_or_without_its_rng_states_stops_before_any_work(tmp_path, capsys, monkeypatch):
+    """The data identity of a checkpoint is compared, and its ranks' RNG files looked for, before
+    anything is tokenized or written."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("x" * 2000)
+    argv = ["--data", str(corpus), "--seq-len", "64", "--micro-batch-size", "2"]
+    _, checked = validate_with_world(argv, 1, monkeypatch, tmp_path)
+    assert checked.identity == {"corpus_tokens": 2002, "token_sum": 256 + 2000 * ord("x") + 257, "seq_len": 64,
+                                "global_batch": 2, "seed": 0, "tokenizer": "byte"}
+    model, opt = tiny_model_and_optimizer()
+    trainer_state = {"step": 4, "world_size": 1, "data": checked.identity}
+    saved = ckpt.save_checkpoint(tmp_path / "saved", 4, model, opt, trainer_state, rank=0, barrier=lambda: None, keep=1)
+    assert train.validate(train.build_parser().parse_args(
+        ["--experts-implementation", "eager", "--output-dir", str(tmp_path / "out"), *argv, "--resume", str(saved)]
+    )).resume == saved
+
+    corpus.write_text("x" * 2100)
+    err = run_main([*argv, "--resume", str(saved)], tmp_path, capsys)
+    assert (f"--resume {saved}: the checkpoint was trained on other data or another global batch (corpus_tokens: 2002 "
+            "then, 2102 now; token_sum: ") in err
+    err = run_main([*argv, "--micro-batch-size", "3", "--resume", str(saved)], tmp_path, capsys)
+    assert "global_batch: 2 then, 3 now" in err
+
+    ckpt.rng_file(saved, 0).unlink()
+    err = run_main([*argv, "--resume", str(saved)], tmp_path, capsys)
+    assert f"--resume: {saved} was saved by 1 ranks but lacks rng-rank00000.pt; the checkpoint is damaged" in err
+    with pytest.raises(UsageError, match="lacks rng-rank00000.pt"):
+        ckpt.load_checkpoint(saved, model, opt, rank=0, world_size=1)
+    # At another world size no rank's stream is restored, and none is looked for.
+    assert ckpt.load_checkpoint(saved, model, opt, rank=0, world_size=2)["step"] == 4
+
+
+def test_export_replaces_an_existing_folder_whole(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    import export
+
+    model, opt = tiny_model_and_optimizer()
+    saved = ckpt.save_checkpoint(tmp_path / "checkpoints", 1, model, opt, {"step": 1, "world_size": 1, "data": {}},
+                                 rank=0, barrier=lambda: None, keep=1, config=model.config)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "stale.txt").write_text("from an earlier export")
+    # Killed between moving the old folder aside and renaming the new one in: no partial folder
+    # under the name, only the two whole ones beside it.
+    real_rename = os.rename
+
+    def crash(src, dst):
+        if Path(src).name == ".tmp-hf":
+            raise KeyboardInterrupt("killed")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(export.os, "rename", crash)
+    with pytest.raises(KeyboardInterrupt):
+        export.export_hf(saved, out)
+    monkeypatch.undo()
+    assert names(tmp_path) == [".tmp-hf", ".trash-hf", "checkpoints"]
+    assert (tmp_path / ".trash-hf" / "stale.txt").is_file() and (tmp_path / ".tmp-hf" / "model.safetensors").is_file()
+
+    assert export.export_hf(saved, out) == out
+    assert names(tmp_path) == ["checkpoints", "hf"] and not (out / "stale.txt").exists()
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert exported.keys() == model.state_dict().keys()
+    assert all(torch.equal(t, model.state_dict()[name]) for name, t in exported.items())
+
+
 # ------------------------------------------------------------------------------ pretrained slices
 
 
@@ -417,20 +585,21 @@ def test_delayed_init_is_deterministic_and_breaks_expert_symmetry():
 # ------------------------------------------------------------------------------------ --plan
 
 
-def validate_with_world(argv, world_size, monkeypatch):
+def validate_with_world(argv, world_size, monkeypatch, tmp_path, local_world_size=None):
     from options import build_parser
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size or world_size))
     monkeypatch.setenv("RANK", "0")
-    args = build_parser().parse_args(["--experts-implementation", "eager", *argv])
+    args = build_parser().parse_args(
+        ["--experts-implementation", "eager", "--output-dir", str(tmp_path / "out"), *argv])
     return args, train.validate(args)
 
 
-def test_plan_chooses_a_layout_for_the_launched_processes(monkeypatch):
+def test_plan_chooses_a_layout_for_the_launched_processes(monkeypatch, tmp_path):
     args, (_, _, _, _, layout, plan, *_) = validate_with_world(
-        ["--plan", "--gpu-memory-gib", "80", "--global-batch-tokens", "4096", "--seq-len", "256"], 2, monkeypatch
-    )
+        ["--plan", "--gpu-memory-gib", "80", "--global-batch-tokens", "4096", "--seq-len", "256"], 2, monkeypatch,
+        tmp_path)
     assert layout.world_size == 2 and plan.layout.dp_shard == layout.dp_shard and plan.layout.ep == layout.ep
     # The plan's micro-batching is the run's: without stages its micro-batches are accumulation steps.
     assert layout.microbatch_size == plan.layout.microbatch_size
@@ -438,12 +607,12 @@ def test_plan_chooses_a_layout_for_the_launched_processes(monkeypatch):
     assert layout.global_batch * args.seq_len == 4096
 
 
-def test_plan_may_choose_pipeline_stages_and_the_cut(monkeypatch):
+def test_plan_may_choose_pipeline_stages_and_the_cut(monkeypatch, tmp_path):
     """One node of 4 with room to spare and 8 sequences per step: the planner prefers 4 pipeline
     stages of one layer each over sharding (its cost model); the example takes its schedule,
     micro-batches and cut, and the global batch stays the plan's."""
     args, (_, _, _, _, layout, plan, *_) = validate_with_world(
-        ["--plan", "--gpu-memory-gib", "1", "--global-batch-tokens", "512", "--seq-len", "64"], 4, monkeypatch
+        ["--plan", "--gpu-memory-gib", "1", "--global-batch-tokens", "512", "--seq-len", "64"], 4, monkeypatch, tmp_path
     )
     assert (layout.pp, layout.dp, layout.schedule, layout.microbatches) == (4, 1, "1f1b", 8)
     assert layout.split_points == tuple(plan.best.split_points) == (1, 2, 3)
@@ -451,14 +620,87 @@ def test_plan_may_choose_pipeline_stages_and_the_cut(monkeypatch):
     assert layout.global_batch * args.seq_len == 512
 
 
-def test_plan_errors_say_what_is_missing(monkeypatch):
+def test_plan_errors_say_what_is_missing(monkeypatch, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(UsageError, match="--plan on a machine without CUDA needs --gpu-memory-gib"):
-            validate_with_world(["--plan"], 2, monkeypatch)
+            validate_with_world(["--plan"], 2, monkeypatch, tmp_path)
     with pytest.raises(UsageError, match="^--plan: "):
-        validate_with_world(["--plan", "--gpu-memory-gib", "80", "--global-batch-tokens", "1000"], 2, monkeypatch)
+        validate_with_world(["--plan", "--gpu-memory-gib", "80", "--global-batch-tokens", "1000"], 2, monkeypatch,
+                            tmp_path)
     with pytest.raises(UsageError, match="--global-batch-tokens is read by --plan only"):
-        validate_with_world(["--global-batch-tokens", "4096"], 2, monkeypatch)
+        validate_with_world(["--global-batch-tokens", "4096"], 2, monkeypatch, tmp_path)
+
+
+# ------------------------------------------------------------- accelerate configs and SLURM
+
+
+@pytest.mark.parametrize("name, processes, machines, mixed_precision", [
+    ("cpu.yaml", 2, 1, "no"), ("1x8gpu.yaml", 8, 1, "bf16"), ("2x8-a100-mixtral-8x7b.yaml", 16, 2, "bf16"),
+])
+def test_accelerate_configs_load_with_accelerates_own_loader(name, processes, machines, mixed_precision):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    config = load_config_from_file(str(EXAMPLE / "configs" / name))
+    assert (config.num_processes, config.num_machines, config.mixed_precision) == (processes, machines, mixed_precision)
+    # MULTI_GPU without use_cpu: the torchrun launcher, also on the CPU (see cpu.yaml).
+    assert config.distributed_type == DistributedType.MULTI_GPU and not config.use_cpu
+
+
+def sbatch_argv(tmp_path, *extra: str) -> list[str]:
+    """What slurm.sbatch hands to `accelerate` on a node, run with stand-ins for srun, scontrol and
+    accelerate (2 nodes; the node's SLURM_NODEID is 1)."""
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {
+        "scontrol": "echo node-a; echo node-b",
+        "srun": 'while [[ $1 == --* ]]; do shift; done\nSLURM_NODEID=1 exec "$@"',
+        "accelerate": 'printf "%s\\0" "$@" > "$ARGV_FILE"',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("REPO", "CONFIG", "GPUS_PER_NODE", "MAIN_PORT")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_SUBMIT_DIR=str(EXAMPLE.parents[1]),
+               SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node-[a-b]", ARGV_FILE=str(tmp_path / "argv"),
+               OUTPUT_DIR=str(tmp_path / "run out"))
+    subprocess.run(["bash", str(EXAMPLE / "slurm.sbatch"), *extra], env=env, check=True, timeout=60)
+    return [a.decode() for a in (tmp_path / "argv").read_bytes().split(b"\0")[:-1]]
+
+
+def test_slurm_script_forwards_extra_arguments_intact(tmp_path):
+    extra = ["--data", "my corpus/it's \"quoted\" $HOME *.txt", "--steps", "7"]
+    argv = sbatch_argv(tmp_path, *extra)
+    assert argv[:3] == ["launch", "--machine_rank", "1"]
+    flags = dict(zip(argv[3:13:2], argv[4:13:2]))
+    assert flags == {"--config_file": str(EXAMPLE / "configs" / "2x8-a100-mixtral-8x7b.yaml"), "--num_machines": "2",
+                     "--num_processes": "16", "--main_process_ip": "node-a", "--main_process_port": "29500"}
+    assert argv[13] == str(EXAMPLE / "train.py")
+    assert argv[-6:] == ["--output-dir", str(tmp_path / "run out"), *extra]
+
+
+def test_slurm_command_validates_on_the_2x8_a100_world(tmp_path, monkeypatch):
+    """The training command of slurm.sbatch, checked by train.validate in the world that its
+    accelerate config launches (2 nodes of 8): the planner's layout for Mixtral-8x7B is accepted
+    for 16 processes, and nothing is written."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    # No GPU here: the planner is told the A100's memory.
+    argv = sbatch_argv(tmp_path, "--gpu-memory-gib", "80")
+    config = load_config_from_file(argv[argv.index("--config_file") + 1])
+    assert int(argv[argv.index("--num_processes") + 1]) == config.num_processes == 16
+    train_argv = argv[argv.index(str(EXAMPLE / "train.py")) + 1:]
+    args, checked = validate_with_world(train_argv, config.num_processes, monkeypatch, tmp_path,
+                                        local_world_size=config.num_processes // config.num_machines)
+    assert args.model == "mixtral-8x7b" and args.plan
+    layout = checked.layout
+    assert layout.world_size == 16 and layout.global_batch * args.seq_len == 4194304
+    planned = checked.chosen_plan.layout
+    assert (planned.pp, planned.dp_replicate, planned.dp_shard, planned.ep, planned.microbatches) == (
+        layout.pp, layout.dp_replicate, layout.dp_shard, layout.ep, layout.microbatches)
+    assert not (tmp_path / "run out").exists()
 
 
 def test_fresh_start_over_existing_checkpoints_needs_overwrite(tmp_path, capsys, monkeypatch):

@@ -8,6 +8,10 @@ read and is removed by the next run. Deletion is the same in reverse: a checkpoi
 or pruned is first renamed to ``.trash-step_XXXXXXXX``, then deleted, so a run killed mid-delete
 never leaves a partly deleted folder under a final name. The output folder must be shared by all
 nodes.
+
+Test hook: with ``MIXTRAL_EXAMPLE_TEST_PAUSE_IN_CHECKPOINT=N`` in the environment, every rank stops
+inside the save of step N once its shards and RNG state are in the ``.tmp-`` folder, touches
+``paused-rankR`` there and sleeps, so that a test can kill the run mid-write deterministically.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +37,7 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 TRAINER_STATE = "trainer_state.json"
+PAUSE_HOOK = "MIXTRAL_EXAMPLE_TEST_PAUSE_IN_CHECKPOINT"  # see the module's docstring
 # Optimizer state and hyper-parameters keyed by parameter name (state.<fqn>.exp_avg,
 # param_groups.<fqn>.lr), not by position in the param groups: the ranks of different pipeline
 # stages hold different groups, and a checkpoint then loads under any other layout.
@@ -140,7 +146,10 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
     model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     with quiet_single_process():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save(rng_state(), tmp / f"rng-rank{rank:05d}.pt")
+    torch.save(rng_state(), rng_file(tmp, rank))
+    if os.environ.get(PAUSE_HOOK) == str(step):
+        (tmp / f"paused-rank{rank:05d}").touch()
+        time.sleep(3600)
     barrier()
     if rank == 0:
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
@@ -171,9 +180,27 @@ def read_trainer_state(path: Path) -> dict:
     return json.loads((path / TRAINER_STATE).read_text())
 
 
+def rng_file(path: Path, rank: int) -> Path:
+    return path / f"rng-rank{rank:05d}.pt"
+
+
+def check_rng_files(path: Path, world_size: int) -> None:
+    """At the world size that saved it, a checkpoint resumes every rank's RNG streams (what makes a
+    resumed run bit-identical), so each rank's file must be there; at another world size the ranks'
+    streams have no counterpart and none is read."""
+    trainer_state = read_trainer_state(path)
+    if trainer_state["world_size"] != world_size:
+        return
+    missing = [rng_file(path, r).name for r in range(world_size) if not rng_file(path, r).is_file()]
+    if missing:
+        raise UsageError(f"--resume: {path} was saved by {world_size} ranks but lacks {', '.join(missing)}; the "
+                         "checkpoint is damaged: resume an earlier one (--resume PATH) or pass --overwrite")
+
+
 def load_checkpoint(path: Path, model, optimizer, *, rank: int, world_size: int) -> dict:
-    """Collective: load model and optimizer shards (DCP reshards if the layout changed) and this
-    rank's RNG state. Returns the trainer state."""
+    """Collective: load model and optimizer shards (DCP reshards if the layout changed) and, at the
+    world size that saved it, this rank's RNG state. Returns the trainer state."""
+    check_rng_files(path, world_size)
     trainer_state = read_trainer_state(path)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     state = {"model": model_sd, "optim": optim_sd}
@@ -181,7 +208,6 @@ def load_checkpoint(path: Path, model, optimizer, *, rank: int, world_size: int)
         dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=STATE_DICT_OPTIONS)
-    rng_file = path / f"rng-rank{rank:05d}.pt"
-    if trainer_state["world_size"] == world_size and rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+    if trainer_state["world_size"] == world_size:
+        set_rng_state(torch.load(rng_file(path, rank), weights_only=False))
     return trainer_state

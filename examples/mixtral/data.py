@@ -32,20 +32,19 @@ JSONL_SUFFIXES = (".jsonl",)
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255 plus BOS, EOS and PAD: nothing to download or train, every
-    text is representable, and the ids are stable across machines."""
+    """UTF-8 bytes as tokens 0..255 plus BOS and EOS: nothing to download or train, every text is
+    representable, and the ids are stable across machines."""
 
     name = "byte"
     bos_token_id = 256
     eos_token_id = 257
-    pad_token_id = 258
+    # Id 258 is reserved for padding, which packed sequences never use; it stays in the vocabulary
+    # so that the tiny config (vocab_size 259), its checkpoints and its exports keep their shapes.
     vocab_size = 259
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8).astype(np.int64)
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+        # Strict: documents are checked to be valid Unicode before start-up (check_encodable).
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
 
 
 class PretrainedTokenizer:
@@ -59,13 +58,9 @@ class PretrainedTokenizer:
         self.vocab_size = len(self._tok)
         self.bos_token_id = self._tok.bos_token_id
         self.eos_token_id = self._tok.eos_token_id
-        self.pad_token_id = self._tok.pad_token_id
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False), dtype=np.int64)
-
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids))
 
 
 def stdlib_sources() -> list[Path]:
@@ -121,23 +116,12 @@ def resolve_data(data: list[str], text_field: str) -> DataSpec:
             raise UsageError(
                 f"--data: {item} has suffix {path.suffix!r}; expected one of {TEXT_SUFFIXES + JSONL_SUFFIXES}"
             )
-    for path in files:
-        if path.suffix in JSONL_SUFFIXES:
-            check_jsonl_head(path, text_field)
     return DataSpec(files=tuple(files), text_field=text_field)
 
 
-def check_jsonl_head(path: Path, text_field: str) -> None:
-    """Read the first record so a wrong ``--text-field`` or a non-JSON file fails before any work."""
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                parse_jsonl_line(path, lineno, line, text_field)
-                return
-    raise UsageError(f"--data: {path} is empty")
-
-
-def parse_jsonl_line(path: Path, lineno: int, line: str, text_field: str) -> str:
+def parse_jsonl_line(path: Path, lineno: int, offset: int, raw: bytes, text_field: str) -> str:
+    """The text of one ``.jsonl`` line (``raw``, starting at byte ``offset`` of the file)."""
+    line = decode_utf8(raw, f"{path}:{lineno}", offset)
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
@@ -147,7 +131,31 @@ def parse_jsonl_line(path: Path, lineno: int, line: str, text_field: str) -> str
         raise UsageError(
             f"--data: {path}:{lineno} has no string field {text_field!r} (--text-field); it has {keys}"
         )
+    check_encodable(record[text_field], f"{path}:{lineno}, field {text_field!r}")
     return record[text_field]
+
+
+def decode_utf8(raw: bytes, where: str, offset: int) -> str:
+    """Strict UTF-8: a corpus in another encoding would otherwise train on replacement characters."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(
+            f"--data: {where} is not UTF-8: byte offset {offset + err.start} of the file "
+            f"({err.reason}, byte 0x{raw[err.start]:02x}); convert the file to UTF-8"
+        ) from None
+
+
+def check_encodable(text: str, where: str) -> None:
+    """JSON escapes (``"\\ud800"``) can smuggle lone surrogates into a string: no tokenizer can
+    encode them, and a byte tokenizer would otherwise have to replace them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UsageError(
+            f"--data: {where} holds a lone surrogate (\\u{ord(text[err.start]):04x} at character {err.start}), "
+            "which is not Unicode text"
+        ) from None
 
 
 def parse_hf_dataset(spec: str) -> tuple[str, str | None, str]:
@@ -164,24 +172,36 @@ def parse_hf_dataset(spec: str) -> tuple[str, str | None, str]:
     return name, config, split
 
 
+def hf_text(record: dict, spec: DataSpec) -> str:
+    if not isinstance(record.get(spec.text_field), str):
+        raise UsageError(f"--data {spec.describe()}: records have no string field {spec.text_field!r} (--text-field); "
+                         f"they have {sorted(record)}")
+    return record[spec.text_field]
+
+
 def iter_documents(spec: DataSpec) -> Iterator[str]:
     if spec.hf_dataset:
         import datasets
 
         name, config, split = spec.hf_dataset
         for record in datasets.load_dataset(name, config, split=split, streaming=True):
-            if not isinstance(record.get(spec.text_field), str):
-                raise UsageError(f"--data hf:{name}: records have no string field {spec.text_field!r}; they have {sorted(record)}")
-            yield record[spec.text_field]
+            text = hf_text(record, spec)
+            check_encodable(text, f"{spec.describe()} record")
+            yield text
         return
     for path in spec.files:
         if path.suffix in JSONL_SUFFIXES:
-            with path.open(encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if line.strip():
-                        yield parse_jsonl_line(path, lineno, line, spec.text_field)
+            # Binary lines, so that an encoding error can name its byte offset in the file.
+            with path.open("rb") as f:
+                offset = 0
+                for lineno, raw in enumerate(f, 1):
+                    if raw.strip():
+                        yield parse_jsonl_line(path, lineno, offset, raw, spec.text_field)
+                    offset += len(raw)
         else:
-            yield path.read_text(encoding="utf-8", errors="replace")
+            # The file's text exactly as stored (no newline translation): what a byte tokenizer
+            # reads is the file's bytes.
+            yield decode_utf8(path.read_bytes(), str(path), 0)
 
 
 def corpus_key(spec: DataSpec, tokenizer, max_tokens: int | None) -> str:
@@ -194,15 +214,43 @@ def corpus_key(spec: DataSpec, tokenizer, max_tokens: int | None) -> str:
     return h.hexdigest()[:16]
 
 
-def tokenize_corpus(spec: DataSpec, tokenizer, max_tokens: int | None = None) -> np.ndarray:
-    """All documents as one token stream, each framed by BOS ... EOS."""
-    dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
-    pieces, total = [], 0
+def token_cache_file(spec: DataSpec, tokenizer, cache_dir: Path, max_tokens: int | None) -> Path:
+    return cache_dir / f"tokens-{corpus_key(spec, tokenizer, max_tokens)}.npy"
+
+
+def cached_tokens(spec: DataSpec, tokenizer, path: Path, *, is_local_main: bool, barrier,
+                  max_tokens: int | None = None) -> np.ndarray:
+    """Tokenize once per node into ``path`` (``token_cache_file``): the node's first process writes
+    it (to a temporary name, then an atomic rename, so a killed writer leaves nothing that looks
+    complete); the others wait at ``barrier`` and map the file read-only."""
+    if is_local_main and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, tokenize_corpus(spec, tokenizer, max_tokens))
+        os.replace(tmp, path)
+    barrier()
+    return np.load(path, mmap_mode="r")
+
+
+def framed_documents(spec: DataSpec, tokenizer, dtype) -> Iterator[np.ndarray]:
+    """Each document's tokens framed by BOS ... EOS."""
     for text in iter_documents(spec):
         ids = tokenizer.encode(text)
         framed = np.empty(ids.size + 2, dtype=dtype)
         framed[0], framed[-1] = tokenizer.bos_token_id, tokenizer.eos_token_id
         framed[1:-1] = ids
+        yield framed
+
+
+def token_dtype(tokenizer) -> type:
+    return np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+
+
+def tokenize_corpus(spec: DataSpec, tokenizer, max_tokens: int | None = None) -> np.ndarray:
+    """All documents as one token stream, cut at ``max_tokens``."""
+    pieces, total = [], 0
+    for framed in framed_documents(spec, tokenizer, token_dtype(tokenizer)):
         pieces.append(framed)
         total += framed.size
         if max_tokens is not None and total >= max_tokens:
@@ -213,19 +261,55 @@ def tokenize_corpus(spec: DataSpec, tokenizer, max_tokens: int | None = None) ->
     return tokens[:max_tokens] if max_tokens is not None else tokens
 
 
-def cached_tokens(spec: DataSpec, tokenizer, cache_dir: Path, *, is_local_main: bool, barrier, max_tokens=None) -> np.ndarray:
-    """Tokenize once per node: the node's first process writes the cache (to a temporary name,
-    then an atomic rename, so a killed writer leaves nothing that looks complete); the others wait
-    at ``barrier`` and map the file read-only."""
-    path = cache_dir / f"tokens-{corpus_key(spec, tokenizer, max_tokens)}.npy"
-    if is_local_main and not path.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            np.save(f, tokenize_corpus(spec, tokenizer, max_tokens))
-        os.replace(tmp, path)
-    barrier()
-    return np.load(path, mmap_mode="r")
+# A resumed run must read the data of the run it continues: the stream's length and the sum of
+# its first CHECKSUM_TOKENS tokens (a cheap checksum) are part of every checkpoint.
+CHECKSUM_TOKENS = 1 << 20
+
+
+def corpus_stats(tokens: np.ndarray) -> dict[str, int]:
+    return {"corpus_tokens": int(tokens.size), "token_sum": int(tokens[:CHECKSUM_TOKENS].sum(dtype="int64"))}
+
+
+def survey_corpus(spec: DataSpec, tokenizer, cache_file: Path, max_tokens: int | None) -> dict[str, int] | None:
+    """The checks of the data that need its contents, run by every rank before start-up (nothing
+    is written): every document of local files is read (strict UTF-8, every ``.jsonl`` line, the
+    lines beyond ``--max-corpus-tokens`` too) and the first record of a Hugging Face dataset.
+    Returns ``corpus_stats`` of the token stream the run will train on where that is known without
+    tokenizing: from the token cache, which an earlier run wrote from these very files (so they
+    are not read again), or counted for the byte tokenizer, whose tokens are the text's bytes.
+    None for a pretrained tokenizer without a cache, and for Hugging Face datasets (streamed)."""
+    if cache_file.is_file():
+        return corpus_stats(np.load(cache_file, mmap_mode="r"))
+    if spec.hf_dataset:
+        import datasets
+
+        name, config, split = spec.hf_dataset
+        first = next(iter(datasets.load_dataset(name, config, split=split, streaming=True)), None)
+        if first is None:
+            raise UsageError(f"--data {spec.describe()}: the split {split!r} holds no records")
+        hf_text(first, spec)
+        return None
+    if not isinstance(tokenizer, ByteTokenizer):
+        if not sum(1 for _ in iter_documents(spec)):
+            raise UsageError(f"--data: no documents in {spec.describe()}")
+        return None
+    head_len = CHECKSUM_TOKENS if max_tokens is None else min(CHECKSUM_TOKENS, max_tokens)
+    total, head_sum = 0, 0
+    for framed in framed_documents(spec, tokenizer, token_dtype(tokenizer)):
+        head_sum += int(framed[: max(0, head_len - total)].sum(dtype="int64"))
+        total += framed.size
+    if not total:
+        raise UsageError(f"--data: no documents in {spec.describe()}")
+    return {"corpus_tokens": total if max_tokens is None else min(total, max_tokens), "token_sum": head_sum}
+
+
+def check_corpus_size(corpus_tokens: int, seq_len: int, global_batch: int) -> None:
+    sequences = corpus_tokens // seq_len
+    if sequences < global_batch:
+        raise UsageError(
+            f"--data: the corpus's {corpus_tokens:,} tokens pack into {sequences} sequence(s) of --seq-len {seq_len}, "
+            f"fewer than one global batch of {global_batch}; give more data, a shorter --seq-len or a smaller batch"
+        )
 
 
 class PackedSequences:
@@ -252,10 +336,8 @@ class BatchSchedule:
         if global_batch % dp_size:
             raise ValueError(f"global_batch={global_batch} must be divisible by dp_size={dp_size}")
         if num_sequences < global_batch:
-            raise UsageError(
-                f"the corpus packs into {num_sequences} sequence(s), fewer than one global batch of "
-                f"{global_batch}; give more data, a shorter --seq-len or a smaller batch"
-            )
+            raise ValueError(f"num_sequences={num_sequences} must be >= global_batch={global_batch} "
+                             "(train.py checks it first: check_corpus_size)")
         self.num_sequences = num_sequences
         self.global_batch = global_batch
         self.local_batch = global_batch // dp_size

@@ -5,7 +5,10 @@
 The checkpoint's DCP shards hold Hugging Face parameter names with global shapes, so conversion is a
 single-process load into a model built from the checkpoint's config.json, then ``save_pretrained``.
 The written config names no moe_ep implementation: the folder needs nothing but transformers. The
-folder appears atomically (written under a temporary name, then renamed)."""
+folder is never seen partly written: it is written under a temporary name, an existing folder of the
+same name is renamed aside, the new one renamed into place, and only then the old one deleted (a
+kill between the two renames leaves neither under the name, and ``.tmp-``/``.trash-`` folders beside
+it)."""
 
 from __future__ import annotations
 
@@ -38,19 +41,20 @@ def export_hf(checkpoint: Path, out_dir: Path, *, dtype: torch.dtype | None = No
     # Runs without a process group: DCP then reads every shard into this one process.
     with quiet_single_process():
         dcp.load(state, checkpoint_id=str(checkpoint))
-    with torch.no_grad():
-        for module in model.modules():
-            if "RotaryEmbedding" in type(module).__name__:
-                model._init_weights(module)
     # Saved checkpoints name transformers' default kernels; users pick moe_ep again when loading.
     model.config._experts_implementation = None
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
+    trash = out_dir.with_name(f".trash-{out_dir.name}")
+    if trash.exists():  # left by an earlier interrupted export
+        shutil.rmtree(trash)
     if out_dir.exists():
-        shutil.rmtree(out_dir)
+        os.rename(out_dir, trash)
     os.rename(tmp, out_dir)
+    if trash.exists():
+        shutil.rmtree(trash)
     return out_dir
 
 

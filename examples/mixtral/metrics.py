@@ -100,8 +100,7 @@ def balance(counts_LE: torch.Tensor) -> list[float]:
 class Reporter:
     """Rank 0 prints and writes; the other ranks only take part in collectives."""
 
-    def __init__(self, output_dir: Path, *, enabled: bool, total_steps: int, start_step: int, progress: bool,
-                 tensorboard: bool):
+    def __init__(self, output_dir: Path, *, enabled: bool, total_steps: int, progress: bool, tensorboard: bool):
         self.enabled = enabled
         self.bar = None
         self.tb = None
@@ -113,7 +112,7 @@ class Reporter:
         if progress:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=None)
+            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, disable=None)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

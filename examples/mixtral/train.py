@@ -21,6 +21,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,12 +30,34 @@ from moe_ep.parallel import fail_fast
 from moe_ep.parallel.expert_sharding import experts_modules, num_experts_of
 from moe_ep.training import TrainStep
 
-from checkpoint import clear_run, latest_checkpoint, load_checkpoint, read_trainer_state, remove_incomplete, save_checkpoint
-from data import ByteTokenizer, BatchSchedule, PackedSequences, PretrainedTokenizer, cached_tokens, local_batch, resolve_data
+from checkpoint import (
+    check_rng_files,
+    clear_run,
+    latest_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+    remove_incomplete,
+    save_checkpoint,
+)
+from data import (
+    BatchSchedule,
+    ByteTokenizer,
+    DataSpec,
+    PackedSequences,
+    PretrainedTokenizer,
+    cached_tokens,
+    check_corpus_size,
+    corpus_stats,
+    local_batch,
+    resolve_data,
+    survey_corpus,
+    token_cache_file,
+)
 from errors import UsageError
-from layout import apply_layout, layout_from_flags, layout_from_plan, rank_view
+from layout import RunLayout, apply_layout, layout_from_flags, layout_from_plan, rank_view
 from metrics import ExpertLoad, Reporter, Throughput, flops_per_token, peak_flops, summary_lines
 from models import (
+    ModelSource,
     build_model,
     configure_experts,
     count_parameters,
@@ -141,7 +164,7 @@ def mixed_precision_dtype() -> torch.dtype | None:
     raise UsageError(f"mixed precision {mode!r} is not supported; use bf16 (accelerate config mixed_precision)")
 
 
-def resume_target(args, ckpt_root: Path) -> Path | None:
+def resume_target(args, ckpt_root: Path, world_size: int) -> Path | None:
     if args.overwrite:
         return None
     if args.resume == "never":
@@ -152,15 +175,56 @@ def resume_target(args, ckpt_root: Path) -> Path | None:
                 "them, or choose another --output-dir"
             )
         return None
-    if args.resume == "auto":
-        return latest_checkpoint(ckpt_root)
-    path = Path(args.resume)
-    read_trainer_state(path)
+    path = latest_checkpoint(ckpt_root) if args.resume == "auto" else Path(args.resume)
+    if path is not None:
+        check_rng_files(path, world_size)
     return path
 
 
-def validate(args):
-    """Every check that needs no process group, model weights or data; identical on every rank."""
+def data_identity(args, layout, tokenizer, stats: dict[str, int] | None) -> dict:
+    """What a resumed run must share with the saved one to continue it: the token stream
+    (``data.corpus_stats``; None where unknown before tokenizing), the packing, the global batch
+    and the seed."""
+    stats = stats or {"corpus_tokens": None, "token_sum": None}
+    return {**stats, "seq_len": args.seq_len, "global_batch": layout.global_batch, "seed": args.seed,
+            "tokenizer": tokenizer.name}
+
+
+def check_resume_data(resume: Path, identity: dict) -> None:
+    """Refuse to continue a checkpoint on other data; entries of ``identity`` that are None are
+    not known yet and are compared once they are."""
+    saved = read_trainer_state(resume)["data"]
+    differ = [f"{key}: {saved.get(key)!r} then, {value!r} now" for key, value in identity.items()
+              if value is not None and saved.get(key) != value]
+    if differ:
+        raise UsageError(
+            f"--resume {resume}: the checkpoint was trained on other data or another global batch "
+            f"({'; '.join(differ)}); resuming would not continue that run: pass --overwrite to start afresh, "
+            "or choose another --output-dir"
+        )
+
+
+class Checked(NamedTuple):
+    """What validate found, for train."""
+
+    world_size: int
+    rank: int
+    source: ModelSource
+    tokenizer: ByteTokenizer | PretrainedTokenizer
+    layout: RunLayout
+    chosen_plan: object | None  # moe_ep.planner's plan, with --plan
+    data_spec: DataSpec
+    mp_dtype: torch.dtype | None
+    resume: Path | None
+    token_cache: Path
+    # data_identity, its corpus entries None where unknown before tokenizing.
+    identity: dict
+
+
+def validate(args) -> Checked:
+    """Every check that needs no process group and no model weights, before anything is written;
+    identical on every rank. The data is read (not tokenized, save for bytes) so that a bad record
+    anywhere, a corpus smaller than one global batch, or a resume on other data stops here."""
     check_flag_values(args)
     world_size, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
     source = resolve_model(args.model)
@@ -173,13 +237,24 @@ def validate(args):
         layout = layout_from_flags(args, world_size, source.config)
     data_spec = resolve_data(args.data, args.text_field)
     mp_dtype = mixed_precision_dtype()
-    resume = resume_target(args, Path(args.output_dir) / "checkpoints")
-    return world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype, resume
+    output_dir = Path(args.output_dir)
+    resume = resume_target(args, output_dir / "checkpoints", world_size)
+    # Last: the only check that reads the whole corpus.
+    token_cache = token_cache_file(data_spec, tokenizer, output_dir / "token_cache", args.max_corpus_tokens)
+    stats = survey_corpus(data_spec, tokenizer, token_cache, args.max_corpus_tokens)
+    if stats is not None:
+        check_corpus_size(stats["corpus_tokens"], args.seq_len, layout.global_batch)
+    identity = data_identity(args, layout, tokenizer, stats)
+    if resume is not None:
+        check_resume_data(resume, identity)
+    return Checked(world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype, resume, token_cache,
+                   identity)
 
 
 def train(args) -> None:
     wall0 = time.perf_counter()
-    world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype, resume = validate(args)
+    (world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype, resume, token_cache,
+     identity) = validate(args)
 
     from accelerate import PartialState
 
@@ -193,23 +268,17 @@ def train(args) -> None:
     seed_everything(args.seed)
 
     # Data: tokenized once per node, then every rank maps the same cache.
-    tokens = cached_tokens(data_spec, tokenizer, output_dir / "token_cache", is_local_main=state.is_local_main_process,
+    tokens = cached_tokens(data_spec, tokenizer, token_cache, is_local_main=state.is_local_main_process,
                            barrier=barrier, max_tokens=args.max_corpus_tokens)
+    if identity["corpus_tokens"] is None:
+        # A pretrained tokenizer or a streamed dataset: the token stream is known only now.
+        check_corpus_size(int(tokens.size), args.seq_len, layout.global_batch)
+        identity = data_identity(args, layout, tokenizer, corpus_stats(tokens))
+        if resume is not None:
+            check_resume_data(resume, identity)
     packed = PackedSequences(tokens, args.seq_len)
     global_batch = layout.global_batch
     schedule = BatchSchedule(packed.num_sequences, global_batch, layout.dp_rank(rank), layout.dp, args.seed)
-    # What a resumed run must share with the saved one to continue it (the token sum is a cheap checksum).
-    data_identity = {"corpus_tokens": int(tokens.size), "token_sum": int(tokens[: 1 << 20].sum(dtype="int64")),
-                     "seq_len": args.seq_len, "global_batch": global_batch, "seed": args.seed,
-                     "tokenizer": tokenizer.name}
-    if resume is not None:
-        saved_data = read_trainer_state(resume)["data"]
-        if saved_data != data_identity:
-            raise UsageError(
-                f"--resume {resume}: the checkpoint was trained on other data or another global batch "
-                f"({saved_data}, now {data_identity}); resuming would not continue that run: pass --overwrite "
-                "to start afresh, or choose another --output-dir"
-            )
 
     target, module, total_params, active_params, bytes_read = prepare_model(args, source, layout, device, mp_dtype)
     optimizer = make_optimizer(module, args)
@@ -220,8 +289,8 @@ def train(args) -> None:
             clear_run(output_dir)
         removed = remove_incomplete(ckpt_root)
     barrier()
-    reporter = Reporter(output_dir, enabled=is_main, total_steps=args.steps, start_step=0,
-                        progress=not args.no_progress, tensorboard=args.tensorboard)
+    reporter = Reporter(output_dir, enabled=is_main, total_steps=args.steps, progress=not args.no_progress,
+                        tensorboard=args.tensorboard)
     if is_main and removed:
         reporter.info(f"removed {len(removed)} incomplete checkpoint(s) left by an interrupted write or deletion: "
                       + ", ".join(p.name for p in removed))
@@ -299,7 +368,7 @@ def train(args) -> None:
                 )
             if done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
                 trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
-                                 "layout": asdict(layout), "model": source.name, "data": data_identity}
+                                 "layout": asdict(layout), "model": source.name, "data": identity}
                 last_ckpt = save_checkpoint(ckpt_root, done, module, optimizer, trainer_state, rank=rank,
                                             barrier=barrier, keep=args.keep_checkpoints, config=module.config)
                 reporter.info(f"checkpoint {last_ckpt}")
