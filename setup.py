@@ -18,8 +18,10 @@ setup(
         "safetensors>=0.4",
     ],
     extras_require={
-        # kernels: Hugging Face's package of that name, so the tests can show that ours never shadows it.
-        "test": ["pytest>=8", "matplotlib>=3.7", "kernels>=0.10"],
+        # kernels: Hugging Face's package of that name, so the tests can show that ours never shadows it;
+        # tensorboard: the example's --tensorboard logging is tested.
+        "test": ["pytest>=8", "matplotlib>=3.7", "kernels>=0.10", "tensorboard>=2.14"],
+        "tensorboard": ["tensorboard>=2.14"],
         "bench": ["matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["moe-ep=moe_ep.cli:main"]},
