@@ -536,6 +536,25 @@ def test_memory_cap_and_batch_shape_reach_the_cut_through_parallelize():
             cut(seq_len=2048, memory_cap=cap / 4)
 
 
+def test_parameter_shared_between_layers_keeps_them_on_one_stage():
+    # Not only a tied LM head: any parameter two decoder layers share pins the layers between
+    # them to one stage (the even cut of 4 layers, after layer 1, would separate layers 1 and 2).
+    import moe_ep
+    from moe_ep.parallel.pipeline import pipeline_unit_costs
+    from test_plan_fake_pg import fake_rank
+
+    with fake_rank(0, 2):
+        assert moe_ep.parallelize(_meta_model(), pp=2, microbatches=2).partition.starts == (0, 2, 4)
+        model = _meta_model()
+        layers = model.model.layers
+        layers[2].mlp.gate.weight = layers[1].mlp.gate.weight
+        costs = pipeline_unit_costs(model, 2, schedule="1f1b", microbatches=2)
+        tie = ["layers.1.mlp.gate.weight"]
+        assert [sorted(c.shared) for c in costs] == [[], tie, tie, []]
+        starts = moe_ep.parallelize(model, pp=2, microbatches=2).partition.starts
+        assert starts in ((0, 1, 4), (0, 3, 4))
+
+
 def test_explicit_split_points_need_no_cost_model():
     # MLP biases are outside the planner's model: the automatic cut refuses, a cut by hand works.
     import torch.distributed as dist

@@ -248,14 +248,28 @@ def _layer_units(model: nn.Module, num_layers: int) -> list[UnitCost]:
 
 
 def _with_tie(model: nn.Module, costs: list[UnitCost]) -> list[UnitCost]:
-    """The end units marked as sharing the embedding exactly when the model's head is tied to it:
-    the planner reads a tie from the config, the module is what counts."""
+    """Each unit marked with the parameters it shares with another unit, under the first name the
+    model gives them, so that the cut keeps the units between them on one stage (an LM head tied
+    to the embedding ties the two end units, which only the V placement puts on one rank). The
+    planner reads a tie from the config; the modules are what count."""
     base, head = _parts_of(model)
-    key = frozenset({"embed_tokens.weight"}) if head.weight is base.embed_tokens.weight else frozenset()
-    costs = list(costs)
-    for i in {0, len(costs) - 1}:
-        costs[i] = UnitCost(**{**costs[i].__dict__, "shared": key})
-    return costs
+    last = len(base.layers) - 1
+    if len(costs) != len(base.layers):
+        raise ValueError(f"costs must hold one unit per decoder layer ({len(base.layers)}), got {len(costs)}")
+    parts = [("embed_tokens", base.embed_tokens, 0), *((f"layers.{i}", layer, i) for i, layer in enumerate(base.layers)),
+             ("norm", base.norm, last), ("lm_head", head, last)]
+    units_of: dict[int, set[int]] = {}
+    name_of: dict[int, str] = {}
+    for prefix, module, unit in parts:
+        for name, param in module.named_parameters(remove_duplicate=False):
+            units_of.setdefault(id(param), set()).add(unit)
+            name_of.setdefault(id(param), f"{prefix}.{name}")
+    shared: list[set[str]] = [set() for _ in costs]
+    for key, units in units_of.items():
+        if len(units) > 1:
+            for unit in units:
+                shared[unit].add(name_of[key])
+    return [UnitCost(**{**cost.__dict__, "shared": frozenset(keys)}) for cost, keys in zip(costs, shared)]
 
 
 def _check_cut_options(memory_cap, seq_len, microbatch_size) -> None:
