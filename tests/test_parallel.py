@@ -12,15 +12,18 @@ here as a factor 2 or 4 on some gradients.
 Layouts: ep=2 (2 ranks), ep=4, ep=2 x dp_replicate=2 (HSDP), ep=2 x dp_shard=4 (experts
 FSDP-sharded over edp=2), ep=1; Mixtral and Qwen3-MoE; natural routing, routing where only the
 first rank of an ep group owns a chosen expert (the others receive no tokens), and routing where
-one expert gets every token, each on every 4-rank layout for both families; capacity mode (ep=2
-and ep=4), the reference dropping the pairs the policy picks from the parallel model's own fp32
-routing weights; full state dicts gathered and loaded back on ep=2, ep=2 x edp=2 and HSDP. Every
-layout of one world size runs inside ONE spawned process group."""
+one expert gets every token, each on ep=2 and on every 4-rank layout, for five steps, with the
+pairs each rank's experts received counted to show the routing is what it claims; capacity mode
+(ep=2 and ep=4), the reference dropping the pairs the policy picks from the parallel model's own
+fp32 routing weights; full state dicts gathered and loaded back on ep=2 (both families),
+ep=2 x edp=2 and HSDP. Every layout of one world size runs inside ONE spawned process group."""
 
 from __future__ import annotations
 
 import re
 import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -74,6 +77,43 @@ def _record_routing(records: list):
         records.append((idx.detach().clone(), weights.detach().clone()))
 
     return hook
+
+
+@contextmanager
+def _count_received_pairs(counts: list):
+    """Wraps the local experts call of the expert-parallel dispatcher: appends, per call, how many
+    (row, expert) pairs each of this rank's local experts received, i.e. what the dispatch
+    actually delivered here, not what the routing asked for."""
+    import moe_ep.dispatch.expert_parallel as expert_parallel
+
+    original = expert_parallel.moe_experts
+
+    def counting(hidden, expert_ids, weights, gate_up_local, *args, **kwargs):
+        counts.append(torch.bincount(expert_ids.reshape(-1), minlength=gate_up_local.shape[0]).tolist())
+        return original(hidden, expert_ids, weights, gate_up_local, *args, **kwargs)
+
+    expert_parallel.moe_experts = counting
+    try:
+        yield
+    finally:
+        expert_parallel.moe_experts = original
+
+
+def _assert_routing_claim(result: dict) -> None:
+    """The hard routings are what they claim, counted where the experts ran: ``first_rank_only``
+    leaves every rank but the first of its expert group without a pair; ``one_expert_all`` gives
+    the last expert every token of its expert group."""
+    ep, tokens, routing = result["ep"], result["tokens_per_rank"], result["routing"]
+    calls = [len(c) for c in result["received_pairs"]]
+    assert calls[0] > 0 and len(set(calls)) == 1, f"dispatches recorded per rank: {calls}"
+    for rank, per_call in enumerate(result["received_pairs"]):
+        coord = rank % ep  # ep varies fastest in the world mesh
+        for counts in per_call:
+            if routing == "first_rank_only":
+                want = 2 * tokens * ep if coord == 0 else 0  # top-2: two pairs per token
+                assert sum(counts) == want, f"rank {rank} received {counts}, expected {want} pairs in all"
+            elif routing == "one_expert_all" and coord == ep - 1:
+                assert counts[-1] == tokens * ep, f"rank {rank}'s last expert received {counts[-1]} of {tokens * ep}"
 
 
 def _drop_as_recorded(capacity_factor: float, records_by_rank: list, dropped: list):
@@ -162,21 +202,26 @@ def _parity(rank, world, family, layout, *, routing="natural", overrides=None, s
                 capacity_factor=capacity_factor)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms, grads = [], [], None
-    for step in range(steps):
-        loss = model(**mine).loss
-        loss.backward()
-        if step == 0:
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            inf_norm = clip_grad_norm_(model, float("inf"), norm_type=float("inf")).item()  # measures only
-        norms.append(clip_grad_norm_(model, MAX_NORM).item())
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        losses.append(mean_loss.item() / world)
-        optimizer.step()
-        optimizer.zero_grad()
+    received = []
+    with nullcontext() if routing == "natural" else _count_received_pairs(received):
+        for step in range(steps):
+            loss = model(**mine).loss
+            loss.backward()
+            if step == 0:
+                grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+                inf_norm = clip_grad_norm_(model, float("inf"), norm_type=float("inf")).item()  # measures only
+            norms.append(clip_grad_norm_(model, MAX_NORM).item())
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+            losses.append(mean_loss.item() / world)
+            optimizer.step()
+            optimizer.zero_grad()
     routed_by_rank = [None] * world
     if capacity_factor is not None:
         dist.all_gather_object(routed_by_rank, routed)
+    received_by_rank = [None] * world
+    if routing != "natural":
+        dist.all_gather_object(received_by_rank, received)
     if rank != 0:
         return None
     dropped = []
@@ -191,20 +236,27 @@ def _parity(rank, world, family, layout, *, routing="natural", overrides=None, s
         "inf_norm": abs(inf_norm - max(g.abs().max().item() for g in ref_grads.values())) / inf_norm,
         "grads_finite": all(bool(g.isfinite().all()) for g in grads.values()),
         "dropped": sum(dropped),
+        "steps": len(losses),
+        "routing": routing,
+        "ep": ep,
+        "tokens_per_rank": mine["input_ids"].numel(),
+        "received_pairs": received_by_rank,
     }
 
 
-def _state_dict_roundtrip(rank, world, layout: dict) -> dict:
+def _state_dict_roundtrip(rank, world, layout: dict, family: str) -> dict:
     """full_state_dict has HF names, global shapes and the values of the unparallelized model;
     load_full_state_dict puts them back into a differently initialised parallel model."""
     from moe_ep.parallel import full_state_dict, load_full_state_dict, parallelize
 
     ep = layout.get("ep", 1)
-    original = _build("qwen3_moe", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=ep, overrides={})
+    original = _build(family, dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=ep,
+                      overrides={})
     expected = {k: v.clone() for k, v in original.state_dict().items()}
     parallelize(original, **layout)
     gathered = full_state_dict(original)
-    other = _build("qwen3_moe", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=ep, overrides={})
+    other = _build(family, dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=ep,
+                   overrides={})
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(-0.5)
@@ -284,9 +336,9 @@ def _world_2(rank, world) -> dict:
         "mixtral_ep2": timed("mixtral_ep2", lambda: _parity(rank, world, "mixtral", dict(ep=2))),
         "qwen3_ep2": timed("qwen3_ep2", lambda: _parity(rank, world, "qwen3_moe", dict(ep=2))),
         "mixtral_ep2_rank1_gets_nothing": timed("r1", lambda: _parity(
-            rank, world, "mixtral", dict(ep=2), routing="first_rank_only", steps=2)),
+            rank, world, "mixtral", dict(ep=2), routing="first_rank_only")),
         "qwen3_ep2_one_expert_gets_all": timed("one", lambda: _parity(
-            rank, world, "qwen3_moe", dict(ep=2), routing="one_expert_all", steps=2)),
+            rank, world, "qwen3_moe", dict(ep=2), routing="one_expert_all")),
         "qwen3_ep2_activation_checkpointing": timed("ac", lambda: _parity(
             rank, world, "qwen3_moe", dict(ep=2), steps=1, activation_checkpointing=True)),
         "mixtral_ep1_fsdp_only": timed("ep1", lambda: _parity(rank, world, "mixtral", dict(ep=1), steps=2)),
@@ -298,7 +350,11 @@ def _world_2(rank, world) -> dict:
     }
     return {
         "parity": results,
-        "state_dict": {"ep2": timed("state_dict", lambda: _state_dict_roundtrip(rank, world, dict(ep=2)))},
+        "state_dict": {
+            "ep2": timed("state_dict", lambda: _state_dict_roundtrip(rank, world, dict(ep=2), "qwen3_moe")),
+            "mixtral_ep2": timed("state_dict_mixtral",
+                                 lambda: _state_dict_roundtrip(rank, world, dict(ep=2), "mixtral")),
+        },
         "errors": _errors(rank, world),
         "timings": timings,
     }
@@ -329,7 +385,7 @@ def _world_4(rank, world) -> dict:
     results["mixtral_ep4_capacity_drops"] = _parity(rank, world, "mixtral", dict(ep=4), overrides=MIXTRAL_8,
                                                     capacity_factor=0.75)
     # The layouts whose expert shards are split or replicated beyond ep: FSDP over edp=2, HSDP.
-    state_dicts = {name: _state_dict_roundtrip(rank, world, LAYOUTS_4[name])
+    state_dicts = {name: _state_dict_roundtrip(rank, world, LAYOUTS_4[name], "qwen3_moe")
                    for name in ("ep2_dp_shard4_edp2", "ep2_hsdp_dp_replicate2")}
     return {"parity": results, "state_dict": state_dicts}
 
@@ -353,6 +409,9 @@ def _assert_parity(result: dict, tol: float, *, capacity: bool = False) -> None:
     assert max(result["loss"]) <= tol, f"losses: {result['loss']}"
     assert max(result["norm"]) <= tol, f"gradient norms: {result['norm']}"
     assert result["inf_norm"] <= tol, f"max-norm: {result['inf_norm']}"
+    if result["routing"] != "natural":
+        assert result["steps"] == STEPS
+        _assert_routing_claim(result)
 
 
 @pytest.mark.parametrize(
@@ -387,6 +446,7 @@ def test_four_ranks_match_one_process(world4, name):
     "world, layout, local_expert_rows",
     [
         ("world2", "ep2", 4),  # 8 experts over ep=2
+        ("world2", "mixtral_ep2", 3),  # Mixtral's 6 experts over ep=2
         ("world4", "ep2_dp_shard4_edp2", 2),  # ... then FSDP over edp=2
         ("world4", "ep2_hsdp_dp_replicate2", 4),  # ... replicated over dp_replicate=2
     ],
@@ -427,16 +487,31 @@ def test_parallelize_errors(world2, name, pattern):
 # A rank that raises mid-step: the others stop within a bounded time, naming it.
 
 
-def _raise_mid_step(rank, world, where: str) -> tuple[str, float]:
+STOPPED_KEY = "test/rank0_stopped"
+COLLECTIVE_TIMEOUT = 3.0
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    message: str  # "finished", or the exception as "Type: text"
+    seconds: float  # from entering fail_fast to leaving it
+    alive_when_rank0_stopped: bool | None = None  # rank 1 only
+
+
+def _raise_mid_step(rank, world, where: str) -> StepOutcome:
     """One step of an ep=2 model in which rank 1 raises inside the MoE of the second layer: in its
     forward (between two dispatches), or in its backward, as the gradient reaches that layer's
-    output (before the backward all-to-alls that rank 0 then waits in)."""
+    output (before the backward all-to-alls that rank 0 then waits in). Rank 1 handles its error
+    and stays alive until rank 0 has stopped, as a caller catching the exception would: gloo
+    releases a waiting peer when the failing process exits, so this shows the bound holds without
+    that."""
     from hf_models import tiny_batch
     from moe_ep.parallel import PeerFailure, fail_fast, parallelize
 
     model = _build("qwen3_moe", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=2, overrides={})
     parallelize(model, ep=2)
     batch = tiny_batch(model.config)
+    store = dist.distributed_c10d._get_default_store()  # still usable once fail_fast aborted the groups
     message = f"injected failure in the {where} of layer 1"
 
     def fail(*args):
@@ -456,16 +531,24 @@ def _raise_mid_step(rank, world, where: str) -> tuple[str, float]:
         experts.moe_ep_dispatcher = fails_in_backward
     start = time.monotonic()
     try:
-        with fail_fast(timeout=60):
+        with fail_fast(timeout=60, collective_timeout=COLLECTIVE_TIMEOUT):
             model(**batch).loss.backward()
-        return "finished", time.monotonic() - start
+        outcome = "finished"
     except PeerFailure as exc:
-        return f"PeerFailure: {exc}", time.monotonic() - start
+        outcome = f"PeerFailure: {exc}"
     except ValueError as exc:
-        return f"ValueError: {exc}", time.monotonic() - start
+        outcome = f"ValueError: {exc}"
+    seconds = time.monotonic() - start
+    if rank == 0:
+        store.set(STOPPED_KEY, "1")
+        return StepOutcome(outcome, seconds)
+    deadline = time.monotonic() + 60
+    while not store.check([STOPPED_KEY]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return StepOutcome(outcome, seconds, alive_when_rank0_stopped=store.check([STOPPED_KEY]))
 
 
-def _hang_past_timeout(rank, world) -> tuple[str, float]:
+def _hang_past_timeout(rank, world) -> StepOutcome:
     from moe_ep.parallel import PeerFailure, fail_fast
 
     start = time.monotonic()
@@ -475,26 +558,28 @@ def _hang_past_timeout(rank, world) -> tuple[str, float]:
             if rank == 1:
                 time.sleep(1.5)
             dist.all_reduce(torch.ones(1))
-        return "finished", time.monotonic() - start
+        return StepOutcome("finished", time.monotonic() - start)
     except (PeerFailure, TimeoutError, RuntimeError) as exc:
-        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+        return StepOutcome(f"{type(exc).__name__}: {exc}", time.monotonic() - start)
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_rank_failing_mid_step_stops_the_others_quickly(where):
-    # The process-group timeout is 60 s: stopping in seconds is fail_fast's doing. One world per
-    # case: on gloo the others are released when the failing process exits (see fail_fast).
-    (msg0, t0), (msg1, _) = run_ranks(_raise_mid_step, 2, where, pg_timeout=60, timeout=90)
+    # The default group's timeout is 60 s and DeviceMesh's groups' 30 minutes: stopping in
+    # seconds is fail_fast's doing, with the failing process still alive (gloo: after the
+    # collective bound of COLLECTIVE_TIMEOUT s, see fail_fast).
+    rank0, rank1 = run_ranks(_raise_mid_step, 2, where, pg_timeout=60, timeout=90)
     injected = f"injected failure in the {where} of layer 1"
-    assert msg1 == f"ValueError: {injected}"
-    assert msg0.startswith("PeerFailure: rank 1 failed mid-step") and injected in msg0, msg0
-    assert t0 < 15, f"rank 0 took {t0:.1f} s to stop"
+    assert rank1.message == f"ValueError: {injected}"
+    assert rank0.message.startswith("PeerFailure: rank 1 failed mid-step") and injected in rank0.message, rank0
+    assert rank0.seconds < COLLECTIVE_TIMEOUT + 10, f"rank 0 took {rank0.seconds:.1f} s to stop"
+    assert rank1.alive_when_rank0_stopped
 
 
 def test_step_past_timeout_is_reported():
-    (msg0, t0), (msg1, _) = run_ranks(_hang_past_timeout, 2, pg_timeout=60, timeout=90)
-    assert "ran past the fail_fast timeout of 0.5 s" in msg0 + msg1
-    assert t0 < 15
+    rank0, rank1 = run_ranks(_hang_past_timeout, 2, pg_timeout=60, timeout=90)
+    assert "ran past the fail_fast timeout of 0.5 s" in rank0.message + rank1.message
+    assert rank0.seconds < 15
 
 
 # ---------------------------------------------------------------------------------------------

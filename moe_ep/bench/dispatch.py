@@ -86,7 +86,8 @@ def computed_bytes(s: Settings, model: str, routing: str, ep: int) -> dict[str, 
     E, K = MODELS[model]
     totals = {"hf_all_to_all": Traffic(0, 0), "moe_ep": Traffic(0, 0)}
     element_size = s.element_size
-    counts = dict(zip(("moe_ep", "hf_all_to_all"), count_exchange_bytes(E, ep, K)))
+    exchanged = count_exchange_bytes(E, ep, K)
+    counts = {"hf_all_to_all": exchanged.transformers_bytes, "moe_ep": exchanged.moe_ep_bytes}
     for rank in range(ep):
         idx_TK = rank_routing(s, model, routing, rank)[0]
         counted = wire_bytes(idx_TK, E // ep, s.hidden, element_size=element_size, source_rank=rank)

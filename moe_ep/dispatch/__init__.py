@@ -9,9 +9,10 @@ from .dispatcher import combine, dispatch, join_to_dispatch
 from .expert_parallel import ExpertParallelDispatcher, moe_experts_ep
 from .layout import DispatchedTokens, DispatchLayout
 from .transformers_ep import register_transformers_ep
-from .wire_bytes import WireBytes, count_exchange_bytes, wire_bytes
+from .wire_bytes import CountExchangeBytes, WireBytes, count_exchange_bytes, wire_bytes
 
 __all__ = [
+    "CountExchangeBytes",
     "DispatchLayout",
     "DispatchedTokens",
     "ExpertParallelDispatcher",

@@ -12,7 +12,10 @@ _REGISTRY_MODULE = "transformers.distributed.expert_parallel"
 
 
 def _registry_module():
-    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec(_REGISTRY_MODULE) is None:
+    # find_spec of a dotted name imports its parents and raises when one is missing: each level
+    # is looked up in turn, so a transformers without any part of the path answers None.
+    parts = _REGISTRY_MODULE.split(".")
+    if any(importlib.util.find_spec(".".join(parts[:i])) is None for i in range(1, len(parts) + 1)):
         return None
     module = importlib.import_module(_REGISTRY_MODULE)
     return module if hasattr(module, "EPImplementationInterface") else None

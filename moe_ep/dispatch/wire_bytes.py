@@ -42,11 +42,6 @@ class WireBytes:
     def transformers_bytes(self) -> int:
         return self.transformers_payload
 
-    def per_token(self) -> tuple[float, float]:
-        """(moe_ep, transformers) bytes per token; 0 for no tokens."""
-        n = max(self.num_tokens, 1)
-        return self.moe_ep_bytes / n, self.transformers_bytes / n
-
 
 def _check_positive(**values) -> None:
     for name, value in values.items():
@@ -87,10 +82,17 @@ def wire_bytes(
     )
 
 
-def count_exchange_bytes(num_experts: int, ep: int, top_k: int) -> tuple[int, int]:
-    """(moe_ep, transformers) bytes one rank sends to its peers in a layer's count exchange, which
-    does not grow with the tokens."""
+@dataclass(frozen=True)
+class CountExchangeBytes:
+    """Bytes one rank sends to its peers in a layer's count exchange, for each scheme."""
+
+    moe_ep_bytes: int
+    transformers_bytes: int
+
+
+def count_exchange_bytes(num_experts: int, ep: int, top_k: int) -> CountExchangeBytes:
+    """Both schemes' count exchange of one layer, which does not grow with the tokens."""
     _check_positive(num_experts=num_experts, ep=ep, top_k=top_k)
     L = num_experts // ep
     ours_per_peer = 4 * (L + 2 if min(top_k, L) > 1 else L)
-    return (ep - 1) * ours_per_peer, (ep - 1) * 8 * L
+    return CountExchangeBytes(moe_ep_bytes=(ep - 1) * ours_per_peer, transformers_bytes=(ep - 1) * 8 * L)

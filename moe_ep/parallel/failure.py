@@ -9,19 +9,27 @@ The peers then raise ``PeerFailure`` with the failing rank's message. A step tha
 ``timeout`` seconds is reported the same way (the hung rank is named). After a failure the
 process groups are gone: the job must exit and restart from its last checkpoint.
 
-gloo has no abort (``ProcessGroupGloo`` does not implement it, torch 2.13): a peer blocked in a
-gloo collective is released when the failing rank's connections close, which happens when its
-process exits (or once nothing holds its process groups, and a parallelized model, FSDP2 or
-DTensor keep them alive). So on gloo the bound is "as soon as the failing process exits", which
-it does when the exception ends the training script; a failing rank that stays alive (catching
-the error to clean up at length) keeps its peers waiting until then, or until the process-group
-timeout."""
+gloo cannot abort (measured on torch 2.13): ``ProcessGroupGloo.abort()`` and ``shutdown()``
+return without closing anything, on the failing rank and on a waiting one alike. A peer blocked
+in a gloo collective is released only when the failing rank's connections close, which happens
+when its process exits or when the last reference to its process groups goes, and a
+parallelized model (FSDP2 state, DTensor meshes) keeps them referenced while the caller holds
+it. A failing rank that stays alive (catching the error, cleaning up at length) would therefore
+keep its peers waiting until the groups' own timeout: 30 minutes for groups created without
+one, which DeviceMesh's are. So on gloo ``fail_fast`` bounds the waiting itself: every
+collective started inside the block fails after ``collective_timeout`` seconds (gloo reads a
+group's default timeout when a collective starts), and the peers then raise ``PeerFailure`` as
+above, whether or not the failing process is still alive. The groups' own timeouts come back
+when the block ends without a failure. NCCL groups keep theirs: the watcher's abort releases
+them."""
 
 from __future__ import annotations
 
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -36,21 +44,59 @@ class PeerFailure(RuntimeError):
         self.rank = rank
 
 
+@dataclass(frozen=True)
+class _Failure:
+    rank: int
+    message: str
+
+
 def _post(store, rank: int, message: str) -> None:
     # compare_set with an empty expected value writes only if no failure was posted: first wins.
     store.compare_set(FAILURE_KEY, "", f"{rank}|{message}")
 
 
-def _read(store) -> tuple[int, str] | None:
+def _read(store) -> _Failure | None:
     if not store.check([FAILURE_KEY]):
         return None
     rank, _, message = store.get(FAILURE_KEY).decode().partition("|")
-    return int(rank), message
+    return _Failure(int(rank), message)
 
 
 def _abort_all_groups() -> None:
-    # Aborting (not destroying) also works while a collective of this process is in flight.
+    # Aborting (not destroying) also works while a collective of this process is in flight; it
+    # is what releases NCCL collectives, and on gloo it only drops the groups (see the module doc).
     dist.distributed_c10d._abort_process_group()
+
+
+@dataclass(frozen=True)
+class _GlooTimeout:
+    """A gloo backend and the default timeout it had before ``fail_fast`` bounded it."""
+
+    backend: object  # torch.distributed.ProcessGroupGloo
+    timeout: timedelta
+
+
+def _bound_gloo_collectives(seconds: float) -> list[_GlooTimeout]:
+    """Set the default timeout of every gloo backend of this rank's process groups (DeviceMesh
+    groups included) to ``seconds``; returns what to restore."""
+    if not dist.is_gloo_available():
+        return []
+    backends = {}
+    for group in list(dist.distributed_c10d._world.pg_names):
+        for device in group._device_types:
+            backend = group._get_backend(device)
+            # One backend may serve both the CPU and CUDA tensors of a group: bound it once.
+            if isinstance(backend, dist.ProcessGroupGloo):
+                backends[id(backend)] = backend
+    saved = [_GlooTimeout(backend, backend.options._timeout) for backend in backends.values()]
+    for entry in saved:
+        entry.backend._set_default_timeout(timedelta(seconds=seconds))
+    return saved
+
+
+def _restore(saved: list[_GlooTimeout]) -> None:
+    for entry in saved:
+        entry.backend._set_default_timeout(entry.timeout)
 
 
 class _Watcher(threading.Thread):
@@ -65,53 +111,87 @@ class _Watcher(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(self.poll_interval):
             failure = _read(self.store)
-            if failure is not None and failure[0] != self.rank:
+            if failure is not None and failure.rank != self.rank:
                 break
             if time.monotonic() > self.deadline:
                 self.timed_out = True
-                _post(self.store, self.rank, f"its step ran past the fail_fast timeout of {self.timeout:g} s")
+                _post(self.store, self.rank, self.timeout_message())
                 break
         else:
             return
         self.aborted = True
         _abort_all_groups()
 
+    def timeout_message(self) -> str:
+        return f"its step ran past the fail_fast timeout of {self.timeout:g} s"
+
+    def halt(self) -> None:
+        self.stop.set()
+        self.join()
+
+
+def _check_seconds(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
 
 @contextmanager
-def fail_fast(*, timeout: float = 1800.0, poll_interval: float = 0.05, store=None):
+def fail_fast(*, timeout: float = 1800.0, collective_timeout: float | None = None, poll_interval: float = 0.05,
+              store=None):
     """Run the body (one training step, or several) so that a failure on any rank stops every
     rank quickly. ``store``: the rendezvous store (default: the default process group's).
 
     The ranks that did not fail raise ``PeerFailure`` naming the one that did; the failing
     rank's own exception propagates unchanged; a rank that ran past ``timeout`` raises
-    TimeoutError. Every rank of the default group must enter it."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    TimeoutError. ``collective_timeout`` (default: ``timeout``) bounds each gloo collective
+    started inside the block, which is how long a peer of a failing rank that stays alive waits
+    on gloo (see the module doc); it must exceed the longest time one rank legitimately waits
+    for the others in one collective. Every rank of the default group must enter it."""
+    _check_seconds("timeout", timeout)
+    if collective_timeout is not None:
+        _check_seconds("collective_timeout", collective_timeout)
     if not dist.is_initialized():
         raise RuntimeError("fail_fast needs an initialised default process group")
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     rank = dist.get_rank()
+    saved = _bound_gloo_collectives(float(timeout if collective_timeout is None else collective_timeout))
     watcher = _Watcher(store, rank, float(timeout), poll_interval)
     watcher.start()
     try:
         yield
     except BaseException as exc:
-        watcher.stop.set()
-        watcher.join()
+        watcher.halt()
+        # A gloo collective bounded by collective_timeout == timeout can give up before the
+        # watcher's next poll notices the deadline: the step still ran past it.
+        if not watcher.timed_out and _peer_failure(watcher, rank) is None and time.monotonic() > watcher.deadline:
+            watcher.timed_out = True
+            _post(store, rank, watcher.timeout_message())
         _raise_failure(watcher, rank, exc)
         _post(store, rank, f"{type(exc).__name__}: {exc}")
         if not watcher.aborted:
             _abort_all_groups()
         raise
-    watcher.stop.set()
-    watcher.join()
+    watcher.halt()
     _raise_failure(watcher, rank, None)
+    _restore(saved)
+
+
+def _peer_failure(watcher: _Watcher, rank: int) -> _Failure | None:
+    failure = _read(watcher.store)
+    return failure if failure is not None and failure.rank != rank else None
 
 
 def _raise_failure(watcher: _Watcher, rank: int, cause: BaseException | None) -> None:
-    """Raise if a peer failed or this rank timed out; return if nothing was posted by others."""
+    """Raise, after aborting this rank's groups, if a peer failed or this rank timed out; return
+    if no other rank posted a failure."""
+    failure = _peer_failure(watcher, rank)
+    if not watcher.timed_out and failure is None:
+        return
+    # The groups go on every rank that stops, not only where the watcher acted: a peer's failure
+    # can be read here before the watcher's next poll.
+    if not watcher.aborted:
+        watcher.aborted = True
+        _abort_all_groups()
     if watcher.timed_out:
         raise TimeoutError(f"rank {rank}: the step ran past the fail_fast timeout of {watcher.timeout:g} s") from cause
-    failure = _read(watcher.store)
-    if failure is not None and failure[0] != rank:
-        raise PeerFailure(*failure) from cause
+    raise PeerFailure(failure.rank, failure.message) from cause

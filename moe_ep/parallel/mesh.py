@@ -94,10 +94,6 @@ class MoEMeshes:
     dp: DeviceMesh  # every rank that sees different data, flattened: the group of global losses
 
     @property
-    def ep_group(self) -> dist.ProcessGroup:
-        return self.ep.get_group()
-
-    @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.dp.get_group()
 
