@@ -32,7 +32,8 @@ class ModelSetup:
 
 
 # The tiny models share H=256 and expert width 512, 8 experts, top-2 (DeepSeek-V3: 2 of 4 groups).
-_TINY = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+_TINY = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the small vocabulary (OLMoE's are not)
 _TINY_QWEN = dict(_TINY, intermediate_size=512, moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2)
 
 
@@ -41,7 +42,7 @@ def _tiny(model_type: str, **config) -> ModelSetup:
 
 
 MODELS = {
-    "tiny": _tiny("mixtral", intermediate_size=512, num_local_experts=8, num_experts_per_tok=2),
+    "tiny-mixtral": _tiny("mixtral", intermediate_size=512, num_local_experts=8, num_experts_per_tok=2),
     "tiny-qwen2-moe": _tiny("qwen2_moe", **_TINY_QWEN, shared_expert_intermediate_size=512),
     "tiny-qwen3-moe": _tiny("qwen3_moe", **_TINY_QWEN, head_dim=32, norm_topk_prob=True),
     "tiny-olmoe": _tiny("olmoe", intermediate_size=512, num_experts=8, num_experts_per_tok=2),
