@@ -118,6 +118,25 @@ def run_main(argv, tmp_path, capsys, world_size=1):
     return err
 
 
+def test_expert_bias_rate_needs_a_bias_balanced_model(tmp_path, capsys):
+    err = run_main(["--expert-bias-rate", "0.001"], tmp_path, capsys)
+    assert "--expert-bias-rate 0.001: mixtral routers hold no expert bias" in err and "deepseek_v3" in err
+    assert "--expert-bias-rate must be >= 0, got -1.0" in run_main(["--expert-bias-rate", "-1"], tmp_path, capsys)
+    assert "--aux-loss-coef must be >= 0, got -0.5" in run_main(["--aux-loss-coef", "-0.5"], tmp_path, capsys)
+
+
+def test_balancing_follows_the_family_unless_flagged():
+    from options import DEFAULT_EXPERT_BIAS_RATE, balancing, build_parser
+    from transformers import DeepseekV3Config
+
+    parse = build_parser().parse_args
+    mixtral, deepseek = tiny_config(), DeepseekV3Config()
+    # Mixtral: its config's aux loss, no bias; DeepSeek-V3 has no aux loss coefficient, a bias.
+    assert balancing(parse([]), mixtral) == (mixtral.router_aux_loss_coef, 0.0)
+    assert balancing(parse([]), deepseek) == (0.0, DEFAULT_EXPERT_BIAS_RATE)
+    assert balancing(parse(["--aux-loss-coef", "0.01", "--expert-bias-rate", "0"]), deepseek) == (0.01, 0.0)
+
+
 def test_missing_data_file(tmp_path, capsys):
     err = run_main(["--data", str(tmp_path / "nope.txt")], tmp_path, capsys)
     assert err.startswith("error: --data: ") and "nope.txt does not exist" in err
@@ -741,7 +760,8 @@ def test_expert_load_counts_every_routed_slot_and_flops_follow_the_active_parame
     counts = load.collect()
     assert counts.shape == (4, 8) and counts.sum(1).tolist() == [3 * 17 * 2] * 4
     assert load.counts_LE.sum() == 0  # collect() starts a new interval
-    assert metrics.balance(torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])) == [1.0, 4.0]
+    # A layer that routes nothing (a dense one) has no balance, rather than a misleading 0.
+    assert metrics.balance(torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0], [0.0] * 4])) == [1.0, 4.0, None]
 
     big = build_model(resolve_model("mixtral-8x7b"), seed=0, meta=True)
     total, active = count_parameters(big)

@@ -91,10 +91,12 @@ class ExpertLoad:
         return counts.cpu()
 
 
-def balance(counts_LE: torch.Tensor) -> list[float]:
-    """Per layer, the busiest expert's load over the mean load (1.0 = perfectly even)."""
-    mean = counts_LE.mean(-1).clamp_min(1e-12)
-    return (counts_LE.max(-1).values / mean).tolist()
+def balance(counts_LE: torch.Tensor) -> list[float | None]:
+    """Per layer, the busiest expert's load over the mean load (1.0 = perfectly even); None for a
+    layer that routed nothing: a dense layer (DeepSeek-V3's first ones) has no load to balance."""
+    ratios = counts_LE.max(-1).values / counts_LE.mean(-1).clamp_min(1e-12)
+    routed = counts_LE.sum(-1) > 0
+    return [ratio if moe else None for ratio, moe in zip(ratios.tolist(), routed.tolist())]
 
 
 class Reporter:
@@ -130,7 +132,7 @@ class Reporter:
         if not self.enabled:
             return
         if load_LE is not None:
-            record["expert_load_max_over_mean"] = [round(b, 4) for b in balance(load_LE)]
+            record["expert_load_max_over_mean"] = [None if b is None else round(b, 4) for b in balance(load_LE)]
             record["expert_load"] = load_LE.tolist()
         self.jsonl.write(json.dumps(record) + "\n")
         # None: not computed (no load-balancing loss, --aux-loss-coef 0).
@@ -143,12 +145,15 @@ class Reporter:
         line += f" | MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
         if load_LE is not None:
             per_layer = balance(load_LE)
+            moe = {layer: b for layer, b in enumerate(per_layer) if b is not None}
             if len(per_layer) <= 8:
-                line += " | expert load max/mean per layer " + " ".join(f"{b:.2f}" for b in per_layer)
-            else:
-                worst = max(range(len(per_layer)), key=per_layer.__getitem__)
-                line += (f" | expert load max/mean: layer mean {sum(per_layer) / len(per_layer):.2f}, "
-                         f"worst {per_layer[worst]:.2f} (layer {worst})")
+                line += " | expert load max/mean per layer " + " ".join(
+                    "-" if b is None else f"{b:.2f}" for b in per_layer
+                )
+            elif moe:
+                worst = max(moe, key=moe.__getitem__)
+                line += (f" | expert load max/mean: layer mean {sum(moe.values()) / len(moe):.2f}, "
+                         f"worst {moe[worst]:.2f} (layer {worst})")
         self.info(line)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
@@ -159,7 +164,8 @@ class Reporter:
                     self.tb.add_scalar(f"train/{key}", record[key], record["step"])
             if load_LE is not None:
                 for layer, b in enumerate(balance(load_LE)):
-                    self.tb.add_scalar(f"expert_load_max_over_mean/layer{layer}", b, record["step"])
+                    if b is not None:
+                        self.tb.add_scalar(f"expert_load_max_over_mean/layer{layer}", b, record["step"])
 
     def close(self) -> None:
         if self.bar is not None:

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local: each rank balances its own tokens (transformers' loss); global: expert counts "
                         "summed over every data-parallel rank first (Megatron-Core's global aux loss)")
     o.add_argument("--z-loss-coef", type=float, default=0.0, help="router z-loss weight (ST-MoE)")
+    o.add_argument("--expert-bias-rate", type=float, default=None,
+                   help="step of the aux-loss-free expert bias (DeepSeek-V3's e_score_correction_bias; default: "
+                        f"{DEFAULT_EXPERT_BIAS_RATE} for models whose routers hold one, else 0)")
 
     out = p.add_argument_group("output")
     out.add_argument("--output-dir", default="runs/mixtral-tiny", help="checkpoints, metrics.jsonl, token cache")
@@ -100,6 +103,18 @@ POSITIVE = ("ep", "dp_replicate", "pp", "seq_len", "micro_batch_size", "grad_acc
 LAYOUT_DEFAULTS = {"ep": 1, "dp_replicate": 1, "pp": 1, "dp_shard": None, "microbatches": None, "schedule": None,
                    "grad_accum": 1}
 NON_NEGATIVE = ("checkpoint_every", "warmup_steps", "weight_decay", "max_grad_norm", "z_loss_coef")
+# Families whose routers steer the top-k with a bias updated outside the gradient (DeepSeek-V3's
+# aux-loss-free balancing, at the rate of its report) instead of an auxiliary loss.
+BIAS_BALANCED_MODEL_TYPES = ("deepseek_v3",)
+DEFAULT_EXPERT_BIAS_RATE = 1e-3
+
+
+def balancing(args: argparse.Namespace, config) -> tuple[float, float]:
+    """(aux loss coefficient, expert bias rate) for the model: the flags, else the config's
+    router_aux_loss_coef (0 for families without one) and the bias rate of bias-balanced families."""
+    aux = args.aux_loss_coef if args.aux_loss_coef is not None else getattr(config, "router_aux_loss_coef", 0.0)
+    bias_default = DEFAULT_EXPERT_BIAS_RATE if config.model_type in BIAS_BALANCED_MODEL_TYPES else 0.0
+    return aux, bias_default if args.expert_bias_rate is None else args.expert_bias_rate
 
 
 def check_flag_values(args: argparse.Namespace) -> None:
@@ -110,6 +125,10 @@ def check_flag_values(args: argparse.Namespace) -> None:
     for name in NON_NEGATIVE:
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("aux_loss_coef", "expert_bias_rate"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     for name in ("dp_shard", "microbatches", "max_corpus_tokens", "global_batch_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -147,6 +166,11 @@ def check_flag_values(args: argparse.Namespace) -> None:
 
 def check_against_model(args: argparse.Namespace, config, tokenizer) -> None:
     """Flags that must agree with the model's config."""
+    if args.expert_bias_rate and config.model_type not in BIAS_BALANCED_MODEL_TYPES:
+        raise UsageError(
+            f"--expert-bias-rate {args.expert_bias_rate}: {config.model_type} routers hold no expert bias "
+            f"(e_score_correction_bias); only {', '.join(BIAS_BALANCED_MODEL_TYPES)} models do"
+        )
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and args.seq_len > max_pos:
         raise UsageError(

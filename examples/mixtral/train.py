@@ -65,7 +65,7 @@ from models import (
     resolve_model,
     seed_everything,
 )
-from options import build_parser, check_against_model, check_flag_values
+from options import balancing, build_parser, check_against_model, check_flag_values
 
 
 def lr_at(step: int, args) -> float:
@@ -78,7 +78,7 @@ def lr_at(step: int, args) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_step(target, optimizer, args, layout, *, aux_coef: float, autocast_dtype) -> TrainStep:
+def make_step(target, optimizer, args, layout, *, aux_coef: float, bias_rate: float, autocast_dtype) -> TrainStep:
     """moe_ep's TrainStep for every layout, so that the logged losses mean the same with and
     without pipeline stages: the LM loss is the mean over the global batch's tokens, the aux and z
     losses means over layers and micro-batches of each layer's loss (Megatron-Core's form;
@@ -88,6 +88,7 @@ def make_step(target, optimizer, args, layout, *, aux_coef: float, autocast_dtyp
     # Clipping to an infinite norm still measures it, for the log.
     return TrainStep(target, optimizer, microbatches=layout.microbatches, aux_loss_coef=aux_coef,
                      global_aux_loss=args.aux_loss == "global" and aux_coef > 0, z_loss_coef=args.z_loss_coef,
+                     expert_bias_rate=bias_rate,
                      max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else math.inf,
                      autocast_dtype=autocast_dtype)
 
@@ -313,7 +314,7 @@ def train(args) -> None:
     num_layers = source.config.num_hidden_layers
     expert_load = ExpertLoad(module, num_layers, num_experts_of(experts_modules(module)), device,
                              pipeline=layout.pp > 1)
-    aux_coef = source.config.router_aux_loss_coef if args.aux_loss_coef is None else args.aux_loss_coef
+    aux_coef, bias_rate = balancing(args, source.config)
     throughput = Throughput(flops_per_token(source.config, active_params, args.seq_len),
                             peak_flops(device, args.peak_tflops), world_size)
     reporter.info(
@@ -335,7 +336,8 @@ def train(args) -> None:
     # A rank that fails mid-step (or hangs past --step-timeout) stops every rank at once, naming
     # itself, instead of leaving the others blocked in a collective until the NCCL/gloo timeout.
     step_guard = (lambda: fail_fast(timeout=args.step_timeout)) if dist.is_initialized() else nullcontext
-    train_step = make_step(target, optimizer, args, layout, aux_coef=aux_coef, autocast_dtype=autocast_dtype)
+    train_step = make_step(target, optimizer, args, layout, aux_coef=aux_coef, bias_rate=bias_rate,
+                           autocast_dtype=autocast_dtype)
     for step in range(start_step, args.steps):
         with step_guard():
             lr = lr_at(step, args)
