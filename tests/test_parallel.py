@@ -563,6 +563,32 @@ def _hang_past_timeout(rank, world) -> StepOutcome:
         return StepOutcome(f"{type(exc).__name__}: {exc}", time.monotonic() - start)
 
 
+@pytest.mark.parametrize("debug", ["OFF", "DETAIL"])
+def test_fail_fast_bounds_gloo_collectives_and_restores_their_timeout(debug):
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend in a checker: the bound must reach the
+    # gloo backend inside it. A clean exit gives the group its own timeout back.
+    from datetime import timedelta
+
+    from torch._C._distributed_c10d import _ProcessGroupWrapper
+
+    from moe_ep.parallel import fail_fast
+
+    level = dist.get_debug_level()
+    dist.set_debug_level(getattr(dist.DebugLevel, debug))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=77))
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        assert isinstance(backend, _ProcessGroupWrapper) == (debug == "DETAIL")
+        gloo = backend.wrapped_pg if debug == "DETAIL" else backend
+        with fail_fast(timeout=60, collective_timeout=5):
+            assert gloo.options._timeout == timedelta(seconds=5)
+            dist.all_reduce(torch.ones(1))
+        assert gloo.options._timeout == timedelta(seconds=77)
+    finally:
+        dist.destroy_process_group()
+        dist.set_debug_level(level)
+
+
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_rank_failing_mid_step_stops_the_others_quickly(where):
     # The default group's timeout is 60 s and DeviceMesh's groups' 30 minutes: stopping in

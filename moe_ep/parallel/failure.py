@@ -81,10 +81,16 @@ def _bound_gloo_collectives(seconds: float) -> list[_GlooTimeout]:
     groups included) to ``seconds``; returns what to restore."""
     if not dist.is_gloo_available():
         return []
+    from torch._C._distributed_c10d import _ProcessGroupWrapper
+
     backends = {}
     for group in list(dist.distributed_c10d._world.pg_names):
         for device in group._device_types:
             backend = group._get_backend(device)
+            # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps each backend in a checker; the collectives
+            # run, and time out, in the wrapped one.
+            if isinstance(backend, _ProcessGroupWrapper):
+                backend = backend.wrapped_pg
             # One backend may serve both the CPU and CUDA tensors of a group: bound it once.
             if isinstance(backend, dist.ProcessGroupGloo):
                 backends[id(backend)] = backend
@@ -142,8 +148,8 @@ def fail_fast(*, timeout: float = 1800.0, collective_timeout: float | None = Non
     rank quickly. ``store``: the rendezvous store (default: the default process group's).
 
     The ranks that did not fail raise ``PeerFailure`` naming the one that did; the failing
-    rank's own exception propagates unchanged; a rank that ran past ``timeout`` raises
-    TimeoutError. ``collective_timeout`` (default: ``timeout``) bounds each gloo collective
+    rank's own exception propagates unchanged, unless it was raised after ``timeout`` (a gloo
+    collective giving up at its bound): a rank that ran past ``timeout`` raises TimeoutError. ``collective_timeout`` (default: ``timeout``) bounds each gloo collective
     started inside the block, which is how long a peer of a failing rank that stays alive waits
     on gloo (see the module doc); it must exceed the longest time one rank legitimately waits
     for the others in one collective. Every rank of the default group must enter it."""
