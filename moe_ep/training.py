@@ -330,17 +330,41 @@ class TrainStep:
         self.last_lm_loss = self.last_aux_loss = self.last_z_loss = None
 
     def _check_expert_bias(self) -> None:
+        """Every local router must hold a 1-D bias of at least float32 precision. With pipeline
+        stages every rank learns whether any stage refused: a stage without MoE blocks passes,
+        and would otherwise go on to wait in a collective that its refusing peers never enter."""
+        problem = self._expert_bias_problem()
+        if self.pipelined:
+            refused = torch.tensor([float(problem is not None)], device=self.target.stages[0].device)
+            dist.all_reduce(refused, op=dist.ReduceOp.MAX, group=self.target.group)
+            # host sync: once, at construction.
+            if problem is None and refused.item():
+                problem = (f"expert_bias_rate={self.expert_bias_rate} was refused by another pipeline stage (its "
+                           "error names the router)")
+        if problem is not None:
+            raise ValueError(problem)
+
+    def _expert_bias_problem(self) -> str | None:
         for name, block in zip(self.aux.names, self.aux.blocks):
             bias = getattr(block.gate, "e_score_correction_bias", None)
             if not isinstance(bias, torch.Tensor) or bias.dim() != 1:
                 found = "none" if bias is None else (
                     f"one of shape {tuple(bias.shape)}" if isinstance(bias, torch.Tensor) else type(bias).__name__
                 )
-                raise ValueError(
+                return (
                     f"expert_bias_rate={self.expert_bias_rate} needs every MoE block's router to hold a 1-D "
                     f"'e_score_correction_bias' (DeepSeek-V3's aux-loss-free bias); the gate of {name!r} "
                     f"({type(block.gate).__name__}) has {found}"
                 )
+            if not bias.is_floating_point() or torch.finfo(bias.dtype).bits < 32:
+                # In bfloat16 a step of 1e-3 rounds away once |bias| >= 0.5: the bias would stop
+                # moving. transformers keeps it in float32 when it loads a model in low precision.
+                return (
+                    f"expert_bias_rate={self.expert_bias_rate} needs e_score_correction_bias in float32 or "
+                    f"float64; the gate of {name!r} holds it in {bias.dtype} (cast the model's parameters, not "
+                    "its buffers, to low precision)"
+                )
+        return None
 
     def close(self) -> None:
         """Remove this step's hooks from the model; the step cannot run afterwards."""

@@ -151,6 +151,12 @@ def test_expert_bias_refused_without_a_correction_bias():
         TrainStep(dense, torch.optim.SGD(dense.parameters(), lr=0.1), expert_bias_rate=0.01)
     with pytest.raises(ValueError, match="expert_bias_rate must be a number >= 0, got -0.1"):
         TrainStep(model, opt, expert_bias_rate=-0.1)
+    # A bfloat16 bias would stop moving: a step of 1e-3 rounds away once |bias| >= 0.5.
+    dsv3 = _dsv3()
+    dsv3.model.layers[1].mlp.gate.e_score_correction_bias = torch.zeros(8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"needs e_score_correction_bias in float32 or float64; the gate of "
+                                         r"'model.layers.1.mlp' holds it in torch.bfloat16"):
+        TrainStep(dsv3, torch.optim.SGD(dsv3.parameters(), lr=0.1), expert_bias_rate=1e-3)
 
 
 def test_train_steps_sharing_a_model_keep_their_hooks_apart():
