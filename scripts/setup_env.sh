@@ -14,6 +14,7 @@ fi
 if "${PIP[@]}" --no-index --no-deps torch==2.13.0 2>/dev/null; then
     "${PIP[@]}" torch==2.13.0  # its dependencies, from the ordinary index
 else
+    echo "setup_env: pip finds no local torch==2.13.0 wheel; installing the CPU build from PyTorch's index" >&2
     "${PIP[@]}" torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
 fi
 "${PIP[@]}" -e ".${EXTRAS}"

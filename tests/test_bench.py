@@ -3,13 +3,11 @@ is asserted), the inputs every variant of the kernel benchmark sees against the 
 reference, the byte accounting of the dispatch benchmark against a per-token count, and the
 helpers' error messages."""
 
-import importlib.util
 import json
 import sys
 
 import pytest
 import torch
-import transformers
 
 from moe_ep.bench import dispatch, kernels
 from moe_ep.bench import model as model_bench
@@ -19,14 +17,9 @@ from moe_ep.bench.routing_cases import make_routing, max_load_share
 from moe_ep.bench.timing import measure
 from moe_ep.reference import moe_experts_ref
 
-from conftest import TOLERANCE, rel_err, requires_cuda
+from conftest import TOLERANCE, rel_err, requires_cuda, requires_ep_registry
 
 TINY = ["--warmup", "0", "--reps", "1"]
-# The dispatch benchmark's baseline, transformers' AllToAllEP, lives in a module that recent
-# transformers have (5.24) and setup.py's floor, 5.17, has not.
-EP_REGISTRY_MODULE = "transformers.distributed.expert_parallel"
-HAS_EP_REGISTRY = (importlib.util.find_spec("transformers.distributed") is not None
-                   and importlib.util.find_spec(EP_REGISTRY_MODULE) is not None)
 
 
 def written(tmp_path, mode):
@@ -114,8 +107,7 @@ def test_dispatch_mode_bytes_only(tmp_path):
     assert all(r["status"] == "bytes only" for r in rows)
 
 
-@pytest.mark.skipif(not HAS_EP_REGISTRY, reason=f"{EP_REGISTRY_MODULE} (transformers' AllToAllEP, the baseline) "
-                    f"not found in transformers {transformers.__version__}")
+@requires_ep_registry  # transformers' AllToAllEP is the baseline
 def test_dispatch_mode_spawns_ranks(tmp_path):
     main(["dispatch", "--device", "cpu", "--ep", "2", "--models", "mixtral", "fine-grained", "--tokens", "16",
           "--hidden", "8", "--out-dir", str(tmp_path), *TINY])

@@ -9,32 +9,22 @@ start); pytest tests read its results."""
 
 from __future__ import annotations
 
-import importlib.util
 import traceback
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
-import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import TOLERANCE, rel_err, requires_cuda
+from conftest import HAS_EP_REGISTRY, TOLERANCE, rel_err, requires_cuda, requires_ep_registry
 from dist_utils import run_ranks
 from moe_ep.bench.dispatch import count_sent_bytes
 from moe_ep.dispatch import CountExchangeBytes, capacity_keep_mask, count_exchange_bytes, expert_capacity, wire_bytes
 from moe_ep.reference import moe_experts_ref
 
 TOL = TOLERANCE[torch.float32]
-# transformers' expert-parallel registry (and DistributedConfig's ep_implementation with it) is
-# recent: 5.24 has it, setup.py's floor, 5.17, has not. The ranks run its entries only where it
-# exists, and the tests that read them skip elsewhere.
-EP_REGISTRY_MODULE = "transformers.distributed.expert_parallel"
-HAS_EP_REGISTRY = (importlib.util.find_spec("transformers.distributed") is not None
-                   and importlib.util.find_spec(EP_REGISTRY_MODULE) is not None)
-requires_ep_registry = pytest.mark.skipif(
-    not HAS_EP_REGISTRY, reason=f"{EP_REGISTRY_MODULE} not found in transformers {transformers.__version__}"
-)
+# The ranks run transformers' expert-parallel entries only where its registry exists (conftest).
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def test_mixtral_on_16_nodes_of_a100_80gb_fits(mixtral_plan):
 
 
 def test_step_time_follows_the_stated_cost_model(mixtral_plan):
-    best, lay, spec, cluster = mixtral_plan.best, mixtral_plan.layout, mixtral_plan.spec, mixtral_plan.cluster
+    best, lay, cluster = mixtral_plan.best, mixtral_plan.layout, mixtral_plan.cluster
     rows = dict(best.time.rows())
     assert rows["total"] == pytest.approx(sum(v for k, v in rows.items() if k != "total"))
     # Compute: 2 FLOPs per multiply-add over active weights, causal attention, 3x forward for

@@ -204,10 +204,17 @@ def iter_documents(spec: DataSpec) -> Iterator[str]:
             yield decode_utf8(path.read_bytes(), str(path), 0)
 
 
+# Part of the cache key: bump it whenever the way documents become tokens changes (2: text files read
+# as stored, CRLF kept, strict UTF-8), so that an older cache is never taken for the new stream.
+TOKENIZATION_VERSION = 2
+
+
 def corpus_key(spec: DataSpec, tokenizer, max_tokens: int | None) -> str:
-    """Names the cache file: changes whenever a file, the tokenizer or the cap changes."""
+    """Names the cache file: changes whenever a file, the tokenizer, the cap or the way documents
+    are read changes."""
     h = hashlib.sha256()
-    h.update(f"{tokenizer.name}|{tokenizer.vocab_size}|{spec.text_field}|{max_tokens}|{spec.hf_dataset}".encode())
+    h.update(f"v{TOKENIZATION_VERSION}|{tokenizer.name}|{tokenizer.vocab_size}|{spec.text_field}|{max_tokens}|"
+             f"{spec.hf_dataset}".encode())
     for path in spec.files:
         st = path.stat()
         h.update(f"|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
