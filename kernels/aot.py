@@ -31,7 +31,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 
-from moe_ep.kernels.runtime import interpreting
+from .runtime import interpreting
 
 PACKAGE = "moe_ep.kernels"
 FOLDER = pathlib.Path(__file__).resolve().parent

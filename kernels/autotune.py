@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from moe_ep.kernels.runtime import interpreting
+from .runtime import interpreting
 
 ENV_VAR = "MOE_EP_AUTOTUNE"
 

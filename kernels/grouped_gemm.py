@@ -23,11 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ep.kernels import autotune
-from moe_ep.kernels.aot_spec import TRITON_TYPES, KernelSpec
-from moe_ep.kernels.autotune import Config
-from moe_ep.kernels.runtime import interpreting, on_device
-from moe_ep.kernels.routing_metadata import RoutingMetadata
+from . import autotune
+from .aot_spec import TRITON_TYPES, KernelSpec
+from .autotune import Config
+from .runtime import interpreting, on_device
+from .routing_metadata import RoutingMetadata
 
 ACTIVATIONS = ("silu", "gelu")
 # Row blocks of the padded layout grouped along M so that consecutive programs reuse the same

@@ -56,12 +56,12 @@ def test_kernels_ship_as_moe_ep_kernels():
 
 
 def test_kernels_import_nothing_above_them():
-    """DESIGN.md's layering: the kernels know nothing of autograd, modules, distributed or Hugging
+    """ARCHITECTURE.md's layering: the kernels know nothing of autograd, modules, distributed or Hugging
     Face, so they import only Triton, torch, the standard library and each other."""
 
-    def allowed(name: str) -> bool:
+    def allowed(name: str) -> bool:  # each other: relative imports only, never through moe_ep
         top = name.split(".")[0]
-        return top in sys.stdlib_module_names or top in ("triton", "torch") or name.startswith("moe_ep.kernels")
+        return top in sys.stdlib_module_names or top in ("triton", "torch")
 
     for path in sorted((REPO / "kernels").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -72,3 +72,50 @@ def test_kernels_import_nothing_above_them():
             else:
                 continue
             assert all(allowed(name) for name in names), f"{path.name} imports {names}"
+
+
+def _fresh(code: str) -> dict:
+    """What ``code`` prints as its last line (JSON), run in a fresh interpreter at the repository root."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+LOADED = """
+import json, sys
+import {module}
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("moe_ep", "transformers", "torch"))))
+"""
+
+
+def test_a_kernel_loads_no_layer_above_the_kernels():
+    """Importing one kernel module in a fresh interpreter loads moe_ep's package file, its import
+    hook and kernel modules: no op, distributed, Hugging Face, planner or training code, and no
+    transformers."""
+    loaded = _fresh(LOADED.format(module="moe_ep.kernels.grouped_gemm"))
+    ours = [m for m in loaded if m.startswith("moe_ep")]
+    assert "moe_ep.kernels.grouped_gemm" in ours
+    assert all(m in ("moe_ep", "moe_ep._on_import", "moe_ep.kernels") or m.startswith("moe_ep.kernels.")
+               for m in ours), ours
+    assert not [m for m in loaded if m.startswith("transformers")]
+
+
+def test_import_moe_ep_is_cheap_and_registers_when_transformers_loads():
+    """``import moe_ep`` alone imports neither torch nor transformers; transformers, imported
+    afterwards, finds both "moe_ep" entries registered, and a public name loads on first use."""
+    loaded = _fresh(LOADED.format(module="moe_ep"))
+    assert loaded == ["moe_ep", "moe_ep._on_import"]
+    found = _fresh("""
+import importlib.util, json
+import moe_ep
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+ep = importlib.util.find_spec("transformers.distributed.expert_parallel") is not None
+if ep:
+    from transformers.distributed.expert_parallel import EPImplementationInterface
+print(json.dumps({"experts": ALL_EXPERTS_FUNCTIONS.get("moe_ep") is moe_ep.hf.moe_ep_experts_forward,
+                  "ep": (not ep) or "moe_ep" in EPImplementationInterface(),
+                  "public": all(callable(getattr(moe_ep, name)) for name in moe_ep.__all__)}))
+""")
+    assert found == {"experts": True, "ep": True, "public": True}

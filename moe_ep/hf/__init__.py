@@ -1,9 +1,9 @@
 """Hugging Face integration: the ``"moe_ep"`` experts implementation of transformers' registry and
 ``patch(model)`` for models already built.
 
-``import moe_ep`` (the package, see ``moe_ep/__init__.py``) imports transformers when it is
-installed and calls ``register_if_installed()``, which adds ``"moe_ep"`` to transformers'
-experts registry (and moe_ep's expert-parallel entry); nothing else is touched on import: no
+``import moe_ep`` (see ``moe_ep/__init__.py``) arranges for ``register_if_installed()`` to run
+when transformers imports its experts registry, which adds ``"moe_ep"`` to it (and moe_ep's
+expert-parallel entry to transformers' expert-parallel registry); nothing else is touched: no
 class, no model, no router. ``patch(model)`` switches a built model, on request.
 
 Routers: with ``patch(model, fused_router=True)`` (the default) each MoE router's forward runs

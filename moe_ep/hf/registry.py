@@ -89,10 +89,10 @@ def register() -> None:
 
 
 def register_if_installed() -> bool:
-    """What ``import moe_ep`` runs: register when transformers is installed. Returns False without
-    touching anything when it is not installed (the integration is optional); warns and returns
-    False when it is too old, so the rest of moe_ep stays importable while ``patch()`` and
-    ``register()`` still raise the version error."""
+    """What ``import moe_ep`` runs once transformers imports its experts registry: register when
+    transformers is installed. Returns False without touching anything when it is not (the
+    integration is optional); warns and returns False when it is too old, so the rest of moe_ep
+    stays importable while ``patch()`` and ``register()`` still raise the version error."""
     if importlib.util.find_spec("transformers") is None:
         return False
     try:
