@@ -17,23 +17,23 @@ from typing import TYPE_CHECKING
 from ._on_import import after_import
 
 if TYPE_CHECKING:
-    from .experts import moe_experts
     from .hf import patch
+    from .ops import moe_experts, route_topk
     from .parallel import parallelize
     from .planner import plan
-    from .routing import route_topk
-    from .training import NonFiniteStepsError
+    from .training import NonFiniteStepsError, TrainStep
 
 # Public name -> the module that defines it, imported on first access.
 _PUBLIC = {
     "NonFiniteStepsError": "moe_ep.training",
-    "moe_experts": "moe_ep.experts",
+    "TrainStep": "moe_ep.training",
+    "moe_experts": "moe_ep.ops",
     "parallelize": "moe_ep.parallel",
     "patch": "moe_ep.hf",
     "plan": "moe_ep.planner",
-    "route_topk": "moe_ep.routing",
+    "route_topk": "moe_ep.ops",
 }
-_SUBPACKAGES = ("bench", "dispatch", "hf", "kernels", "parallel", "planner")
+_SUBPACKAGES = ("bench", "dispatch", "hf", "kernels", "ops", "parallel", "planner", "training")
 
 __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
@@ -63,8 +63,7 @@ def _register_experts(_registry) -> None:
 
 
 def _register_expert_parallel(_registry) -> None:
-    from .dispatch import register_transformers_ep
-    from .hf import require_transformers
+    from .hf import register_transformers_ep, require_transformers
 
     try:
         require_transformers()

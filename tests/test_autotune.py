@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from moe_ep.kernels.runtime import interpreting
-from moe_ep.experts import moe_experts
+from moe_ep.ops.experts import moe_experts
 from moe_ep.kernels import autotune
 from moe_ep.kernels.autotune import Config
 

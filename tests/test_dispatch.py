@@ -21,7 +21,7 @@ from conftest import HAS_EP_REGISTRY, TOLERANCE, rel_err, requires_cuda, require
 from dist_utils import run_ranks
 from moe_ep.bench.dispatch import count_sent_bytes
 from moe_ep.dispatch import CountExchangeBytes, capacity_keep_mask, count_exchange_bytes, expert_capacity, wire_bytes
-from moe_ep.reference import moe_experts_ref
+from moe_ep.ops.reference import moe_experts_ref
 
 TOL = TOLERANCE[torch.float32]
 # The ranks run transformers' expert-parallel entries only where its registry exists (conftest).
@@ -224,7 +224,7 @@ class HostSyncRecorder(TorchDispatchMode):
 
 # The value checks of the public ops read values on the CPU only; on CUDA they are queued on the
 # device (torch._assert_async), so they are no host sync where one matters.
-CPU_ONLY_CHECKS = ("_validate.py:check_indices_in_range", "_validate.py:check_on_device")
+CPU_ONLY_CHECKS = ("ops/validate.py:check_indices_in_range", "ops/validate.py:check_on_device")
 
 
 def _audit(rank: int, world: int, capacity_factor) -> list[str]:
@@ -275,7 +275,7 @@ def _transformers_ep(rank: int, world: int) -> dict:
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
     from hf_models import tiny_config
-    from moe_ep.dispatch import register_transformers_ep
+    from moe_ep.hf import register_transformers_ep
 
     registered = register_transformers_ep()
     config = tiny_config("mixtral", num_local_experts=4)
@@ -518,7 +518,7 @@ def test_host_sync_recorder_sees_reads_in_backward_and_tolist(world2):
 
 
 def test_registering_with_transformers_follows_the_registry():
-    from moe_ep.dispatch import register_transformers_ep
+    from moe_ep.hf import register_transformers_ep
 
     assert register_transformers_ep() is HAS_EP_REGISTRY
 

@@ -6,10 +6,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_ep
-from moe_ep.experts_torch import experts_torch_fwd
-from moe_ep.experts_triton import experts_triton_fwd
+from moe_ep.ops.experts_torch import experts_torch_fwd
+from moe_ep.ops.experts_triton import experts_triton_fwd
 from moe_ep.kernels.grouped_gemm import routing_block
-from moe_ep.reference import moe_experts_ref
+from moe_ep.ops.reference import moe_experts_ref
 
 from conftest import TOLERANCE, rel_err
 from moe_cases import CASES, run_with_grads

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import moe_ep
-from moe_ep.experts_torch import experts_torch_fwd
-from moe_ep.reference import moe_experts_ref
+from moe_ep.ops.experts_torch import experts_torch_fwd
+from moe_ep.ops.reference import moe_experts_ref
 
 from conftest import TOLERANCE, rel_err
 from moe_cases import CASES, run_with_grads

@@ -4,11 +4,11 @@ the CPU, on the GPU when there is one."""
 import pytest
 import torch
 
-from moe_ep.experts import moe_experts
-from moe_ep.experts_triton import experts_triton_fwd
+from moe_ep.ops.experts import moe_experts
+from moe_ep.ops.experts_triton import experts_triton_fwd
 from moe_ep.kernels import grouped_gemm as gg
 from moe_ep.kernels.routing_metadata import routing_metadata
-from moe_ep.reference import moe_experts_ref
+from moe_ep.ops.reference import moe_experts_ref
 
 from conftest import TOLERANCE, rel_err, requires_cuda
 from moe_cases import CASES, Case, run_with_grads

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import moe_ep.hf as hf
-from moe_ep.experts import moe_experts
+from moe_ep.ops.experts import moe_experts
 from moe_ep.hf import routers
 from moe_ep.hf.routers import FUSED_ROUTER_FORWARDS
 from tests.conftest import TOLERANCE, rel_err

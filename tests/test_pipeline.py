@@ -516,7 +516,7 @@ def test_memory_cap_and_batch_shape_reach_the_cut_through_parallelize():
     from moe_ep.parallel.pipeline import pipeline_unit_costs
     from test_plan_fake_pg import fake_rank
 
-    from moe_ep.partition import partition
+    from moe_ep.planner.partition import partition
 
     with fake_rank(0, 2):
         costs = pipeline_unit_costs(_meta_model(), 2, schedule="1f1b", microbatches=2, seq_len=2048)

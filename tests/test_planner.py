@@ -9,7 +9,7 @@ import re
 import pytest
 
 from moe_ep.cli import EXIT_IMPOSSIBLE, main
-from moe_ep.partition import partition
+from moe_ep.planner.partition import partition
 from moe_ep.planner import Cluster, Layout, ModelSpec, PlanError, config_from_name, evaluate, plan
 from moe_ep.planner.memory import build_units, layer_ids, unit_costs
 from moe_ep.planner.timing import remote_ranks_per_token

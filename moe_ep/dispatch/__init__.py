@@ -8,7 +8,6 @@ from .capacity import capacity_keep_mask, expert_capacity
 from .dispatcher import combine, dispatch, join_to_dispatch
 from .expert_parallel import ExpertParallelDispatcher, moe_experts_ep
 from .layout import DispatchedTokens, DispatchLayout
-from .transformers_ep import register_transformers_ep
 from .wire_bytes import CountExchangeBytes, WireBytes, count_exchange_bytes, wire_bytes
 
 __all__ = [
@@ -24,6 +23,5 @@ __all__ = [
     "expert_capacity",
     "join_to_dispatch",
     "moe_experts_ep",
-    "register_transformers_ep",
     "wire_bytes",
 ]

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .._validate import (
+from ..ops.validate import (
     check_float,
     check_index,
     check_indices_in_range,

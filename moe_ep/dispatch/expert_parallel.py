@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._validate import check_tensor
-from ..activations import check_activation
-from ..experts import moe_experts
+from ..ops.validate import check_tensor
+from ..ops.activations import check_activation
+from ..ops.experts import moe_experts
 from .capacity import check_capacity_factor
 from .dispatcher import check_num_experts, combine, dispatch, join_to_dispatch
 

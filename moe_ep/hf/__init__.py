@@ -25,6 +25,7 @@ from .registry import (
     register,
     register_if_installed,
 )
+from .transformers_ep import register_transformers_ep
 from .version import MIN_TRANSFORMERS_VERSION, require_transformers
 
 __all__ = [
@@ -39,5 +40,6 @@ __all__ = [
     "patch",
     "register",
     "register_if_installed",
+    "register_transformers_ep",
     "require_transformers",
 ]

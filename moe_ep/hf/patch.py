@@ -13,7 +13,7 @@ from types import MethodType
 
 import torch
 
-from ..backend import BACKENDS
+from ..ops.backend import BACKENDS
 from .layout import _is_experts_module, experts_activation
 from .registry import EXPERTS_IMPLEMENTATION, register
 from .routers import FUSED_ROUTER_FORWARDS, fused_router_forward, router_key, verify_fused_router

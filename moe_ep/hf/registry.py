@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from ..experts import moe_experts
+from ..ops.experts import moe_experts
 from .autocast import autocast_dtype
 from .layout import experts_activation
 from .version import require_transformers

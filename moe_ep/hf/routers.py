@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ..routing import route_topk
+from ..ops.routing import route_topk
 from .autocast import autocast_dtype
 
 SEMANTICS_READ_FROM = "5.17-5.23"

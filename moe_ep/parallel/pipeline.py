@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..partition import Partition, UnitCost, partition
+from ..planner.partition import Partition, UnitCost, partition
 from ..planner.layout import Layout
 from ..planner.memory import DEFAULT_IMBALANCE, build_units, layer_chain, layer_ids, unit_costs
 from ..planner.schedules import schedule_info

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..partition import Partition, UnitCost
+from .partition import Partition, UnitCost
 from .layout import Layout
 from .spec import BF16, FP32, ModelSpec
 

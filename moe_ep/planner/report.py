@@ -3,7 +3,7 @@ assumptions behind them and why the closest alternatives lost."""
 
 from __future__ import annotations
 
-from ..partition import format_bytes
+from .partition import format_bytes
 from .memory import layer_ids
 from .schedules import SCHEDULES
 

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..partition import InfeasiblePartition, Partition, fits, partition
+from .partition import InfeasiblePartition, Partition, fits, partition
 from .cluster import Cluster
 from .layout import Layout
 from .memory import DEFAULT_IMBALANCE, MemoryTable, Unit, build_units, layer_ids, p2p_bytes, rank_memory, unit_costs
@@ -443,7 +443,7 @@ def _no_microbatching(world, sequences, seq_len, batched, fixed, under) -> str:
 
 
 def _nothing_fits(spec, cluster, seq_len, global_batch_tokens, imbalance, fixed, candidates) -> str:
-    from ..partition import format_bytes
+    from .partition import format_bytes
 
     smallest = min(candidates, key=lambda c: c.memory.total)
     state = 16 * spec.total_params

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..partition import Partition
+from .partition import Partition
 from .cluster import Cluster
 from .layout import Layout
 from .memory import Unit, stage_units

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ._validate import check_index, check_tensor
+from .validate import check_index, check_tensor
 
 
 def _as_layers(name: str, value) -> list[torch.Tensor]:

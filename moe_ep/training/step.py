@@ -72,10 +72,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from .losses import expert_counts, load_balancing_loss, router_z_loss, update_expert_bias_
-from .parallel.clip import grad_norm, scale_grads_
-from .parallel.parallelize import MESHES_ATTRIBUTE
-from .parallel.pipeline import PipelineStages
+from ..ops.losses import expert_counts, load_balancing_loss, router_z_loss, update_expert_bias_
+from ..parallel.clip import grad_norm, scale_grads_
+from ..parallel.parallelize import MESHES_ATTRIBUTE
+from ..parallel.pipeline import PipelineStages
 
 IGNORE_INDEX = -100
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import grouped_gemm as gg
-from .kernels.routing_metadata import RoutingMetadata, padded_rows, routing_metadata
+from ..kernels import grouped_gemm as gg
+from ..kernels.routing_metadata import RoutingMetadata, padded_rows, routing_metadata
 
 
 @torch.library.custom_op("moe_ep::experts_triton_fwd", mutates_args=())

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.runtime import interpreting
-from .kernels.router import router_backward, router_forward
+from ..kernels.runtime import interpreting
+from ..kernels.router import router_backward, router_forward
 
 
 @torch.library.custom_op("moe_ep::route_topk", mutates_args=())

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from .kernels.runtime import interpreting
+from ..kernels.runtime import interpreting
 
 BACKENDS = ("triton", "torch")
 ENV_VAR = "MOE_EP_BACKEND"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import (
+from .validate import (
     check_float,
     check_index,
     check_indices_in_range,

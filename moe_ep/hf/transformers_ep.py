@@ -22,7 +22,7 @@ def _registry_module():
 
 
 def _implementation_class(module):
-    from .dispatcher import combine, dispatch, join_to_dispatch
+    from ..dispatch import combine, dispatch, join_to_dispatch
 
     class MoeEpAllToAll(module.EPImplementation):
         """Tokens go once to each rank owning one of their experts; the expert rank applies the
