@@ -320,7 +320,7 @@ def _transformers_ep_from_pretrained(rank: int, world: int, checkpoint: str, *, 
     from transformers.distributed import DistributedConfig
 
     from hf_models import tiny_batch
-    from moe_ep.parallel.expert_sharding import experts_modules
+    from moe_ep.hf import experts_modules
     from test_parallel import _remap_routing
 
     ep = world if ep is None else ep

@@ -147,7 +147,7 @@ def _build(family: str, *, dtype, experts_implementation: str, routing: str, ep:
            capacity_hook=None):
     from hf_models import tiny_model
     from moe_ep.hf import register
-    from moe_ep.parallel.expert_sharding import experts_modules
+    from moe_ep.hf import experts_modules
 
     register()
     model = tiny_model(family, dtype=dtype, experts_implementation=experts_implementation, **overrides).train()
@@ -185,16 +185,17 @@ def _reference(family, routing, ep, overrides, batch, steps, activation_checkpoi
 
 
 def _parity(rank, world, family, layout, *, routing="natural", overrides=None, steps=STEPS,
-            mixed_precision=None, activation_checkpointing=False, capacity_factor=None) -> dict | None:
-    """Train the parallel model; on rank 0 compare with the reference. Returns the relative
-    errors (rank 0) or None."""
+            mixed_precision=None, activation_checkpointing=False, capacity_factor=None,
+            experts_implementation="moe_ep") -> dict | None:
+    """Train the parallel model (built with ``experts_implementation``); on rank 0 compare with the
+    reference. Returns the relative errors (rank 0) or None."""
     from hf_models import tiny_batch
     from moe_ep.parallel import clip_grad_norm_, parallelize
 
     overrides = overrides or {}
     ep = layout.get("ep", 1)
     routed = []
-    model = _build(family, dtype=torch.float32, experts_implementation="moe_ep", routing=routing, ep=ep,
+    model = _build(family, dtype=torch.float32, experts_implementation=experts_implementation, routing=routing, ep=ep,
                    overrides=overrides, capacity_hook=None if capacity_factor is None else _record_routing(routed))
     batch = tiny_batch(model.config, batch=2 * world, seq=7)
     mine = {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
@@ -295,7 +296,6 @@ def _errors(rank, world) -> dict:
         return _build("mixtral", dtype=torch.float32, experts_implementation=impl, routing="natural", ep=2,
                       overrides=overrides)
 
-    attempt("eager_experts_with_ep", lambda: parallelize(build("eager"), ep=2))
     attempt("experts_not_divisible", lambda: parallelize(build(num_local_experts=5), ep=2))
     attempt("world_mismatch", lambda: parallelize(build(), ep=1, dp_replicate=2, dp_shard=2))
     attempt("pipeline_without_microbatches", lambda: parallelize(build(), pp=2))
@@ -318,6 +318,21 @@ def _errors(rank, world) -> dict:
     )
     attempt("pipeline_twice", lambda: parallelize(cut, pp=2, microbatches=2))
     attempt("pipeline_meshes_of", lambda: meshes_of(cut))
+    # Experts on transformers' eager implementation: parallelize switches them, and says so.
+    import logging
+
+    from moe_ep.hf import is_patched
+
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logger = logging.getLogger("moe_ep.parallel.parallelize")
+    logger.addHandler(handler)
+    try:
+        eager = parallelize(build("eager"), ep=2)
+    finally:
+        logger.removeHandler(handler)
+    messages["eager_experts_with_ep"] = f"patched={is_patched(eager)} logged={logged}"
     return messages
 
 
@@ -342,6 +357,8 @@ def _world_2(rank, world) -> dict:
         "qwen3_ep2_activation_checkpointing": timed("ac", lambda: _parity(
             rank, world, "qwen3_moe", dict(ep=2), steps=1, activation_checkpointing=True)),
         "mixtral_ep1_fsdp_only": timed("ep1", lambda: _parity(rank, world, "mixtral", dict(ep=1), steps=2)),
+        "mixtral_ep2_eager_experts_patched_by_parallelize": timed("patched", lambda: _parity(
+            rank, world, "mixtral", dict(ep=2), steps=2, experts_implementation="eager")),
         "qwen3_ep2_capacity_drops": timed("capacity", lambda: _parity(
             rank, world, "qwen3_moe", dict(ep=2), steps=2, capacity_factor=0.5)),
         "mixtral_ep2_bf16": timed("bf16", lambda: _parity(
@@ -417,7 +434,8 @@ def _assert_parity(result: dict, tol: float, *, capacity: bool = False) -> None:
 @pytest.mark.parametrize(
     "name",
     ["mixtral_ep2", "qwen3_ep2", "mixtral_ep2_rank1_gets_nothing", "qwen3_ep2_one_expert_gets_all",
-     "qwen3_ep2_activation_checkpointing", "mixtral_ep1_fsdp_only", "qwen3_ep2_capacity_drops"],
+     "qwen3_ep2_activation_checkpointing", "mixtral_ep1_fsdp_only", "qwen3_ep2_capacity_drops",
+     "mixtral_ep2_eager_experts_patched_by_parallelize"],
 )
 def test_two_ranks_match_one_process(world2, name):
     _assert_parity(world2[0]["parity"][name], TOL, capacity="capacity" in name)
@@ -463,7 +481,6 @@ def test_full_state_dict_roundtrip(request, world, layout, local_expert_rows):
 @pytest.mark.parametrize(
     "name, pattern",
     [
-        ("eager_experts_with_ep", r"needs the 'moe_ep' experts implementation on 'model\.layers\.0\.mlp\.experts', found 'eager'"),
         ("experts_not_divisible", r"ValueError: the model's expert count must be a positive int divisible by ep=2 .*, got 5"),
         ("world_mismatch", r"dp_replicate \* dp_shard = 1 \* 2 \* 2 = 4 do not match the world size 2"),
         ("pipeline_without_microbatches", r"ValueError: pp=2 needs microbatches"),
@@ -477,6 +494,8 @@ def test_full_state_dict_roundtrip(request, world, layout, local_expert_rows):
         ("pipeline_returns_stages", r"^PipelineStages pp=2 stage_ids=\[0\]$"),
         ("pipeline_twice", r"already parallelized"),
         ("pipeline_meshes_of", r"was cut into pipeline stages; their meshes are on the PipelineStages"),
+        ("eager_experts_with_ep", r"^patched=True logged=\[\"parallelize\(ep=2\): MixtralForCausalLM ran its experts on "
+                                  r"'eager'; switched them to moe_ep's with moe_ep.patch\(model, fused_router=False\)"),
     ],
 )
 def test_parallelize_errors(world2, name, pattern):
@@ -646,7 +665,7 @@ def test_parallelize_refuses_dp_shard_not_divisible_by_ep():
     # 6 ranks of dp_shard with ep=4 while the 8 experts would split over 4 ranks.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from moe_ep.parallel import parallelize
+    from moe_ep.parallel import parallel_context, parallelize
 
     model = _build("mixtral", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=4,
                    overrides=MIXTRAL_8)
@@ -657,7 +676,7 @@ def test_parallelize_refuses_dp_shard_not_divisible_by_ep():
     finally:
         dist.destroy_process_group()
     # Refused before any change: no meshes, experts still whole.
-    assert not hasattr(model, "moe_ep_meshes")
+    assert parallel_context(model) is None
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
     assert type(model.model.layers[0].mlp.experts.gate_up_proj) is torch.nn.Parameter
 

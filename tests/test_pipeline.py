@@ -496,16 +496,16 @@ def test_tied_stages_reduce_after_the_last_use():
 
     from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-    from moe_ep.parallel.pipeline import _check_tied_order
+    from moe_ep.parallel.pipeline.tied import check_tied_order
 
     F, B, W, RG = (_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_WEIGHT,
                    _ComputationType.REDUCE_GRAD)
     start = [_Action(0, F, 0), _Action(3, F, 0), _Action(3, B, 0)]
     good = start + [_Action(3, RG, None), _Action(0, B, 0), _Action(0, RG, None)]
-    _check_tied_order(SimpleNamespace(pipeline_order_with_comms={0: good}), 0, ((0, 3),))
+    check_tied_order(SimpleNamespace(pipeline_order_with_comms={0: good}), 0, ((0, 3),))
     bad = start + [_Action(0, B, 0), _Action(0, RG, None), _Action(3, W, 0), _Action(3, RG, None)]
     with pytest.raises(RuntimeError, match=r"runs \['0REDUCE_GRAD'\] of stage 0.*before stage 3's last computation"):
-        _check_tied_order(SimpleNamespace(pipeline_order_with_comms={0: bad}), 0, ((0, 3),))
+        check_tied_order(SimpleNamespace(pipeline_order_with_comms={0: bad}), 0, ((0, 3),))
 
 
 def test_memory_cap_and_batch_shape_reach_the_cut_through_parallelize():
@@ -513,13 +513,13 @@ def test_memory_cap_and_batch_shape_reach_the_cut_through_parallelize():
     # so the even cut's stage 0 is the fullest stage of either cut, and a cap between the two
     # fullest stages moves a layer off it. Half the tokens per micro-batch fit the even cut again.
     import moe_ep
+    from moe_ep.parallel import PipelineConfig
     from moe_ep.parallel.pipeline import pipeline_unit_costs
+    from moe_ep.planner.partition import partition
     from test_plan_fake_pg import fake_rank
 
-    from moe_ep.planner.partition import partition
-
     with fake_rank(0, 2):
-        costs = pipeline_unit_costs(_meta_model(), 2, schedule="1f1b", microbatches=2, seq_len=2048)
+        costs = pipeline_unit_costs(_meta_model(), 2, PipelineConfig(microbatches=2, seq_len=2048))
         fullest = [max(partition(costs, 2, split_points=[p], inflight=[2, 1]).stage_bytes(s) for s in range(2))
                    for p in (2, 1)]
         assert fullest[1] < fullest[0]
@@ -540,6 +540,7 @@ def test_parameter_shared_between_layers_keeps_them_on_one_stage():
     # Not only a tied LM head: any parameter two decoder layers share pins the layers between
     # them to one stage (the even cut of 4 layers, after layer 1, would separate layers 1 and 2).
     import moe_ep
+    from moe_ep.parallel import PipelineConfig
     from moe_ep.parallel.pipeline import pipeline_unit_costs
     from test_plan_fake_pg import fake_rank
 
@@ -548,7 +549,7 @@ def test_parameter_shared_between_layers_keeps_them_on_one_stage():
         model = _meta_model()
         layers = model.model.layers
         layers[2].mlp.gate.weight = layers[1].mlp.gate.weight
-        costs = pipeline_unit_costs(model, 2, schedule="1f1b", microbatches=2)
+        costs = pipeline_unit_costs(model, 2, PipelineConfig(microbatches=2))
         tie = ["layers.1.mlp.gate.weight"]
         assert [sorted(c.shared) for c in costs] == [[], tie, tie, []]
         starts = moe_ep.parallelize(model, pp=2, microbatches=2).partition.starts
@@ -581,8 +582,8 @@ def test_explicit_split_points_need_no_cost_model():
 @pytest.mark.parametrize(
     "world, kwargs, message",
     [
-        (2, dict(ep=2), "expert parallelism needs the 'moe_ep' experts implementation"),
-        (4, dict(pp=2, ep=2, microbatches=2), "expert parallelism needs the 'moe_ep' experts implementation"),
+        (2, dict(ep=3), "dp_shard=2 must be divisible by ep=3"),
+        (4, dict(pp=2, ep=2, microbatches=1), "needs at least pp=2 micro-batches"),
         (2, dict(memory_cap=2**30), r"memory_cap=1073741824 describes pipeline stages and needs pp > 1"),
         (2, dict(seq_len=128), r"seq_len=128 describes pipeline stages and needs pp > 1"),
         (2, dict(microbatch_size=2), r"microbatch_size=2 describes pipeline stages and needs pp > 1"),
@@ -594,10 +595,11 @@ def test_explicit_split_points_need_no_cost_model():
     ],
 )
 def test_refused_arguments_leave_the_model_untouched(world, kwargs, message):
-    # Refused before meshes are built, experts sharded or checkpointing turned on: the caller may
-    # fix the call and try again on the same model.
+    # Refused before meshes are built, experts switched to moe_ep's or sharded, or checkpointing
+    # turned on: the caller may fix the call and try again on the same model.
     import moe_ep
-    from moe_ep.parallel.parallelize import MESHES_ATTRIBUTE, PIPELINE_MESHES_ATTRIBUTE
+    from moe_ep.hf import is_patched
+    from moe_ep.parallel import parallel_context
     from test_plan_fake_pg import fake_rank
     from torch.distributed.tensor import DTensor
 
@@ -606,5 +608,5 @@ def test_refused_arguments_leave_the_model_untouched(world, kwargs, message):
         with pytest.raises(ValueError, match=message):
             moe_ep.parallelize(model, activation_checkpointing=True, **kwargs)
     assert not _checkpointing_on(model)
-    assert not hasattr(model, MESHES_ATTRIBUTE) and not hasattr(model, PIPELINE_MESHES_ATTRIBUTE)
+    assert parallel_context(model) is None and not is_patched(model)
     assert not any(isinstance(p, DTensor) for p in model.parameters())

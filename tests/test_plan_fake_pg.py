@@ -4,7 +4,7 @@ the bytes each rank then holds must match the planner's figures within 2%: the p
 the layout leaves it, the gradients FSDP2 reduce-scatters to it after a forward and backward, and
 AdamW's state after a step.
 
-The layout is applied by moe_ep.parallel.parallelize (pp = 1) or parallelize_pipeline (pp > 1)
+The layout is applied by moe_ep.parallel.parallelize
 to the model built on the meta device, with the mixed precision the planner assumes (bf16
 compute, fp32 master weights and reduction). The shards are then materialised as fake tensors
 (FakeTensorMode: shapes, dtypes and devices, no storage), so the training step runs at full size
@@ -71,7 +71,6 @@ def _apply_plan(best):
 
     from moe_ep.hf import patch
     from moe_ep.parallel import parallelize
-    from moe_ep.parallel.pipeline import parallelize_pipeline
     from moe_ep.planner import config_from_name
 
     lay = best.layout
@@ -84,8 +83,8 @@ def _apply_plan(best):
     if lay.pp == 1:
         parallelize(model, **common)
         return [model], 0
-    stages = parallelize_pipeline(model, pp=lay.pp, schedule=lay.schedule, microbatches=lay.microbatches,
-                                  split_points=best.split_points, **common)
+    stages = parallelize(model, pp=lay.pp, schedule=lay.schedule, microbatches=lay.microbatches,
+                         split_points=best.split_points, **common)
     return stages.modules, stages.pp_rank
 
 

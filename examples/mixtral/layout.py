@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from moe_ep.parallel.parallelize import DEFAULT_SCHEDULE
+from moe_ep.parallel import DEFAULT_SCHEDULE
 from moe_ep.planner import Layout
 from moe_ep.planner.schedules import NO_PIPELINE
 

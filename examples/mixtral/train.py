@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep.parallel import fail_fast
-from moe_ep.parallel.expert_sharding import experts_modules, num_experts_of
+from moe_ep.hf import experts_modules, num_experts_of
 from moe_ep.training import TrainStep
 
 from checkpoint import (

@@ -16,7 +16,7 @@ the float32 model picks. ``fused_router=False``, and a model switched by
 included). Each fused router class is verified against the installed transformers' own router on
 a probe input before it is patched (``moe_ep.hf.routers.verify_fused_router``)."""
 
-from .layout import activation_name, experts_activation
+from .layout import activation_name, experts_activation, experts_modules, num_experts_of
 from .patch import fused_routers, is_patched, patch
 from .registry import (
     EXPERTS_IMPLEMENTATION,
@@ -33,10 +33,12 @@ __all__ = [
     "MIN_TRANSFORMERS_VERSION",
     "activation_name",
     "experts_activation",
+    "experts_modules",
     "fused_routers",
     "is_patched",
     "is_registered",
     "moe_ep_experts_forward",
+    "num_experts_of",
     "patch",
     "register",
     "register_if_installed",

@@ -14,7 +14,7 @@ from types import MethodType
 import torch
 
 from ..ops.backend import BACKENDS
-from .layout import _is_experts_module, experts_activation
+from .layout import experts_activation, experts_modules
 from .registry import EXPERTS_IMPLEMENTATION, register
 from .routers import FUSED_ROUTER_FORWARDS, fused_router_forward, router_key, verify_fused_router
 
@@ -45,10 +45,6 @@ def _set_router_forward(router: torch.nn.Module, func) -> None:
         router.__dict__.pop("forward", None)
         return
     setattr(router, slot, MethodType(func if func is not None else type(router).forward, router))
-
-
-def _experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    return [(name, m) for name, m in model.named_modules() if _is_experts_module(m)]
 
 
 def _router_of(model: torch.nn.Module, experts_name: str) -> tuple[str, torch.nn.Module | None]:
@@ -119,7 +115,7 @@ def patch(model: torch.nn.Module, *, backend: str | None = None, fused_router: b
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if not isinstance(fused_router, bool):
         raise TypeError(f"fused_router must be a bool, got {type(fused_router).__name__}")
-    experts = _experts_modules(model)
+    experts = experts_modules(model)
     if not experts:
         raise ValueError(
             f"{type(model).__name__} has no experts module (a class decorated with transformers' "
@@ -150,7 +146,7 @@ def patch(model: torch.nn.Module, *, backend: str | None = None, fused_router: b
 
 def is_patched(model: torch.nn.Module) -> bool:
     """True when every experts module of ``model`` runs on moe_ep (routers not considered)."""
-    experts = _experts_modules(model)
+    experts = experts_modules(model)
     return bool(experts) and all(m.config._experts_implementation == EXPERTS_IMPLEMENTATION for _, m in experts)
 
 

@@ -8,24 +8,10 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from ..dispatch import ExpertParallelDispatcher
-from ..hf.layout import _is_experts_module, experts_activation
+from ..hf.layout import experts_activation, experts_modules, num_experts_of
 from ..hf.registry import EXPERTS_IMPLEMENTATION
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
-
-
-def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The transformers experts modules of ``model`` (classes decorated with
-    ``@use_experts_implementation``), in module order."""
-    return [(name, m) for name, m in model.named_modules() if _is_experts_module(m)]
-
-
-def num_experts_of(modules: list[tuple[str, torch.nn.Module]]) -> int:
-    """The one expert count of the model's MoE layers (ValueError if they differ)."""
-    counts = {name: m.gate_up_proj.shape[0] for name, m in modules}
-    if len(set(counts.values())) != 1:
-        raise ValueError(f"every MoE layer must have the same number of experts to share one ep layout, got {counts}")
-    return next(iter(counts.values()))
 
 
 def check_experts_implementation(name: str, module: torch.nn.Module) -> None:

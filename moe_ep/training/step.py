@@ -74,7 +74,7 @@ from torch.distributed.tensor import DTensor
 
 from ..ops.losses import expert_counts, load_balancing_loss, router_z_loss, update_expert_bias_
 from ..parallel.clip import grad_norm, scale_grads_
-from ..parallel.parallelize import MESHES_ATTRIBUTE
+from ..parallel.context import parallel_context
 from ..parallel.pipeline import PipelineStages
 
 IGNORE_INDEX = -100
@@ -288,9 +288,9 @@ class TrainStep:
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
         self.target = model_or_stages
-        meshes = model_or_stages.meshes if self.pipelined else getattr(model_or_stages, MESHES_ATTRIBUTE, None)
-        self.dp = meshes.dims.dp if meshes is not None else 1
-        self.dp_group = meshes.dp_group if self.dp > 1 else None
+        context = parallel_context(model_or_stages)
+        self.dp = context.dp if context is not None else 1
+        self.dp_group = context.meshes.dp_group if self.dp > 1 else None
         self.optimizer = optimizer
         self.microbatches = microbatches
         self.scaler = None if loss_scale is None else LossScaler(loss_scale)
