@@ -736,3 +736,25 @@ def test_gather_rows_gradient_sums_listed_copies_only():
     (out * dy.float()).sum().backward()
     want = torch.stack([dy[1], dy[3], dy[0] + dy[2], torch.zeros(3, dtype=torch.float64)])
     assert rel_err(xs.grad, want) <= TOL
+
+
+def test_expert_parallel_layer_checks_the_expert_ids_once_per_call(monkeypatch):
+    """moe_experts_ep validates its arguments at its boundary; the dispatch, the local experts and
+    the combine behind it take them as validated (the expert-id range check ran twice per call
+    before: at dispatch and again on the dispatched ids)."""
+    import moe_ep.ops.validate as validate
+    from moe_ep.dispatch import moe_experts_ep
+
+    checked = []
+    original = validate.check_indices_in_range
+    monkeypatch.setattr(validate, "check_indices_in_range", lambda *args: (checked.append(args[0]), original(*args)))
+    case = Case("once", T=6, E=4, K=2)
+    xs, idxs, ws, _, gate_up, down = case.make(1, seed=0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        y = moe_experts_ep(xs[0], idxs[0], ws[0], gate_up, down, group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    assert checked == ["top_k_index"]
+    want = moe_experts_ref(xs[0], idxs[0], ws[0], gate_up, down)
+    assert rel_err(y, want) <= TOL

@@ -86,17 +86,17 @@ def _count_received_pairs(counts: list):
     actually delivered here, not what the routing asked for."""
     import moe_ep.dispatch.expert_parallel as expert_parallel
 
-    original = expert_parallel.moe_experts
+    original = expert_parallel.run_experts
 
     def counting(hidden, expert_ids, weights, gate_up_local, *args, **kwargs):
         counts.append(torch.bincount(expert_ids.reshape(-1), minlength=gate_up_local.shape[0]).tolist())
         return original(hidden, expert_ids, weights, gate_up_local, *args, **kwargs)
 
-    expert_parallel.moe_experts = counting
+    expert_parallel.run_experts = counting
     try:
         yield
     finally:
-        expert_parallel.moe_experts = original
+        expert_parallel.run_experts = original
 
 
 def _assert_routing_claim(result: dict) -> None:
@@ -525,6 +525,7 @@ def _raise_mid_step(rank, world, where: str) -> StepOutcome:
     releases a waiting peer when the failing process exits, so this shows the bound holds without
     that."""
     from hf_models import tiny_batch
+    from moe_ep.hf.binding import bind, binding_of
     from moe_ep.parallel import PeerFailure, fail_fast, parallelize
 
     model = _build("qwen3_moe", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=2, overrides={})
@@ -538,16 +539,16 @@ def _raise_mid_step(rank, world, where: str) -> StepOutcome:
 
     experts = model.model.layers[1].mlp.experts
     if rank == 1 and where == "forward":
-        experts.moe_ep_dispatcher = fail
+        bind(experts, dispatcher=fail)
     elif rank == 1:
-        dispatcher = experts.moe_ep_dispatcher
+        dispatcher = binding_of(experts).dispatcher
 
         def fails_in_backward(*args):
             y = dispatcher(*args)
             y.register_hook(fail)
             return y
 
-        experts.moe_ep_dispatcher = fails_in_backward
+        bind(experts, dispatcher=fails_in_backward)
     start = time.monotonic()
     try:
         with fail_fast(timeout=60, collective_timeout=COLLECTIVE_TIMEOUT):

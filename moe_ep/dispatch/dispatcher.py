@@ -47,14 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..ops.validate import (
-    check_float,
-    check_index,
-    check_indices_in_range,
-    check_on_device,
-    check_same_device,
-    check_tensor,
-)
+from ..ops.validate import check_on_device, check_routing, check_tensor
 from .all_to_all import AllToAllRouting, AllToAllRows, Splits
 from .capacity import capacity_keep_mask, check_capacity_factor, expert_capacity
 from .layout import DispatchedTokens, DispatchLayout
@@ -74,25 +67,11 @@ def check_num_experts(num_experts, ep: int, *, name: str = "num_experts") -> int
 
 def check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts) -> int:
     """Validates the public arguments; returns the expert-parallel group size."""
-    check_tensor("hidden_states", hidden_states, ndim=2)
-    check_tensor("top_k_index", top_k_index, ndim=2)
-    check_tensor("top_k_weights", top_k_weights, ndim=2)
-    check_float("hidden_states", hidden_states)
-    check_float("top_k_weights", top_k_weights)
-    check_index("top_k_index", top_k_index)
-    check_same_device(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights)
-    if top_k_index.shape[0] != hidden_states.shape[0] or top_k_weights.shape != top_k_index.shape:
-        raise ValueError(
-            f"top_k_index and top_k_weights must both have shape [T={hidden_states.shape[0]}, K], got "
-            f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
-        )
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
     ep = dist.get_world_size(group)
     check_num_experts(num_experts, ep)
-    if not 1 <= top_k_index.shape[1] <= num_experts:
-        raise ValueError(f"top_k_index must choose between 1 and E={num_experts} experts, got {top_k_index.shape[1]}")
-    check_indices_in_range("top_k_index", top_k_index, num_experts)
+    check_routing(hidden_states, top_k_index, top_k_weights, num_experts)
     return ep
 
 
@@ -379,8 +358,15 @@ def dispatch(
     capacity mode (``capacity_factor`` not None) every rank must also pass the same number of
     tokens, which on CUDA is only checked asynchronously (module doc). Differentiable in
     ``hidden_states`` and ``top_k_weights``."""
-    ep = check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts)
+    check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts)
     check_capacity_factor(capacity_factor)
+    return dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_experts, capacity_factor)
+
+
+def dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_experts: int,
+                     capacity_factor: float | None) -> DispatchedTokens:
+    """``dispatch`` on arguments its caller validated (``check_dispatch_args``)."""
+    ep = dist.get_world_size(group)
     T, K = top_k_index.shape
     L = num_experts // ep
     k_max, r_max = min(K, L), min(K, ep)
@@ -462,6 +448,11 @@ def join_to_dispatch(expert_output: torch.Tensor, tokens: DispatchedTokens) -> t
     check_tensor("expert_output", expert_output)
     if not isinstance(tokens, DispatchedTokens):
         raise TypeError(f"tokens must be the DispatchedTokens returned by dispatch, got {type(tokens).__name__}")
+    return join_checked(expert_output, tokens)
+
+
+def join_checked(expert_output: torch.Tensor, tokens: DispatchedTokens) -> torch.Tensor:
+    """``join_to_dispatch`` for ``tokens`` of this module's own dispatch."""
     return _JoinedToDispatch.apply(expert_output, tokens.hidden_states, tokens.weights)
 
 
@@ -480,6 +471,11 @@ def combine(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor
             f"expert_output must have one row per dispatched pair ({layout.num_pairs}), "
             f"got shape {tuple(expert_output.shape)}"
         )
+    return combine_checked(expert_output, layout)
+
+
+def combine_checked(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
+    """``combine`` of expert outputs its caller computed from this module's own dispatch."""
     padded = layout.rows_per_rank is not None
     if _pairs_are_rows(layout.num_pairs, layout.row_src.shape[0], padded):
         rows_SH = expert_output

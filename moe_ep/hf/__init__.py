@@ -16,6 +16,7 @@ the float32 model picks. ``fused_router=False``, and a model switched by
 included). Each fused router class is verified against the installed transformers' own router on
 a probe input before it is patched (``moe_ep.hf.routers.verify_fused_router``)."""
 
+from .binding import Binding, ExpertsDispatcher, bind, binding_of
 from .layout import activation_name, experts_activation, experts_modules, num_experts_of
 from .patch import fused_routers, is_patched, patch
 from .registry import (
@@ -29,9 +30,13 @@ from .transformers_ep import register_transformers_ep
 from .version import MIN_TRANSFORMERS_VERSION, require_transformers
 
 __all__ = [
+    "Binding",
+    "ExpertsDispatcher",
     "EXPERTS_IMPLEMENTATION",
     "MIN_TRANSFORMERS_VERSION",
     "activation_name",
+    "bind",
+    "binding_of",
     "experts_activation",
     "experts_modules",
     "fused_routers",

@@ -3,8 +3,9 @@
 Nothing about the model's structure changes: no module is replaced, no class is swapped, no
 parameter is renamed or reshaped, so ``state_dict``, ``save_pretrained``, checkpoint conversion,
 FSDP wrapping and transformers' output-recording hooks see the model they expect. What changes:
-``config._experts_implementation`` (transformers' own switch), a ``moe_ep_backend`` attribute on
-each experts and router module, and, with ``fused_router=True``, the router instances' ``forward``.
+``config._experts_implementation`` (transformers' own switch), the backend bound to each experts
+and router module (``moe_ep.hf.binding``), and, with ``fused_router=True``, the router instances'
+``forward``.
 Every check runs before the first change, so a refused model is left untouched."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from types import MethodType
 import torch
 
 from ..ops.backend import BACKENDS
+from .binding import bind
 from .layout import experts_activation, experts_modules
 from .registry import EXPERTS_IMPLEMENTATION, register
 from .routers import FUSED_ROUTER_FORWARDS, fused_router_forward, router_key, verify_fused_router
@@ -131,12 +133,12 @@ def patch(model: torch.nn.Module, *, backend: str | None = None, fused_router: b
     if model.config._experts_implementation != EXPERTS_IMPLEMENTATION:
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     for _, module in experts:
-        module.moe_ep_backend = backend
+        bind(module, backend=backend)
     for _, router in routers:
         if router is None:
             continue
         if fused_router:
-            router.moe_ep_backend = backend
+            bind(router, backend=backend)
             if _installed_forward(router) is None:
                 _set_router_forward(router, fused_router_forward(router))
         elif _installed_forward(router) in FUSED_ROUTER_FORWARDS.values():

@@ -1,6 +1,7 @@
 """Expert parallelism on a transformers model: each experts module keeps this rank's
 ``L = E / ep`` experts as DTensors ``Shard(0)`` over the ``ep`` mesh (global shape, HF name), and
-gets a dispatcher that the ``"moe_ep"`` experts implementation calls."""
+is bound to a dispatcher (``moe_ep.hf.binding``) that the ``"moe_ep"`` experts implementation
+hands its forward."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from ..dispatch import ExpertParallelDispatcher
+from ..hf.binding import bind
 from ..hf.layout import experts_activation, experts_modules, num_experts_of
 from ..hf.registry import EXPERTS_IMPLEMENTATION
 
@@ -58,7 +60,8 @@ def shard_experts(
     for name, module in modules:
         for weight in EXPERT_WEIGHTS:
             setattr(module, weight, _shard(getattr(module, weight), ep_mesh))
-        module.moe_ep_dispatcher = ExpertParallelDispatcher(
+        dispatcher = ExpertParallelDispatcher(
             group, num_experts, activation=activations[name], capacity_factor=capacity_factor, backend=backend
         )
+        bind(module, dispatcher=dispatcher)
     return modules
