@@ -101,10 +101,15 @@ def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
+def export_of(out: Path) -> Path:
+    """Where a run in ``out`` exports: beside it (an export never goes inside the run folder)."""
+    return out.with_name(out.name + "-hf")
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    log = run(accelerate_cmd(out, "--export-dir", str(out / "hf")))
+    log = run(accelerate_cmd(out, "--export-dir", str(export_of(out))))
     return out, log
 
 
@@ -170,7 +175,7 @@ with torch.no_grad():
 
 def test_export_loads_with_plain_transformers_and_gives_the_trained_logits(reference, tmp_path):
     out, _ = reference
-    export = out / "hf"
+    export = export_of(out)
     assert (export / "config.json").is_file() and "moe_ep" not in (export / "config.json").read_text()
     logits_file = tmp_path / "logits.pt"
     clean_env = {k: v for k, v in env().items() if k != "PYTHONPATH"}
@@ -209,7 +214,7 @@ def test_pretrained_weights_read_by_slice_on_two_ranks_match_one_process(referen
     process reading it whole."""
     from safetensors.torch import load_file
 
-    export = reference[0] / "hf"
+    export = export_of(reference[0])
     pretrained = ["--model", str(export), "--tokenizer", "byte", "--steps", "2", "--warmup-steps", "1",
                   "--checkpoint-every", "0"]
     log = run(torchrun_cmd(tmp_path / "two", *pretrained))
@@ -275,7 +280,7 @@ def records(out: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")
-    log = run(pipeline_cmd(out, "--export-dir", str(out / "hf")))
+    log = run(pipeline_cmd(out, "--export-dir", str(export_of(out))))
     return out, log
 
 
@@ -350,7 +355,7 @@ def test_pipeline_checkpoint_exports_to_a_plain_transformers_folder(pipeline_run
     out = pipeline_run[0]
     ckpt = out / "checkpoints" / f"step_{STEPS:08d}"
     assert export.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
-    mine, at_end = load_file(tmp_path / "hf" / "model.safetensors"), load_file(out / "hf" / "model.safetensors")
+    mine, at_end = load_file(tmp_path / "hf" / "model.safetensors"), load_file(export_of(out) / "model.safetensors")
     assert mine.keys() == at_end.keys() and all(torch.equal(mine[k], at_end[k]) for k in mine)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     ids = torch.tensor([list(b"def train(model):\n    return model")])

@@ -11,6 +11,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from errors import RunError, write_failure
+from ownership import make_managed_dir
+
 # Peak dense bf16 tensor-core TFLOP/s by device name (vendor data sheets, without sparsity).
 PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800": 312.0, "L40S": 362.0,
                "B200": 2250.0}
@@ -109,8 +112,12 @@ class Reporter:
         self.jsonl = None
         if not enabled:
             return
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(output_dir / "metrics.jsonl", "a", buffering=1)
+        self.jsonl_path = output_dir / "metrics.jsonl"
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(self.jsonl_path, "a", buffering=1)
+        except OSError as err:
+            raise RunError(write_failure(self.jsonl_path, err)) from None
         if progress:
             from tqdm.auto import tqdm
 
@@ -118,7 +125,7 @@ class Reporter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+            self.tb = SummaryWriter(str(make_managed_dir(output_dir / "tensorboard", "tensorboard")))
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -134,7 +141,10 @@ class Reporter:
         if load_LE is not None:
             record["expert_load_max_over_mean"] = [None if b is None else round(b, 4) for b in balance(load_LE)]
             record["expert_load"] = load_LE.tolist()
-        self.jsonl.write(json.dumps(record) + "\n")
+        try:
+            self.jsonl.write(json.dumps(record) + "\n")
+        except OSError as err:
+            raise RunError(write_failure(self.jsonl_path, err)) from None
         # None: not computed (no load-balancing loss, --aux-loss-coef 0).
         aux = "n/a" if record["aux_loss"] is None else f"{record['aux_loss']:.4f}"
         z = "" if record.get("z_loss") is None else f" | z {record['z_loss']:.4f}"

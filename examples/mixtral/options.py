@@ -85,9 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--resume", default="auto",
                      help="auto (latest complete checkpoint in --output-dir, if any), never, or a checkpoint folder")
     out.add_argument("--overwrite", action="store_true",
-                     help="start afresh: delete the checkpoints, metrics and TensorBoard logs in --output-dir")
+                     help="start afresh: delete the run's checkpoints, metrics and TensorBoard logs in --output-dir "
+                          "(only what carries the run's marker; never while another job holds the folder)")
     out.add_argument("--export-dir", default=None,
-                     help="at the end, write a Hugging Face folder that plain transformers loads")
+                     help="at the end, write a Hugging Face folder that plain transformers loads: a new or empty "
+                          "folder, or an earlier export (replaced), outside --output-dir")
     out.add_argument("--step-timeout", type=float, default=1800.0,
                      help="seconds one step (with its checkpoint) may take before every rank stops with an error")
     out.add_argument("--log-every", type=int, default=1)
@@ -158,10 +160,8 @@ def check_flag_values(args: argparse.Namespace) -> None:
         raise UsageError(f"--overwrite starts afresh; it cannot be combined with --resume {args.resume}")
     if args.resume not in ("auto", "never") and not Path(args.resume).is_dir():
         raise UsageError(f"--resume: {args.resume} is not a checkpoint folder (or use auto / never)")
-    for name in ("output_dir", "export_dir"):
-        value = getattr(args, name)
-        if value is not None and Path(value).exists() and not Path(value).is_dir():
-            raise UsageError(f"--{name.replace('_', '-')}: {value} exists and is not a folder")
+    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise UsageError(f"--output-dir: {args.output_dir} exists and is not a folder")
 
 
 def check_against_model(args: argparse.Namespace, config, tokenizer) -> None:
