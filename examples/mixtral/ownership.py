@@ -152,11 +152,13 @@ def check_export_target(out_dir: Path, protected: dict[str, Path], flag: str) ->
     """An export writes to a new folder, an empty one, or one a previous export made (its marker);
     never to or around ``protected`` folders (the run folder, the checkpoint), never over a user's
     files. Also the ``.tmp-``/``.trash-`` names beside it, which the export uses."""
-    for what, path in protected.items():
-        relation = related(out_dir, path)
-        if relation is not None:
-            raise UsageError(f"{flag} {out_dir} {relation} {what} {path}; an export goes to a folder of its own "
-                             "outside it (e.g. a sibling)")
+    clashes = [(relation, what, path) for what, path in protected.items()
+               if (relation := related(out_dir, path)) is not None]
+    if clashes:
+        # The closest relation first: the folder itself, then one it is inside, then one it holds.
+        relation, what, path = min(clashes, key=lambda c: ("is", "is inside", "is an ancestor of").index(c[0]))
+        raise UsageError(f"{flag} {out_dir} {relation} {what} {path}; an export goes to a folder of its own "
+                         "outside it (e.g. a sibling)")
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"{flag}: {out_dir} exists and is not a folder")
     if out_dir.exists() and not ours(out_dir, "export"):
