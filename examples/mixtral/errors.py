@@ -39,13 +39,18 @@ def write_failure(path, err: BaseException) -> str:
     return f"cannot write {path}: {cause}"
 
 
-def report_failure(err: BaseException, *, rank: int, distributed: bool) -> int | None:
+def lost_peer(err: BaseException) -> bool:
+    """Whether a collective failed because a peer's connection went (gloo's words for a peer that
+    died or was killed)."""
+    return any(words in str(err) for words in ("Connection closed by peer", "Connection reset by peer"))
+
+
+def report_failure(err: BaseException, *, rank: int, world_size: int) -> int | None:
     """Say why the run stopped, in one line, and return the exit status: 2 for a UsageError, 1 for
     a RunError or a peer's failure, 130 for an interrupt. None for anything else (a bug, whose
-    traceback is the report). Before start-up (``distributed`` False) every rank found the same,
-    and rank 0 says it; after it, an ``agreed`` error is said by rank 0, any other by the rank
-    that raised it; a rank that stopped only because a peer failed (moe_ep's fail_fast) leaves
-    the saying to that peer, rank 0 naming it."""
+    traceback is the report). An ``agreed`` error (every check before start-up is one) is said by
+    rank 0, any other by the rank that raised it; a rank that stopped only because a peer failed
+    (moe_ep's fail_fast) leaves the saying to that peer, rank 0 naming it."""
     from moe_ep.parallel import PeerFailure
 
     own = err.__cause__ if isinstance(err, PeerFailure) and err.__cause__ is not None else err
@@ -55,7 +60,7 @@ def report_failure(err: BaseException, *, rank: int, distributed: bool) -> int |
                   file=sys.stderr, flush=True)
         return 130
     if isinstance(own, (UsageError, RunError)):
-        if distributed and not own.agreed:
+        if world_size > 1 and not own.agreed:
             print(f"error (rank {rank}): {own}", file=sys.stderr, flush=True)
         elif rank == 0:
             print(f"error: {own}", file=sys.stderr, flush=True)

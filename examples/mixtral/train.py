@@ -54,7 +54,7 @@ from data import (
     token_cache_file,
     token_cache_problems,
 )
-from errors import RunError, UsageError, report_failure
+from errors import RunError, UsageError, lost_peer, report_failure
 from layout import RunLayout, apply_layout, layout_from_flags, layout_from_plan, rank_view
 from metrics import ExpertLoad, Reporter, Throughput, flops_per_token, peak_flops, summary_lines
 from models import (
@@ -280,7 +280,8 @@ def said_by_every_rank():
 
 def train(args) -> None:
     wall0 = time.perf_counter()
-    checked = validate(args)
+    with said_by_every_rank():
+        checked = validate(args)
     output_dir = Path(args.output_dir)
     lock = OutputLock(output_dir)
     # Rank 0 holds the folder for the job; the other ranks join that job through the process
@@ -435,11 +436,19 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
                     last_ckpt = save_checkpoint(ckpt_root, done, module, optimizer, trainer_state, rank=rank,
                                                 barrier=barrier, keep=args.keep_checkpoints, config=module.config)
                     reporter.info(f"checkpoint {last_ckpt}")
+        except RuntimeError as err:
+            if not lost_peer(err):
+                raise
+            raise RunError(f"step {step + 1}: lost contact with another rank ({str(err).splitlines()[0]}); it stopped "
+                           "or died (the launcher's report names it); "
+                           + (f"the last complete checkpoint is {last_ckpt}" if last_ckpt else
+                              "no checkpoint was written yet")) from err
         except TimeoutError as err:
             # fail_fast's: this rank waited past the bound (its peers stop with PeerFailure).
             raise RunError(f"step {step + 1} did not finish within --step-timeout {args.step_timeout:g} s (a rank hung, "
-                           f"was stopped or is swapping); every rank stops; the last complete checkpoint is "
-                           f"{last_ckpt or 'none'}") from err
+                           "was stopped or is swapping); every rank stops; "
+                           + (f"the last complete checkpoint is {last_ckpt}" if last_ckpt else
+                              "no checkpoint was written yet")) from err
 
     extra = {"checkpoint": last_ckpt, "metrics": output_dir / "metrics.jsonl"}
     if args.export_dir is not None:
@@ -463,11 +472,10 @@ def main(argv=None) -> int:
     try:
         train(args)
     except BaseException as err:
-        distributed = dist.is_initialized()
-        code = report_failure(err, rank=env_int("RANK", 0), distributed=distributed)
+        code = report_failure(err, rank=env_int("RANK", 0), world_size=env_int("WORLD_SIZE", 1))
         if code is None:
             raise
-        if distributed:
+        if dist.is_initialized():
             dist.destroy_process_group()
         return code
     return 0
