@@ -126,8 +126,18 @@ def run_main(argv, tmp_path, capsys, world_size=1):
 def test_expert_bias_rate_needs_a_bias_balanced_model(tmp_path, capsys):
     err = run_main(["--expert-bias-rate", "0.001"], tmp_path, capsys)
     assert "--expert-bias-rate 0.001: mixtral routers hold no expert bias" in err and "deepseek_v3" in err
-    assert "--expert-bias-rate must be >= 0, got -1.0" in run_main(["--expert-bias-rate", "-1"], tmp_path, capsys)
-    assert "--aux-loss-coef must be >= 0, got -0.5" in run_main(["--aux-loss-coef", "-0.5"], tmp_path, capsys)
+    assert "--expert-bias-rate must be a finite number >= 0, got -1.0" in run_main(["--expert-bias-rate", "-1"],
+                                                                                 tmp_path, capsys)
+    assert "--aux-loss-coef must be a finite number >= 0, got -0.5" in run_main(["--aux-loss-coef", "-0.5"], tmp_path,
+                                                                              capsys)
+
+
+@pytest.mark.parametrize("flag, value", [("--z-loss-coef", "nan"), ("--aux-loss-coef", "inf"), ("--lr", "nan"),
+                                         ("--max-grad-norm", "nan"), ("--weight-decay", "inf"),
+                                         ("--step-timeout", "inf"), ("--max-consecutive-skips", "-1")])
+def test_non_finite_or_negative_flag_values_are_refused(flag, value, tmp_path, capsys):
+    err = run_main([flag, value], tmp_path, capsys)
+    assert f"{flag} must be a finite number" in err and err.rstrip().endswith(f"got {value}"), err
 
 
 def test_balancing_follows_the_family_unless_flagged():

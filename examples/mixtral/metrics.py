@@ -4,6 +4,7 @@ per-layer expert load; a progress bar, a JSON-lines log, optional TensorBoard, a
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -135,16 +136,33 @@ class Reporter:
         else:
             print(message, flush=True)
 
+    def _write(self, record: dict) -> None:
+        try:
+            self.jsonl.write(json.dumps(record) + "\n")
+        except OSError as err:
+            raise RunError(write_failure(self.jsonl_path, err)) from None
+
+    def skipped(self, record: dict, max_consecutive: int) -> None:
+        """A step that TrainStep skipped (non-finite loss or gradient norm on some rank): one line
+        and a record with ``"skipped": true`` (non-finite values written as null)."""
+        if not self.enabled:
+            return
+        finite = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in record.items()}
+        self._write({**finite, "skipped": True})
+        stop = f" (the run stops at {max_consecutive})" if max_consecutive else ""
+        self.info(f"step {record['step']:>6} | skipped: loss {record['loss']:.4g}, grad_norm {record['grad_norm']:.4g} "
+                  f"(not finite on some rank); nothing applied | {record['consecutive_skips']} in a row{stop}, "
+                  f"{record['steps_skipped']} in all")
+        if self.bar is not None:
+            self.bar.update(record["step"] - self.bar.n)
+
     def step(self, record: dict, load_LE: torch.Tensor | None) -> None:
         if not self.enabled:
             return
         if load_LE is not None:
             record["expert_load_max_over_mean"] = [None if b is None else round(b, 4) for b in balance(load_LE)]
             record["expert_load"] = load_LE.tolist()
-        try:
-            self.jsonl.write(json.dumps(record) + "\n")
-        except OSError as err:
-            raise RunError(write_failure(self.jsonl_path, err)) from None
+        self._write(record)
         # None: not computed (no load-balancing loss, --aux-loss-coef 0).
         aux = "n/a" if record["aux_loss"] is None else f"{record['aux_loss']:.4f}"
         z = "" if record.get("z_loss") is None else f" | z {record['z_loss']:.4f}"

@@ -26,9 +26,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from moe_ep.parallel import fail_fast
+from moe_ep.parallel import PeerFailure, fail_fast
 from moe_ep.parallel.expert_sharding import experts_modules, num_experts_of
-from moe_ep.training import TrainStep
+from moe_ep.training import NonFiniteStepsError, TrainStep
 
 from checkpoint import (
     load_checkpoint,
@@ -86,13 +86,14 @@ def make_step(target, optimizer, args, layout, *, aux_coef: float, bias_rate: fl
     losses means over layers and micro-batches of each layer's loss (Megatron-Core's form;
     transformers' ``output_router_logits`` loss pools all layers' statistics instead, which a
     pipeline cannot do). ``layout.microbatches`` are the pipeline's micro-batches with ``pp > 1``
-    and the gradient-accumulation steps without."""
+    and the gradient-accumulation steps without. A step whose loss or gradient norm is not finite on
+    any rank is skipped on every rank; ``--max-consecutive-skips`` in a row stop the run (0: never)."""
     # Clipping to an infinite norm still measures it, for the log.
     return TrainStep(target, optimizer, microbatches=layout.microbatches, aux_loss_coef=aux_coef,
                      global_aux_loss=args.aux_loss == "global" and aux_coef > 0, z_loss_coef=args.z_loss_coef,
                      expert_bias_rate=bias_rate,
                      max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else math.inf,
-                     autocast_dtype=autocast_dtype)
+                     max_consecutive_skips=args.max_consecutive_skips or None, autocast_dtype=autocast_dtype)
 
 
 def prepare_model(args, source, layout, device, mp_dtype):
@@ -407,27 +408,38 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
                     group["lr"] = lr
                 throughput.start()
                 batch = local_batch(packed, schedule, step).to(device)
-                train_step({"input_ids": batch})
+                try:
+                    train_step({"input_ids": batch})
+                except NonFiniteStepsError as err:
+                    # Raised on every rank at the same step (their loss and norm are the global ones).
+                    raise RunError(f"step {step + 1}: {err}; stopped; "
+                                   + (f"the last complete checkpoint, {last_ckpt}, holds finite weights" if last_ckpt
+                                      else "no checkpoint was written yet"), agreed=True) from None
                 tokens_seen += global_batch * args.seq_len
                 # The LM loss, then (with a load-balancing or z loss) the aux and z losses: means over
                 # the global batch, the same on every rank.
                 measured = [train_step.last_grad_norm, train_step.last_lm_loss]
                 if train_step.last_aux_loss is not None:
                     measured += [train_step.last_aux_loss, train_step.last_z_loss]
-                # host sync: once per step, for the log and the NaN check.
+                # host sync: once per step, for the log.
                 grad_norm, loss, *aux_z = torch.stack([t.to(device, torch.float32) for t in measured]).tolist()
                 aux_loss, z_loss = aux_z if aux_z else (None, None)
                 throughput.stop(global_batch * args.seq_len)
-                if not math.isfinite(loss):
-                    raise RunError(f"the loss is {loss} at step {step + 1}; lower --lr or check the data", agreed=True)
                 done = step + 1
-                losses.append((done, loss))
-                if done % args.log_every == 0 or done == args.steps:
+                if train_step.last_step_skipped:
+                    # Nothing was applied; said at once, whatever --log-every.
+                    reporter.skipped({"step": done, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                                      "consecutive_skips": train_step.consecutive_skips,
+                                      "steps_skipped": train_step.steps_skipped}, args.max_consecutive_skips)
+                else:
+                    losses.append((done, loss))
+                if not train_step.last_step_skipped and (done % args.log_every == 0 or done == args.steps):
                     tps, mfu = throughput.report()
                     reporter.step(
                         {"step": done, "loss": loss, "aux_loss": aux_loss if aux_coef else None,
                          "z_loss": z_loss if args.z_loss_coef else None, "grad_norm": grad_norm, "lr": lr,
-                         "tokens_per_s": tps, "mfu": mfu, "tokens": tokens_seen, "epoch": schedule.epoch(done)},
+                         "tokens_per_s": tps, "mfu": mfu, "tokens": tokens_seen, "epoch": schedule.epoch(done),
+                         "steps_skipped": train_step.steps_skipped},
                         expert_load.collect(),
                     )
                 if done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
@@ -437,7 +449,7 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
                                                 barrier=barrier, keep=args.keep_checkpoints, config=module.config)
                     reporter.info(f"checkpoint {last_ckpt}")
         except RuntimeError as err:
-            if not lost_peer(err):
+            if isinstance(err, PeerFailure) or not lost_peer(err):
                 raise
             raise RunError(f"step {step + 1}: lost contact with another rank ({str(err).splitlines()[0]}); it stopped "
                            "or died (the launcher's report names it); "
@@ -451,6 +463,8 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
                               "no checkpoint was written yet")) from err
 
     extra = {"checkpoint": last_ckpt, "metrics": output_dir / "metrics.jsonl"}
+    if train_step.steps_skipped:
+        extra["steps skipped (non-finite loss or gradient norm)"] = train_step.steps_skipped
     if args.export_dir is not None:
         extra["export"] = args.export_dir
     for line in summary_lines(losses=losses, throughput=throughput, wall_s=time.perf_counter() - wall0, extra=extra):

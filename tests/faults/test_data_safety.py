@@ -360,3 +360,84 @@ def test_a_lock_left_by_a_dead_job_is_taken_over_and_said(tmp_path, capsys):
     assert (f"warning: {out} was held by a job that ended without letting go of it (pid 4242 on host node-7, job "
             "10.0.0.7:29500 run 1, since 2026-01-01 00:00:00 UTC); this job holds it now") in err
     assert (out / ownership.LOCK_FILE).read_text() == ""  # let go at the end
+
+
+# ----------------------------------------------------------------------------- non-finite steps
+
+
+def poison(monkeypatch, *, grads_at=(), weights_at=()) -> None:
+    """Make the run's steps ``grads_at`` (1-based) produce a NaN gradient norm with a finite loss
+    (every gradient of the LM head NaN: the case a step used to apply), and the weights NaN right
+    after the optimizer step of ``weights_at``."""
+    import train
+
+    real_make_step = train.make_step
+
+    def make_step(target, optimizer, *args, **kwargs):
+        step = real_make_step(target, optimizer, *args, **kwargs)
+        forwards = [0]  # one forward per step here (one process, no accumulation)
+        target.register_forward_pre_hook(lambda module, inputs: forwards.__setitem__(0, forwards[0] + 1))
+        weight = target.lm_head.weight
+        weight.register_hook(lambda g: torch.full_like(g, float("nan")) if forwards[0] in grads_at else g)
+
+        def after_step(opt, args, kwargs):
+            if forwards[0] in weights_at:
+                with torch.no_grad():
+                    weight[0, 0] = float("nan")
+
+        optimizer.register_step_post_hook(after_step)
+        return step
+
+    monkeypatch.setattr(train, "make_step", make_step)
+
+
+def state_of(step: Path) -> dict[str, torch.Tensor]:
+    from test_example_launch import trained_model
+
+    return trained_model(step).state_dict()
+
+
+def test_poisoned_steps_are_skipped_logged_and_never_applied(tmp_path, capsys, monkeypatch):
+    poison(monkeypatch, grads_at=(3, 4))
+    out = tmp_path / "run"
+    code = train_in_process([*COMMON, "--output-dir", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    for step, in_a_row in ((3, 1), (4, 2)):
+        line = next(l for l in printed.splitlines() if l.startswith(f"step {step:>6} | skipped: loss "))
+        assert line.endswith(f", grad_norm nan (not finite on some rank); nothing applied | {in_a_row} in a row "
+                             f"(the run stops at 20), {in_a_row} in all"), line
+    records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert [s for s, r in records.items() if r.get("skipped")] == [3, 4]
+    assert records[3]["grad_norm"] is None and records[4]["loss"] > 0 and records[6]["steps_skipped"] == 2
+    assert "steps skipped (non-finite loss or gradient norm): 2" in printed
+    # Steps 3 and 4 moved nothing: the step-4 checkpoint holds the step-2 weights, bit for bit.
+    root = out / "checkpoints"
+    after2, after4 = state_of(root / "step_00000002"), state_of(root / "step_00000004")
+    assert all(torch.equal(after2[k], after4[k]) for k in after2)
+    assert all(torch.isfinite(t).all() for t in state_of(root / f"step_{STEPS:08d}").values())
+
+
+def test_too_many_skips_in_a_row_stop_the_run_with_the_good_checkpoint_kept(tmp_path, capsys, monkeypatch):
+    poison(monkeypatch, grads_at=range(3, 9))
+    out = tmp_path / "run"
+    code, err = train_cli([*COMMON, "--steps", "8", "--max-consecutive-skips", "3", "--keep-checkpoints", "1",
+                           "--output-dir", str(out)], capsys)
+    step4 = out / "checkpoints" / "step_00000004"
+    assert code == 1
+    assert err.startswith("error: step 5: 3 steps in a row were skipped (max_consecutive_skips=3): the last had loss "), err
+    assert err.rstrip().endswith(f"; stopped; the last complete checkpoint, {step4}, holds finite weights"), err
+    assert ckpt.step_folders(out / "checkpoints") == [step4] and integrity.verify(step4) == []
+
+
+def test_non_finite_weights_stop_the_run_before_they_are_checkpointed(tmp_path, capsys, monkeypatch):
+    poison(monkeypatch, weights_at=(4,))
+    out = tmp_path / "run"
+    code, err = train_cli([*COMMON, "--keep-checkpoints", "1", "--output-dir", str(out)], capsys)
+    step2 = out / "checkpoints" / "step_00000002"
+    assert code == 1
+    assert err.strip() == (f"error: step 4: the weights hold NaN or infinite values (lm_head.weight on rank 0); not "
+                           f"checkpointed, {step2} is intact")
+    # With --keep-checkpoints 1 too, the last good checkpoint survives: it is pruned only once a
+    # newer one is written.
+    assert ckpt.step_folders(out / "checkpoints") == [step2] and integrity.verify(step2) == []
