@@ -48,6 +48,19 @@ def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error")]
 
 
+def reached_step(out: Path, step: int):
+    return lambda: (out / "metrics.jsonl").exists() and max(losses(out), default=0) >= step
+
+
+def seconds_to_end(fault, process) -> float:
+    """Inject ``fault`` (a callable), then wait for ``process`` (a Popen or psutil.Process) to end:
+    the seconds in between."""
+    fault()
+    start = time.monotonic()
+    process.wait(timeout=120)
+    return time.monotonic() - start
+
+
 @pytest.fixture(scope="module")
 def held_run(tmp_path_factory):
     """A 2-rank run held inside its step-2 save (checkpoint.py's pause hook) while a second job,
@@ -96,13 +109,9 @@ def test_rank_killed_mid_run_stops_the_job_and_resumes_bit_for_bit(held_run, tmp
     out = tmp_path / "run"
     proc = launch(accelerate_cmd(out), tmp_path / "killed.log")
     try:
-        wait_until(lambda: (out / "metrics.jsonl").exists() and max(losses(out), default=0) >= 3, proc,
-                   "the run did not reach step 3")
+        wait_until(reached_step(out, 3), proc, "the run did not reach step 3")
         victim = rank_processes(proc)[0]
-        victim.kill()
-        start = time.monotonic()
-        proc.wait(timeout=120)
-        ended_after = time.monotonic() - start
+        ended_after = seconds_to_end(victim.kill, proc)
     finally:
         kill_launch(proc)
     assert proc.returncode != 0 and ended_after < 60, ended_after
@@ -120,13 +129,9 @@ def test_stopped_rank_is_reported_within_the_step_timeout(tmp_path):
     proc = launch(accelerate_cmd(out, "--step-timeout", "8", "--steps", "40", "--checkpoint-every", "0"),
                   tmp_path / "stopped.log")
     try:
-        wait_until(lambda: (out / "metrics.jsonl").exists() and max(losses(out), default=0) >= 2, proc,
-                   "the run did not reach step 2")
+        wait_until(reached_step(out, 2), proc, "the run did not reach step 2")
         ranks = rank_processes(proc)
-        ranks[1].send_signal(signal.SIGSTOP)
-        start = time.monotonic()
-        ranks[0].wait(timeout=120)
-        stopped_after = time.monotonic() - start
+        stopped_after = seconds_to_end(lambda: ranks[1].send_signal(signal.SIGSTOP), ranks[0])
     finally:
         kill_launch(proc)
     lines = error_lines(log_of(tmp_path / "stopped.log"))
@@ -145,10 +150,7 @@ def test_ctrl_c_inside_a_save_leaves_no_partial_checkpoint_and_lets_go_of_the_fo
         partial = out / "checkpoints" / ".tmp-step_00000004"
         wait_until(lambda: all(p.exists() for p in paused_files(partial, 2)), proc,
                    "the run did not reach its step-4 save")
-        proc.send_signal(signal.SIGINT)
-        start = time.monotonic()
-        proc.wait(timeout=120)
-        ended_after = time.monotonic() - start
+        ended_after = seconds_to_end(lambda: proc.send_signal(signal.SIGINT), proc)
     finally:
         kill_launch(proc)
     assert proc.returncode != 0 and ended_after < 60, ended_after
