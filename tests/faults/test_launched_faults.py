@@ -21,7 +21,7 @@ from test_data_safety import copy_run, flip_byte, snapshot
 from test_example_launch import (
     COMMON,
     STEPS,
-    accelerate_cmd,
+    torchrun_cmd,
     kill_launch,
     launch,
     losses,
@@ -69,7 +69,7 @@ def held_run(tmp_path_factory):
     the folder was untouched by the second job)."""
     root = tmp_path_factory.mktemp("held")
     out = root / "run"
-    proc = launch(accelerate_cmd(out), root / "run.log", **{PAUSE: "2"})
+    proc = launch(torchrun_cmd(out), root / "run.log", **{PAUSE: "2"})
     try:
         paused = paused_files(out / "checkpoints" / ".tmp-step_00000002", 2)
         wait_until(lambda: all(p.exists() for p in paused), proc, "the run did not reach its step-2 save")
@@ -107,7 +107,7 @@ def test_rank_killed_mid_run_stops_the_job_and_resumes_bit_for_bit(held_run, tmp
     bounded time; the same command takes the folder over (the lock died with its holder) and
     resumes onto the undisturbed losses."""
     out = tmp_path / "run"
-    proc = launch(accelerate_cmd(out), tmp_path / "killed.log")
+    proc = launch(torchrun_cmd(out), tmp_path / "killed.log")
     try:
         wait_until(reached_step(out, 3), proc, "the run did not reach step 3")
         victim = rank_processes(proc)[0]
@@ -116,7 +116,7 @@ def test_rank_killed_mid_run_stops_the_job_and_resumes_bit_for_bit(held_run, tmp
         kill_launch(proc)
     assert proc.returncode != 0 and ended_after < 60, ended_after
     assert f"Signal 9 (SIGKILL) received by PID {victim.pid}" in log_of(tmp_path / "killed.log")  # the launcher's
-    log = run(accelerate_cmd(out))
+    log = run(torchrun_cmd(out))
     assert f"was held by a job that ended without letting go of it (pid {victim.pid} on host" in log
     assert "resumed from" in log
     assert losses(out) == losses(held_run[0])  # exact, every step
@@ -126,7 +126,7 @@ def test_stopped_rank_is_reported_within_the_step_timeout(tmp_path):
     """SIGSTOP of rank 1 mid-run, --step-timeout 8: rank 0 stops on its own within the bound
     with one line saying which step did not finish, instead of waiting forever."""
     out = tmp_path / "run"
-    proc = launch(accelerate_cmd(out, "--step-timeout", "8", "--steps", "40", "--checkpoint-every", "0"),
+    proc = launch(torchrun_cmd(out, "--step-timeout", "8", "--steps", "40", "--checkpoint-every", "0"),
                   tmp_path / "stopped.log")
     try:
         wait_until(reached_step(out, 2), proc, "the run did not reach step 2")
@@ -145,7 +145,7 @@ def test_ctrl_c_inside_a_save_leaves_no_partial_checkpoint_and_lets_go_of_the_fo
     the launch ends within a bounded time, the half-written checkpoint is only a .tmp- folder,
     the folder's lock is free, and the same command resumes onto the undisturbed losses."""
     out = tmp_path / "run"
-    proc = launch(accelerate_cmd(out), tmp_path / "interrupted.log", **{PAUSE: "4"})
+    proc = launch(torchrun_cmd(out), tmp_path / "interrupted.log", **{PAUSE: "4"})
     try:
         partial = out / "checkpoints" / ".tmp-step_00000004"
         wait_until(lambda: all(p.exists() for p in paused_files(partial, 2)), proc,
@@ -159,7 +159,7 @@ def test_ctrl_c_inside_a_save_leaves_no_partial_checkpoint_and_lets_go_of_the_fo
     lock = ownership.OutputLock(out)
     lock.acquire()
     lock.release()
-    log = run(accelerate_cmd(out))
+    log = run(torchrun_cmd(out))
     assert f"resumed from {out / 'checkpoints' / 'step_00000002'} at step 2" in log
     assert losses(out) == losses(held_run[0])
 
@@ -169,7 +169,7 @@ def test_full_disk_on_one_rank_stops_every_rank_with_one_line(tmp_path):
     /dev/full): DCP's failure reaches every rank, rank 0 says it once, naming the folder, the
     rank and the cause; step 2 stays intact."""
     out = tmp_path / "run"
-    proc = launch(accelerate_cmd(out), tmp_path / "full.log", **{ckpt.DISK_FULL_HOOK: "4:1"})
+    proc = launch(torchrun_cmd(out), tmp_path / "full.log", **{ckpt.DISK_FULL_HOOK: "4:1"})
     try:
         assert proc.wait(timeout=240) != 0
     finally:
@@ -189,7 +189,7 @@ def test_one_ranks_damaged_shard_is_found_by_every_rank(held_run, tmp_path):
     last = out / "checkpoints" / f"step_{STEPS:08d}"
     flip_byte(last / "__1_0.distcp")
     explicit = tmp_path / "explicit.log"
-    proc = launch(accelerate_cmd(out, "--resume", str(last)), explicit)
+    proc = launch(torchrun_cmd(out, "--resume", str(last)), explicit)
     try:
         assert proc.wait(timeout=240) != 0
     finally:
@@ -197,7 +197,7 @@ def test_one_ranks_damaged_shard_is_found_by_every_rank(held_run, tmp_path):
     assert error_lines(log_of(explicit)) == [
         f"error: --resume: the checkpoint {last} is damaged: __1_0.distcp does not match its checksum (its contents "
         "changed after it was written); resume another checkpoint"]
-    log = run(accelerate_cmd(out))
+    log = run(torchrun_cmd(out))
     assert log.count("warning: --resume auto: skipping the checkpoint") == 1
     assert f"resumed from {out / 'checkpoints' / 'step_00000004'} at step 4" in log
     assert losses(out) == losses(held_run[0])
