@@ -732,7 +732,7 @@ _VARIANTS = [("aligned", 2, "silu"), ("aligned", 2, "gelu"), ("aligned", 1, "sil
 # The static cost model's description of each launch (cost.Gemm), by kernel and role.
 COSTS = {
     "gather_glu": ("fwd gemm1 (gather, gate_up, act)", cost.Gemm("rows", n=MIXTRAL.I, k=MIXTRAL.H, b_panels=2,
-                                                                  epilogue_write=3)),
+                                                                  dots=2, epilogue_write=3)),
     "rows_matmul_nk_scaled": ("fwd gemm2 (down, routing weight)", cost.Gemm("rows", n=MIXTRAL.H, k=MIXTRAL.I)),
     "glu_backward": ("bwd dy @ down (d pre, hs, d w)", cost.Gemm("rows", n=MIXTRAL.I, k=MIXTRAL.H, epilogue_read=2,
                                                                  epilogue_write=3)),
