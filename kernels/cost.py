@@ -81,6 +81,7 @@ class Gemm:
     k: int = 0  # rows: reduction length
     m: int = 0  # weight: rows of the weight
     b_panels: int = 1
+    dots: int = 1  # rows: products per tile (gate and up: 2)
     epilogue_read: int = 0
     epilogue_write: int = 1
 
@@ -113,10 +114,10 @@ def estimate(g: Gemm, p: Problem, machine: Machine, block: tuple, group_m: int, 
         for pid_m, pid_n in _tile_order(len(owner), nn, group_m):
             waves_a.append((pid_m,))
             waves_b.append((owner[pid_m], pid_n))
-            tile_flops.append(2 * bm * bn * g.k)
+            tile_flops.append(2 * bm * bn * g.k * g.dots)
         a_bytes = lambda key: bm * g.k * e  # noqa: E731
         b_bytes = lambda key: g.b_panels * g.k * bn * e  # noqa: E731
-        useful = 2 * p.N * g.n * g.k
+        useful = 2 * p.N * g.n * g.k * g.dots
         written = (g.epilogue_write * sum(rows) * g.n) * e
         extra_read = g.epilogue_read * sum(rows) * g.n * e
     else:

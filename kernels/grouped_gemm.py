@@ -60,6 +60,9 @@ def _space(tiles: list[Config], fp32: list[Config]) -> dict:
 # Each tile is the largest that compiles without spills and fits shared memory on its
 # architecture under Triton 3.6 and 3.9 (``python -m moe_ep.kernels.aot``).
 _FP32_TILE = [Config(64, 32, 32, num_warps=8, num_stages=2)]
+# glu_backward's epilogue splits the columns in halves: 16-column halves of the float32 tile
+# spill 8 bytes, 32-column ones do not.
+_FP32_GLU_BWD = [Config(64, 64, 32, num_warps=8, num_stages=2)]
 CONFIGS = {
     # H100: 227 KB of shared memory per block, wgmma with the accumulator in registers, TMA.
     "sm_90": {
@@ -72,7 +75,7 @@ CONFIGS = {
                                Config(128, 256, 64, 8, 3), Config(64, 128, 64, 4, 3)], _FP32_TILE),
         "glu_backward": _space([Config(128, 128, 64, 8, 3, tma=True, persistent=True),
                                 Config(64, 128, 32, 4, 4, tma=True, persistent=True),
-                                Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_TILE),
+                                Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_GLU_BWD),
         "weight_grad": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True),
                                Config(128, 256, 64, 8, 3)], _FP32_TILE),
     },
@@ -81,14 +84,14 @@ CONFIGS = {
         # mma.sync keeps its operands in registers too: 128x128 gate/up and 128x256 dx spill.
         "gather_glu": _space([Config(128, 64, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_TILE),
         "rows_matmul": _space([Config(128, 128, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_TILE),
-        "glu_backward": _space([Config(128, 128, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_TILE),
+        "glu_backward": _space([Config(128, 128, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_GLU_BWD),
         "weight_grad": _space([Config(128, 256, 32, 8, 4)], _FP32_TILE),
     },
     # Any other GPU (sm_86 and sm_89 have 99 KB of shared memory per block), and the interpreter.
     "default": {
         "gather_glu": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_TILE),
         "rows_matmul": _space([Config(64, 128, 64, 4, 3), Config(128, 128, 64, 8, 3)], _FP32_TILE),
-        "glu_backward": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_TILE),
+        "glu_backward": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_GLU_BWD),
         "weight_grad": _space([Config(128, 128, 64, 8, 3)], _FP32_TILE),
     },
 }
@@ -732,7 +735,7 @@ _VARIANTS = [("aligned", 2, "silu"), ("aligned", 2, "gelu"), ("aligned", 1, "sil
 # The static cost model's description of each launch (cost.Gemm), by kernel and role.
 COSTS = {
     "gather_glu": ("fwd gemm1 (gather, gate_up, act)", cost.Gemm("rows", n=MIXTRAL.I, k=MIXTRAL.H, b_panels=2,
-                                                                  epilogue_write=3)),
+                                                                  dots=2, epilogue_write=3)),
     "rows_matmul_nk_scaled": ("fwd gemm2 (down, routing weight)", cost.Gemm("rows", n=MIXTRAL.H, k=MIXTRAL.I)),
     "glu_backward": ("bwd dy @ down (d pre, hs, d w)", cost.Gemm("rows", n=MIXTRAL.I, k=MIXTRAL.H, epilogue_read=2,
                                                                  epilogue_write=3)),
