@@ -135,8 +135,19 @@ def test_every_checkpoint_damaged_stops_instead_of_starting_afresh(base, tmp_pat
     assert len(ckpt.step_folders(out / "checkpoints")) == 3  # nothing deleted
 
 
+SHORT = [*COMMON, "--steps", "2", "--warmup-steps", "1", "--checkpoint-every", "0"]
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory) -> Path:
+    """Two steps of the base run's data in a folder that never had a token cache."""
+    out = tmp_path_factory.mktemp("short") / "run"
+    assert train_in_process([*SHORT, "--output-dir", str(out)]) == 0
+    return out
+
+
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated", "manifest missing"])
-def test_damaged_token_cache_is_tokenized_again_not_trained_on(damage, base, tmp_path, capsys):
+def test_damaged_token_cache_is_tokenized_again_not_trained_on(damage, base, short_run, tmp_path, capsys):
     out = copy_run(base, tmp_path / "run")
     cache = next((out / "token_cache").glob("tokens-*.npy"))
     if damage == "flipped byte":
@@ -145,15 +156,11 @@ def test_damaged_token_cache_is_tokenized_again_not_trained_on(damage, base, tmp
         truncate(cache)
     else:
         (out / "token_cache" / cache.name.replace(".npy", ".manifest.json")).unlink()
-    code, err = train_cli([*COMMON, "--steps", "2", "--warmup-steps", "1", "--checkpoint-every", "0", "--overwrite",
-                           "--output-dir", str(out)], capsys)
+    code, err = train_cli([*SHORT, "--overwrite", "--output-dir", str(out)], capsys)
     assert code == 0, err
     assert f"warning: the token cache {cache} is damaged (" in err and "tokenizing the data again" in err, err
     assert ckpt.local_problems(cache.parent, manifest=cache.name.replace(".npy", ".manifest.json")) == []
-    rerun = tmp_path / "rerun"
-    assert train_in_process([*COMMON, "--steps", "2", "--warmup-steps", "1", "--checkpoint-every", "0",
-                             "--output-dir", str(rerun)]) == 0
-    assert losses(out) == losses(rerun)  # the same data as a run that never had a cache
+    assert losses(out) == losses(short_run)  # the same data as a run that never had a cache
 
 
 # ------------------------------------------------------------------------ exports and --overwrite
@@ -214,8 +221,7 @@ def test_overwrite_deletes_only_the_runs_own_files(base, tmp_path, capsys):
     (out / "hf").mkdir()
     (out / "hf" / "weights.bin").write_text("the user's")
     cache = sorted(p.name for p in (out / "token_cache").iterdir())
-    code, err = train_cli([*COMMON, "--steps", "2", "--warmup-steps", "1", "--checkpoint-every", "0", "--overwrite",
-                           "--output-dir", str(out)], capsys)
+    code, err = train_cli([*SHORT, "--overwrite", "--output-dir", str(out)], capsys)
     assert code == 0, err
     assert [p.name for p in ckpt.step_folders(out / "checkpoints")] == ["step_00000002"]
     assert sorted(losses(out)) == [1, 2]  # metrics.jsonl started afresh
@@ -354,8 +360,7 @@ def test_a_lock_left_by_a_dead_job_is_taken_over_and_said(tmp_path, capsys):
     out.mkdir()
     record = {"host": "node-7", "pid": 4242, "job": "10.0.0.7:29500 run 1", "since": "2026-01-01 00:00:00 UTC"}
     (out / ownership.LOCK_FILE).write_text(json.dumps(record))
-    code, err = train_cli([*COMMON, "--steps", "2", "--warmup-steps", "1", "--checkpoint-every", "0",
-                           "--output-dir", str(out)], capsys)
+    code, err = train_cli([*SHORT, "--output-dir", str(out)], capsys)
     assert code == 0, err
     assert (f"warning: {out} was held by a job that ended without letting go of it (pid 4242 on host node-7, job "
             "10.0.0.7:29500 run 1, since 2026-01-01 00:00:00 UTC); this job holds it now") in err
