@@ -75,17 +75,17 @@ def check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_ex
     return ep
 
 
-def _compact(valid_N: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of the first ``size`` True entries of ``valid_N`` in order, and which of the
+def _compact(valid: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of the first ``size`` True entries of the 1-D ``valid`` in order, and which of the
     ``size`` outputs are real (the tail is padding, index 0, when fewer are True). A cumsum and a
     scatter, no host sync."""
-    n = valid_N.numel()
-    device = valid_N.device
-    pos_N = torch.cumsum(valid_N, 0) - 1
-    target_N = torch.where(valid_N & (pos_N < size), pos_N, size)
+    n = valid.numel()
+    device = valid.device
+    pos = torch.cumsum(valid, 0) - 1
+    target = torch.where(valid & (pos < size), pos, size)
     index = torch.zeros(size + 1, dtype=torch.long, device=device)
-    index.scatter_(0, target_N, torch.arange(n, device=device))
-    real = torch.arange(size, device=device) < valid_N.sum()
+    index.scatter_(0, target, torch.arange(n, device=device))
+    real = torch.arange(size, device=device) < valid.sum()
     return index[:size], real
 
 
@@ -270,12 +270,12 @@ def _received_slots(recv_RC, blocks: _Blocks, sizes: _Sizes, w_meta, ids_meta, L
     key_values = torch.arange(per_block.shape[1], device=device).repeat(ep)
     key_S = torch.repeat_interleave(key_values, per_block.reshape(-1), output_size=num_recv)
     single_S = key_S < L
-    ids_SK = torch.full((num_recv, k_max), L, dtype=torch.int32, device=device)
-    ids_SK[:, 0] = torch.where(single_S, key_S, L).to(torch.int32)
-    w_SK = torch.zeros(num_recv, k_max, dtype=torch.float32, device=device)
-    w_SK[:, 0] = single_S.float()
+    ids_SC = torch.full((num_recv, k_max), L, dtype=torch.int32, device=device)
+    ids_SC[:, 0] = torch.where(single_S, key_S, L).to(torch.int32)
+    w_SC = torch.zeros(num_recv, k_max, dtype=torch.float32, device=device)
+    w_SC[:, 0] = single_S.float()
     if w_meta is None:
-        return w_SK, ids_SK
+        return w_SC, ids_SC
     block_S = torch.repeat_interleave(torch.arange(ep, device=device), per_block.sum(1), output_size=num_recv)
     s = torch.arange(num_recv, device=device)
     meta_S = blocks.meta_base_R[block_S] + s - blocks.row_base_R[block_S] - blocks.singles_R[block_S]
@@ -283,7 +283,7 @@ def _received_slots(recv_RC, blocks: _Blocks, sizes: _Sizes, w_meta, ids_meta, L
     meta_S = torch.where(multi_S, meta_S, w_meta.shape[0])  # the padding row appended below
     ids_pad = F.pad(ids_meta, (0, 0, 0, 1), value=L)
     w_pad = F.pad(w_meta, (0, 0, 0, 1))
-    return torch.where(multi_S[:, None], w_pad[meta_S], w_SK), torch.where(multi_S[:, None], ids_pad[meta_S], ids_SK)
+    return torch.where(multi_S[:, None], w_pad[meta_S], w_SC), torch.where(multi_S[:, None], ids_pad[meta_S], ids_SC)
 
 
 def _expert_pairs(x_recv, w_recv, ids_recv, L: int, num_pairs: int, padded: bool):
@@ -291,22 +291,22 @@ def _expert_pairs(x_recv, w_recv, ids_recv, L: int, num_pairs: int, padded: bool
     entry that fills it (``num_pairs`` = none), which ``combine`` sums per row; and for each entry
     its slot (``S * k_max`` = none: capacity mode's padding)."""
     S, k_max = ids_recv.shape
-    ids_N = ids_recv.reshape(-1)
-    pair_slot, pair_real = _compact(ids_N < L, num_pairs)
-    expert_P = ids_N[pair_slot].long()
-    weight_P = w_recv.reshape(-1)[pair_slot]
+    ids_flat = ids_recv.reshape(-1)  # slot s * k_max + c of the [S, C] table
+    pair_slot, pair_real = _compact(ids_flat < L, num_pairs)
+    expert_Q = ids_flat[pair_slot].long()
+    weight_Q = w_recv.reshape(-1)[pair_slot]
     if padded:  # capacity mode's tail entries: expert 0, weight 0, output exactly 0
-        expert_P = torch.where(pair_real, expert_P, 0)
-        weight_P = torch.where(pair_real, weight_P, 0.0)
+        expert_Q = torch.where(pair_real, expert_Q, 0)
+        weight_Q = torch.where(pair_real, weight_Q, 0.0)
     pair_reader = torch.where(pair_real, pair_slot, S * k_max)
-    row_src = torch.full((S * k_max + 1,), num_pairs, dtype=torch.long, device=ids_N.device)
-    row_src.scatter_(0, pair_reader, torch.arange(num_pairs, device=ids_N.device))
+    row_src = torch.full((S * k_max + 1,), num_pairs, dtype=torch.long, device=ids_flat.device)
+    row_src.scatter_(0, pair_reader, torch.arange(num_pairs, device=ids_flat.device))
     row_src_SC = row_src[: S * k_max].view(S, k_max)
     if _pairs_are_rows(num_pairs, S, padded):
-        hidden_PH = x_recv  # no copy: entry p is row p
+        hidden_QH = x_recv  # no copy: pair q is row q
     else:
-        hidden_PH = gather_rows(x_recv, pair_slot // k_max, row_src_SC, padded=padded)
-    return hidden_PH, expert_P[:, None], weight_P[:, None], row_src_SC, pair_reader
+        hidden_QH = gather_rows(x_recv, pair_slot // k_max, row_src_SC, padded=padded)
+    return hidden_QH, expert_Q[:, None], weight_Q[:, None], row_src_SC, pair_reader
 
 
 def _pairs_are_rows(num_pairs: int, num_rows: int, padded: bool) -> bool:
@@ -404,7 +404,7 @@ def dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_exper
         )
         w_meta, ids_meta = AllToAllRouting.apply(w_send, ids_send, sizes.meta_recv_splits, sizes.meta_send_splits, group)
     w_recv, ids_recv = _received_slots(recv_RC, recv_blocks, sizes, w_meta, ids_meta, L, k_max)
-    hidden_PH, expert_P1, weight_P1, row_src_SC, pair_reader_P = _expert_pairs(
+    hidden_QH, expert_Q1, weight_Q1, row_src_SC, pair_reader_Q = _expert_pairs(
         x_recv, w_recv, ids_recv, L, sizes.num_pairs, padded=kept_TK is not None
     )
     layout = DispatchLayout(
@@ -417,11 +417,11 @@ def dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_exper
         source_reader=source_reader_S,
         source_weights=source_weights_TC,
         row_src=row_src_SC,
-        pair_reader=pair_reader_P,
+        pair_reader=pair_reader_Q,
         num_pairs=sizes.num_pairs,
         kept_TK=kept_TK,
     )
-    return DispatchedTokens(hidden_states=hidden_PH, expert_ids=expert_P1, weights=weight_P1, layout=layout)
+    return DispatchedTokens(hidden_states=hidden_QH, expert_ids=expert_Q1, weights=weight_Q1, layout=layout)
 
 
 class _JoinedToDispatch(torch.autograd.Function):
@@ -430,12 +430,12 @@ class _JoinedToDispatch(torch.autograd.Function):
     behind them, with zeros); what matters is that the edges exist."""
 
     @staticmethod
-    def forward(ctx, expert_output_PH, hidden_PH, weights_P1):
-        return expert_output_PH.view_as(expert_output_PH)
+    def forward(ctx, expert_output_QH, hidden_QH, weights_Q1):
+        return expert_output_QH.view_as(expert_output_QH)
 
     @staticmethod
-    def backward(ctx, grad_PH):
-        return grad_PH, None, None
+    def backward(ctx, grad_QH):
+        return grad_QH, None, None
 
 
 def join_to_dispatch(expert_output: torch.Tensor, tokens: DispatchedTokens) -> torch.Tensor:
@@ -457,7 +457,7 @@ def join_checked(expert_output: torch.Tensor, tokens: DispatchedTokens) -> torch
 
 
 def combine(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
-    """The weighted expert outputs ``[P, H]`` of ``dispatch``'s pairs back to their tokens:
+    """The weighted expert outputs ``[Q, H]`` of ``dispatch``'s pairs back to their tokens:
     ``[T, H]`` on the source rank, in the dtype of ``expert_output``. Collective, differentiable.
 
     Every rank must also enter the backward of both exchanges, so ``expert_output`` must depend

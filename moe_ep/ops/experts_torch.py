@@ -38,21 +38,21 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def grouped_linear(a_NK: torch.Tensor, w_EMK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """Row block of expert e times ``w_EMK[e]^T``; sizes that are not a multiple of 8 are
-    zero-padded (a copy only for such odd shapes, which real models do not have)."""
-    M, K = w_EMK.shape[1:]
-    Mp, Kp = _aligned(M), _aligned(K)
-    w = _pad_to(_pad_to(w_EMK, 2, Kp), 1, Mp)
-    return torch._grouped_mm(_pad_to(a_NK, 1, Kp), w.transpose(1, 2), offs=offsets_E)[:, :M]
+def grouped_linear(a_ND: torch.Tensor, w_EFD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Row block of expert e times ``w_EFD[e]^T`` -> ``[N, F]``; sizes that are not a multiple of
+    8 are zero-padded (a copy only for such odd shapes, which real models do not have)."""
+    F, D = w_EFD.shape[1:]
+    Fp, Dp = _aligned(F), _aligned(D)
+    w = _pad_to(_pad_to(w_EFD, 2, Dp), 1, Fp)
+    return torch._grouped_mm(_pad_to(a_ND, 1, Dp), w.transpose(1, 2), offs=offsets_E)[:, :F]
 
 
-def grouped_outer(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """Per expert, ``a[rows]^T @ b[rows]`` -> ``[E, M, K]``: the weight gradient."""
-    M, K = a_NM.shape[1], b_NK.shape[1]
-    a = _pad_to(a_NM, 1, _aligned(M))
-    b = _pad_to(b_NK, 1, _aligned(K))
-    return torch._grouped_mm(a.t(), b, offs=offsets_E)[:, :M, :K]
+def grouped_outer(a_NF: torch.Tensor, b_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Per expert, ``a[rows]^T @ b[rows]`` -> ``[E, F, D]``: the weight gradient."""
+    F, D = a_NF.shape[1], b_ND.shape[1]
+    a = _pad_to(a_NF, 1, _aligned(F))
+    b = _pad_to(b_ND, 1, _aligned(D))
+    return torch._grouped_mm(a.t(), b, offs=offsets_E)[:, :F, :D]
 
 
 def _unsort_sum(rows_N: torch.Tensor, order_N: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
