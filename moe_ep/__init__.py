@@ -17,21 +17,47 @@ from typing import TYPE_CHECKING
 from ._on_import import after_import
 
 if TYPE_CHECKING:
-    from .hf import patch
+    from .hf import experts_modules, num_experts_of, patch
     from .ops import moe_experts, route_topk
-    from .parallel import parallelize
-    from .planner import plan
+    from .parallel import (
+        DEFAULT_SCHEDULE,
+        ParallelConfig,
+        PeerFailure,
+        PipelineConfig,
+        fail_fast,
+        full_state_dict,
+        load_full_state_dict,
+        parallel_context,
+        parallelize,
+    )
+    from .planner import MODEL_NAMES, NO_PIPELINE, Layout, config_from_name, plan, schedule_info
     from .training import NonFiniteStepsError, TrainStep
 
-# Public name -> the module that defines it, imported on first access.
+# Public name -> the module that defines it, imported on first access. By layer: the ops, the
+# Hugging Face integration, the layout over ranks, the planner, the training step.
 _PUBLIC = {
-    "NonFiniteStepsError": "moe_ep.training",
-    "TrainStep": "moe_ep.training",
     "moe_experts": "moe_ep.ops",
-    "parallelize": "moe_ep.parallel",
-    "patch": "moe_ep.hf",
-    "plan": "moe_ep.planner",
     "route_topk": "moe_ep.ops",
+    "patch": "moe_ep.hf",
+    "experts_modules": "moe_ep.hf",
+    "num_experts_of": "moe_ep.hf",
+    "parallelize": "moe_ep.parallel",
+    "ParallelConfig": "moe_ep.parallel",
+    "PipelineConfig": "moe_ep.parallel",
+    "DEFAULT_SCHEDULE": "moe_ep.parallel",
+    "parallel_context": "moe_ep.parallel",
+    "full_state_dict": "moe_ep.parallel",
+    "load_full_state_dict": "moe_ep.parallel",
+    "fail_fast": "moe_ep.parallel",
+    "PeerFailure": "moe_ep.parallel",
+    "plan": "moe_ep.planner",
+    "Layout": "moe_ep.planner",
+    "schedule_info": "moe_ep.planner",
+    "NO_PIPELINE": "moe_ep.planner",
+    "MODEL_NAMES": "moe_ep.planner",
+    "config_from_name": "moe_ep.planner",
+    "TrainStep": "moe_ep.training",
+    "NonFiniteStepsError": "moe_ep.training",
 }
 _SUBPACKAGES = ("bench", "dispatch", "hf", "kernels", "ops", "parallel", "planner", "training")
 

@@ -4,11 +4,11 @@ estimate and why the alternatives lost."""
 
 from .cluster import Cluster
 from .layout import Layout
-from .schedules import SCHEDULES, schedule_info
+from .schedules import NO_PIPELINE, SCHEDULES, schedule_info
 from .search import Plan, PlanError, evaluate, plan
 from .spec import MODEL_NAMES, ModelSpec, config_from_name
 
 __all__ = [
-    "Cluster", "Layout", "MODEL_NAMES", "ModelSpec", "Plan", "PlanError", "SCHEDULES", "config_from_name",
-    "evaluate", "plan", "schedule_info",
+    "Cluster", "Layout", "MODEL_NAMES", "ModelSpec", "NO_PIPELINE", "Plan", "PlanError", "SCHEDULES",
+    "config_from_name", "evaluate", "plan", "schedule_info",
 ]
