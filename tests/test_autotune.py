@@ -6,7 +6,7 @@ from moe_ep.ops.experts import moe_experts
 from moe_ep.kernels import autotune
 from moe_ep.kernels.autotune import Config
 
-from conftest import requires_cuda
+from markers import requires_cuda
 from moe_cases import CASES
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

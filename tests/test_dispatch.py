@@ -17,14 +17,16 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import HAS_EP_REGISTRY, TOLERANCE, rel_err, requires_cuda, requires_ep_registry
 from dist_utils import run_ranks
+from markers import HAS_EP_REGISTRY, requires_cuda, requires_ep_registry
+from numerics import TOLERANCE, rel_err
+from routing_rules import keep_mask_reference, remap_routing
 from moe_ep.bench.dispatch import count_sent_bytes
 from moe_ep.dispatch import CountExchangeBytes, capacity_keep_mask, count_exchange_bytes, expert_capacity, wire_bytes
 from moe_ep.ops.reference import moe_experts_ref
 
 TOL = TOLERANCE[torch.float32]
-# The ranks run transformers' expert-parallel entries only where its registry exists (conftest).
+# The ranks run transformers' expert-parallel entries only where its registry exists (markers.py).
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,19 +74,6 @@ class Case:
         gate_up = torch.randn(E, 2 * self.I, self.H, generator=g) / self.H**0.5
         down = torch.randn(E, self.H, self.I, generator=g) / self.I**0.5
         return xs, idxs, ws, dys, gate_up, down
-
-
-def keep_mask_reference(idx_TK, w_TK, num_experts: int, capacity: int) -> torch.Tensor:
-    """The documented capacity policy as a plain loop: per expert, highest weight first, lower
-    token index first among equal weights, keep ``capacity``."""
-    T, K = idx_TK.shape
-    keep = torch.zeros(T, K, dtype=torch.bool)
-    for e in range(num_experts):
-        pairs = [(t, k) for t in range(T) for k in range(K) if idx_TK[t, k] == e]
-        pairs.sort(key=lambda p: (-float(w_TK[p]), p[0]))
-        for p in pairs[:capacity]:
-            keep[p] = True
-    return keep
 
 
 CASES_2 = [
@@ -312,7 +301,7 @@ def _transformers_ep_from_pretrained(rank: int, world: int, checkpoint: str, *, 
     transformers' own all-to-all on the same layout (when ``impls`` runs both).
 
     On the ranks in ``routed_to_first_rank`` every token's experts are rewritten to experts of
-    the first rank of its expert group (``_remap_routing``), so when a whole group is rewritten its
+    the first rank of its expert group (``remap_routing``), so when a whole group is rewritten its
     other ranks receive no rows, and transformers' eager experts answer an empty batch with a
     tensor outside the autograd graph."""
     from torch.distributed.tensor import DTensor
@@ -321,7 +310,6 @@ def _transformers_ep_from_pretrained(rank: int, world: int, checkpoint: str, *, 
 
     from hf_models import tiny_batch
     from moe_ep.hf import experts_modules
-    from test_parallel import _remap_routing
 
     ep = world if ep is None else ep
     routed = []
@@ -330,7 +318,7 @@ def _transformers_ep_from_pretrained(rank: int, world: int, checkpoint: str, *, 
         if rank not in routed_to_first_rank:
             return model
         experts = experts_modules(model)
-        hook = _remap_routing("first_rank_only", experts[0][1].config.num_local_experts, ep)
+        hook = remap_routing("first_rank_only", experts[0][1].config.num_local_experts, ep)
         for _, module in experts:
             module.register_forward_pre_hook(hook)
             module.register_forward_pre_hook(lambda module, args: routed.append(args[1].detach().clone()))

@@ -17,8 +17,8 @@ import moe_ep.hf as hf
 from moe_ep.ops.experts import moe_experts
 from moe_ep.hf import routers
 from moe_ep.hf.routers import FUSED_ROUTER_FORWARDS
-from tests.conftest import TOLERANCE, rel_err
-from tests.hf_models import FAMILIES, tiny_batch, tiny_config, tiny_model
+from numerics import TOLERANCE, rel_err
+from hf_models import FAMILIES, tiny_batch, tiny_config, tiny_model
 
 
 def _router(model):

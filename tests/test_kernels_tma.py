@@ -13,7 +13,7 @@ from moe_ep.kernels.autotune import Config
 from moe_ep.kernels.routing_metadata import routing_metadata
 from moe_ep.ops.reference import moe_experts_ref
 
-from conftest import TOLERANCE, rel_err
+from numerics import TOLERANCE, rel_err
 from moe_cases import CASES, Case, run_with_grads
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -32,7 +32,6 @@ within 2% of the planner's figure when both are. (One rank takes about 4 s here 
 
 from __future__ import annotations
 
-import contextlib
 import types
 
 import pytest
@@ -40,23 +39,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dist_utils import fake_rank
+
 WORLD = 128
 CLUSTER = dict(nodes=16, gpus_per_node=8, gpu_memory_gib=80)
 TOLERANCE = 0.02
 TOKENS = 2  # one sequence of two tokens: the bytes held do not depend on the batch
-
-
-@contextlib.contextmanager
-def fake_rank(rank: int, world_size: int = WORLD):
-    """This process as ``rank`` of torch's fake process group: collectives return at once and
-    move nothing, so layouts of any world size can be applied in one process."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -145,7 +133,7 @@ def _bounding_ranks(pp: int) -> list[int]:
 def _check_ranks(best, ranks):
     lay = best.layout
     for rank in ranks:
-        with fake_rank(rank):
+        with fake_rank(rank, WORLD):
             modules, pp_rank = _apply_plan(best)
             assert pp_rank == rank // (WORLD // lay.pp)
             params, optimizer = _train_step(modules, 4096)

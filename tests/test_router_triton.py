@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from conftest import TOLERANCE, rel_err, requires_cuda
+from markers import requires_cuda
+from numerics import TOLERANCE, rel_err
 from moe_ep.ops.reference import route_topk_ref
 from moe_ep.ops.routing import route_topk
 import moe_ep.ops.routing_triton  # noqa: F401  (registers torch.ops.moe_ep.route_topk, whatever ran before)
