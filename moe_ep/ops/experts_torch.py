@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .activations import glu_bwd, glu_fwd
+from .experts_op import register_experts_autograd
 
 
 def routing_order(idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,31 +136,4 @@ def experts_torch_bwd(
     return dx_TH, dw_TK, d_gate_up_E2IH, d_down_EHI
 
 
-@experts_torch_bwd.register_fake
-def _(dy_TH, x_TH, w_TK, gate_up_E2IH, down_EHI, order_N, offsets_E, gate_up_N2I, activation):
-    return (
-        x_TH.new_empty(x_TH.shape),
-        w_TK.new_empty(w_TK.shape),
-        gate_up_E2IH.new_empty(gate_up_E2IH.shape),
-        down_EHI.new_empty(down_EHI.shape),
-    )
-
-
-def _setup_context(ctx, inputs, output):
-    x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation = inputs
-    _, order_N, offsets_E, gate_up_N2I = output
-    ctx.activation = activation
-    # The saved outputs get no gradient: do not make autograd fill zeros of their size.
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x_TH, w_TK, gate_up_E2IH, down_EHI, order_N, offsets_E, gate_up_N2I)
-
-
-def _backward(ctx, dy_TH, _d_order, _d_offsets, _d_gate_up_N2I):
-    x_TH, w_TK, gate_up_E2IH, down_EHI, order_N, offsets_E, gate_up_N2I = ctx.saved_tensors
-    dx, dw, dgu, dd = experts_torch_bwd(
-        dy_TH.contiguous(), x_TH, w_TK, gate_up_E2IH, down_EHI, order_N, offsets_E, gate_up_N2I, ctx.activation
-    )
-    return dx, None, dw, dgu, dd, None
-
-
-experts_torch_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_experts_autograd(experts_torch_fwd, experts_torch_bwd)

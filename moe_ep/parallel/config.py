@@ -110,7 +110,9 @@ class ParallelConfig:
                 f"{type(self.mixed_precision).__name__}"
             )
         if not isinstance(self.activation_checkpointing, bool):
-            raise TypeError(f"activation_checkpointing must be a bool, got {type(self.activation_checkpointing).__name__}")
+            raise TypeError(
+                f"activation_checkpointing must be a bool, got {type(self.activation_checkpointing).__name__}"
+            )
         if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
             raise TypeError(
                 f"reshard_after_forward must be a bool or None, got {type(self.reshard_after_forward).__name__}"
