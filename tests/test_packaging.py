@@ -142,3 +142,68 @@ def test_the_example_and_the_readme_use_public_names_only():
         used.update({name: "README.md" for name in re.findall(r"\bmoe_ep\.(\w+)", block)})
     assert used, "found no use of moe_ep"
     assert {name: where for name, where in used.items() if name not in moe_ep.__all__} == {}
+
+
+# ARCHITECTURE.md's layers, bottom up; a layer may import only layers of a lower rank (hf and the
+# planner know nothing of each other). moe_ep/__init__.py is the top.
+LAYER_RANK = {"kernels": 0, "_on_import": 0, "ops": 1, "dispatch": 2, "hf": 3, "planner": 3, "parallel": 4,
+              "training": 5, "bench": 6, "cli": 6, "": 7}
+
+
+def _moe_ep_imports() -> dict[str, set[str]]:
+    """Module -> the moe_ep modules it imports when it runs (module-level and inside functions;
+    not under ``if TYPE_CHECKING:``), kernels/ included as moe_ep.kernels."""
+    files = {}
+    for path in sorted((REPO / "moe_ep").rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        if parts[1:2] == ("kernels",):
+            continue
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = (path, parts[-1] == "__init__")
+    for path in sorted((REPO / "kernels").glob("*.py")):
+        files[f"moe_ep.kernels.{path.stem}"] = (path, False)
+    graph = {}
+    for name, (path, is_package) in files.items():
+        package = name if is_package else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree)
+                       if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+                       for n in ast.walk(node)}
+        found = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                found.update(f"{target}.{a.name}" if f"{target}.{a.name}" in files else target for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        # A package's own ancestors are being imported already: not an edge.
+        graph[name] = {t for t in found if t in files and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def test_the_import_graph_has_no_cycle_and_only_downward_edges():
+    graph = _moe_ep_imports()
+
+    def layer(module: str) -> str:
+        return module.split(".")[1] if "." in module else ""
+
+    upward = [f"{m} -> {t}" for m, targets in graph.items() for t in targets
+              if layer(m) != layer(t) and LAYER_RANK[layer(t)] >= LAYER_RANK[layer(m)]]
+    assert upward == []
+    done, on_path = set(), []
+
+    def visit(module: str) -> None:
+        assert module not in on_path, " -> ".join(on_path[on_path.index(module):] + [module])
+        if module in done:
+            return
+        on_path.append(module)
+        for target in sorted(graph[module]):
+            visit(target)
+        on_path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+    assert {"moe_ep.parallel.parallelize", "moe_ep.parallel.pipeline.build", "moe_ep.kernels.grouped_gemm"} <= set(graph)
