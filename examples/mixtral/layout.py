@@ -1,7 +1,7 @@
 """The parallel layout: degrees from the flags or from moe_ep.plan, checked against the number of
 processes, then applied to the model with moe_ep.parallelize.
 
-Rank order follows DESIGN.md's dense mesh ``(pp, dp_replicate, dp_shard)``, row-major; experts use
+Rank order follows ARCHITECTURE.md's dense mesh ``(pp, dp_replicate, dp_shard)``, row-major; experts use
 ``(pp, dp_replicate, edp, ep)`` with ``edp = dp_shard / ep``, so expert parallelism borrows ranks
 from sharded data parallelism and every rank of a pipeline stage trains on its own data."""
 

@@ -1,8 +1,9 @@
 """Expert-parallel token dispatch: stateless ``dispatch`` / ``combine`` over a process group,
 dropless or with a capacity (``join_to_dispatch`` for experts that may return a tensor outside
 the autograd graph), the ``moe_experts_ep`` layer built on them, the dispatcher object
-that ``moe_ep.parallel.parallelize`` installs on transformers experts modules, transformers'
-expert-parallel registry entry ``"moe_ep"``, and the byte count of both dispatch schemes."""
+that ``moe_ep.parallelize`` binds to transformers experts modules, and the byte count of
+moe_ep's and transformers' dispatch schemes. Nothing here knows transformers (its
+expert-parallel registry entry is ``moe_ep.hf.transformers_ep``)."""
 
 from .capacity import capacity_keep_mask, expert_capacity
 from .dispatcher import combine, dispatch, join_to_dispatch

@@ -1,43 +1,19 @@
 """Stateless expert-parallel dispatch and combine over one process group (the ``ep`` group).
 
-Rank ``j`` of the group owns experts ``[j L, (j+1) L)`` with ``L = E / ep``. ``dispatch`` sends
-each token ONCE to each rank that owns at least one of its chosen experts (DeepEP's scheme;
-transformers' all-to-all sends one copy per chosen expert). What travels with a row depends on
-how many of the token's experts live on that rank:
+Rank ``j`` owns experts ``[j L, (j+1) L)`` with ``L = E / ep``. ``dispatch`` sends each token
+ONCE to each rank that owns one of its chosen experts (DeepEP's scheme; transformers sends one
+copy per chosen expert). A *single* row (one of the token's experts on that rank, the common
+case) carries nothing else: within each destination's block single rows are sorted by local
+expert and the per-expert counts ride in the count exchange, and the source applies the routing
+weight when the row comes back. A *multi* row (several) carries its local ids and weights
+(``min(K, L)`` int32 + float32 columns), after the single rows; the expert rank weights and sums
+its outputs, so one row comes back. So we never send more bytes than transformers once a row is
+at least ``4 min(K, L)`` bytes (``wire_bytes``). Reductions are fixed-order: no float atomics.
 
-- one (a *single* row, the common case): nothing. Inside each destination's block the single rows
-  are sorted by local expert and the per-expert counts travel in the count exchange, so the
-  receiver knows every row's expert, as transformers' scheme does. The expert returns the
-  unweighted output and the source rank applies the routing weight.
-- several (a *multi* row): its local expert ids and routing weights (``min(K, L)`` int32 +
-  float32 columns), sent after the single rows. The expert rank applies the weights and sums the
-  token's partial outputs, so one row comes back instead of several.
-
-So per (token, rank) we send one row where transformers sends ``m``, plus ``8 min(K, L)`` bytes
-when ``m >= 2``; the count exchange is ``L`` int32 per peer (``L + 2`` when rows can be multi,
-``L >= 2``) against transformers' ``L`` int64. Whenever a hidden row is at least ``4 min(K, L)``
-bytes, which every real model's is, we never send more bytes than transformers, and strictly
-fewer (with a larger row) as soon as two experts of a token share a rank (see ``wire_bytes``).
-All reductions are fixed-order sums over a padded grid: deterministic, no float atomics.
-
-Two modes:
-
-- dropless (``capacity_factor=None``): uneven splits. The per-layer exchange of counts is the
-  one host sync (the split sizes of ``all_to_all_single`` are host integers).
-- capacity (``capacity_factor=c``): the policy of ``moe_ep.dispatch.capacity`` drops pairs beyond
-  ``ceil(c T K / E)`` per expert; every buffer has a fixed, padded size, the counts are exchanged
-  on the device and nothing is read back to the host. The padding costs bytes: the "never more
-  than transformers" bound above is dropless mode's.
-
-  Precondition: every rank of the group passes the same number of tokens T (the padded sizes
-  derive from it). It is checked with the count exchange, before any row moves, but the check
-  reads a device value: on the CPU a mismatch raises ValueError on every rank; on CUDA it is
-  queued (``torch._assert_async``, so as not to add the host sync this mode exists to avoid), the
-  host goes on to launch the row all-to-all with mismatched sizes, and the job then fails with a
-  device-side assert at its next synchronisation, or stops in that exchange until
-  ``moe_ep.parallel.fail_fast``'s or the process group's timeout. Pad every rank's batch to one
-  length (a fixed sequence length and micro-batch size), or use dropless mode.
-"""
+Dropless mode (``capacity_factor=None``) exchanges the counts with one host sync per layer
+(``all_to_all_single`` takes host split sizes). Capacity mode (``moe_ep.dispatch.capacity``)
+has fixed padded buffers and no host sync, and needs the same number of tokens on every rank
+(see ``dispatch``). ARCHITECTURE.md draws the whole flow, forward and backward."""
 
 from __future__ import annotations
 
@@ -137,7 +113,7 @@ def _exchange_counts_checking_tokens(send_RC: torch.Tensor, T: int, group) -> to
     blocks are sized from T, so every rank of the group must have the same T or the row exchange
     would not line up (a crash or a hang instead of an error). On the CPU the check raises here,
     on every rank, before the rows move; on CUDA it is queued on the device and fires only at the
-    next synchronisation, after the mismatched row exchange was launched (see the module doc)."""
+    next synchronisation, after the mismatched row exchange was launched (see ``dispatch``)."""
     tokens = torch.full((send_RC.shape[0], 1), T, dtype=send_RC.dtype, device=send_RC.device)
     recv = _exchange_counts(torch.cat([send_RC, tokens], dim=1), group)
     check_on_device(
@@ -354,10 +330,18 @@ def dispatch(
 
     ``top_k_index [T, K]`` holds global expert ids, ``top_k_weights [T, K]`` their weights. Returns
     the (row, local expert) pairs this rank's experts must compute and the layout ``combine``
-    needs. Every rank of ``group`` must call it (collective), whatever its number of tokens; in
-    capacity mode (``capacity_factor`` not None) every rank must also pass the same number of
-    tokens, which on CUDA is only checked asynchronously (module doc). Differentiable in
-    ``hidden_states`` and ``top_k_weights``."""
+    needs. Every rank of ``group`` must call it (collective), whatever its number of tokens.
+    Differentiable in ``hidden_states`` and ``top_k_weights``.
+
+    Capacity mode (``capacity_factor`` not None) needs the same number of tokens T on every rank
+    of the group: the padded buffers are sized from it. It is checked with the count exchange,
+    before any row moves, but the check reads a device value: on the CPU a mismatch raises
+    ValueError on every rank; on CUDA it is queued (``torch._assert_async``, so as not to add the
+    host sync this mode exists to avoid), the host goes on to launch the row all-to-all with
+    mismatched sizes, and the job fails with a device-side assert at its next synchronisation, or
+    stops in that exchange until ``moe_ep.fail_fast``'s or the process group's timeout. Pad every
+    rank's batch to one length (a fixed sequence length and micro-batch size), or use dropless
+    mode."""
     check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts)
     check_capacity_factor(capacity_factor)
     return dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_experts, capacity_factor)

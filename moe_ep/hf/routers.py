@@ -2,7 +2,7 @@
 router forward returns: ``(router_logits, top_k_weights, top_k_index)`` with the same dtypes.
 
 The router module is kept (its class, parameters, buffers and hooks); only its computation is
-replaced by ``moe_ep.routing.route_topk``. transformers records ``router_logits`` with a forward
+replaced by ``moe_ep.route_topk``. transformers records ``router_logits`` with a forward
 hook on the router class (``OutputRecorder(<Router>, index=0)``), so the auxiliary loss of
 ``output_router_logits=True`` is computed from our logits exactly as from its own.
 

@@ -1,6 +1,6 @@
 """Search over layouts: every (pp, dp_replicate, dp_shard, ep) that divides the world, every
 micro-batch size that divides a replica's batch, with and without activation checkpointing,
-every pipeline schedule that applies; each is partitioned (moe_ep.partition), costed
+every pipeline schedule that applies; each is partitioned (moe_ep.planner.partition), costed
 (memory, timing) and the fastest one that fits wins."""
 
 from __future__ import annotations
