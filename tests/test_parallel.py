@@ -706,3 +706,46 @@ def test_run_ranks_reports_the_failing_rank():
 
 def _divide_by_rank_minus_one(rank, world):
     return 1 / (rank - 1) if rank == 1 else 0
+
+
+@pytest.mark.parametrize(
+    "arguments, error, pattern",
+    [
+        (dict(pp=2), ValueError, r"pp=2 needs microbatches"),
+        (dict(pp=0), ValueError, r"pp must be a positive int, got 0"),
+        (dict(seq_len=128), ValueError, r"seq_len=128 describes pipeline stages and needs pp > 1, got pp=1"),
+        (dict(pp=2, microbatches=0), ValueError, r"microbatches must be a positive int, got 0"),
+        (dict(pp=2, microbatches=2, schedule="pipedream"), ValueError, r"schedule must be one of"),
+        (dict(pp=2, microbatches=2, memory_cap=float("inf")), ValueError, r"memory_cap must be a positive finite"),
+        (dict(capacity_factor=1.0), ValueError, r"capacity_factor=1.0 applies to the expert-parallel dispatcher"),
+        (dict(ep=2, capacity_factor=-1), ValueError, r"capacity_factor must be a positive number or None"),
+        (dict(experts_backend="cuda"), ValueError, r"experts_backend must be one of \('triton', 'torch'\) or None"),
+        (dict(activation_checkpointing=1), TypeError, r"activation_checkpointing must be a bool, got int"),
+        (dict(reshard_after_forward="no"), TypeError, r"reshard_after_forward must be a bool or None, got str"),
+        (dict(mixed_precision=torch.bfloat16), TypeError, r"mixed_precision must be a torch.distributed.fsdp"),
+        (dict(dp_shard=0), ValueError, r"dp_shard must be a positive int, got 0"),
+    ],
+)
+def test_parallel_config_is_checked_when_built(arguments, error, pattern):
+    """parallelize's arguments become one ParallelConfig, refused before any process group or
+    model is looked at."""
+    from moe_ep.parallel import ParallelConfig
+
+    with pytest.raises(error, match=pattern):
+        ParallelConfig.from_arguments(**arguments)
+
+
+def test_parallel_config_is_frozen_and_carries_the_pipeline():
+    import dataclasses
+
+    from moe_ep.parallel import DEFAULT_SCHEDULE, ParallelConfig, PipelineConfig, parallel_context, parallelize_with
+
+    config = ParallelConfig.from_arguments(pp=2, ep=2, microbatches=4, split_points=[2])
+    assert config.pipeline == PipelineConfig(microbatches=4, schedule=DEFAULT_SCHEDULE, split_points=(2,))
+    assert config.fsdp_reshard_after_forward is False
+    assert ParallelConfig(ep=2).fsdp_reshard_after_forward is True and ParallelConfig(ep=2).pipeline is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.ep = 4
+    with pytest.raises(TypeError, match="config must be a moe_ep.parallel.ParallelConfig, got dict"):
+        parallelize_with(torch.nn.Linear(2, 2), {"ep": 2})
+    assert parallel_context(torch.nn.Linear(2, 2)) is None and parallel_context("model") is None
