@@ -90,3 +90,20 @@ def test_checkpointing_keeps_only_each_layers_input():
     full = chain_saved(spec, mb, backend="triton", checkpointing=False)
     kept = chain_saved(spec, mb, backend="triton", checkpointing=True)
     assert kept["layers.5"] == 2 * 4096 * 4096 and full["layers.5"] > 20 * kept["layers.5"]
+
+
+def test_bench_planner_mode_prints_and_saves_its_checks(tmp_path, monkeypatch, capsys):
+    import json
+
+    from moe_ep.bench import planner as mode
+    from moe_ep.bench.cli import main
+
+    monkeypatch.setattr(mode, "SMALL_CASES", [("tiny-mixtral", True, 1, 64)])
+    monkeypatch.setattr(mode, "EP_CASES", [])
+    monkeypatch.setattr(mode, "FULL_CASES", [])
+    report = main(["planner", "--skip-collectives", "--out-dir", str(tmp_path)])
+    assert [r["status"] for r in report.rows] == ["ok", "ok"]
+    out = capsys.readouterr().out
+    assert "measured / planner" in out and "2 of 2 figures within 5%" in out
+    saved = json.loads(next(tmp_path.glob("planner_cpu_*.json")).read_text())
+    assert saved["mode"] == "planner" and saved["rows"][0]["ratio"] == 1.0

@@ -576,3 +576,86 @@ def dispatcher_checks(layout, *, seq_len: int = 4096, world_size: int = 128, see
     modelled = all_to_all_collective(spec, layout, seq_len, 1).bytes
     per_step = layout.microbatches * spec.num_moe_layers
     return [Check("all-to-all over the ep group, one step", layout.short(), per_step * measured, per_step * modelled)]
+
+
+# ---------------------------------------------------------------- the benchmark mode
+
+COLUMNS = [
+    Column("check", "check"),
+    Column("case", "case"),
+    Column("measured_mib", "measured MiB", "{:,.2f}"),
+    Column("modelled_mib", "planner MiB", "{:,.2f}"),
+    Column("ratio", "measured / planner", "{:.4f}"),
+    Column("status", "status"),
+]
+
+SMALL_CASES = [
+    ("tiny-mixtral", False, 1, 256), ("tiny-mixtral", True, 2, 128), ("tiny-qwen2-moe", False, 2, 128),
+    ("tiny-qwen3-moe", True, 1, 256), ("tiny-olmoe", False, 4, 64),
+]
+EP_CASES = [("tiny-mixtral", 8, False, 2, 128), ("tiny-mixtral", 4, False, 2, 128), ("tiny-qwen2-moe", 4, True, 1, 256)]
+FULL_CASES = [("triton", False, 1, 4096), ("triton", True, 1, 4096), ("triton", False, 2, 4096), ("torch", False, 1, 8192)]
+
+
+def _activation_checks() -> list[Check]:
+    checks = []
+
+    def add(what, measured, modelled):
+        for unit in modelled:
+            checks.append(Check("activations saved for backward", f"{what}, {unit}", measured[unit], modelled[unit]))
+
+    for name, ckpt, batch, seq in SMALL_CASES:
+        print(f"[planner] activations: {name} B={batch} S={seq} checkpointing={ckpt}", flush=True)
+        add(f"{name} B={batch} S={seq}{' ckpt' if ckpt else ''}", *small_model_saved(name, batch, seq, ckpt))
+    for name, ep, ckpt, batch, seq in EP_CASES:
+        print(f"[planner] activations: {name} ep={ep} B={batch} S={seq} checkpointing={ckpt}", flush=True)
+        add(f"{name} ep={ep} B={batch} S={seq}{' ckpt' if ckpt else ''}", *ep_saved(name, ep, batch, seq, ckpt))
+    for backend, ckpt, batch, seq in FULL_CASES:
+        print(f"[planner] activations: Mixtral-8x7B shapes, {backend}, B={batch} S={seq} checkpointing={ckpt}",
+              flush=True)
+        add(f"Mixtral-8x7B shapes (fake) {backend} B={batch} S={seq}{' ckpt' if ckpt else ''}",
+            *full_shape_saved(backend, batch, seq, ckpt))
+    return checks
+
+
+def _collective_checks() -> tuple[list[Check], list[str]]:
+    from ..planner import Layout, plan
+
+    cluster = dict(nodes=16, cluster="dgx-a100-80gb")
+    chosen = plan("mixtral-8x7b", **cluster).best
+    layouts = [chosen] + [plan("mixtral-8x7b", pp=4, schedule=s, ep=8, dp_shard=32, checkpointing=True, **cluster).best
+                          for s in ("1f1b", "zbv")]
+    checks, notes = [], [f"chosen layout for Mixtral-8x7B on 16 x dgx-a100-80gb: {chosen.layout.short()}"]
+    for best in layouts:
+        ranks = [0, 127]
+        print(f"[planner] collectives at world size 128: {best.layout.short()}, ranks {ranks}", flush=True)
+        checks += fake_step_checks(best, ranks, collectives_on=tuple(ranks))[1]
+    for layout in (chosen.layout, Layout(1, 1, 128, 4, 1, 8, "none", True)):
+        print(f"[planner] all-to-all through the dispatcher: {layout.short()}", flush=True)
+        checks += dispatcher_checks(layout)
+    return checks, notes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--skip-collectives", action="store_true",
+                        help="only the activation checks (the world-size-128 steps take a few minutes on 2 cores)")
+
+
+def run(args, device: torch.device) -> Report:
+    if device.type != "cpu":
+        raise ValueError(f"--device must be cpu for the planner check (it measures on the CPU), got {device.type!r}")
+    report = Report("planner", device, COLUMNS)
+    report.meta = dict(environment(device), tolerance=TOLERANCE)
+    checks = _activation_checks()
+    if not args.skip_collectives:
+        more, notes = _collective_checks()
+        checks += more
+        report.notes += notes
+    for c in checks:
+        report.rows.append(dict(check=c.check, case=c.case, measured_mib=c.measured / 2**20,
+                                modelled_mib=c.modelled / 2**20, measured_bytes=c.measured,
+                                modelled_bytes=c.modelled, ratio=c.ratio, status="ok" if c.ok else "OFF"))
+    worst = max(checks, key=lambda c: abs(c.ratio - 1))
+    report.notes.append(f"{sum(c.ok for c in checks)} of {len(checks)} figures within {TOLERANCE:.0%}; the furthest: "
+                        f"{worst.check}, {worst.case}: {worst.ratio:.4f}")
+    return report

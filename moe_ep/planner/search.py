@@ -324,7 +324,7 @@ def _search(spec, cluster, seq_len, global_batch_tokens, assumptions, fixed, num
     layouts = list(_layouts(spec, cluster, seq_len, global_batch_tokens, fixed))
     cache = _UnitCache(spec, seq_len, assumptions, cluster)
     bounded = sorted((cache.lower_bound(lay), i) for i, lay in enumerate(layouts))
-    candidates, best, shapes, oversized, uncut, skipped = [], None, set(), set(), None, []
+    candidates, best, shapes, uncut, oversized = [], None, set(), None, []
 
     def cost(i):
         nonlocal uncut
@@ -337,27 +337,30 @@ def _search(spec, cluster, seq_len, global_batch_tokens, assumptions, fixed, num
         return candidates[-1]
 
     for bound, i in bounded:
-        lay = layouts[i]
         if best is not None:
             window = _EXPLAIN_WINDOW if len(shapes - {best.key}) >= num_alternatives else _GIVE_UP_WINDOW
             if bound > best.time.total * window:
                 break
-        if cache.memory_floor(lay) > cluster.memory_bytes:
-            # It cannot fit: worth costing only as one of the faster ones the plan explains.
-            key = (lay.pp, lay.dp_replicate, lay.dp_shard, lay.ep, lay.schedule, lay.checkpointing)
-            if len(oversized) >= num_alternatives // 2 or key in oversized or (best is not None and bound >= best.time.total):
-                skipped.append(i)
-                continue
-            oversized.add(key)
+        if cache.memory_floor(layouts[i]) > cluster.memory_bytes:
+            oversized.append((bound, i))  # cannot fit: costed below only to be explained
+            continue
         cand = cost(i)
         if cand is not None and cand.fits:
             shapes.add(cand.key)
             if best is None or _rank(cand) < _rank(best):
                 best = cand
-    if best is None:
-        # Nothing fits: cost the smallest of the skipped too, so the error can say how close it came.
-        for i in sorted(skipped, key=lambda i: cache.memory_floor(layouts[i]))[:8]:
+    # The faster layouts that cannot fit worth explaining are those closest to fitting, one per
+    # shape; with nothing fitting, the smallest ones say how close the request came.
+    faster = [i for bound, i in oversized if best is None or bound < best.time.total]
+    explained = set()
+    for i in sorted(faster, key=lambda i: cache.memory_floor(layouts[i])):
+        lay = layouts[i]
+        key = (lay.pp, lay.dp_replicate, lay.dp_shard, lay.ep, lay.schedule, lay.checkpointing)
+        if key not in explained:
+            explained.add(key)
             cost(i)
+        if len(explained) >= max(num_alternatives // 2, 0 if best is not None else 8):
+            break
     return candidates, len(layouts), uncut
 
 
