@@ -77,9 +77,7 @@ class Unit:
     """One unit of the chain for one micro-batch, as the busiest rank sees it."""
 
     name: str
-    dense_params: int  # global counts
-    expert_params: int
-    moe: bool  # has an all-to-all when ep > 1
+    moe: bool  # a MoE layer: has an all-to-all when ep > 1
     work: Work  # compute of one micro-batch
     params: float  # bytes on one rank
     grads: float
@@ -114,7 +112,7 @@ def build_units(
         sharded = (dense + expert) / ds
         gathered = dense + expert / ep
         return Unit(
-            name=name, dense_params=dense, expert_params=expert, moe=moe, work=work,
+            name=name, moe=moe, work=work,
             params=sharded * STATE_BYTES_PER_PARAM["params"], grads=sharded * STATE_BYTES_PER_PARAM["grads"],
             optim=sharded * STATE_BYTES_PER_PARAM["optim"], act=act, scratch=scratch, gathered=gathered,
             held=PP_HELD_BYTES * gathered if pipelined else 0.0,

@@ -65,17 +65,19 @@ H100_80GB = GPU(
 )
 
 _FA2 = "FlashAttention-2 (Dao, 2023)"
+_GROUPED = ("estimated: 0.85 x the dense figure, the bar moe_ep's Triton grouped GEMMs are benchmarked against "
+            "(python -m moe_ep.bench kernels, fwd+bwd vs dense >= 0.8)")
+_MEMORY = "estimated: elementwise kernels and copies move about 80% of the HBM peak"
 EFFICIENCIES = {
     "A100": Efficiencies(
         grouped_gemm=0.64, dense_gemm=0.75, attention=0.60, memory=0.80,
         sources=(
             ("dense_gemm", "estimated: cuBLAS BF16 GEMMs of Mixtral's sizes reach about 230-250 of 312 TFLOP/s "
                            "in public A100 benchmarks"),
-            ("grouped_gemm", "estimated: 0.85 x the dense figure, the bar moe_ep's Triton grouped GEMMs are "
-                             "benchmarked against (python -m moe_ep.bench kernels, fwd+bwd vs dense >= 0.8)"),
+            ("grouped_gemm", _GROUPED),
             ("attention", f"estimated: {_FA2}, fig. 4: causal, head dim 128, 4k tokens, forward+backward "
                           "about 190 TFLOP/s on A100-80GB"),
-            ("memory", "estimated: elementwise kernels and copies move about 80% of the HBM peak"),
+            ("memory", _MEMORY),
         ),
     ),
     "H100": Efficiencies(
@@ -83,11 +85,10 @@ EFFICIENCIES = {
         sources=(
             ("dense_gemm", "estimated: cuBLAS BF16 GEMMs of Mixtral's sizes reach about 600-700 of 989 TFLOP/s "
                            "in public H100 benchmarks"),
-            ("grouped_gemm", "estimated: 0.85 x the dense figure, the bar moe_ep's Triton grouped GEMMs are "
-                             "benchmarked against (python -m moe_ep.bench kernels, fwd+bwd vs dense >= 0.8)"),
+            ("grouped_gemm", _GROUPED),
             ("attention", f"estimated: {_FA2} as PyTorch's SDPA runs it, measured at about 350 TFLOP/s "
                           "forward+backward on H100 SXM5 in FlashAttention-3 (Shah et al., 2024)"),
-            ("memory", "estimated: elementwise kernels and copies move about 80% of the HBM peak"),
+            ("memory", _MEMORY),
         ),
     ),
 }

@@ -51,6 +51,11 @@ class Assumptions:
     capacity_factor: float | None = None
 
 
+def _shape(lay: Layout) -> tuple:
+    """Layouts that differ only in micro-batch size are one alternative."""
+    return (lay.pp, lay.dp_replicate, lay.dp_shard, lay.ep, lay.schedule, lay.checkpointing)
+
+
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
@@ -75,9 +80,7 @@ class Candidate:
 
     @property
     def key(self) -> tuple:
-        """Layouts that differ only in micro-batch size are one alternative."""
-        lay = self.layout
-        return (lay.pp, lay.dp_replicate, lay.dp_shard, lay.ep, lay.schedule, lay.checkpointing)
+        return _shape(self.layout)
 
 
 @dataclass(frozen=True)
@@ -352,15 +355,14 @@ def _search(spec, cluster, seq_len, global_batch_tokens, assumptions, fixed, num
     # The faster layouts that cannot fit worth explaining are those closest to fitting, one per
     # shape; with nothing fitting, the smallest ones say how close the request came.
     faster = [i for bound, i in oversized if best is None or bound < best.time.total]
-    explained = set()
+    limit, explained = (num_alternatives // 2 if best is not None else 8), set()
     for i in sorted(faster, key=lambda i: cache.memory_floor(layouts[i])):
-        lay = layouts[i]
-        key = (lay.pp, lay.dp_replicate, lay.dp_shard, lay.ep, lay.schedule, lay.checkpointing)
+        if len(explained) >= limit:
+            break
+        key = _shape(layouts[i])
         if key not in explained:
             explained.add(key)
             cost(i)
-        if len(explained) >= max(num_alternatives // 2, 0 if best is not None else 8):
-            break
     return candidates, len(layouts), uncut
 
 
@@ -473,8 +475,6 @@ def plan(
     """
     spec = ModelSpec.resolve(model)
     check("nodes", nodes)
-    check("gpus_per_node", gpus_per_node, optional=True)
-    check("gpu_memory_gib", gpu_memory_gib, optional=True)
     figures = dict(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib, intra_node_gbps=intra_node_gbps,
                    inter_node_gbps=inter_node_gbps, peak_tflops=peak_tflops, hbm_gbps=hbm_gbps)
     for name, value in figures.items():

@@ -104,15 +104,16 @@ def _fsdp_without_pipeline(spec, layout, units, cluster) -> tuple[float, float]:
     """(exposed, total) FSDP seconds of one micro-batch without pipeline stages."""
     contends = _contends(layout, cluster)
     passes = 2 if layout.checkpointing else 1
-    root_gather = root_reduce = 0.0
-    layers = []
+    root_gather = root_reduce = head_backward = 0.0
+    layers = []  # (all-gather, reductions, forward window, backward window) per decoder layer
     for u in units:
         gather, reduce = _unit_collectives(spec, layout, u, cluster)
-        if u.name in ("embed", "head"):
-            root_gather, root_reduce = root_gather + gather, root_reduce + reduce
-            continue
         fwd = u.work.forward_seconds(cluster).total
         bwd = u.work.seconds(cluster).total - fwd
+        if u.name in ("embed", "head"):
+            root_gather, root_reduce = root_gather + gather, root_reduce + reduce
+            head_backward += bwd if u.name == "head" else 0.0
+            continue
         a2a = u.a2a.seconds(cluster) if u.a2a is not None else 0.0
         # The all-to-all's share per pass: forward, backward, and the recompute's forward.
         a2a_pass = 0.0 if contends else a2a / (passes + 1)
@@ -120,15 +121,20 @@ def _fsdp_without_pipeline(spec, layout, units, cluster) -> tuple[float, float]:
     total = root_gather + root_reduce + sum(2 * g + r for g, r, _, _ in layers)
     if not layers:
         return total, total
-    exposed = root_gather + layers[0][0] + root_reduce + layers[0][1]
+    # Forward: the root's and the first layer's all-gathers have nothing before them; each other
+    # layer's hides behind the previous layer's forward.
+    exposed = root_gather + layers[0][0]
     for (gather, _, _, _), (_, _, fwd_window, _) in zip(layers[1:], layers[:-1]):
         exposed += max(0.0, gather - fwd_window)
-    for i, (gather, reduce, _, bwd_window) in enumerate(layers):
-        # During layer i's backward: layer i-1's all-gather, layer i+1's reductions.
+    # Backward: the last layer's all-gather behind the head's backward; during layer i's backward
+    # layer i-1's all-gather and layer i+1's reductions; the first layer's and the root's
+    # reductions after everything.
+    exposed += max(0.0, layers[-1][0] - head_backward)
+    for i, (_, _, _, bwd_window) in enumerate(layers):
         previous = layers[i - 1][0] if i > 0 else 0.0
         following = layers[i + 1][1] if i + 1 < len(layers) else 0.0
         exposed += max(0.0, previous + following - bwd_window)
-    return exposed, total
+    return exposed + layers[0][1] + root_reduce, total
 
 
 def _fsdp_with_pipeline(spec, layout, mine, cluster) -> tuple[float, float]:
