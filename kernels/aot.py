@@ -1,16 +1,22 @@
 """Ahead-of-time compile check: ``python -m moe_ep.kernels.aot [--arch 80 90] [--json PATH]``.
 
-Compiles every configuration that the kernel modules of this folder declare through
-``aot_specs()`` for sm_80 (A100) and sm_90 (H100) with ``triton.compile`` on a GPU target, which
-needs no GPU, and prints registers, spills, shared memory and the tensor-core instructions found
-in the PTX. Exit status 1 when a configuration fails to compile, spills, needs more shared memory
-than the architecture has, or is a GEMM (``uses_dot``) without mma.sync on sm_80 / wgmma on
-sm_90; 2 when the Triton interpreter is switched on (it replaces ``@triton.jit`` functions, so
-nothing could be compiled).
+Compiles every launch that the kernel modules of this folder declare through ``aot_specs()``
+for sm_80 (A100) and sm_90 (H100) with ``triton.compile`` on a GPU target, which needs no GPU,
+and prints registers, spills, shared memory, warps, stages, the tensor-core instruction and the
+load path found in the PTX, and for the expert GEMMs a static cost at Mixtral-8x7B shapes
+(``moe_ep.kernels.cost``): FLOPs, DRAM bytes with the re-reads of the tile order, and the
+roofline time; then the same estimate of the whole forward and backward beside dense cuBLAS
+over the same FLOPs and transformers' ``grouped_mm`` experts. Every time is an estimate.
 
-Each configuration is compiled in the specialisation Triton's JIT gives it for aligned tensors,
-sizes that are multiples of 16, and top-k and expert counts that are not (see
-``alignment_hints``). Registers and spills are read from
+Exit status 1 when a launch fails to compile, spills, needs more shared memory than the
+architecture has, is a GEMM (``uses_dot``) without mma.sync on sm_80 / wgmma on sm_90, or is a
+TMA configuration without TMA loads on sm_90; 2 when the Triton interpreter is switched on (it
+replaces ``@triton.jit`` functions, so nothing could be compiled).
+
+Each launch is specialised by Triton's own argument binder from the spec's example arguments,
+exactly as the JIT specialises that launch (see ``aot_spec``). Launches whose specialisation
+is identical (the same kernel, arguments, constexprs and options for the same architecture, as
+the float32 tile shared by every family) are compiled once. Registers and spills are read from
 the cubin with the cuobjdump that ships with Triton: ptxas keeps spilled registers in the stack
 frame, and these kernels have no local arrays, so a non-zero stack frame (or local memory) is a
 spill."""
@@ -18,6 +24,7 @@ spill."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import json
 import multiprocessing
@@ -29,8 +36,9 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
+from moe_ep.kernels import cost
 from moe_ep.kernels.runtime import interpreting
 
 PACKAGE = "moe_ep.kernels"
@@ -39,6 +47,7 @@ ARCHS = (80, 90)
 # Largest shared memory one block may use (opt-in): A100 163 KB, H100 227 KB.
 MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
 TENSOR_CORE_OP = {80: "mma.sync", 90: "wgmma"}
+TMA_LOAD = "cp.async.bulk.tensor"
 
 
 @dataclass
@@ -50,14 +59,19 @@ class Row:
     registers: int | None = None
     spill_bytes: int | None = None
     shared_bytes: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
     tensor_core: str = "-"
+    load_path: str = "-"
     seconds: float = 0.0
     problem: str = ""
+    # The static cost at the reference shapes, for the specs that carry one.
+    cost: dict = field(default_factory=dict)
 
 
 def kernel_modules() -> list[str]:
     """Names of the modules in this folder, which may or may not declare aot_specs."""
-    return sorted(p.stem for p in FOLDER.glob("*.py") if p.stem not in ("aot", "aot_spec", "__init__"))
+    return sorted(p.stem for p in FOLDER.glob("*.py") if p.stem not in ("aot", "aot_spec", "cost", "__init__"))
 
 
 def discover(only: list[str] | None = None) -> tuple[list[tuple[str, object]], list[Row]]:
@@ -99,20 +113,33 @@ def tensor_core_ops(ptx: str) -> str:
     return "+".join(found) if found else "-"
 
 
-def alignment_hints(spec) -> dict:
-    """Triton's JIT marks a pointer argument 16-byte aligned, and an integer argument a multiple
-    of 16, whenever the value at launch is one, unless the kernel opts out with
-    ``do_not_specialize`` (or ``do_not_specialize_on_alignment``). Freshly allocated tensors and
-    production sizes (hidden and intermediate sizes, padded row counts) get that specialisation;
-    top-k and expert counts usually do not (``spec.unaligned``). That is the launch compiled here."""
-    params = {p.name: p for p in spec.fn.params}
-    hints = {}
-    for i, (name, ty) in enumerate(spec.signature.items()):
-        param = params[name]
-        hintable = (ty.startswith("*") or ty in ("i32", "i64", "u32", "u64")) and name not in spec.unaligned
-        if hintable and not (param.do_not_specialize or param.do_not_specialize_on_alignment):
-            hints[(i,)] = [["tt.divisibility", 16]]
-    return hints
+def load_paths(ptx: str) -> str:
+    found = ["TMA"] if TMA_LOAD in ptx else []
+    # cp.async.ca / cp.async.cg: the per-thread asynchronous copies (not the bulk TMA ones).
+    if re.search(r"cp\.async\.c[ag]", ptx):
+        found.append("cp.async")
+    return "+".join(found) if found else "ld.global"
+
+
+def specialise(spec, arch: int) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attrs, options) of the spec's example launch as Triton's JIT
+    builds them for ``arch``: its own binder and argument packing, with no GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    binder = create_function_from_signature(spec.fn.signature, spec.fn.params, backend)
+    kwargs = {**spec.constexprs, "num_warps": spec.num_warps, "num_stages": spec.num_stages}
+    bound, specialization, options = binder(*spec.args, **kwargs)
+    options, signature, constexprs, attrs = spec.fn._pack_args(backend, kwargs, bound, specialization, options)
+    return signature, constexprs, attrs, options.__dict__
+
+
+def compile_key(spec, arch: int) -> tuple:
+    signature, constexprs, attrs, _ = specialise(spec, arch)
+    return (spec.fn.fn.__module__, spec.fn.fn.__qualname__, arch, spec.num_warps, spec.num_stages,
+            repr(sorted(signature.items())), repr(sorted(constexprs.items())), repr(sorted(attrs.items())))
 
 
 def compile_one(module_name: str, spec, arch: int) -> Row:
@@ -120,14 +147,13 @@ def compile_one(module_name: str, spec, arch: int) -> Row:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    row = Row(module_name, spec.name, arch, ok=False)
+    row = Row(module_name, spec.name, arch, ok=False, num_warps=spec.num_warps, num_stages=spec.num_stages)
     start = time.perf_counter()
     try:
+        signature, constexprs, attrs, options = specialise(spec, arch)
         compiled = triton.compile(
-            ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs,
-                      attrs=alignment_hints(spec)),
-            target=GPUTarget("cuda", arch, 32),
-            options={"num_warps": spec.num_warps, "num_stages": spec.num_stages},
+            ASTSource(fn=spec.fn, signature=signature, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", arch, 32), options=options,
         )
         usage = resource_usage(compiled.asm["cubin"])
     except Exception as exc:  # a configuration that does not compile is a failed row
@@ -139,6 +165,7 @@ def compile_one(module_name: str, spec, arch: int) -> Row:
     row.spill_bytes = usage.get("STACK", 0) + usage.get("LOCAL", 0)
     row.shared_bytes = compiled.metadata.shared
     row.tensor_core = tensor_core_ops(compiled.asm["ptx"])
+    row.load_path = load_paths(compiled.asm["ptx"])
     problems = []
     if row.spill_bytes:
         problems.append(f"spills {row.spill_bytes} B")
@@ -146,6 +173,8 @@ def compile_one(module_name: str, spec, arch: int) -> Row:
         problems.append(f"shared memory {row.shared_bytes} B > {MAX_SHARED[arch]} B")
     if spec.uses_dot and TENSOR_CORE_OP[arch] not in row.tensor_core:
         problems.append(f"GEMM without {TENSOR_CORE_OP[arch]}")
+    if spec.tma and arch >= 90 and "TMA" not in row.load_path:
+        problems.append("TMA configuration without TMA loads")
     row.problem = "; ".join(problems)
     row.ok = not problems
     return row
@@ -159,41 +188,153 @@ def _run_job(i: int) -> Row:
     return compile_one(*_JOBS[i])
 
 
-def run(archs, jobs: int, only: list[str] | None = None) -> list[Row]:
-    specs, rows = discover(only)
-    _JOBS[:] = [(m, s, a) for m, s in specs for a in archs if a in s.archs]
+def run(archs, jobs: int, only: list[str] | None = None, dtypes: list[str] | None = None,
+        first_config: bool = False) -> tuple[list[Row], list[tuple[Row, object]]]:
+    """Compile the selected specs: every row (module failures first), and each compiled row with
+    its spec."""
+    specs, failures = discover(only)
+    if dtypes:
+        specs = [(m, s) for m, s in specs if any(f"_{d}_" in f"_{s.name}_" for d in dtypes)]
+    if first_config:
+        specs = [(m, s) for m, s in specs if s.rank == 0]
+    wanted = [(m, s, a) for m, s in specs for a in archs if a in s.archs]
+    keys = [compile_key(s, a) for _, s, a in wanted]
+    index, unique = {}, []
+    for job, key in zip(wanted, keys):
+        if key not in index:
+            index[key] = len(unique)
+            unique.append(job)
+    _JOBS[:] = unique
     if jobs > 1 and len(_JOBS) > 1:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            rows += pool.map(_run_job, range(len(_JOBS)), chunksize=1)
+            compiled = pool.map(_run_job, range(len(_JOBS)), chunksize=1)
     else:
-        rows += [_run_job(i) for i in range(len(_JOBS))]
-    return rows
+        compiled = [_run_job(i) for i in range(len(_JOBS))]
+    pairs = [(Row(**{**asdict(compiled[index[key]]), "module": m, "kernel": s.name}), s)
+             for (m, s, _), key in zip(wanted, keys)]
+    for row, spec in pairs:
+        if spec.cost is not None and row.ok:
+            row.cost = gemm_cost(row, spec)
+    return failures + [r for r, _ in pairs], pairs
+
+
+def gemm_cost(row: Row, spec) -> dict:
+    """The static cost of a compiled GEMM launch at the reference shapes."""
+    family, rank, step, gemm, persistent = spec.cost
+    machine = cost.MACHINES[row.arch]
+    c = spec.constexprs
+    occupancy = 1 if persistent else cost.occupancy(machine, row.registers, row.shared_bytes, row.num_warps)
+    estimate = cost.estimate(gemm, cost.MIXTRAL, machine, (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]),
+                             c["GROUP_M"], machine.sms * occupancy)
+    return {"family": family, "rank": rank, "step": step, "programs_per_sm": occupancy, **estimate}
+
+
+# The down-projection weight gradient before it read hs (issue #12): it recomputed act(gate) * up
+# from pre (two [rows, BLOCK_N] panels per tile) in N-fastest tile order (GROUP_M 1), 128x128x64
+# tiles at 8 warps, 233 registers (sm_90) so one program per SM.
+TODAY_DOWN_GRAD = (cost.Gemm("weight", m=cost.MIXTRAL.H, n=cost.MIXTRAL.I, b_panels=2), (128, 128, 64), 1)
+# The family whose first configuration (the one used without timing) each architecture runs.
+FAMILY_OF = {90: "sm_90", 80: "sm_80"}
+
+
+def whole_pass(rows: list[Row], arch: int) -> dict | None:
+    """Forward + backward of the Triton path, dense cuBLAS over the same FLOPs and grouped_mm's
+    kernel sequence, at the reference shapes on ``arch``'s machine (estimates)."""
+    p, machine = cost.MIXTRAL, cost.MACHINES[arch]
+    steps = {}
+    for r in rows:
+        if r.arch == arch and r.cost and r.cost["family"] == FAMILY_OF[arch] and r.cost["rank"] == 0:
+            steps[r.cost["step"]] = {"step": r.cost["step"], "kernel": r.kernel, **r.cost}
+    if len(steps) != 6:
+        return None
+    N, T, H, e = p.N, p.T, p.H, p.elem
+    P = sum(p.expert_rows())
+    triton_steps = list(steps.values()) + [
+        cost.memory_pass("fwd+bwd routing metadata", N * 8 + N * 4, (P + N) * 4, machine),
+        cost.memory_pass("fwd combine", N * H * e + N * 4, T * H * e, machine),
+        cost.memory_pass("bwd combine (dx)", N * H * e + N * 4, T * H * e, machine),
+        cost.memory_pass("bwd d w (partial sums)", N * (p.I // 64) * 4, N * 4, machine),
+    ]
+    flops = cost.expert_mlp_flops(p)
+    dense = [cost.gemm_pass("dense cuBLAS, same FLOPs", flops, 0, 0, machine)]
+    grouped = cost.grouped_mm_sequence(p, machine)
+    today_gemm, block, group_m = TODAY_DOWN_GRAD
+    today = cost.estimate(today_gemm, p, machine, block, group_m, machine.sms)
+    now = steps["bwd d down (dy^T hs)"]
+    t, d, g = (cost.summary(x) for x in (triton_steps, dense, grouped))
+    return {
+        "machine": cost.machine_dict(arch), "problem": {**vars(p), "N": N},
+        "triton": {**t, "steps": triton_steps}, "dense": {**d, "steps": dense}, "grouped_mm": {**g, "steps": grouped},
+        "dense_over_triton": d["ms"] / t["ms"], "grouped_mm_over_triton": g["ms"] / t["ms"],
+        "down_grad_bytes_today": today["bytes_read"] + today["bytes_written"],
+        "down_grad_bytes_now": now["bytes_read"] + now["bytes_written"],
+        "down_grad_ms_today": today["roofline_ms"],
+        "activation_bytes": cost.activation_bytes(p),
+    }
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
 
 
 def format_table(rows: list[Row]) -> str:
-    header = ("module", "kernel / config", "arch", "regs", "spill B", "smem B", "tensor core", "s", "status")
-    body = [
-        (
+    header = ("module", "kernel / config", "arch", "regs", "spill B", "smem B", "warps", "stages", "tensor core",
+              "loads", "GFLOP", "GB read", "GB written", "est. ms", "s", "status")
+    body = []
+    for r in rows:
+        c = r.cost
+        body.append((
             r.module, r.kernel, f"sm_{r.arch}" if r.arch else "-",
             "-" if r.registers is None else str(r.registers),
             "-" if r.spill_bytes is None else str(r.spill_bytes),
             "-" if r.shared_bytes is None else str(r.shared_bytes),
-            r.tensor_core, f"{r.seconds:.1f}", "ok" if r.ok else f"FAIL: {r.problem}",
-        )
-        for r in rows
-    ]
+            "-" if r.num_warps is None else str(r.num_warps), "-" if r.num_stages is None else str(r.num_stages),
+            r.tensor_core, r.load_path,
+            f"{c['flops'] / 1e9:.0f}" if c else "", _gb(c["bytes_read"]) if c else "",
+            _gb(c["bytes_written"]) if c else "", f"{c['roofline_ms']:.2f}" if c else "",
+            f"{r.seconds:.1f}", "ok" if r.ok else f"FAIL: {r.problem}",
+        ))
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1]) + "  {}"
     return "\n".join(fmt.format(*line) for line in [header, *body])
+
+
+def format_estimates(estimates: dict) -> str:
+    lines = []
+    for arch, est in estimates.items():
+        m = est["machine"]
+        lines.append(f"\nEstimated forward+backward at Mixtral-8x7B shapes (bf16, T={est['problem']['T']}, "
+                     f"k={est['problem']['K']}, H={est['problem']['H']}, I={est['problem']['I']}, "
+                     f"E={est['problem']['E']}), roofline at the peak of {m['name']} "
+                     f"({m['flops'] / 1e12:.0f} TFLOP/s, {m['bandwidth'] / 1e12:.2f} TB/s; {m['source']}):")
+        for step in est["triton"]["steps"]:
+            lines.append(f"  triton  {step['step']:<40} {step['roofline_ms']:7.2f} ms  "
+                         f"{_gb(step['bytes_read'] + step['bytes_written'])} GB")
+        for name in ("triton", "dense", "grouped_mm"):
+            s = est[name]
+            lines.append(f"  {name:<10} total {s['ms']:7.2f} ms  {s['flops'] / 1e12:6.1f} TFLOP  {_gb(s['bytes'])} GB")
+        lines.append(f"  dense / triton = {est['dense_over_triton']:.2f}   "
+                     f"grouped_mm / triton = {est['grouped_mm_over_triton']:.2f}")
+        lines.append(f"  d down DRAM traffic: before {_gb(est['down_grad_bytes_today'])} GB "
+                     f"({est['down_grad_ms_today']:.2f} ms), now {_gb(est['down_grad_bytes_now'])} GB: "
+                     f"{est['down_grad_bytes_today'] / est['down_grad_bytes_now']:.1f}x less")
+        act = est["activation_bytes"]
+        lines.append(f"  activations saved for backward: triton {_gb(act['triton'])} GB, "
+                     f"grouped_mm {_gb(act['grouped_mm'])} GB")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_ep.kernels.aot", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", choices=ARCHS, default=list(ARCHS),
                         help="compute capabilities to compile for (default: 80 90)")
-    parser.add_argument("--json", type=pathlib.Path, help="also write the rows to this JSON file")
+    parser.add_argument("--json", type=pathlib.Path, help="also write the rows and estimates to this JSON file")
     parser.add_argument("--module", nargs="+", choices=kernel_modules(), dest="modules",
                         help="check only these kernel modules (default: every module with aot_specs)")
+    parser.add_argument("--dtype", nargs="+", choices=("fp32", "fp16", "bf16"), dest="dtypes",
+                        help="check only the launches of these element types (default: all)")
+    parser.add_argument("--first-config", action="store_true",
+                        help="check only the first configuration of each space (the one used without timing)")
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
                         help="parallel compiler processes (default: all cores)")
     args = parser.parse_args(argv)
@@ -204,14 +345,22 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    import triton
+
     start = time.perf_counter()
-    rows = run(args.arch, max(1, args.jobs), args.modules)
+    rows, _ = run(args.arch, max(1, args.jobs), args.modules, args.dtypes, args.first_config)
+    estimates = {a: e for a in args.arch if (e := whole_pass(rows, a)) is not None}
+    print(f"Triton {triton.__version__}")
     print(format_table(rows))
+    print(format_estimates(estimates))
     failed = [r for r in rows if not r.ok]
     print(f"\n{len(rows) - len(failed)}/{len(rows)} ok, {len(failed)} failed, "
           f"{time.perf_counter() - start:.0f} s with {args.jobs} jobs")
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        report = {"triton": triton.__version__, "date": datetime.date.today().isoformat(),
+                  "note": "costs and times are static estimates made without a GPU",
+                  "rows": [asdict(r) for r in rows], "estimates": {f"sm_{a}": e for a, e in estimates.items()}}
+        args.json.write_text(json.dumps(report, indent=1))
     return 1 if failed else 0
 
 

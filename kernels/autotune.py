@@ -26,22 +26,27 @@ ENV_VAR = "MOE_EP_AUTOTUNE"
 @dataclass(frozen=True)
 class Config:
     """Tile sizes of one grouped GEMM (M: rows of the output tile, N: its columns, K: the reduction
-    step) and Triton's launch options."""
+    step), Triton's launch options, whether the operands that are not gathered are loaded through
+    TMA tensor descriptors (sm_90), and whether the grid is persistent (one program per SM, each
+    looping over tiles) rather than one program per tile."""
 
     BLOCK_M: int
     BLOCK_N: int
     BLOCK_K: int
     num_warps: int
     num_stages: int
+    tma: bool = False
+    persistent: bool = False
 
     def constexprs(self) -> dict:
-        return {"BLOCK_M": self.BLOCK_M, "BLOCK_N": self.BLOCK_N, "BLOCK_K": self.BLOCK_K}
+        return {"BLOCK_M": self.BLOCK_M, "BLOCK_N": self.BLOCK_N, "BLOCK_K": self.BLOCK_K, "TMA": self.tma}
 
     def launch_options(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
     def __str__(self) -> str:
-        return f"m{self.BLOCK_M}n{self.BLOCK_N}k{self.BLOCK_K}w{self.num_warps}s{self.num_stages}"
+        tags = ("_tma" if self.tma else "") + ("_persistent" if self.persistent else "")
+        return f"m{self.BLOCK_M}n{self.BLOCK_N}k{self.BLOCK_K}w{self.num_warps}s{self.num_stages}{tags}"
 
 
 _CHOSEN: dict[tuple, Config] = {}

@@ -9,9 +9,14 @@ Forward:   ``gather_glu``   x[token] @ gate_up[e]^T, gated activation in the epi
            ``rows_matmul``  h @ down[e]^T, routing weight in the epilogue -> out rows
            ``combine``      y[t] = sum_k out[pos(t, k)], a fixed-order sum in float32
 Backward:  ``glu_backward`` dy[token] @ down[e], the activation recomputed from ``pre``
-                            -> d pre, and d(routing weight) per slot
+                            -> d pre, hs = w * act(gate) * up, and d(routing weight) per slot
            ``rows_matmul``  d pre @ gate_up[e] -> dx rows, then ``combine``
-           ``down_weight_grad``, ``gate_up_weight_grad``: per-expert sums over the expert's rows
+           ``down_weight_grad``     per expert dy[token]^T @ hs
+           ``gate_up_weight_grad``  per expert d pre^T @ x[token]
+
+Intermediates in the padded layout hold zeros in their padding rows (the kernels that write them
+store every live row), so the weight gradients can reduce over whole row blocks, through TMA on
+sm_90, without masking them.
 
 There are no atomics: every output element is written by exactly one program and reduced in a
 fixed order, so two runs give the same bits. Float32 operands use IEEE dot products (no TF32).
@@ -23,35 +28,75 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ep.kernels import autotune
-from moe_ep.kernels.aot_spec import TRITON_TYPES, KernelSpec
+from moe_ep.kernels import autotune, cost
+from moe_ep.kernels.aot_spec import TRITON_TYPES, KernelSpec, pointer
 from moe_ep.kernels.autotune import Config
-from moe_ep.kernels.runtime import interpreting, on_device
-from moe_ep.kernels.routing_metadata import RoutingMetadata
+from moe_ep.kernels.runtime import interpreting, on_device, sm_count
+from moe_ep.kernels.cost import MIXTRAL
+from moe_ep.kernels.routing_metadata import RoutingMetadata, padded_rows
 
 ACTIVATIONS = ("silu", "gelu")
 # Row blocks of the padded layout grouped along M so that consecutive programs reuse the same
-# weight tiles from L2.
+# weight tiles from L2; in the weight gradients, blocks of the weight's rows.
 GROUP_M = 8
 COMBINE_BLOCK_T = 32
 COMBINE_BLOCK_H = 128
 COMBINE_WARPS = 4
+GEMM_KERNELS = ("gather_glu", "rows_matmul", "glu_backward", "weight_grad")
 
 _HALF = (torch.bfloat16, torch.float16)
 
-# Configuration spaces, per kernel and dtype. BLOCK_M of the row-blocked kernels must divide the
-# metadata's pad_m (64 or 128, see ``routing_block``). Float32 runs on IEEE FMAs, not tensor
-# cores, and is there for accuracy, so it gets a single small tile.
+
+def _space(tiles: list[Config], fp32: list[Config]) -> dict:
+    return {"half": tiles, "fp32": fp32}
+
+
+# Configuration spaces per architecture family, kernel and dtype, best first (the first eligible
+# one is used when nothing is timed). BLOCK_M of the row kernels must divide the metadata's pad_m
+# (64 or 128, see ``routing_block``), so each row kernel has a 64-row tile too; BLOCK_K of the
+# weight gradients steps over an expert's rows and must divide pad_m as well. TMA configurations
+# need 16-byte aligned operands and row strides, and fall back to the others when a launch has
+# not. Float32 runs on IEEE FMAs, not tensor cores, and is there for accuracy: one small tile.
+# Each tile is the largest that compiles without spills and fits shared memory on its
+# architecture under Triton 3.6 and 3.9 (``python -m moe_ep.kernels.aot``).
 _FP32_TILE = [Config(64, 32, 32, num_warps=8, num_stages=2)]
+# glu_backward's epilogue splits the columns in halves: 16-column halves of the float32 tile
+# spill 8 bytes, 32-column ones do not.
+_FP32_GLU_BWD = [Config(64, 64, 32, num_warps=8, num_stages=2)]
 CONFIGS = {
-    # Two accumulators (gate and up) per tile: keep the tile at 64 columns.
-    "gather_glu": {"half": [Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], "fp32": _FP32_TILE},
-    "rows_matmul": {"half": [Config(64, 128, 64, 4, 3), Config(128, 128, 64, 8, 3)], "fp32": _FP32_TILE},
-    "glu_backward": {"half": [Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], "fp32": _FP32_TILE},
-    # Weight gradients: M and N tile the weight, K steps over the expert's rows. One tile: d down
-    # recomputes the activation inside its loop, and a 4-warp tile of it spills.
-    "weight_grad": {"half": [Config(128, 128, 64, 8, 3)], "fp32": _FP32_TILE},
+    # H100: 227 KB of shared memory per block, wgmma with the accumulator in registers, TMA.
+    "sm_90": {
+        # Two accumulators (gate and up): 128x128 spills, 128x64 does not.
+        "gather_glu": _space([Config(128, 64, 64, 8, 4, tma=True, persistent=True),
+                              Config(64, 64, 64, 4, 4, tma=True, persistent=True),
+                              Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_TILE),
+        "rows_matmul": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True),
+                               Config(64, 256, 64, 4, 4, tma=True, persistent=True),
+                               Config(128, 256, 64, 8, 3), Config(64, 128, 64, 4, 3)], _FP32_TILE),
+        "glu_backward": _space([Config(128, 128, 64, 8, 3, tma=True, persistent=True),
+                                Config(64, 128, 32, 4, 4, tma=True, persistent=True),
+                                Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_GLU_BWD),
+        "weight_grad": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True),
+                               Config(128, 256, 64, 8, 3)], _FP32_TILE),
+    },
+    # A100: 163 KB of shared memory per block, mma.sync with operands in registers, cp.async.
+    "sm_80": {
+        # mma.sync keeps its operands in registers too: 128x128 gate/up and 128x256 dx spill.
+        "gather_glu": _space([Config(128, 64, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_TILE),
+        "rows_matmul": _space([Config(128, 128, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_TILE),
+        "glu_backward": _space([Config(128, 128, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_GLU_BWD),
+        "weight_grad": _space([Config(128, 256, 32, 8, 4)], _FP32_TILE),
+    },
+    # Any other GPU (sm_86 and sm_89 have 99 KB of shared memory per block), and the interpreter.
+    "default": {
+        "gather_glu": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_TILE),
+        "rows_matmul": _space([Config(64, 128, 64, 4, 3), Config(128, 128, 64, 8, 3)], _FP32_TILE),
+        "glu_backward": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_GLU_BWD),
+        "weight_grad": _space([Config(128, 128, 64, 8, 3)], _FP32_TILE),
+    },
 }
+# The compute capability each family is compiled for by the AOT check.
+FAMILY_ARCHS = {"sm_90": (90,), "sm_80": (80,), "default": (80, 90)}
 
 
 def routing_block(num_slots: int, num_experts: int) -> int:
@@ -60,11 +105,20 @@ def routing_block(num_slots: int, num_experts: int) -> int:
     return 128 if num_slots >= 256 * num_experts else 64
 
 
-def configs_for(kernel: str, dtype: torch.dtype, pad_m: int | None = None) -> list[Config]:
-    space = CONFIGS[kernel]["half" if dtype in _HALF else "fp32"]
-    if pad_m is None:
-        return list(space)
-    return [c for c in space if pad_m % c.BLOCK_M == 0]
+def arch_family(device: torch.device) -> str:
+    """The configuration space for ``device``: "sm_90", "sm_80" or "default"."""
+    arch = autotune.device_arch(device)
+    return arch if arch in ("sm_90", "sm_80") else "default"
+
+
+def configs_for(kernel: str, dtype: torch.dtype, family: str = "default", pad_m: int | None = None,
+                tma_ok: bool = True) -> list[Config]:
+    """The configurations ``kernel`` may launch with; ``pad_m`` and ``tma_ok`` (the launch's
+    operands are aligned for tensor descriptors) drop those that cannot."""
+    space = CONFIGS[family][kernel]["half" if dtype in _HALF else "fp32"]
+    return [c for c in space
+            if (pad_m is None or pad_m % (c.BLOCK_K if kernel == "weight_grad" else c.BLOCK_M) == 0)
+            and (tma_ok or not c.tma)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,9 +146,9 @@ def _downcast(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _act(g, gelu):
+def _act(g, GELU: tl.constexpr):
     """act(g) in float32: GELU (erf form, as torch's default) or SiLU."""
-    if gelu:
+    if GELU:
         a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
     else:
         a = g / (1.0 + tl.exp(-g))
@@ -102,9 +156,9 @@ def _act(g, gelu):
 
 
 @triton.jit
-def _act_and_grad(g, gelu):
+def _act_and_grad(g, GELU: tl.constexpr):
     """(act(g), d act / d g) in float32."""
-    if gelu:
+    if GELU:
         cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
         a = g * cdf
         da = cdf + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)
@@ -115,229 +169,303 @@ def _act_and_grad(g, gelu):
     return a, da
 
 
-@triton.jit
-def _tile(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of this program, GROUP_M row blocks at a time."""
-    pid = tl.program_id(0)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
-    return pid_m, pid_n
-
-
 # ----------------------------------------------------------------------------------------------
 # Kernels
 
 
 @triton.jit
+def _tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of tile number ``tile``, GROUP_M row blocks at a time."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % group_m
+    pid_n = (tile % per_group) // group_m
+    return pid_m, pid_n
+
+
+# Every GEMM loops over its tiles with a stride of the grid size: one tile per program when the
+# grid covers every tile, a persistent loop when the launcher gives it one program per SM. The
+# row kernels read how many padded rows are live from the metadata (padded_offsets[E]), so the
+# static bound on P costs nothing beyond the real end.
+#
+# TMA (a constexpr) loads the operands that are not gathered through tensor descriptors: the
+# expert weights (one descriptor over all experts, the expert as its leading coordinate, so an
+# edge tile reads zeros past the expert's own rows instead of its neighbour's) and the row
+# operands already in the padded layout. Gathered token rows stay on pointer loads (cp.async).
+
+
+@triton.jit
 def _gather_glu_kernel(
-    x_ptr, w_ptr, block_expert_ptr, sorted_slot_ptr, h_ptr, pre_ptr,
-    num_rows, H, I, top_k, pad_m, gelu,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
+    x_ptr, w_ptr, padded_offsets_ptr, block_expert_ptr, sorted_slot_ptr, h_ptr, pre_ptr,
+    num_rows, H, I, num_experts, top_k, pad_m,
+    GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """pre[p] = gate_up[e] @ x[token(p)]; h[p] = act(pre gate half) * pre up half."""
-    pid_m, pid_n = _tile(num_rows // BLOCK_M, tl.cdiv(I, BLOCK_N), GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < I
-    pre_ptrs = pre_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
-    expert = tl.load(block_expert_ptr + pid_m * BLOCK_M // pad_m)
-    if expert < 0:
-        # Past the real end. pre is returned (and saved for backward), so give every row a
-        # value; padding rows inside an expert's blocks get zeros below.
-        zeros = tl.zeros((BLOCK_M, BLOCK_N), pre_ptr.dtype.element_ty)
-        tl.store(pre_ptrs, zeros, mask=col_ok[None, :])
-        tl.store(pre_ptrs + I, zeros, mask=col_ok[None, :])
-        return
-    slot = tl.load(sorted_slot_ptr + rows)
-    valid = slot >= 0
-    token = tl.where(valid, slot // top_k, 0).to(tl.int64)
+    num_pid_n = tl.cdiv(I, BLOCK_N)
+    live_m = tl.load(padded_offsets_ptr + num_experts) // BLOCK_M
+    if TMA:
+        # gate_up as [E, 2, I, H]: the gate and up halves are separate coordinates.
+        w_desc = tl.make_tensor_descriptor(
+            w_ptr, shape=[num_experts, 2, I, H], strides=[2 * I * H, I * H, H, 1],
+            block_shape=[1, 1, BLOCK_N, BLOCK_K],
+        )
     ks = tl.arange(0, BLOCK_K)
-    # Row base pointers only; the tile addresses are rebuilt each step, which keeps the state
-    # carried across iterations (and so the registers) small.
-    x_rows = x_ptr + token * H
-    # gate_up[e] is [2I, H]: the tile's gate rows are `cols`, its up rows `I + cols`. Offsets
-    # inside one expert's weight fit in int32 (the launcher checks its size).
-    g_rows = w_ptr + expert.to(tl.int64) * 2 * I * H + cols * H
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + ks
-        k_ok = kk < H
-        a = tl.load(x_rows[:, None] + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b_mask = k_ok[:, None] & col_ok[None, :]
-        b_g = tl.load(g_rows[None, :] + kk[:, None], mask=b_mask, other=0.0)
-        b_u = tl.load(g_rows[None, :] + (kk[:, None] + I * H), mask=b_mask, other=0.0)
-        if INTERPRETED:
-            a = a.to(tl.float32)
-            b_g = b_g.to(tl.float32)
-            b_u = b_u.to(tl.float32)
-        acc_g = tl.dot(a, b_g, acc_g, input_precision="ieee")
-        acc_u = tl.dot(a, b_u, acc_u, input_precision="ieee")
-    # Padding rows (slot -1) read zeros, so they store zeros.
-    out_mask = col_ok[None, :]
-    tl.store(pre_ptrs, _downcast(acc_g, pre_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
-    tl.store(pre_ptrs + I, _downcast(acc_u, pre_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
-    h = _act(acc_g, gelu) * acc_u
-    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
-    tl.store(h_ptrs, _downcast(h, h_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
+    for tile in range(tl.program_id(0), live_m * num_pid_n, tl.num_programs(0)):
+        pid_m, pid_n = _tile(tile, live_m, num_pid_n, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        expert = tl.load(block_expert_ptr + pid_m * BLOCK_M // pad_m)
+        slot = tl.load(sorted_slot_ptr + rows)
+        valid = slot >= 0
+        # Row base pointers only; the tile addresses are rebuilt each step, which keeps the state
+        # carried across iterations (and so the registers) small.
+        x_rows = x_ptr + tl.where(valid, slot // top_k, 0).to(tl.int64) * H
+        # gate_up[e] is [2I, H]: the tile's gate rows are `cols`, its up rows `I + cols`. Offsets
+        # inside one expert's weight fit in int32 (the launcher checks its size).
+        g_rows = w_ptr + expert.to(tl.int64) * 2 * I * H + cols * H
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < H
+            a = tl.load(x_rows[:, None] + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            if TMA:
+                b_g = w_desc.load([expert, 0, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+                b_u = w_desc.load([expert, 1, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            else:
+                b_mask = k_ok[:, None] & (cols < I)[None, :]
+                b_g = tl.load(g_rows[None, :] + kk[:, None], mask=b_mask, other=0.0)
+                b_u = tl.load(g_rows[None, :] + (kk[:, None] + I * H), mask=b_mask, other=0.0)
+            if INTERPRETED:
+                a = a.to(tl.float32)
+                b_g = b_g.to(tl.float32)
+                b_u = b_u.to(tl.float32)
+            acc_g = tl.dot(a, b_g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, b_u, acc_u, input_precision="ieee")
+        # Padding rows (slot -1) read zeros, so they store zeros: the kernels that read h and pre
+        # through tensor descriptors see zero rows there.
+        out_mask = (cols < I)[None, :]
+        pre_ptrs = pre_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
+        tl.store(pre_ptrs, _downcast(acc_g, pre_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
+        tl.store(pre_ptrs + I, _downcast(acc_u, pre_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
+        h = _act(acc_g, GELU) * acc_u
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
+        tl.store(h_ptrs, _downcast(h, h_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
+    # Rows past the live end: pre is returned (and saved for backward), so give them zeros.
+    dead_m = num_rows // BLOCK_M - live_m
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), pre_ptr.dtype.element_ty)
+    for tile in range(tl.program_id(0), dead_m * num_pid_n, tl.num_programs(0)):
+        rows = (live_m + tile // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (tile % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        pre_ptrs = pre_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
+        tl.store(pre_ptrs, zeros, mask=(cols < I)[None, :])
+        tl.store(pre_ptrs + I, zeros, mask=(cols < I)[None, :])
 
 
 @triton.jit
 def _rows_matmul_kernel(
-    a_ptr, w_ptr, block_expert_ptr, sorted_slot_ptr, scale_ptr, out_ptr,
-    num_rows, n_out, k_red, pad_m,
+    a_ptr, w_ptr, padded_offsets_ptr, block_expert_ptr, sorted_slot_ptr, scale_ptr, out_ptr,
+    num_rows, n_out, k_red, num_experts, pad_m,
     W_NK: tl.constexpr, SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """out[p] = w[e] @ a[p] (W_NK: w[e] is [n_out, k_red]) or a[p] @ w[e] (w[e] is [k_red, n_out]),
     times scale[slot(p)] when SCALE."""
-    pid_m, pid_n = _tile(num_rows // BLOCK_M, tl.cdiv(n_out, BLOCK_N), GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m * BLOCK_M // pad_m)
-    if expert < 0:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_slot_ptr + rows)
-    valid = slot >= 0
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_out
-    ks = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + rows.to(tl.int64) * k_red
-    # Offsets inside one expert's weight fit in int32 (the launcher checks its size).
-    w_base = w_ptr + expert.to(tl.int64) * n_out * k_red
-    if W_NK:
-        w_cols = w_base + cols * k_red
-    else:
-        w_cols = w_base + cols
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, k_red, BLOCK_K):
-        kk = k0 + ks
-        k_ok = kk < k_red
-        a = tl.load(a_rows[:, None] + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+    num_pid_n = tl.cdiv(n_out, BLOCK_N)
+    live_m = tl.load(padded_offsets_ptr + num_experts) // BLOCK_M
+    if TMA:
+        # Row m of the output depends on row m of a only, so whatever a padding row holds stays
+        # in rows that are never stored.
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[num_rows, k_red], strides=[k_red, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
         if W_NK:
-            b_ptrs = w_cols[None, :] + kk[:, None]
+            w_desc = tl.make_tensor_descriptor(
+                w_ptr, shape=[num_experts, n_out, k_red], strides=[n_out * k_red, k_red, 1],
+                block_shape=[1, BLOCK_N, BLOCK_K],
+            )
         else:
-            b_ptrs = w_cols[None, :] + kk[:, None] * n_out
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if INTERPRETED:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    if SCALE:
-        acc *= tl.load(scale_ptr + slot, mask=valid, other=0.0)[:, None]
-    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * n_out + cols[None, :]
-    tl.store(out_ptrs, _downcast(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=valid[:, None] & col_ok[None, :])
+            w_desc = tl.make_tensor_descriptor(
+                w_ptr, shape=[num_experts, k_red, n_out], strides=[k_red * n_out, n_out, 1],
+                block_shape=[1, BLOCK_K, BLOCK_N],
+            )
+    ks = tl.arange(0, BLOCK_K)
+    for tile in range(tl.program_id(0), live_m * num_pid_n, tl.num_programs(0)):
+        pid_m, pid_n = _tile(tile, live_m, num_pid_n, GROUP_M)
+        expert = tl.load(block_expert_ptr + pid_m * BLOCK_M // pad_m)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(sorted_slot_ptr + rows)
+        valid = slot >= 0
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_out
+        a_rows = a_ptr + rows.to(tl.int64) * k_red
+        # Offsets inside one expert's weight fit in int32 (the launcher checks its size).
+        w_base = w_ptr + expert.to(tl.int64) * n_out * k_red
+        if W_NK:
+            w_cols = w_base + cols * k_red
+        else:
+            w_cols = w_base + cols
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, k_red, BLOCK_K):
+            if TMA:
+                a = a_desc.load([pid_m * BLOCK_M, k0])
+                if W_NK:
+                    b = w_desc.load([expert, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+                else:
+                    b = w_desc.load([expert, k0, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+            else:
+                kk = k0 + ks
+                k_ok = kk < k_red
+                a = tl.load(a_rows[:, None] + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+                if W_NK:
+                    b_ptrs = w_cols[None, :] + kk[:, None]
+                else:
+                    b_ptrs = w_cols[None, :] + kk[:, None] * n_out
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if INTERPRETED:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        if SCALE:
+            acc *= tl.load(scale_ptr + slot, mask=valid, other=0.0)[:, None]
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * n_out + cols[None, :]
+        tl.store(out_ptrs, _downcast(acc, out_ptr.dtype.element_ty, INTERPRETED),
+                 mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _glu_backward_half(dh, rows, cols, weight, pre_ptr, dpre_ptr, hs_ptr, I,
+                       GELU: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The epilogue of ``_glu_backward_kernel`` on one half of the tile's columns: writes d pre and
+    hs there and returns the half's share of d w. Padding rows (weight 0, pre 0) write zeros."""
+    col_ok = (cols < I)[None, :]
+    offs = rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
+    gate = tl.load(pre_ptr + offs, mask=col_ok, other=0.0).to(tl.float32)
+    up = tl.load(pre_ptr + offs + I, mask=col_ok, other=0.0).to(tl.float32)
+    act, d_act = _act_and_grad(gate, GELU)
+    h = act * up
+    dw = tl.sum(h * dh, axis=1)
+    w_dh = dh * weight[:, None]
+    tl.store(dpre_ptr + offs, _downcast(w_dh * up * d_act, dpre_ptr.dtype.element_ty, INTERPRETED), mask=col_ok)
+    tl.store(dpre_ptr + offs + I, _downcast(w_dh * act, dpre_ptr.dtype.element_ty, INTERPRETED), mask=col_ok)
+    hs_offs = rows[:, None].to(tl.int64) * I + cols[None, :]
+    tl.store(hs_ptr + hs_offs, _downcast(h * weight[:, None], hs_ptr.dtype.element_ty, INTERPRETED), mask=col_ok)
+    return dw
 
 
 @triton.jit
 def _glu_backward_kernel(
-    dy_ptr, w_ptr, pre_ptr, scale_ptr, block_expert_ptr, sorted_slot_ptr, dpre_ptr, dw_part_ptr,
-    num_rows, H, I, top_k, pad_m, gelu,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
+    dy_ptr, w_ptr, pre_ptr, scale_ptr, padded_offsets_ptr, block_expert_ptr, sorted_slot_ptr,
+    dpre_ptr, hs_ptr, dw_part_ptr,
+    num_rows, H, I, num_experts, top_k, pad_m,
+    GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """dh = dy[token(p)] @ down[e] (the gradient of the unweighted expert output w.r.t. h); then,
-    with act recomputed from pre: d pre = (w dh * up * act'(gate), w dh * act(gate)) and the
-    partial d w = <h, dh> over this tile's columns (w: the slot's routing weight)."""
+    with act recomputed from pre and w the slot's routing weight: d pre = (w dh * up * act'(gate),
+    w dh * act(gate)), hs = w * act(gate) * up (the operand of d down), and the partial
+    d w = <h, dh> over this tile's columns. Every live row is written, padding rows with zeros:
+    the weight gradients reduce over them."""
     num_pid_n = tl.cdiv(I, BLOCK_N)
-    pid_m, pid_n = _tile(num_rows // BLOCK_M, num_pid_n, GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m * BLOCK_M // pad_m)
-    if expert < 0:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_slot_ptr + rows)
-    valid = slot >= 0
-    token = tl.where(valid, slot // top_k, 0).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < I
+    live_m = tl.load(padded_offsets_ptr + num_experts) // BLOCK_M
+    if TMA:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts, H, I], strides=[H * I, I, 1],
+                                           block_shape=[1, BLOCK_K, BLOCK_N])
     ks = tl.arange(0, BLOCK_K)
-    dy_rows = dy_ptr + token * H
-    # down[e] is [H, I]: the reduction runs over H, its rows.
-    w_cols = w_ptr + expert.to(tl.int64) * H * I + cols
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + ks
-        k_ok = kk < H
-        a = tl.load(dy_rows[:, None] + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_cols[None, :] + kk[:, None] * I, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if INTERPRETED:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    tile_mask = valid[:, None] & col_ok[None, :]
-    pre_ptrs = pre_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
-    gate = tl.load(pre_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
-    up = tl.load(pre_ptrs + I, mask=tile_mask, other=0.0).to(tl.float32)
-    act, d_act = _act_and_grad(gate, gelu)
-    tl.store(dw_part_ptr + rows.to(tl.int64) * num_pid_n + pid_n, tl.sum(act * up * acc, axis=1), mask=valid)
-    dh = acc * tl.load(scale_ptr + slot, mask=valid, other=0.0)[:, None]
-    dpre_ptrs = dpre_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
-    tl.store(dpre_ptrs, _downcast(dh * up * d_act, dpre_ptr.dtype.element_ty, INTERPRETED), mask=tile_mask)
-    tl.store(dpre_ptrs + I, _downcast(dh * act, dpre_ptr.dtype.element_ty, INTERPRETED), mask=tile_mask)
+    for tile in range(tl.program_id(0), live_m * num_pid_n, tl.num_programs(0)):
+        pid_m, pid_n = _tile(tile, live_m, num_pid_n, GROUP_M)
+        expert = tl.load(block_expert_ptr + pid_m * BLOCK_M // pad_m)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(sorted_slot_ptr + rows)
+        valid = slot >= 0
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        dy_rows = dy_ptr + tl.where(valid, slot // top_k, 0).to(tl.int64) * H
+        # down[e] is [H, I]: the reduction runs over H, its rows.
+        w_cols = w_ptr + expert.to(tl.int64) * H * I + cols
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < H
+            a = tl.load(dy_rows[:, None] + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            if TMA:
+                b = w_desc.load([expert, k0, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+            else:
+                b = tl.load(w_cols[None, :] + kk[:, None] * I, mask=k_ok[:, None] & (cols < I)[None, :], other=0.0)
+            if INTERPRETED:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        # The epilogue holds gate, up, act and act' per element besides the accumulator: done one
+        # half of the columns at a time, so a 128x128 tile fits in registers.
+        weight = tl.load(scale_ptr + slot, mask=valid, other=0.0)
+        acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        half = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+        dw = _glu_backward_half(acc_lo, rows, half, weight, pre_ptr, dpre_ptr, hs_ptr, I, GELU, INTERPRETED)
+        dw += _glu_backward_half(acc_hi, rows, half + BLOCK_N // 2, weight, pre_ptr, dpre_ptr, hs_ptr, I,
+                                 GELU, INTERPRETED)
+        tl.store(dw_part_ptr + rows.to(tl.int64) * num_pid_n + pid_n, dw, mask=valid)
 
 
 @triton.jit
 def _weight_grad_kernel(
-    a_ptr, b_ptr, scale_ptr, padded_offsets_ptr, sorted_slot_ptr, out_ptr,
-    M, N, top_k, gelu,
-    A_GATHER: tl.constexpr, A_SCALE: tl.constexpr, B_GATHER: tl.constexpr, B_GLU: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+    a_ptr, b_ptr, padded_offsets_ptr, sorted_slot_ptr, out_ptr,
+    num_rows, M, N, num_experts, top_k,
+    A_GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    """out[e] = sum over expert e's rows p of A(p)^T B(p), an [M, N] tile per program.
+    """out[e] = sum over expert e's padded rows p of A(p)^T B(p), [M, N] per expert.
 
-    A(p) is a_ptr's row p, or its row token(p) when A_GATHER, times scale[slot(p)] when A_SCALE.
-    B(p) is b_ptr's row p, or row token(p) when B_GATHER, or, when B_GLU, act(gate) * up
-    recomputed from the [P, 2N] pre-activation."""
+    One operand is gathered by token and the other is in the padded layout: A_GATHER gives
+    A(p) = a[token(p)] and B(p) = b[p], else A(p) = a[p] and B(p) = b[token(p)]. The padded
+    operand's padding rows must be zero (TMA reads them unmasked)."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid = tl.program_id(0)
-    expert = pid // (num_pid_m * num_pid_n)
-    pid_m = (pid // num_pid_n) % num_pid_m
-    pid_n = pid % num_pid_n
-    start = tl.load(padded_offsets_ptr + expert)
-    end = tl.load(padded_offsets_ptr + expert + 1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    # An expert without rows runs no iteration and writes zeros.
-    for r0 in range(start, end, BLOCK_K):
-        rows = r0 + ks
-        slot = tl.load(sorted_slot_ptr + rows, mask=rows < end, other=-1)
-        valid = slot >= 0
-        token = tl.where(valid, slot // top_k, 0).to(tl.int64)
+    per_expert = num_pid_m * num_pid_n
+    if TMA:
         if A_GATHER:
-            a_rows = token
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[num_rows, N], strides=[N, 1],
+                                               block_shape=[BLOCK_K, BLOCK_N])
         else:
-            a_rows = rows.to(tl.int64)
-        a = tl.load(a_ptr + a_rows[:, None] * M + offs_m[None, :], mask=valid[:, None] & m_ok[None, :], other=0.0)
-        if A_SCALE:
-            weight = tl.load(scale_ptr + slot, mask=valid, other=0.0)
-            a = _downcast(a.to(tl.float32) * weight[:, None], a_ptr.dtype.element_ty, INTERPRETED)
-        b_mask = valid[:, None] & n_ok[None, :]
-        if B_GLU:
-            pre_ptrs = b_ptr + rows[:, None].to(tl.int64) * (2 * N) + offs_n[None, :]
-            gate = tl.load(pre_ptrs, mask=b_mask, other=0.0).to(tl.float32)
-            up = tl.load(pre_ptrs + N, mask=b_mask, other=0.0).to(tl.float32)
-            b = _downcast(_act(gate, gelu) * up, b_ptr.dtype.element_ty, INTERPRETED)
-        else:
-            if B_GATHER:
-                b_rows = token
+            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[num_rows, M], strides=[M, 1],
+                                               block_shape=[BLOCK_K, BLOCK_M])
+    ks = tl.arange(0, BLOCK_K)
+    for tile in range(tl.program_id(0), num_experts * per_expert, tl.num_programs(0)):
+        expert = tile // per_expert
+        pid_m, pid_n = _tile(tile % per_expert, num_pid_m, num_pid_n, GROUP_M)
+        start = tl.load(padded_offsets_ptr + expert)
+        end = tl.load(padded_offsets_ptr + expert + 1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        # An expert without rows runs no iteration and writes zeros. Its row count is a multiple
+        # of pad_m, which BLOCK_K divides.
+        for r0 in range(start, end, BLOCK_K):
+            rows = r0 + ks
+            slot = tl.load(sorted_slot_ptr + rows)
+            valid = slot >= 0
+            token = tl.where(valid, slot // top_k, 0).to(tl.int64)
+            if A_GATHER:
+                a = tl.load(a_ptr + token[:, None] * M + offs_m[None, :], mask=valid[:, None] & m_ok[None, :], other=0.0)
+                if TMA:
+                    b = b_desc.load([r0, pid_n * BLOCK_N])
+                else:
+                    b = tl.load(b_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
             else:
-                b_rows = rows.to(tl.int64)
-            b = tl.load(b_ptr + b_rows[:, None] * N + offs_n[None, :], mask=b_mask, other=0.0)
-        if INTERPRETED:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
-    out_ptrs = out_ptr + expert.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(out_ptrs, _downcast(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
+                b = tl.load(b_ptr + token[:, None] * N + offs_n[None, :], mask=valid[:, None] & n_ok[None, :], other=0.0)
+                if TMA:
+                    a = a_desc.load([r0, pid_m * BLOCK_M])
+                else:
+                    a = tl.load(a_ptr + rows[:, None].to(tl.int64) * M + offs_m[None, :], mask=m_ok[None, :], other=0.0)
+            if INTERPRETED:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
+        out_ptrs = out_ptr + expert.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(out_ptrs, _downcast(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -360,10 +488,10 @@ def _combine_kernel(rows_ptr, slot_pos_ptr, out_ptr, T, H, top_k,
 # Launchers: validate, allocate, choose the configuration and the grid.
 
 
-def _gelu_flag(activation: str) -> int:
+def _gelu_flag(activation: str) -> bool:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    return int(activation == "gelu")
+    return activation == "gelu"
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
@@ -384,19 +512,56 @@ def _check_float(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
 
 
-def _row_grid(config: Config, num_rows: int, n_out: int) -> tuple:
-    return (num_rows // config.BLOCK_M * triton.cdiv(n_out, config.BLOCK_N),)
+def _tma_ready(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned base addresses and strides (but the last)."""
+    return all(
+        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        for t in tensors
+    )
 
 
-def _tuned(kernel: str, meta: RoutingMetadata, dtype, device, shapes: tuple, launch):
-    """Choose a configuration (timing on first sight of the key) and launch with it."""
+def _descriptor_scratch(size: int, alignment: int, stream):
+    # Global memory Triton asks for at launch to build the kernels' tensor descriptors in. The
+    # launch is queued on the current stream, where this allocation is ordered too.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _run(kernel, config: Config, tiles: int, device: torch.device, *args, **constexprs) -> None:
+    """Launch ``kernel`` over ``tiles`` tiles: one program per tile, or one per SM when the
+    configuration is persistent."""
+    grid = (min(tiles, sm_count(device)) if config.persistent else tiles,)
+    launch = lambda: kernel[grid](  # noqa: E731
+        *args, INTERPRETED=interpreting(), **config.constexprs(), **config.launch_options(), **constexprs
+    )
+    if not config.tma or interpreting():
+        launch()
+        return
+    # Triton's allocator is a context variable, unset in the autograd engine's threads: set it for
+    # this launch only, and give the caller's back.
+    from triton.runtime import _allocation
+
+    previous = _allocation._allocator.get()
+    triton.set_allocator(_descriptor_scratch)
+    try:
+        launch()
+    finally:
+        triton.set_allocator(previous)
+
+
+def _tuned(kernel: str, meta: RoutingMetadata, dtype, device, shapes: tuple, tma_ok: bool, launch):
+    """Choose ``kernel``'s configuration (timing on first sight of the key) and launch with it:
+    the one place where a configuration is picked."""
     num_rows = meta.slot_pos_N.numel()
     with on_device(device):
         config = autotune.choose(
-            kernel, configs_for(kernel, dtype, meta.pad_m if kernel != "weight_grad" else None),
-            shapes=shapes + (meta.pad_m,), dtype=dtype, device=device, num_rows=num_rows, launch=launch,
+            kernel, configs_for(kernel, dtype, arch_family(device), meta.pad_m, tma_ok),
+            shapes=shapes + (meta.pad_m, tma_ok), dtype=dtype, device=device, num_rows=num_rows, launch=launch,
         )
         return launch(config)
+
+
+def _row_tiles(config: Config, num_rows: int, n_out: int) -> int:
+    return num_rows // config.BLOCK_M * triton.cdiv(n_out, config.BLOCK_N)
 
 
 def gather_glu(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, meta: RoutingMetadata, top_k: int,
@@ -417,14 +582,13 @@ def gather_glu(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, meta: RoutingMeta
         return h_PI, pre_P2I
 
     def launch(c: Config):
-        _gather_glu_kernel[_row_grid(c, P, I)](
-            x_TH, gate_up_E2IH, meta.block_expert_B, meta.sorted_slot_P, h_PI, pre_P2I,
-            P, H, I, top_k, meta.pad_m, gelu,
-            GROUP_M=GROUP_M, INTERPRETED=interpreting(), **c.constexprs(), **c.launch_options(),
-        )
+        _run(_gather_glu_kernel, c, _row_tiles(c, P, I), x_TH.device,
+             x_TH, gate_up_E2IH, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P, h_PI, pre_P2I,
+             P, H, I, E, top_k, meta.pad_m, GELU=gelu, GROUP_M=GROUP_M)
         return h_PI, pre_P2I
 
-    return _tuned("gather_glu", meta, x_TH.dtype, x_TH.device, (H, I, E), launch)
+    tma_ok = _tma_ready(gate_up_E2IH.view(E, 2, I, H))
+    return _tuned("gather_glu", meta, x_TH.dtype, x_TH.device, (H, I, E, gelu), tma_ok, launch)
 
 
 def rows_matmul(a_PK: torch.Tensor, w_E: torch.Tensor, meta: RoutingMetadata, *, w_layout: str,
@@ -449,21 +613,21 @@ def rows_matmul(a_PK: torch.Tensor, w_E: torch.Tensor, meta: RoutingMetadata, *,
     scale = scale_N if scale_N is not None else a_PK.new_empty(0, dtype=torch.float32)
 
     def launch(c: Config):
-        _rows_matmul_kernel[_row_grid(c, P, n_out)](
-            a_PK, w_E, meta.block_expert_B, meta.sorted_slot_P, scale, out_PN,
-            P, n_out, k_red, meta.pad_m,
-            W_NK=w_layout == "nk", SCALE=scale_N is not None,
-            GROUP_M=GROUP_M, INTERPRETED=interpreting(), **c.constexprs(), **c.launch_options(),
-        )
+        _run(_rows_matmul_kernel, c, _row_tiles(c, P, n_out), a_PK.device,
+             a_PK, w_E, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P, scale, out_PN,
+             P, n_out, k_red, E, meta.pad_m, W_NK=w_layout == "nk", SCALE=scale_N is not None, GROUP_M=GROUP_M)
         return out_PN
 
     shapes = (n_out, k_red, E, w_layout, scale_N is not None)
-    return _tuned("rows_matmul", meta, a_PK.dtype, a_PK.device, shapes, launch)
+    return _tuned("rows_matmul", meta, a_PK.dtype, a_PK.device, shapes, _tma_ready(a_PK, w_E), launch)
 
 
 def glu_backward(dy_TH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Tensor, w_N: torch.Tensor,
-                 meta: RoutingMetadata, top_k: int, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d pre_P2I, d w_N): gradients of the GEMM-1 output and of each slot's routing weight."""
+                 meta: RoutingMetadata, top_k: int, activation: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d pre_P2I, d w_N, hs_PI): gradients of the GEMM-1 output and of each slot's routing weight,
+    and ``hs = w * act(gate) * up``, the operand of ``down_weight_grad``. Padding rows of d pre and
+    hs are zero."""
     _check_float("dy_TH", dy_TH)
     gelu = _gelu_flag(activation)
     T, H = dy_TH.shape
@@ -476,75 +640,64 @@ def glu_backward(dy_TH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Ten
     _check("pre_P2I", pre_P2I, (P, 2 * I), dy_TH.dtype)
     _check("w_N", w_N, (N,), torch.float32)
     dpre_P2I = torch.empty_like(pre_P2I)
+    hs_PI = pre_P2I.new_empty(P, I)
     if P == 0:
-        return dpre_P2I, w_N.new_zeros(N)
+        return dpre_P2I, w_N.new_zeros(N), hs_PI
 
     def launch(c: Config):
         # Each column tile writes its own partial sum of d w; summed below in a fixed order.
         dw_part = w_N.new_empty(P, triton.cdiv(I, c.BLOCK_N))
-        _glu_backward_kernel[_row_grid(c, P, I)](
-            dy_TH, down_EHI, pre_P2I, w_N, meta.block_expert_B, meta.sorted_slot_P, dpre_P2I, dw_part,
-            P, H, I, top_k, meta.pad_m, gelu,
-            GROUP_M=GROUP_M, INTERPRETED=interpreting(), **c.constexprs(), **c.launch_options(),
-        )
-        return dpre_P2I, dw_part
+        _run(_glu_backward_kernel, c, _row_tiles(c, P, I), dy_TH.device,
+             dy_TH, down_EHI, pre_P2I, w_N, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P,
+             dpre_P2I, hs_PI, dw_part, P, H, I, E, top_k, meta.pad_m, GELU=gelu, GROUP_M=GROUP_M)
+        return dw_part
 
-    dpre_P2I, dw_part = _tuned("glu_backward", meta, dy_TH.dtype, dy_TH.device, (H, I, E), launch)
+    dw_part = _tuned("glu_backward", meta, dy_TH.dtype, dy_TH.device, (H, I, E, gelu), _tma_ready(down_EHI), launch)
     # Padding rows of dw_part are never written; only the slots' own rows are read.
     dw_N = dw_part.index_select(0, meta.slot_pos_N).sum(1)
-    return dpre_P2I, dw_N
+    return dpre_P2I, dw_N, hs_PI
 
 
-def _weight_grad(a, b, scale_N, meta: RoutingMetadata, out_EMN, top_k: int, gelu: int, *,
-                 a_gather: bool, a_scale: bool, b_gather: bool, b_glu: bool):
+def _weight_grad(a, b, meta: RoutingMetadata, out_EMN, top_k: int, *, a_gather: bool):
+    """out[e] = sum over e's padded rows of A^T B, one operand gathered by token (``a`` when
+    ``a_gather``), the other in the padded layout with zero padding rows."""
     E, M, N = out_EMN.shape
-    if meta.sorted_slot_P.numel() == 0:
+    P = meta.sorted_slot_P.numel()
+    if P == 0:
         return out_EMN.zero_()
 
     def launch(c: Config):
-        grid = (E * triton.cdiv(M, c.BLOCK_M) * triton.cdiv(N, c.BLOCK_N),)
-        _weight_grad_kernel[grid](
-            a, b, scale_N, meta.padded_offsets_E1, meta.sorted_slot_P, out_EMN,
-            M, N, top_k, gelu,
-            A_GATHER=a_gather, A_SCALE=a_scale, B_GATHER=b_gather, B_GLU=b_glu,
-            INTERPRETED=interpreting(), **c.constexprs(), **c.launch_options(),
-        )
+        tiles = E * triton.cdiv(M, c.BLOCK_M) * triton.cdiv(N, c.BLOCK_N)
+        _run(_weight_grad_kernel, c, tiles, out_EMN.device,
+             a, b, meta.padded_offsets_E1, meta.sorted_slot_P, out_EMN, P, M, N, E, top_k,
+             A_GATHER=a_gather, GROUP_M=GROUP_M)
         return out_EMN
 
-    shapes = (M, N, E, a_gather, a_scale, b_gather, b_glu)
-    return _tuned("weight_grad", meta, out_EMN.dtype, out_EMN.device, shapes, launch)
+    tma_ok = _tma_ready(b if a_gather else a)
+    return _tuned("weight_grad", meta, out_EMN.dtype, out_EMN.device, (M, N, E, a_gather), tma_ok, launch)
 
 
-def down_weight_grad(dy_TH: torch.Tensor, w_N: torch.Tensor, pre_P2I: torch.Tensor, meta: RoutingMetadata,
-                     top_k: int, activation: str) -> torch.Tensor:
-    """d down[e] = sum over e's slots of (w * dy[token])^T h, with h recomputed from pre: [E, H, I]."""
+def down_weight_grad(dy_TH: torch.Tensor, hs_PI: torch.Tensor, meta: RoutingMetadata, top_k: int) -> torch.Tensor:
+    """d down[e] = sum over e's slots of dy[token]^T hs, hs from ``glu_backward``: [E, H, I]."""
     _check_float("dy_TH", dy_TH)
-    gelu = _gelu_flag(activation)
     T, H = dy_TH.shape
-    P, two_I = pre_P2I.shape
+    P, I = hs_PI.shape
     E = meta.counts_E.numel()
     _check("dy_TH", dy_TH, (T, H), dy_TH.dtype)
-    _check("pre_P2I", pre_P2I, (meta.sorted_slot_P.numel(), two_I), dy_TH.dtype)
-    _check("w_N", w_N, (meta.slot_pos_N.numel(),), torch.float32)
-    out = dy_TH.new_empty(E, H, two_I // 2)
-    return _weight_grad(dy_TH, pre_P2I, w_N, meta, out, top_k, gelu,
-                        a_gather=True, a_scale=True, b_gather=False, b_glu=True)
+    _check("hs_PI", hs_PI, (meta.sorted_slot_P.numel(), I), dy_TH.dtype)
+    return _weight_grad(dy_TH, hs_PI, meta, dy_TH.new_empty(E, H, I), top_k, a_gather=True)
 
 
 def gate_up_weight_grad(dpre_P2I: torch.Tensor, x_TH: torch.Tensor, meta: RoutingMetadata,
                         top_k: int) -> torch.Tensor:
-    """d gate_up[e] = sum over e's slots of d pre^T x[token]: [E, 2I, H]."""
+    """d gate_up[e] = sum over e's slots of d pre^T x[token], d pre from ``glu_backward``: [E, 2I, H]."""
     _check_float("x_TH", x_TH)
     T, H = x_TH.shape
     P, two_I = dpre_P2I.shape
     E = meta.counts_E.numel()
     _check("x_TH", x_TH, (T, H), x_TH.dtype)
     _check("dpre_P2I", dpre_P2I, (meta.sorted_slot_P.numel(), two_I), x_TH.dtype)
-    out = x_TH.new_empty(E, two_I, H)
-    # scale is unused without A_SCALE: pass any float32 tensor to keep the signature fixed.
-    no_scale = x_TH.new_empty(0, dtype=torch.float32)
-    return _weight_grad(dpre_P2I, x_TH, no_scale, meta, out, top_k, 0,
-                        a_gather=False, a_scale=False, b_gather=True, b_glu=False)
+    return _weight_grad(dpre_P2I, x_TH, meta, x_TH.new_empty(E, two_I, H), top_k, a_gather=False)
 
 
 def combine(rows_PH: torch.Tensor, meta: RoutingMetadata, num_tokens: int, top_k: int) -> torch.Tensor:
@@ -571,62 +724,85 @@ def combine(rows_PH: torch.Tensor, meta: RoutingMetadata, num_tokens: int, top_k
 # ----------------------------------------------------------------------------------------------
 # Ahead-of-time compile list
 
+# The reference shapes of the AOT check (Mixtral-8x7B: H 4096, I 14336, 8 experts, top-2) and a
+# variant whose sizes are not multiples of 16 (but of 8, so TMA stays eligible), which Triton's
+# JIT compiles without divisibility hints.
+_SIZES = {"aligned": (MIXTRAL.H, MIXTRAL.I), "unaligned": (MIXTRAL.H + 8, MIXTRAL.I + 8)}
+# (sizes, top_k, activation) of each specialisation: top-k 1 becomes a constant in the JIT's
+# specialisation and GeGLU is another epilogue; the size variant is compiled with top-2 SwiGLU.
+_VARIANTS = [("aligned", 2, "silu"), ("aligned", 2, "gelu"), ("aligned", 1, "silu"), ("aligned", 1, "gelu"),
+             ("unaligned", 2, "silu")]
+# The static cost model's description of each launch (cost.Gemm), by kernel and role.
+COSTS = {
+    "gather_glu": ("fwd gemm1 (gather, gate_up, act)", cost.Gemm("rows", n=MIXTRAL.I, k=MIXTRAL.H, b_panels=2,
+                                                                  dots=2, epilogue_write=3)),
+    "rows_matmul_nk_scaled": ("fwd gemm2 (down, routing weight)", cost.Gemm("rows", n=MIXTRAL.H, k=MIXTRAL.I)),
+    "glu_backward": ("bwd dy @ down (d pre, hs, d w)", cost.Gemm("rows", n=MIXTRAL.I, k=MIXTRAL.H, epilogue_read=2,
+                                                                 epilogue_write=3)),
+    "rows_matmul_kn": ("bwd dx (d pre @ gate_up)", cost.Gemm("rows", n=MIXTRAL.H, k=2 * MIXTRAL.I)),
+    "weight_grad_down": ("bwd d down (dy^T hs)", cost.Gemm("weight", m=MIXTRAL.H, n=MIXTRAL.I)),
+    "weight_grad_gate_up": ("bwd d gate_up (d pre^T x)", cost.Gemm("weight", m=2 * MIXTRAL.I, n=MIXTRAL.H)),
+}
 
-def _spec(name, fn, pointers: dict, ints: tuple, constexprs: dict, config: Config | None, uses_dot: bool):
-    signature = {**pointers, **{n: "i32" for n in ints}, **{n: "constexpr" for n in constexprs}}
-    options = config.launch_options() if config is not None else {"num_warps": COMBINE_WARPS, "num_stages": 3}
-    return KernelSpec(name=name, fn=fn, signature=signature, constexprs=constexprs, uses_dot=uses_dot,
-                      unaligned=("top_k",), **options)
+
+def _gemm_launches(kernel: str, ty: str, dtype, H: int, I: int, top_k: int, gelu: bool, P: int) -> list:
+    """(role, args, constexprs) of each launch of ``kernel``, as its launcher passes them."""
+    E = MIXTRAL.E
+    x, i32, f32 = pointer(dtype), pointer(torch.int32), pointer(torch.float32)
+    if kernel == "gather_glu":
+        return [("gather_glu", (x, x, i32, i32, i32, x, x, P, H, I, E, top_k, 128), {"GELU": gelu})]
+    if kernel == "rows_matmul":
+        return [("rows_matmul_nk_scaled", (x, x, i32, i32, i32, f32, x, P, H, I, E, 128), {"W_NK": True, "SCALE": True}),
+                ("rows_matmul_kn", (x, x, i32, i32, i32, f32, x, P, H, 2 * I, E, 128), {"W_NK": False, "SCALE": False})]
+    if kernel == "glu_backward":
+        return [("glu_backward", (x, x, x, f32, i32, i32, i32, x, x, f32, P, H, I, E, top_k, 128), {"GELU": gelu})]
+    return [("weight_grad_down", (x, x, i32, i32, x, P, H, I, E, top_k), {"A_GATHER": True}),
+            ("weight_grad_gate_up", (x, x, i32, i32, x, P, 2 * I, H, E, top_k), {"A_GATHER": False})]
+
+
+_KERNEL_FNS = {"gather_glu": _gather_glu_kernel, "rows_matmul": _rows_matmul_kernel,
+               "glu_backward": _glu_backward_kernel, "weight_grad": _weight_grad_kernel}
 
 
 def aot_specs() -> list[KernelSpec]:
-    """Every (kernel, dtype, configuration) the launchers above may launch on a GPU."""
+    """Every (kernel, dtype, configuration, specialisation) the launchers above may launch on a
+    GPU, in each architecture family's space."""
     specs = []
+    for family in CONFIGS:
+        for dtype, ty in TRITON_TYPES.items():
+            # IEEE float32 dot products run on FMAs: only the half types must reach tensor cores.
+            on_tensor_cores = dtype in _HALF
+            for kernel in GEMM_KERNELS:
+                for rank, c in enumerate(configs_for(kernel, dtype, family)):
+                    uses_activation = kernel in ("gather_glu", "glu_backward")
+                    seen = set()
+                    for sizes, top_k, activation in _VARIANTS:
+                        # Kernels that take no activation or top-k compile each size variant once.
+                        key = (sizes, top_k if kernel != "rows_matmul" else 0, activation if uses_activation else "")
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        H, I = _SIZES[sizes]
+                        P = padded_rows(MIXTRAL.T * top_k, MIXTRAL.E, 128)
+                        for role, args, flags in _gemm_launches(kernel, ty, dtype, H, I, top_k, activation == "gelu", P):
+                            tag = "_".join(str(v) for v in key if v != "")
+                            reference = (ty == "bf16" and key == ("aligned", 2, "silu" if uses_activation else "")
+                                         or ty == "bf16" and kernel == "rows_matmul" and key == ("aligned", 0, ""))
+                            specs.append(KernelSpec(
+                                name=f"{role}_{ty}_{family}_{c}_{tag}", fn=_KERNEL_FNS[kernel], args=args,
+                                constexprs={**flags, **c.constexprs(), "GROUP_M": GROUP_M, "INTERPRETED": False},
+                                uses_dot=on_tensor_cores, tma=c.tma, archs=FAMILY_ARCHS[family], rank=rank,
+                                cost=(family, rank, *COSTS[role], c.persistent) if reference else None,
+                                **c.launch_options(),
+                            ))
     for dtype, ty in TRITON_TYPES.items():
-        # IEEE float32 dot products run on FMAs: only the half types must reach tensor cores.
-        on_tensor_cores = dtype in _HALF
-        common = {"GROUP_M": GROUP_M, "INTERPRETED": False}
-        for c in configs_for("gather_glu", dtype):
-            specs.append(_spec(
-                f"gather_glu_{ty}_{c}", _gather_glu_kernel,
-                {"x_ptr": f"*{ty}", "w_ptr": f"*{ty}", "block_expert_ptr": "*i32", "sorted_slot_ptr": "*i32",
-                 "h_ptr": f"*{ty}", "pre_ptr": f"*{ty}"},
-                ("num_rows", "H", "I", "top_k", "pad_m", "gelu"),
-                {**c.constexprs(), **common}, c, on_tensor_cores,
+        for sizes, top_k in (("aligned", 2), ("aligned", 1), ("unaligned", 2)):
+            H = _SIZES[sizes][0]
+            x = pointer(dtype)
+            specs.append(KernelSpec(
+                name=f"combine_{ty}_{sizes}_k{top_k}", fn=_combine_kernel,
+                args=(x, pointer(torch.int32), x, MIXTRAL.T, H, top_k),
+                constexprs={"BLOCK_T": COMBINE_BLOCK_T, "BLOCK_H": COMBINE_BLOCK_H, "INTERPRETED": False},
+                num_warps=COMBINE_WARPS,
             ))
-        for c in configs_for("rows_matmul", dtype):
-            for w_nk, scale in ((True, True), (False, False)):
-                specs.append(_spec(
-                    f"rows_matmul_{'nk_scaled' if w_nk else 'kn'}_{ty}_{c}", _rows_matmul_kernel,
-                    {"a_ptr": f"*{ty}", "w_ptr": f"*{ty}", "block_expert_ptr": "*i32", "sorted_slot_ptr": "*i32",
-                     "scale_ptr": "*fp32", "out_ptr": f"*{ty}"},
-                    ("num_rows", "n_out", "k_red", "pad_m"),
-                    {"W_NK": w_nk, "SCALE": scale, **c.constexprs(), **common}, c, on_tensor_cores,
-                ))
-        for c in configs_for("glu_backward", dtype):
-            specs.append(_spec(
-                f"glu_backward_{ty}_{c}", _glu_backward_kernel,
-                {"dy_ptr": f"*{ty}", "w_ptr": f"*{ty}", "pre_ptr": f"*{ty}", "scale_ptr": "*fp32",
-                 "block_expert_ptr": "*i32", "sorted_slot_ptr": "*i32", "dpre_ptr": f"*{ty}", "dw_part_ptr": "*fp32"},
-                ("num_rows", "H", "I", "top_k", "pad_m", "gelu"),
-                {**c.constexprs(), **common}, c, on_tensor_cores,
-            ))
-        for c in configs_for("weight_grad", dtype):
-            for name, flags in (
-                ("down", dict(A_GATHER=True, A_SCALE=True, B_GATHER=False, B_GLU=True)),
-                ("gate_up", dict(A_GATHER=False, A_SCALE=False, B_GATHER=True, B_GLU=False)),
-            ):
-                specs.append(_spec(
-                    f"weight_grad_{name}_{ty}_{c}", _weight_grad_kernel,
-                    {"a_ptr": f"*{ty}", "b_ptr": f"*{ty}", "scale_ptr": "*fp32", "padded_offsets_ptr": "*i32",
-                     "sorted_slot_ptr": "*i32", "out_ptr": f"*{ty}"},
-                    ("M", "N", "top_k", "gelu"),
-                    {**flags, **c.constexprs(), "INTERPRETED": False}, c, on_tensor_cores,
-                ))
-        specs.append(_spec(
-            f"combine_{ty}", _combine_kernel,
-            {"rows_ptr": f"*{ty}", "slot_pos_ptr": "*i32", "out_ptr": f"*{ty}"},
-            ("T", "H", "top_k"),
-            {"BLOCK_T": COMBINE_BLOCK_T, "BLOCK_H": COMBINE_BLOCK_H, "INTERPRETED": False}, None, False,
-        ))
     return specs

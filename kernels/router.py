@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ep.kernels.aot_spec import TRITON_TYPES, KernelSpec
+from moe_ep.kernels.aot_spec import TRITON_TYPES, KernelSpec, pointer
 from moe_ep.kernels.runtime import on_device
 
 # tl.dot needs every dimension >= 16; the experts axis is padded to a power of two at least this.
@@ -312,47 +312,42 @@ def router_backward(
     return dlogits_TE
 
 
+# Routers the AOT check compiles, as (name, sigmoid, normalize, has bias, top_k, n_group,
+# topk_group): Mixtral's softmax top-2, DeepSeek-V3's grouped sigmoid top-8 with a bias, and a
+# top-1 softmax without renormalisation (Switch, some Qwen-MoE). Flags and counts equal to 1 are
+# constants in the JIT's specialisation, so each is a launch of its own.
+_ROUTERS = (("softmax_top2", 0, 1, 0, 2, 1, 1), ("sigmoid_grouped_top8", 1, 1, 1, 8, 8, 4),
+            ("softmax_top1", 0, 0, 0, 1, 1, 1))
+
+
 def aot_specs() -> list[KernelSpec]:
-    """Every (kernel, dtype, tile) the launchers may choose, for ``python -m moe_ep.kernels.aot``."""
+    """Every (kernel, dtype, tile) the launchers may choose, for each router above, at 16384
+    tokens of hidden size 4096, for ``python -m moe_ep.kernels.aot``."""
+    T, H = 16384, 4096
     specs = []
     block_es = sorted({block_e_for(e) for e in range(1, MAX_EXPERTS + 1)})
-    # DOT_FP32 is the interpreter's bfloat16 workaround only: never compiled for a GPU.
-    for dtype, ty in TRITON_TYPES.items():
+    f32, i64 = pointer(torch.float32), pointer(torch.int64)
+    for name, sigmoid, normalize, has_bias, top_k, n_group, topk_group in _ROUTERS:
         for block_e in block_es:
-            cfg = fwd_config(block_e, dtype.itemsize)
-            signature = {
-                "x_ptr": f"*{ty}", "w_ptr": f"*{ty}", "bias_ptr": "*fp32", "logits_ptr": "*fp32",
-                "weights_ptr": "*fp32", "indices_ptr": "*i64",
-                "T": "i32", "H": "i32", "E": "i32", "top_k": "i32", "n_group": "i32", "topk_group": "i32",
-                "scale": "fp32", "stride_xt": "i32", "stride_we": "i32",
-                "sigmoid": "i32", "normalize": "i32", "has_bias": "i32",
-                "BLOCK_T": "constexpr", "BLOCK_E": "constexpr", "BLOCK_H": "constexpr", "SUB_T": "constexpr",
-                "DOT_FP32": "constexpr",
-            }
-            constexprs = {
-                "BLOCK_T": cfg.block_t, "BLOCK_E": block_e, "BLOCK_H": cfg.block_h, "SUB_T": cfg.sub_t,
-                "DOT_FP32": False,
-            }
+            E = 8 if block_e == MIN_BLOCK_E else block_e
+            # DOT_FP32 is the interpreter's bfloat16 workaround only: never compiled for a GPU.
+            for dtype, ty in TRITON_TYPES.items():
+                cfg = fwd_config(block_e, dtype.itemsize)
+                x = pointer(dtype)
+                specs.append(KernelSpec(
+                    name=f"router_fwd {name} {ty} E<={block_e} t{cfg.block_t}h{cfg.block_h}sub{cfg.sub_t}"
+                         f"w{cfg.num_warps}s{cfg.num_stages}",
+                    fn=router_fwd_kernel,
+                    args=(x, x, f32, f32, f32, i64, T, H, E, top_k, n_group, topk_group, 1.0, H, H,
+                          sigmoid, normalize, has_bias),
+                    constexprs={"BLOCK_T": cfg.block_t, "BLOCK_E": block_e, "BLOCK_H": cfg.block_h,
+                                "SUB_T": cfg.sub_t, "DOT_FP32": False},
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, uses_dot=True,
+                ))
+            cfg = bwd_config(block_e)
             specs.append(KernelSpec(
-                name=f"router_fwd {ty} E<={block_e} t{cfg.block_t}h{cfg.block_h}sub{cfg.sub_t}"
-                     f"w{cfg.num_warps}s{cfg.num_stages}",
-                fn=router_fwd_kernel, signature=signature, constexprs=constexprs,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, uses_dot=True,
-                unaligned=("E", "top_k", "n_group", "topk_group"),
+                name=f"router_bwd {name} E<={block_e} t{cfg.block_t}w{cfg.num_warps}", fn=router_bwd_kernel,
+                args=(f32, i64, f32, f32, f32, T, E, top_k, 1.0, sigmoid, normalize),
+                constexprs={"BLOCK_T": cfg.block_t, "BLOCK_E": block_e}, num_warps=cfg.num_warps,
             ))
-    for block_e in block_es:
-        cfg = bwd_config(block_e)
-        signature = {
-            "logits_ptr": "*fp32", "indices_ptr": "*i64", "grad_weights_ptr": "*fp32",
-            "grad_logits_ptr": "*fp32", "dlogits_ptr": "*fp32",
-            "T": "i32", "E": "i32", "top_k": "i32", "scale": "fp32",
-            "sigmoid": "i32", "normalize": "i32",
-            "BLOCK_T": "constexpr", "BLOCK_E": "constexpr",
-        }
-        specs.append(KernelSpec(
-            name=f"router_bwd E<={block_e} t{cfg.block_t}w{cfg.num_warps}",
-            fn=router_bwd_kernel, signature=signature,
-            constexprs={"BLOCK_T": cfg.block_t, "BLOCK_E": block_e},
-            num_warps=cfg.num_warps, uses_dot=False, unaligned=("E", "top_k"),
-        ))
     return specs

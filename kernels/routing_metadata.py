@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ep.kernels.aot_spec import KernelSpec
+from moe_ep.kernels.aot_spec import KernelSpec, pointer
 from moe_ep.kernels.runtime import on_device
 
 # [CHUNK, E_TILE] one-hot tiles: 4096 int32 per program, which stays in registers at 4 warps.
@@ -160,40 +160,24 @@ def routing_metadata(idx: torch.Tensor, num_experts: int, pad_m: int) -> Routing
 
 
 def aot_specs() -> list[KernelSpec]:
-    specs = [
-        KernelSpec(
-            name="routing_scan",
-            fn=_scan_kernel,
-            signature={
-                "chunk_counts_ptr": "*i32", "chunk_base_ptr": "*i32", "counts_ptr": "*i32",
-                "padded_offsets_ptr": "*i32", "block_expert_ptr": "*i32",
-                "num_chunks": "i32", "num_experts": "i32", "pad_m": "i32", "num_blocks": "i32",
-                "C_TILE": "constexpr", "E_TILE": "constexpr", "B_TILE": "constexpr",
-            },
-            constexprs={"C_TILE": C_TILE, "E_TILE": E_TILE, "B_TILE": B_TILE},
-            num_warps=NUM_WARPS, unaligned=("num_experts",),
-        )
-    ]
-    for idx_type in ("i32", "i64"):
+    """The three launches at Mixtral-8x7B's routing (16384 tokens, top-2 of 8 experts, 128-row
+    padding), the expert ids as int32 or int64."""
+    N, E, pad_m = 16384 * 2, 8, 128
+    num_chunks, P = triton.cdiv(N, CHUNK), padded_rows(N, E, pad_m)
+    i32 = pointer(torch.int32)
+    specs = [KernelSpec(
+        name="routing_scan", fn=_scan_kernel,
+        args=(i32, i32, i32, i32, i32, num_chunks, E, pad_m, P // pad_m),
+        constexprs={"C_TILE": C_TILE, "E_TILE": E_TILE, "B_TILE": B_TILE}, num_warps=NUM_WARPS,
+    )]
+    for idx_dtype, idx_type in ((torch.int32, "i32"), (torch.int64, "i64")):
+        idx = pointer(idx_dtype)
         specs.append(KernelSpec(
-            name=f"routing_histogram_{idx_type}",
-            fn=_histogram_kernel,
-            signature={
-                "idx_ptr": f"*{idx_type}", "chunk_counts_ptr": "*i32", "num_slots": "i32", "num_experts": "i32",
-                "CHUNK": "constexpr", "E_TILE": "constexpr",
-            },
-            constexprs={"CHUNK": CHUNK, "E_TILE": E_TILE},
-            num_warps=NUM_WARPS, unaligned=("num_experts",),
+            name=f"routing_histogram_{idx_type}", fn=_histogram_kernel, args=(idx, i32, N, E),
+            constexprs={"CHUNK": CHUNK, "E_TILE": E_TILE}, num_warps=NUM_WARPS,
         ))
         specs.append(KernelSpec(
-            name=f"routing_scatter_{idx_type}",
-            fn=_scatter_kernel,
-            signature={
-                "idx_ptr": f"*{idx_type}", "chunk_base_ptr": "*i32", "padded_offsets_ptr": "*i32",
-                "sorted_slot_ptr": "*i32", "slot_pos_ptr": "*i32", "num_slots": "i32", "num_experts": "i32",
-                "CHUNK": "constexpr", "E_TILE": "constexpr",
-            },
-            constexprs={"CHUNK": CHUNK, "E_TILE": E_TILE},
-            num_warps=NUM_WARPS, unaligned=("num_experts",),
+            name=f"routing_scatter_{idx_type}", fn=_scatter_kernel, args=(idx, i32, i32, i32, i32, N, E),
+            constexprs={"CHUNK": CHUNK, "E_TILE": E_TILE}, num_warps=NUM_WARPS,
         ))
     return specs

@@ -5,6 +5,7 @@ or on a CUDA device, which must be the current one at launch."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -19,3 +20,20 @@ def interpreting() -> bool:
 def on_device(device: torch.device):
     """Triton launches on the current CUDA device: make it the tensors' one for the launches."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+# Programs a persistent grid gets under the interpreter: more than one, so that programs loop over
+# several tiles, and few, so that they do.
+INTERPRETER_SMS = 3
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``: the size of a persistent grid."""
+    if interpreting() or device.type != "cuda":
+        return INTERPRETER_SMS
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())

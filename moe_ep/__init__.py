@@ -12,8 +12,9 @@ from .hf import register_if_installed as _register_experts_implementation
 from .parallel import parallelize
 from .planner import plan
 from .routing import route_topk
+from .training import NonFiniteStepsError
 
-__all__ = ["moe_experts", "parallelize", "patch", "plan", "route_topk"]
+__all__ = ["NonFiniteStepsError", "moe_experts", "parallelize", "patch", "plan", "route_topk"]
 __version__ = "0.1.0"
 
 if _register_experts_implementation():

@@ -19,10 +19,17 @@ fall on micro-batches and ranks. FSDP averages gradients over the ``dp`` data-pa
 mean; the average is then exactly the global mean's gradient. A model that parallelize did not
 prepare is normalised by its own batch's tokens.
 
+Non-finite steps: a step whose loss or gradient norm is not finite on any rank is skipped on
+every rank, in every precision: the loss is the all-reduced global one and the norm the global
+one over every stage and mesh, so every rank reads the same two values (one host sync per step)
+and takes the same decision. A skipped step moves nothing: no optimizer step, no lr scheduler
+step, no expert-bias update; the gradients are cleared. ``max_consecutive_skips`` such steps in a
+row raise ``NonFiniteStepsError`` on every rank.
+
 Loss scaling (fp16): ``loss_scale="dynamic"`` multiplies the loss by a scale before backward and
-unscales the gradients after; if any rank finds a non-finite gradient every rank skips the
-optimizer step and halves the scale, which doubles again after ``growth_interval`` good steps.
-A float keeps the scale fixed (a step with a non-finite gradient is still skipped).
+unscales the gradients after; an overflow shows as a non-finite gradient norm, so the step is
+skipped as above and the scale halves, doubling again after ``growth_interval`` good steps. A
+float keeps the scale fixed.
 
 Load balancing (``aux_loss_coef > 0``): every MoE layer's load-balancing loss (transformers'
 formula, ``moe_ep.losses.load_balancing_loss``, on that layer's router output for that
@@ -40,7 +47,7 @@ per-layer mean, as Megatron-Core does.
 
 Aux-loss-free balancing (``expert_bias_rate > 0``, DeepSeek-V3): the same hooks count each MoE
 block's routed (token, slot) pairs per expert over the step's micro-batches, on the device; after
-each optimizer step that was taken (not one skipped by loss scaling) every local block's
+each optimizer step that was taken (not a skipped one) every local block's
 ``gate.e_score_correction_bias`` moves by ``rate x sign(mean load - load)``
 (``moe_ep.losses.update_expert_bias_``), with the loads summed over the data-parallel ranks, so
 every rank applies the identical update and the biases never need a broadcast. The bias steers
@@ -66,6 +73,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from .losses import expert_counts, load_balancing_loss, router_z_loss, update_expert_bias_
+from .parallel.clip import grad_norm, scale_grads_
 from .parallel.parallelize import MESHES_ATTRIBUTE
 from .parallel.pipeline import PipelineStages
 
@@ -107,27 +115,29 @@ class LossScaler:
         self.growth_interval = growth_interval
         self.good_steps = 0
 
-    def unscale_and_check(self, params: list[torch.nn.Parameter]) -> bool:
-        """Divide the gradients by the scale; True when every rank's gradients are finite."""
+    def unscale_(self, params: list[torch.nn.Parameter]) -> None:
+        """Divide this rank's gradients by the scale."""
         grads = [_local(p.grad) for p in params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.scale)
-            bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float()
+
+    def update(self, finite: bool) -> None:
+        """After a step: a dynamic scale halves when the gradients overflowed and doubles after
+        ``growth_interval`` finite steps in a row."""
+        if not self.dynamic:
+            return
+        if finite:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= 2.0
         else:
-            bad = torch.zeros(())
-        if dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        # host sync: every rank must agree on skipping the optimizer step.
-        finite = bad.item() == 0
-        if self.dynamic:
-            if finite:
-                self.good_steps += 1
-                if self.good_steps % self.growth_interval == 0:
-                    self.scale *= 2.0
-            else:
-                self.scale /= 2.0
-                self.good_steps = 0
-        return finite
+            self.scale /= 2.0
+            self.good_steps = 0
+
+
+class NonFiniteStepsError(RuntimeError):
+    """``TrainStep`` skipped ``max_consecutive_skips`` steps in a row because their loss or gradient
+    norm was not finite; raised on every rank at the same step."""
 
 
 class _Record(NamedTuple):
@@ -234,8 +244,9 @@ class TrainStep:
         z_loss_coef: weight of the per-layer router z-loss (0: none).
         expert_bias_rate: step size of DeepSeek-V3's aux-loss-free expert bias (0: none; every
             MoE router must hold ``e_score_correction_bias``); see the module doc.
-        max_grad_norm: clip the gradients' global 2-norm (all stages, all meshes) to this; the
-            norm before clipping is kept in ``last_grad_norm``.
+        max_grad_norm: clip the gradients' global 2-norm (all stages, all meshes) to this.
+        max_consecutive_skips: raise ``NonFiniteStepsError`` when this many steps in a row were
+            skipped for a non-finite loss or gradient norm (None: never).
         lr_scheduler: stepped after every optimizer step that was taken.
         autocast_dtype: run the forward (without pipeline stages) under ``torch.autocast`` in
             this dtype, for a model that FSDP's ``MixedPrecisionPolicy`` does not cast (one
@@ -246,14 +257,18 @@ class TrainStep:
     and returns the step's loss (LM loss plus the weighted aux and z losses; the parts are
     ``last_lm_loss``, ``last_aux_loss`` and ``last_z_loss``): the mean over the global batch, a
     detached scalar equal on every rank (broadcast from the pipeline rank
-    that computes it, averaged over the data-parallel ranks); no host sync unless loss scaling.
+    that computes it, averaged over the data-parallel ranks). ``last_grad_norm`` is the step's
+    global gradient norm before clipping (unscaled), ``last_step_skipped`` whether the step was
+    skipped (non-finite loss or gradient norm, fp16 overflow included); ``steps_skipped`` and
+    ``consecutive_skips`` count the skipped steps in all and since the last step taken. One host
+    sync per step, for that decision.
     ``close()`` removes the step's hooks from the model (the step cannot run afterwards).
     """
 
     def __init__(self, model_or_stages, optimizer: torch.optim.Optimizer, *, microbatches: int | None = None,
                  loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, global_aux_loss: bool = False,
                  z_loss_coef: float = 0.0, expert_bias_rate: float = 0.0, max_grad_norm: float | None = None,
-                 lr_scheduler=None, autocast_dtype: torch.dtype | None = None):
+                 max_consecutive_skips: int | None = 20, lr_scheduler=None, autocast_dtype: torch.dtype | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.pipelined = isinstance(model_or_stages, PipelineStages)
@@ -295,7 +310,14 @@ class TrainStep:
                                           or not max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
         self.max_grad_norm = max_grad_norm
+        if max_consecutive_skips is not None and (isinstance(max_consecutive_skips, bool)
+                                                  or not isinstance(max_consecutive_skips, int)
+                                                  or max_consecutive_skips < 1):
+            raise ValueError(f"max_consecutive_skips must be a positive int or None, got {max_consecutive_skips!r}")
+        self.max_consecutive_skips = max_consecutive_skips
         self.last_grad_norm = None
+        self.last_step_skipped = False
+        self.consecutive_skips = 0
         if autocast_dtype is not None:
             if not isinstance(autocast_dtype, torch.dtype) or not autocast_dtype.is_floating_point:
                 raise TypeError(f"autocast_dtype must be a floating torch.dtype or None, got {autocast_dtype!r}")
@@ -427,19 +449,42 @@ class TrainStep:
         if self.aux is not None and self.aux.losses:
             self.last_aux_loss, self.last_z_loss = parts[1], parts[2]
             loss = loss + self.aux_loss_coef * self.last_aux_loss + self.z_loss_coef * self.last_z_loss
-        took_step = self.scaler.unscale_and_check(self.params) if self.scaler else True
-        if took_step and self.max_grad_norm is not None:
-            self.last_grad_norm = self._clip()
+        if self.scaler:
+            self.scaler.unscale_(self.params)
+        self.last_grad_norm = norm = self._grad_norm()
+        # host sync: the skip decision. Every rank holds the same global loss and norm, so every
+        # rank decides alike without a collective of its own.
+        loss_value, norm_value = torch.stack([loss.float(), norm.to(loss.device)]).tolist()
+        took_step = math.isfinite(loss_value) and math.isfinite(norm_value)
+        if self.scaler:
+            self.scaler.update(took_step)
         if took_step:
+            if self.max_grad_norm is not None:
+                scale_grads_(self.params, torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
             self.optimizer.step()
             if self.expert_bias_rate:
                 self._update_expert_bias(records)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        else:
-            self.steps_skipped += 1
         self.optimizer.zero_grad(set_to_none=True)
+        self._count_skip(not took_step, loss_value, norm_value)
         return loss
+
+    def _count_skip(self, skipped: bool, loss: float, norm: float) -> None:
+        self.last_step_skipped = skipped
+        if not skipped:
+            self.consecutive_skips = 0
+            return
+        self.steps_skipped += 1
+        self.consecutive_skips += 1
+        if self.max_consecutive_skips is not None and self.consecutive_skips >= self.max_consecutive_skips:
+            raise NonFiniteStepsError(
+                f"{self.consecutive_skips} steps in a row were skipped (max_consecutive_skips="
+                f"{self.max_consecutive_skips}): the last had loss {loss} and gradient norm {norm}, and a step with "
+                "a non-finite loss or gradient norm is never applied. Lower the learning rate, clip the gradients "
+                "(max_grad_norm), check the data of these steps, or train in bf16 or with loss_scale='dynamic' "
+                "instead of plain fp16"
+            )
 
     def _normalizer(self, labels: torch.Tensor) -> torch.Tensor:
         """The loss divisor of this rank: the global batch's predicted tokens over ``dp`` (see
@@ -452,23 +497,16 @@ class TrainStep:
             dist.all_reduce(tokens, group=self.dp_group)
         return tokens.clamp(min=1) / self.dp
 
-    def _clip(self) -> torch.Tensor:
-        """Clip to ``max_grad_norm`` over the whole model. moe_ep.parallel.clip_grad_norm_ gives
-        the norm over this rank's parameters across the dense and expert meshes; a pipeline adds
-        the other stages' (sum of squares over the pipeline group) before the common factor."""
-        from .parallel.clip import clip_grad_norm_
-
+    def _grad_norm(self) -> torch.Tensor:
+        """The global 2-norm of the gradients. moe_ep.parallel.grad_norm gives it over this rank's
+        parameters across the dense and expert meshes; a pipeline adds the other stages' (sum of
+        squares over the pipeline group)."""
+        norm = grad_norm(self.params)
         if not self.pipelined:
-            return clip_grad_norm_(self.params, self.max_grad_norm)
-        stage_norm = clip_grad_norm_(self.params, math.inf)  # the norm only: a factor of 1
-        squares = stage_norm.to(self.target.stages[0].device, torch.float32).square()
+            return norm
+        squares = norm.to(self.target.stages[0].device, torch.float32).square()
         dist.all_reduce(squares, group=self.target.group)
-        total = squares.sqrt()
-        coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-        return total
+        return squares.sqrt()
 
     def _count_moe_layers(self) -> int:
         """MoE layers of the whole model (on every pipeline stage): the aux loss is their mean."""

@@ -116,14 +116,16 @@ def test_launcher_errors_name_the_argument():
 def test_aot_specs_cover_every_launchable_config():
     names = [s.name for s in gg.aot_specs()]
     assert len(names) == len(set(names))
-    for kernel in gg.CONFIGS:
-        for dtype, ty in (("half", "bf16"), ("half", "fp16"), ("fp32", "fp32")):
-            for c in gg.CONFIGS[kernel][dtype]:
-                assert any(n.startswith(kernel) and f"_{ty}_{c}" in n for n in names), (kernel, ty, c)
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for pad_m in (64, 128):
-            for kernel in ("gather_glu", "rows_matmul", "glu_backward"):
-                assert gg.configs_for(kernel, dtype, pad_m), (kernel, dtype, pad_m)
+    for family in gg.CONFIGS:
+        for kernel in gg.GEMM_KERNELS:
+            for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
+                for c in gg.configs_for(kernel, dtype, family):
+                    assert any(n.startswith(kernel) and f"_{ty}_{family}_{c}_" in n for n in names), (kernel, ty, c)
+    for family in gg.CONFIGS:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for pad_m in (64, 128):
+                for kernel in gg.GEMM_KERNELS:
+                    assert gg.configs_for(kernel, dtype, family, pad_m), (kernel, dtype, pad_m)
 
 
 @requires_cuda

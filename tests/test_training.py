@@ -7,6 +7,8 @@ losses of every layout against float64 are in test_pipeline.py."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -258,3 +260,210 @@ def test_expert_bias_identical_on_data_parallel_ranks_and_equal_to_one_process()
     assert [dp for dp, _, _ in ranks] == [expected, expected]
     assert [pp for _, pp, _ in ranks] == [[expected[0]], [expected[1]]]
     assert max(r for _, _, r in ranks) > 2  # the shape inference did record: the case is exercised
+
+
+class _Poison:
+    """While ``armed``, makes ``module``'s output gradient NaN (``"grad"``: every gradient behind it
+    turns NaN, the loss stays finite) or one element of its output NaN (``"output"``)."""
+
+    def __init__(self, module, what: str):
+        self.what, self.armed = what, False
+        module.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, out):
+        if not self.armed:
+            return None
+        if self.what == "grad":
+            out.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+            return None
+        out = out.clone()
+        out.view(-1)[0] = float("nan")
+        return out
+
+
+def _local_state(params, optimizer) -> list[torch.Tensor]:
+    """This rank's parameters and optimizer state, as plain tensors, in a fixed order."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+    state = [local(p) for p in params]
+    for p in params:
+        state.extend(local(v) for _, v in sorted(optimizer.state.get(p, {}).items()) if isinstance(v, torch.Tensor))
+    return state
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_non_finite_step_is_skipped_in_one_process():
+    """One parameter's gradient NaN with a finite loss, then a NaN loss: both steps are skipped
+    (weights, optimizer state and lr schedule untouched, gradients cleared), and the step after
+    them is bit-equal to the one of a run that never saw them; fixed loss scale alike."""
+    from moe_ep.training import TrainStep
+
+    config = tiny_config("mixtral", **TINY)
+    batches = [tiny_batch(config, batch=4, seq=6, seed=s) for s in range(3)]
+
+    def run(poisoned: bool, **kwargs):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (i + 1))
+        step = TrainStep(model, opt, microbatches=2, lr_scheduler=sched, **kwargs)
+        armed = []
+        model.lm_head.weight.register_hook(lambda g: g * float("nan") if armed else g)
+        bad_loss = _Poison(model.lm_head, "output")
+        step(batches[0])
+        before = _local_state(list(model.parameters()), opt)
+        if poisoned:
+            armed.append(True)
+            loss = step(batches[1])
+            assert torch.isfinite(loss) and not math.isfinite(step.last_grad_norm.item())
+            assert step.last_step_skipped and (step.steps_skipped, step.consecutive_skips) == (1, 1)
+            armed.clear()
+            bad_loss.armed = True
+            assert torch.isnan(step(batches[1])) and step.last_step_skipped
+            bad_loss.armed = False
+            assert (step.steps_skipped, step.consecutive_skips) == (2, 2)
+            assert _equal(_local_state(list(model.parameters()), opt), before)
+            assert all(p.grad is None for p in model.parameters()) and sched.last_epoch == 1
+        loss = step(batches[2])
+        assert not step.last_step_skipped and step.consecutive_skips == 0
+        return loss, _local_state(list(model.parameters()), opt)
+
+    for kwargs in ({}, {"loss_scale": 8.0, "max_grad_norm": 0.5}):
+        loss, state = run(True, **kwargs)
+        clean_loss, clean_state = run(False, **kwargs)
+        assert torch.equal(loss, clean_loss) and _equal(state, clean_state)
+
+
+def test_dynamic_loss_scale_halves_on_a_skipped_step():
+    from moe_ep.training import TrainStep
+
+    model = _model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=1e-2), loss_scale="dynamic")
+    poison = _Poison(model.model.embed_tokens, "grad")
+    batch = tiny_batch(tiny_config("mixtral", **TINY), batch=2, seq=6)
+    scale = step.scaler.scale
+    poison.armed = True
+    step(batch)
+    assert step.last_step_skipped and step.scaler.scale == scale / 2
+    poison.armed = False
+    step(batch)
+    assert not step.last_step_skipped and step.scaler.good_steps == 1
+
+
+def test_consecutive_non_finite_steps_raise():
+    import moe_ep
+    from moe_ep.training import NonFiniteStepsError, TrainStep
+
+    assert moe_ep.NonFiniteStepsError is NonFiniteStepsError and issubclass(NonFiniteStepsError, RuntimeError)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for bad in (0, -1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match=f"max_consecutive_skips must be a positive int or None, got {bad!r}"):
+            TrainStep(model, opt, max_consecutive_skips=bad)
+    step = TrainStep(model, opt, max_consecutive_skips=3)
+    poison = _Poison(model.lm_head, "output")
+    batch = tiny_batch(tiny_config("mixtral", **TINY), batch=2, seq=6)
+    poison.armed = True
+    step(batch)
+    step(batch)
+    poison.armed = False
+    step(batch)  # a step taken resets the count
+    poison.armed = True
+    step(batch)
+    step(batch)
+    with pytest.raises(NonFiniteStepsError, match=r"3 steps in a row were skipped \(max_consecutive_skips=3\): the "
+                                                  r"last had loss nan and gradient norm nan.*Lower the learning rate"):
+        step(batch)
+    assert step.steps_skipped == 5 and all(p.grad is None for p in model.parameters())
+    unlimited = TrainStep(model, opt, max_consecutive_skips=None)
+    for _ in range(3):
+        unlimited(batch)
+    assert unlimited.consecutive_skips == 3
+
+
+# The 2-rank runs of the skip test: data-parallel halves in fp32 and with bf16 compute, and two
+# pipeline stages.
+SKIP_LAYOUTS = {
+    "dp2_fp32": dict(dp_shard=2),
+    "dp2_bf16": dict(dp_shard=2, bf16=True),
+    "pp2": dict(pp=2, microbatches=2),
+}
+
+
+def _skips_on_two_ranks(rank, world, layouts):
+    """For each layout: a run that meets a NaN gradient of the embedding on rank 0 (finite loss),
+    then a NaN logit on rank 1, between clean steps, against a run that never sees them; then a
+    step limited to 2 consecutive skips. Compared here, on the rank: tensors do not travel back."""
+    import moe_ep
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from moe_ep.parallel import meshes_of
+    from moe_ep.training import NonFiniteStepsError, TrainStep
+
+    config = tiny_config("mixtral", **TINY)
+    batches = [tiny_batch(config, batch=4, seq=6, seed=s) for s in range(3)]
+    out = {}
+    for name, layout in layouts.items():
+        layout = dict(layout)
+        if layout.pop("bf16", False):
+            layout["mixed_precision"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+        def build():
+            model = _model()
+            target = moe_ep.parallelize(model, **layout)
+            meshes = target.meshes if layout.get("pp") else meshes_of(target)
+            share = [{k: v.chunk(meshes.dims.dp)[meshes.dp.get_local_rank()] for k, v in b.items()} for b in batches]
+            opt = torch.optim.AdamW(target.parameters(), lr=1e-2)
+            return model, TrainStep(target, opt, microbatches=2), opt, share
+
+        model, step, opt, share = build()
+        params = list(step.params)
+        bad_grad = _Poison(model.model.embed_tokens, "grad")
+        bad_loss = _Poison(model.lm_head, "output")
+        step(share[0])
+        before = _local_state(params, opt)
+        skipped = []
+        for poison, poisoned_rank in ((bad_grad, 0), (bad_loss, 1)):
+            poison.armed = rank == poisoned_rank
+            loss = step(share[1])
+            poison.armed = False
+            skipped.append((step.last_step_skipped, math.isfinite(loss.item())))
+        untouched = _equal(_local_state(params, opt), before) and all(p.grad is None for p in params)
+        loss = step(share[2]).item()
+        state = _local_state(params, opt)
+
+        _, clean, clean_opt, _ = build()
+        clean(share[0])
+        clean_loss = clean(share[2]).item()
+        same = loss == clean_loss and _equal(state, _local_state(list(clean.params), clean_opt))
+
+        limited = TrainStep(step.target, opt, microbatches=2, max_consecutive_skips=2)
+        bad_grad.armed = rank == 0
+        limited(share[1])
+        try:
+            limited(share[1])
+            raised = None
+        except NonFiniteStepsError as err:
+            raised = str(err)
+        out[name] = {"skipped": skipped, "untouched": untouched, "same": same, "raised": raised,
+                     "counts": (step.steps_skipped, step.consecutive_skips)}
+    return out
+
+
+def test_a_non_finite_step_on_one_rank_is_skipped_on_every_rank():
+    """2 gloo ranks, data-parallel (fp32, bf16 compute) and as 2 pipeline stages: a NaN gradient on
+    rank 0 with a finite loss, and a NaN loss on rank 1, are each skipped on both ranks, leaving
+    weights and optimizer state bit-equal; the next step is bit-equal to that of a run that never
+    met them; the consecutive-skip limit raises on both ranks at the same step."""
+    ranks = run_ranks(_skips_on_two_ranks, 2, SKIP_LAYOUTS, timeout=300)
+    for name in SKIP_LAYOUTS:
+        for result in (r[name] for r in ranks):
+            assert result["skipped"] == [(True, True), (True, False)], name
+            assert result["untouched"] and result["same"], name
+            assert result["counts"] == (2, 0), name
+            assert result["raised"] is not None and result["raised"].startswith(
+                "2 steps in a row were skipped (max_consecutive_skips=2)"), name

@@ -351,7 +351,7 @@ def _triton_gemm_components(p: Problem, inp: Inputs) -> list[Component]:
     meta = routing_metadata(inp.idx_TK, p.E, pad_m)
     h_PI, pre_P2I = gg.gather_glu(x_TH, gate_up, meta, p.K, "silu")
     out_PH = gg.rows_matmul(h_PI, down, meta, w_layout="nk", scale_N=w_N)
-    dpre_P2I, _ = gg.glu_backward(dy_TH, down, pre_P2I, w_N, meta, p.K, "silu")
+    dpre_P2I, _, hs_PI = gg.glu_backward(dy_TH, down, pre_P2I, w_N, meta, p.K, "silu")
     N, H, I, E, e = p.N, p.H, p.I, p.E, p.elem
     fns = {
         "metadata[triton]": (0, 16 * N + 4 * E, lambda: routing_metadata(inp.idx_TK, E, pad_m)),
@@ -360,12 +360,12 @@ def _triton_gemm_components(p: Problem, inp: Inputs) -> list[Component]:
         "gemm2[triton]": (2 * N * H * I, (E * I * H + N * I + N * H) * e,
                           lambda: gg.rows_matmul(h_PI, down, meta, w_layout="nk", scale_N=w_N)),
         "combine[triton]": (0, (N * H + p.T * H) * e, lambda: gg.combine(out_PH, meta, p.T, p.K)),
-        "glu_bwd[triton]": (2 * N * H * I, (N * H + E * H * I + 4 * N * I) * e,
+        "glu_bwd[triton]": (2 * N * H * I, (N * H + E * H * I + 5 * N * I) * e,
                             lambda: gg.glu_backward(dy_TH, down, pre_P2I, w_N, meta, p.K, "silu")),
         "dx[triton]": (4 * N * H * I, (2 * N * I + 2 * E * I * H + N * H) * e,
                        lambda: gg.rows_matmul(dpre_P2I, gate_up, meta, w_layout="kn")),
-        "dw_down[triton]": (2 * N * H * I, (N * H + 2 * N * I + E * H * I) * e,
-                            lambda: gg.down_weight_grad(dy_TH, w_N, pre_P2I, meta, p.K, "silu")),
+        "dw_down[triton]": (2 * N * H * I, (N * H + N * I + E * H * I) * e,
+                            lambda: gg.down_weight_grad(dy_TH, hs_PI, meta, p.K)),
         "dw_gate_up[triton]": (4 * N * H * I, (2 * N * I + N * H + 2 * E * I * H) * e,
                                lambda: gg.gate_up_weight_grad(dpre_P2I, x_TH, meta, p.K)),
     }

@@ -2,7 +2,7 @@
 the meshes, expert sharding, ``parallelize`` (every layout, ``pp > 1`` included), pipeline
 stages, gradient clipping across meshes, full state dicts, fail-fast steps."""
 
-from .clip import clip_grad_norm_
+from .clip import clip_grad_norm_, grad_norm
 from .failure import PeerFailure, fail_fast
 from .mesh import MoEMeshes, ParallelDims, build_meshes, resolve_dims
 from .parallelize import meshes_of, parallelize
@@ -20,6 +20,7 @@ __all__ = [
     "clip_grad_norm_",
     "fail_fast",
     "full_state_dict",
+    "grad_norm",
     "load_full_state_dict",
     "meshes_of",
     "parallelize",

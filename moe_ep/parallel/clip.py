@@ -19,6 +19,14 @@ def _mesh_key(grad: torch.Tensor):
     return grad.device_mesh if isinstance(grad, DTensor) else None
 
 
+def _norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The norm of one gradient in float32 (float64 gradients in float64, then float32: a float32
+    reduction of them would narrow)."""
+    if grad.dtype != torch.float64:
+        return torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)
+    return torch.linalg.vector_norm(grad, norm_type).float()
+
+
 def _max_norm(mesh, members: list[torch.Tensor]) -> torch.Tensor:
     """The inf-norm of ``members`` (gradients on ``mesh``, or plain tensors when it is None).
     Not through DTensor: FSDP leaves a rank an empty shard when a dimension has fewer rows than
@@ -34,27 +42,16 @@ def _max_norm(mesh, members: list[torch.Tensor]) -> torch.Tensor:
     return norm
 
 
-def clip_grad_norm_(
-    parameters: torch.nn.Module | Iterable[torch.Tensor],
-    max_norm: float,
-    norm_type: float = 2.0,
-    *,
-    error_if_nonfinite: bool = False,
-) -> torch.Tensor:
-    """Clip the gradients of ``parameters`` (a module or an iterable of tensors) in place so that
-    their global ``norm_type`` norm is at most ``max_norm``; returns the norm before clipping, a
-    plain float32 tensor equal on every rank (0 on the parameters' device when none has a
-    gradient). Collective over every mesh that holds a gradient: call it
-    on every rank, in the same order."""
-    if isinstance(parameters, torch.nn.Module):
-        parameters = parameters.parameters()
-    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
-        raise ValueError(f"max_norm must be a non-negative number, got {max_norm!r}")
+def grad_norm(parameters: torch.nn.Module | Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The global ``norm_type`` norm of the gradients of ``parameters`` (a module or an iterable of
+    tensors) across every mesh that holds one: a plain float32 tensor equal on every rank, non-finite
+    when any gradient element is (0 on the parameters' device when none has a gradient).
+    Collective over every mesh that holds a gradient: call it on every rank, in the same order."""
+    parameters = _as_list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     if not (norm_type > 0):
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
-    grads = [p.grad for p in parameters if p.grad is not None]
     # Groups in first-seen order: the same on every rank, so the collectives line up.
     groups: dict[object, list[torch.Tensor]] = {}
     for g in grads:
@@ -64,20 +61,46 @@ def clip_grad_norm_(
         if math.isinf(norm_type):
             group_norms.append(_max_norm(mesh, members))
             continue
-        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in members]
+        norms = [_norm(g, norm_type) for g in members]
         norm = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         group_norms.append(norm.full_tensor() if mesh is not None else norm)
     if not group_norms:
-        # No gradient to clip: a zero norm on the parameters' device (the CPU without parameters).
+        # No gradient: a zero norm on the parameters' device (the CPU without parameters).
         device = parameters[0].device if parameters else torch.device("cpu")
         return torch.zeros((), dtype=torch.float32, device=device)
     device = group_norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in group_norms]), norm_type)
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in group_norms]), norm_type)
+
+
+def scale_grads_(parameters: torch.nn.Module | Iterable[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every gradient of ``parameters`` (each rank's local shard) by the 0-d ``factor``."""
+    for g in (p.grad for p in _as_list(parameters) if p.grad is not None):
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(factor.to(device=local.device, dtype=local.dtype))
+
+
+def clip_grad_norm_(
+    parameters: torch.nn.Module | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` (a module or an iterable of tensors) in place so that
+    their global ``norm_type`` norm is at most ``max_norm``; returns the norm before clipping,
+    ``grad_norm``'s. Collective: call it on every rank, in the same order."""
+    parameters = _as_list(parameters)
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
+        raise ValueError(f"max_norm must be a non-negative number, got {max_norm!r}")
+    total = grad_norm(parameters, norm_type)
     # host sync: only on request, to raise before touching the gradients.
     if error_if_nonfinite and not math.isfinite(total.item()):
-        raise RuntimeError(f"the total {norm_type}-norm of the gradients is {total.item()}; not clipping")
-    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        local = g.to_local() if isinstance(g, DTensor) else g
-        local.mul_(clip_coef.to(device=local.device, dtype=local.dtype))
+        raise RuntimeError(f"the total {float(norm_type)}-norm of the gradients is {total.item()}; not clipping")
+    scale_grads_(parameters, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
+
+
+def _as_list(parameters) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.nn.Module):
+        return list(parameters.parameters())
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)

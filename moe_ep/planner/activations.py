@@ -243,9 +243,10 @@ def layer_scratch(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep:
     """Transient memory of a decoder layer's backward beyond its saved tensors (estimated from the
     backward's formulas, not measured): the gradients of the residual stream and of the branch,
     and the largest kernel's intermediates, the experts' (torch: the gathered rows and output
-    gradient, GEMM-1's output gradient, the weighted activation; Triton: GEMM-1's input gradient
-    and the rows' input gradient over the padded rows) or attention's (q, k, v gradients and
-    flash attention's float32 accumulator for dq)."""
+    gradient, GEMM-1's output gradient, the weighted activation; Triton: GEMM-1's output gradient
+    over the padded rows with, first, the weighted activation the down projection's gradient
+    reads and then the rows' input gradient) or attention's (q, k, v gradients and flash
+    attention's float32 accumulator for dq)."""
     T, H, I = mb.tokens, spec.hidden_size, spec.intermediate_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     stream = 2 * BF16 * T * H
@@ -257,7 +258,7 @@ def layer_scratch(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep:
     if backend == "torch":
         expert = BF16 * pairs * (2 * H + 4 * I)
     else:
-        expert = BF16 * padded_rows(pairs, spec.num_experts // ep) * (2 * I + H)
+        expert = BF16 * padded_rows(pairs, spec.num_experts // ep) * (2 * I + max(I, H))
     return stream + max(attention, expert)
 
 

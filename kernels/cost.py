@@ -1,0 +1,220 @@
+"""A static cost model of the expert MLP's kernels: FLOPs, DRAM bytes (with the re-reads implied
+by the tile order) and roofline times at an architecture's peak, at a reference problem
+(Mixtral-8x7B by default). Every figure here is an estimate made without a GPU.
+
+Traffic model of a tiled GEMM: programs run in waves of as many tiles as fit on the GPU at once
+(one per SM for a persistent grid, SMs times the occupancy the compiled kernel allows otherwise),
+in the kernel's own tile order. Within a wave the concurrent tiles walk their reduction in step,
+so an operand panel shared by several tiles of the wave comes from DRAM once and from L2 after
+that; a panel needed again by a later wave is read again. Compute time counts every tile a wave
+issues, padding and ragged edges included, at the tensor cores' dense peak; a kernel's roofline
+time is the larger of its compute and memory times."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    flops: float  # dense bf16/fp16 tensor-core peak, FLOP/s
+    bandwidth: float  # DRAM, B/s
+    sms: int
+    smem_per_sm: int  # bytes of shared memory per SM that blocks may use
+    source: str
+    regs_per_sm: int = 65536
+    threads_per_sm: int = 2048
+
+
+MACHINES = {
+    80: Machine("A100 SXM4 80GB", 312e12, 2.039e12, 108, 164 * 1024,
+                "NVIDIA A100 Tensor Core GPU datasheet: 312 TFLOP/s dense BF16, 2,039 GB/s HBM2e (80GB SXM); "
+                "A100 whitepaper: 108 SMs, 164 KB shared memory per SM"),
+    90: Machine("H100 SXM5 80GB", 989e12, 3.35e12, 132, 228 * 1024,
+                "NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 3.35 TB/s "
+                "HBM3 (SXM); Hopper whitepaper: 132 SMs, 228 KB shared memory per SM"),
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One MoE layer's experts, every expert receiving the same number of rows."""
+
+    T: int = 16384
+    K: int = 2
+    H: int = 4096
+    I: int = 14336
+    E: int = 8
+    elem: int = 2  # bytes per element (bf16)
+    pad_m: int = 128
+
+    @property
+    def N(self) -> int:
+        return self.T * self.K
+
+    def expert_rows(self) -> list[int]:
+        """Padded rows per expert."""
+        base, extra = divmod(self.N, self.E)
+        counts = [base + (e < extra) for e in range(self.E)]
+        return [-(-c // self.pad_m) * self.pad_m for c in counts]
+
+
+MIXTRAL = Problem()
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One grouped-GEMM launch as the model sees it.
+
+    kind "rows": the output has one row per padded row (an expert's rows times its weight); n
+    output columns, a reduction of length k; each tile reads a [BLOCK_M, k] row panel and
+    ``b_panels`` [k, BLOCK_N] panels of its expert's weight. ``epilogue_read`` and
+    ``epilogue_write`` are elements read and written per output element besides the operands.
+    kind "weight": the output is each expert's [m, n] weight gradient, a reduction over the
+    expert's rows; each tile reads a [rows, BLOCK_M] panel and ``b_panels`` [rows, BLOCK_N]
+    panels."""
+
+    kind: str
+    n: int
+    k: int = 0  # rows: reduction length
+    m: int = 0  # weight: rows of the weight
+    b_panels: int = 1
+    dots: int = 1  # rows: products per tile (gate and up: 2)
+    epilogue_read: int = 0
+    epilogue_write: int = 1
+
+
+def _tile_order(num_pid_m: int, num_pid_n: int, group_m: int):
+    """The kernels' grouped tile order (``_tile`` in grouped_gemm)."""
+    per_group = group_m * num_pid_n
+    for t in range(num_pid_m * num_pid_n):
+        first_m = (t // per_group) * group_m
+        rows = min(num_pid_m - first_m, group_m)
+        yield first_m + (t % per_group) % rows, (t % per_group) // rows
+
+
+def occupancy(machine: Machine, registers: int, shared: int, warps: int) -> int:
+    threads = warps * 32
+    by_regs = machine.regs_per_sm // max(1, registers * threads)
+    by_smem = machine.smem_per_sm // max(1, shared)
+    return max(1, min(by_regs, by_smem, machine.threads_per_sm // threads))
+
+
+def estimate(g: Gemm, p: Problem, machine: Machine, block: tuple, group_m: int, concurrent: int) -> dict:
+    """FLOPs (useful and issued), DRAM bytes read and written, and times of one launch."""
+    bm, bn, _ = block
+    e = p.elem
+    rows = p.expert_rows()
+    waves_a, waves_b, tile_flops = [], [], []
+    if g.kind == "rows":
+        owner = [ex for ex, r in enumerate(rows) for _ in range(r // bm)]
+        nn = math.ceil(g.n / bn)
+        for pid_m, pid_n in _tile_order(len(owner), nn, group_m):
+            waves_a.append((pid_m,))
+            waves_b.append((owner[pid_m], pid_n))
+            tile_flops.append(2 * bm * bn * g.k * g.dots)
+        a_bytes = lambda key: bm * g.k * e  # noqa: E731
+        b_bytes = lambda key: g.b_panels * g.k * bn * e  # noqa: E731
+        useful = 2 * p.N * g.n * g.k * g.dots
+        written = (g.epilogue_write * sum(rows) * g.n) * e
+        extra_read = g.epilogue_read * sum(rows) * g.n * e
+    else:
+        nm, nn = math.ceil(g.m / bm), math.ceil(g.n / bn)
+        for ex, r in enumerate(rows):
+            for pid_m, pid_n in _tile_order(nm, nn, group_m):
+                waves_a.append((ex, pid_m))
+                waves_b.append((ex, pid_n))
+                tile_flops.append(2 * bm * bn * r)
+        a_bytes = lambda key: rows[key[0]] * bm * e  # noqa: E731
+        b_bytes = lambda key: g.b_panels * rows[key[0]] * bn * e  # noqa: E731
+        useful = 2 * p.N * g.m * g.n
+        written = p.E * g.m * g.n * e
+        extra_read = 0
+    read = extra_read
+    compute = 0.0
+    for start in range(0, len(tile_flops), concurrent):
+        stop = start + concurrent
+        read += sum(a_bytes(k) for k in set(waves_a[start:stop])) + sum(b_bytes(k) for k in set(waves_b[start:stop]))
+        wave = tile_flops[start:stop]
+        compute += math.ceil(len(wave) / machine.sms) * max(wave) * machine.sms / machine.flops
+    memory = (read + written) / machine.bandwidth
+    return {
+        "flops": useful, "flops_issued": sum(tile_flops), "bytes_read": read, "bytes_written": written,
+        "compute_ms": compute * 1e3, "memory_ms": memory * 1e3, "roofline_ms": max(compute, memory) * 1e3,
+    }
+
+
+def memory_pass(name: str, read: float, written: float, machine: Machine) -> dict:
+    """A bandwidth-bound pass (permutation, activation, combine...)."""
+    return {"step": name, "flops": 0, "bytes_read": read, "bytes_written": written,
+            "roofline_ms": (read + written) / machine.bandwidth * 1e3}
+
+
+def gemm_pass(name: str, flops: float, read: float, written: float, machine: Machine) -> dict:
+    """A GEMM at the tensor cores' peak (or the bandwidth, if that binds): the dense baselines."""
+    t = max(flops / machine.flops, (read + written) / machine.bandwidth)
+    return {"step": name, "flops": flops, "bytes_read": read, "bytes_written": written, "roofline_ms": t * 1e3}
+
+
+def expert_mlp_flops(p: Problem) -> float:
+    """Forward and backward of the expert MLP: forward 2N(2I)H + 2NIH, backward twice that."""
+    forward = 2 * p.N * 2 * p.I * p.H + 2 * p.N * p.I * p.H
+    return 3 * forward
+
+
+def grouped_mm_sequence(p: Problem, machine: Machine) -> list[dict]:
+    """transformers' ``grouped_mm`` experts (integrations/moe.py), forward and autograd backward:
+    a sort and a gather of the token rows, two grouped GEMMs (CUTLASS on sm_90, taken at peak),
+    the gated activation as separate elementwise passes, the routing weight, the inverse
+    permutation and the per-token sum; each a pass over DRAM."""
+    N, T, H, I, E, e = p.N, p.T, p.H, p.I, p.E, p.elem
+    rows_h, rows_i = N * H * e, N * I * e
+    mp = lambda *a: memory_pass(*a, machine)  # noqa: E731
+    gp = lambda *a: gemm_pass(*a, machine)  # noqa: E731
+    return [
+        mp("fwd sort + gather x[perm]", N * 8 * 3 + rows_h, rows_h + N * 8),
+        gp("fwd grouped_mm gate_up", 2 * N * H * 2 * I, rows_h + E * 2 * I * H * e, 2 * rows_i),
+        mp("fwd act(gate)", rows_i, rows_i),
+        mp("fwd act * up", 2 * rows_i, rows_i),
+        gp("fwd grouped_mm down", 2 * N * I * H, rows_i + E * H * I * e, rows_h),
+        mp("fwd * routing weight", rows_h + N * 4, rows_h),
+        mp("fwd inverse permutation", rows_h, rows_h),
+        mp("fwd sum over top-k", rows_h, T * H * e),
+        mp("bwd expand + inverse permutation (zero, scatter)", rows_h, 2 * rows_h),
+        mp("bwd * routing weight, d weight", 3 * rows_h, rows_h + N * 4),
+        gp("bwd grouped_mm d h", 2 * N * H * I, rows_h + E * H * I * e, rows_i),
+        gp("bwd grouped_mm d down", 2 * N * H * I, rows_h + rows_i, E * H * I * e),
+        mp("bwd act * up", 3 * rows_i, 2 * rows_i),
+        mp("bwd act(gate)", 2 * rows_i, rows_i),
+        mp("bwd cat(d gate, d up)", 2 * rows_i, 2 * rows_i),
+        gp("bwd grouped_mm d x", 2 * N * 2 * I * H, 2 * rows_i + E * 2 * I * H * e, rows_h),
+        gp("bwd grouped_mm d gate_up", 2 * N * 2 * I * H, 2 * rows_i + rows_h, E * 2 * I * H * e),
+        mp("bwd gather backward (index_add)", rows_h + 2 * T * H * e, T * H * e * 2),
+    ]
+
+
+def activation_bytes(p: Problem) -> dict:
+    """Bytes each path saves from forward for backward, besides x, the weights and the routing."""
+    N, H, I, e = p.N, p.H, p.I, p.elem
+    P = sum(p.expert_rows()) + p.E * p.pad_m  # the static bound the metadata allocates
+    return {
+        # pre (P x 2I) and the int32 metadata.
+        "triton": P * 2 * I * e + (P + N) * 4,
+        # x[perm] (N x H), the gate_up output (N x 2I), act(gate) (N x I), h (N x I), the down
+        # output (N x H, for d weight).
+        "grouped_mm": N * (2 * H + 4 * I) * e,
+    }
+
+
+def summary(steps: list[dict]) -> dict:
+    return {
+        "flops": sum(s["flops"] for s in steps),
+        "bytes": sum(s["bytes_read"] + s["bytes_written"] for s in steps),
+        "ms": sum(s["roofline_ms"] for s in steps),
+    }
+
+
+def machine_dict(arch: int) -> dict:
+    return asdict(MACHINES[arch])

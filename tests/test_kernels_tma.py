@@ -1,0 +1,113 @@
+"""The sm_90 variants of the grouped GEMMs (TMA tensor descriptors for the operands that are not
+gathered, persistent grids) against the float64 reference, under the interpreter on the CPU: the
+configuration space is swapped for small tiles of those variants, so that programs loop over
+several tiles, descriptors clip edge tiles, and padding rows are read unmasked."""
+
+import pytest
+import torch
+
+from moe_ep.experts import moe_experts
+from moe_ep.kernels import autotune
+from moe_ep.kernels import grouped_gemm as gg
+from moe_ep.kernels.autotune import Config
+from moe_ep.kernels.routing_metadata import routing_metadata
+from moe_ep.reference import moe_experts_ref
+
+from conftest import TOLERANCE, rel_err
+from moe_cases import CASES, Case, run_with_grads
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GRAD_NAMES = ["hidden_states", "top_k_weights", "gate_up_proj", "down_proj"]
+# Sizes whose rows are 16-byte multiples in every dtype, so descriptors are used: ragged tiles in
+# every dimension, several row blocks per expert, an empty expert.
+ALIGNED = [
+    Case("aligned", T=45, H=40, I=24, E=3, K=2),
+    Case("aligned_k1_empty", T=30, H=24, I=40, E=4, K=1, routing="skip_last"),
+    Case("aligned_k_eq_e", T=9, H=16, I=8, E=3, K=3),
+]
+
+
+def _small(tma: bool, persistent: bool) -> dict:
+    tile = [Config(32, 16, 16, 4, 2, tma=tma, persistent=persistent)]
+    return {k: {"half": tile, "fp32": tile} for k in gg.GEMM_KERNELS}
+
+
+@pytest.fixture
+def variant(request, monkeypatch):
+    tma, persistent = request.param
+    monkeypatch.setitem(gg.CONFIGS, "default", _small(tma, persistent))
+    autotune.clear_cache()
+    yield tma, persistent
+    autotune.clear_cache()
+
+
+VARIANTS = [(True, True), (True, False), (False, True)]
+
+
+def check(case, dtype, activation="silu"):
+    x, idx, w, gate_up, down = case.make(dtype, device=DEVICE)
+    dy = torch.randn(case.T, case.H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    fn = lambda *a: moe_experts(*a, activation=activation, backend="triton")  # noqa: E731
+    y, grads = run_with_grads(fn, x, idx, w, gate_up, down, dy)
+    y_ref, grads_ref = run_with_grads(lambda *a: moe_experts_ref(*a, activation=activation),
+                                      *(t.cpu() for t in (x, idx, w, gate_up, down)), dy)
+    tol = TOLERANCE[dtype]
+    assert rel_err(y.cpu(), y_ref) <= tol, "output"
+    for name, g, g_ref in zip(GRAD_NAMES, grads, grads_ref):
+        assert rel_err(g.cpu(), g_ref) <= tol, name
+    return y, grads
+
+
+@pytest.mark.parametrize("variant", VARIANTS, indirect=True, ids=lambda v: f"tma{int(v[0])}_persistent{int(v[1])}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ALIGNED, ids=lambda c: c.name)
+def test_variants_match_float64_reference(variant, case, dtype):
+    check(case, dtype)
+
+
+@pytest.mark.parametrize("variant", [(True, True)], indirect=True, ids=["tma_persistent"])
+def test_gelu_fp16_and_determinism(variant):
+    case = ALIGNED[0]
+    check(case, torch.float16, activation="gelu")
+    y1, g1 = check(case, torch.bfloat16)
+    y2, g2 = check(case, torch.bfloat16)
+    assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+@pytest.mark.parametrize("case", [ALIGNED[0], CASES[1]], ids=lambda c: c.name)
+def test_descriptors_only_where_rows_are_16_byte_aligned(case, monkeypatch):
+    """Rows of 17 or 9 bf16 elements cannot be described: the launchers take the pointer-load
+    configuration of the space instead, and the results still match."""
+    tile = Config(32, 16, 16, 4, 2)
+    space = [Config(32, 16, 16, 4, 2, tma=True, persistent=True), tile]
+    monkeypatch.setitem(gg.CONFIGS, "default", {k: {"half": space, "fp32": space} for k in gg.GEMM_KERNELS})
+    autotune.clear_cache()
+    check(case, torch.bfloat16)
+    aligned = case in ALIGNED
+    chosen = autotune.chosen_configs()
+    assert chosen and all(c.tma == aligned for c in chosen.values()), chosen
+    autotune.clear_cache()
+
+
+def test_every_space_has_a_pointer_load_fallback_for_every_pad_m():
+    for family in gg.CONFIGS:
+        for kernel in gg.GEMM_KERNELS:
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                for pad_m in (64, 128):
+                    assert gg.configs_for(kernel, dtype, family, pad_m, tma_ok=False), (family, kernel, dtype, pad_m)
+
+
+def test_padding_rows_of_backward_intermediates_are_zero():
+    """The weight gradients read hs and d pre through descriptors without masking padding rows."""
+    case = ALIGNED[1]
+    x, idx, w, gate_up, down = case.make(torch.bfloat16, device=DEVICE)
+    meta = routing_metadata(idx, case.E, 64)
+    w_N = w.reshape(-1).float().contiguous()
+    _, pre = gg.gather_glu(x, gate_up, meta, case.K, "silu")
+    dy = torch.randn(case.T, case.H, dtype=torch.bfloat16, device=DEVICE)
+    dpre, _, hs = gg.glu_backward(dy, down, pre, w_N, meta, case.K, "silu")
+    live = int(meta.padded_offsets_E1[-1])  # host sync: test only
+    padding = (meta.sorted_slot_P[:live] < 0).cpu()
+    assert padding.any()
+    assert torch.count_nonzero(hs[:live][padding]) == 0 and torch.count_nonzero(dpre[:live][padding]) == 0
+    assert torch.count_nonzero(pre[live:]) == 0
