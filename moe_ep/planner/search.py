@@ -110,10 +110,6 @@ class Plan:
     def layout(self) -> Layout:
         return self.best.layout
 
-    @property
-    def imbalance(self) -> float:
-        return self.assumptions.imbalance
-
     def report(self) -> str:
         from .report import format_plan
 
