@@ -370,6 +370,19 @@ def test_headroom_rule_prefers_a_layout_with_headroom_within_the_margin():
     assert bold.layout == fastest.layout and bold.rule.fastest is None
 
 
+def test_headroom_rule_says_when_no_layout_near_the_fastest_keeps_the_headroom():
+    # Two nodes hold Mixtral-8x7B only tightly: of the layouts within 5% of the fastest, the one
+    # with the most headroom wins, and the report says that it is under the rule's 10%.
+    from moe_ep.planner.search import choose
+
+    p = plan("mixtral-8x7b", nodes=2, **A100)
+    assert p.best.memory.headroom < 0.10 * 80 * GiB
+    assert "none of them keeps that much, so the one with the most headroom wins" in p.report()
+    fitting = [p.best] + [c for c, _ in p.alternatives if c.fits]
+    near = [c for c in fitting if c.time.total <= 1.05 * min(c.time.total for c in fitting)]
+    assert choose(fitting, 0.10, 0.05)[0].memory.headroom == max(c.memory.headroom for c in near)
+
+
 # ---------------------------------------------------------------- communication
 
 

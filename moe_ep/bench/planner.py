@@ -342,7 +342,7 @@ def full_shape_saved(backend: str, batch: int, seq: int, checkpointing: bool) ->
 # ---------------------------------------------------------------- collectives at world size 128
 
 
-def apply_plan(best, world_size: int):
+def apply_plan(best):
     """Full-size Mixtral-8x7B on the meta device laid out as ``best`` on this rank of the fake
     process group, with the mixed precision the planner assumes (bf16 compute, float32 master
     weights and reduction): (modules to run, pipeline rank)."""
@@ -522,7 +522,7 @@ def fake_step_checks(best, ranks: list[int], *, world_size: int = 128, seq_len: 
     steps, checks = [], []
     for rank in ranks:
         with fake_rank(rank, world_size):
-            modules, pp_rank = apply_plan(best, world_size)
+            modules, pp_rank = apply_plan(best)
             step = fake_train_step(modules, best.partition if lay.pp > 1 else None, microbatches=1,
                                    tokens=lay.microbatch_size * seq_len)
         step.pp_rank = pp_rank

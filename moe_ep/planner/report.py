@@ -84,6 +84,9 @@ def _rule_line(plan) -> str:
     line = (f"  headroom rule: of the layouts within {rule.speed_margin:.0%} of the fastest step time, the fastest "
             f"keeping {rule.min_headroom:.0%} of GPU memory ({format_bytes(rule.min_headroom * best.memory.capacity)}) "
             f"free wins")
+    if best.memory.headroom < rule.min_headroom * best.memory.capacity:
+        line += (f"; none of them keeps that much, so the one with the most headroom wins "
+                 f"({format_bytes(best.memory.headroom)} free)")
     if rule.fastest is not None:
         f = rule.fastest
         line += (f"; it passed over {f.layout.short()}, {1 - f.time.total / best.time.total:.1%} faster "
