@@ -1,5 +1,4 @@
-"""Run a function on N gloo ranks in child processes and bring back what each rank returns; or
-act as one rank of torch's fake process group in this process (``fake_rank``).
+"""Run a function on N gloo ranks in child processes and bring back what each rank returns.
 
 Children come from a ``forkserver`` that imports torch and transformers once per test session,
 so a process group starts in well under a second instead of paying the imports per rank.
@@ -9,7 +8,6 @@ killed and reported, so a deadlocked collective fails the test instead of hangin
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -116,17 +114,3 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
         others = "".join(f"\n  rank {r}: {outcomes[r][1].splitlines()[0]}" for r in failed[1:])
         raise RankError(f"rank {failed[0]} of {world_size} raised {outcomes[failed[0]][1]}{others}")
     return [outcomes[r][1] for r in range(world_size)]
-
-
-@contextlib.contextmanager
-def fake_rank(rank: int, world_size: int):
-    """This process as ``rank`` of torch's fake process group: collectives return at once and
-    move nothing, so layouts of any world size can be applied in one process."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()

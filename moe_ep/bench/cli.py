@@ -1,5 +1,5 @@
-"""``python -m moe_ep.bench {kernels,model,dispatch}``: run one benchmark mode, print its table,
-save its figures."""
+"""``python -m moe_ep.bench {kernels,model,dispatch,planner}``: run one benchmark mode, print its
+table, save its figures."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from . import dispatch, kernels, model
+from . import dispatch, kernels, model, planner
 from .report import RESULTS_DIR, format_table, save
 
-MODES = {"kernels": kernels, "model": model, "dispatch": dispatch}
+MODES = {"kernels": kernels, "model": model, "dispatch": dispatch, "planner": planner}
 
 
 def build_parser() -> argparse.ArgumentParser:
