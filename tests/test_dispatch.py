@@ -548,7 +548,7 @@ def test_transformers_distributed_config_rank_without_rows_beside_fsdp_peer_with
         ("num_experts_not_multiple", r"num_experts must be a positive int divisible by ep=2 .*, got 3"),
         ("index_out_of_range", r"top_k_index must hold expert ids in \[0, 4\)"),
         ("weights_shape", "top_k_index and top_k_weights must both have shape"),
-        ("capacity_factor", "capacity_factor must be a positive number or None"),
+        ("capacity_factor", "capacity_factor must be a finite number > 0 or None"),
         ("group_type", "group must be a torch.distributed.ProcessGroup, got str"),
         ("layout_type", "layout must be the DispatchLayout returned by dispatch, got str"),
         ("pairs_mismatch", "expert_output must have one row per dispatched pair"),
