@@ -81,7 +81,12 @@ class TrainStep:
     the gradients are cleared either way. ``last_grad_norm`` is the step's global gradient norm
     before clipping; ``last_step_skipped``, ``steps_skipped`` and ``consecutive_skips`` count the
     skipped steps (an fp16 overflow included). ``close()`` removes the step's hooks from the
-    model (the step cannot run afterwards)."""
+    model (the step cannot run afterwards).
+
+    Building it on what ``parallelize`` (or ``build_pipeline``) returned is collective: every rank
+    must pass the same options and optimizer (the ranks holding a pipeline stage also the same
+    parameters and optimizer groups), which one all-gather confirms before any hook or collective;
+    otherwise every rank raises ``moe_ep.RanksDisagree`` naming the first difference."""
 
     def __init__(self, model_or_stages, optimizer: torch.optim.Optimizer, *, microbatches: int | None = None,
                  loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, global_aux_loss: bool = False,
