@@ -47,11 +47,10 @@ GEMM_KERNELS = ("gather_glu", "rows_matmul", "glu_backward", "weight_grad")
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def _space(tiles: list[Config], fp32: list[Config], unaligned: list[Config],
-           fp32_unaligned: list[Config] | None = None) -> dict:
+def _space(tiles: list[Config], fp32: list[Config], unaligned: list[Config]) -> dict:
     """A kernel's configurations: half types and float32 on aligned rows, and on rows that are not
     (``row_align`` 1), whose element-wise loads need registers for every element's address."""
-    return {"half": tiles, "fp32": fp32, "half_unaligned": unaligned, "fp32_unaligned": fp32_unaligned or fp32}
+    return {"half": tiles, "fp32": fp32, "half_unaligned": unaligned, "fp32_unaligned": _FP32_UNALIGNED}
 
 
 # Configuration spaces per architecture family, kernel and dtype, best first (the first eligible
@@ -72,9 +71,9 @@ _FP32_GLU_BWD = [Config(64, 64, 32, num_warps=8, num_stages=2)]
 # gate/up product of gather_glu (two accumulators) and glu_backward's epilogue take 32 columns.
 _UNALIGNED = [Config(64, 64, 32, 8, 2)]
 _UNALIGNED_GLU = [Config(64, 32, 32, 4, 2)]
-# Float32 glu_backward on unaligned rows: the aligned tile's cp.async of single elements spill 48
-# bytes on sm_80; a 16-deep reduction step does not.
-_FP32_GLU_BWD_UNALIGNED = [Config(64, 64, 16, 8, 2)]
+# Float32 on unaligned rows: the aligned tiles' cp.async of single elements spill 8-48 bytes on
+# sm_80 and sm_90 (glu_backward, the dx product); a 16-deep reduction step does not.
+_FP32_UNALIGNED = [Config(64, 64, 16, 8, 2)]
 CONFIGS = {
     # H100: 227 KB of shared memory per block, wgmma with the accumulator in registers, TMA.
     "sm_90": {
@@ -84,11 +83,10 @@ CONFIGS = {
                               Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_TILE, _UNALIGNED_GLU),
         "rows_matmul": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True),
                                Config(64, 256, 64, 4, 4, tma=True, persistent=True),
-                               Config(128, 256, 64, 8, 3), Config(64, 128, 64, 4, 3)], _FP32_TILE, _UNALIGNED),
-        "glu_backward": _space([Config(128, 128, 64, 8, 3, tma=True, persistent=True),
-                                Config(64, 128, 32, 4, 4, tma=True, persistent=True),
-                                Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_GLU_BWD, _UNALIGNED_GLU,
-                                _FP32_GLU_BWD_UNALIGNED),
+                               Config(128, 128, 64, 8, 4), Config(64, 128, 64, 4, 3)], _FP32_TILE, _UNALIGNED),
+        "glu_backward": _space([Config(128, 128, 64, 8, 2, tma=True, persistent=True),
+                                Config(64, 128, 64, 8, 3, tma=True, persistent=True),
+                                Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_GLU_BWD, _UNALIGNED_GLU),
         "weight_grad": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True),
                                Config(128, 256, 64, 8, 3)], _FP32_TILE, _UNALIGNED),
     },
@@ -97,16 +95,14 @@ CONFIGS = {
         # mma.sync keeps its operands in registers too: 128x128 gate/up and 128x256 dx spill.
         "gather_glu": _space([Config(128, 64, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_TILE, _UNALIGNED_GLU),
         "rows_matmul": _space([Config(128, 128, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_TILE, _UNALIGNED),
-        "glu_backward": _space([Config(128, 128, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_GLU_BWD, _UNALIGNED_GLU,
-                                _FP32_GLU_BWD_UNALIGNED),
+        "glu_backward": _space([Config(128, 128, 32, 8, 3), Config(64, 128, 32, 8, 4)], _FP32_GLU_BWD, _UNALIGNED_GLU),
         "weight_grad": _space([Config(128, 256, 32, 8, 4)], _FP32_TILE, _UNALIGNED),
     },
     # Any other GPU (sm_86 and sm_89 have 99 KB of shared memory per block), and the interpreter.
     "default": {
         "gather_glu": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_TILE, _UNALIGNED_GLU),
         "rows_matmul": _space([Config(64, 128, 64, 4, 3), Config(128, 128, 64, 8, 3)], _FP32_TILE, _UNALIGNED),
-        "glu_backward": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_GLU_BWD, _UNALIGNED_GLU,
-                                _FP32_GLU_BWD_UNALIGNED),
+        "glu_backward": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_GLU_BWD, _UNALIGNED_GLU),
         "weight_grad": _space([Config(128, 128, 64, 8, 3)], _FP32_TILE, _UNALIGNED),
     },
 }

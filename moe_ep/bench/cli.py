@@ -1,4 +1,4 @@
-"""``python -m moe_ep.bench {kernels,model,dispatch}``: run one benchmark mode, print its table,
+"""``python -m moe_ep.bench {kernels,model,dispatch,gpu}``: run one benchmark mode, print its table,
 save its figures."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from . import dispatch, kernels, model
+from . import dispatch, gpu_check, kernels, model
 from .report import RESULTS_DIR, format_table, save
 
-MODES = {"kernels": kernels, "model": model, "dispatch": dispatch}
+MODES = {"kernels": kernels, "model": model, "dispatch": dispatch, "gpu": gpu_check}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,4 +48,6 @@ def main(argv: list[str] | None = None):
     if not args.no_save:
         for path in save(report, args.out_dir):
             print(f"wrote {path}")
+    if report.failed:
+        raise SystemExit(f"{args.mode}: failed: {', '.join(report.failed)}")
     return report
