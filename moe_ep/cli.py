@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -24,49 +25,103 @@ def _load_model(value: str):
     raise ValueError(f"--model must be one of {MODEL_NAMES} or a local config.json or model folder, got {value!r}")
 
 
+def _bounded(name: str):
+    """An argparse type for the planner input ``name``, with the range the planner accepts
+    (``moe_ep.planner.inputs.BOUNDS``): argparse names the flag in its error."""
+    from .planner.inputs import BOUNDS
+
+    bound = BOUNDS[name]
+
+    def parse(text: str):
+        try:
+            value = float(text)
+            if bound.kind is int:
+                if not math.isfinite(value) or value != int(value):
+                    raise ValueError(text)
+                value = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {bound.describe()}, got {text!r}") from None
+        try:
+            return bound.check("value", value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {bound.describe()}, got {text!r}") from None
+
+    parse.__name__ = bound.describe()
+    return parse
+
+
 def _add_plan_parser(sub) -> None:
+    from .planner import CLUSTERS
+
     p = sub.add_parser(
         "plan",
         help="choose pp / dp_replicate / dp_shard / ep, micro-batching, schedule and checkpointing",
-        description="Print the fastest layout that fits, its per-GPU memory table, its estimated step time "
-        "and why the closest alternatives lost.",
+        description="Print the fastest layout that fits (by the headroom rule), its per-GPU memory table, its "
+        "estimated step time with the MFU that follows from the stated efficiencies, and why the closest "
+        "alternatives lost.",
     )
     p.add_argument("--model", required=True, help="mixtral-8x7b, mixtral-8x22b, or a local config.json / folder")
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, required=True)
-    p.add_argument("--gpu-memory", type=float, required=True, help="GiB per GPU (80 for A100-80GB)")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per optimizer step (default 4Mi)")
-    p.add_argument("--intra-node-bw", type=float, default=200.0, help="GB/s per GPU inside a node")
-    p.add_argument("--inter-node-bw", type=float, default=25.0, help="GB/s per GPU across nodes")
-    p.add_argument("--peak-tflops", type=float, default=312.0, help="dense bf16 peak per GPU")
-    p.add_argument("--efficiency", type=float, default=0.40, help="fraction of the peak the GEMMs reach")
-    p.add_argument("--imbalance", type=float, default=None, help="busiest expert rank's load over the mean (1.2)")
-    for name in ("pp", "dp-replicate", "dp-shard", "ep", "microbatch-size"):
-        p.add_argument(f"--{name}", type=int, default=None, help="fix this choice")
+    p.add_argument("--cluster", choices=tuple(CLUSTERS),
+                   help="a preset whose figures every other option defaults to (and may override)")
+    p.add_argument("--nodes", type=_bounded("nodes"), required=True)
+    p.add_argument("--gpus-per-node", type=_bounded("gpus_per_node"), help="required without --cluster")
+    p.add_argument("--gpu-memory", type=_bounded("gpu_memory_gib"),
+                   help="GiB per GPU (80 for A100-80GB); required without --cluster")
+    p.add_argument("--seq-len", type=_bounded("seq_len"), default=4096)
+    p.add_argument("--global-batch-tokens", type=_bounded("global_batch_tokens"), default=None,
+                   help="tokens per optimizer step (default 4Mi)")
+    p.add_argument("--intra-node-bw", type=_bounded("intra_node_gbps"), help="GB/s per GPU over NVLink (NCCL bus bw)")
+    p.add_argument("--inter-node-bw", type=_bounded("inter_node_gbps"),
+                   help="GB/s per GPU across nodes: the node's network over its GPUs")
+    p.add_argument("--peak-tflops", type=_bounded("peak_tflops"), help="dense bf16 peak per GPU")
+    p.add_argument("--hbm-bw", type=_bounded("hbm_gbps"), help="GB/s of GPU memory bandwidth")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="a result JSON of 'python -m moe_ep.bench kernels' from the cluster's GPU: its measured "
+                        "efficiencies replace the defaults")
+    for kind in ("grouped-gemm", "dense-gemm", "attention", "memory"):
+        p.add_argument(f"--{kind}-efficiency", type=_bounded(f"{kind.replace('-', '_')}_efficiency"),
+                       help="fraction of the peak (of HBM bandwidth for memory) this kind of kernel reaches")
+    p.add_argument("--reserve-fraction", type=_bounded("reserve_fraction"), default=0.10,
+                   help="GPU memory kept back for the CUDA context, NCCL and fragmentation (0.10)")
+    p.add_argument("--imbalance", type=_bounded("imbalance"), default=None,
+                   help="busiest expert rank's load over the mean in steady training (1.2)")
+    p.add_argument("--startup-imbalance", type=_bounded("startup_imbalance"), default=None,
+                   help="the same early in dropless training, which expert buffers are sized for (2.0)")
+    p.add_argument("--capacity-factor", type=_bounded("capacity_factor"), default=None,
+                   help="plan for the dispatcher's capacity mode (default: dropless)")
+    p.add_argument("--min-headroom", type=_bounded("min_headroom"), default=None,
+                   help="fraction of GPU memory a winning layout keeps free unless it is faster by more than "
+                        "--speed-margin (0.10)")
+    p.add_argument("--speed-margin", type=_bounded("speed_margin"), default=None, help="(0.05)")
+    for name in ("pp", "dp-replicate", "dp-shard", "ep"):
+        p.add_argument(f"--{name}", type=_bounded(name.replace("-", "_")), default=None, help="fix this choice")
+    p.add_argument("--microbatch-size", type=_bounded("microbatch_size"), default=None, help="fix this choice")
     p.add_argument("--schedule", default=None, help="fix the schedule: none, gpipe, 1f1b, interleaved-1f1b, zbv")
     p.add_argument("--checkpointing", choices=("on", "off"), default=None, help="fix activation checkpointing")
-    p.add_argument("--alternatives", type=int, default=5, help="how many rejected layouts to explain")
+    p.add_argument("--alternatives", type=_bounded("num_alternatives"), default=5,
+                   help="how many rejected layouts to explain")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def _run_plan(args) -> int:
     from .planner import plan
-    from .planner.memory import DEFAULT_IMBALANCE
-    from .planner.search import DEFAULT_GLOBAL_BATCH_TOKENS
 
+    given = dict(
+        gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory, intra_node_gbps=args.intra_node_bw,
+        inter_node_gbps=args.inter_node_bw, peak_tflops=args.peak_tflops, hbm_gbps=args.hbm_bw,
+        grouped_gemm_efficiency=args.grouped_gemm_efficiency, dense_gemm_efficiency=args.dense_gemm_efficiency,
+        attention_efficiency=args.attention_efficiency, memory_efficiency=args.memory_efficiency,
+        global_batch_tokens=args.global_batch_tokens, imbalance=args.imbalance,
+        startup_imbalance=args.startup_imbalance, min_headroom=args.min_headroom, speed_margin=args.speed_margin,
+    )
     result = plan(
         _load_model(args.model),
         nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        gpu_memory_gib=args.gpu_memory,
+        cluster=args.cluster,
         seq_len=args.seq_len,
-        global_batch_tokens=args.global_batch_tokens or DEFAULT_GLOBAL_BATCH_TOKENS,
-        intra_node_gbps=args.intra_node_bw,
-        inter_node_gbps=args.inter_node_bw,
-        peak_tflops=args.peak_tflops,
-        efficiency=args.efficiency,
-        imbalance=DEFAULT_IMBALANCE if args.imbalance is None else args.imbalance,
+        calibration=args.calibration,
+        reserve_fraction=args.reserve_fraction,
+        capacity_factor=args.capacity_factor,
         pp=args.pp,
         dp_replicate=args.dp_replicate,
         dp_shard=args.dp_shard,
@@ -75,6 +130,7 @@ def _run_plan(args) -> int:
         schedule=args.schedule,
         checkpointing=None if args.checkpointing is None else args.checkpointing == "on",
         num_alternatives=args.alternatives,
+        **{k: v for k, v in given.items() if v is not None},
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.report())
     return 0
@@ -85,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan_parser(sub)
     args = parser.parse_args(argv)
+    if args.cluster is None and (args.gpus_per_node is None or args.gpu_memory is None):
+        parser.error("--gpus-per-node and --gpu-memory are required without --cluster (or name a --cluster)")
     try:
         return _run_plan(args)
     except ValueError as err:

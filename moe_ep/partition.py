@@ -3,9 +3,10 @@ contiguous pipeline stages so that the slowest stage is as fast as possible, the
 slowest, and so on, while every rank stays under a memory cap.
 
 The algorithm knows nothing about models: it takes one :class:`UnitCost` per unit, in execution
-order. ``moe_ep.planner.memory.unit_costs`` builds them from a Hugging Face config (FLOPs and the
-bytes of parameters, gradients, optimizer state and activations of each unit, embedding and head
-included); ``moe_ep.parallel.pipeline`` uses the result to cut the model into stages.
+order. ``moe_ep.planner.memory.unit_costs`` builds them from a Hugging Face config (the seconds
+each unit takes and the bytes of its parameters, gradients, optimizer state and activations,
+embedding and head included); ``moe_ep.parallel.pipeline`` uses the result to cut the model into
+stages.
 
 Exact: the smallest possible bottleneck time T* is found by binary search over the segment
 sums, each probe an exact feasibility check under the time and memory limits (O(n) greedy when
@@ -42,8 +43,8 @@ _REL_EPS = 1e-9
 class UnitCost:
     """The cost of one unit of the chain for one micro-batch.
 
-    ``flops``: forward + backward (+ recompute) FLOPs of one micro-batch; the stage time is taken
-    proportional to it. ``param_bytes``, ``grad_bytes``, ``optim_bytes``: what one rank holds for
+    ``flops``: the cost of one micro-batch's forward + backward (+ recompute): FLOPs, or any
+    measure the stage time is proportional to (the planner gives seconds on the cluster). ``param_bytes``, ``grad_bytes``, ``optim_bytes``: what one rank holds for
     this unit in steady state. ``act_bytes``: activations one micro-batch keeps alive for the
     backward; a stage multiplies them by its number of micro-batches in flight.
     ``work_bytes``: transient memory while the unit runs (recompute working set, gathered

@@ -80,6 +80,51 @@ def run(cmd, timeout=240) -> str:
     return proc.stdout + proc.stderr
 
 
+def launch(cmd, log: Path, **extra_env: str) -> subprocess.Popen:
+    """Start a launcher in its own session, its output (all ranks') going to ``log``."""
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, env=env(**extra_env), cwd=ROOT, start_new_session=True, stdout=f,
+                                stderr=subprocess.STDOUT, text=True)
+
+
+def wait_until(condition, proc: subprocess.Popen, message: str, timeout: float = 240) -> None:
+    """Poll ``condition`` while the launch runs; fail with ``message`` if it ends or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"{message}: the launch ended with status {proc.returncode}"
+        assert time.monotonic() < deadline, message
+        time.sleep(0.05)
+
+
+def paused_files(tmp_checkpoint: Path, ranks: int) -> list[Path]:
+    """What checkpoint.py's pause hook touches in the ``.tmp-`` folder, one per rank."""
+    return [tmp_checkpoint / f"paused-rank{r:05d}" for r in range(ranks)]
+
+
+def rank_processes(proc: subprocess.Popen) -> dict[int, psutil.Process]:
+    """The launch's ranks by their RANK."""
+    found = {}
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if "train.py" in " ".join(p.cmdline()) and "RANK" in (environ := p.environ()):
+                found[int(environ["RANK"])] = p
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def kill_launch(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process under it (torchrun starts its workers in their own
+    sessions, so its whole tree is found by pid, not by process group)."""
+    if proc.poll() is None:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        for p in tree:
+            p.kill()
+        os.kill(proc.pid, signal.SIGKILL)
+        psutil.wait_procs(tree, timeout=30)
+    proc.wait(timeout=30)
+
+
 def train_in_process(argv) -> int:
     """train.py's main in this process (world size 1): saves an interpreter start. One intra-op
     thread, as the launched ranks have (OMP_NUM_THREADS=1): on a busy 2-core machine a second
@@ -101,10 +146,15 @@ def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
+def export_of(out: Path) -> Path:
+    """Where a run in ``out`` exports: beside it (an export never goes inside the run folder)."""
+    return out.with_name(out.name + "-hf")
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    log = run(accelerate_cmd(out, "--export-dir", str(out / "hf")))
+    log = run(accelerate_cmd(out, "--export-dir", str(export_of(out))))
     return out, log
 
 
@@ -130,24 +180,13 @@ def test_killed_run_resumes_onto_the_same_losses_bit_for_bit(reference, tmp_path
     out = tmp_path / "killed"
     # checkpoint.py's test hook: both ranks stop inside the step-4 save, their shards and RNG
     # states written into the .tmp- folder, the folder not yet renamed; the run is killed there.
-    proc = subprocess.Popen(accelerate_cmd(out), env=env(MIXTRAL_EXAMPLE_TEST_PAUSE_IN_CHECKPOINT="4"), cwd=ROOT,
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = launch(accelerate_cmd(out), out.with_name("killed.log"), MIXTRAL_EXAMPLE_TEST_PAUSE_IN_CHECKPOINT="4")
     partial = out / "checkpoints" / ".tmp-step_00000004"
-    paused = [partial / f"paused-rank{r:05d}" for r in range(2)]
-    deadline = time.monotonic() + 240
     try:
-        while time.monotonic() < deadline and proc.poll() is None and not all(p.exists() for p in paused):
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.stdout.read()
-        assert all(p.exists() for p in paused), "the run did not reach the step-4 checkpoint in time"
-        # torchrun starts its workers in their own sessions: kill the launcher's whole tree by pid.
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        for p in tree:
-            p.kill()
-        os.kill(proc.pid, signal.SIGKILL)
-        psutil.wait_procs(tree, timeout=30)
+        wait_until(lambda: all(p.exists() for p in paused_files(partial, 2)), proc,
+                   "the run did not reach the step-4 checkpoint in time")
     finally:
-        proc.wait(timeout=30)
+        kill_launch(proc)
     assert (partial / ".metadata").is_file() and not (out / "checkpoints" / "step_00000004").exists()
     assert max(losses(out)) == 4
 
@@ -170,7 +209,7 @@ with torch.no_grad():
 
 def test_export_loads_with_plain_transformers_and_gives_the_trained_logits(reference, tmp_path):
     out, _ = reference
-    export = out / "hf"
+    export = export_of(out)
     assert (export / "config.json").is_file() and "moe_ep" not in (export / "config.json").read_text()
     logits_file = tmp_path / "logits.pt"
     clean_env = {k: v for k, v in env().items() if k != "PYTHONPATH"}
@@ -209,7 +248,7 @@ def test_pretrained_weights_read_by_slice_on_two_ranks_match_one_process(referen
     process reading it whole."""
     from safetensors.torch import load_file
 
-    export = reference[0] / "hf"
+    export = export_of(reference[0])
     pretrained = ["--model", str(export), "--tokenizer", "byte", "--steps", "2", "--warmup-steps", "1",
                   "--checkpoint-every", "0"]
     log = run(torchrun_cmd(tmp_path / "two", *pretrained))
@@ -275,7 +314,7 @@ def records(out: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")
-    log = run(pipeline_cmd(out, "--export-dir", str(out / "hf")))
+    log = run(pipeline_cmd(out, "--export-dir", str(export_of(out))))
     return out, log
 
 
@@ -350,7 +389,7 @@ def test_pipeline_checkpoint_exports_to_a_plain_transformers_folder(pipeline_run
     out = pipeline_run[0]
     ckpt = out / "checkpoints" / f"step_{STEPS:08d}"
     assert export.main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
-    mine, at_end = load_file(tmp_path / "hf" / "model.safetensors"), load_file(out / "hf" / "model.safetensors")
+    mine, at_end = load_file(tmp_path / "hf" / "model.safetensors"), load_file(export_of(out) / "model.safetensors")
     assert mine.keys() == at_end.keys() and all(torch.equal(mine[k], at_end[k]) for k in mine)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     ids = torch.tensor([list(b"def train(model):\n    return model")])

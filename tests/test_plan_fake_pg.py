@@ -1,22 +1,21 @@
-"""Proof of the plan: full-size Mixtral-8x7B laid out as the planner chose for 16 nodes of 8
-A100-80GB on torch's fake process group at world size 128, one rank at a time in this process;
-the bytes each rank then holds must match the planner's figures within 2%: the parameter shards
-the layout leaves it, the gradients FSDP2 reduce-scatters to it after a forward and backward, and
-AdamW's state after a step.
+"""Proof of the plan at world size 128: full-size Mixtral-8x7B laid out as the planner chose for
+16 DGX A100 80 GB nodes (and two pipelined layouts, 1F1B and ZB-V) on torch's fake process group,
+one rank at a time in this process; what each rank then holds and every collective it issues must
+match the planner's figures: parameter shards, the gradients FSDP2 reduce-scatters to it after a
+forward and backward, AdamW's state after a step (within 2%), and the bytes of its all-gathers,
+reduce-scatters, all-reduces, all-to-alls and pipeline sends over one step (within 5%).
 
 The layout is applied by moe_ep.parallel.parallelize (pp = 1) or parallelize_pipeline (pp > 1)
-to the model built on the meta device, with the mixed precision the planner assumes (bf16
-compute, fp32 master weights and reduction). The shards are then materialised as fake tensors
-(FakeTensorMode: shapes, dtypes and devices, no storage), so the training step runs at full size
-in seconds and no memory, through FSDP2's own gathers, reductions and gradient sharding. Two
-stand-ins, for what fake tensors cannot run: the expert computation, because moe_ep's op reads
-expert ids and its dropless dispatch sizes the all-to-all from token counts (fake tensors hold no
-values), is replaced by every local expert applied to every token (the same parameters, so the
-same gradients' shapes); and the pipeline schedule, whose stages exchange activations (the fake
-group moves no data), by each stage of this rank running forward and backward on its own, which
-ends as the schedule does: FSDP2 reduces each stage's gradients once.
-
-Besides the chosen layout, a pipelined one (pp=4, 1F1B and ZB-V) is checked stage by stage.
+to the model built on the meta device, with the mixed precision the planner assumes; the shards
+are materialised as fake tensors (FakeTensorMode: shapes, dtypes and devices, no storage), so the
+training step runs at full size in seconds and no memory. The harness is moe_ep.bench.planner
+(``python -m moe_ep.bench planner`` prints the same figures); what it cannot run as is, it says:
+the experts' forward is a stand-in of the same parameters (their dropless dispatch sizes the
+exchange from token counts, which fake tensors do not hold), so the expert all-to-all is measured
+apart through moe_ep's own dispatcher at full shape (:func:`test_dispatcher_all_to_all_bytes`);
+and a pipeline's stages run on their own, their sends read off each stage's output and input
+gradient. Without pipeline stages every micro-batch issues the same FSDP collectives (checked on
+a small model), so one micro-batch is run and a step is that times the micro-batches.
 
 Which ranks: of each pipeline rank's group of ranks, the first and the last; together they bound
 all 128. A rank ``((p x dp_replicate) + r) x dp_shard + i`` (ep innermost, i = edp index x ep +
@@ -24,117 +23,29 @@ ep index, as moe_ep.parallel.mesh builds it) holds the modules of pipeline rank 
 their parameters one shard: FSDP2 takes its shard as piece number i (dense, over dp_shard) or
 i // ep (experts, over edp, after an equal E / ep slice per ep rank) of ``torch.chunk`` along the
 shard dimension, and those pieces never grow with their number. The replica index r changes no
-shape. So within a pipeline rank the bytes of parameters, gradients (the same sharding) and AdamW
-state (zeros_like the parameters) never increase with i: the first rank of the group (i = 0)
-holds the most, the last (i = dp_shard - 1) the least, and each rank between them lies between,
-within 2% of the planner's figure when both are. (One rank takes about 4 s here on a shared core;
-128 would take minutes.)"""
+shape. So within a pipeline rank the bytes of parameters, gradients and AdamW state never
+increase with i: the first rank of the group holds the most, the last the least, and each rank
+between them lies between."""
 
 from __future__ import annotations
 
-import contextlib
-import types
-
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from moe_ep.bench.planner import (
+    CollectiveRecorder, dispatcher_checks, fake_step_checks, fake_train_step, held_bytes,
+)
+from moe_ep.bench.planner import fake_rank as _fake_rank
+from moe_ep.planner import Layout, plan
 
 WORLD = 128
-CLUSTER = dict(nodes=16, gpus_per_node=8, gpu_memory_gib=80)
-TOLERANCE = 0.02
-TOKENS = 2  # one sequence of two tokens: the bytes held do not depend on the batch
+CLUSTER = dict(nodes=16, cluster="dgx-a100-80gb")
+HELD_TOLERANCE = 0.02
+MODELLED_KINDS = {"all-gather", "reduce-scatter", "all-reduce", "all-to-all"}
 
 
-@contextlib.contextmanager
 def fake_rank(rank: int, world_size: int = WORLD):
-    """This process as ``rank`` of torch's fake process group: collectives return at once and
-    move nothing, so layouts of any world size can be applied in one process."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def _local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.numel() * local.element_size()
-
-
-def _apply_plan(best):
-    """The meta model with ``best``'s layout applied on this rank: (modules to run, pipeline rank)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from transformers import MixtralForCausalLM
-
-    from moe_ep.hf import patch
-    from moe_ep.parallel import parallelize
-    from moe_ep.parallel.pipeline import parallelize_pipeline
-    from moe_ep.planner import config_from_name
-
-    lay = best.layout
-    with torch.device("meta"):
-        model = MixtralForCausalLM(config_from_name("mixtral-8x7b"))
-    patch(model, fused_router=False)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    common = dict(ep=lay.ep, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, mixed_precision=policy,
-                  activation_checkpointing=lay.checkpointing)
-    if lay.pp == 1:
-        parallelize(model, **common)
-        return [model], 0
-    stages = parallelize_pipeline(model, pp=lay.pp, schedule=lay.schedule, microbatches=lay.microbatches,
-                                  split_points=best.split_points, **common)
-    return stages.modules, stages.pp_rank
-
-
-def _every_local_expert(self, x_TH, idx_TK, w_TK):
-    """Stand-in for the experts' forward: this rank's experts on every token, scaled by the
-    token's routing weights. Static shapes, and every expert weight gets a gradient."""
-    gate_up_E2IH, down_EHI = (
-        w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj)
-    )
-    gate_ETI, up_ETI = torch.einsum("th,eih->eti", x_TH, gate_up_E2IH).chunk(2, dim=-1)
-    y_TH = torch.einsum("eti,ehi->th", torch.nn.functional.silu(gate_ETI) * up_ETI, down_EHI)
-    return y_TH * w_TK.sum(-1, keepdim=True).to(y_TH.dtype)
-
-
-def _train_step(modules, hidden_size: int):
-    """Forward and backward of each module on ``TOKENS`` tokens, then an AdamW step; returns
-    the parameters and the optimizer (fake tensors)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from moe_ep.parallel.expert_sharding import experts_modules
-
-    for module in modules:
-        for _, experts in experts_modules(module):
-            experts.forward = types.MethodType(_every_local_expert, experts)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        for module in modules:
-            module.to_empty(device="cpu")
-        for module in modules:
-            if getattr(module, "first", True):  # the whole model, or a pipeline's first stage
-                inputs = torch.randint(0, 100, (1, TOKENS))
-            else:
-                inputs = torch.randn(1, TOKENS, hidden_size, requires_grad=True)
-            out = module(inputs)
-            logits = out.logits if hasattr(out, "logits") else out
-            logits.float().sum().backward()
-        params = list({id(p): p for module in modules for p in module.parameters()}.values())
-        optimizer = torch.optim.AdamW(params, lr=1e-4)
-        optimizer.step()
-    return params, optimizer
-
-
-def _held_bytes(params, optimizer):
-    """(parameters, gradients, optimizer state) bytes this rank holds."""
-    missing = [i for i, p in enumerate(params) if p.grad is None]
-    assert not missing, f"{len(missing)} parameters got no gradient from the backward"
-    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    assert len(state) == 2 * len(params)  # AdamW's two moments per parameter
-    return (sum(_local_bytes(p) for p in params), sum(_local_bytes(p.grad) for p in params),
-            sum(_local_bytes(v) for v in state))
+    return _fake_rank(rank, world_size)
 
 
 def _bounding_ranks(pp: int) -> list[int]:
@@ -143,35 +54,93 @@ def _bounding_ranks(pp: int) -> list[int]:
     return sorted({rank for p in range(pp) for rank in (p * group, (p + 1) * group - 1)})
 
 
-def _check_ranks(best, ranks):
+def _check(best):
     lay = best.layout
-    for rank in ranks:
-        with fake_rank(rank):
-            modules, pp_rank = _apply_plan(best)
-            assert pp_rank == rank // (WORLD // lay.pp)
-            params, optimizer = _train_step(modules, 4096)
-            assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in params)
-            held = _held_bytes(params, optimizer)
-        table = best.memory_per_rank[pp_rank]
-        for name, got, want in zip(("parameters", "gradients", "optimizer state"), held,
+    ranks = _bounding_ranks(lay.pp)
+    steps, checks = fake_step_checks(best, ranks, world_size=WORLD, collectives_on=(ranks[0], ranks[-1]))
+    for rank, step in steps:
+        assert step.pp_rank == rank // (WORLD // lay.pp)
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in step.params)
+        unknown = {kind for kind, _ in step.collectives.calls} - MODELLED_KINDS
+        assert not unknown, f"rank {rank} issued collectives the planner does not model: {unknown}"
+        table = best.memory_per_rank[step.pp_rank]
+        for name, got, want in zip(("parameters", "gradients", "optimizer state"), held_bytes(step),
                                    (table.params, table.grads, table.optim)):
-            assert abs(got - want) <= TOLERANCE * want, (
+            assert abs(got - want) <= HELD_TOLERANCE * want, (
                 f"rank {rank} ({lay.short()}): {name} {got / 2**30:.3f} GiB held, planner says {want / 2**30:.3f} GiB"
             )
+    assert {c.check.split(" over")[0] for c in checks} >= {"all-gather", "reduce-scatter"}
+    for c in checks:
+        assert c.ok, f"{c.case}: {c.check}: measured {c.measured / 2**30:.3f} GiB, planner {c.modelled / 2**30:.3f} GiB"
+    return checks
 
 
-def test_chosen_plan_for_mixtral_on_128_a100_matches_bytes_held():
-    from moe_ep.planner import plan
-
+@pytest.fixture(scope="module")
+def chosen():
     best = plan("mixtral-8x7b", **CLUSTER).best
     assert best.fits
-    _check_ranks(best, _bounding_ranks(best.layout.pp))
+    return best
+
+
+def test_chosen_plan_for_mixtral_on_128_a100_matches_bytes_held_and_collectives(chosen):
+    _check(chosen)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_pipelined_plan_matches_bytes_held_on_every_stage(schedule):
-    from moe_ep.planner import plan
-
+def test_pipelined_plan_matches_bytes_held_and_collectives_on_every_stage(schedule):
     best = plan("mixtral-8x7b", pp=4, schedule=schedule, ep=8, dp_shard=32, checkpointing=True, **CLUSTER).best
     assert best.layout.pp == 4
-    _check_ranks(best, _bounding_ranks(4))
+    checks = _check(best)
+    assert any(c.check.startswith("pipeline send") for c in checks)
+
+
+def test_dispatcher_all_to_all_bytes(chosen):
+    # The chosen layout, and ep=4 with checkpointing: rows carrying two experts (with their routing
+    # columns) and the recompute's second forward.
+    for layout in (chosen.layout, Layout(1, 1, 128, 4, 1, 8, "none", True)):
+        for c in dispatcher_checks(layout, world_size=WORLD):
+            assert c.ok, f"{c.case}: measured {c.measured / 2**30:.3f} GiB, planner {c.modelled / 2**30:.3f} GiB"
+
+
+def test_fsdp_collectives_repeat_every_microbatch():
+    # Without pipeline stages FSDP2 gathers and reduces every micro-batch alike, so a step's
+    # collectives are one micro-batch's times the micro-batches (what the checks above assume).
+    from hf_models import tiny_config
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from transformers import AutoModelForCausalLM
+
+    from moe_ep.hf import patch
+    from moe_ep.parallel import parallelize
+
+    recorded = []
+    for microbatches in (1, 3):
+        with fake_rank(0, 8):
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(tiny_config("mixtral", num_hidden_layers=3))
+            patch(model, fused_router=False)
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            parallelize(model, ep=2, dp_shard=8, mixed_precision=policy)
+            step = fake_train_step([model], microbatches=microbatches, tokens=4, hidden_size=32)
+        recorded.append(step.collectives)
+    one, three = recorded
+    assert one.bytes and {k: 3 * v for k, v in one.bytes.items()} == three.bytes
+    assert {k: 3 * v for k, v in one.calls.items()} == three.calls
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch 2.13 renames the tensor collectives
+def test_recorder_counts_what_each_collective_moves():
+    # The recorder's conventions, on the fake group: an all-gather's output, a reduce-scatter's
+    # input, an all-reduce's tensor, and what an all-to-all sends to the other ranks.
+    import torch.distributed as dist
+
+    with fake_rank(1, 4):
+        with CollectiveRecorder(mirror=True) as rec:
+            shard = torch.ones(3)
+            dist.all_gather_into_tensor(torch.empty(12), shard)
+            dist.reduce_scatter_tensor(torch.empty(3), torch.ones(12))
+            dist.all_reduce(torch.ones(5))
+            out, rows = torch.empty(10, 2), torch.arange(20.0).view(10, 2)
+            dist.all_to_all_single(out, rows, output_split_sizes=[1, 2, 3, 4], input_split_sizes=[1, 2, 3, 4])
+    assert rec.bytes == {("all-gather", 4): 48, ("reduce-scatter", 4): 48, ("all-reduce", 4): 20,
+                         ("all-to-all", 4): 8 * 8}  # rank 1 keeps its own 2 rows of 10
+    assert torch.equal(out, rows)  # mirrored: every rank receives what it sends

@@ -1,21 +1,34 @@
-"""Sharded checkpoints (torch.distributed.checkpoint) that a killed run can always resume from.
+"""Sharded checkpoints (torch.distributed.checkpoint) that a killed run can always resume from, and
+whose damage is found before anything is loaded.
 
-A checkpoint is written into ``checkpoints/.tmp-step_XXXXXXXX`` by every rank, and only once all
-ranks have finished (DCP's metadata, each rank's RNG state, the trainer state) does rank 0 rename it
-to ``checkpoints/step_XXXXXXXX``. A rename within one folder is atomic, so a folder with the final
-name is always complete, and a run killed mid-write leaves only a ``.tmp-`` folder, which is never
-read and is removed by the next run. Deletion is the same in reverse: a checkpoint that is replaced
-or pruned is first renamed to ``.trash-step_XXXXXXXX``, then deleted, so a run killed mid-delete
-never leaves a partly deleted folder under a final name. The output folder must be shared by all
-nodes.
+A checkpoint is written into ``checkpoints/.tmp-step_XXXXXXXX`` by every rank: DCP's shards and
+metadata, each rank's RNG state, then the trainer state and config, and last a manifest of every
+file with its size and SHA-256 (the ranks share the hashing), written atomically. Only then does
+rank 0 rename the folder to ``checkpoints/step_XXXXXXXX``. A rename within one folder is atomic,
+so a folder with the final name is always complete, and a run killed mid-write leaves only a
+``.tmp-`` folder, which is never read and is removed by the next run. Deletion is the same in
+reverse: a checkpoint that is replaced or pruned is first renamed to ``.trash-step_XXXXXXXX``,
+then deleted, so a run killed mid-delete never leaves a partly deleted folder under a final name.
+Older checkpoints are pruned only once the new one is complete, its manifest made from the files
+read back; weights or optimizer state that are not finite are never written. The output folder
+must be shared by all nodes; ``checkpoints/`` carries the run's marker (ownership.py), and nothing
+outside a folder so marked is ever deleted.
 
-Test hook: with ``MIXTRAL_EXAMPLE_TEST_PAUSE_IN_CHECKPOINT=N`` in the environment, every rank stops
-inside the save of step N once its shards and RNG state are in the ``.tmp-`` folder, touches
-``paused-rankR`` there and sleeps, so that a test can kill the run mid-write deterministically.
+Resuming checks a checkpoint in two steps: before start-up every rank reads its manifest, the
+files' sizes and the checksums of the small files (quick_problems); after start-up the ranks
+verify the shards' checksums together and agree on the verdict (integrity.verify).
+
+Test hooks (environment variables):
+``MIXTRAL_EXAMPLE_TEST_PAUSE_IN_CHECKPOINT=N``: every rank stops inside the save of step N once its
+shards and RNG state are in the ``.tmp-`` folder, touches ``paused-rankR`` there and waits until
+that file is deleted, so that a test can kill the run mid-write, or let it go on, deterministically.
+``MIXTRAL_EXAMPLE_TEST_DISK_FULL=N:R``: in the save of step N, rank R's DCP shard file is a link to
+``/dev/full``, so its write fails as on a full disk (ENOSPC from the kernel).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -29,15 +42,19 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from errors import UsageError
+from errors import RunError, UsageError, write_failure
+from integrity import MANIFEST, gather, local_problems, shared_digests, verify, write_manifest
+from ownership import TRASH_PREFIX, delete_atomically, fsync_dir, make_managed_dir, ours
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 TMP_PREFIX = ".tmp-"
-TRASH_PREFIX = ".trash-"
 TRAINER_STATE = "trainer_state.json"
+SHARD_SUFFIX = ".distcp"
 PAUSE_HOOK = "MIXTRAL_EXAMPLE_TEST_PAUSE_IN_CHECKPOINT"  # see the module's docstring
+DISK_FULL_HOOK = "MIXTRAL_EXAMPLE_TEST_DISK_FULL"
 # Optimizer state and hyper-parameters keyed by parameter name (state.<fqn>.exp_avg,
 # param_groups.<fqn>.lr), not by position in the param groups: the ranks of different pipeline
 # stages hold different groups, and a checkpoint then loads under any other layout.
@@ -57,20 +74,26 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.match(path.name)[1])
+
+
 def is_complete(path: Path) -> bool:
-    return (
-        STEP_DIR.match(path.name) is not None
-        and (path / ".metadata").is_file()
-        and (path / TRAINER_STATE).is_file()
-    )
+    """Named as a checkpoint and holding the manifest that is written last."""
+    return STEP_DIR.match(path.name) is not None and (path / MANIFEST).is_file()
+
+
+def step_folders(root: Path) -> list[Path]:
+    """Folders named as checkpoints under ``root``, complete or not, oldest first; ``.tmp-`` and
+    ``.trash-`` folders never count."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)), key=step_of)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first; ``.tmp-`` folders never count."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name)[1]))
+    """Complete checkpoints under ``root``, oldest first."""
+    return [p for p in step_folders(root) if is_complete(p)]
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -78,36 +101,21 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def quick_problems(path: Path) -> list[str]:
+    """What each rank can check alone before start-up: the manifest, every file's size, and the
+    checksums of all files but the (large) DCP shards."""
+    return local_problems(path, hash_if=lambda name: not name.endswith(SHARD_SUFFIX))
+
+
 def remove_incomplete(root: Path) -> list[Path]:
-    """Delete the leftovers of interrupted writes and deletions (rank 0 only). Returns what it
-    removed."""
-    if not root.is_dir():
+    """Delete the leftovers of interrupted writes and deletions (rank 0 only), in a checkpoints
+    folder that is the run's own. Returns what it removed."""
+    if not root.is_dir() or not ours(root, "checkpoints"):
         return []
     stale = sorted(p for p in root.iterdir() if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
     for path in stale:
         shutil.rmtree(path)
     return stale
-
-
-def delete_atomically(path: Path) -> None:
-    """Rename ``path`` to a ``.trash-`` name beside it (atomic), then delete it: whenever the
-    deletion stops, nothing is left under the old name."""
-    trash = path.with_name(TRASH_PREFIX + path.name)
-    if trash.exists():  # left by an earlier interrupted deletion
-        shutil.rmtree(trash)
-    os.rename(path, trash)
-    _fsync_dir(path.parent)
-    shutil.rmtree(trash)
-
-
-def clear_run(output_dir: Path) -> None:
-    """What --overwrite deletes: checkpoints, metrics and TensorBoard logs (the token cache stays)."""
-    for path in (output_dir / "checkpoints", output_dir / "tensorboard"):
-        if path.exists():
-            delete_atomically(path)
-    for leftover in output_dir.glob(TRASH_PREFIX + "*"):
-        shutil.rmtree(leftover)
-    (output_dir / "metrics.jsonl").unlink(missing_ok=True)
 
 
 def rng_state() -> dict:
@@ -125,89 +133,207 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def write_file(path: Path, data: bytes) -> None:
+    """Write and flush to disk; an error names the file and its cause (a full disk included)."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise RunError(write_failure(path, err)) from None
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def first_non_finite(model, optimizer) -> str | None:
+    """The first parameter or optimizer state of this rank holding a NaN or an infinity, or None."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    named = [(n, local_tensor(p)) for n, p in model.named_parameters()]
+    for p, state in optimizer.state.items():
+        named += [(f"{key} of {names.get(id(p), '?')}", local_tensor(v)) for key, v in state.items()
+                  if torch.is_tensor(v) and v.is_floating_point()]
+    named = [(n, t) for n, t in named if t.numel()]
+    if not named:
+        return None
+    # host sync: once per checkpoint.
+    bad = torch.stack([~torch.isfinite(t).all() for _, t in named]).cpu().tolist()
+    return next((n for (n, _), b in zip(named, bad) if b), None)
+
+
+def dcp_failure(action: str, folder: Path, err: CheckpointException) -> str:
+    """One line for DCP's error, which carries every failing rank's exception."""
+    causes = []
+    for rank, (exc, _trace) in sorted(err.failures.items()):
+        cause = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+        causes.append(f"rank {rank}: {cause}")
+    return f"cannot {action} {folder}: {'; '.join(causes)}"
+
+
+def disk_full_hook(tmp: Path, step: int, rank: int) -> None:
+    if os.environ.get(DISK_FULL_HOOK) == f"{step}:{rank}":
+        # DCP names a rank's first shard __<rank>_0.distcp; a write through this link gets ENOSPC.
+        os.symlink("/dev/full", tmp / f"__{rank}_0{SHARD_SUFFIX}")
+
+
+def pause_hook(tmp: Path, step: int, rank: int) -> None:
+    if os.environ.get(PAUSE_HOOK) == str(step):
+        paused = tmp / f"paused-rank{rank:05d}"
+        paused.touch()
+        deadline = time.monotonic() + 3600
+        while paused.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict, *, rank: int, barrier,
                     keep: int, config=None) -> Path:
     """Collective: every rank calls it with what it trains (the model, or its pipeline stages
-    under the model's names, layout.rank_view). Returns the final folder."""
+    under the model's names, layout.rank_view). Returns the final folder. Raises RunError, on every
+    rank where the failure is known to all (``agreed``), with nothing of the previous checkpoints
+    touched."""
     final, tmp = step_dir(root, step), root / f"{TMP_PREFIX}step_{step:08d}"
+    previous = latest_checkpoint(root)
+    kept = f"{previous} is intact" if previous is not None else "no earlier checkpoint exists"
+    bad = [f"{name} on rank {r}" for r, name in enumerate(gather(first_non_finite(model, optimizer))) if name]
+    if bad:
+        raise RunError(f"step {step}: the weights hold NaN or infinite values ({bad[0]}); not checkpointed, "
+                       f"{kept}", agreed=True)
     if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        make_managed_dir(root, "checkpoints")
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as err:
+            raise RunError(f"{write_failure(tmp, err)}; {kept}") from None
     barrier()
+    disk_full_hook(tmp, step, rank)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
-    with quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save(rng_state(), rng_file(tmp, rank))
-    if os.environ.get(PAUSE_HOOK) == str(step):
-        (tmp / f"paused-rank{rank:05d}").touch()
-        time.sleep(3600)
+    try:
+        with quiet_single_process():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    except CheckpointException as err:
+        raise RunError(f"{dcp_failure('write the checkpoint', tmp, err)}; {kept}", agreed=True) from None
+    buffer = io.BytesIO()
+    torch.save(rng_state(), buffer)
+    write_file(rng_file(tmp, rank), buffer.getvalue())
+    pause_hook(tmp, step, rank)
     barrier()
     if rank == 0:
-        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+        write_file(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1).encode())
         if config is not None:
-            config.save_pretrained(tmp)
-        _fsync_dir(tmp)
+            try:
+                config.save_pretrained(tmp)
+            except OSError as err:
+                raise RunError(f"{write_failure(tmp / 'config.json', err)}; {kept}") from None
+    barrier()
+    # The files as rank 0 lists them, read back and hashed by all ranks.
+    names = gather(sorted(p.name for p in tmp.iterdir()) if rank == 0 else None)[0]
+    files = shared_digests(tmp, names)
+    unreadable = [f"{name} {why}" for name, why in files.items() if isinstance(why, str)]
+    if unreadable:
+        raise RunError(f"cannot read back {tmp}: {', '.join(unreadable)}; {kept}", agreed=True)
+    if rank == 0:
+        try:
+            write_manifest(tmp, files, step=step)
+            fsync_dir(tmp)
+        except OSError as err:
+            raise RunError(f"{write_failure(tmp / MANIFEST, err)}; {kept}") from None
         trash = None
         if final.exists():
-            # A complete checkpoint of this step exists (a resumed run re-saving it): moved aside
-            # whole, and deleted only once the new one holds the name.
+            # A checkpoint of this step exists (a resumed run re-saving it): moved aside whole,
+            # and deleted only once the new one holds the name.
             trash = root / f"{TRASH_PREFIX}{final.name}"
             if trash.exists():
                 shutil.rmtree(trash)
             os.rename(final, trash)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         if trash is not None:
             shutil.rmtree(trash)
-        for old in complete_checkpoints(root)[:-keep]:
+        # The new checkpoint is complete: only now may older ones go, never the new one.
+        others = [p for p in complete_checkpoints(root) if p != final]
+        for old in others[:max(0, len(others) - (keep - 1))]:
             delete_atomically(old)
     barrier()
     return final
 
 
 def read_trainer_state(path: Path) -> dict:
-    if not is_complete(path):
-        raise UsageError(f"--resume: {path} is not a complete checkpoint (no .metadata or {TRAINER_STATE})")
-    return json.loads((path / TRAINER_STATE).read_text())
+    try:
+        state = json.loads((path / TRAINER_STATE).read_text())
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--resume: {path / TRAINER_STATE} is unreadable ({err}); the checkpoint is damaged") from None
+    if not isinstance(state, dict) or not {"step", "world_size", "data"} <= set(state):
+        raise UsageError(f"--resume: {path / TRAINER_STATE} is not a trainer state of this example")
+    return state
 
 
 def rng_file(path: Path, rank: int) -> Path:
     return path / f"rng-rank{rank:05d}.pt"
 
 
-def check_rng_files(path: Path, world_size: int) -> None:
-    """At the world size that saved it, a checkpoint resumes every rank's RNG streams (what makes a
-    resumed run bit-identical), so each rank's file must be there; at another world size the ranks'
-    streams have no counterpart and none is read."""
-    trainer_state = read_trainer_state(path)
-    if trainer_state["world_size"] != world_size:
-        return
-    missing = [rng_file(path, r).name for r in range(world_size) if not rng_file(path, r).is_file()]
-    if missing:
-        raise UsageError(f"--resume: {path} was saved by {world_size} ranks but lacks {', '.join(missing)}; the "
-                         "checkpoint is damaged: resume an earlier one (--resume PATH) or pass --overwrite")
-
-
 def load_checkpoint(path: Path, model, optimizer, *, rank: int, world_size: int) -> dict:
     """Collective: load model and optimizer shards (DCP reshards if the layout changed) and, at the
-    world size that saved it, this rank's RNG state. Returns the trainer state."""
-    check_rng_files(path, world_size)
+    world size that saved it, this rank's RNG state (what makes a resumed run bit-identical; at
+    another world size the ranks' streams have no counterpart). Returns the trainer state. The
+    caller verified the checkpoint first (integrity.verify)."""
     trainer_state = read_trainer_state(path)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     state = {"model": model_sd, "optim": optim_sd}
-    with quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path))
+    try:
+        with quiet_single_process():
+            dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as err:
+        raise RunError(dcp_failure("load the checkpoint", path, err), agreed=True) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=STATE_DICT_OPTIONS)
     if trainer_state["world_size"] == world_size:
         set_rng_state(torch.load(rng_file(path, rank), weights_only=False))
     return trainer_state
+
+
+def damage_report(path: Path, problems: list[str]) -> str:
+    return f"the checkpoint {path} is damaged: {'; '.join(problems)}"
+
+
+def resume_candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
+    """Before start-up (each rank alone, quick_problems): the checkpoints to try, newest first,
+    and a warning for each one skipped. ``resume``: ``auto`` (every checkpoint of ``root``; the
+    damaged ones are skipped, but not all of them) or a checkpoint folder, which must be intact."""
+    if resume != "auto":
+        problems = quick_problems(Path(resume))
+        if problems:
+            raise UsageError(f"--resume: {damage_report(Path(resume), problems)}; resume another checkpoint "
+                             "(--resume PATH, or auto for the newest intact one)")
+        return [Path(resume)], []
+    good, skipped = [], []
+    for path in reversed(step_folders(root)):
+        problems = quick_problems(path)
+        if problems:
+            skipped.append(damage_report(path, problems))
+        else:
+            good.append(path)
+    if skipped and not good:
+        raise UsageError(f"--resume auto: every checkpoint in {root} is damaged ({'; '.join(skipped)}); start afresh "
+                         "with --overwrite (which deletes them) or choose another --output-dir")
+    return good, [f"--resume auto: skipping {s}" for s in skipped]
+
+
+def verified_resume(candidates: list[Path], *, explicit: bool, warn) -> Path | None:
+    """Collective: the first of ``candidates`` whose every file matches its checksum, the ranks
+    sharing the hashing and agreeing on the verdict; a damaged one is skipped with a warning,
+    unless it was named by ``--resume PATH`` (``explicit``), which stops every rank."""
+    for path in candidates:
+        problems = verify(path)
+        if not problems:
+            return path
+        if explicit:
+            raise UsageError(f"--resume: {damage_report(path, problems)}; resume another checkpoint", agreed=True)
+        warn(f"--resume auto: skipping {damage_report(path, problems)}")
+    if candidates:
+        raise UsageError(f"--resume auto: every checkpoint in {candidates[0].parent} is damaged; start afresh with "
+                         "--overwrite (which deletes them) or choose another --output-dir", agreed=True)
+    return None

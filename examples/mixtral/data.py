@@ -25,7 +25,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from errors import UsageError
+from errors import RunError, UsageError, write_failure
+from integrity import digest, local_problems, write_manifest
+from ownership import make_managed_dir
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
 JSONL_SUFFIXES = (".jsonl",)
@@ -225,17 +227,36 @@ def token_cache_file(spec: DataSpec, tokenizer, cache_dir: Path, max_tokens: int
     return cache_dir / f"tokens-{corpus_key(spec, tokenizer, max_tokens)}.npy"
 
 
-def cached_tokens(spec: DataSpec, tokenizer, path: Path, *, is_local_main: bool, barrier,
+def cache_manifest(path: Path) -> str:
+    """The name of the manifest of the token cache file ``path`` (beside it)."""
+    return path.name.removesuffix(".npy") + ".manifest.json"
+
+
+def token_cache_problems(path: Path) -> list[str]:
+    """What is wrong with an existing token cache file: its manifest (written after it), its size
+    and its checksum (empty: intact)."""
+    return local_problems(path.parent, manifest=cache_manifest(path))
+
+
+def cached_tokens(spec: DataSpec, tokenizer, path: Path, *, is_local_main: bool, barrier, intact: bool,
                   max_tokens: int | None = None) -> np.ndarray:
-    """Tokenize once per node into ``path`` (``token_cache_file``): the node's first process writes
-    it (to a temporary name, then an atomic rename, so a killed writer leaves nothing that looks
-    complete); the others wait at ``barrier`` and map the file read-only."""
-    if is_local_main and not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    """Tokenize once per node into ``path`` (``token_cache_file``) unless an ``intact`` cache is
+    there (checked before start-up, token_cache_problems): the node's first process writes it to a
+    temporary name, renames it (atomic) and writes its manifest last, so a killed writer leaves
+    nothing that passes the check; the others wait at ``barrier`` and map the file read-only."""
+    if is_local_main and not intact:
+        tokens = tokenize_corpus(spec, tokenizer, max_tokens)
+        folder = make_managed_dir(path.parent, "token_cache")
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            np.save(f, tokenize_corpus(spec, tokenizer, max_tokens))
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                np.save(f, tokens)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            write_manifest(folder, {path.name: digest(path)}, manifest=cache_manifest(path))
+        except OSError as err:
+            raise RunError(write_failure(path, err)) from None
     barrier()
     return np.load(path, mmap_mode="r")
 
@@ -277,15 +298,16 @@ def corpus_stats(tokens: np.ndarray) -> dict[str, int]:
     return {"corpus_tokens": int(tokens.size), "token_sum": int(tokens[:CHECKSUM_TOKENS].sum(dtype="int64"))}
 
 
-def survey_corpus(spec: DataSpec, tokenizer, cache_file: Path, max_tokens: int | None) -> dict[str, int] | None:
+def survey_corpus(spec: DataSpec, tokenizer, cache_file: Path | None, max_tokens: int | None) -> dict[str, int] | None:
     """The checks of the data that need its contents, run by every rank before start-up (nothing
     is written): every document of local files is read (strict UTF-8, every ``.jsonl`` line, the
     lines beyond ``--max-corpus-tokens`` too) and the first record of a Hugging Face dataset.
     Returns ``corpus_stats`` of the token stream the run will train on where that is known without
     tokenizing: from the token cache, which an earlier run wrote from these very files (so they
     are not read again), or counted for the byte tokenizer, whose tokens are the text's bytes.
-    None for a pretrained tokenizer without a cache, and for Hugging Face datasets (streamed)."""
-    if cache_file.is_file():
+    None for a pretrained tokenizer without a cache, and for Hugging Face datasets (streamed).
+    ``cache_file``: an intact token cache of these files, or None."""
+    if cache_file is not None:
         return corpus_stats(np.load(cache_file, mmap_mode="r"))
     if spec.hf_dataset:
         import datasets

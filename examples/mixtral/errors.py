@@ -1,6 +1,72 @@
-"""The one error type of the example that is the user's to fix (a flag, a file, a layout): train.py
-prints its message alone, without a traceback, and exits with status 2 before doing any work."""
+"""The errors of the example that train.py reports in one line, without a traceback.
+
+``UsageError``: the user's to fix (a flag, a file, a layout, a folder); exit status 2, before any
+work where it can be found then. ``RunError``: the run could not go on (an I/O error such as a full
+disk, a damaged checkpoint found after start-up, non-finite weights); exit status 1, the last
+complete checkpoint intact. ``agreed``: raised identically on every rank (after a collective
+verdict), so it is said once, by rank 0."""
+
+import os
+import shutil
+import sys
 
 
 class UsageError(Exception):
-    pass
+    def __init__(self, message: str, *, agreed: bool = False):
+        super().__init__(message)
+        self.agreed = agreed
+
+
+class RunError(Exception):
+    def __init__(self, message: str, *, agreed: bool = False):
+        super().__init__(message)
+        self.agreed = agreed
+
+
+def write_failure(path, err: BaseException) -> str:
+    """``cannot write PATH: CAUSE`` for an error raised while writing ``path``. torch.save reports a
+    full disk as ``unexpected pos N vs M``, so the free space is looked up when the cause is not an
+    errno."""
+    cause = getattr(err, "strerror", None)
+    if not cause:
+        cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+        try:
+            free = shutil.disk_usage(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))).free
+        except OSError:
+            free = None
+        if free is not None and free < 1 << 20:
+            cause = f"the file system is full ({free:,} bytes free; {cause})"
+    return f"cannot write {path}: {cause}"
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether a collective failed because a peer's connection went (gloo's words for a peer that
+    died or was killed)."""
+    return any(words in str(err) for words in ("Connection closed by peer", "Connection reset by peer"))
+
+
+def report_failure(err: BaseException, *, rank: int, world_size: int) -> int | None:
+    """Say why the run stopped, in one line, and return the exit status: 2 for a UsageError, 1 for
+    a RunError or a peer's failure, 130 for an interrupt. None for anything else (a bug, whose
+    traceback is the report). An ``agreed`` error (every check before start-up is one) is said by
+    rank 0, any other by the rank that raised it; a rank that stopped only because a peer failed
+    (moe_ep's fail_fast) leaves the saying to that peer, rank 0 naming it."""
+    from moe_ep.parallel import PeerFailure
+
+    own = err.__cause__ if isinstance(err, PeerFailure) and err.__cause__ is not None else err
+    if isinstance(own, KeyboardInterrupt):
+        if rank == 0:
+            print("interrupted: the last complete checkpoint is kept; run the same command to resume from it",
+                  file=sys.stderr, flush=True)
+        return 130
+    if isinstance(own, (UsageError, RunError)):
+        if world_size > 1 and not own.agreed:
+            print(f"error (rank {rank}): {own}", file=sys.stderr, flush=True)
+        elif rank == 0:
+            print(f"error: {own}", file=sys.stderr, flush=True)
+        return 2 if isinstance(own, UsageError) else 1
+    if isinstance(err, PeerFailure):
+        if rank == 0:
+            print(f"error (rank 0): {err}", file=sys.stderr, flush=True)
+        return 1
+    return None

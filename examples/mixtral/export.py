@@ -4,11 +4,16 @@
 
 The checkpoint's DCP shards hold Hugging Face parameter names with global shapes, so conversion is a
 single-process load into a model built from the checkpoint's config.json, then ``save_pretrained``.
-The written config names no moe_ep implementation: the folder needs nothing but transformers. The
-folder is never seen partly written: it is written under a temporary name, an existing folder of the
-same name is renamed aside, the new one renamed into place, and only then the old one deleted (a
-kill between the two renames leaves neither under the name, and ``.tmp-``/``.trash-`` folders beside
-it)."""
+The written config names no moe_ep implementation: the folder needs nothing but transformers.
+
+The checkpoint is verified against its manifest first (every file's size and checksum). The output
+goes to a new folder, an empty one, or one a previous export made (it carries the export's
+marker, ownership.py); never to the checkpoint, the run folder that holds it, a folder around or
+inside them, or any other folder with files in it. The folder is never seen partly written: it is
+written under ``.tmp-NAME`` (marked first), an earlier export of the same name is renamed aside to
+``.trash-NAME``, the new one renamed into place, and only then the old one deleted (a kill between
+the two renames leaves neither under the name, and the two marked folders beside it, which the
+next export removes)."""
 
 from __future__ import annotations
 
@@ -21,17 +26,48 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from checkpoint import is_complete, quiet_single_process
-from errors import UsageError
+from checkpoint import damage_report, is_complete, quiet_single_process
+from errors import RunError, UsageError, write_failure
+from integrity import local_problems
+from ownership import TRASH_PREFIX, check_export_target, mark
+
+CONFIG = "config.json"
+
+
+def protected_folders(checkpoint: Path) -> dict[str, Path]:
+    """What an export of ``checkpoint`` must stay out of: the checkpoint, and the run folder when it
+    sits in one (``RUN/checkpoints/step_N``, as train.py writes them)."""
+    protected = {"the checkpoint": checkpoint}
+    if checkpoint.parent.name == "checkpoints":
+        protected["the run folder"] = checkpoint.parent.parent
+    return protected
+
+
+def check_checkpoint(checkpoint: Path) -> None:
+    if not is_complete(checkpoint) or not (checkpoint / CONFIG).is_file():
+        raise UsageError(f"--checkpoint: {checkpoint} is not a complete checkpoint with a {CONFIG}")
+    problems = local_problems(checkpoint)
+    if problems:
+        raise UsageError(f"--checkpoint: {damage_report(checkpoint, problems)}")
+
+
+def load_config(checkpoint: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(checkpoint)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--checkpoint: {checkpoint / CONFIG} cannot be read as a model config "
+                         f"({str(err).splitlines()[0]})") from None
 
 
 def export_hf(checkpoint: Path, out_dir: Path, *, dtype: torch.dtype | None = None) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    if not is_complete(checkpoint) or not (checkpoint / "config.json").is_file():
-        raise UsageError(f"--checkpoint: {checkpoint} is not a complete checkpoint with a config.json")
-    config = AutoConfig.from_pretrained(checkpoint)
+    check_export_target(out_dir, protected_folders(checkpoint), "--out")
+    check_checkpoint(checkpoint)
+    config = load_config(checkpoint)
     # Built directly in the output dtype: DCP converts while it reads, so a bf16 export of a
     # 47B model needs ~94 GB of host memory, not the ~188 GB of an fp32 copy.
     with torch.device("meta"):
@@ -43,33 +79,37 @@ def export_hf(checkpoint: Path, out_dir: Path, *, dtype: torch.dtype | None = No
         dcp.load(state, checkpoint_id=str(checkpoint))
     # Saved checkpoints name transformers' default kernels; users pick moe_ep again when loading.
     model.config._experts_implementation = None
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp)
-    trash = out_dir.with_name(f".trash-{out_dir.name}")
-    if trash.exists():  # left by an earlier interrupted export
-        shutil.rmtree(trash)
-    if out_dir.exists():
-        os.rename(out_dir, trash)
-    os.rename(tmp, out_dir)
-    if trash.exists():
-        shutil.rmtree(trash)
+    tmp, trash = out_dir.with_name(f".tmp-{out_dir.name}"), out_dir.with_name(f"{TRASH_PREFIX}{out_dir.name}")
+    try:
+        for leftover in (tmp, trash):  # an earlier interrupted export's (check_export_target: ours)
+            if leftover.exists():
+                shutil.rmtree(leftover)
+        tmp.mkdir(parents=True)
+        mark(tmp, "export", checkpoint=str(checkpoint.resolve()))
+        model.save_pretrained(tmp)
+        if out_dir.exists():
+            os.rename(out_dir, trash)
+        os.rename(tmp, out_dir)
+        if trash.exists():
+            shutil.rmtree(trash)
+    except OSError as err:
+        raise RunError(write_failure(err.filename or tmp, err)) from None
     return out_dir
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, help="a checkpoints/step_XXXXXXXX folder")
-    p.add_argument("--out", required=True, help="the Hugging Face folder to write")
+    p.add_argument("--out", required=True,
+                   help="the Hugging Face folder to write: new, empty, or an earlier export (which is replaced)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="cast the weights (default: keep the training dtype, float32)")
     args = p.parse_args(argv)
     try:
         out = export_hf(Path(args.checkpoint), Path(args.out), dtype=getattr(torch, args.dtype) if args.dtype else None)
-    except UsageError as err:
+    except (UsageError, RunError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(err, UsageError) else 1
     print(f"exported {args.checkpoint} -> {out}")
     return 0
 

@@ -4,12 +4,16 @@ per-layer expert load; a progress bar, a JSON-lines log, optional TensorBoard, a
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from errors import RunError, write_failure
+from ownership import make_managed_dir
 
 # Peak dense bf16 tensor-core TFLOP/s by device name (vendor data sheets, without sparsity).
 PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800": 312.0, "L40S": 362.0,
@@ -109,8 +113,12 @@ class Reporter:
         self.jsonl = None
         if not enabled:
             return
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(output_dir / "metrics.jsonl", "a", buffering=1)
+        self.jsonl_path = output_dir / "metrics.jsonl"
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(self.jsonl_path, "a", buffering=1)
+        except OSError as err:
+            raise RunError(write_failure(self.jsonl_path, err)) from None
         if progress:
             from tqdm.auto import tqdm
 
@@ -118,7 +126,7 @@ class Reporter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+            self.tb = SummaryWriter(str(make_managed_dir(output_dir / "tensorboard", "tensorboard")))
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -128,13 +136,33 @@ class Reporter:
         else:
             print(message, flush=True)
 
+    def _write(self, record: dict) -> None:
+        try:
+            self.jsonl.write(json.dumps(record) + "\n")
+        except OSError as err:
+            raise RunError(write_failure(self.jsonl_path, err)) from None
+
+    def skipped(self, record: dict, max_consecutive: int) -> None:
+        """A step that TrainStep skipped (non-finite loss or gradient norm on some rank): one line
+        and a record with ``"skipped": true`` (non-finite values written as null)."""
+        if not self.enabled:
+            return
+        finite = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in record.items()}
+        self._write({**finite, "skipped": True})
+        stop = f" (the run stops at {max_consecutive})" if max_consecutive else ""
+        self.info(f"step {record['step']:>6} | skipped: loss {record['loss']:.4g}, grad_norm {record['grad_norm']:.4g} "
+                  f"(not finite on some rank); nothing applied | {record['consecutive_skips']} in a row{stop}, "
+                  f"{record['steps_skipped']} in all")
+        if self.bar is not None:
+            self.bar.update(record["step"] - self.bar.n)
+
     def step(self, record: dict, load_LE: torch.Tensor | None) -> None:
         if not self.enabled:
             return
         if load_LE is not None:
             record["expert_load_max_over_mean"] = [None if b is None else round(b, 4) for b in balance(load_LE)]
             record["expert_load"] = load_LE.tolist()
-        self.jsonl.write(json.dumps(record) + "\n")
+        self._write(record)
         # None: not computed (no load-balancing loss, --aux-loss-coef 0).
         aux = "n/a" if record["aux_loss"] is None else f"{record['aux_loss']:.4f}"
         z = "" if record.get("z_loss") is None else f" | z {record['z_loss']:.4f}"

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,10 +77,35 @@ def resolve_model(spec: str) -> ModelSource:
         raise UsageError(f"--model: {folder} has no *.safetensors weights (only safetensors checkpoints are read)")
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--model: {folder / 'config.json'} cannot be read as a model config "
+                         f"({str(err).splitlines()[0]})") from None
+    check_weight_files(folder)
     if not num_experts_in(config):
         raise UsageError(f"--model: {folder} is a {config.model_type} model, not a mixture of experts")
     return ModelSource(str(spec), config, folder, True)
+
+
+def check_weight_files(folder: Path) -> None:
+    """Every safetensors file's header (and the index, if any) parses: a damaged file is named
+    before any work. The tensors' bytes carry no checksum in this format; their header does say
+    each tensor's extent, which safetensors checks against the file's size."""
+    from safetensors import SafetensorError, safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            json.loads(index.read_text())["weight_map"].items()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise UsageError(f"--model: {index} is not a safetensors index ({err})") from None
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            raise UsageError(f"--model: {file} is not a readable safetensors file ({err})") from None
 
 
 def num_experts_in(config) -> int:

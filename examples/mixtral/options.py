@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 from pathlib import Path
 
 from errors import UsageError
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--beta1", type=float, default=0.9)
     o.add_argument("--beta2", type=float, default=0.95)
     o.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: no clipping)")
+    o.add_argument("--max-consecutive-skips", type=int, default=20,
+                   help="a step whose loss or gradient norm is not finite on any rank is skipped on every rank; stop "
+                        "the run after this many in a row (0: never stop)")
     o.add_argument("--aux-loss-coef", type=float, default=None,
                    help="load-balancing loss weight (default: the model config's router_aux_loss_coef)")
     o.add_argument("--aux-loss", default="local", choices=["local", "global"],
@@ -85,9 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--resume", default="auto",
                      help="auto (latest complete checkpoint in --output-dir, if any), never, or a checkpoint folder")
     out.add_argument("--overwrite", action="store_true",
-                     help="start afresh: delete the checkpoints, metrics and TensorBoard logs in --output-dir")
+                     help="start afresh: delete the run's checkpoints, metrics and TensorBoard logs in --output-dir "
+                          "(only what carries the run's marker; never while another job holds the folder)")
     out.add_argument("--export-dir", default=None,
-                     help="at the end, write a Hugging Face folder that plain transformers loads")
+                     help="at the end, write a Hugging Face folder that plain transformers loads: a new or empty "
+                          "folder, or an earlier export (replaced), outside --output-dir")
     out.add_argument("--step-timeout", type=float, default=1800.0,
                      help="seconds one step (with its checkpoint) may take before every rank stops with an error")
     out.add_argument("--log-every", type=int, default=1)
@@ -102,7 +108,8 @@ POSITIVE = ("ep", "dp_replicate", "pp", "seq_len", "micro_batch_size", "grad_acc
             "keep_checkpoints")
 LAYOUT_DEFAULTS = {"ep": 1, "dp_replicate": 1, "pp": 1, "dp_shard": None, "microbatches": None, "schedule": None,
                    "grad_accum": 1}
-NON_NEGATIVE = ("checkpoint_every", "warmup_steps", "weight_decay", "max_grad_norm", "z_loss_coef")
+NON_NEGATIVE = ("checkpoint_every", "warmup_steps", "weight_decay", "max_grad_norm", "z_loss_coef",
+                "max_consecutive_skips")
 # Families whose routers steer the top-k with a bias updated outside the gradient (DeepSeek-V3's
 # aux-loss-free balancing, at the rate of its report) instead of an auxiliary loss.
 BIAS_BALANCED_MODEL_TYPES = ("deepseek_v3",)
@@ -122,21 +129,18 @@ def check_flag_values(args: argparse.Namespace) -> None:
     for name in POSITIVE:
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in NON_NEGATIVE:
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("aux_loss_coef", "expert_bias_rate"):
+    # `not value >= 0` also refuses NaN, which every comparison calls false.
+    for name in (*NON_NEGATIVE, "aux_loss_coef", "expert_bias_rate"):
         value = getattr(args, name)
-        if value is not None and value < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if value is not None and not (0 <= value < math.inf):
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
     for name in ("dp_shard", "microbatches", "max_corpus_tokens", "global_batch_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if not args.step_timeout > 0:
-        raise UsageError(f"--step-timeout must be > 0, got {args.step_timeout}")
-    if not args.lr > 0:
-        raise UsageError(f"--lr must be > 0, got {args.lr}")
+    for name in ("step_timeout", "lr"):
+        if not 0 < getattr(args, name) < math.inf:
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(args, name)}")
     if not 0 <= args.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
     for name in ("beta1", "beta2"):
@@ -158,10 +162,8 @@ def check_flag_values(args: argparse.Namespace) -> None:
         raise UsageError(f"--overwrite starts afresh; it cannot be combined with --resume {args.resume}")
     if args.resume not in ("auto", "never") and not Path(args.resume).is_dir():
         raise UsageError(f"--resume: {args.resume} is not a checkpoint folder (or use auto / never)")
-    for name in ("output_dir", "export_dir"):
-        value = getattr(args, name)
-        if value is not None and Path(value).exists() and not Path(value).is_dir():
-            raise UsageError(f"--{name.replace('_', '-')}: {value} exists and is not a folder")
+    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise UsageError(f"--output-dir: {args.output_dir} exists and is not a folder")
 
 
 def check_against_model(args: argparse.Namespace, config, tokenizer) -> None:

@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
@@ -26,18 +26,18 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from moe_ep.parallel import fail_fast
+from moe_ep.parallel import PeerFailure, fail_fast
 from moe_ep.parallel.expert_sharding import experts_modules, num_experts_of
-from moe_ep.training import TrainStep
+from moe_ep.training import NonFiniteStepsError, TrainStep
 
 from checkpoint import (
-    check_rng_files,
-    clear_run,
-    latest_checkpoint,
     load_checkpoint,
     read_trainer_state,
     remove_incomplete,
+    resume_candidates,
     save_checkpoint,
+    step_folders,
+    verified_resume,
 )
 from data import (
     BatchSchedule,
@@ -52,8 +52,9 @@ from data import (
     resolve_data,
     survey_corpus,
     token_cache_file,
+    token_cache_problems,
 )
-from errors import UsageError
+from errors import RunError, UsageError, lost_peer, report_failure
 from layout import RunLayout, apply_layout, layout_from_flags, layout_from_plan, rank_view
 from metrics import ExpertLoad, Reporter, Throughput, flops_per_token, peak_flops, summary_lines
 from models import (
@@ -66,6 +67,7 @@ from models import (
     seed_everything,
 )
 from options import balancing, build_parser, check_against_model, check_flag_values
+from ownership import OutputLock, check_output_folders, clear_run, describe_holder, mark, marker_kind
 
 
 def lr_at(step: int, args) -> float:
@@ -84,13 +86,14 @@ def make_step(target, optimizer, args, layout, *, aux_coef: float, bias_rate: fl
     losses means over layers and micro-batches of each layer's loss (Megatron-Core's form;
     transformers' ``output_router_logits`` loss pools all layers' statistics instead, which a
     pipeline cannot do). ``layout.microbatches`` are the pipeline's micro-batches with ``pp > 1``
-    and the gradient-accumulation steps without."""
+    and the gradient-accumulation steps without. A step whose loss or gradient norm is not finite on
+    any rank is skipped on every rank; ``--max-consecutive-skips`` in a row stop the run (0: never)."""
     # Clipping to an infinite norm still measures it, for the log.
     return TrainStep(target, optimizer, microbatches=layout.microbatches, aux_loss_coef=aux_coef,
                      global_aux_loss=args.aux_loss == "global" and aux_coef > 0, z_loss_coef=args.z_loss_coef,
                      expert_bias_rate=bias_rate,
                      max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else math.inf,
-                     autocast_dtype=autocast_dtype)
+                     max_consecutive_skips=args.max_consecutive_skips or None, autocast_dtype=autocast_dtype)
 
 
 def prepare_model(args, source, layout, device, mp_dtype):
@@ -165,21 +168,20 @@ def mixed_precision_dtype() -> torch.dtype | None:
     raise UsageError(f"mixed precision {mode!r} is not supported; use bf16 (accelerate config mixed_precision)")
 
 
-def resume_target(args, ckpt_root: Path, world_size: int) -> Path | None:
+def resume_target(args, ckpt_root: Path) -> tuple[list[Path], list[str]]:
+    """The checkpoints to try resuming, newest first, and warnings for those skipped
+    (checkpoint.resume_candidates); none to start afresh."""
     if args.overwrite:
-        return None
+        return [], []
     if args.resume == "never":
-        found = latest_checkpoint(ckpt_root)
-        if found is not None:
+        found = step_folders(ckpt_root)
+        if found:
             raise UsageError(
-                f"--resume never, but {ckpt_root} holds checkpoints up to {found.name}; pass --overwrite to delete "
+                f"--resume never, but {ckpt_root} holds checkpoints up to {found[-1].name}; pass --overwrite to delete "
                 "them, or choose another --output-dir"
             )
-        return None
-    path = latest_checkpoint(ckpt_root) if args.resume == "auto" else Path(args.resume)
-    if path is not None:
-        check_rng_files(path, world_size)
-    return path
+        return [], []
+    return resume_candidates(args.resume, ckpt_root)
 
 
 def data_identity(args, layout, tokenizer, stats: dict[str, int] | None) -> dict:
@@ -216,10 +218,16 @@ class Checked(NamedTuple):
     chosen_plan: object | None  # moe_ep.planner's plan, with --plan
     data_spec: DataSpec
     mp_dtype: torch.dtype | None
+    # The checkpoint to resume (None: start afresh), then the older ones --resume auto falls back
+    # to should its shards not match their checksums.
     resume: Path | None
+    fallbacks: tuple[Path, ...]
     token_cache: Path
+    token_cache_intact: bool
     # data_identity, its corpus entries None where unknown before tokenizing.
     identity: dict
+    # Said by rank 0 at start-up: damaged checkpoints or token cache found and passed over.
+    warnings: tuple[str, ...]
 
 
 def validate(args) -> Checked:
@@ -239,23 +247,56 @@ def validate(args) -> Checked:
     data_spec = resolve_data(args.data, args.text_field)
     mp_dtype = mixed_precision_dtype()
     output_dir = Path(args.output_dir)
-    resume = resume_target(args, output_dir / "checkpoints", world_size)
-    # Last: the only check that reads the whole corpus.
+    check_output_folders(output_dir, None if args.export_dir is None else Path(args.export_dir),
+                         count_parameters(build_model(source, seed=args.seed, meta=True))[0])
+    candidates, warnings = resume_target(args, output_dir / "checkpoints")
+    # Last: the only checks that read the whole corpus (or its token cache).
     token_cache = token_cache_file(data_spec, tokenizer, output_dir / "token_cache", args.max_corpus_tokens)
-    stats = survey_corpus(data_spec, tokenizer, token_cache, args.max_corpus_tokens)
+    cache_problems = token_cache_problems(token_cache) if token_cache.exists() else None
+    if cache_problems:
+        warnings.append(f"the token cache {token_cache} is damaged ({'; '.join(cache_problems)}); tokenizing the data "
+                        "again")
+    intact = cache_problems == []
+    stats = survey_corpus(data_spec, tokenizer, token_cache if intact else None, args.max_corpus_tokens)
     if stats is not None:
         check_corpus_size(stats["corpus_tokens"], args.seq_len, layout.global_batch)
     identity = data_identity(args, layout, tokenizer, stats)
-    if resume is not None:
-        check_resume_data(resume, identity)
-    return Checked(world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype, resume, token_cache,
-                   identity)
+    if candidates:
+        check_resume_data(candidates[0], identity)
+    return Checked(world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype,
+                   candidates[0] if candidates else None, tuple(candidates[1:]), token_cache, intact, identity,
+                   tuple(warnings))
+
+
+@contextmanager
+def said_by_every_rank():
+    """Errors raised inside are raised identically on every rank (the same files, the same
+    collective verdicts): rank 0 says them, once."""
+    try:
+        yield
+    except (UsageError, RunError) as err:
+        err.agreed = True
+        raise
 
 
 def train(args) -> None:
     wall0 = time.perf_counter()
-    (world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype, resume, token_cache,
-     identity) = validate(args)
+    with said_by_every_rank():
+        checked = validate(args)
+    output_dir = Path(args.output_dir)
+    lock = OutputLock(output_dir)
+    # Rank 0 holds the folder for the job; the other ranks join that job through the process
+    # group, which forms only once rank 0 holds the lock (a refused rank 0 exits before it).
+    previous_holder = lock.acquire() if checked.rank == 0 else None
+    try:
+        run(args, checked, wall0, previous_holder)
+    finally:
+        lock.release()
+
+
+def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> None:
+    (world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype, resume, fallbacks, token_cache,
+     token_cache_intact, identity, warnings) = checked
 
     from accelerate import PartialState
 
@@ -268,15 +309,36 @@ def train(args) -> None:
     ckpt_root = output_dir / "checkpoints"
     seed_everything(args.seed)
 
+    def warn(message: str) -> None:
+        if is_main:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    for message in warnings:
+        warn(message)
+    if previous_holder is not None:
+        warn(f"{output_dir} was held by a job that ended without letting go of it ({describe_holder(previous_holder)}); "
+             "this job holds it now")
+    if is_main and marker_kind(output_dir) != "run":
+        mark(output_dir, "run")
+    with said_by_every_rank():
+        if resume is not None:
+            # Every shard's checksum, the ranks sharing the reading; damage found by any rank is
+            # known to all before anything is loaded.
+            resume = verified_resume([resume, *fallbacks], explicit=args.resume != "auto", warn=warn)
+            if resume != checked.resume:
+                check_resume_data(resume, identity)
+
     # Data: tokenized once per node, then every rank maps the same cache.
     tokens = cached_tokens(data_spec, tokenizer, token_cache, is_local_main=state.is_local_main_process,
-                           barrier=barrier, max_tokens=args.max_corpus_tokens)
-    if identity["corpus_tokens"] is None:
-        # A pretrained tokenizer or a streamed dataset: the token stream is known only now.
-        check_corpus_size(int(tokens.size), args.seq_len, layout.global_batch)
-        identity = data_identity(args, layout, tokenizer, corpus_stats(tokens))
-        if resume is not None:
-            check_resume_data(resume, identity)
+                           barrier=barrier, intact=token_cache_intact, max_tokens=args.max_corpus_tokens)
+    if identity != (known := data_identity(args, layout, tokenizer, corpus_stats(tokens))):
+        # A pretrained tokenizer or a streamed dataset (the token stream is known only now), or a
+        # token cache written again after damage: checked against the stream itself.
+        with said_by_every_rank():
+            check_corpus_size(int(tokens.size), args.seq_len, layout.global_batch)
+            identity = known
+            if resume is not None:
+                check_resume_data(resume, identity)
     packed = PackedSequences(tokens, args.seq_len)
     global_batch = layout.global_batch
     schedule = BatchSchedule(packed.num_sequences, global_batch, layout.dp_rank(rank), layout.dp, args.seed)
@@ -339,43 +401,70 @@ def train(args) -> None:
     train_step = make_step(target, optimizer, args, layout, aux_coef=aux_coef, bias_rate=bias_rate,
                            autocast_dtype=autocast_dtype)
     for step in range(start_step, args.steps):
-        with step_guard():
-            lr = lr_at(step, args)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            throughput.start()
-            batch = local_batch(packed, schedule, step).to(device)
-            train_step({"input_ids": batch})
-            tokens_seen += global_batch * args.seq_len
-            # The LM loss, then (with a load-balancing or z loss) the aux and z losses: means over the
-            # global batch, the same on every rank.
-            measured = [train_step.last_grad_norm, train_step.last_lm_loss]
-            if train_step.last_aux_loss is not None:
-                measured += [train_step.last_aux_loss, train_step.last_z_loss]
-            # host sync: once per step, for the log and the NaN check.
-            grad_norm, loss, *aux_z = torch.stack([t.to(device, torch.float32) for t in measured]).tolist()
-            aux_loss, z_loss = aux_z if aux_z else (None, None)
-            throughput.stop(global_batch * args.seq_len)
-            if not math.isfinite(loss):
-                raise RuntimeError(f"the loss is {loss} at step {step + 1}; lower --lr or check the data")
-            done = step + 1
-            losses.append((done, loss))
-            if done % args.log_every == 0 or done == args.steps:
-                tps, mfu = throughput.report()
-                reporter.step(
-                    {"step": done, "loss": loss, "aux_loss": aux_loss if aux_coef else None,
-                     "z_loss": z_loss if args.z_loss_coef else None, "grad_norm": grad_norm, "lr": lr,
-                     "tokens_per_s": tps, "mfu": mfu, "tokens": tokens_seen, "epoch": schedule.epoch(done)},
-                    expert_load.collect(),
-                )
-            if done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
-                trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
-                                 "layout": asdict(layout), "model": source.name, "data": identity}
-                last_ckpt = save_checkpoint(ckpt_root, done, module, optimizer, trainer_state, rank=rank,
-                                            barrier=barrier, keep=args.keep_checkpoints, config=module.config)
-                reporter.info(f"checkpoint {last_ckpt}")
+        try:
+            with step_guard():
+                lr = lr_at(step, args)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                throughput.start()
+                batch = local_batch(packed, schedule, step).to(device)
+                try:
+                    train_step({"input_ids": batch})
+                except NonFiniteStepsError as err:
+                    # Raised on every rank at the same step (their loss and norm are the global ones).
+                    raise RunError(f"step {step + 1}: {err}; stopped; "
+                                   + (f"the last complete checkpoint, {last_ckpt}, holds finite weights" if last_ckpt
+                                      else "no checkpoint was written yet"), agreed=True) from None
+                tokens_seen += global_batch * args.seq_len
+                # The LM loss, then (with a load-balancing or z loss) the aux and z losses: means over
+                # the global batch, the same on every rank.
+                measured = [train_step.last_grad_norm, train_step.last_lm_loss]
+                if train_step.last_aux_loss is not None:
+                    measured += [train_step.last_aux_loss, train_step.last_z_loss]
+                # host sync: once per step, for the log.
+                grad_norm, loss, *aux_z = torch.stack([t.to(device, torch.float32) for t in measured]).tolist()
+                aux_loss, z_loss = aux_z if aux_z else (None, None)
+                throughput.stop(global_batch * args.seq_len)
+                done = step + 1
+                if train_step.last_step_skipped:
+                    # Nothing was applied; said at once, whatever --log-every.
+                    reporter.skipped({"step": done, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                                      "consecutive_skips": train_step.consecutive_skips,
+                                      "steps_skipped": train_step.steps_skipped}, args.max_consecutive_skips)
+                else:
+                    losses.append((done, loss))
+                if not train_step.last_step_skipped and (done % args.log_every == 0 or done == args.steps):
+                    tps, mfu = throughput.report()
+                    reporter.step(
+                        {"step": done, "loss": loss, "aux_loss": aux_loss if aux_coef else None,
+                         "z_loss": z_loss if args.z_loss_coef else None, "grad_norm": grad_norm, "lr": lr,
+                         "tokens_per_s": tps, "mfu": mfu, "tokens": tokens_seen, "epoch": schedule.epoch(done),
+                         "steps_skipped": train_step.steps_skipped},
+                        expert_load.collect(),
+                    )
+                if done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
+                    trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
+                                     "layout": asdict(layout), "model": source.name, "data": identity}
+                    last_ckpt = save_checkpoint(ckpt_root, done, module, optimizer, trainer_state, rank=rank,
+                                                barrier=barrier, keep=args.keep_checkpoints, config=module.config)
+                    reporter.info(f"checkpoint {last_ckpt}")
+        except RuntimeError as err:
+            if isinstance(err, PeerFailure) or not lost_peer(err):
+                raise
+            raise RunError(f"step {step + 1}: lost contact with another rank ({str(err).splitlines()[0]}); it stopped "
+                           "or died (the launcher's report names it); "
+                           + (f"the last complete checkpoint is {last_ckpt}" if last_ckpt else
+                              "no checkpoint was written yet")) from err
+        except TimeoutError as err:
+            # fail_fast's: this rank waited past the bound (its peers stop with PeerFailure).
+            raise RunError(f"step {step + 1} did not finish within --step-timeout {args.step_timeout:g} s (a rank hung, "
+                           "was stopped or is swapping); every rank stops; "
+                           + (f"the last complete checkpoint is {last_ckpt}" if last_ckpt else
+                              "no checkpoint was written yet")) from err
 
     extra = {"checkpoint": last_ckpt, "metrics": output_dir / "metrics.jsonl"}
+    if train_step.steps_skipped:
+        extra["steps skipped (non-finite loss or gradient norm)"] = train_step.steps_skipped
     if args.export_dir is not None:
         extra["export"] = args.export_dir
     for line in summary_lines(losses=losses, throughput=throughput, wall_s=time.perf_counter() - wall0, extra=extra):
@@ -396,15 +485,13 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         train(args)
-    except UsageError as err:
+    except BaseException as err:
+        code = report_failure(err, rank=env_int("RANK", 0), world_size=env_int("WORLD_SIZE", 1))
+        if code is None:
+            raise
         if dist.is_initialized():
-            # Found after start-up, possibly on some ranks only: every rank says what it saw.
-            print(f"error (rank {dist.get_rank()}): {err}", file=sys.stderr, flush=True)
             dist.destroy_process_group()
-        elif env_int("RANK", 0) == 0:
-            # Found by the checks before start-up, identically on every rank: said once.
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return code
     return 0
 
 

@@ -1,5 +1,5 @@
-"""``python -m moe_ep.bench {kernels,model,dispatch,gpu}``: run one benchmark mode, print its table,
-save its figures."""
+"""``python -m moe_ep.bench {kernels,model,dispatch,planner,gpu}``: run one benchmark mode, print
+its table, save its figures."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from . import dispatch, gpu_check, kernels, model
+from . import dispatch, gpu_check, kernels, model, planner
 from .report import RESULTS_DIR, format_table, save
 
-MODES = {"kernels": kernels, "model": model, "dispatch": dispatch, "gpu": gpu_check}
+MODES = {"kernels": kernels, "model": model, "dispatch": dispatch, "planner": planner, "gpu": gpu_check}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,108 +1,169 @@
 """Memory model: what one rank holds, unit by unit (embedding, decoder layers, head), for a layout.
 
-Assumptions (printed with every plan):
-- mixed precision as FSDP2 does it: fp32 master weights sharded over ``dp_shard`` (dense
-  parameters) or ``ep x edp`` (experts; the same count per rank), bf16 compute copies gathered
-  on use, fp32 gradients reduce-scattered back to the shards, AdamW with two fp32 moments:
-  16 bytes per sharded parameter;
-- without pipeline stages FSDP gathers a layer's bf16 weights just before use (one layer
-  prefetched) and reduce-scatters its fp32 gradient right after its backward, every micro-batch;
-- with pipeline stages torch.distributed.pipelining turns gradient sync off until the last
-  micro-batch, so a stage holds its unsharded bf16 weights and fp32 gradients for the step;
-- activations in bf16 with fp32 norms and loss, SDPA/flash attention (no seq x seq matrix);
-  full checkpointing keeps each decoder layer's input and recomputes one layer at a time;
-- expert-side buffers sized for ``imbalance`` times the mean routed load.
+Rows of the table (printed with every plan):
+- parameters, gradients, optimizer state: mixed precision as FSDP2 does it, float32 master weights
+  sharded over ``dp_shard`` (dense) or ``ep x edp`` (experts; the same count per rank), float32
+  gradient shards, AdamW's two float32 moments: 16 bytes per sharded parameter;
+- activations kept for the backward: ``moe_ep.planner.activations`` (checked against autograd's
+  saved tensors), times the micro-batches each stage keeps in flight;
+- backward scratch: the running unit's transient memory, its recompute set when checkpointed, its
+  backward's intermediates and, for the head, the logits and their float32 gradient;
+- FSDP2 working set: without pipeline stages, the root's gathered embedding and head (kept from the
+  forward to the end of the backward) and the head's bf16 gradient, then per running layer its bf16
+  weights and the prefetched next layer's, its bf16 gradient, the float32 reduce-scatter input and
+  the previous layer's reduce-scatter still in flight (14 bytes per gathered parameter); with
+  pipeline stages the stage's bf16 weights and float32 accumulated gradients for the whole step,
+  and in the last micro-batch a layer's bf16 gradient with two float32 reduce-scatter buffers;
+- expert all-to-all buffers: the send and receive rows of one exchange;
+- pipeline send/recv buffers: an activation and a gradient per stage;
+- reserved: the CUDA context, NCCL and allocator fragmentation.
+
+Everything on the expert side (activations, scratch, buffers) is sized for the start-up
+imbalance: the busiest rank's routed load over the mean early in dropless training, before the
+router has learnt to balance (in capacity mode the padded blocks, whatever the routing).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..dispatch.capacity import expert_capacity
 from ..partition import Partition, UnitCost
+from .activations import (
+    MicroBatch, Routed, checkpoint_shared, checkpointed_layer_saved, embed_saved, expected_routed, head_saved,
+    head_scratch, layer_saved, layer_scratch,
+)
+from .cluster import Cluster
+from .comm import Collective, all_to_all_collective
+from .compute import Work, embed_traffic, head_traffic, layer_traffic, MEMORY_BACKWARD
 from .layout import Layout
 from .spec import BF16, FP32, ModelSpec
 
-# The busiest expert rank's routed load over the mean that buffers and all-to-all are sized for.
+# The busiest expert rank's routed load over the mean: in steady training (step time), and early
+# in dropless training (memory; the planner's stated design margin, overridable).
 DEFAULT_IMBALANCE = 1.2
+DEFAULT_STARTUP_IMBALANCE = 2.0
 STATE_BYTES_PER_PARAM = {"params": FP32, "grads": FP32, "optim": 2 * FP32}
-# Transient bytes per unsharded parameter of the layer that runs: bf16 weights of it and of the
-# prefetched next layer, plus its fp32 gradient before the reduce-scatter.
-FSDP_WORK_BYTES = 2 * BF16 + FP32
-# Held through the step under pipeline stages: bf16 weights and fp32 gradient accumulation.
-PP_UNSHARDED_BYTES = BF16 + FP32
+# Per gathered parameter of the running layer (no pipeline): its bf16 weights and the prefetched
+# next layer's, its bf16 gradient, its float32 reduce-scatter input, the previous one in flight.
+FSDP_LAYER_BYTES = 2 * BF16 + BF16 + FP32 + FP32
+# Held through the step under pipeline stages: bf16 weights and float32 gradient accumulation;
+# transient in the last micro-batch: a bf16 gradient and two float32 reduce-scatter buffers.
+PP_HELD_BYTES = BF16 + FP32
+PP_REDUCE_BYTES = BF16 + 2 * FP32
+
+
+def max_load(spec: ModelSpec, ep: int) -> float:
+    """The most a rank's experts can get, over the mean (dropless): every token of the group
+    sending it as many pairs as fit, ``min(K, L)``, against ``K / ep`` on average."""
+    return ep * min(spec.top_k, spec.num_experts // ep) / spec.top_k
+
+
+def routed_counts(spec: ModelSpec, layout: Layout, tokens: int, load: float, capacity_factor: float | None) -> Routed:
+    """The dispatcher's counts on the busiest rank: ``load`` x the mean (dropless, at most what the
+    routing allows), or capacity mode's fixed padded blocks."""
+    ep = layout.ep
+    if capacity_factor is None:
+        return expected_routed(spec, ep, tokens, min(load, max_load(spec, ep)))
+    L, k_max = spec.num_experts // ep, min(spec.top_k, spec.num_experts // ep)
+    capacity = expert_capacity(tokens, spec.top_k, spec.num_experts, capacity_factor)
+    rows = ep * min(tokens, L * capacity)
+    multi = ep * min(tokens, L * capacity // 2) if k_max > 1 else 0.0
+    return Routed(rows, multi, rows, multi, min(rows * k_max, ep * L * capacity))
 
 
 @dataclass(frozen=True)
 class Unit:
-    """One unit of the chain for one micro-batch of ``tokens`` tokens, as one rank sees it."""
+    """One unit of the chain for one micro-batch, as the busiest rank sees it."""
 
     name: str
-    dense_params: int  # global counts
-    expert_params: int
-    fwd_flops: float
-    train_flops: float
-    moe: bool  # has an all-to-all when ep > 1
+    moe: bool  # a MoE layer: has an all-to-all when ep > 1
+    work: Work  # compute of one micro-batch
     params: float  # bytes on one rank
     grads: float
     optim: float
     act: float  # kept for the backward, per micro-batch in flight
-    act_work: float  # transient: one layer recomputed
-    comm_persist: float  # held for the whole step
-    comm_work: float  # transient while the unit runs
+    scratch: float  # transient while its backward runs (recompute set included)
+    gathered: float  # parameters this rank gathers for it (the experts' E / ep share)
+    held: float  # FSDP2 bytes held through the step for it (pipeline stages: gathered weights, grads)
+    fsdp_work: float  # FSDP2 transient bytes while it runs
+    a2a_buffers: float  # send and receive rows of one all-to-all
+    a2a: Collective | None  # its all-to-alls over one micro-batch (busiest rank)
     shared: frozenset = frozenset()
 
 
-def build_units(spec: ModelSpec, layout: Layout, seq_len: int, imbalance: float) -> list[Unit]:
-    tokens = layout.microbatch_size * seq_len
-    ds, ep = layout.dp_shard, layout.ep
+def build_units(
+    spec: ModelSpec, layout: Layout, seq_len: int, imbalance: float = DEFAULT_IMBALANCE, *,
+    startup_imbalance: float = DEFAULT_STARTUP_IMBALANCE, capacity_factor: float | None = None,
+    backend: str = "triton",
+) -> list[Unit]:
+    mb = MicroBatch(layout.microbatch_size, seq_len)
+    T, H, ep, ds = mb.tokens, spec.hidden_size, layout.ep, layout.dp_shard
+    ckpt = layout.checkpointing
+    expert_parallel = ep > 1 and spec.num_experts > 0
+    steady = routed_counts(spec, layout, T, imbalance, capacity_factor) if expert_parallel else None
+    startup = routed_counts(spec, layout, T, startup_imbalance, capacity_factor) if expert_parallel else None
+    # The busiest rank's expert FLOPs over the mean: its load, or capacity mode's padded pairs.
+    expert_load = steady.pairs / (T * spec.top_k) if expert_parallel else 1.0
+
     pipelined = layout.pp > 1
 
-    def unit(name, dense, expert, fwd_per_token, act, act_work=0.0, a2a=0.0, recompute=False, moe=False, shared=()):
+    def unit(name, dense, expert, work, act, scratch=0.0, moe=False, a2a=None, buffers=0.0, shared=()):
         sharded = (dense + expert) / ds
         gathered = dense + expert / ep
-        fwd = fwd_per_token * tokens
         return Unit(
-            name=name, dense_params=dense, expert_params=expert, fwd_flops=fwd,
-            train_flops=fwd * (4 if recompute else 3), moe=moe,
+            name=name, moe=moe, work=work,
             params=sharded * STATE_BYTES_PER_PARAM["params"], grads=sharded * STATE_BYTES_PER_PARAM["grads"],
-            optim=sharded * STATE_BYTES_PER_PARAM["optim"], act=act, act_work=act_work,
-            comm_persist=PP_UNSHARDED_BYTES * gathered if pipelined else 0.0,
-            comm_work=(0.0 if pipelined else FSDP_WORK_BYTES * gathered) + a2a,
-            shared=frozenset(shared),
+            optim=sharded * STATE_BYTES_PER_PARAM["optim"], act=act, scratch=scratch, gathered=gathered,
+            held=PP_HELD_BYTES * gathered if pipelined else 0.0,
+            fsdp_work=(PP_REDUCE_BYTES if pipelined else FSDP_LAYER_BYTES) * gathered,
+            a2a_buffers=buffers, a2a=a2a, shared=frozenset(shared),
         )
 
     tied = ("model.embed_tokens.weight",) if spec.tie_word_embeddings else ()
-    units = [unit("embed", spec.embed_params, 0, 0.0, spec.embed_act_bytes * tokens, shared=tied)]
-    ckpt = layout.checkpointing
+    fwd, bwd = embed_traffic(spec, mb)
+    units = [unit("embed", spec.embed_params, 0, Work(memory_fwd=fwd, memory_bwd=bwd),
+                  embed_saved(spec, mb) + (checkpoint_shared(mb) if ckpt else 0.0), shared=tied)]
     for i in range(spec.num_layers):
         moe = spec.is_moe_layer(i)
-        full_act = spec.layer_act_bytes(i) * tokens
-        if ep > 1:
-            full_act += (imbalance - 1.0) * spec.layer_expert_act_bytes(i) * tokens
-        # Send and receive buffers of one dispatch: a token row per chosen expert, at most.
-        a2a = 2 * tokens * spec.top_k * spec.hidden_size * BF16 * imbalance if ep > 1 and moe else 0.0
-        units.append(
-            unit(
-                f"layers.{i}", spec.layer_dense_params(i), spec.layer_expert_params(i), spec.layer_flops(i, seq_len),
-                act=spec.layer_input_bytes * tokens if ckpt else full_act, act_work=full_act if ckpt else 0.0,
-                a2a=a2a, recompute=ckpt, moe=moe,
-            )
-        )
-    units.append(
-        unit("head", spec.head_params, 0, spec.head_flops, spec.head_act_bytes * tokens, shared=tied)
-    )
+        dense, expert, attention = T * spec.layer_dense_flops(i), T * spec.layer_expert_flops(i), T * spec.attention_flops(seq_len)
+        traffic = layer_traffic(spec, i, mb, ep, steady)
+        work = Work(dense, expert, attention, traffic, MEMORY_BACKWARD * traffic, ckpt, expert_load)
+        full = layer_saved(spec, i, mb, backend, ep, startup)
+        scratch = layer_scratch(spec, i, mb, backend, ep, startup) + (full if ckpt else 0.0)
+        a2a = (all_to_all_collective(spec, layout, seq_len, 1, imbalance, capacity_factor)
+               if expert_parallel and moe else None)
+        buffers = BF16 * H * (startup.sent + startup.received) if a2a is not None else 0.0
+        units.append(unit(f"layers.{i}", spec.layer_dense_params(i), spec.layer_expert_params(i), work,
+                          checkpointed_layer_saved(spec, mb) if ckpt else full, scratch, moe, a2a, buffers))
+    fwd, bwd = head_traffic(spec, mb)
+    head = T * spec.head_flops
+    units.append(unit("head", spec.head_params, 0, Work(dense_flops=head, memory_fwd=fwd, memory_bwd=bwd),
+                      head_saved(spec, mb), head_scratch(spec, mb), shared=tied))
     return units
 
 
-def unit_costs(units: list[Unit]) -> list[UnitCost]:
-    """The partition's view of ``units``, one unit per decoder layer (see :func:`layer_chain`).
-    A stage's transient term is its largest unit's (recompute set plus communication buffers),
-    as in the memory table (``rank_memory``)."""
+def unit_seconds(unit: Unit, cluster: Cluster) -> float:
+    """Compute and all-to-all seconds of one micro-batch through ``unit`` on the busiest rank."""
+    return unit.work.seconds(cluster).total + (unit.a2a.seconds(cluster) if unit.a2a is not None else 0.0)
+
+
+def transient(unit: Unit) -> float:
+    """What the memory table charges while ``unit`` runs: its backward scratch, FSDP2's working
+    set and the all-to-all buffers."""
+    return unit.scratch + unit.fsdp_work + unit.a2a_buffers
+
+
+def unit_costs(units: list[Unit], cluster: Cluster | None = None) -> list[UnitCost]:
+    """The partition's view of ``units``, one unit per decoder layer (see :func:`layer_chain`): the
+    cost is the unit's seconds on ``cluster`` (default: a DGX A100 node's figures), its static
+    bytes include what a pipeline stage holds gathered through the step, and its transient term is
+    what the memory table charges while it runs (``rank_memory``)."""
+    cluster = cluster or Cluster(1, 8, 80)
     return layer_chain([
         UnitCost(
-            name=u.name, flops=u.train_flops, param_bytes=u.params, grad_bytes=u.grads,
-            optim_bytes=u.optim + u.comm_persist, act_bytes=u.act, work_bytes=u.act_work + u.comm_work,
-            shared=u.shared,
+            name=u.name, flops=unit_seconds(u, cluster), param_bytes=u.params, grad_bytes=u.grads,
+            optim_bytes=u.optim + u.held, act_bytes=u.act, work_bytes=transient(u), shared=u.shared,
         )
         for u in units
     ])
@@ -135,20 +196,26 @@ def layer_ids(names: list[str]) -> list[int]:
 
 @dataclass(frozen=True)
 class MemoryTable:
-    """Bytes on the fullest rank."""
+    """Bytes on one pipeline rank at its peak."""
 
     rank: int  # pipeline rank it describes
     params: float
     grads: float
     optim: float
     activations: float
-    comm: float
+    scratch: float
+    fsdp: float
+    all_to_all: float
+    p2p: float
     reserved: float
     capacity: float
+    inflight: float  # micro-batches whose activations the fullest stage keeps
+    scratch_unit: str  # the unit whose backward peaks
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optim + self.activations + self.comm + self.reserved
+        return (self.params + self.grads + self.optim + self.activations + self.scratch + self.fsdp
+                + self.all_to_all + self.p2p + self.reserved)
 
     @property
     def headroom(self) -> float:
@@ -159,12 +226,16 @@ class MemoryTable:
         return self.headroom >= 0
 
     def rows(self) -> list[tuple[str, float]]:
+        inflight = f"{self.inflight:g} micro-batch{'es' if self.inflight != 1 else ''} in flight"
         return [
             ("parameters (fp32 master shards)", self.params),
             ("gradients (fp32 shards)", self.grads),
             ("optimizer state (AdamW, 2 x fp32)", self.optim),
-            ("activations", self.activations),
-            ("communication buffers", self.comm),
+            (f"activations kept for backward ({inflight})", self.activations),
+            (f"backward scratch ({self.scratch_unit})", self.scratch),
+            ("FSDP2 working set (gathered weights, grads, RS in flight)", self.fsdp),
+            ("expert all-to-all buffers", self.all_to_all),
+            ("pipeline send/recv buffers", self.p2p),
             ("reserved (CUDA context, NCCL, fragmentation)", self.reserved),
             ("total", self.total),
             ("headroom", self.headroom),
@@ -178,21 +249,38 @@ def p2p_bytes(layout: Layout, spec: ModelSpec, seq_len: int) -> float:
     return 2 * layout.stages_per_rank * layout.microbatch_size * seq_len * spec.hidden_size * BF16
 
 
-def rank_memory(units: list[Unit], part: Partition, rank: int, p2p: float, reserved: float, capacity: float) -> MemoryTable:
-    """The memory table of pipeline rank ``rank``; ``part`` cuts ``unit_costs(units)``."""
+def root_bytes(units: list[Unit], pipelined: bool) -> float:
+    """Without pipeline stages FSDP2's root keeps the embedding and head gathered from the forward
+    to the end of the backward (``reshard_after_forward=False``), and the head's bf16 gradient from
+    its backward on; with stages every unit's weights stay gathered anyway (``Unit.held``)."""
+    if pipelined:
+        return 0.0
+    return sum(BF16 * u.gathered * (2 if u.name == "head" else 1) for u in units if u.name in ("embed", "head"))
+
+
+def rank_memory(units: list[Unit], part: Partition, rank: int, layout: Layout, p2p: float, reserved: float,
+                capacity: float) -> MemoryTable:
+    """The memory table of pipeline rank ``rank``; ``part`` cuts ``unit_costs(units)``. Its total
+    is the partition's bytes of the rank's stages plus the pipeline buffers, the reserve and the
+    root's gathered embedding and head (:func:`root_bytes`)."""
     mine = [(s, u) for s in range(part.num_stages) if part.rank_of_stage(s) == rank for u in stage_units(units, part, s)]
-    # One unit runs at a time: its recompute set and its communication buffers are the transient
-    # peak (the partition's work term), split between the two rows.
-    _, running = max(mine, key=lambda su: su[1].act_work + su[1].comm_work)
+    # One unit runs at a time: its transient terms make the peak.
+    _, running = max(mine, key=lambda su: transient(su[1]))
+    held = sum(u.held for _, u in mine) + root_bytes([u for _, u in mine], layout.pp > 1)
     return MemoryTable(
         rank=rank,
         params=sum(u.params for _, u in mine),
         grads=sum(u.grads for _, u in mine),
         optim=sum(u.optim for _, u in mine),
-        activations=sum(part.inflight[s] * u.act for s, u in mine) + running.act_work,
-        comm=sum(u.comm_persist for _, u in mine) + running.comm_work + p2p,
+        activations=sum(part.inflight[s] * u.act for s, u in mine),
+        scratch=running.scratch,
+        fsdp=held + running.fsdp_work,
+        all_to_all=running.a2a_buffers,
+        p2p=p2p,
         reserved=reserved,
         capacity=capacity,
+        inflight=max(part.inflight[s] for s, _ in mine),
+        scratch_unit=running.name,
     )
 
 

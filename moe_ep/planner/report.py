@@ -1,32 +1,61 @@
-"""What a plan prints: the layout, the per-GPU memory table, the step-time estimate, the
+"""What a plan prints: the cluster and where its figures come from, the layout, the per-GPU
+memory table, the step-time estimate with the MFU that follows from the stated efficiencies, the
 assumptions behind them and why the closest alternatives lost."""
 
 from __future__ import annotations
 
 from ..partition import format_bytes
-from .memory import layer_ids
+from .memory import layer_ids, max_load
+from .presets import CLUSTERS, DEFAULT_CLUSTER, Efficiencies
 from .schedules import SCHEDULES
 
 ASSUMPTIONS = (
     "mixed precision as FSDP2 does it: fp32 master weights, bf16 compute, fp32 gradient reduction",
     "AdamW with two fp32 moments: 16 bytes per sharded parameter (weights 4, gradients 4, moments 8)",
     "dense weights sharded over dp_shard, experts over ep then edp = dp_shard/ep, replicated over dp_replicate",
-    "without pipeline: FSDP gathers one layer ahead and reduce-scatters every micro-batch, hidden behind compute",
-    "with pipeline: gradients sync once per step, a stage holds its unsharded bf16 weights and fp32 gradients",
-    "activations bf16, norms and loss fp32, flash/SDPA attention; full checkpointing keeps each layer's input",
-    "routing uniform over experts; the busiest expert rank carries `imbalance` x the mean load",
+    "activations: what autograd saves with transformers' modeling code and moe_ep's Triton router and experts "
+    "(checked against saved_tensors_hooks); full checkpointing keeps each layer's input",
+    "without pipeline: FSDP gathers each layer in forward and again in backward and reduce-scatters every "
+    "micro-batch; the first all-gather and the last reduce-scatter are exposed, the rest overlaps compute "
+    "(and the all-to-all when they use different links)",
+    "with pipeline: weights stay gathered and gradients sync once per step; the reduction after the last "
+    "backward is exposed",
+    "routing uniform over experts; the busiest expert rank computes `imbalance` x the mean pairs",
     "a token is dispatched once per remote rank holding one of its experts; all-to-all on the critical path",
-    "collectives run at the intra-node bandwidth when the group fits in a node, else at the inter-node one",
+    "collectives inside a node run at the NVLink figure; across nodes at the network share of the group's GPUs "
+    "per node (a group spanning whole nodes gets the node's network)",
+    "backward scratch, memory-bound bytes and the efficiencies are estimates; everything on a GPU is estimated",
 )
 
 
-def _cost_model_line(plan) -> str:
+def _cluster_lines(plan) -> list[str]:
     c = plan.cluster
-    return (
-        f"compute at {c.efficiency:.0%} of {c.peak_tflops:g} TFLOP/s bf16; links {c.intra_node_gbps:g} GB/s "
-        f"intra-node, {c.inter_node_gbps:g} GB/s inter-node per GPU, {c.latency_us:g} us per all-to-all; "
-        f"{c.reserve_fraction:.0%} of GPU memory reserved"
-    )
+    preset = CLUSTERS[c.preset or DEFAULT_CLUSTER]
+    name = (f"{c.preset} ({preset.description})" if c.preset
+            else f"no preset named: the figures of {DEFAULT_CLUSTER} where not given")
+    lines = [
+        f"cluster: {name}",
+        f"  GPU {c.gpu}: {c.peak_tflops:g} TFLOP/s dense bf16, {c.gpu_memory_gib:g} GiB at {c.hbm_gbps:g} GB/s",
+        f"  NVLink {c.intra_node_gbps:g} GB/s per GPU (NCCL bus bandwidth); network {c.node_network_gbps:g} GB/s "
+        f"per node = {c.inter_node_gbps:g} GB/s per GPU" + (f" ({preset.network})" if c.preset else ""),
+    ]
+    if c.preset:
+        lines.append(f"  sources: {preset.gpu.source}; {preset.source}")
+    if plan.overrides:
+        lines.append(f"  given: {', '.join(plan.overrides)}")
+    return lines
+
+
+def _efficiency_lines(c) -> list[str]:
+    eff: Efficiencies = c.efficiencies
+    names = {"grouped_gemm": "grouped GEMMs (experts)", "dense_gemm": "dense GEMMs",
+             "attention": "attention (flash)", "memory": "memory-bound kernels"}
+    lines = []
+    for kind in Efficiencies.KINDS:
+        value = getattr(eff, kind)
+        figure = (f"{value * c.hbm_gbps:,.0f} GB/s" if kind == "memory" else f"{value * c.peak_tflops:,.0f} TFLOP/s")
+        lines.append(f"    {names[kind]:<24} {value:5.0%} = {figure:>13}  {eff.source(kind)}")
+    return lines
 
 
 def _stages_line(cand) -> str:
@@ -37,14 +66,61 @@ def _stages_line(cand) -> str:
     return f"decoder layers per stage {counts} ({'; '.join(extras)}{'; ' + ranks if ranks else ''})"
 
 
+def _imbalance_line(plan) -> str:
+    a, spec, lay = plan.assumptions, plan.spec, plan.layout
+    if lay.ep == 1 or not spec.num_experts:
+        return "  expert side local (ep=1): no dispatcher, no imbalance between ranks"
+    if a.capacity_factor is not None:
+        return (f"  expert side in capacity mode (factor {a.capacity_factor:g}): fixed padded blocks, whatever the "
+                f"routing; step time at {a.imbalance:g}x the mean load")
+    top = max_load(spec, lay.ep)
+    startup = min(a.startup_imbalance, top)
+    return (f"  expert side sized for a start-up imbalance of {startup:g}x the mean load (dropless routing allows "
+            f"at most {top:g}x at ep={lay.ep}; a capacity factor bounds it); step time at {a.imbalance:g}x")
+
+
+def _rule_line(plan) -> str:
+    rule, best = plan.rule, plan.best
+    line = (f"  headroom rule: of the layouts within {rule.speed_margin:.0%} of the fastest step time, the fastest "
+            f"keeping {rule.min_headroom:.0%} of GPU memory ({format_bytes(rule.min_headroom * best.memory.capacity)}) "
+            f"free wins")
+    if best.memory.headroom < rule.min_headroom * best.memory.capacity:
+        line += (f"; none of them keeps that much, so the one with the most headroom wins "
+                 f"({format_bytes(best.memory.headroom)} free)")
+    if rule.fastest is not None:
+        f = rule.fastest
+        line += (f"; it passed over {f.layout.short()}, {1 - f.time.total / best.time.total:.1%} faster "
+                 f"({f.time.total:.2f} s) but leaving {format_bytes(f.memory.headroom)} free")
+    return line
+
+
+def _mfu_lines(plan) -> list[str]:
+    t, c = plan.best.time, plan.cluster
+    mfu, ceiling = t.mfu(c), t.mfu_ceiling(c)
+    listed = dict(t.losses)
+    listed.update({"expert all-to-all": t.all_to_all, "FSDP/HSDP not hidden": t.fsdp_exposed,
+                   "pipeline send/recv": t.p2p, "pipeline bubble": t.bubble})
+    other = t.total - t.ideal - sum(listed.values())
+    if abs(other) > 1e-9 * t.total:
+        listed["other ranks' uneven work"] = other
+    parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in listed.items() if seconds > 0.005)
+    return [
+        "MFU, as a consequence of the stated efficiencies",
+        *_efficiency_lines(c),
+        f"  the slowest rank's model FLOPs take {t.ideal:.2f} s at these efficiencies: MFU at most {ceiling:.1%}",
+        f"  the step adds: {parts}",
+        f"  MFU = {ceiling:.1%} x {t.ideal:.2f} s / {t.total:.2f} s = {mfu:.1%}",
+    ]
+
+
 def format_plan(plan) -> str:
     best, lay, spec, c = plan.best, plan.layout, plan.spec, plan.cluster
     tokens_per_step = plan.global_batch_tokens
     t = best.time
-    mfu = t.model_flops / (t.total * c.world_size * c.peak_tflops * 1e12)
     lines = [
         f"moe-ep plan: {spec.name} ({spec.total_params / 1e9:.1f} B parameters, {spec.active_params / 1e9:.1f} B active "
         f"per token) on {c.nodes} nodes x {c.gpus_per_node} GPUs ({c.gpu_memory_gib:g} GiB each)",
+        *_cluster_lines(plan),
         f"batch: {tokens_per_step} tokens per step = {tokens_per_step // plan.seq_len} sequences of {plan.seq_len}",
         "",
         "layout",
@@ -59,14 +135,15 @@ def format_plan(plan) -> str:
     if lay.pp > 1:
         lines.append(f"  stages             {_stages_line(best)}")
     lines += ["", f"memory per GPU (fullest rank{'' if lay.pp == 1 else f', pipeline rank {best.memory.rank}'})"]
-    lines += [f"  {name:<46} {format_bytes(value):>12}" for name, value in best.memory.rows()]
-    lines += ["", "estimated step time"]
-    lines += [f"  {name:<46} {value:>10.2f} s" for name, value in t.rows()]
+    lines += [f"  {name:<62} {format_bytes(value):>12}" for name, value in best.memory.rows()]
+    lines += [_imbalance_line(plan), _rule_line(plan), "", "estimated step time (slowest rank)"]
+    lines += [f"  {name:<62} {value:>10.2f} s" for name, value in t.rows()]
     lines += [
-        f"  {'FSDP/HSDP traffic in all (mostly overlapped)':<46} {t.fsdp_traffic:>10.2f} s",
-        f"  throughput {tokens_per_step / t.total:,.0f} tokens/s, model FLOPs utilisation {mfu:.1%}",
+        f"  {'FSDP/HSDP traffic in all (hidden or not)':<62} {t.fsdp_traffic:>10.2f} s",
+        f"  throughput {tokens_per_step / t.total:,.0f} tokens/s",
         "",
-        f"cost model: {_cost_model_line(plan)}",
+        *_mfu_lines(plan),
+        "",
         "assumptions:",
     ]
     lines += [f"  - {a}" for a in ASSUMPTIONS]
@@ -77,32 +154,52 @@ def format_plan(plan) -> str:
     return "\n".join(lines)
 
 
-def _why_slower(cand, best) -> str:
-    if cand.time.total <= best.time.total * 1.005:
-        return (
-            f"as fast ({cand.time.total:.2f} s vs {best.time.total:.2f} s per step) but needs more memory: "
-            f"{format_bytes(cand.memory.total)} vs {format_bytes(best.memory.total)} per GPU"
-        )
+def _speed(cand, best) -> str:
+    a, b = cand.time.total, best.time.total
+    if abs(a - b) <= 0.005 * b:
+        return f"as fast ({a:.2f} s vs {b:.2f} s per step)"
+    word = "slower" if a > b else "faster"
+    return f"{word}: {a:.2f} s vs {b:.2f} s per step ({a / b - 1:+.1%})"
+
+
+def _memory(cand, best) -> str:
+    a, b = cand.memory, best.memory
+    word = "more" if a.total > b.total else "less"
+    return (f"{word} memory: {format_bytes(a.total)} vs {format_bytes(b.total)} per GPU, "
+            f"{format_bytes(a.headroom)} free")
+
+
+def _biggest_time_delta(cand, best) -> str:
     mine, theirs = dict(cand.time.rows()), dict(best.time.rows())
     deltas = {name: mine[name] - theirs[name] for name in mine if name != "total"}
     name = max(deltas, key=deltas.get)
-    return (
-        f"slower: {cand.time.total:.2f} s vs {best.time.total:.2f} s per step "
-        f"(+{cand.time.total / best.time.total - 1:.0%}); {name} {mine[name]:.2f} s vs {theirs[name]:.2f} s"
-    )
+    return f"{name} {mine[name]:.2f} s vs {theirs[name]:.2f} s"
+
+
+def _why_fitting_lost(cand, best, rule) -> str:
+    if cand.time.total < best.time.total:
+        return (f"{_speed(cand, best)}, within the {rule.speed_margin:.0%} margin, but leaves only "
+                f"{format_bytes(cand.memory.headroom)} free, under the {rule.min_headroom:.0%} headroom rule; "
+                f"{_memory(cand, best)}")
+    speed = _speed(cand, best)
+    if speed.startswith("slower"):
+        speed += f"; {_biggest_time_delta(cand, best)}"
+    return f"{speed}; {_memory(cand, best)}"
 
 
 def _why_not_fitting(cand) -> str:
-    rows = dict(cand.memory.rows())
-    biggest = max(
-        ("parameters, gradients and optimizer state", cand.memory.params + cand.memory.grads + cand.memory.optim),
-        ("activations", rows["activations"]),
-        ("communication buffers", rows["communication buffers"]),
-        key=lambda kv: kv[1],
-    )
+    m = cand.memory
+    terms = {
+        "parameters, gradients and optimizer state": m.params + m.grads + m.optim,
+        "activations": m.activations,
+        "backward scratch": m.scratch,
+        "FSDP2 working set": m.fsdp,
+        "all-to-all buffers": m.all_to_all,
+    }
+    name = max(terms, key=terms.get)
     return (
-        f"does not fit: needs {format_bytes(cand.memory.total)} per GPU, {format_bytes(-cand.memory.headroom)} over "
-        f"{format_bytes(cand.memory.capacity)} (largest: {biggest[0]} {format_bytes(biggest[1])}); "
+        f"does not fit: needs {format_bytes(m.total)} per GPU, {format_bytes(-m.headroom)} over "
+        f"{format_bytes(m.capacity)} (largest: {name} {format_bytes(terms[name])}); "
         f"it would take {cand.time.total:.2f} s per step"
     )
 
@@ -114,22 +211,37 @@ def _fastest_per_shape(candidates):
     return list(per_key.values())
 
 
-def explain_alternatives(best, candidates, count: int) -> list[tuple[object, str]]:
+def explain_alternatives(best, candidates, count: int, rule) -> list[tuple[object, str]]:
     """The layouts that lost, one per shape (micro-batch size folded in), fastest first: up to
     half of them faster ones that do not fit (the winner's shape with bigger micro-batches
-    included), the rest the next fastest that fit."""
+    included), the rest the next fastest that fit, the one the headroom rule passed over first."""
     faster = _fastest_per_shape([c for c in candidates if not c.fits and c.time.total < best.time.total])
-    slower = _fastest_per_shape([c for c in candidates if c.fits and c.key != best.key])
+    fitting = [c for c in candidates if c.fits and c is not best]
+    if rule.fastest is not None:
+        fitting = [rule.fastest] + [c for c in fitting if c.key != rule.fastest.key]
+    slower = [c for c in _fastest_per_shape(fitting) if c.key != best.key or c is rule.fastest]
+    if rule.fastest is not None and rule.fastest not in slower:
+        slower.insert(0, rule.fastest)
     faster = faster[: count // 2]
     slower = slower[: count - len(faster)]
-    return [(c, _why_not_fitting(c)) for c in faster] + [(c, _why_slower(c, best)) for c in slower]
+    return [(c, _why_not_fitting(c)) for c in faster] + [(c, _why_fitting_lost(c, best, rule)) for c in slower]
 
 
 def plan_to_dict(plan) -> dict:
-    lay, best = plan.layout, plan.best
+    lay, best, c, t = plan.layout, plan.best, plan.cluster, plan.best.time
     return {
         "model": plan.spec.name,
-        "world_size": plan.cluster.world_size,
+        "world_size": c.world_size,
+        "cluster": {
+            "preset": c.preset, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "gpu": c.gpu,
+            "gpu_memory_gib": c.gpu_memory_gib, "peak_tflops": c.peak_tflops, "hbm_gbps": c.hbm_gbps,
+            "intra_node_gbps": c.intra_node_gbps, "inter_node_gbps": c.inter_node_gbps,
+            "node_network_gbps": c.node_network_gbps, "overrides": list(plan.overrides),
+        },
+        "efficiencies": {k: {"value": getattr(c.efficiencies, k), "source": c.efficiencies.source(k)}
+                         for k in Efficiencies.KINDS},
+        "assumptions": {"imbalance": plan.assumptions.imbalance, "startup_imbalance": plan.assumptions.startup_imbalance,
+                        "capacity_factor": plan.assumptions.capacity_factor},
         "degrees": {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "ep": lay.ep},
         "microbatch_size": lay.microbatch_size,
         "microbatches": lay.microbatches,
@@ -137,6 +249,10 @@ def plan_to_dict(plan) -> dict:
         "checkpointing": lay.checkpointing,
         "stage_starts": list(best.partition.starts),
         "memory_bytes": dict(best.memory.rows()),
-        "step_time_s": dict(best.time.rows()),
-        "alternatives": [{"layout": c.layout.short(), "reason": r} for c, r in plan.alternatives],
+        "step_time_s": dict(t.rows()),
+        "mfu": t.mfu(c),
+        "mfu_ceiling": t.mfu_ceiling(c),
+        "headroom_rule": {"min_headroom": plan.rule.min_headroom, "speed_margin": plan.rule.speed_margin,
+                          "passed_over": plan.rule.fastest.layout.short() if plan.rule.fastest else None},
+        "alternatives": [{"layout": cand.layout.short(), "reason": r} for cand, r in plan.alternatives],
     }

@@ -1,29 +1,59 @@
 """Search over layouts: every (pp, dp_replicate, dp_shard, ep) that divides the world, every
 micro-batch size that divides a replica's batch, with and without activation checkpointing,
-every pipeline schedule that applies; each is partitioned (moe_ep.partition), costed
-(memory, timing) and the fastest one that fits wins."""
+every pipeline schedule that applies; each is partitioned (moe_ep.partition) and costed (memory,
+timing). Of the layouts that fit, the fastest wins unless it leaves less than ``min_headroom`` of
+GPU memory free while another within ``speed_margin`` of its step time keeps that much (see
+:func:`choose`)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 from ..partition import InfeasiblePartition, Partition, fits, partition
+from .calibration import read_calibration
 from .cluster import Cluster
+from .inputs import check, check_world
 from .layout import Layout
-from .memory import DEFAULT_IMBALANCE, MemoryTable, Unit, build_units, layer_ids, p2p_bytes, rank_memory, unit_costs
+from .memory import (
+    DEFAULT_IMBALANCE, DEFAULT_STARTUP_IMBALANCE, MemoryTable, Unit, build_units, layer_ids, p2p_bytes, rank_memory,
+    unit_costs, unit_seconds,
+)
+from .presets import DEFAULT_CLUSTER, CLUSTERS, Efficiencies, cluster_preset
 from .schedules import NO_PIPELINE, SCHEDULES
 from .spec import ModelSpec
-from .timing import StepTime, lower_bound, step_time
+from .timing import StepTime, step_time
 
 DEFAULT_GLOBAL_BATCH_TOKENS = 4 * 2**20
+# The headroom rule: a layout within SPEED_MARGIN of the fastest one's step time that keeps
+# MIN_HEADROOM of GPU memory free beats a faster one that does not.
+DEFAULT_MIN_HEADROOM = 0.10
+DEFAULT_SPEED_MARGIN = 0.05
 # Searching bigger clusters for "what would be needed" stops at this many times the request.
 _MAX_GROWTH = 64
+BACKEND = "triton"  # the experts' and router's kernels on a GPU, whose saved tensors the memory model counts
 
 
 class PlanError(ValueError):
     """The request cannot be met; the message says what would be needed."""
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the cost model assumes of the training run, beyond the layout: the busiest expert
+    rank's load over the mean in steady training (step time) and at start-up (memory), and the
+    capacity factor of the dispatcher (None: dropless)."""
+
+    imbalance: float = DEFAULT_IMBALANCE
+    startup_imbalance: float = DEFAULT_STARTUP_IMBALANCE
+    capacity_factor: float | None = None
+
+
+def _shape(lay: Layout) -> tuple:
+    """Layouts that differ only in micro-batch size are one alternative."""
+    return (lay.pp, lay.dp_replicate, lay.dp_shard, lay.ep, lay.schedule, lay.checkpointing)
 
 
 @dataclass(frozen=True)
@@ -50,9 +80,16 @@ class Candidate:
 
     @property
     def key(self) -> tuple:
-        """Layouts that differ only in micro-batch size are one alternative."""
-        lay = self.layout
-        return (lay.pp, lay.dp_replicate, lay.dp_shard, lay.ep, lay.schedule, lay.checkpointing)
+        return _shape(self.layout)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The headroom rule the plan was chosen by, and what it did."""
+
+    min_headroom: float  # fraction of GPU memory
+    speed_margin: float  # fraction of the fastest fitting layout's step time
+    fastest: Candidate | None  # the fastest fitting layout, when the rule passed it over
 
 
 @dataclass(frozen=True)
@@ -61,11 +98,13 @@ class Plan:
     cluster: Cluster
     seq_len: int
     global_batch_tokens: int
-    imbalance: float
+    assumptions: Assumptions
     best: Candidate
+    rule: Rule
     alternatives: list[tuple[Candidate, str]] = field(default_factory=list)
     considered: int = 0  # layouts enumerated
     costed: int = 0  # layouts whose lower bound was close enough to cost in full
+    overrides: tuple[str, ...] = ()  # cluster figures given instead of the preset's
 
     @property
     def layout(self) -> Layout:
@@ -83,21 +122,15 @@ class Plan:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _check_positive_int(name, value, allow_none=True):
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def _check_fixed_degrees(spec: ModelSpec, cluster: Cluster, fixed: dict) -> None:
     world = cluster.world_size
     where = f"the world of {cluster.nodes} nodes x {cluster.gpus_per_node} GPUs = {world}"
     for name in ("pp", "dp_replicate", "dp_shard", "ep"):
-        _check_positive_int(name, fixed[name])
+        check(name, fixed[name], optional=True)
     ep = fixed["ep"]
     if ep is not None and ep > 1:
         if not spec.num_experts:
@@ -194,19 +227,27 @@ def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_token
                         yield Layout(*mesh, mbs, m, schedule, ckpt)
 
 
+def _units(spec: ModelSpec, layout: Layout, seq_len: int, assumptions: Assumptions) -> list[Unit]:
+    return build_units(spec, layout, seq_len, assumptions.imbalance, startup_imbalance=assumptions.startup_imbalance,
+                       capacity_factor=assumptions.capacity_factor, backend=BACKEND)
+
+
 def evaluate(
-    spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int, imbalance: float = DEFAULT_IMBALANCE
+    spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int, assumptions: Assumptions = Assumptions(),
+    units: list[Unit] | None = None, costs: list | None = None,
 ) -> Candidate:
-    """Cost one layout. Raises InfeasiblePartition (a ValueError) when it cannot be cut into its
-    pipeline stages at all (tied parameters that a loop placement would separate)."""
-    units: list[Unit] = build_units(spec, layout, seq_len, imbalance)
-    costs = unit_costs(units)
+    """Cost one layout (``units`` and their ``unit_costs``, when given, must be this layout's).
+    Raises InfeasiblePartition (a ValueError) when it cannot be cut into its pipeline stages at
+    all (tied parameters that a loop placement would separate)."""
+    units = units if units is not None else _units(spec, layout, seq_len, assumptions)
+    costs = costs if costs is not None else unit_costs(units, cluster)
     p2p = p2p_bytes(layout, spec, seq_len)
     capacity = cluster.memory_bytes
     kwargs = dict(placement=layout.placement, stages_per_rank=layout.stages_per_rank, inflight=layout.inflight())
 
     def tables(part):
-        return tuple(rank_memory(units, part, r, p2p, cluster.reserved_bytes, capacity) for r in range(layout.pp))
+        return tuple(rank_memory(units, part, r, layout, p2p, cluster.reserved_bytes, capacity)
+                     for r in range(layout.pp))
 
     def all_fit(per_rank):
         return all(t.fits for t in per_rank)
@@ -220,7 +261,7 @@ def evaluate(
             capped = partition(costs, layout.num_stages, memory_cap=budget, **kwargs)
             if all_fit(tables(capped)):
                 part, per_rank = capped, tables(capped)
-    return Candidate(layout, part, per_rank, step_time(spec, cluster, layout, units, part, seq_len, imbalance))
+    return Candidate(layout, part, per_rank, step_time(spec, cluster, layout, units, part, seq_len))
 
 
 # The search costs in full every layout whose lower bound is within this factor of the best
@@ -230,27 +271,94 @@ _EXPLAIN_WINDOW = 1.25
 _GIVE_UP_WINDOW = 2.0
 
 
-def _search(spec, cluster, seq_len, global_batch_tokens, imbalance, fixed, num_alternatives=0):
+class _UnitCache:
+    """Units depend on the micro-batch size, ep, checkpointing, dp_shard and whether there are
+    pipeline stages; their compute on the first three only. Built once per key, with their costs
+    and the sums the memory floor needs."""
+
+    def __init__(self, spec, seq_len, assumptions, cluster):
+        self.spec, self.seq_len, self.assumptions, self.cluster = spec, seq_len, assumptions, cluster
+        self.units, self.costs, self.sums, self.seconds = {}, {}, {}, {}
+
+    @staticmethod
+    def _key(layout: Layout) -> tuple:
+        return (layout.microbatch_size, layout.ep, layout.checkpointing, layout.dp_shard, layout.pp > 1)
+
+    def get(self, layout: Layout) -> list[Unit]:
+        key = self._key(layout)
+        if key not in self.units:
+            units = _units(self.spec, layout, self.seq_len, self.assumptions)
+            self.units[key] = units
+            self.costs[key] = unit_costs(units, self.cluster)
+            self.sums[key] = (sum(u.params + u.grads + u.optim + u.held for u in units), sum(u.act for u in units))
+        return self.units[key]
+
+    def unit_costs(self, layout: Layout) -> list:
+        self.get(layout)
+        return self.costs[self._key(layout)]
+
+    def memory_floor(self, layout: Layout) -> float:
+        """Bytes the fullest rank holds at least: all static bytes and activations (of the fewest
+        micro-batches a stage keeps in flight) spread evenly over the pipeline ranks, the
+        pipeline buffers and the reserve."""
+        self.get(layout)
+        static, act = self.sums[self._key(layout)]
+        inflight = min(layout.inflight())
+        return ((static + inflight * act) / layout.pp + p2p_bytes(layout, self.spec, self.seq_len)
+                + self.cluster.reserved_bytes)
+
+    def lower_bound(self, layout: Layout) -> float:
+        """A step time no layout of these degrees can beat: the whole model's compute and
+        all-to-all split evenly over the pipeline ranks, everything else hidden. Lets the search
+        skip layouts that cannot win."""
+        key = (layout.microbatch_size, layout.ep, layout.checkpointing)
+        if key not in self.seconds:
+            self.seconds[key] = sum(unit_seconds(u, self.cluster) for u in self.get(layout))
+        return (layout.microbatches + layout.bubble()) * self.seconds[key] / layout.pp
+
+
+def _search(spec, cluster, seq_len, global_batch_tokens, assumptions, fixed, num_alternatives=0):
     """(costed candidates, number of layouts enumerated, the first layout that could not be cut
     into stages with the reason, or None)."""
     layouts = list(_layouts(spec, cluster, seq_len, global_batch_tokens, fixed))
-    bounded = sorted(((lower_bound(spec, cluster, lay, seq_len, imbalance), i) for i, lay in enumerate(layouts)))
-    candidates, best, shapes, uncut = [], None, set(), None
+    cache = _UnitCache(spec, seq_len, assumptions, cluster)
+    bounded = sorted((cache.lower_bound(lay), i) for i, lay in enumerate(layouts))
+    candidates, best, shapes, uncut, oversized = [], None, set(), None, []
+
+    def cost(i):
+        nonlocal uncut
+        try:
+            candidates.append(evaluate(spec, cluster, layouts[i], seq_len, assumptions, cache.get(layouts[i]),
+                                       cache.unit_costs(layouts[i])))
+        except InfeasiblePartition as err:
+            uncut = uncut or (layouts[i], str(err))
+            return None
+        return candidates[-1]
+
     for bound, i in bounded:
         if best is not None:
             window = _EXPLAIN_WINDOW if len(shapes - {best.key}) >= num_alternatives else _GIVE_UP_WINDOW
             if bound > best.time.total * window:
                 break
-        try:
-            cand = evaluate(spec, cluster, layouts[i], seq_len, imbalance)
-        except InfeasiblePartition as err:
-            uncut = uncut or (layouts[i], str(err))
+        if cache.memory_floor(layouts[i]) > cluster.memory_bytes:
+            oversized.append((bound, i))  # cannot fit: costed below only to be explained
             continue
-        candidates.append(cand)
-        if cand.fits:
+        cand = cost(i)
+        if cand is not None and cand.fits:
             shapes.add(cand.key)
             if best is None or _rank(cand) < _rank(best):
                 best = cand
+    # The faster layouts that cannot fit worth explaining are those closest to fitting, one per
+    # shape; with nothing fitting, the smallest ones say how close the request came.
+    faster = [i for bound, i in oversized if best is None or bound < best.time.total]
+    limit, explained = (num_alternatives // 2 if best is not None else 8), set()
+    for i in sorted(faster, key=lambda i: cache.memory_floor(layouts[i])):
+        if len(explained) >= limit:
+            break
+        key = _shape(layouts[i])
+        if key not in explained:
+            explained.add(key)
+            cost(i)
     return candidates, len(layouts), uncut
 
 
@@ -258,20 +366,70 @@ def _rank(c: Candidate):
     return (c.time.total, c.memory.total)
 
 
+def choose(fitting: list[Candidate], min_headroom: float, speed_margin: float) -> tuple[Candidate, Candidate | None]:
+    """The headroom rule: of the layouts within ``speed_margin`` of the fastest one's step time,
+    the fastest that keeps ``min_headroom`` of GPU memory free; if none does, the one with the most
+    headroom among them. Returns (chosen, the fastest when the rule passed it over, else None)."""
+    fastest = min(fitting, key=_rank)
+    near = [c for c in fitting if c.time.total <= fastest.time.total * (1 + speed_margin)]
+    safe = [c for c in near if c.memory.headroom >= min_headroom * c.memory.capacity]
+    chosen = min(safe, key=_rank) if safe else max(near, key=lambda c: (c.memory.headroom, -c.time.total))
+    return chosen, (fastest if chosen is not fastest else None)
+
+
+def _resolve_cluster(nodes, cluster, calibration, figures: dict, efficiency: dict) -> tuple[Cluster, tuple[str, ...]]:
+    """The Cluster of a plan: the preset's figures (or the default preset's, with gpus_per_node
+    and gpu_memory_gib required), the given figures over them, the calibration file's efficiencies
+    over the defaults and the given efficiencies over everything. Returns it with the names of the
+    figures given instead of a named preset's."""
+    preset = cluster_preset(cluster if cluster is not None else DEFAULT_CLUSTER)
+    if cluster is None:
+        for name in ("gpus_per_node", "gpu_memory_gib"):
+            if figures.get(name) is None:
+                raise ValueError(
+                    f"{name} is required unless a cluster preset is named (cluster= one of {tuple(CLUSTERS)})"
+                )
+    given = {k: v for k, v in figures.items() if v is not None}
+    result = Cluster.from_preset(preset, nodes, **given)
+    if cluster is None:
+        result = result.replace(preset=None)
+    eff = result.efficiencies
+    if calibration is not None:
+        eff = read_calibration(calibration, gpu_family=preset.gpu.family, peak_tflops=result.peak_tflops,
+                               hbm_gbps=result.hbm_gbps, defaults=eff)
+    chosen = {k: v for k, v in efficiency.items() if v is not None}
+    if chosen:
+        sources = dict(eff.sources)
+        sources.update({k: "given" for k in chosen})
+        eff = Efficiencies(**{**{k: getattr(eff, k) for k in Efficiencies.KINDS}, **chosen},
+                           sources=tuple(sources.items()))
+    return result.replace(efficiencies=eff), tuple(given) + tuple(f"{k}_efficiency" for k in chosen)
+
+
 def plan(
     model,
     *,
     nodes: int,
-    gpus_per_node: int,
-    gpu_memory_gib: float,
+    cluster: str | None = None,
+    gpus_per_node: int | None = None,
+    gpu_memory_gib: float | None = None,
     seq_len: int = 4096,
     global_batch_tokens: int = DEFAULT_GLOBAL_BATCH_TOKENS,
-    intra_node_gbps: float = 200.0,
-    inter_node_gbps: float = 25.0,
-    peak_tflops: float = 312.0,
-    efficiency: float = 0.40,
+    intra_node_gbps: float | None = None,
+    inter_node_gbps: float | None = None,
+    peak_tflops: float | None = None,
+    hbm_gbps: float | None = None,
+    calibration: str | Path | None = None,
+    grouped_gemm_efficiency: float | None = None,
+    dense_gemm_efficiency: float | None = None,
+    attention_efficiency: float | None = None,
+    memory_efficiency: float | None = None,
     reserve_fraction: float = 0.10,
     imbalance: float = DEFAULT_IMBALANCE,
+    startup_imbalance: float = DEFAULT_STARTUP_IMBALANCE,
+    capacity_factor: float | None = None,
+    min_headroom: float = DEFAULT_MIN_HEADROOM,
+    speed_margin: float = DEFAULT_SPEED_MARGIN,
     pp: int | None = None,
     dp_replicate: int | None = None,
     dp_shard: int | None = None,
@@ -281,56 +439,85 @@ def plan(
     checkpointing: bool | None = None,
     num_alternatives: int = 5,
 ) -> Plan:
-    """Choose the fastest layout of ``model`` that fits the cluster.
+    """Choose the fastest layout of ``model`` that fits the cluster, by the headroom rule.
 
     Args:
         model: a Hugging Face config, a ModelSpec, or a name in ``moe_ep.planner.MODEL_NAMES``.
-        nodes, gpus_per_node, gpu_memory_gib: the cluster (GPU memory in GiB, 80 for A100-80GB).
+        nodes: how many nodes.
+        cluster: a preset of ``moe_ep.planner.CLUSTERS`` (``"dgx-a100-80gb"``, ``"p4d"``, ...) whose
+            figures the others default to; None takes the DGX A100 80 GB figures and then needs
+            ``gpus_per_node`` and ``gpu_memory_gib``.
+        gpus_per_node, gpu_memory_gib: per node, and per GPU in GiB.
         seq_len, global_batch_tokens: tokens per sequence and per optimizer step, all ranks.
-        intra_node_gbps, inter_node_gbps: effective bus bandwidth per GPU, GB/s.
-        peak_tflops, efficiency: the GEMM throughput the cost model assumes.
+        intra_node_gbps, inter_node_gbps: NCCL bus bandwidth per GPU over NVLink, and one GPU's
+            share of its node's network, GB/s.
+        peak_tflops, hbm_gbps: dense bf16 peak and memory bandwidth of one GPU.
+        calibration: a result file of ``python -m moe_ep.bench kernels`` from the cluster's GPU;
+            its measured efficiencies replace the defaults.
+        grouped_gemm_efficiency, dense_gemm_efficiency, attention_efficiency, memory_efficiency:
+            fractions of the peaks, over the preset's and the calibration's.
         reserve_fraction: memory kept back for the CUDA context, NCCL and fragmentation.
-        imbalance: the busiest expert rank's load over the mean (sizes buffers and all-to-all).
+        imbalance: the busiest expert rank's routed load over the mean in steady training (time).
+        startup_imbalance: the same early in dropless training (memory: expert activations and
+            buffers), at most what the routing allows.
+        capacity_factor: the dispatcher's capacity mode (padded fixed buffers); None: dropless.
+        min_headroom, speed_margin: the headroom rule (fractions of GPU memory and of step time).
         pp, dp_replicate, dp_shard, ep, microbatch_size, schedule, checkpointing: fix any of
             them; None lets the search choose.
         num_alternatives: how many rejected layouts the plan explains.
 
-    Raises PlanError (a ValueError) when nothing fits, saying what would be needed.
+    Raises ValueError naming the argument for inputs out of range, and PlanError (a ValueError)
+    when nothing fits, saying what would be needed.
     """
     spec = ModelSpec.resolve(model)
-    cluster = Cluster(
-        nodes, gpus_per_node, gpu_memory_gib, intra_node_gbps, inter_node_gbps, peak_tflops, efficiency,
-        reserve_fraction,
-    )
-    _check_positive_int("seq_len", seq_len, allow_none=False)
-    _check_positive_int("global_batch_tokens", global_batch_tokens, allow_none=False)
-    _check_positive_int("microbatch_size", microbatch_size)
-    if not isinstance(imbalance, (int, float)) or imbalance < 1:
-        raise ValueError(f"imbalance must be a number >= 1, got {imbalance!r}")
+    check("nodes", nodes)
+    figures = dict(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib, intra_node_gbps=intra_node_gbps,
+                   inter_node_gbps=inter_node_gbps, peak_tflops=peak_tflops, hbm_gbps=hbm_gbps)
+    for name, value in figures.items():
+        check(name, value, optional=True)
+    efficiency = dict(grouped_gemm=grouped_gemm_efficiency, dense_gemm=dense_gemm_efficiency,
+                      attention=attention_efficiency, memory=memory_efficiency)
+    for name, value in efficiency.items():
+        check(f"{name}_efficiency", value, optional=True)
+    check("reserve_fraction", reserve_fraction)
+    check_world(nodes, gpus_per_node or cluster_preset(cluster or DEFAULT_CLUSTER).gpus_per_node)
+    for name, value in (("seq_len", seq_len), ("global_batch_tokens", global_batch_tokens),
+                        ("imbalance", imbalance), ("startup_imbalance", startup_imbalance),
+                        ("min_headroom", min_headroom), ("speed_margin", speed_margin),
+                        ("num_alternatives", num_alternatives)):
+        check(name, value)
+    check("microbatch_size", microbatch_size, optional=True)
+    check("capacity_factor", capacity_factor, optional=True)
+    if capacity_factor is not None and ep == 1:
+        raise ValueError(f"capacity_factor={capacity_factor} applies to the expert-parallel dispatcher; ep=1 has none")
     if checkpointing is not None and not isinstance(checkpointing, bool):
         raise TypeError(f"checkpointing must be a bool or None, got {type(checkpointing).__name__}")
+    resolved, overrides = _resolve_cluster(nodes, cluster, calibration, figures, efficiency)
+    resolved = resolved.replace(reserve_fraction=reserve_fraction)
+    assumptions = Assumptions(imbalance, startup_imbalance, capacity_factor)
     fixed = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, microbatch_size=microbatch_size,
                  schedule=schedule, checkpointing=checkpointing)
-    _check_fixed_degrees(spec, cluster, fixed)
+    _check_fixed_degrees(spec, resolved, fixed)
     if global_batch_tokens % seq_len:
         raise PlanError(
             f"global_batch_tokens={global_batch_tokens} is not a whole number of sequences of seq_len={seq_len}; "
             f"use a multiple of {seq_len}, e.g. {max(1, round(global_batch_tokens / seq_len)) * seq_len}"
         )
     candidates, enumerated, uncut = _search(
-        spec, cluster, seq_len, global_batch_tokens, imbalance, fixed, num_alternatives
+        spec, resolved, seq_len, global_batch_tokens, assumptions, fixed, num_alternatives
     )
     if not candidates:
-        raise PlanError(_nothing_to_search(spec, cluster, seq_len, global_batch_tokens, fixed, uncut))
+        raise PlanError(_nothing_to_search(spec, resolved, seq_len, global_batch_tokens, fixed, uncut))
     fitting = [c for c in candidates if c.fits]
     if not fitting:
-        raise PlanError(_nothing_fits(spec, cluster, seq_len, global_batch_tokens, imbalance, fixed, candidates))
-    best = min(fitting, key=_rank)
+        raise PlanError(_nothing_fits(spec, resolved, seq_len, global_batch_tokens, assumptions, fixed, candidates))
+    best, passed_over = choose(fitting, min_headroom, speed_margin)
     from .report import explain_alternatives
 
+    rule = Rule(min_headroom, speed_margin, passed_over)
     return Plan(
-        spec, cluster, seq_len, global_batch_tokens, imbalance, best,
-        explain_alternatives(best, candidates, num_alternatives), enumerated, len(candidates),
+        spec, resolved, seq_len, global_batch_tokens, assumptions, best, rule,
+        explain_alternatives(best, candidates, num_alternatives, rule), enumerated, len(candidates), overrides,
     )
 
 
@@ -442,7 +629,7 @@ def _no_microbatching(world, sequences, seq_len, batched, fixed, under) -> str:
     )
 
 
-def _nothing_fits(spec, cluster, seq_len, global_batch_tokens, imbalance, fixed, candidates) -> str:
+def _nothing_fits(spec, cluster, seq_len, global_batch_tokens, assumptions, fixed, candidates) -> str:
     from ..partition import format_bytes
 
     smallest = min(candidates, key=lambda c: c.memory.total)
@@ -456,7 +643,7 @@ def _nothing_fits(spec, cluster, seq_len, global_batch_tokens, imbalance, fixed,
         f"Parameters, gradients and AdamW state alone take 16 B x {spec.total_params / 1e9:.1f} B = "
         f"{format_bytes(state)}, at least {math.ceil(state / usable)} GPUs' worth of usable memory."
     )
-    requested = _fit_on_more_nodes(spec, cluster, seq_len, lambda growth: global_batch_tokens, imbalance, fixed)
+    requested = _fit_on_more_nodes(spec, cluster, seq_len, lambda growth: global_batch_tokens, assumptions, fixed)
     if requested is not None:
         growth, best = requested
         nodes = cluster.nodes * growth
@@ -467,7 +654,7 @@ def _nothing_fits(spec, cluster, seq_len, global_batch_tokens, imbalance, fixed,
     # More GPUs need more sequences: at least one per GPU, split evenly over the data-parallel
     # replicas. Only when the requested batch is too small for any cluster that would hold the
     # model is it worth proposing a bigger batch, and then the message must say so.
-    scaled = _fit_on_more_nodes(spec, cluster, seq_len, lambda growth: global_batch_tokens * growth, imbalance, fixed)
+    scaled = _fit_on_more_nodes(spec, cluster, seq_len, lambda growth: global_batch_tokens * growth, assumptions, fixed)
     most = cluster.nodes * _MAX_GROWTH
     if scaled is not None:
         growth, best = scaled
@@ -483,18 +670,15 @@ def _nothing_fits(spec, cluster, seq_len, global_batch_tokens, imbalance, fixed,
     return message + f" Nothing fits even on {most} nodes; use GPUs with more memory."
 
 
-def _fit_on_more_nodes(spec, cluster, seq_len, tokens_for, imbalance, fixed):
+def _fit_on_more_nodes(spec, cluster, seq_len, tokens_for, assumptions, fixed):
     """(growth, fastest fitting candidate) for the smallest growth of the node count, doubling up
     to _MAX_GROWTH, with ``tokens_for(growth)`` tokens per step and the mesh degrees left free;
     or None."""
     fixed_free = dict(fixed, pp=None, dp_replicate=None, dp_shard=None)
     for growth in (2**i for i in range(1, _MAX_GROWTH.bit_length())):
         nodes = cluster.nodes * growth
-        bigger = Cluster(
-            nodes, cluster.gpus_per_node, cluster.gpu_memory_gib, cluster.intra_node_gbps, cluster.inter_node_gbps,
-            cluster.peak_tflops, cluster.efficiency, cluster.reserve_fraction,
-        )
-        found = [c for c in _search(spec, bigger, seq_len, tokens_for(growth), imbalance, fixed_free)[0] if c.fits]
+        bigger = cluster.replace(nodes=nodes)
+        found = [c for c in _search(spec, bigger, seq_len, tokens_for(growth), assumptions, fixed_free)[0] if c.fits]
         if found:
             return growth, min(found, key=_rank)
     return None

@@ -29,6 +29,10 @@ _UNSUPPORTED = {"mlp_bias": (None, False), "moe_layer_freq": (None, 1), "interle
 # Families whose attention normalises queries and keys: per head (one head_dim weight each for q
 # and k) or over the whole projection (the q and k widths). Read from the modeling files.
 _QK_NORM = {"qwen3_moe": "head", "qwen3": "head", "olmoe": "full"}
+# Routers as moe_ep.hf.routers runs them: sigmoid scores (DeepSeek-V3), and the families whose
+# routing weights go to the experts in the logits' dtype rather than float32.
+_SIGMOID_ROUTERS = ("deepseek_v3",)
+_WEIGHTS_IN_LOGITS_DTYPE = ("qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def _named_configs():
@@ -82,6 +86,12 @@ class ModelSpec:
     dense_intermediate_size: int = 0  # their MLP width
     shared_intermediate_size: int = 0  # the shared expert of every MoE layer (0: none)
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(Linear(H, 1)) scales the shared expert
+    # What the activation model needs to know of the family's code (moe_ep.planner.activations).
+    family: str = "mixtral"  # config.model_type
+    qk_norm: str | None = None  # "head": RMSNorm per head on q and k (Qwen3); "full": over the projection (OLMoE)
+    normalize_topk: bool = True  # the router renormalises its top-k weights
+    sigmoid_router: bool = False  # DeepSeek-V3: sigmoid scores from float32 copies of input and weight
+    fp32_routing_weights: bool = True  # the experts get float32 weights (Mixtral, DeepSeek) or the logits' dtype
 
     @classmethod
     def from_config(cls, config, name: str | None = None) -> "ModelSpec":
@@ -98,6 +108,7 @@ class ModelSpec:
                     f"planner does not model (expected {attr} unset or {allowed[-1]!r})"
                 )
         H, L, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+        family = getattr(config, "model_type", None) or type(config).__name__
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -116,7 +127,7 @@ class ModelSpec:
             q, kv = heads * head_dim, kv_heads * head_dim
             # Qwen2-MoE biases q, k and v; attention_bias (Llama, Qwen3, OLMoE) also o_proj.
             bias = q + 2 * kv if getattr(config, "qkv_bias", False) else (q + 2 * kv + H if attention_bias else 0)
-            norms = {"head": 2 * head_dim, "full": q + kv, None: 0}[_QK_NORM.get(getattr(config, "model_type", None))]
+            norms = {"head": 2 * head_dim, "full": q + kv, None: 0}[_QK_NORM.get(family)]
             extra = bias + norms
         if experts:
             first_dense = getattr(config, "first_k_dense_replace", None) or 0
@@ -150,6 +161,11 @@ class ModelSpec:
             dense_intermediate_size=config.intermediate_size if dense_layers else 0,
             shared_intermediate_size=shared_width if experts else 0,
             shared_expert_gate=bool(experts and getattr(config, "shared_expert_intermediate_size", None)),
+            family=family,
+            qk_norm=None if kv_lora else _QK_NORM.get(family),
+            normalize_topk=bool(getattr(config, "norm_topk_prob", True)),
+            sigmoid_router=family in _SIGMOID_ROUTERS,
+            fp32_routing_weights=family not in _WEIGHTS_IN_LOGITS_DTYPE,
         )
 
     @classmethod
@@ -228,72 +244,24 @@ class ModelSpec:
         """Parameters one token touches (top-k experts per MoE layer)."""
         return self.embed_params + sum(self._layer_active_params(i) for i in range(self.num_layers)) + self.head_params
 
-    # Forward FLOPs per token (a multiply-add counts 2).
+    # Forward FLOPs per token by the kind of kernel that runs them (a multiply-add counts 2).
+    def layer_dense_flops(self, layer: int) -> float:
+        """Dense GEMMs of decoder layer ``layer``: attention projections, router, shared expert or
+        dense MLP (norm weights and biases counted as GEMM weights: a rounding error)."""
+        return 2.0 * self.layer_dense_params(layer)
+
+    def layer_expert_flops(self, layer: int) -> float:
+        """Grouped GEMMs of the routed experts, at the mean load: top-k experts per token."""
+        return 2.0 * self.top_k * self._mlp_params(self.intermediate_size) if self.is_moe_layer(layer) else 0.0
+
+    def attention_flops(self, seq_len: int) -> float:
+        """Causal attention's two batched GEMMs (scores, weighted values): on average a token scores
+        against seq_len / 2 keys."""
+        return 2.0 * self.num_heads * (self.head_dim + self.value_head_dim) * seq_len / 2
+
     def layer_flops(self, layer: int, seq_len: int) -> float:
-        # Causal attention: on average a token scores against seq_len / 2 keys, for QK^T and for AV.
-        attention_core = 2 * self.num_heads * (self.head_dim + self.value_head_dim) * seq_len / 2
-        return 2.0 * self._layer_active_params(layer) + attention_core
+        return self.layer_dense_flops(layer) + self.layer_expert_flops(layer) + self.attention_flops(seq_len)
 
     @property
     def head_flops(self) -> float:
         return 2.0 * self.vocab_size * self.hidden_size
-
-    # Activation bytes per token kept for the backward, bf16 compute with fp32 norms and loss,
-    # flash/SDPA attention (no seq x seq score matrix).
-    def layer_expert_act_bytes(self, layer: int) -> float:
-        """The routed-expert side of layer_act_bytes: per routed slot the gathered row, the gate/up
-        output, the SwiGLU output and the down output."""
-        if not self.is_moe_layer(layer):
-            return 0.0
-        H, I = self.hidden_size, self.intermediate_size
-        return self.top_k * BF16 * (H + 2 * I + I + H)
-
-    @property
-    def _attention_act_bytes(self) -> float:
-        H, nh, qk, v = self.hidden_size, self.num_heads, self.head_dim, self.value_head_dim
-        norm = FP32 * H + BF16 * H  # RMSNorm: fp32 copy of its input and the bf16 output
-        if self.kv_lora_rank:
-            latent_norm = (FP32 + BF16) * (self.q_lora_rank + self.kv_lora_rank)
-            return (
-                norm
-                + BF16 * self.q_lora_rank  # q_a_proj output
-                + BF16 * nh * qk  # queries
-                + BF16 * (self.kv_lora_rank + self.qk_rope_head_dim)  # compressed kv and rotary key
-                + latent_norm
-                + BF16 * nh * (qk - self.qk_rope_head_dim + v)  # kv_b_proj output
-                + BF16 * 2 * nh * qk  # queries and keys after rotary embedding, as attention reads them
-                + BF16 * nh * v  # attention output, input of o_proj
-            )
-        q, kv = nh * qk, self.num_kv_heads * qk
-        return (
-            norm
-            + BF16 * (q + 2 * kv)  # q, k, v projections
-            + BF16 * (q + kv)  # q, k after rotary embedding
-            + BF16 * q  # attention output, input of o_proj
-        )
-
-    def layer_act_bytes(self, layer: int) -> float:
-        H = self.hidden_size
-        norm = FP32 * H + BF16 * H
-        if not self.is_moe_layer(layer):
-            width = self.dense_intermediate_size if self.num_experts else self.intermediate_size
-            return self._attention_act_bytes + norm + BF16 * 3 * width
-        router = FP32 * 2 * self.num_experts  # fp32 logits and probabilities
-        shared = BF16 * 3 * self.shared_intermediate_size if self.shared_intermediate_size else 0.0
-        if self.shared_expert_gate:
-            shared += BF16 * (2 + H)  # gate logit, its sigmoid, the shared output it scales
-        return self._attention_act_bytes + norm + router + shared + self.layer_expert_act_bytes(layer)
-
-    @property
-    def layer_input_bytes(self) -> float:
-        """What a checkpointed decoder layer keeps: its input."""
-        return BF16 * self.hidden_size
-
-    @property
-    def embed_act_bytes(self) -> float:
-        return BF16 * self.hidden_size
-
-    @property
-    def head_act_bytes(self) -> float:
-        """Final norm, bf16 logits, their fp32 copy and the fp32 log-softmax the loss keeps."""
-        return FP32 * self.hidden_size + BF16 * self.hidden_size + (BF16 + FP32 + FP32) * self.vocab_size

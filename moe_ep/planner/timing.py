@@ -1,28 +1,30 @@
-"""Step-time model.
+"""Step-time model: the slowest rank's seconds per optimizer step.
 
-- Compute: FLOPs at ``Cluster.efficiency`` of the bf16 peak; backward = 2 x forward, a
-  checkpointed layer runs its forward twice.
-- Expert all-to-all: per MoE layer and micro-batch a dispatch and a combine forward, the same
-  backward, again under recompute; a token travels once to each remote rank that holds one of
-  its experts (uniform routing), the busiest rank carries ``imbalance`` times the mean; on the
-  critical path.
-- FSDP/HSDP: ring all-gather of bf16 weights, reduce-scatter of fp32 gradients, all-reduce of
-  the fp32 gradient shards over ``dp_replicate``; each group at the bandwidth of the links it
-  spans. Without pipeline stages this happens every micro-batch (forward gather, backward
-  gather, reduce) and overlaps compute: a micro-batch costs max(compute, FSDP) + all-to-all.
-  With pipeline stages gradients sync once per step: the gather overlaps the first micro-batch
-  forward, the reduction at the end of the step is exposed.
-- Pipeline: point-to-point activations and gradients charged in full; bubble from the schedule
-  (moe_ep.planner.schedules).
+- Compute (``moe_ep.planner.compute``): GEMMs, attention and memory-bound kernels at the cluster's
+  stated efficiencies, the routed experts at the busiest rank's load; the optimizer step and
+  FSDP2's copies in and out of its collectives' buffers as memory-bound work.
+- Expert all-to-all (``moe_ep.planner.comm``): on the critical path, at the busiest rank's load.
+- FSDP/HSDP without pipeline stages, every micro-batch: a unit's all-gather overlaps the previous
+  unit's forward, and in the backward the previous unit's all-gather and this unit's
+  reduce-scatter (and HSDP all-reduce) overlap its backward; the first all-gathers (the root's
+  and the first layer's) and the last reductions (the first layer's and the root's) have nothing
+  to hide behind. A collective sharing its links with the expert all-to-all (both inside a node,
+  or both across nodes) can hide only behind compute, otherwise also behind the all-to-all.
+- FSDP/HSDP with pipeline stages, once per step: the all-gathers overlap the first micro-batch's
+  forward (the first one exposed), the reductions run after the stage's last backward, exposed.
+- Pipeline: sends to stages on other ranks charged in full; bubble from the schedule
+  (``moe_ep.planner.schedules``) in units of the slowest rank's micro-batch time.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 from ..partition import Partition
 from .cluster import Cluster
+from .comm import Collective, fsdp_units, p2p_collective
+from .compute import FSDP_GATHER_COPY, FSDP_REDUCE_COPY, OPTIMIZER_BYTES_PER_PARAM, Seconds
 from .layout import Layout
 from .memory import Unit, stage_units
 from .spec import BF16, FP32, ModelSpec
@@ -30,23 +32,28 @@ from .spec import BF16, FP32, ModelSpec
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds per optimizer step on the slowest rank; the parts add up to ``total``."""
+    """Seconds per optimizer step on the slowest rank; the rows add up to ``total``."""
 
-    compute: float
+    compute: Seconds  # GEMMs, attention, memory-bound kernels (incl. recompute, optimizer, FSDP copies)
     all_to_all: float
     fsdp_exposed: float
     p2p: float
     bubble: float
     fsdp_traffic: float  # all FSDP/HSDP time, hidden or not
-    model_flops: float  # 6 N T-style useful FLOPs of the whole step, without recompute
+    model_flops: float  # useful FLOPs of the whole step over all ranks, without recompute
+    ideal: float  # the slowest rank's model FLOPs at the stated efficiencies
+    losses: dict = field(default_factory=dict)  # compute seconds beyond ``ideal``, by cause
 
     @property
     def total(self) -> float:
-        return self.compute + self.all_to_all + self.fsdp_exposed + self.p2p + self.bubble
+        return self.compute.total + self.all_to_all + self.fsdp_exposed + self.p2p + self.bubble
 
     def rows(self) -> list[tuple[str, float]]:
         return [
-            ("compute (incl. recompute)", self.compute),
+            ("dense GEMMs", self.compute.dense),
+            ("grouped GEMMs (experts, busiest rank)", self.compute.grouped),
+            ("attention", self.compute.attention),
+            ("memory-bound kernels (incl. optimizer)", self.compute.memory),
             ("expert all-to-all", self.all_to_all),
             ("FSDP/HSDP traffic not hidden", self.fsdp_exposed),
             ("pipeline send/recv", self.p2p),
@@ -54,97 +61,153 @@ class StepTime:
             ("total", self.total),
         ]
 
+    def mfu(self, cluster: Cluster) -> float:
+        return self.model_flops / (self.total * cluster.world_size * cluster.peak_flops)
 
-def remote_ranks_per_token(spec: ModelSpec, ep: int) -> float:
-    """Expected number of other ranks a token is sent to, with top-k over E experts uniform and
-    E / ep experts per rank."""
-    if ep == 1 or not spec.num_experts:
-        return 0.0
-    per_rank = spec.num_experts // ep
-    missed = math.comb(spec.num_experts - per_rank, spec.top_k) / math.comb(spec.num_experts, spec.top_k)
-    return (ep - 1) * (1.0 - missed)
+    def mfu_ceiling(self, cluster: Cluster) -> float:
+        """MFU if the slowest rank only ran its model FLOPs at the stated efficiencies."""
+        return self.mfu(cluster) * self.total / self.ideal
 
 
-def _all_to_all_seconds(spec: ModelSpec, cluster: Cluster, layout: Layout, tokens: int, imbalance: float) -> float:
-    """All-to-all time of one MoE layer for one micro-batch, forward, backward and recompute."""
-    per_call = imbalance * tokens * remote_ranks_per_token(spec, layout.ep) * spec.hidden_size * BF16
-    if not per_call:
-        return 0.0
-    calls = 6 if layout.checkpointing else 4
-    return calls * (per_call / cluster.bandwidth(layout.ep, 1) + cluster.latency_us * 1e-6)
+@functools.lru_cache(maxsize=65536)
+def _fsdp_seconds(params: float, size: int, stride: int, dp_replicate: int, dp_shard: int,
+                  cluster: Cluster) -> tuple[float, float]:
+    """(all-gather, reduce-scatter + HSDP all-reduce) seconds of an FSDP unit of ``params``
+    gathered parameters sharded over ``size`` ranks ``stride`` apart."""
+    gather = Collective("all-gather", "", size, stride, 1, BF16 * params).seconds(cluster)
+    reduce = Collective("reduce-scatter", "", size, stride, 1, FP32 * params).seconds(cluster)
+    if dp_replicate > 1:
+        reduce += Collective("all-reduce", "", dp_replicate, dp_shard, 1, FP32 * params / size).seconds(cluster)
+    return gather, reduce
 
 
-def _p2p_seconds(spec: ModelSpec, cluster: Cluster, layout: Layout, tokens: int) -> float:
-    """Pipeline sends of one rank for one micro-batch: an activation and a gradient per stage."""
-    if layout.pp == 1:
-        return 0.0
-    one = tokens * spec.hidden_size * BF16 / cluster.bandwidth(layout.pp, layout.dp)
-    return 2 * layout.stages_per_rank * one
+def _unit_collectives(spec: ModelSpec, layout: Layout, unit: Unit, cluster: Cluster) -> tuple[float, float]:
+    """(all-gather, reduction) seconds of the FSDP units of one planner unit."""
+    gather = reduce = 0.0
+    for f in fsdp_units(spec, layout, [unit.name]):
+        size, stride = (layout.edp, layout.ep) if f.experts else (layout.dp_shard, 1)
+        g, r = _fsdp_seconds(f.params, size, stride, layout.dp_replicate, layout.dp_shard, cluster)
+        gather, reduce = gather + g, reduce + r
+    return gather, reduce
 
 
-def lower_bound(spec: ModelSpec, cluster: Cluster, layout: Layout, seq_len: int, imbalance: float) -> float:
-    """A step time no layout of these degrees can beat: perfectly balanced stages, FSDP fully
-    hidden. Lets the search skip layouts that cannot win."""
-    tokens = layout.microbatch_size * seq_len
-    layers = sum(spec.layer_flops(i, seq_len) for i in range(spec.num_layers)) * (4 if layout.checkpointing else 3)
-    flops = tokens * (layers + 3 * spec.head_flops)
-    a2a = spec.num_moe_layers * _all_to_all_seconds(spec, cluster, layout, tokens, imbalance)
-    per_rank = (flops / cluster.flops_per_s + a2a) / layout.pp + _p2p_seconds(spec, cluster, layout, tokens)
-    return (layout.microbatches + layout.bubble()) * per_rank
+def _contends(layout: Layout, cluster: Cluster) -> bool:
+    """Whether FSDP's traffic shares links with the expert all-to-all."""
+    if layout.ep == 1:
+        return False
+    a2a_local = cluster.intra_node(layout.ep, 1)
+    return any(cluster.intra_node(size, stride) == a2a_local
+               for size, stride in ((layout.dp_shard, 1), (layout.edp, layout.ep)) if size > 1)
 
 
-def _fsdp_times(units: list[Unit], layout: Layout, cluster: Cluster) -> tuple[float, float, float]:
-    """(all-gather, reduce-scatter, replicate all-reduce) seconds for these units."""
-    ds, ep, edp, r = layout.dp_shard, layout.ep, layout.edp, layout.dp_replicate
-    dense = sum(u.dense_params for u in units)
-    expert = sum(u.expert_params for u in units)
+def _fsdp_without_pipeline(spec, layout, units, cluster) -> tuple[float, float]:
+    """(exposed, total) FSDP seconds of one micro-batch without pipeline stages."""
+    contends = _contends(layout, cluster)
+    passes = 2 if layout.checkpointing else 1
+    root_gather = root_reduce = head_backward = 0.0
+    layers = []  # (all-gather, reductions, forward window, backward window) per decoder layer
+    for u in units:
+        gather, reduce = _unit_collectives(spec, layout, u, cluster)
+        fwd = u.work.forward_seconds(cluster).total
+        bwd = u.work.seconds(cluster).total - fwd
+        if u.name in ("embed", "head"):
+            root_gather, root_reduce = root_gather + gather, root_reduce + reduce
+            head_backward += bwd if u.name == "head" else 0.0
+            continue
+        a2a = u.a2a.seconds(cluster) if u.a2a is not None else 0.0
+        # The all-to-all's share per pass: forward, backward, and the recompute's forward.
+        a2a_pass = 0.0 if contends else a2a / (passes + 1)
+        layers.append((gather, reduce, fwd + a2a_pass, bwd + passes * a2a_pass))
+    total = root_gather + root_reduce + sum(2 * g + r for g, r, _, _ in layers)
+    if not layers:
+        return total, total
+    # Forward: the root's and the first layer's all-gathers have nothing before them; each other
+    # layer's hides behind the previous layer's forward.
+    exposed = root_gather + layers[0][0]
+    for (gather, _, _, _), (_, _, fwd_window, _) in zip(layers[1:], layers[:-1]):
+        exposed += max(0.0, gather - fwd_window)
+    # Backward: the last layer's all-gather behind the head's backward; during layer i's backward
+    # layer i-1's all-gather and layer i+1's reductions; the first layer's and the root's
+    # reductions after everything.
+    exposed += max(0.0, layers[-1][0] - head_backward)
+    for i, (_, _, _, bwd_window) in enumerate(layers):
+        previous = layers[i - 1][0] if i > 0 else 0.0
+        following = layers[i + 1][1] if i + 1 < len(layers) else 0.0
+        exposed += max(0.0, previous + following - bwd_window)
+    return exposed + layers[0][1] + root_reduce, total
 
-    def ring(n):
-        return (n - 1) / n
 
-    gather_elems_s = dense * ring(ds) / cluster.bandwidth(ds, 1) + expert / ep * ring(edp) / cluster.bandwidth(edp, ep)
-    all_gather = BF16 * gather_elems_s
-    reduce_scatter = FP32 * gather_elems_s
-    shard = (dense + expert) / ds
-    all_reduce = FP32 * shard * 2 * ring(r) / cluster.bandwidth(r, ds)
-    return all_gather, reduce_scatter, all_reduce
+def _fsdp_with_pipeline(spec, layout, mine, cluster) -> tuple[float, float]:
+    """(exposed, total) FSDP seconds of one step of a pipeline rank holding ``mine``."""
+    collectives = [_unit_collectives(spec, layout, u, cluster) for u in mine]
+    gathers = [g for g, _ in collectives]
+    reductions = sum(r for _, r in collectives)
+    forward = sum(u.work.forward_seconds(cluster).total for u in mine)
+    exposed = gathers[0] + max(0.0, sum(gathers[1:]) - forward) + reductions
+    return exposed, sum(gathers) + reductions
+
+
+def _per_step_memory_seconds(layout: Layout, mine: list[Unit], cluster: Cluster) -> float:
+    """The optimizer over the rank's shards, and FSDP2's copies into and out of its buffers."""
+    rounds = layout.microbatches if layout.pp == 1 else 1
+    gathers = 2 if layout.pp == 1 else 1
+    sharded = sum(u.params for u in mine) / FP32
+    gathered = sum(u.gathered for u in mine)
+    copies = rounds * gathered * (gathers * FSDP_GATHER_COPY + FSDP_REDUCE_COPY)
+    return (OPTIMIZER_BYTES_PER_PARAM * sharded + copies) / (cluster.hbm_bytes_per_s * cluster.efficiencies.memory)
+
+
+def _losses(mine: list[Unit], cluster: Cluster, scale: float) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for u in mine:
+        for name, seconds in u.work.losses(cluster).items():
+            out[name] = out.get(name, 0.0) + scale * seconds
+    return out
 
 
 def step_time(
     spec: ModelSpec, cluster: Cluster, layout: Layout, units: list[Unit], part: Partition, seq_len: int,
-    imbalance: float,
 ) -> StepTime:
-    tokens = layout.microbatch_size * seq_len
     m = layout.microbatches
-    a2a_layer = _all_to_all_seconds(spec, cluster, layout, tokens, imbalance)
-    model_flops = 3 * sum(u.fwd_flops for u in units) * m * layout.dp
+    model_flops = sum(u.work.model_flops for u in units) * m * layout.dp
 
-    def per_rank(rank):
-        mine = [u for s in range(part.num_stages) if part.rank_of_stage(s) == rank for u in stage_units(units, part, s)]
-        compute = sum(u.train_flops for u in mine) / cluster.flops_per_s
-        a2a = sum(u.moe for u in mine) * a2a_layer
-        return mine, compute, a2a
+    def rank_units(rank):
+        return [u for s in range(part.num_stages) if part.rank_of_stage(s) == rank for u in stage_units(units, part, s)]
+
+    def per_microbatch(mine):
+        compute = Seconds()
+        for u in mine:
+            compute = compute + u.work.seconds(cluster)
+        a2a = sum(u.a2a.seconds(cluster) for u in mine if u.a2a is not None)
+        return compute, a2a
 
     if layout.pp == 1:
-        mine, compute, a2a = per_rank(0)
-        gather, reduce, allreduce = _fsdp_times(mine, layout, cluster)
-        fsdp = 2 * gather + reduce + allreduce
+        compute, a2a = per_microbatch(units)
+        exposed, traffic = _fsdp_without_pipeline(spec, layout, units, cluster)
+        extra = _per_step_memory_seconds(layout, units, cluster)
+        losses = _losses(units, cluster, m)
+        losses["memory-bound kernels"] += extra
         return StepTime(
-            compute=m * compute, all_to_all=m * a2a, fsdp_exposed=m * max(0.0, fsdp - compute), p2p=0.0,
-            bubble=0.0, fsdp_traffic=m * fsdp, model_flops=model_flops,
+            compute=compute * m + Seconds(memory=extra), all_to_all=m * a2a, fsdp_exposed=m * exposed, p2p=0.0,
+            bubble=0.0, fsdp_traffic=m * traffic, model_flops=model_flops,
+            ideal=m * sum(u.work.ideal_seconds(cluster) for u in units), losses=losses,
         )
 
-    p2p = _p2p_seconds(spec, cluster, layout, tokens)
-    ranks = [per_rank(r) for r in range(layout.pp)]
-    slowest = max(range(layout.pp), key=lambda r: ranks[r][1] + ranks[r][2])
-    _, compute, a2a = ranks[slowest]
-    exposed, traffic = 0.0, 0.0
-    for mine, c, _ in ranks:
-        gather, reduce, allreduce = _fsdp_times(mine, layout, cluster)
-        # The gather hides behind the first micro-batch's forward (a third of its compute).
-        exposed = max(exposed, max(0.0, gather - c / 3) + reduce + allreduce)
-        traffic = max(traffic, gather + reduce + allreduce)
+    ranks = []
+    for r in range(layout.pp):
+        mine = rank_units(r)
+        compute, a2a = per_microbatch(mine)
+        p2p = p2p_collective(spec, layout, part, r, seq_len)
+        p2p_seconds = p2p.seconds(cluster) / m if p2p is not None else 0.0
+        ranks.append((mine, compute, a2a, p2p_seconds))
+    slowest = max(ranks, key=lambda r: r[1].total + r[2] + r[3])
+    mine, compute, a2a, p2p = slowest
+    exposed, traffic = max(_fsdp_with_pipeline(spec, layout, rank[0], cluster) for rank in ranks)
+    extra = _per_step_memory_seconds(layout, mine, cluster)
+    losses = _losses(mine, cluster, m)
+    losses["memory-bound kernels"] += extra
     return StepTime(
-        compute=m * compute, all_to_all=m * a2a, fsdp_exposed=exposed, p2p=m * p2p,
-        bubble=layout.bubble() * (compute + a2a + p2p), fsdp_traffic=traffic, model_flops=model_flops,
+        compute=compute * m + Seconds(memory=extra), all_to_all=m * a2a, fsdp_exposed=exposed, p2p=m * p2p,
+        bubble=layout.bubble() * (compute.total + a2a + p2p), fsdp_traffic=traffic, model_flops=model_flops,
+        ideal=m * sum(u.work.ideal_seconds(cluster) for u in mine), losses=losses,
     )

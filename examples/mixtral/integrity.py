@@ -1,0 +1,140 @@
+"""Manifests: the files of a checkpoint (or of the token cache) with their sizes and SHA-256
+checksums, written last and atomically, so that damage (a flipped byte, a truncated or missing
+file) is found before anything is loaded, and named by file.
+
+Hashing is shared by the ranks (rank ``r`` hashes files ``r, r + world, ...`` of the sorted list)
+and the findings are gathered, so that every rank reaches the same verdict: a rank that finds
+damage never leaves its peers waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+MANIFEST = "manifest.json"
+FORMAT = "moe_ep-manifest/1"
+CHUNK = 1 << 22
+
+
+def digest(path: Path) -> tuple[int, str]:
+    """(size in bytes, SHA-256 hex) of a file."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def gather(obj) -> list:
+    """Every rank's ``obj`` on every rank (collective when a process group exists)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    # host sync: once per checkpoint written or verified.
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def shared_digests(folder: Path, names: list[str]) -> dict[str, tuple[int, str] | str]:
+    """Collective: ``{name: (size, sha256)}`` of ``names`` in ``folder``, the hashing split over the
+    ranks; a file that cannot be read maps to the reason ("is missing", "cannot be read (...)")."""
+    rank, world = rank_world()
+    mine = {}
+    for name in sorted(names)[rank::world]:
+        try:
+            mine[name] = digest(folder / name)
+        except FileNotFoundError:
+            mine[name] = "is missing"
+        except OSError as err:
+            mine[name] = f"cannot be read ({err.strerror or err})"
+    merged = {}
+    for part in gather(mine):
+        merged.update(part)
+    return merged
+
+
+def write_manifest(folder: Path, files: dict[str, tuple[int, str]], *, manifest: str = MANIFEST, **info) -> None:
+    """Atomically: a reader sees no manifest or a whole one."""
+    body = {"format": FORMAT, **info, "files": {n: {"bytes": s, "sha256": h} for n, (s, h) in sorted(files.items())}}
+    tmp = folder / f".{manifest}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(body, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / manifest)
+
+
+def read_manifest(folder: Path, manifest: str = MANIFEST) -> tuple[dict | None, str | None]:
+    """(the manifest's files, None) or (None, what is wrong with it)."""
+    path = folder / manifest
+    try:
+        body = json.loads(path.read_text())
+        files = body["files"]
+        if body.get("format") != FORMAT or not all({"bytes", "sha256"} <= set(v) for v in files.values()):
+            raise ValueError("not a manifest of this format")
+    except FileNotFoundError:
+        return None, f"{manifest} is missing (its write did not finish)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return None, f"{manifest} is unreadable ({err})"
+    return files, None
+
+
+def local_problems(folder: Path, *, manifest: str = MANIFEST, hash_if=lambda name: True) -> list[str]:
+    """Everything wrong with ``folder`` against its manifest that this process can see alone (no
+    collective): the manifest, every file's size, and the checksums of the files ``hash_if``
+    selects."""
+    files, problem = read_manifest(folder, manifest)
+    if problem:
+        return [problem]
+    problems = []
+    for name, entry in sorted(files.items()):
+        path = folder / name
+        try:
+            size = path.stat().st_size
+            if size != entry["bytes"]:
+                problems.append(f"{name} has {size:,} bytes, the manifest says {entry['bytes']:,}")
+            elif hash_if(name) and digest(path)[1] != entry["sha256"]:
+                problems.append(f"{name} does not match its checksum (its contents changed after it was written)")
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
+        except OSError as err:
+            problems.append(f"{name} cannot be read ({err.strerror or err})")
+    return problems
+
+
+def content_problems(folder: Path, files: dict) -> list[str]:
+    """Collective: files whose checksum or size differs from the manifest, or that cannot be read."""
+    found = shared_digests(folder, list(files))
+    problems = []
+    for name in sorted(files):
+        got = found.get(name, "was not hashed")
+        if isinstance(got, str):
+            problems.append(f"{name} {got}")
+        elif got[0] != files[name]["bytes"]:
+            problems.append(f"{name} has {got[0]:,} bytes, the manifest says {files[name]['bytes']:,}")
+        elif got[1] != files[name]["sha256"]:
+            problems.append(f"{name} does not match its checksum (its contents changed after it was written)")
+    return problems
+
+
+def verify(folder: Path) -> list[str]:
+    """Collective: everything wrong with ``folder`` against its manifest (empty: intact), every
+    file's checksum compared. The verdict is the same on every rank: every rank takes part in the
+    same collectives whatever it finds, and a rank whose view of the folder differs (a shared file
+    system's caches) does not decide alone."""
+    files, problem = read_manifest(folder)
+    problems = [problem] if problem else content_problems(folder, files)
+    if problem:
+        shared_digests(folder, [])  # the collective the other ranks enter
+    return next((p for p in gather(problems) if p), [])

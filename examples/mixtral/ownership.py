@@ -1,0 +1,302 @@
+"""What a run may write and delete, and the one job that may do it.
+
+Markers: every folder this example creates for itself carries a small file, ``.moe_ep-owner``,
+naming what made it (``run``: the output folder; ``checkpoints``, ``tensorboard``, ``token_cache``:
+its managed subfolders; ``export``: a Hugging Face folder written by ``export.py``). A folder
+without the marker is the user's: it is never deleted, never replaced and never written into,
+except that an empty folder is taken over (nothing in it can be lost). ``metrics.jsonl`` is the
+run's when the output folder holds the ``run`` marker.
+
+Lock: one job per output folder. Global rank 0 holds an exclusive POSIX lock (``fcntl.lockf``) on
+``.moe_ep-lock`` in the output folder for the run's lifetime; the other ranks join its job through
+the process group, which forms only once rank 0 holds the lock (a refused rank 0 exits, and the
+launcher stops its peers). The kernel releases the lock however the process ends, SIGKILL
+included, so a dead job never leaves a stale lock on its own host. Across hosts this relies on the
+shared file system's POSIX locks being cluster-wide (NFSv3 with lockd, NFSv4, GPFS, BeeGFS, Lustre
+mounted with ``-o flock``); where a host died without releasing it, the lock stays until the file
+server recovers the host's locks (NFSv4: its lease time, 90 s by default). Lustre's ``localflock``
+makes such locks node-local: there a second job on another node is not stopped. The lock file
+holds the holder's host, pid, start time and job id, so that a refused job can say who has the
+folder; the holder empties it when it lets go, so a record found when taking the lock belongs to
+a job that died holding it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from errors import UsageError
+
+MARKER = ".moe_ep-owner"
+LOCK_FILE = ".moe_ep-lock"
+MANAGED = ("checkpoints", "tensorboard", "token_cache")
+METRICS = "metrics.jsonl"
+TRASH_PREFIX = ".trash-"
+
+
+def marker_kind(folder: Path) -> str | None:
+    """The kind named by ``folder``'s marker, None where it has none (or not a readable one)."""
+    try:
+        return json.loads((folder / MARKER).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def mark(folder: Path, kind: str, **info) -> None:
+    # A name of this process's own: the local first processes of several nodes may mark one folder.
+    tmp = folder / f"{MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"kind": kind, "by": "moe_ep examples/mixtral", **info}))
+    os.replace(tmp, folder / MARKER)
+
+
+def is_empty_dir(path: Path) -> bool:
+    """A folder holding nothing (but, at most, a marker being written)."""
+    return path.is_dir() and all(p.name.startswith(MARKER) for p in path.iterdir())
+
+
+def ours(path: Path, kind: str) -> bool:
+    """Whether the example may delete or replace ``path``: a folder carrying ``kind``'s marker, or
+    an empty folder."""
+    return path.is_dir() and (marker_kind(path) == kind or is_empty_dir(path))
+
+
+def not_ours_message(path: Path, flag: str) -> str:
+    return (f"{flag}: {path} was not made by this example (it has no {MARKER} marker); moe_ep never writes "
+            f"into or deletes a folder it did not make: move it away or choose another {flag}")
+
+
+def make_managed_dir(path: Path, kind: str) -> Path:
+    """Create ``path`` (a managed subfolder of a run) with its marker, or check that an existing one
+    is ours; an empty folder is taken over."""
+    path.mkdir(parents=True, exist_ok=True)
+    if marker_kind(path) != kind:
+        if not is_empty_dir(path):
+            raise UsageError(not_ours_message(path, "--output-dir"))
+        mark(path, kind)
+    return path
+
+
+def check_run_folder(output_dir: Path) -> None:
+    """Before any work: every managed name that exists in ``output_dir`` must be the run's own,
+    since runs write into them and ``--overwrite`` deletes them."""
+    for name in MANAGED:
+        path = output_dir / name
+        if path.exists() and not ours(path, name):
+            raise UsageError(not_ours_message(path, "--output-dir"))
+    metrics = output_dir / METRICS
+    if metrics.exists() and marker_kind(output_dir) != "run":
+        raise UsageError(f"--output-dir: {metrics} was not written by this example (the folder has no {MARKER} "
+                         "marker); moe_ep never appends to or deletes a file it did not make: move it away or "
+                         "choose another --output-dir")
+
+
+def delete_atomically(path: Path) -> None:
+    """Rename ``path`` to a ``.trash-`` name beside it (atomic), then delete it: whenever the
+    deletion stops, nothing is left under the old name. Only for folders that are ours."""
+    trash = path.with_name(TRASH_PREFIX + path.name)
+    if trash.exists():  # left by an earlier interrupted deletion
+        shutil.rmtree(trash)
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash)
+
+
+def clear_run(output_dir: Path) -> None:
+    """What --overwrite deletes: the run's checkpoints, metrics and TensorBoard logs (the token cache
+    stays), and what an interrupted --overwrite left; only what carries the run's markers
+    (check_run_folder refused anything else before any work)."""
+    for name in ("checkpoints", "tensorboard"):
+        path = output_dir / name
+        if path.exists() and ours(path, name):
+            delete_atomically(path)
+    for name in ("checkpoints", "tensorboard"):
+        leftover = output_dir / (TRASH_PREFIX + name)
+        if leftover.exists() and ours(leftover, name):
+            shutil.rmtree(leftover)
+    if marker_kind(output_dir) == "run":
+        (output_dir / METRICS).unlink(missing_ok=True)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------------- exports
+
+
+def related(a: Path, b: Path) -> str | None:
+    """How folder ``a`` relates to ``b`` ("is", "is an ancestor of", "is inside"), None if apart."""
+    a, b = a.resolve(), b.resolve()
+    if a == b:
+        return "is"
+    if a in b.parents:
+        return "is an ancestor of"
+    if b in a.parents:
+        return "is inside"
+    return None
+
+
+def check_export_target(out_dir: Path, protected: dict[str, Path], flag: str) -> None:
+    """An export writes to a new folder, an empty one, or one a previous export made (its marker);
+    never to or around ``protected`` folders (the run folder, the checkpoint), never over a user's
+    files. Also the ``.tmp-``/``.trash-`` names beside it, which the export uses."""
+    clashes = [(relation, what, path) for what, path in protected.items()
+               if (relation := related(out_dir, path)) is not None]
+    if clashes:
+        # The closest relation first: the folder itself, then one it is inside, then one it holds.
+        relation, what, path = min(clashes, key=lambda c: ("is", "is inside", "is an ancestor of").index(c[0]))
+        raise UsageError(f"{flag} {out_dir} {relation} {what} {path}; an export goes to a folder of its own "
+                         "outside it (e.g. a sibling)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"{flag}: {out_dir} exists and is not a folder")
+    if out_dir.exists() and not ours(out_dir, "export"):
+        raise UsageError(f"{flag}: {out_dir} is a non-empty folder that no moe_ep export wrote (it has no {MARKER} "
+                         "marker); an export never replaces a user's files: choose a new or empty folder")
+    for prefix in (".tmp-", TRASH_PREFIX):
+        beside = out_dir.with_name(prefix + out_dir.name)
+        if beside.exists() and not ours(beside, "export"):
+            raise UsageError(f"{flag}: {beside}, the name the export uses while it writes, holds files that no "
+                             "moe_ep export wrote; move it away")
+
+
+# ------------------------------------------------------------------------------- free space
+
+
+def existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Create and delete a file in ``path`` (or the folder that will hold it): the only check that
+    sees read-only mounts, permissions, ACLs and NFS root squashing alike."""
+    folder = existing_ancestor(path)
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".moe_ep-write-check-"):
+            pass
+    except OSError as err:
+        raise UsageError(f"{flag}: cannot write in {folder}: {err.strerror or err}") from None
+
+
+def check_free_space(path: Path, needed: int, what: str, flag: str) -> None:
+    folder = existing_ancestor(path)
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise UsageError(f"{flag}: {free / 2**30:,.2f} GiB free on the file system of {folder}, but {what} "
+                         f"take about {needed / 2**30:,.2f} GiB; free some space or choose another {flag}")
+
+
+# ------------------------------------------------------------------------------------ the lock
+
+
+def job_id() -> str:
+    """What names this job in the lock: the launcher's rendezvous (its store's address is unique
+    among live jobs), else this process."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    master = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    return f"{master} run {run}" if master != ":" else f"pid {os.getpid()}"
+
+
+class OutputLock:
+    """Rank 0's exclusive lock on an output folder (see the module's docstring)."""
+
+    def __init__(self, folder: Path):
+        self.path = folder / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> dict | None:
+        """Take the lock or raise UsageError naming its holder. Returns the record left by a job
+        that died holding it, if any."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Never deleted: a lock file unlinked and re-created would let two jobs lock two inodes.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in (errno.EACCES, errno.EAGAIN):
+                raise UsageError(f"--output-dir {self.path.parent} is in use by another job ({self.holder()}); "
+                                 "wait for it to end or choose another --output-dir (--overwrite does not "
+                                 "override this)") from None
+            raise UsageError(f"--output-dir: cannot lock {self.path} ({err.strerror}); the lock keeps a second job "
+                             "out of the folder: use a file system with POSIX locks (NFSv4, GPFS, BeeGFS, Lustre "
+                             "mounted with -o flock)") from None
+        self._fd = fd
+        previous = self._read(fd)
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(),
+                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.fsync(fd)
+        return previous
+
+    @staticmethod
+    def _read(fd: int) -> dict | None:
+        raw = os.pread(fd, 1 << 16, 0)
+        try:
+            return json.loads(raw) if raw.strip() else None
+        except ValueError:
+            return {"unreadable": raw[:200].decode(errors="replace")}
+
+    def holder(self) -> str:
+        try:
+            with open(self.path, "rb") as f:
+                record = self._read(f.fileno())
+        except OSError:
+            record = None
+        return describe_holder(record) if record else "its holder has not written its name yet"
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        os.ftruncate(self._fd, 0)
+        os.close(self._fd)  # closing releases the lock
+        self._fd = None
+
+
+def describe_holder(record: dict) -> str:
+    if "unreadable" in record:
+        return f"lock record {record['unreadable']!r}"
+    return f"pid {record.get('pid')} on host {record.get('host')}, job {record.get('job')}, since {record.get('since')}"
+
+
+# Bytes per parameter of one checkpoint: float32 weights and AdamW's two float32 moments.
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+EXPORT_BYTES_PER_PARAMETER = 4
+
+
+def check_output_folders(output_dir: Path, export_dir: Path | None, parameters: int) -> None:
+    """Before any work: the run folder holds nothing of the user's under the run's names, every
+    folder the run writes to is writable and has room for one checkpoint (and the export), and the
+    export goes where it deletes nothing of the user's."""
+    check_run_folder(output_dir)
+    for folder in (output_dir, *(output_dir / name for name in MANAGED if (output_dir / name).is_dir())):
+        check_writable(folder, "--output-dir")
+    needed = {existing_ancestor(output_dir).stat().st_dev: [CHECKPOINT_BYTES_PER_PARAMETER * parameters,
+                                                             "one checkpoint (weights and AdamW state)", output_dir,
+                                                             "--output-dir"]}
+    if export_dir is not None:
+        check_export_target(export_dir, {"the run folder (--output-dir)": output_dir}, "--export-dir")
+        check_writable(export_dir.parent, "--export-dir")
+        device = existing_ancestor(export_dir).stat().st_dev
+        if device in needed:
+            needed[device][0] += EXPORT_BYTES_PER_PARAMETER * parameters
+            needed[device][1] += " and the export"
+        else:
+            needed[device] = [EXPORT_BYTES_PER_PARAMETER * parameters, "the export", export_dir, "--export-dir"]
+    for size, what, folder, flag in needed.values():
+        check_free_space(folder, size, what, flag)

@@ -1,0 +1,289 @@
+"""Activation memory of one micro-batch, unit by unit (embedding, decoder layer, head): the bytes
+autograd keeps for the backward when transformers' modeling code runs with moe_ep's router and
+experts in bf16 (what ``torch.autograd.graph.saved_tensors_hooks`` sees, parameters excluded, each
+storage once), and the transient scratch of a unit's backward.
+
+What is saved, read from the code and checked against measurements (``tests/test_plan_activations.py``
+counts the saved tensors of real models, on the CPU and at full Mixtral-8x7B shapes under
+``FakeTensorMode``):
+
+- RMSNorm (transformers' eager one): its float32 input, the float32 reciprocal RMS of each row and
+  the normalised bf16 rows before the weight: ``rows x (4 width + 4 + 2 width)``.
+- attention: the projections' input (the norm's output); q/k norms (Qwen3 per head, OLMoE over the
+  projection); q and k after the rotary embedding, v; the flash kernel's float32 log-sum-exp per
+  head and its output (o_proj's input). The rotary tables once per micro-batch, shared by the layers.
+- router (``route_topk``): torch backend: float32 copies of the input and the weight, the float32
+  probabilities, the int64 top-k indices and, when it renormalises, the top-k sums and weights;
+  Triton backend: the float32 logits and int64 indices (and the float32 copies DeepSeek-V3 hands it).
+- experts (``moe_experts``): the input rows, the routing weights, the sort (torch: int64 order and
+  int32 offsets; Triton: int32 metadata over rows padded per expert to its tile) and the GEMM-1
+  output ``[rows, 2I]`` from which the backward recomputes SwiGLU.
+- expert parallel (``moe_ep.dispatch``): on the source rank the rows coming back (for the gradient
+  of the routing weights) and the int64 maps of the exchange; on the expert rank the received rows
+  or, when a row carries several experts, the (row, expert) pairs gathered from them, with their
+  maps; see :func:`dispatch_saved`.
+- dense MLP and shared expert: the input, the gate and up outputs, the activation and the product.
+- head: the final norm, lm_head's input and the loss of ``moe_ep.training.CausalLMLoss``: the float32
+  log-softmax of the ``B (S - 1)`` predicted positions and their int64 targets.
+- a checkpointed decoder layer keeps only its input (non-reentrant checkpointing); its full set
+  exists again while its backward runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .spec import BF16, FP32, ModelSpec
+
+I32 = 4
+I64 = 8
+BACKENDS = ("triton", "torch")
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    sequences: int
+    seq_len: int
+
+    @property
+    def tokens(self) -> int:
+        return self.sequences * self.seq_len
+
+    @property
+    def predicted(self) -> int:
+        """Positions with a next token to predict."""
+        return self.sequences * (self.seq_len - 1)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """What one rank's expert-parallel dispatcher moves for one micro-batch, counting the rank
+    itself as a destination: ``sent`` rows (one per (token, destination rank)), ``sent_multi`` of
+    them carrying several of the token's experts, ``received`` rows, ``received_multi`` multi rows
+    among them, and ``pairs``: the (row, local expert) pairs its experts compute."""
+
+    sent: float
+    sent_multi: float
+    received: float
+    received_multi: float
+    pairs: float
+
+
+def rank_shares(spec: ModelSpec, ep: int) -> tuple[float, float]:
+    """(rows, multi rows) a token sends, expected over uniform top-k routing: the ranks holding at
+    least one, and at least two, of its experts (``L = E / ep`` consecutive experts per rank)."""
+    E, K = spec.num_experts, spec.top_k
+    L = E // ep
+    total = math.comb(E, K)
+    none = math.comb(E - L, K) / total
+    one = L * math.comb(E - L, K - 1) / total
+    return ep * (1.0 - none), ep * (1.0 - none - one)
+
+
+def expected_routed(spec: ModelSpec, ep: int, tokens: int, load: float = 1.0) -> Routed:
+    """The dispatcher's counts for ``tokens`` tokens per rank under uniform routing, on a rank
+    whose experts get ``load`` times the mean (every rank sends alike; the busiest receives more)."""
+    rows, multi = rank_shares(spec, ep)
+    return Routed(rows * tokens, multi * tokens, load * rows * tokens, load * multi * tokens,
+                  load * spec.top_k * tokens)
+
+
+def norm_saved(rows: float, width: int) -> float:
+    return rows * ((FP32 + BF16) * width + FP32)
+
+
+def _rotary_dim(spec: ModelSpec) -> int:
+    return spec.qk_rope_head_dim if spec.kv_lora_rank else spec.head_dim
+
+
+def embed_saved(spec: ModelSpec, mb: MicroBatch) -> float:
+    """The token ids, and the rotary tables (cos and sin, one row per position) the layers share."""
+    return I64 * mb.tokens + 2 * BF16 * mb.seq_len * _rotary_dim(spec)
+
+
+def attention_saved(spec: ModelSpec, mb: MicroBatch) -> float:
+    T, H, nh = mb.tokens, spec.hidden_size, spec.num_heads
+    qk, v = spec.head_dim, spec.value_head_dim
+    flash = T * (FP32 * nh + BF16 * nh * v)  # log-sum-exp per head, output (o_proj's input)
+    if spec.kv_lora_rank:
+        # Multi-head latent attention: the latents' norms and the up-projections' inputs, then q,
+        # k (the rotary part broadcast to every head) and v as the attention kernel reads them.
+        latents = norm_saved(T, spec.kv_lora_rank) + T * BF16 * spec.kv_lora_rank
+        if spec.q_lora_rank:
+            latents += norm_saved(T, spec.q_lora_rank) + T * BF16 * spec.q_lora_rank
+        return T * BF16 * H + latents + T * BF16 * nh * (2 * qk + v) + flash
+    q, kv, vv = nh * qk, spec.num_kv_heads * qk, spec.num_kv_heads * v
+    norms = {
+        None: 0.0,
+        "head": norm_saved(T * nh, qk) + norm_saved(T * spec.num_kv_heads, qk),
+        "full": norm_saved(T, q) + norm_saved(T, kv),
+    }[spec.qk_norm]
+    return T * BF16 * H + norms + T * BF16 * (q + kv + vv) + flash
+
+
+def router_saved(spec: ModelSpec, tokens: int, backend: str) -> float:
+    E, K, H, T = spec.num_experts, spec.top_k, spec.hidden_size, tokens
+    # float32 copies of the weight (one per micro-batch) and of the input: route_topk's torch
+    # backend makes them; DeepSeek-V3's router makes them before either backend.
+    copies = FP32 * (E * H + T * H) if backend == "torch" or spec.sigmoid_router else 0.0
+    saved = copies + FP32 * T * E + I64 * T * K
+    if backend == "torch" and spec.normalize_topk:
+        saved += FP32 * T * (1 + K)
+    return saved
+
+
+def _routing_weight_bytes(spec: ModelSpec) -> int:
+    return FP32 if spec.fp32_routing_weights else BF16
+
+
+def padded_rows(pairs: float, experts: int) -> float:
+    """Rows of the Triton experts' padded layout (``kernels.routing_metadata.padded_rows`` with the
+    tile ``kernels.grouped_gemm.routing_block`` picks): each expert's rows padded to the tile,
+    allocated at the static bound."""
+    if pairs <= 0:
+        return 0.0
+    tile = 128 if pairs >= 256 * experts else 64
+    return (math.ceil(pairs / tile) + experts) * tile
+
+
+def experts_op_saved(spec: ModelSpec, pairs: float, experts: int, backend: str) -> float:
+    """What ``moe_experts`` keeps beyond its input rows and weights, for ``pairs`` (row, expert)
+    pairs over ``experts`` experts: the sort and the GEMM-1 output."""
+    two_i = 2 * spec.intermediate_size
+    if backend == "torch":
+        return I64 * pairs + I32 * experts + BF16 * two_i * pairs
+    rows = padded_rows(pairs, experts)
+    tile = 128 if pairs >= 256 * experts else 64
+    metadata = I32 * (experts + (experts + 1) + rows + pairs + rows / tile)
+    return metadata + BF16 * two_i * rows
+
+
+def dispatch_saved(spec: ModelSpec, ep: int, tokens: int, routed: Routed, backend: str) -> float:
+    """The expert-parallel path of one MoE layer (dropless): the dispatcher's saved maps and rows
+    on both sides, and what the experts keep of the pairs they compute.
+
+    Source side: the scatter indices of the routing weights' return factors ([T, K] and [T, ep]
+    int64, a [T, ep] bool), the gather map of the rows it packs, the rows that come back (their
+    dot with the output gradient is the routing weights' gradient), the return weights and map.
+    With rows that can carry several experts (``min(K, L) > 1``) also the weights' scatter index,
+    and on the expert side the routing columns' selection and the pairs' map; when some row does
+    carry several, the pairs are gathered out of the rows (saved instead of the rows) and summed
+    back per row (their maps saved)."""
+    T, K, H = tokens, spec.top_k, spec.hidden_size
+    L = spec.num_experts // ep
+    r_max, k_max = min(K, ep), min(K, L)
+    S, P = routed.received, routed.pairs
+    source = (I64 * T * K + T * ep + I64 * T * ep  # return factors: two scatter indices, a where's condition
+              + I64 * (T * r_max + 1) + I64 * routed.sent  # packing gather: copy map, row targets
+              + BF16 * H * routed.sent  # the rows that come back
+              + FP32 * (T * r_max + 1) + I64 * (routed.sent + 1))  # return weights and map
+    expert = FP32 * P + experts_op_saved(spec, P, L, backend)  # weights of the pairs
+    if k_max > 1:
+        source += I64 * T * K  # the routing weights' scatter into the multi rows' columns
+        expert += S + I64 * S + I64 * (P + 1)  # routing columns: condition, selection; the pairs' map
+    if k_max > 1 and routed.received_multi > 0:
+        # Pairs gathered out of the rows: copy map, targets; summed back per row: the readers.
+        expert += I64 * (S * k_max + 1) + I64 * P + I64 * P + BF16 * H * P
+    else:
+        expert += BF16 * H * S  # every row is one pair: the experts keep the received rows
+    return source + expert
+
+
+def mlp_saved(spec: ModelSpec, layer: int, tokens: int, backend: str, ep: int, routed: Routed | None) -> float:
+    """The MLP of decoder layer ``layer`` after its norm: dense, or router + shared expert +
+    routed experts (locally, or through the dispatcher when ``ep > 1``)."""
+    H, T = spec.hidden_size, tokens
+    x = BF16 * T * H  # the norm's output: the first consumer saves it, the others share it
+    if not spec.is_moe_layer(layer):
+        width = spec.dense_intermediate_size if spec.num_experts else spec.intermediate_size
+        return x + BF16 * 4 * width * T
+    saved = router_saved(spec, T, backend)
+    if spec.shared_intermediate_size:
+        saved += BF16 * 4 * spec.shared_intermediate_size * T
+        if spec.shared_expert_gate:
+            saved += BF16 * T * (1 + H)  # the gate's sigmoid and the shared output it scales
+    if ep == 1:
+        N = T * spec.top_k
+        return saved + x + _routing_weight_bytes(spec) * N + experts_op_saved(spec, N, spec.num_experts, backend)
+    # The routing weights reach the experts through the dispatcher; the norm's output is saved by
+    # the router (Triton) or not at all (torch saves its float32 copy), and by the shared expert.
+    shares_x = (backend == "triton" and not spec.sigmoid_router) or spec.shared_intermediate_size
+    return saved + (x if shares_x else 0.0) + dispatch_saved(spec, ep, T, routed, backend)
+
+
+def layer_saved(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep: int = 1,
+                routed: Routed | None = None) -> float:
+    T, H = mb.tokens, spec.hidden_size
+    return 2 * norm_saved(T, H) + attention_saved(spec, mb) + mlp_saved(spec, layer, T, backend, ep, routed)
+
+
+def checkpointed_layer_saved(spec: ModelSpec, mb: MicroBatch) -> float:
+    """A checkpointed layer keeps its input for the recompute."""
+    return BF16 * mb.tokens * spec.hidden_size
+
+
+def checkpoint_shared(mb: MicroBatch) -> float:
+    """What every checkpointed layer's call also holds, once per micro-batch: the int64 position
+    ids (one row), beside the rotary tables the embedding's figure already counts."""
+    return I64 * mb.seq_len
+
+
+def head_saved(spec: ModelSpec, mb: MicroBatch) -> float:
+    """Final norm, lm_head's input, the loss's float32 log-softmax and int64 targets (of one
+    sequence a view of its labels, of several a copy of the shifted ones), and the division by
+    the normaliser (one float32)."""
+    T, H = mb.tokens, spec.hidden_size
+    targets = I64 * (T if mb.sequences == 1 else mb.predicted)
+    return norm_saved(T, H) + BF16 * T * H + FP32 * spec.vocab_size * mb.predicted + targets + FP32
+
+
+def layer_scratch(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep: int = 1,
+                  routed: Routed | None = None) -> float:
+    """Transient memory of a decoder layer's backward beyond its saved tensors (estimated from the
+    backward's formulas, not measured): the gradients of the residual stream and of the branch,
+    and the largest kernel's intermediates, the experts' (torch: the gathered rows and output
+    gradient, GEMM-1's output gradient, the weighted activation; Triton: GEMM-1's output gradient
+    over the padded rows with, first, the weighted activation the down projection's gradient
+    reads and then the rows' input gradient) or attention's (q, k, v gradients and flash
+    attention's float32 accumulator for dq)."""
+    T, H, I = mb.tokens, spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    stream = 2 * BF16 * T * H
+    attention = BF16 * T * (q + 2 * kv) + FP32 * T * q
+    if not spec.is_moe_layer(layer):
+        width = spec.dense_intermediate_size if spec.num_experts else I
+        return stream + max(attention, BF16 * T * 3 * width)
+    pairs = routed.pairs if ep > 1 else T * spec.top_k
+    if backend == "torch":
+        expert = BF16 * pairs * (2 * H + 4 * I)
+    else:
+        expert = BF16 * padded_rows(pairs, spec.num_experts // ep) * (2 * I + max(I, H))
+    return stream + max(attention, expert)
+
+
+def head_scratch(spec: ModelSpec, mb: MicroBatch) -> float:
+    """The logits around the loss (estimated): the bf16 logits the caller holds until the loss
+    returns, and in the backward the float32 gradient of the log-softmax with its bf16 copy."""
+    return BF16 * spec.vocab_size * mb.tokens + (FP32 + BF16) * spec.vocab_size * mb.predicted
+
+
+def chain_saved(spec: ModelSpec, mb: MicroBatch, *, backend: str, checkpointing: bool, ep: int = 1,
+                routed: list[Routed | None] | None = None) -> dict[str, float]:
+    """Saved bytes of one micro-batch per unit of the planner's chain (``embed+layers.0``, ...,
+    ``layers.L-1+head``); ``routed[i]``: the dispatcher's counts in layer ``i`` when ``ep > 1``."""
+    L = spec.num_layers
+    out = {}
+    for i in range(L):
+        if checkpointing:
+            saved = checkpointed_layer_saved(spec, mb)
+        else:
+            saved = layer_saved(spec, i, mb, backend, ep, routed[i] if routed else None)
+        name = f"layers.{i}"
+        if i == 0:
+            saved += embed_saved(spec, mb) + (checkpoint_shared(mb) if checkpointing else 0.0)
+            name = "embed+" + name
+        if i == L - 1:
+            saved, name = saved + head_saved(spec, mb), name + "+head"
+        out[name] = saved
+    return out

@@ -1,0 +1,88 @@
+"""Measured efficiencies: a result file of ``python -m moe_ep.bench kernels`` (the JSON it writes
+to ``benchmarks/results/``) from the user's own GPU replaces the default efficiencies of
+``moe_ep.planner.presets``:
+
+- grouped GEMMs: moe_ep's experts op (``moe_ep[triton]``, else ``moe_ep[torch]``), forward +
+  backward, uniform routing, at the largest token count measured;
+- dense GEMMs: the bench's ``dense_mm`` chain with the same FLOPs;
+- memory-bound kernels: the device-to-device copy's bandwidth;
+- attention: not measured by the bench, so its default stays (the report says so).
+
+Each is the measured TFLOP/s (or GB/s) over the cluster's peak. The file must come from a GPU of
+the cluster's kind (its device name contains the GPU family, e.g. "A100") and be measured in a
+16-bit dtype; anything else is refused with the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from .presets import Efficiencies
+
+_HALF = ("bfloat16", "float16")
+
+
+def _pick(rows, kind, variants, phase):
+    """The uniform-routing row of the first available variant at the largest T."""
+    for variant in variants:
+        found = [r for r in rows if r.get("kind") == kind and r.get("variant") == variant
+                 and r.get("phase") == phase and r.get("status") == "ok" and r.get("routing") in ("uniform", None)]
+        if found:
+            return max(found, key=lambda r: r.get("T") or 0)
+    return None
+
+
+def read_calibration(path, *, gpu_family: str, peak_tflops: float, hbm_gbps: float,
+                     defaults: Efficiencies) -> Efficiencies:
+    """The efficiencies measured in ``path``, the defaults' for what it does not measure."""
+    path = Path(path)
+    try:
+        payload = json.loads(path.read_text())
+    except OSError as err:
+        raise ValueError(f"calibration file {str(path)!r} cannot be read: {err.strerror or err}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"calibration file {str(path)!r} is not JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(payload, dict) or payload.get("mode") != "kernels" or not isinstance(payload.get("rows"), list):
+        mode = payload.get("mode") if isinstance(payload, dict) else None
+        raise ValueError(
+            f"calibration file {str(path)!r} must be a result of 'python -m moe_ep.bench kernels' (mode 'kernels' "
+            f"with rows), got mode {mode!r}"
+        )
+    meta = payload.get("meta") or {}
+    device = str(meta.get("device", ""))
+    if gpu_family.lower() not in device.lower():
+        raise ValueError(
+            f"calibration file {str(path)!r} was measured on {device!r}, not on a {gpu_family}: run "
+            f"'python -m moe_ep.bench kernels' on the cluster's GPU, or plan for the GPU it measured"
+        )
+    dtype = str(meta.get("shape", "")).split()[-1:] or [""]
+    if dtype[0] not in _HALF:
+        raise ValueError(
+            f"calibration file {str(path)!r} was measured in {dtype[0] or 'an unknown dtype'!r}; the planner models "
+            f"16-bit training: run the bench with --dtype bfloat16"
+        )
+    rows, name = payload["rows"], path.name
+    measured, sources = {}, dict(defaults.sources)
+    picks = {
+        "grouped_gemm": (_pick(rows, "op", ("moe_ep[triton]", "moe_ep[torch]"), "fwd+bwd"), "tflops", peak_tflops),
+        "dense_gemm": (_pick(rows, "dense", ("dense_mm",), "fwd+bwd"), "tflops", peak_tflops),
+        "memory": (_pick(rows, "copy", ("device_copy",), "copy"), "gbps", hbm_gbps),
+    }
+    for kind, (row, key, peak) in picks.items():
+        if row is None or not isinstance(row.get(key), (int, float)):
+            sources[kind] = f"default, not in {name}: {defaults.source(kind)}"
+            continue
+        value = row[key] / peak
+        unit = "TFLOP/s" if key == "tflops" else "GB/s"
+        what = f"{row['variant']} {row['phase']}" + (f" at T={row['T']}" if row.get("T") else "")
+        if not 0 < value <= 1:
+            raise ValueError(
+                f"calibration file {str(path)!r}: {what} measured {row[key]:.1f} {unit}, {value:.2f} x the cluster's "
+                f"peak of {peak:g} {unit}: the peak given for the cluster is not this GPU's"
+            )
+        measured[kind] = value
+        sources[kind] = f"measured: {name}, {device}, {what}: {row[key]:.1f} {unit} of {peak:g}"
+    if "attention" not in measured:
+        sources["attention"] = f"default, not measured by the bench: {defaults.source('attention')}"
+    return dataclasses.replace(defaults, **measured, sources=tuple(sources.items()))

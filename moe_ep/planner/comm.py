@@ -1,0 +1,175 @@
+"""Every collective one rank issues in one optimizer step, with its bytes, and its time on the
+cluster's links.
+
+FSDP2 / HSDP (``moe_ep.parallel.fsdp``): each decoder layer is two FSDP units, its block's dense
+parameters over ``dp_shard`` and its experts over ``edp`` (ranks ``ep`` apart); the root unit
+holds the embedding, the final norm and the LM head. A unit's all-gather outputs its bf16
+parameters (the experts' ``E / ep`` share of them), its reduce-scatter takes their float32
+gradients, and with ``dp_replicate > 1`` an all-reduce sums the float32 gradient shard across the
+replicas. Without pipeline stages every micro-batch gathers each block twice (forward, and again
+for the backward after resharding) and the root once, and reduces each unit once; with pipeline
+stages the weights stay gathered and the gradients are reduced once per step. (FSDP2 pads each
+parameter's first dimension to a multiple of the group; the planner does not: Mixtral-8x7B's
+8-row router over 128 ranks makes its dense all-gathers 1.1% larger than counted here.)
+
+Expert all-to-all (``moe_ep.dispatch``): per MoE layer and micro-batch, forward: the count
+exchange (``L`` int32 per peer, ``L + 2`` when rows can carry several experts), the rows (a token
+goes once to each rank holding one of its experts), the multi rows' routing columns (float32
+weight and int32 id per expert) and the combine's rows back; backward: the combine's and the
+dispatch's rows again and the routing weights' float32 gradients; a checkpointed layer repeats the
+forward. Bytes are those sent to other ranks; the busiest rank receives ``load`` times the mean.
+
+Pipeline: each stage sends its output forward and its input's gradient back, per micro-batch, to
+a stage on another rank (two stages of one rank pass them in memory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dispatch.capacity import expert_capacity
+from ..partition import Partition
+from .activations import I32, rank_shares
+from .cluster import Cluster
+from .layout import Layout
+from .spec import BF16, FP32, ModelSpec
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective of one rank over one step. ``bytes``: summed over its calls, the
+    gathered output of an all-gather, the input of a reduce-scatter, the tensor of an all-reduce,
+    what an all-to-all or a send moves to other ranks."""
+
+    kind: str  # all-gather, reduce-scatter, all-reduce, all-to-all, send
+    group: str  # dp_shard, edp, dp_replicate, ep, pp
+    size: int
+    stride: int
+    calls: float
+    bytes: float
+
+    @property
+    def wire_bytes(self) -> float:
+        """What one rank puts on the wire (ring algorithms for the gather, scatter and reduce)."""
+        n = self.size
+        if self.kind in ("all-gather", "reduce-scatter"):
+            return self.bytes * (n - 1) / n
+        if self.kind == "all-reduce":
+            return 2 * self.bytes * (n - 1) / n
+        return self.bytes
+
+    def seconds(self, cluster: Cluster) -> float:
+        if self.size == 1 or not self.bytes:
+            return 0.0
+        if self.kind == "all-to-all":
+            per_call = self.bytes / self.calls
+            return self.calls * cluster.all_to_all_seconds(per_call, self.size, self.stride)
+        if self.kind == "send":
+            return self.bytes / cluster.p2p_bandwidth(self.size, self.stride)
+        return self.wire_bytes / cluster.bandwidth(self.size, self.stride)
+
+
+@dataclass(frozen=True)
+class FsdpUnit:
+    """An FSDP2 unit of one rank: its gathered parameter count and the mesh it is sharded on."""
+
+    name: str
+    params: float  # parameters it gathers on this rank (the experts' E / ep share)
+    experts: bool
+    root: bool  # resharded only at the end of the backward: gathered once per micro-batch
+
+
+def fsdp_units(spec: ModelSpec, layout: Layout, unit_names: list[str]) -> list[FsdpUnit]:
+    """The FSDP units of a pipeline rank holding the planner units ``unit_names``."""
+    units, root = [], 0.0
+    for name in unit_names:
+        if name == "embed":
+            root += spec.embed_params
+        elif name == "head":
+            root += spec.head_params
+        else:
+            i = int(name.split(".")[1])
+            units.append(FsdpUnit(name, spec.layer_dense_params(i), False, False))
+            if spec.layer_expert_params(i):
+                units.append(FsdpUnit(name + ".experts", spec.layer_expert_params(i) / layout.ep, True, False))
+    if root:
+        units.append(FsdpUnit("root", root, False, True))
+    return units
+
+
+def fsdp_collectives(spec: ModelSpec, layout: Layout, unit_names: list[str]) -> list[Collective]:
+    per_step = layout.microbatches if layout.pp == 1 else 1
+    groups = {False: ("dp_shard", layout.dp_shard, 1), True: ("edp", layout.edp, layout.ep)}
+    out = []
+    for experts in (False, True):
+        mine = [u for u in fsdp_units(spec, layout, unit_names) if u.experts == experts]
+        if not mine:
+            continue
+        name, size, stride = groups[experts]
+        gathers = [(1 if u.root or layout.pp > 1 else 2) * per_step for u in mine]
+        out.append(Collective("all-gather", name, size, stride, sum(gathers),
+                              sum(g * BF16 * u.params for g, u in zip(gathers, mine))))
+        params = sum(u.params for u in mine)
+        out.append(Collective("reduce-scatter", name, size, stride, per_step * len(mine), per_step * FP32 * params))
+        if layout.dp_replicate > 1:
+            out.append(Collective("all-reduce", "dp_replicate", layout.dp_replicate, layout.dp_shard,
+                                  per_step * len(mine), per_step * FP32 * params / size))
+    return out
+
+
+def all_to_all_collective(spec: ModelSpec, layout: Layout, seq_len: int, layer_passes: int, load: float = 1.0,
+                          capacity_factor: float | None = None) -> Collective | None:
+    """The expert all-to-alls of ``layer_passes`` runs (forward and backward) of a MoE layer over a
+    micro-batch, on a rank whose experts receive ``load`` times the mean rows."""
+    ep = layout.ep
+    if ep == 1 or not layer_passes:
+        return None
+    E, K, H = spec.num_experts, spec.top_k, spec.hidden_size
+    L = E // ep
+    k_max = min(K, L)
+    T = layout.microbatch_size * seq_len
+    columns = L + 2 if k_max > 1 else L
+    if capacity_factor is None:
+        rows_per_token, multi_per_token = rank_shares(spec, ep)
+        # Rows to the other ranks: each rank holds a given token's expert equally often.
+        rows = load * T * rows_per_token * (ep - 1) / ep
+        multi = load * T * multi_per_token * (ep - 1) / ep
+    else:
+        # Capacity mode exchanges fixed blocks: ceil(c T K / E) slots per expert, L experts per peer.
+        capacity = expert_capacity(T, K, E, capacity_factor)
+        rows = (ep - 1) * min(T, L * capacity)
+        multi = (ep - 1) * min(T, L * capacity // 2) if k_max > 1 else 0.0
+        columns += 1  # each rank's token count rides with the counts
+    forward_calls = 3 + (k_max > 1)
+    forward = I32 * columns * (ep - 1) + 2 * BF16 * H * rows + 2 * FP32 * k_max * multi
+    backward = 2 * BF16 * H * rows + FP32 * k_max * multi
+    passes = 2 if layout.checkpointing else 1
+    per_layer = passes * forward + backward
+    calls = passes * forward_calls + 2 + (k_max > 1)
+    return Collective("all-to-all", "ep", ep, 1, layer_passes * calls, layer_passes * per_layer)
+
+
+def p2p_collective(spec: ModelSpec, layout: Layout, part: Partition, rank: int, seq_len: int) -> Collective | None:
+    """Activations forward and their gradients back, to stages on other ranks, over a step."""
+    if layout.pp == 1:
+        return None
+    S = part.num_stages
+    sends = 0
+    for s in range(S):
+        if part.rank_of_stage(s) != rank:
+            continue
+        sends += s + 1 < S and part.rank_of_stage(s + 1) != rank
+        sends += s > 0 and part.rank_of_stage(s - 1) != rank
+    tensor = BF16 * layout.microbatch_size * seq_len * spec.hidden_size
+    calls = layout.microbatches * sends
+    return Collective("send", "pp", layout.pp, layout.dp, calls, calls * tensor)
+
+
+def step_collectives(spec: ModelSpec, layout: Layout, part: Partition, rank: int, unit_names: list[str],
+                     seq_len: int, load: float = 1.0, capacity_factor: float | None = None) -> list[Collective]:
+    """Every collective of pipeline rank ``rank`` (holding the planner units ``unit_names``) in one
+    step, its experts receiving ``load`` times the mean rows."""
+    moe_layers = sum(spec.is_moe_layer(int(n.split(".")[1])) for n in unit_names if n.startswith("layers."))
+    out = fsdp_collectives(spec, layout, unit_names)
+    extra = [all_to_all_collective(spec, layout, seq_len, layout.microbatches * moe_layers, load, capacity_factor),
+             p2p_collective(spec, layout, part, rank, seq_len)]
+    return out + [c for c in extra if c is not None]

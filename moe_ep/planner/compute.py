@@ -1,0 +1,169 @@
+"""Compute time of one unit for one micro-batch on one rank, by kind of kernel.
+
+- GEMMs: FLOPs at the dense or grouped GEMM efficiency of the bf16 peak; backward = 2 x forward, a
+  checkpointed layer runs its forward twice. The routed experts' FLOPs are the busiest rank's: its
+  experts get ``load`` x the mean rows (``imbalance`` under expert parallelism; padded rows count
+  in capacity mode).
+- attention: flash attention's FLOPs at the attention efficiency; its backward recomputes the
+  scores, 2.5 x the forward (the convention of the FlashAttention papers, whose figures the
+  default efficiency comes from).
+- memory-bound work: the bytes the non-GEMM kernels read and write, at the memory efficiency of
+  the HBM bandwidth (:func:`layer_traffic`); their backward is taken as twice the forward.
+
+Model FLOPs (for MFU) are the useful ones: 3 x the forward's GEMMs and attention at the mean
+load, no recompute."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from .activations import MicroBatch, Routed
+from .cluster import Cluster
+from .spec import BF16, FP32, ModelSpec
+
+GEMM_PASSES = 3.0  # forward, and a backward of twice its FLOPs (input and weight gradients)
+ATTENTION_PASSES = 3.5  # flash attention's backward: 2.5 x its forward
+MEMORY_BACKWARD = 2.0  # backward bytes of an elementwise op over its forward's
+
+
+@dataclass(frozen=True)
+class Work:
+    """One unit's work for one micro-batch on one rank: forward FLOPs by kind (the experts' at the
+    mean load, run at ``expert_load`` times it), forward and backward memory-bound bytes, and
+    whether the forward runs twice."""
+
+    dense_flops: float = 0.0
+    expert_flops: float = 0.0
+    attention_flops: float = 0.0
+    memory_fwd: float = 0.0
+    memory_bwd: float = 0.0
+    recompute: bool = False
+    expert_load: float = 1.0
+
+    @property
+    def model_flops(self) -> float:
+        """Useful FLOPs of forward and backward at the mean load (no recompute)."""
+        return GEMM_PASSES * (self.dense_flops + self.expert_flops + self.attention_flops)
+
+    def ideal_seconds(self, cluster: Cluster) -> float:
+        """The model FLOPs at the stated efficiencies: what MFU's ceiling is made of."""
+        eff = cluster.efficiencies
+        return GEMM_PASSES * (self.dense_flops / eff.dense_gemm + self.expert_flops / eff.grouped_gemm
+                              + self.attention_flops / eff.attention) / cluster.peak_flops
+
+    def losses(self, cluster: Cluster) -> dict[str, float]:
+        """Seconds beyond :meth:`ideal_seconds`, by cause; with them it adds up to :meth:`seconds`."""
+        eff, peak = cluster.efficiencies, cluster.peak_flops
+        dense, expert, attention = (self.dense_flops / eff.dense_gemm, self.expert_flops / eff.grouped_gemm,
+                                    self.attention_flops / eff.attention)
+        again = 1.0 if self.recompute else 0.0
+        return {
+            "memory-bound kernels": self._seconds(cluster, 0, 0, self.memory_fwd * (1 + again) + self.memory_bwd).total,
+            "recompute (checkpointing)": again * (dense + self.expert_load * expert + attention) / peak,
+            "busiest rank's extra expert load": GEMM_PASSES * (self.expert_load - 1) * expert / peak,
+            "flash attention's backward recompute": (ATTENTION_PASSES - GEMM_PASSES) * attention / peak,
+        }
+
+    def seconds(self, cluster: Cluster) -> "Seconds":
+        """Forward, backward and (checkpointed) recompute."""
+        return _work_seconds(self, cluster)
+
+    def forward_seconds(self, cluster: Cluster) -> "Seconds":
+        return self._seconds(cluster, 1.0, 1.0, self.memory_fwd)
+
+    def _seconds(self, cluster: Cluster, gemm_passes: float, attention_passes: float, memory: float) -> "Seconds":
+        eff, peak = cluster.efficiencies, cluster.peak_flops
+        return Seconds(
+            dense=gemm_passes * self.dense_flops / (peak * eff.dense_gemm),
+            grouped=gemm_passes * self.expert_load * self.expert_flops / (peak * eff.grouped_gemm),
+            attention=attention_passes * self.attention_flops / (peak * eff.attention),
+            memory=memory / (cluster.hbm_bytes_per_s * eff.memory),
+        )
+
+
+@functools.lru_cache(maxsize=4096)
+def _work_seconds(work: Work, cluster: Cluster) -> "Seconds":
+    # The search asks for the same units' seconds for every layout that shares them.
+    again = 1.0 if work.recompute else 0.0
+    return work._seconds(cluster, GEMM_PASSES + again, ATTENTION_PASSES + again,
+                         work.memory_fwd * (1 + again) + work.memory_bwd)
+
+
+@dataclass(frozen=True)
+class Seconds:
+    dense: float = 0.0
+    grouped: float = 0.0
+    attention: float = 0.0
+    memory: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.grouped + self.attention + self.memory
+
+    def __add__(self, other: "Seconds") -> "Seconds":
+        return Seconds(self.dense + other.dense, self.grouped + other.grouped, self.attention + other.attention,
+                       self.memory + other.memory)
+
+    def __mul__(self, k: float) -> "Seconds":
+        return Seconds(self.dense * k, self.grouped * k, self.attention * k, self.memory * k)
+
+
+# Bytes read and written per element by transformers' eager non-GEMM ops in bf16 (an estimate):
+# RMSNorm: upcast (2 + 4), square (4 + 4), mean (4), scale (4 + 4), downcast (4 + 2), weight (2 + 2).
+NORM = 36
+ROTARY = 20  # x cos (2 + 2), rotate_half (2 + 4), x sin (2 + 2), add (4 + 2)
+RESIDUAL = 6  # a + b
+SWIGLU = 10  # act (2 + 2), product (4 + 2)
+
+
+def layer_traffic(spec: ModelSpec, layer: int, mb: MicroBatch, ep: int, routed: Routed | None) -> float:
+    """Forward bytes of decoder layer ``layer``'s memory-bound kernels: two norms, the rotary
+    embedding, q/k norms, two residual adds, the router's softmax / top-k, the dense MLP's or shared
+    expert's SwiGLU, the experts' combine (moe_ep's Triton kernels fuse gather, SwiGLU and the
+    routing weight into the GEMMs) and under expert parallelism the packing and the sums of the
+    returned rows."""
+    T, H = mb.tokens, spec.hidden_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    per_token = 2 * NORM * H + ROTARY * (q + kv) + 2 * RESIDUAL * H
+    if spec.qk_norm:
+        per_token += NORM * (q + kv)
+    if not spec.is_moe_layer(layer):
+        width = spec.dense_intermediate_size if spec.num_experts else spec.intermediate_size
+        return T * (per_token + SWIGLU * width)
+    per_token += 3 * 2 * FP32 * spec.num_experts + 2 * FP32 * spec.top_k  # softmax, top-k, renormalise
+    if spec.shared_intermediate_size:
+        per_token += SWIGLU * spec.shared_intermediate_size + RESIDUAL * H
+    traffic = T * per_token
+    if ep == 1:
+        return traffic + BF16 * H * (T * spec.top_k + T)  # combine: read every pair's row, write the token's
+    # Packing reads and writes each sent row; the expert side sums pairs per row (when rows carry
+    # several); the source sums the returned rows per token in float32 and casts back.
+    rows, pairs = routed.sent, routed.pairs
+    return traffic + BF16 * H * (2 * rows + pairs + routed.received) + (BF16 + FP32) * H * (rows + T) + 2 * FP32 * H * T
+
+
+def head_traffic(spec: ModelSpec, mb: MicroBatch) -> tuple[float, float]:
+    """(forward, backward) bytes of the final norm and the loss over the vocabulary: the shifted
+    logits' copy (2 + 2), the float32 upcast (2 + 4), log-softmax (three reads and a write of 4);
+    backward: the log-softmax gradient (4 + 4 + 4), the downcast (4 + 2), the shifted gradient
+    written into a zeroed full-size one (2 + 2 + 2 per position of the unshifted logits)."""
+    V, N = spec.vocab_size, mb.predicted
+    norm = NORM * spec.hidden_size * mb.tokens
+    return norm + 26 * V * N, MEMORY_BACKWARD * norm + 18 * V * N + 6 * V * mb.tokens
+
+
+def embed_traffic(spec: ModelSpec, mb: MicroBatch) -> tuple[float, float]:
+    """(forward, backward) bytes of the embedding: the gather, and in backward the zeroed bf16
+    weight gradient and the scatter-add into it."""
+    H = spec.hidden_size
+    return 2 * BF16 * H * mb.tokens, BF16 * H * spec.vocab_size + 2 * BF16 * H * mb.tokens
+
+
+# Per step: AdamW over each sharded float32 parameter (read weight, gradient and both moments,
+# write weight and moments) and gradient clipping (read for the norm, read and write to scale).
+OPTIMIZER_BYTES_PER_PARAM = 7 * FP32 + 3 * FP32
+# Per gathered parameter and FSDP2 round: the all-gather's copy-out (2 + 2); per reduction: the
+# gradient's copy into the float32 reduce-scatter input (2 + 4).
+FSDP_GATHER_COPY = 2 * BF16
+FSDP_REDUCE_COPY = BF16 + FP32

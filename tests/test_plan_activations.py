@@ -1,0 +1,109 @@
+"""The planner's activation memory against what autograd actually saves for the backward
+(``torch.autograd.graph.saved_tensors_hooks``, parameters excluded, each storage once), per unit of
+the planner's chain, within 5%: real small Hugging Face models with moe_ep's router and experts on
+the CPU, with and without activation checkpointing, at several sequence lengths and micro-batch
+sizes; the same with the experts spread over ep ranks through moe_ep's dispatcher; and two layers
+with Mixtral-8x7B's full shapes under FakeTensorMode, for both backends. The harness is
+``moe_ep.bench.planner`` (``python -m moe_ep.bench planner`` prints the same figures)."""
+
+import pytest
+
+from moe_ep.bench.planner import TOLERANCE, ep_saved, full_shape_saved, small_model_saved
+from moe_ep.planner.activations import MicroBatch, chain_saved, expected_routed, padded_rows, rank_shares
+from moe_ep.planner.spec import ModelSpec
+
+
+def _assert_close(measured: dict, modelled: dict, what: str):
+    assert measured.keys() == modelled.keys()
+    for unit, want in modelled.items():
+        got = measured[unit]
+        assert abs(got - want) <= TOLERANCE * want, f"{what}, {unit}: measured {got:.0f} B, planner {want:.0f} B"
+
+
+# Every family whose attention runs flash attention on the CPU (DeepSeek-V3's latent attention,
+# with value heads narrower than the query heads, falls back to the math kernel there and keeps
+# the S x S probabilities no GPU kernel keeps, so it is modelled but not checked).
+@pytest.mark.parametrize("name, checkpointing, batch, seq", [
+    ("tiny-mixtral", False, 1, 64), ("tiny-mixtral", False, 2, 128), ("tiny-mixtral", True, 1, 256),
+    ("tiny-mixtral", True, 2, 64), ("tiny-qwen2-moe", False, 2, 64), ("tiny-qwen2-moe", True, 1, 128),
+    ("tiny-qwen3-moe", False, 1, 128), ("tiny-qwen3-moe", True, 2, 64), ("tiny-olmoe", False, 2, 64),
+    ("tiny-olmoe", True, 1, 128),
+])
+def test_saved_bytes_of_small_models(name, checkpointing, batch, seq):
+    measured, modelled = small_model_saved(name, batch, seq, checkpointing)
+    _assert_close(measured, modelled, f"{name} B={batch} S={seq} checkpointing={checkpointing}")
+
+
+@pytest.mark.parametrize("name, ep, checkpointing, batch, seq", [
+    ("tiny-mixtral", 8, False, 1, 64),  # one expert per rank: every row is one pair
+    ("tiny-mixtral", 4, False, 2, 64),  # two per rank: rows carrying two experts, gathered into pairs
+    ("tiny-mixtral", 2, True, 1, 128),
+    ("tiny-qwen2-moe", 4, False, 1, 64),  # shared expert, bf16 routing weights
+    ("tiny-olmoe", 2, False, 2, 64),
+])
+def test_saved_bytes_through_the_expert_parallel_dispatcher(name, ep, checkpointing, batch, seq):
+    measured, modelled = ep_saved(name, ep, batch, seq, checkpointing)
+    _assert_close(measured, modelled, f"{name} ep={ep} B={batch} S={seq} checkpointing={checkpointing}")
+
+
+@pytest.mark.parametrize("backend, checkpointing, batch, seq", [
+    ("triton", False, 1, 4096), ("triton", False, 2, 2048), ("triton", True, 1, 8192),
+    ("torch", False, 1, 8192), ("torch", True, 2, 2048),
+])
+def test_saved_bytes_at_mixtral_8x7b_shapes(backend, checkpointing, batch, seq):
+    measured, modelled = full_shape_saved(backend, batch, seq, checkpointing)
+    _assert_close(measured, modelled, f"Mixtral-8x7B shapes, {backend}, B={batch} S={seq} checkpointing={checkpointing}")
+    if not checkpointing:
+        # The figure is not a rounding error: a Mixtral-8x7B layer keeps about 200 KiB per token.
+        assert modelled["embed+layers.0"] > 190 * 2**10 * batch * seq
+
+
+def test_expected_dispatch_counts_match_enumeration():
+    # Rows a token sends (ranks holding >= 1 of its experts) and multi rows (>= 2), over every
+    # top-2 choice of 8 experts, for each ep.
+    import itertools
+
+    spec = ModelSpec.resolve("mixtral-8x7b")
+    choices = list(itertools.combinations(range(8), 2))
+    for ep in (1, 2, 4, 8):
+        per_rank = 8 // ep
+        hits = [[sum(e // per_rank == r for e in c) for r in range(ep)] for c in choices]
+        rows = sum(sum(h > 0 for h in hit) for hit in hits) / len(choices)
+        multi = sum(sum(h > 1 for h in hit) for hit in hits) / len(choices)
+        assert rank_shares(spec, ep) == pytest.approx((rows, multi))
+        routed = expected_routed(spec, ep, 100, load=1.5)
+        assert routed.sent == pytest.approx(100 * rows) and routed.received == pytest.approx(150 * rows)
+        assert routed.pairs == pytest.approx(1.5 * 2 * 100)
+
+
+def test_triton_rows_are_padded_to_the_tile_of_the_kernels():
+    from moe_ep.kernels.grouped_gemm import routing_block
+    from moe_ep.kernels.routing_metadata import padded_rows as kernel_rows
+
+    for pairs, experts in ((8192, 8), (100, 8), (2048, 1), (0, 4)):
+        assert padded_rows(pairs, experts) == kernel_rows(pairs, experts, routing_block(pairs, experts))
+
+
+def test_checkpointing_keeps_only_each_layers_input():
+    spec = ModelSpec.resolve("mixtral-8x7b")
+    mb = MicroBatch(1, 4096)
+    full = chain_saved(spec, mb, backend="triton", checkpointing=False)
+    kept = chain_saved(spec, mb, backend="triton", checkpointing=True)
+    assert kept["layers.5"] == 2 * 4096 * 4096 and full["layers.5"] > 20 * kept["layers.5"]
+
+
+def test_bench_planner_mode_prints_and_saves_its_checks(tmp_path, monkeypatch, capsys):
+    import json
+
+    from moe_ep.bench import planner as mode
+    from moe_ep.bench.cli import main
+
+    monkeypatch.setattr(mode, "SMALL_CASES", [("tiny-mixtral", True, 1, 64)])
+    monkeypatch.setattr(mode, "EP_CASES", [])
+    monkeypatch.setattr(mode, "FULL_CASES", [])
+    report = main(["planner", "--skip-collectives", "--out-dir", str(tmp_path)])
+    assert [r["status"] for r in report.rows] == ["ok", "ok"]
+    out = capsys.readouterr().out
+    assert "measured / planner" in out and "2 of 2 figures within 5%" in out
+    saved = json.loads(next(tmp_path.glob("planner_cpu_*.json")).read_text())
+    assert saved["mode"] == "planner" and saved["rows"][0]["ratio"] == 1.0
