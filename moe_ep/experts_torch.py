@@ -22,7 +22,9 @@ def routing_order(idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     return order_N, torch.cumsum(counts_E, 0, dtype=torch.int32)
 
 
-# torch._grouped_mm needs 16-byte aligned strides; 8 elements covers every supported dtype.
+# PyTorch's grouped GEMM: the public name where the installed torch has one (a wrapper of the
+# private op in 2.13). It needs 16-byte aligned strides; 8 elements covers every supported dtype.
+_grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
 _ALIGN = 8
 
 
@@ -44,7 +46,7 @@ def grouped_linear(a_NK: torch.Tensor, w_EMK: torch.Tensor, offsets_E: torch.Ten
     M, K = w_EMK.shape[1:]
     Mp, Kp = _aligned(M), _aligned(K)
     w = _pad_to(_pad_to(w_EMK, 2, Kp), 1, Mp)
-    return torch._grouped_mm(_pad_to(a_NK, 1, Kp), w.transpose(1, 2), offs=offsets_E)[:, :M]
+    return _grouped_mm(_pad_to(a_NK, 1, Kp), w.transpose(1, 2), offs=offsets_E)[:, :M]
 
 
 def grouped_outer(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -52,7 +54,7 @@ def grouped_outer(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E: torch.Tenso
     M, K = a_NM.shape[1], b_NK.shape[1]
     a = _pad_to(a_NM, 1, _aligned(M))
     b = _pad_to(b_NK, 1, _aligned(K))
-    return torch._grouped_mm(a.t(), b, offs=offsets_E)[:, :M, :K]
+    return _grouped_mm(a.t(), b, offs=offsets_E)[:, :M, :K]
 
 
 def _unsort_sum(rows_N: torch.Tensor, order_N: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:

@@ -52,7 +52,8 @@ def test_a_failing_check_fails_the_command(tmp_path, monkeypatch):
         main(["gpu", "--device", "cpu", "--steps", "tests", "--out-dir", str(tmp_path), *TINY])
     payload = json.loads(next(tmp_path.glob("gpu_check_cpu_*.json")).read_text())
     assert payload["meta"]["steps"]["kernels"]["status"] == "not asked for"
-    assert payload["meta"]["results"]["tests"][0]["status"].startswith("FAIL: triton err")
+    status = payload["meta"]["results"]["tests"][0]["status"]
+    assert status.startswith("FAIL: ") and "triton err" in status and "auto err" in status
 
 
 def test_budget_skips_later_steps(tmp_path):

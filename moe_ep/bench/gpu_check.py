@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from .. import selector
 from ..experts import moe_experts
 from ..kernels import autotune
 from ..kernels.runtime import interpreting
@@ -102,12 +103,12 @@ def checks_for(device: torch.device) -> list[Check]:
     """Small shapes (odd and unaligned ones included) and, on a GPU, Mixtral-8x7B's expert shapes
     at a moderate token count (the float64 reference runs expert by expert there)."""
     small = [
-        Check("small uniform top-2 SwiGLU", Shape(96, 64, 96, 8, 2)),
-        Check("small skewed top-2 SwiGLU", Shape(96, 64, 96, 8, 2), "skewed"),
-        Check("small empty expert top-2 GeGLU", Shape(80, 64, 48, 6, 2), "skip_last", "gelu"),
-        Check("small top-1 GeGLU", Shape(64, 32, 64, 4, 1), activation="gelu"),
-        Check("small all tokens to one expert top-1", Shape(40, 32, 32, 4, 1), "one_expert"),
-        Check("small top-k = E", Shape(24, 32, 16, 4, 4)),
+        Check("small uniform top-2 SwiGLU", Shape(48, 32, 48, 8, 2)),
+        Check("small skewed top-2 SwiGLU", Shape(48, 32, 48, 8, 2), "skewed"),
+        Check("small empty expert top-2 GeGLU", Shape(40, 32, 48, 6, 2), "skip_last", "gelu"),
+        Check("small top-1 GeGLU", Shape(32, 32, 64, 4, 1), activation="gelu"),
+        Check("small all tokens to one expert top-1", Shape(24, 32, 32, 4, 1), "one_expert"),
+        Check("small top-k = E", Shape(16, 32, 16, 4, 4)),
         Check("small unaligned rows", Shape(37, 17, 9, 5, 2)),
     ]
     if device.type != "cuda":
@@ -162,18 +163,22 @@ def _worst(outs, refs) -> float:
 
 @contextlib.contextmanager
 def autotuning(on: bool):
-    """MOE_EP_AUTOTUNE for the block, with the process's tuning choices cleared on entry and exit."""
-    previous = os.environ.get(autotune.ENV_VAR)
-    os.environ[autotune.ENV_VAR] = "1" if on else "0"
-    autotune.clear_cache()
-    try:
-        yield
-    finally:
-        autotune.clear_cache()
-        if previous is None:
-            os.environ.pop(autotune.ENV_VAR, None)
-        else:
-            os.environ[autotune.ENV_VAR] = previous
+    """MOE_EP_AUTOTUNE for the block, with the process's decisions cleared on entry and exit and a
+    fresh selector cache, so each check measures (the user's cache is neither read nor written)."""
+    saved = {name: os.environ.get(name) for name in (autotune.ENV_VAR, selector.CACHE_ENV_VAR)}
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ[autotune.ENV_VAR] = "1" if on else "0"
+        os.environ[selector.CACHE_ENV_VAR] = cache
+        selector.clear()
+        try:
+            yield
+        finally:
+            selector.clear()
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def run_check(check: Check, dtype: torch.dtype, device: torch.device, seed: int) -> dict:
@@ -186,6 +191,7 @@ def run_check(check: Check, dtype: torch.dtype, device: torch.device, seed: int)
     refs = _outputs(lambda *a: reference(*a, activation=act), x, idx, w, gate_up, down, dy)
     triton_fn = lambda *a: moe_experts(*a, activation=act, backend="triton")  # noqa: E731
     torch_fn = lambda *a: moe_experts(*a, activation=act, backend="torch")  # noqa: E731
+    auto_fn = lambda *a: moe_experts(*a, activation=act, backend="auto")  # noqa: E731
     row = dict(check=check.name, shape=vars(check.shape), dtype=str(dtype)[6:], tolerance=TOLERANCE[dtype])
     try:
         triton_out = _outputs(triton_fn, x, idx, w, gate_up, down, dy)
@@ -200,7 +206,13 @@ def run_check(check: Check, dtype: torch.dtype, device: torch.device, seed: int)
         row["triton_vs_torch"] = _worst(triton_out, torch_out)
     except Exception as err:  # the torch backend's own limits (a dtype grouped_mm lacks) are recorded
         row["torch_status"] = f"torch backend raised {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    # The selector's choice on this problem (decided by its first call, measuring both paths).
+    auto_out = _outputs(auto_fn, x, idx, w, gate_up, down, dy)
+    row["auto_path"] = selector.choose(x, idx, w, gate_up, down, act, pinned=None, group=None)
+    row["auto_err"] = _worst(auto_out, refs)
     problems = []
+    if not row["auto_err"] <= TOLERANCE[dtype]:
+        problems.append(f"auto err {row['auto_err']:.1e} > {TOLERANCE[dtype]:.0e}")
     if not row["triton_err"] <= TOLERANCE[dtype]:
         problems.append(f"triton err {row['triton_err']:.1e} > {TOLERANCE[dtype]:.0e}")
     if "torch_err" in row and not row["torch_err"] <= TOLERANCE[dtype]:

@@ -163,6 +163,8 @@ def expert_variants(device: torch.device) -> dict[str, Lookup]:
     variants = {"moe_ep[torch]": Lookup(partial(_moe_ep, "torch"), None)}
     if device.type == "cuda":
         variants["moe_ep[triton]"] = Lookup(partial(_moe_ep, "triton"), None)
+        # The default on CUDA: whichever of the two measured faster on its first call.
+        variants["moe_ep[auto]"] = Lookup(partial(_moe_ep, "auto"), None)
     grouped = optional_attr("transformers.integrations.moe", "grouped_mm_experts_forward")
     variants[GROUPED_MM] = Lookup(partial(_hf_grouped_mm, grouped.value), None) if grouped.available else grouped
     variants[REFERENCE] = Lookup(_hf_eager, None)
@@ -476,6 +478,14 @@ def target_notes(rows: list[dict], device: torch.device) -> list[str]:
         ok = fb["peak_mib"] <= g["peak_mib"]
         notes.append(f"GPU target peak memory: {fb['peak_mib']:.0f} MiB vs grouped_mm {g['peak_mib']:.0f} MiB "
                      f"({'met' if ok else 'MISSED'})")
+    for routing in ("uniform", "skewed"):
+        auto = row("moe_ep[auto]", "fwd+bwd", T=16384, routing=routing)
+        paths = [r for r in (row(f"moe_ep[{b}]", "fwd+bwd", T=16384, routing=routing) for b in ("triton", "torch"))
+                 if r is not None]
+        if auto is not None and paths:
+            best = min(paths, key=lambda r: r["ms"])
+            notes.append(f"selector T=16384 {routing}: moe_ep[auto] {auto['ms']:.1f} ms, best path {best['variant']} "
+                         f"{best['ms']:.1f} ms: {verdict(best['ms'] / auto['ms'], 0.97)} (never slower, within noise)")
     return notes
 
 

@@ -41,7 +41,7 @@ def moe_experts_ep(
     )
     out_PH = moe_experts(
         tokens.hidden_states, tokens.expert_ids, tokens.weights, gate_up_local, down_local,
-        activation=activation, backend=backend,
+        activation=activation, backend=backend, group=group,
     )
     # moe_experts keeps even an empty batch in the graph, but the backward all-to-alls that
     # every rank must enter should not hang on that promise.
