@@ -24,7 +24,8 @@ A problem (everything but the token count) is decided once, the first time the o
 
 All ranks of the group meet the problem at the same call (the same layer's first call), so the
 one collective pairs up, also on a rank with no tokens (it measures nothing). Under
-``torch.compile`` nothing is measured: the table decided in eager mode, else the defaults.
+``torch.compile`` and in inference mode nothing is measured: the table decided in an eager
+training call, else the defaults.
 ``MOE_EP_AUTOTUNE=0``: no measurement, no cache, no collective; the fixed per-architecture
 defaults (``DEFAULT_PATH``, each space's first configuration).
 
@@ -148,7 +149,8 @@ def choose(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation: str, *, pinne
     bucket = autotune.token_bucket(T * K)
     table = _TABLES.get(problem)
     if table is None:
-        if torch.compiler.is_compiling() or not autotune.enabled():
+        # Nothing to measure with: no eager execution, no autograd, or tuning switched off.
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or not autotune.enabled():
             return default
         table = _decide(problem, (x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI), measure_torch=pinned is None,
                         group=group)

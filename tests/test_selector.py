@@ -119,6 +119,15 @@ def test_pinned_backends(monkeypatch):
     assert measured.calls == 2 and len(selector.decisions()) == 2
 
 
+def test_inference_mode_measures_nothing(monkeypatch):
+    measured = Counter(monkeypatch, selector, "_measure")
+    x, idx, w, gate_up, down = Case("c", T=40, H=H, I=I, E=E, K=K).make(torch.float32)
+    with torch.inference_mode():
+        y = moe_experts(x, idx, w, gate_up, down, backend="auto")
+    assert measured.calls == 0 and selector.decisions() == {}
+    assert rel_err(y, moe_experts_ref(x, idx, w, gate_up, down)) <= TOLERANCE[torch.float32]
+
+
 def test_autotune_off_uses_the_defaults_and_writes_nothing(monkeypatch, tmp_path):
     monkeypatch.setenv(autotune.ENV_VAR, "0")
     measured = Counter(monkeypatch, selector, "_measure")
