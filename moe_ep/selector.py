@@ -23,9 +23,10 @@ A problem (everything but the token count) is decided once, the first time the o
   host sync, no collective, and the same answer on every rank.
 
 All ranks of the group meet the problem at the same call (the same layer's first call), so the
-one collective pairs up, also on a rank with no tokens (it measures nothing). Under
-``torch.compile`` and in inference mode nothing is measured: the table decided in an eager
-training call, else the defaults.
+one collective pairs up, also on a rank with no tokens (it measures nothing). The measurement
+runs under identity saved-tensor hooks, so activation checkpointing or offloading around the call
+never sees its tensors. Under ``torch.compile``, in inference mode and on fake or meta tensors
+nothing is measured: the table decided in an eager training call, else the defaults.
 ``MOE_EP_AUTOTUNE=0``: no measurement, no cache, no collective; the fixed per-architecture
 defaults (``DEFAULT_PATH``, each space's first configuration).
 
@@ -36,6 +37,7 @@ its checksum is reported with a warning and neither loaded nor overwritten."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -149,12 +151,20 @@ def choose(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation: str, *, pinne
     bucket = autotune.token_bucket(T * K)
     table = _TABLES.get(problem)
     if table is None:
-        # Nothing to measure with: no eager execution, no autograd, or tuning switched off.
-        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or not autotune.enabled():
+        if not _can_measure(x_TH):
             return default
         table = _decide(problem, (x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI), measure_torch=pinned is None,
                         group=group)
     return pinned or table.path(bucket, default)
+
+
+def _can_measure(x_TH: torch.Tensor) -> bool:
+    """False without eager execution (torch.compile), data (fake or meta tensors: shapes only),
+    autograd (inference mode), or with tuning switched off."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or is_fake(x_TH)
+                or x_TH.device.type == "meta" or not autotune.enabled())
 
 
 def _decide(problem: Problem, inputs: tuple, *, measure_torch: bool, group) -> Table:
@@ -222,7 +232,11 @@ def _measure(problem: Problem, inputs: tuple, measure_torch: bool) -> dict:
 
     paths = {"triton": step(experts_triton), "torch": step(lambda *a: experts_torch_fwd(*a)[0])}
     times: dict[str, float | None] = {}
-    with torch.enable_grad():
+    # The measurement's own graph keeps its tensors as they are: the caller's saved-tensor hooks
+    # (activation checkpointing, offloading, a memory probe) must not see them.
+    hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+             if torch._C._autograd._saved_tensors_hooks_is_enabled() else contextlib.nullcontext())
+    with torch.enable_grad(), hooks:
         with autotune.tuning() as session:
             paths["triton"]()  # tunes each kernel, and warms the path up
             times["triton"] = _timed(paths["triton"], x_TH.device, warmup=False)

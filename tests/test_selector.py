@@ -119,6 +119,33 @@ def test_pinned_backends(monkeypatch):
     assert measured.calls == 2 and len(selector.decisions()) == 2
 
 
+def test_the_first_call_under_saved_tensor_hooks_and_checkpointing():
+    """The measurement's graph is its own: a hook around the first call sees what the op saves and
+    nothing more, and a checkpointed first call recomputes and differentiates correctly."""
+    x, idx, w, gate_up, down = Case("c", T=40, H=H, I=I, E=E, K=K).make(torch.float32)
+
+    def saved_by_one_call():
+        packed = []
+        leaves = [t.detach().requires_grad_() for t in (x, w, gate_up, down)]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            moe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], backend="auto")
+        return len(packed)
+
+    first = saved_by_one_call()
+    assert len(selector.decisions()) == 1 and first == saved_by_one_call()
+    selector.clear()
+    leaves = [t.detach().requires_grad_() for t in (x, w, gate_up, down)]
+    y = torch.utils.checkpoint.checkpoint(
+        lambda a, b, c, d: moe_experts(a, idx, b, c, d, backend="auto"), *leaves, use_reentrant=False)
+    grads = torch.autograd.grad(y, leaves, torch.ones_like(y))
+    ref = [t.detach().double().requires_grad_() for t in (x, w, gate_up, down)]
+    y_ref = moe_experts_ref(ref[0], idx, *ref[1:])
+    grads_ref = torch.autograd.grad(y_ref, ref, torch.ones_like(y_ref))
+    assert len(selector.decisions()) == 1
+    for got, want in zip([y, *grads], [y_ref, *grads_ref]):
+        assert rel_err(got.detach(), want) <= TOLERANCE[torch.float32]
+
+
 def test_inference_mode_measures_nothing(monkeypatch):
     measured = Counter(monkeypatch, selector, "_measure")
     x, idx, w, gate_up, down = Case("c", T=40, H=H, I=I, E=E, K=K).make(torch.float32)
