@@ -409,7 +409,7 @@ def bench_copy(device: torch.device, args) -> dict:
 def _sync_checks(p: Problem, inp: Inputs) -> dict[str, Lookup]:
     checks = {}
     variants = expert_variants(p.device)
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "auto"):
         checks[f"route_topk[{backend}]"] = Lookup(partial(route_topk, inp.x_TH, inp.router_EH, p.K, backend=backend), None)
         op = variants.get(f"moe_ep[{backend}]", Lookup(None, f"not run on {p.device.type}"))
         checks[f"moe_experts[{backend}] fwd+bwd"] = Lookup(partial(_outputs, op.value, inp), None) if op.available else op
