@@ -40,8 +40,8 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 
-from moe_ep.kernels import cost
-from moe_ep.kernels.runtime import interpreting
+from . import cost
+from .runtime import interpreting
 
 PACKAGE = "moe_ep.kernels"
 FOLDER = pathlib.Path(__file__).resolve().parent

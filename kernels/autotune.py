@@ -4,7 +4,7 @@ Each kernel has a few hand-picked configurations per architecture. A launch is k
 problem shapes, dtype, GPU architecture, token-count bucket) and uses, in this order:
 
 1. the configuration agreed for its key (``install``: the op layer agrees on them across the ranks
-   of a process group, or loads them from its disk cache, see ``moe_ep.selector``);
+   of a process group, or loads them from its disk cache, see ``moe_ep.ops.selector``);
 2. inside a tuning session (``tuning()``), the fastest eligible configuration timed on the real
    inputs, kept by the session, which reports every timing (the session is where host syncs are
    allowed: the first sight of a problem, never the middle of a later step);
@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from moe_ep.kernels.runtime import interpreting
+from .runtime import interpreting
 
 ENV_VAR = "MOE_EP_AUTOTUNE"
 

@@ -28,12 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ep.kernels import autotune, cost
-from moe_ep.kernels.aot_spec import TRITON_TYPES, KernelSpec, pointer
-from moe_ep.kernels.autotune import Config
-from moe_ep.kernels.runtime import interpreting, on_device, sm_count
-from moe_ep.kernels.cost import MIXTRAL
-from moe_ep.kernels.routing_metadata import RoutingMetadata, padded_rows
+from . import autotune, cost
+from .aot_spec import TRITON_TYPES, KernelSpec, pointer
+from .autotune import Config
+from .cost import MIXTRAL
+from .routing_metadata import RoutingMetadata, padded_rows
+from .runtime import interpreting, on_device, sm_count
 
 ACTIVATIONS = ("silu", "gelu")
 # Row blocks of the padded layout grouped along M so that consecutive programs reuse the same

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ep.kernels.aot_spec import TRITON_TYPES, KernelSpec, pointer
-from moe_ep.kernels.runtime import on_device
+from .aot_spec import TRITON_TYPES, KernelSpec, pointer
+from .runtime import on_device
 
 # tl.dot needs every dimension >= 16; the experts axis is padded to a power of two at least this.
 MIN_BLOCK_E = 16

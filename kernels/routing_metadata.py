@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ep.kernels.aot_spec import KernelSpec, pointer
-from moe_ep.kernels.runtime import on_device
+from .aot_spec import KernelSpec, pointer
+from .runtime import on_device
 
 # [CHUNK, E_TILE] one-hot tiles: 4096 int32 per program, which stays in registers at 4 warps.
 CHUNK = 256

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from moe_ep.kernels.runtime import interpreting
-from moe_ep.experts import moe_experts
-from moe_ep import selector
+from moe_ep.ops.experts import moe_experts
+from moe_ep.ops import selector
 from moe_ep.kernels import autotune
 from moe_ep.kernels import grouped_gemm as gg
 from moe_ep.kernels.autotune import Config
 
-from conftest import requires_cuda
+from markers import requires_cuda
 from moe_cases import CASES
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

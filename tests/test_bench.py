@@ -15,9 +15,10 @@ from moe_ep.bench.cli import main
 from moe_ep.bench.optional import optional_attr, optional_import
 from moe_ep.bench.routing_cases import make_routing, max_load_share
 from moe_ep.bench.timing import measure
-from moe_ep.reference import moe_experts_ref
+from moe_ep.ops.reference import moe_experts_ref
 
-from conftest import TOLERANCE, rel_err, requires_cuda, requires_ep_registry
+from markers import requires_cuda, requires_ep_registry
+from numerics import TOLERANCE, rel_err
 
 TINY = ["--warmup", "0", "--reps", "1"]
 

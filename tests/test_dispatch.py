@@ -17,14 +17,16 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import HAS_EP_REGISTRY, TOLERANCE, rel_err, requires_cuda, requires_ep_registry
 from dist_utils import run_ranks
+from markers import HAS_EP_REGISTRY, requires_cuda, requires_ep_registry
+from numerics import TOLERANCE, rel_err
+from routing_rules import keep_mask_reference, remap_routing
 from moe_ep.bench.dispatch import count_sent_bytes
 from moe_ep.dispatch import CountExchangeBytes, capacity_keep_mask, count_exchange_bytes, expert_capacity, wire_bytes
-from moe_ep.reference import moe_experts_ref
+from moe_ep.ops.reference import moe_experts_ref
 
 TOL = TOLERANCE[torch.float32]
-# The ranks run transformers' expert-parallel entries only where its registry exists (conftest).
+# The ranks run transformers' expert-parallel entries only where its registry exists (markers.py).
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,19 +74,6 @@ class Case:
         gate_up = torch.randn(E, 2 * self.I, self.H, generator=g) / self.H**0.5
         down = torch.randn(E, self.H, self.I, generator=g) / self.I**0.5
         return xs, idxs, ws, dys, gate_up, down
-
-
-def keep_mask_reference(idx_TK, w_TK, num_experts: int, capacity: int) -> torch.Tensor:
-    """The documented capacity policy as a plain loop: per expert, highest weight first, lower
-    token index first among equal weights, keep ``capacity``."""
-    T, K = idx_TK.shape
-    keep = torch.zeros(T, K, dtype=torch.bool)
-    for e in range(num_experts):
-        pairs = [(t, k) for t in range(T) for k in range(K) if idx_TK[t, k] == e]
-        pairs.sort(key=lambda p: (-float(w_TK[p]), p[0]))
-        for p in pairs[:capacity]:
-            keep[p] = True
-    return keep
 
 
 CASES_2 = [
@@ -224,7 +213,7 @@ class HostSyncRecorder(TorchDispatchMode):
 
 # The value checks of the public ops read values on the CPU only; on CUDA they are queued on the
 # device (torch._assert_async), so they are no host sync where one matters.
-CPU_ONLY_CHECKS = ("_validate.py:check_indices_in_range", "_validate.py:check_on_device")
+CPU_ONLY_CHECKS = ("ops/validate.py:check_indices_in_range", "ops/validate.py:check_on_device")
 
 
 def _audit(rank: int, world: int, capacity_factor) -> list[str]:
@@ -275,7 +264,7 @@ def _transformers_ep(rank: int, world: int) -> dict:
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
     from hf_models import tiny_config
-    from moe_ep.dispatch import register_transformers_ep
+    from moe_ep.hf import register_transformers_ep
 
     registered = register_transformers_ep()
     config = tiny_config("mixtral", num_local_experts=4)
@@ -312,7 +301,7 @@ def _transformers_ep_from_pretrained(rank: int, world: int, checkpoint: str, *, 
     transformers' own all-to-all on the same layout (when ``impls`` runs both).
 
     On the ranks in ``routed_to_first_rank`` every token's experts are rewritten to experts of
-    the first rank of its expert group (``_remap_routing``), so when a whole group is rewritten its
+    the first rank of its expert group (``remap_routing``), so when a whole group is rewritten its
     other ranks receive no rows, and transformers' eager experts answer an empty batch with a
     tensor outside the autograd graph."""
     from torch.distributed.tensor import DTensor
@@ -320,8 +309,7 @@ def _transformers_ep_from_pretrained(rank: int, world: int, checkpoint: str, *, 
     from transformers.distributed import DistributedConfig
 
     from hf_models import tiny_batch
-    from moe_ep.parallel.expert_sharding import experts_modules
-    from test_parallel import _remap_routing
+    from moe_ep.hf import experts_modules
 
     ep = world if ep is None else ep
     routed = []
@@ -330,7 +318,7 @@ def _transformers_ep_from_pretrained(rank: int, world: int, checkpoint: str, *, 
         if rank not in routed_to_first_rank:
             return model
         experts = experts_modules(model)
-        hook = _remap_routing("first_rank_only", experts[0][1].config.num_local_experts, ep)
+        hook = remap_routing("first_rank_only", experts[0][1].config.num_local_experts, ep)
         for _, module in experts:
             module.register_forward_pre_hook(hook)
             module.register_forward_pre_hook(lambda module, args: routed.append(args[1].detach().clone()))
@@ -518,7 +506,7 @@ def test_host_sync_recorder_sees_reads_in_backward_and_tolist(world2):
 
 
 def test_registering_with_transformers_follows_the_registry():
-    from moe_ep.dispatch import register_transformers_ep
+    from moe_ep.hf import register_transformers_ep
 
     assert register_transformers_ep() is HAS_EP_REGISTRY
 
@@ -736,3 +724,25 @@ def test_gather_rows_gradient_sums_listed_copies_only():
     (out * dy.float()).sum().backward()
     want = torch.stack([dy[1], dy[3], dy[0] + dy[2], torch.zeros(3, dtype=torch.float64)])
     assert rel_err(xs.grad, want) <= TOL
+
+
+def test_expert_parallel_layer_checks_the_expert_ids_once_per_call(monkeypatch):
+    """moe_experts_ep validates its arguments at its boundary; the dispatch, the local experts and
+    the combine behind it take them as validated (the expert-id range check ran twice per call
+    before: at dispatch and again on the dispatched ids)."""
+    import moe_ep.ops.validate as validate
+    from moe_ep.dispatch import moe_experts_ep
+
+    checked = []
+    original = validate.check_indices_in_range
+    monkeypatch.setattr(validate, "check_indices_in_range", lambda *args: (checked.append(args[0]), original(*args)))
+    case = Case("once", T=6, E=4, K=2)
+    xs, idxs, ws, _, gate_up, down = case.make(1, seed=0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        y = moe_experts_ep(xs[0], idxs[0], ws[0], gate_up, down, group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    assert checked == ["top_k_index"]
+    want = moe_experts_ref(xs[0], idxs[0], ws[0], gate_up, down)
+    assert rel_err(y, want) <= TOL

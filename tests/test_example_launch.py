@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import TOLERANCE, rel_err
+from numerics import TOLERANCE, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "mixtral"

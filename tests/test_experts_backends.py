@@ -1,40 +1,130 @@
-"""What both backends of moe_experts must do alike: routing weights in any float dtype, and a
-backward that builds no gradient for the tensors the forward only saves."""
+"""moe_experts on both backends against the float64 reference: torch (one sort and
+torch._grouped_mm, on the CPU and, when there is one, on the GPU, where its grouped matmuls run
+other kernels) and triton (the fused kernels, under TRITON_INTERPRET=1 on the CPU). Every routing
+case and dtype with every gradient, larger grids, GeGLU and half routing weights; bitwise
+determinism, an empty expert's exact zero gradient; the custom ops' registration (opcheck,
+torch.compile), no gradient built for what the forward only saves, tensors on another GPU, no
+host sync on CUDA."""
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_ep
-from moe_ep.experts_torch import experts_torch_fwd
-from moe_ep.experts_triton import experts_triton_fwd
+from markers import requires_cuda
+from moe_cases import CASES, Case, run_with_grads
 from moe_ep.kernels.grouped_gemm import routing_block
-from moe_ep.reference import moe_experts_ref
+from moe_ep.ops.experts_torch import experts_torch_fwd
+from moe_ep.ops.experts_triton import experts_triton_fwd
+from moe_ep.ops.reference import moe_experts_ref
+from numerics import TOLERANCE, rel_err
 
-from conftest import TOLERANCE, rel_err
-from moe_cases import CASES, run_with_grads
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["torch", "triton"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (backend, device): the torch backend also on the CPU when there is a GPU.
+PLACES = [("torch", "cpu")] + ([("torch", "cuda")] if DEVICE == "cuda" else []) + [("triton", DEVICE)]
+GRAD_NAMES = ["hidden_states", "top_k_weights", "gate_up_proj", "down_proj"]
+# Two row blocks per expert, several reduction steps and column tiles, ragged edges.
+MULTI_TILE = Case("multi_tile", T=70, H=72, I=72, E=2, K=2)
+# More experts than one metadata tile and more row blocks than one GEMM program group.
+MANY_EXPERTS = Case("many_experts", T=40, H=16, I=8, E=20, K=3)
 ZERO_FILLS = {"aten.zeros.default", "aten.zeros_like.default", "aten.new_zeros.default", "aten.zero_.default",
               "aten.fill_.Scalar"}
+
+
+def experts(backend: str, activation: str = "silu"):
+    return lambda x, idx, w, gate_up, down: moe_ep.moe_experts(x, idx, w, gate_up, down, activation=activation,
+                                                               backend=backend)
+
+
+def check_against_reference(backend, device, case, dtype, *, activation="silu", weights_dtype=torch.float32):
+    x, idx, w, gate_up, down = case.make(dtype, device=device, weights_dtype=weights_dtype)
+    dy = torch.randn(case.T, case.H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y, grads = run_with_grads(experts(backend, activation), x, idx, w, gate_up, down, dy)
+    y_ref, grads_ref = run_with_grads(
+        lambda *a: moe_experts_ref(*a, activation=activation), *(t.cpu() for t in (x, idx, w, gate_up, down)), dy
+    )
+    assert y.dtype == dtype and y.shape == (case.T, case.H) and y.device.type == device
+    tol = TOLERANCE[dtype]
+    assert rel_err(y.cpu(), y_ref) <= tol, "output"
+    for name, g, g_ref, leaf in zip(GRAD_NAMES, grads, grads_ref, (x, w, gate_up, down)):
+        assert g.shape == g_ref.shape and g.dtype == leaf.dtype, name
+        assert rel_err(g.cpu(), g_ref) <= tol, name
+
+
+@pytest.mark.parametrize("backend, device", PLACES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_matches_float64_reference(case, dtype, backend, device):
+    check_against_reference(backend, device, case, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [MULTI_TILE, MANY_EXPERTS], ids=lambda c: c.name)
+def test_larger_grids_match_float64_reference(case, dtype, backend):
+    check_against_reference(backend, DEVICE, case, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gelu_matches_float64_reference(dtype, backend):
+    check_against_reference(backend, DEVICE, CASES[0], dtype, activation="gelu")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: c.name)
 def test_half_routing_weights_match_float64_reference(case, dtype, backend):
-    x, idx, w, gate_up, down = case.make(dtype, device=DEVICE, weights_dtype=dtype)
-    dy = torch.randn(case.T, case.H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    y, grads = run_with_grads(
-        lambda *a: moe_ep.moe_experts(*a, backend=backend), x, idx, w, gate_up, down, dy
-    )
+    check_against_reference(backend, DEVICE, case, dtype, weights_dtype=dtype)
+
+
+@pytest.mark.parametrize("backend, device", PLACES)
+@pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=lambda c: c.name)
+def test_bitwise_deterministic(case, backend, device):
+    x, idx, w, gate_up, down = case.make(torch.bfloat16, device=device)
+    dy = torch.randn(case.T, case.H, dtype=torch.float64)
+    y1, g1 = run_with_grads(experts(backend), x, idx, w, gate_up, down, dy)
+    y2, g2 = run_with_grads(experts(backend), x, idx, w, gate_up, down, dy)
+    assert torch.equal(y1, y2)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_expert_gets_exactly_zero_weight_gradient(backend):
+    case = CASES[4]
+    x, idx, w, gate_up, down = case.make(torch.float32, device=DEVICE)
+    _, (_, _, d_gate_up, d_down) = run_with_grads(experts(backend), x, idx, w, gate_up, down,
+                                                  torch.randn(case.T, case.H))
+    assert torch.count_nonzero(d_gate_up[-1]) == 0 and torch.count_nonzero(d_down[-1]) == 0
+
+
+def _forward_op(backend, x, idx, w, gate_up, down):
+    """The backend's forward custom op and its arguments."""
+    if backend == "torch":
+        return experts_torch_fwd, (x, idx, w, gate_up, down, "silu")
+    return experts_triton_fwd, (x, idx, w, gate_up, down, "silu", routing_block(idx.numel(), gate_up.shape[0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_forward_and_backward_registration(backend):
+    x, idx, w, gate_up, down = CASES[1].make(torch.float32, device=DEVICE)
+    op, args = _forward_op(backend, x.requires_grad_(), idx, w.requires_grad_(), gate_up.requires_grad_(),
+                           down.requires_grad_())
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_compile_sees_forward_and_backward(backend):
+    case = CASES[1]
+    x, idx, w, gate_up, down = case.make(torch.float32, device=DEVICE)
+    dy = torch.randn(case.T, case.H, dtype=torch.float64)
+    compiled = torch.compile(experts(backend), backend="aot_eager", fullgraph=True)
+    y, grads = run_with_grads(compiled, x, idx, w, gate_up, down, dy)
     y_ref, grads_ref = run_with_grads(moe_experts_ref, *(t.cpu() for t in (x, idx, w, gate_up, down)), dy)
-    assert rel_err(y.cpu(), y_ref) <= TOLERANCE[dtype]
-    for name, g, g_ref, leaf in zip(["hidden_states", "top_k_weights", "gate_up_proj", "down_proj"],
-                                    grads, grads_ref, (x, w, gate_up, down)):
-        assert g.dtype == leaf.dtype, name
-        assert rel_err(g.cpu(), g_ref) <= TOLERANCE[dtype], name
+    assert rel_err(y.cpu(), y_ref) <= TOLERANCE[torch.float32]
+    assert all(rel_err(g.cpu(), g_ref) <= TOLERANCE[torch.float32] for g, g_ref in zip(grads, grads_ref))
 
 
 class _ZeroFills(TorchDispatchMode):
@@ -58,14 +148,21 @@ def test_backward_fills_no_gradient_for_saved_outputs(backend):
     GEMM 1's output at Mixtral's shapes that would be gigabytes per layer)."""
     x, idx, w, gate_up, down = (t.requires_grad_() if t.is_floating_point() else t
                                 for t in CASES[0].make(torch.float32, device=DEVICE))
-    if backend == "torch":
-        outputs = experts_torch_fwd(x, idx, w, gate_up, down, "silu")
-    else:
-        outputs = experts_triton_fwd(x, idx, w, gate_up, down, "silu", routing_block(idx.numel(), gate_up.shape[0]))
+    op, args = _forward_op(backend, x, idx, w, gate_up, down)
+    outputs = op(*args)
     with _ZeroFills() as fills:
         outputs[0].sum().backward()
     saved_shapes = {tuple(t.shape) for t in outputs[1:]}
     assert not saved_shapes & set(fills.shapes), fills.shapes
+
+
+def test_backend_env_var(monkeypatch):
+    x, idx, w, gate_up, down = CASES[0].make(torch.float32)
+    monkeypatch.setenv("MOE_EP_BACKEND", "nonsense")
+    with pytest.raises(ValueError, match="MOE_EP_BACKEND"):
+        moe_ep.moe_experts(x, idx, w, gate_up, down)
+    monkeypatch.setenv("MOE_EP_BACKEND", "torch")
+    assert moe_ep.moe_experts(x, idx, w, gate_up, down).shape == x.shape
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -76,9 +173,28 @@ def test_tensors_on_another_gpu_than_the_current_one(backend):
     x, idx, w, gate_up, down = case.make(torch.bfloat16, device="cuda:1")
     dy = torch.randn(case.T, case.H, dtype=torch.float64)
     with torch.cuda.device(0):
-        y, grads = run_with_grads(lambda *a: moe_ep.moe_experts(*a, backend=backend), x, idx, w, gate_up, down, dy)
+        y, grads = run_with_grads(experts(backend), x, idx, w, gate_up, down, dy)
         _, weights, _ = moe_ep.route_topk(x, gate_up[:, 0, :].contiguous(), 2, backend=backend)
     y_ref, grads_ref = run_with_grads(moe_experts_ref, *(t.cpu() for t in (x, idx, w, gate_up, down)), dy)
     assert y.device == torch.device("cuda:1") and weights.device == torch.device("cuda:1")
     assert rel_err(y.cpu(), y_ref) <= TOLERANCE[torch.bfloat16]
     assert all(rel_err(g.cpu(), g_ref) <= TOLERANCE[torch.bfloat16] for g, g_ref in zip(grads, grads_ref))
+
+
+@requires_cuda
+def test_triton_backend_has_no_host_sync_on_cuda():
+    x, idx, w, gate_up, down = CASES[0].make(torch.bfloat16, device="cuda")
+    leaves = [t.requires_grad_() for t in (x, w, gate_up, down)]
+    dy = torch.randn_like(x)
+
+    def step():
+        y = experts("triton")(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+        return torch.autograd.grad(y, leaves, dy)
+
+    step()  # the first call may autotune, which times kernels and so synchronises
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

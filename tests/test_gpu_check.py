@@ -69,7 +69,7 @@ def test_cpu_mode_needs_the_interpreter(monkeypatch):
 
 
 def test_reference_by_expert_matches_the_per_token_loop():
-    from moe_ep.reference import moe_experts_ref, moe_experts_ref_by_expert
+    from moe_ep.ops.reference import moe_experts_ref, moe_experts_ref_by_expert
 
     for check in gpu_check.checks_for(torch.device("cpu")):
         x, idx, w, gate_up, down, dy = gpu_check.make_case(check, torch.float32, torch.device("cpu"), seed=0)

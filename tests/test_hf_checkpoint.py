@@ -11,8 +11,8 @@ import transformers
 from safetensors.torch import save_file
 
 from moe_ep.hf import fused_routers, is_patched, patch
-from tests.conftest import TOLERANCE, rel_err
-from tests.hf_models import FAMILIES, tiny_batch, tiny_model
+from numerics import TOLERANCE, rel_err
+from hf_models import FAMILIES, tiny_batch, tiny_model
 
 FP32 = TOLERANCE[torch.float32]
 

@@ -31,8 +31,9 @@ import pytest
 import torch
 
 from moe_ep.hf import fused_routers, patch
-from tests.conftest import TOLERANCE, rel_err, requires_cuda
-from tests.hf_models import FAMILIES, tiny_batch, tiny_model
+from markers import requires_cuda
+from numerics import TOLERANCE, rel_err
+from hf_models import FAMILIES, tiny_batch, tiny_model
 
 
 def _run(model, batch):

@@ -14,11 +14,11 @@ import torch
 import transformers
 
 import moe_ep.hf as hf
-from moe_ep.experts import moe_experts
+from moe_ep.ops.experts import moe_experts
 from moe_ep.hf import routers
 from moe_ep.hf.routers import FUSED_ROUTER_FORWARDS
-from tests.conftest import TOLERANCE, rel_err
-from tests.hf_models import FAMILIES, tiny_batch, tiny_config, tiny_model
+from numerics import TOLERANCE, rel_err
+from hf_models import FAMILIES, tiny_batch, tiny_config, tiny_model
 
 
 def _router(model):
@@ -33,7 +33,7 @@ def _state(model):
     """Everything patch may touch, to compare two patch calls."""
     return (
         model.config._experts_implementation,
-        [(n, m.__dict__.get("forward"), getattr(m, "moe_ep_backend", "unset")) for n, m in model.named_modules()],
+        [(n, m.__dict__.get("forward"), hf.binding_of(m)) for n, m in model.named_modules()],
     )
 
 
@@ -272,7 +272,7 @@ def test_experts_dispatcher_takes_the_call():
 
     batch = tiny_batch(model.config)
     want = model(**batch).logits
-    experts.moe_ep_dispatcher = dispatcher
+    hf.bind(experts, dispatcher=dispatcher)
     got = model(**batch).logits
     assert len(calls) == 1 and calls[0][0] is experts
     assert calls[0][1] == (14, model.config.hidden_size) and calls[0][2] == (14, model.config.num_experts_per_tok)
@@ -314,7 +314,7 @@ def test_autocast_reaches_the_expert_parallel_dispatcher():
         seen.append((hidden_states.dtype, module.gate_up_proj.dtype, module.down_proj.dtype))
         return moe_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
 
-    experts.moe_ep_dispatcher = dispatcher
+    hf.bind(experts, dispatcher=dispatcher)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(**batch)
     assert seen == [(torch.bfloat16,) * 3]

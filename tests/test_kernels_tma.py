@@ -6,14 +6,14 @@ several tiles, descriptors clip edge tiles, and padding rows are read unmasked."
 import pytest
 import torch
 
-from moe_ep.experts import moe_experts
+from moe_ep.ops.experts import moe_experts
 from moe_ep.kernels import autotune
 from moe_ep.kernels import grouped_gemm as gg
 from moe_ep.kernels.autotune import Config
 from moe_ep.kernels.routing_metadata import routing_metadata
-from moe_ep.reference import moe_experts_ref
+from moe_ep.ops.reference import moe_experts_ref
 
-from conftest import TOLERANCE, rel_err
+from numerics import TOLERANCE, rel_err
 from moe_cases import CASES, Case, run_with_grads
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

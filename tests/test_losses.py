@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from conftest import TOLERANCE, rel_err
+from numerics import TOLERANCE, rel_err
 from dist_utils import run_ranks
-from moe_ep.losses import expert_counts, load_balancing_loss, router_z_loss, update_expert_bias_
+from moe_ep.ops.losses import expert_counts, load_balancing_loss, router_z_loss, update_expert_bias_
 
 TOL = TOLERANCE[torch.float32]
 E, K, LAYERS = 6, 2, 3

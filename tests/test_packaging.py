@@ -56,12 +56,12 @@ def test_kernels_ship_as_moe_ep_kernels():
 
 
 def test_kernels_import_nothing_above_them():
-    """DESIGN.md's layering: the kernels know nothing of autograd, modules, distributed or Hugging
+    """ARCHITECTURE.md's layering: the kernels know nothing of autograd, modules, distributed or Hugging
     Face, so they import only Triton, torch, the standard library and each other."""
 
-    def allowed(name: str) -> bool:
+    def allowed(name: str) -> bool:  # each other: relative imports only, never through moe_ep
         top = name.split(".")[0]
-        return top in sys.stdlib_module_names or top in ("triton", "torch") or name.startswith("moe_ep.kernels")
+        return top in sys.stdlib_module_names or top in ("triton", "torch")
 
     for path in sorted((REPO / "kernels").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -72,3 +72,138 @@ def test_kernels_import_nothing_above_them():
             else:
                 continue
             assert all(allowed(name) for name in names), f"{path.name} imports {names}"
+
+
+def _fresh(code: str) -> dict:
+    """What ``code`` prints as its last line (JSON), run in a fresh interpreter at the repository root."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+LOADED = """
+import json, sys
+import {module}
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("moe_ep", "transformers", "torch"))))
+"""
+
+
+def test_a_kernel_loads_no_layer_above_the_kernels():
+    """Importing one kernel module in a fresh interpreter loads moe_ep's package file, its import
+    hook and kernel modules: no op, distributed, Hugging Face, planner or training code, and no
+    transformers."""
+    loaded = _fresh(LOADED.format(module="moe_ep.kernels.grouped_gemm"))
+    ours = [m for m in loaded if m.startswith("moe_ep")]
+    assert "moe_ep.kernels.grouped_gemm" in ours
+    assert all(m in ("moe_ep", "moe_ep._on_import", "moe_ep.kernels") or m.startswith("moe_ep.kernels.")
+               for m in ours), ours
+    assert not [m for m in loaded if m.startswith("transformers")]
+
+
+def test_import_moe_ep_is_cheap_and_registers_when_transformers_loads():
+    """``import moe_ep`` alone imports neither torch nor transformers; transformers, imported
+    afterwards, finds both "moe_ep" entries registered, and a public name loads on first use."""
+    loaded = _fresh(LOADED.format(module="moe_ep"))
+    assert loaded == ["moe_ep", "moe_ep._on_import"]
+    found = _fresh("""
+import importlib.util, json
+import moe_ep
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+ep = importlib.util.find_spec("transformers.distributed.expert_parallel") is not None
+if ep:
+    from transformers.distributed.expert_parallel import EPImplementationInterface
+print(json.dumps({"experts": ALL_EXPERTS_FUNCTIONS.get("moe_ep") is moe_ep.hf.moe_ep_experts_forward,
+                  "ep": (not ep) or "moe_ep" in EPImplementationInterface(),
+                  "public": [name for name in moe_ep.__all__ if getattr(moe_ep, name, None) is None]}))
+""")
+    assert found == {"experts": True, "ep": True, "public": []}
+
+
+def test_the_example_and_the_readme_use_public_names_only():
+    """The example imports only from ``moe_ep`` itself, and every ``moe_ep.<name>`` that it or the
+    README's Python code uses is in ``moe_ep.__all__``."""
+    import re
+
+    import moe_ep
+
+    used = {}
+    for path in sorted((REPO / "examples" / "mixtral").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "moe_ep":
+                assert node.module == "moe_ep", f"{path.name} imports from {node.module}"
+                used.update({alias.name: path.name for alias in node.names})
+            elif isinstance(node, ast.Import):
+                assert not [a.name for a in node.names if a.name.startswith("moe_ep.")], path.name
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "moe_ep":
+                used[node.attr] = path.name
+    for block in re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+        used.update({name: "README.md" for name in re.findall(r"\bmoe_ep\.(\w+)", block)})
+    assert used, "found no use of moe_ep"
+    assert {name: where for name, where in used.items() if name not in moe_ep.__all__} == {}
+
+
+# ARCHITECTURE.md's layers, bottom up; a layer may import only layers of a lower rank (hf and the
+# planner know nothing of each other). moe_ep/__init__.py is the top.
+LAYER_RANK = {"kernels": 0, "_on_import": 0, "ops": 1, "dispatch": 2, "hf": 3, "planner": 3, "parallel": 4,
+              "training": 5, "bench": 6, "cli": 6, "": 7}
+
+
+def _moe_ep_imports() -> dict[str, set[str]]:
+    """Module -> the moe_ep modules it imports when it runs (module-level and inside functions;
+    not under ``if TYPE_CHECKING:``), kernels/ included as moe_ep.kernels."""
+    files = {}
+    for path in sorted((REPO / "moe_ep").rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        if parts[1:2] == ("kernels",):
+            continue
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = (path, parts[-1] == "__init__")
+    for path in sorted((REPO / "kernels").glob("*.py")):
+        files[f"moe_ep.kernels.{path.stem}"] = (path, False)
+    graph = {}
+    for name, (path, is_package) in files.items():
+        package = name if is_package else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree)
+                       if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+                       for n in ast.walk(node)}
+        found = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                found.update(f"{target}.{a.name}" if f"{target}.{a.name}" in files else target for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        # A package's own ancestors are being imported already: not an edge.
+        graph[name] = {t for t in found if t in files and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def test_the_import_graph_has_no_cycle_and_only_downward_edges():
+    graph = _moe_ep_imports()
+
+    def layer(module: str) -> str:
+        return module.split(".")[1] if "." in module else ""
+
+    upward = [f"{m} -> {t}" for m, targets in graph.items() for t in targets
+              if layer(m) != layer(t) and LAYER_RANK[layer(t)] >= LAYER_RANK[layer(m)]]
+    assert upward == []
+    done, on_path = set(), []
+
+    def visit(module: str) -> None:
+        assert module not in on_path, " -> ".join(on_path[on_path.index(module):] + [module])
+        if module in done:
+            return
+        on_path.append(module)
+        for target in sorted(graph[module]):
+            visit(target)
+        on_path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+    assert {"moe_ep.parallel.parallelize", "moe_ep.parallel.pipeline.build", "moe_ep.kernels.grouped_gemm"} <= set(graph)

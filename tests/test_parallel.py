@@ -15,8 +15,10 @@ first rank of an ep group owns a chosen expert (the others receive no tokens), a
 one expert gets every token, each on ep=2 and on every 4-rank layout, for five steps, with the
 pairs each rank's experts received counted to show the routing is what it claims; capacity mode
 (ep=2 and ep=4), the reference dropping the pairs the policy picks from the parallel model's own
-fp32 routing weights; full state dicts gathered and loaded back on ep=2 (both families),
-ep=2 x edp=2 and HSDP. Every layout of one world size runs inside ONE spawned process group."""
+fp32 routing weights; a model on transformers' eager experts, switched by parallelize; full state
+dicts gathered and loaded back on ep=2 (both families), ep=2 x edp=2 and HSDP. Every run of one
+world size runs inside ONE spawned process group; the runs are typed tables (PARITY_2, PARITY_4,
+ROUNDTRIPS_2, ROUNDTRIPS_4) that the spawned ranks and the parametrize lists both read."""
 
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import TOLERANCE, rel_err
 from dist_utils import RankError, run_ranks
+from numerics import TOLERANCE, rel_err
+from routing_rules import keep_mask_reference, remap_routing
 
 TOL = TOLERANCE[torch.float32]
 STEPS = 5
@@ -40,32 +43,6 @@ STEPS = 5
 # comparison well conditioned.
 LR = 1e-3
 MAX_NORM = 1.0
-
-
-def _remap_routing(routing: str, num_experts: int, ep: int):
-    """A pre-hook on each experts module that rewrites the chosen experts (top-2), applied the
-    same way to the parallel model and the reference: the routing weights still come from the
-    router, so every gradient path stays live."""
-    L = num_experts // ep
-
-    def first_rank_only(idx):  # every chosen expert lives on rank 0: rank 1.. receive nothing
-        first = idx[:, 0] % L
-        second = idx[:, 1] % L
-        second = torch.where(second == first, (first + 1) % L, second)
-        return torch.stack([first, second], dim=1)
-
-    def one_expert_all(idx):  # expert E-1 is in every token's top-2
-        last = torch.full_like(idx[:, 0], num_experts - 1)
-        other = torch.where(idx[:, 1] == num_experts - 1, idx[:, 0], idx[:, 1])
-        return torch.stack([last, other], dim=1)
-
-    remap = {"first_rank_only": first_rank_only, "one_expert_all": one_expert_all}[routing]
-
-    def hook(module, args):
-        hidden, idx, weights = args
-        return hidden, remap(idx), weights
-
-    return hook
 
 
 def _record_routing(records: list):
@@ -86,17 +63,17 @@ def _count_received_pairs(counts: list):
     actually delivered here, not what the routing asked for."""
     import moe_ep.dispatch.expert_parallel as expert_parallel
 
-    original = expert_parallel.moe_experts
+    original = expert_parallel.run_experts
 
     def counting(hidden, expert_ids, weights, gate_up_local, *args, **kwargs):
         counts.append(torch.bincount(expert_ids.reshape(-1), minlength=gate_up_local.shape[0]).tolist())
         return original(hidden, expert_ids, weights, gate_up_local, *args, **kwargs)
 
-    expert_parallel.moe_experts = counting
+    expert_parallel.run_experts = counting
     try:
         yield
     finally:
-        expert_parallel.moe_experts = original
+        expert_parallel.run_experts = original
 
 
 def _assert_routing_claim(result: dict) -> None:
@@ -123,7 +100,6 @@ def _drop_as_recorded(capacity_factor: float, records_by_rank: list, dropped: li
     ones: a near tie (seen: 0.030845307 vs 0.030845288) can order differently in float64 and drop
     another token. Appends each call's dropped pairs to ``dropped``."""
     from moe_ep.dispatch import expert_capacity
-    from test_dispatch import keep_mask_reference
 
     calls = iter(zip(*records_by_rank))
 
@@ -147,13 +123,13 @@ def _build(family: str, *, dtype, experts_implementation: str, routing: str, ep:
            capacity_hook=None):
     from hf_models import tiny_model
     from moe_ep.hf import register
-    from moe_ep.parallel.expert_sharding import experts_modules
+    from moe_ep.hf import experts_modules
 
     register()
     model = tiny_model(family, dtype=dtype, experts_implementation=experts_implementation, **overrides).train()
     experts = experts_modules(model)
     if routing != "natural":
-        hook = _remap_routing(routing, experts[0][1].gate_up_proj.shape[0], ep)
+        hook = remap_routing(routing, experts[0][1].gate_up_proj.shape[0], ep)
         for _, module in experts:
             module.register_forward_pre_hook(hook)
     if capacity_hook is not None:  # after the remapping: it sees the experts actually routed to
@@ -184,21 +160,103 @@ def _reference(family, routing, ep, overrides, batch, steps, activation_checkpoi
     return losses, norms, grads
 
 
-def _parity(rank, world, family, layout, *, routing="natural", overrides=None, steps=STEPS,
-            mixed_precision=None, activation_checkpointing=False, capacity_factor=None) -> dict | None:
-    """Train the parallel model; on rank 0 compare with the reference. Returns the relative
-    errors (rank 0) or None."""
+@dataclass(frozen=True)
+class Parity:
+    """One parallel training run of ``family`` (its config changed by ``overrides``), compared on
+    rank 0 with one process on the whole batch in float64 with transformers' eager experts."""
+
+    family: str
+    ep: int = 1
+    dp_replicate: int = 1
+    dp_shard: int | None = None
+    routing: str = "natural"  # or one of routing_rules.remap_routing's hard routings
+    overrides: tuple[tuple[str, object], ...] = ()
+    steps: int = STEPS
+    bf16: bool = False  # compute in bf16 (FSDP mixed precision), reduce in fp32
+    activation_checkpointing: bool = False
+    capacity_factor: float | None = None
+    experts_implementation: str = "moe_ep"  # what the model is built with, before parallelize
+
+    @property
+    def layout(self) -> dict:
+        return dict(ep=self.ep, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard)
+
+
+@dataclass(frozen=True)
+class Roundtrip:
+    """full_state_dict of a parallelized ``family`` model, loaded back into another; the experts
+    module of layer 0 must keep ``local_expert_rows`` rows of gate_up_proj on each rank."""
+
+    family: str
+    local_expert_rows: int
+    ep: int = 1
+    dp_replicate: int = 1
+    dp_shard: int | None = None
+
+    @property
+    def layout(self) -> dict:
+        return dict(ep=self.ep, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard)
+
+
+MIXTRAL_8 = (("num_local_experts", 8),)
+PARITY_2 = {
+    "mixtral_ep2": Parity("mixtral", ep=2),
+    "qwen3_ep2": Parity("qwen3_moe", ep=2),
+    "mixtral_ep2_rank1_gets_nothing": Parity("mixtral", ep=2, routing="first_rank_only"),
+    "qwen3_ep2_one_expert_gets_all": Parity("qwen3_moe", ep=2, routing="one_expert_all"),
+    "qwen3_ep2_activation_checkpointing": Parity("qwen3_moe", ep=2, steps=1, activation_checkpointing=True),
+    "mixtral_ep1_fsdp_only": Parity("mixtral", ep=1, steps=2),
+    "mixtral_ep2_eager_experts_patched_by_parallelize": Parity("mixtral", ep=2, steps=2,
+                                                               experts_implementation="eager"),
+    "qwen3_ep2_capacity_drops": Parity("qwen3_moe", ep=2, steps=2, capacity_factor=0.5),
+    "mixtral_ep2_bf16": Parity("mixtral", ep=2, steps=1, bf16=True),
+}
+LAYOUTS_4 = {
+    "ep4": dict(ep=4),
+    "ep2_hsdp_dp_replicate2": dict(ep=2, dp_replicate=2, dp_shard=2),
+    "ep2_dp_shard4_edp2": dict(ep=2, dp_shard=4),
+}
+FAMILIES_4 = {"mixtral": ("mixtral", MIXTRAL_8), "qwen3": ("qwen3_moe", ())}
+HARD_ROUTINGS = ("first_rank_only", "one_expert_all")
+PARITY_4 = {
+    **{f"{short}_{name}" + ("" if routing == "natural" else f"_{routing}"):
+       Parity(family, routing=routing, overrides=overrides, **layout)
+       for name, layout in LAYOUTS_4.items() for short, (family, overrides) in FAMILIES_4.items()
+       for routing in ("natural",) + HARD_ROUTINGS},
+    # 6 experts: the router weight [6, 32] FSDP-sharded over dp_shard=4 leaves rank 3 no rows,
+    # and 3 local experts over edp=2 shard the intermediate dimension instead.
+    "mixtral_e6_ep2_dp_shard4_empty_shard": Parity("mixtral", ep=2, dp_shard=4),
+    "mixtral_ep4_capacity_drops": Parity("mixtral", ep=4, overrides=MIXTRAL_8, capacity_factor=0.75),
+}
+ROUNDTRIPS_2 = {
+    "ep2": Roundtrip("qwen3_moe", local_expert_rows=4, ep=2),  # 8 experts over ep=2
+    "mixtral_ep2": Roundtrip("mixtral", local_expert_rows=3, ep=2),  # Mixtral's 6 experts over ep=2
+}
+# The layouts whose expert shards are split or replicated beyond ep: FSDP over edp=2, HSDP.
+ROUNDTRIPS_4 = {
+    "ep2_dp_shard4_edp2": Roundtrip("qwen3_moe", local_expert_rows=2, ep=2, dp_shard=4),
+    "ep2_hsdp_dp_replicate2": Roundtrip("qwen3_moe", local_expert_rows=4, ep=2, dp_replicate=2, dp_shard=2),
+}
+
+
+def _parity(rank, world, run: Parity) -> dict | None:
+    """Train the parallel model of ``run``; on rank 0 compare with the reference. Returns the
+    relative errors (rank 0) or None."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     from hf_models import tiny_batch
     from moe_ep.parallel import clip_grad_norm_, parallelize
 
-    overrides = overrides or {}
-    ep = layout.get("ep", 1)
+    family, routing, steps, capacity_factor = run.family, run.routing, run.steps, run.capacity_factor
+    activation_checkpointing, overrides, ep = run.activation_checkpointing, dict(run.overrides), run.ep
+    mixed_precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if run.bf16 else None
     routed = []
-    model = _build(family, dtype=torch.float32, experts_implementation="moe_ep", routing=routing, ep=ep,
-                   overrides=overrides, capacity_hook=None if capacity_factor is None else _record_routing(routed))
+    model = _build(family, dtype=torch.float32, experts_implementation=run.experts_implementation, routing=routing,
+                   ep=ep, overrides=overrides,
+                   capacity_hook=None if capacity_factor is None else _record_routing(routed))
     batch = tiny_batch(model.config, batch=2 * world, seq=7)
     mine = {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
-    parallelize(model, **layout, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
+    parallelize(model, **run.layout, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
                 capacity_factor=capacity_factor)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms, grads = [], [], None
@@ -244,12 +302,12 @@ def _parity(rank, world, family, layout, *, routing="natural", overrides=None, s
     }
 
 
-def _state_dict_roundtrip(rank, world, layout: dict, family: str) -> dict:
+def _state_dict_roundtrip(rank, world, run: Roundtrip) -> dict:
     """full_state_dict has HF names, global shapes and the values of the unparallelized model;
     load_full_state_dict puts them back into a differently initialised parallel model."""
     from moe_ep.parallel import full_state_dict, load_full_state_dict, parallelize
 
-    ep = layout.get("ep", 1)
+    family, layout, ep = run.family, run.layout, run.ep
     original = _build(family, dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=ep,
                       overrides={})
     expected = {k: v.clone() for k, v in original.state_dict().items()}
@@ -295,7 +353,6 @@ def _errors(rank, world) -> dict:
         return _build("mixtral", dtype=torch.float32, experts_implementation=impl, routing="natural", ep=2,
                       overrides=overrides)
 
-    attempt("eager_experts_with_ep", lambda: parallelize(build("eager"), ep=2))
     attempt("experts_not_divisible", lambda: parallelize(build(num_local_experts=5), ep=2))
     attempt("world_mismatch", lambda: parallelize(build(), ep=1, dp_replicate=2, dp_shard=2))
     attempt("pipeline_without_microbatches", lambda: parallelize(build(), pp=2))
@@ -318,76 +375,37 @@ def _errors(rank, world) -> dict:
     )
     attempt("pipeline_twice", lambda: parallelize(cut, pp=2, microbatches=2))
     attempt("pipeline_meshes_of", lambda: meshes_of(cut))
+    # Experts on transformers' eager implementation: parallelize switches them, and says so.
+    import logging
+
+    from moe_ep.hf import is_patched
+
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logger = logging.getLogger("moe_ep.parallel.parallelize")
+    logger.addHandler(handler)
+    try:
+        eager = parallelize(build("eager"), ep=2)
+    finally:
+        logger.removeHandler(handler)
+    messages["eager_experts_with_ep"] = f"patched={is_patched(eager)} logged={logged}"
     return messages
 
 
 def _world_2(rank, world) -> dict:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    timings = {}
-
-    def timed(name, fn):
-        start = time.perf_counter()
-        result = fn()
-        timings[name] = time.perf_counter() - start
-        return result
-
-    results = {
-        "mixtral_ep2": timed("mixtral_ep2", lambda: _parity(rank, world, "mixtral", dict(ep=2))),
-        "qwen3_ep2": timed("qwen3_ep2", lambda: _parity(rank, world, "qwen3_moe", dict(ep=2))),
-        "mixtral_ep2_rank1_gets_nothing": timed("r1", lambda: _parity(
-            rank, world, "mixtral", dict(ep=2), routing="first_rank_only")),
-        "qwen3_ep2_one_expert_gets_all": timed("one", lambda: _parity(
-            rank, world, "qwen3_moe", dict(ep=2), routing="one_expert_all")),
-        "qwen3_ep2_activation_checkpointing": timed("ac", lambda: _parity(
-            rank, world, "qwen3_moe", dict(ep=2), steps=1, activation_checkpointing=True)),
-        "mixtral_ep1_fsdp_only": timed("ep1", lambda: _parity(rank, world, "mixtral", dict(ep=1), steps=2)),
-        "qwen3_ep2_capacity_drops": timed("capacity", lambda: _parity(
-            rank, world, "qwen3_moe", dict(ep=2), steps=2, capacity_factor=0.5)),
-        "mixtral_ep2_bf16": timed("bf16", lambda: _parity(
-            rank, world, "mixtral", dict(ep=2), steps=1,
-            mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))),
-    }
     return {
-        "parity": results,
-        "state_dict": {
-            "ep2": timed("state_dict", lambda: _state_dict_roundtrip(rank, world, dict(ep=2), "qwen3_moe")),
-            "mixtral_ep2": timed("state_dict_mixtral",
-                                 lambda: _state_dict_roundtrip(rank, world, dict(ep=2), "mixtral")),
-        },
+        "parity": {name: _parity(rank, world, run) for name, run in PARITY_2.items()},
+        "state_dict": {name: _state_dict_roundtrip(rank, world, run) for name, run in ROUNDTRIPS_2.items()},
         "errors": _errors(rank, world),
-        "timings": timings,
     }
-
-
-MIXTRAL_8 = {"num_local_experts": 8}
-
-
-LAYOUTS_4 = {
-    "ep4": dict(ep=4),
-    "ep2_hsdp_dp_replicate2": dict(ep=2, dp_replicate=2, dp_shard=2),
-    "ep2_dp_shard4_edp2": dict(ep=2, dp_shard=4),
-}
-FAMILIES_4 = {"mixtral": ("mixtral", MIXTRAL_8), "qwen3": ("qwen3_moe", {})}
-HARD_ROUTINGS = ("first_rank_only", "one_expert_all")
 
 
 def _world_4(rank, world) -> dict:
-    results = {}
-    for name, layout in LAYOUTS_4.items():
-        for short, (family, overrides) in FAMILIES_4.items():
-            for routing in ("natural",) + HARD_ROUTINGS:
-                key = f"{short}_{name}" + ("" if routing == "natural" else f"_{routing}")
-                results[key] = _parity(rank, world, family, layout, routing=routing, overrides=overrides)
-    # 6 experts: the router weight [6, 32] FSDP-sharded over dp_shard=4 leaves rank 3 no rows,
-    # and 3 local experts over edp=2 shard the intermediate dimension instead.
-    results["mixtral_e6_ep2_dp_shard4_empty_shard"] = _parity(rank, world, "mixtral", dict(ep=2, dp_shard=4))
-    results["mixtral_ep4_capacity_drops"] = _parity(rank, world, "mixtral", dict(ep=4), overrides=MIXTRAL_8,
-                                                    capacity_factor=0.75)
-    # The layouts whose expert shards are split or replicated beyond ep: FSDP over edp=2, HSDP.
-    state_dicts = {name: _state_dict_roundtrip(rank, world, LAYOUTS_4[name], "qwen3_moe")
-                   for name in ("ep2_dp_shard4_edp2", "ep2_hsdp_dp_replicate2")}
-    return {"parity": results, "state_dict": state_dicts}
+    return {
+        "parity": {name: _parity(rank, world, run) for name, run in PARITY_4.items()},
+        "state_dict": {name: _state_dict_roundtrip(rank, world, run) for name, run in ROUNDTRIPS_4.items()},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -414,56 +432,41 @@ def _assert_parity(result: dict, tol: float, *, capacity: bool = False) -> None:
         _assert_routing_claim(result)
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["mixtral_ep2", "qwen3_ep2", "mixtral_ep2_rank1_gets_nothing", "qwen3_ep2_one_expert_gets_all",
-     "qwen3_ep2_activation_checkpointing", "mixtral_ep1_fsdp_only", "qwen3_ep2_capacity_drops"],
-)
+@pytest.mark.parametrize("name", [name for name, run in PARITY_2.items() if not run.bf16])
 def test_two_ranks_match_one_process(world2, name):
-    _assert_parity(world2[0]["parity"][name], TOL, capacity="capacity" in name)
+    _assert_parity(world2[0]["parity"][name], TOL, capacity=PARITY_2[name].capacity_factor is not None)
 
 
-def test_two_ranks_bf16_mixed_precision_loss(world2):
+@pytest.mark.parametrize("name", [name for name, run in PARITY_2.items() if run.bf16])
+def test_two_ranks_bf16_mixed_precision_loss(world2, name):
     # Loss only: bf16 gradients of this tiny model are dominated by rounding (a one-process bf16
     # run is up to 73% off float64 on some parameters' gradients, its loss 0.4%), so they carry no
     # signal about the parallel code at any honest tolerance. The fp32 runs check the gradients.
-    result = world2[0]["parity"]["mixtral_ep2_bf16"]
+    result = world2[0]["parity"][name]
     assert result["loss"][0] <= TOLERANCE[torch.bfloat16]
     assert result["grads_finite"]
 
 
-@pytest.mark.parametrize(
-    "name",
-    [f"{family}_{layout}{suffix}" for family in FAMILIES_4 for layout in LAYOUTS_4
-     for suffix in ("", *(f"_{routing}" for routing in HARD_ROUTINGS))]
-    + ["mixtral_e6_ep2_dp_shard4_empty_shard", "mixtral_ep4_capacity_drops"],
-)
+@pytest.mark.parametrize("name", list(PARITY_4))
 def test_four_ranks_match_one_process(world4, name):
-    _assert_parity(world4[0]["parity"][name], TOL, capacity="capacity" in name)
+    _assert_parity(world4[0]["parity"][name], TOL, capacity=PARITY_4[name].capacity_factor is not None)
 
 
-@pytest.mark.parametrize(
-    "world, layout, local_expert_rows",
-    [
-        ("world2", "ep2", 4),  # 8 experts over ep=2
-        ("world2", "mixtral_ep2", 3),  # Mixtral's 6 experts over ep=2
-        ("world4", "ep2_dp_shard4_edp2", 2),  # ... then FSDP over edp=2
-        ("world4", "ep2_hsdp_dp_replicate2", 4),  # ... replicated over dp_replicate=2
-    ],
-)
-def test_full_state_dict_roundtrip(request, world, layout, local_expert_rows):
+@pytest.mark.parametrize("world, name", [("world2", name) for name in ROUNDTRIPS_2]
+                         + [("world4", name) for name in ROUNDTRIPS_4])
+def test_full_state_dict_roundtrip(request, world, name):
     results = request.getfixturevalue(world)
-    sd = results[0]["state_dict"][layout]
+    run = {**ROUNDTRIPS_2, **ROUNDTRIPS_4}[name]
+    sd = results[0]["state_dict"][name]
     assert sd["keys"] and sd["shapes"] and sd["values"] and sd["reloaded"]
-    assert sd["local_expert_rows"] == local_expert_rows  # the shards really are split
-    assert all(r["state_dict"][layout]["empty_off_rank0"] for r in results[1:])
-    assert all(r["state_dict"][layout]["reloaded_on_every_rank"] for r in results)
+    assert sd["local_expert_rows"] == run.local_expert_rows  # the shards really are split
+    assert all(r["state_dict"][name]["empty_off_rank0"] for r in results[1:])
+    assert all(r["state_dict"][name]["reloaded_on_every_rank"] for r in results)
 
 
 @pytest.mark.parametrize(
     "name, pattern",
     [
-        ("eager_experts_with_ep", r"needs the 'moe_ep' experts implementation on 'model\.layers\.0\.mlp\.experts', found 'eager'"),
         ("experts_not_divisible", r"ValueError: the model's expert count must be a positive int divisible by ep=2 .*, got 5"),
         ("world_mismatch", r"dp_replicate \* dp_shard = 1 \* 2 \* 2 = 4 do not match the world size 2"),
         ("pipeline_without_microbatches", r"ValueError: pp=2 needs microbatches"),
@@ -477,6 +480,8 @@ def test_full_state_dict_roundtrip(request, world, layout, local_expert_rows):
         ("pipeline_returns_stages", r"^PipelineStages pp=2 stage_ids=\[0\]$"),
         ("pipeline_twice", r"already parallelized"),
         ("pipeline_meshes_of", r"was cut into pipeline stages; their meshes are on the PipelineStages"),
+        ("eager_experts_with_ep", r"^patched=True logged=\[\"parallelize\(ep=2\): MixtralForCausalLM ran its experts on "
+                                  r"'eager'; switched them to moe_ep's with moe_ep.patch\(model, fused_router=False\)"),
     ],
 )
 def test_parallelize_errors(world2, name, pattern):
@@ -506,6 +511,7 @@ def _raise_mid_step(rank, world, where: str) -> StepOutcome:
     releases a waiting peer when the failing process exits, so this shows the bound holds without
     that."""
     from hf_models import tiny_batch
+    from moe_ep.hf.binding import bind, binding_of
     from moe_ep.parallel import PeerFailure, fail_fast, parallelize
 
     model = _build("qwen3_moe", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=2, overrides={})
@@ -519,16 +525,16 @@ def _raise_mid_step(rank, world, where: str) -> StepOutcome:
 
     experts = model.model.layers[1].mlp.experts
     if rank == 1 and where == "forward":
-        experts.moe_ep_dispatcher = fail
+        bind(experts, dispatcher=fail)
     elif rank == 1:
-        dispatcher = experts.moe_ep_dispatcher
+        dispatcher = binding_of(experts).dispatcher
 
         def fails_in_backward(*args):
             y = dispatcher(*args)
             y.register_hook(fail)
             return y
 
-        experts.moe_ep_dispatcher = fails_in_backward
+        bind(experts, dispatcher=fails_in_backward)
     start = time.monotonic()
     try:
         with fail_fast(timeout=60, collective_timeout=COLLECTIVE_TIMEOUT):
@@ -646,10 +652,10 @@ def test_parallelize_refuses_dp_shard_not_divisible_by_ep():
     # 6 ranks of dp_shard with ep=4 while the 8 experts would split over 4 ranks.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from moe_ep.parallel import parallelize
+    from moe_ep.parallel import parallel_context, parallelize
 
     model = _build("mixtral", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=4,
-                   overrides=MIXTRAL_8)
+                   overrides=dict(MIXTRAL_8))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=6)
     try:
         with pytest.raises(ValueError, match=r"dp_shard=6 must be divisible by ep=4"):
@@ -657,7 +663,7 @@ def test_parallelize_refuses_dp_shard_not_divisible_by_ep():
     finally:
         dist.destroy_process_group()
     # Refused before any change: no meshes, experts still whole.
-    assert not hasattr(model, "moe_ep_meshes")
+    assert parallel_context(model) is None
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
     assert type(model.model.layers[0].mlp.experts.gate_up_proj) is torch.nn.Parameter
 
@@ -700,3 +706,46 @@ def test_run_ranks_reports_the_failing_rank():
 
 def _divide_by_rank_minus_one(rank, world):
     return 1 / (rank - 1) if rank == 1 else 0
+
+
+@pytest.mark.parametrize(
+    "arguments, error, pattern",
+    [
+        (dict(pp=2), ValueError, r"pp=2 needs microbatches"),
+        (dict(pp=0), ValueError, r"pp must be a positive int, got 0"),
+        (dict(seq_len=128), ValueError, r"seq_len=128 describes pipeline stages and needs pp > 1, got pp=1"),
+        (dict(pp=2, microbatches=0), ValueError, r"microbatches must be a positive int, got 0"),
+        (dict(pp=2, microbatches=2, schedule="pipedream"), ValueError, r"schedule must be one of"),
+        (dict(pp=2, microbatches=2, memory_cap=float("inf")), ValueError, r"memory_cap must be a positive finite"),
+        (dict(capacity_factor=1.0), ValueError, r"capacity_factor=1.0 applies to the expert-parallel dispatcher"),
+        (dict(ep=2, capacity_factor=-1), ValueError, r"capacity_factor must be a positive number or None"),
+        (dict(experts_backend="cuda"), ValueError, r"experts_backend must be one of \('triton', 'torch'\) or None"),
+        (dict(activation_checkpointing=1), TypeError, r"activation_checkpointing must be a bool, got int"),
+        (dict(reshard_after_forward="no"), TypeError, r"reshard_after_forward must be a bool or None, got str"),
+        (dict(mixed_precision=torch.bfloat16), TypeError, r"mixed_precision must be a torch.distributed.fsdp"),
+        (dict(dp_shard=0), ValueError, r"dp_shard must be a positive int, got 0"),
+    ],
+)
+def test_parallel_config_is_checked_when_built(arguments, error, pattern):
+    """parallelize's arguments become one ParallelConfig, refused before any process group or
+    model is looked at."""
+    from moe_ep.parallel import ParallelConfig
+
+    with pytest.raises(error, match=pattern):
+        ParallelConfig.from_arguments(**arguments)
+
+
+def test_parallel_config_is_frozen_and_carries_the_pipeline():
+    import dataclasses
+
+    from moe_ep.parallel import DEFAULT_SCHEDULE, ParallelConfig, PipelineConfig, parallel_context, parallelize_with
+
+    config = ParallelConfig.from_arguments(pp=2, ep=2, microbatches=4, split_points=[2])
+    assert config.pipeline == PipelineConfig(microbatches=4, schedule=DEFAULT_SCHEDULE, split_points=(2,))
+    assert config.fsdp_reshard_after_forward is False
+    assert ParallelConfig(ep=2).fsdp_reshard_after_forward is True and ParallelConfig(ep=2).pipeline is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.ep = 4
+    with pytest.raises(TypeError, match="config must be a moe_ep.parallel.ParallelConfig, got dict"):
+        parallelize_with(torch.nn.Linear(2, 2), {"ep": 2})
+    assert parallel_context(torch.nn.Linear(2, 2)) is None and parallel_context("model") is None

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from moe_ep.partition import InfeasiblePartition, UnitCost, partition, stage_to_rank
+from moe_ep.planner.partition import InfeasiblePartition, UnitCost, partition, stage_to_rank
 
 GiB = 2**30
 

@@ -31,8 +31,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from conftest import TOLERANCE, rel_err
 from dist_utils import run_ranks
+from numerics import TOLERANCE, rel_err
 
 TOL = TOLERANCE[torch.float32]
 STEPS = 5
@@ -166,11 +166,19 @@ def reference_global_aux_z(reference):
     return batch, _reference_losses(batch, AUX, z_coef=Z, aux_chunks=GLOBAL_CHUNKS)
 
 
-# Runs through moe_ep.parallelize on the 2-rank world: (family, config overrides, schedule).
+class FamilyRun(NamedTuple):
+    """A run through moe_ep.parallelize (pp=2) on the 2-rank world: the family, its config
+    overrides, the schedule."""
+
+    family: str
+    overrides: tuple[tuple[str, object], ...]
+    schedule: str
+
+
 FAMILY_RUNS = {
-    "mixtral_tied_head_zbv": ("mixtral", dict(tie_word_embeddings=True), "zbv"),
-    "qwen2_moe_shared_expert_1f1b": ("qwen2_moe", {}, "1f1b"),
-    "deepseek_v3_dense_first_layer_gpipe": ("deepseek_v3", {}, "gpipe"),
+    "mixtral_tied_head_zbv": FamilyRun("mixtral", (("tie_word_embeddings", True),), "zbv"),
+    "qwen2_moe_shared_expert_1f1b": FamilyRun("qwen2_moe", (), "1f1b"),
+    "deepseek_v3_dense_first_layer_gpipe": FamilyRun("deepseek_v3", (), "gpipe"),
 }
 
 
@@ -178,8 +186,8 @@ FAMILY_RUNS = {
 def reference_families(reference):
     batch, _ = reference
     expected = {}
-    for name, (family, overrides, _) in FAMILY_RUNS.items():
-        expected[name] = _reference_losses(batch, model_kwargs=dict(family=family, **overrides))
+    for name, run in FAMILY_RUNS.items():
+        expected[name] = _reference_losses(batch, model_kwargs=dict(family=run.family, **dict(run.overrides)))
     # The tied case has teeth: the same model with its head untied from the embedding trains apart.
     untied = _model(torch.float64, "eager", tie_word_embeddings=True)
     assert untied.lm_head.weight is untied.model.embed_tokens.weight
@@ -213,22 +221,21 @@ def _pp_alone(rank, world, batch, schedules, families):
 
     out = {}
     for run in schedules:
-        schedule, coef, max_norm = run
         model = _model(torch.float32, "moe_ep")
-        stages = build_pipeline(model, dist.group.WORLD, schedule=schedule, microbatches=MICRO)
-        step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR), aux_loss_coef=coef,
-                         max_grad_norm=max_norm)
+        stages = build_pipeline(model, dist.group.WORLD, schedule=run.schedule, microbatches=MICRO)
+        step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR), aux_loss_coef=run.aux,
+                         max_grad_norm=run.max_norm)
         losses, norms = [], []
         for _ in range(STEPS):
             losses.append(step(batch).item())
-            norms.append(step.last_grad_norm.item() if max_norm else None)
+            norms.append(step.last_grad_norm.item() if run.max_norm else None)
         layers = [list(m.layer_ids) for m in stages.modules]
         out[run] = (losses, layers, stages.stage_ids, norms)
-    for name, (family, overrides, schedule) in families.items():
+    for name, run in families.items():
         # Through parallelize: FSDP2 on every stage (over one rank here), where a tied head could
         # come apart from its embedding.
-        model = _model(torch.float32, "moe_ep", family, **overrides)
-        stages = moe_ep.parallelize(model, pp=2, schedule=schedule, microbatches=MICRO)
+        model = _model(torch.float32, "moe_ep", run.family, **dict(run.overrides))
+        stages = moe_ep.parallelize(model, pp=2, schedule=run.schedule, microbatches=MICRO)
         step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR))
         losses = [step(batch).item() for _ in range(STEPS)]
         out[name] = (losses, [list(m.layer_ids) for m in stages.modules], stages.stage_ids, stages.tied_stages)
@@ -240,8 +247,17 @@ def _check(losses, expected):
         assert rel_err(torch.tensor(got), torch.tensor(want)) <= TOL, f"step {step}: {got} vs {want}"
 
 
-PP_ALONE = [("gpipe", 0.0, None), ("1f1b", 0.0, None), ("interleaved-1f1b", 0.0, None), ("zbv", 0.0, None),
-            ("1f1b", AUX, None), ("zbv", AUX, None), ("interleaved-1f1b", AUX, MAX_NORM)]
+class PipelineRun(NamedTuple):
+    """A pipeline over the 2-rank world built with build_pipeline: the schedule, the aux-loss
+    weight and the gradient clipping."""
+
+    schedule: str
+    aux: float = 0.0
+    max_norm: float | None = None
+
+
+PP_ALONE = [PipelineRun("gpipe"), PipelineRun("1f1b"), PipelineRun("interleaved-1f1b"), PipelineRun("zbv"),
+            PipelineRun("1f1b", AUX), PipelineRun("zbv", AUX), PipelineRun("interleaved-1f1b", AUX, MAX_NORM)]
 
 
 @pytest.fixture(scope="module")
@@ -258,8 +274,8 @@ def test_pp2_alone_tracks_single_process_losses_for_every_schedule(world2, refer
     runs, ranks = PP_ALONE, world2
     for run in runs:
         for result in ranks:
-            _check(result[run][0], expected_clipped if run[2] else expected_aux if run[1] else expected)
-            if run[2]:
+            _check(result[run][0], expected_clipped if run.max_norm else expected_aux if run.aux else expected)
+            if run.max_norm:
                 # The first step's norm, before fp32 and float64 weights part: later norms drift
                 # by ~1e-5 legitimately (AdamW amplifies rounding in near-zero gradients), while
                 # the losses above confirm every clipped update.
@@ -267,8 +283,9 @@ def test_pp2_alone_tracks_single_process_losses_for_every_schedule(world2, refer
         # Every decoder layer on exactly one stage, stages where the schedule puts them.
         all_layers = sorted(i for result in ranks for ls in result[run][1] for i in ls)
         assert all_layers == [0, 1, 2, 3], run
-    assert ranks[0]["zbv", 0.0, None][2] == [0, 3] and ranks[1]["zbv", 0.0, None][2] == [1, 2]
-    assert ranks[0]["interleaved-1f1b", 0.0, None][2] == [0, 2] and ranks[1]["interleaved-1f1b", 0.0, None][2] == [1, 3]
+    zbv, interleaved = PipelineRun("zbv"), PipelineRun("interleaved-1f1b")
+    assert ranks[0][zbv][2] == [0, 3] and ranks[1][zbv][2] == [1, 2]
+    assert ranks[0][interleaved][2] == [0, 2] and ranks[1][interleaved][2] == [1, 3]
 
 
 @pytest.mark.parametrize("name", list(FAMILY_RUNS))
@@ -276,7 +293,7 @@ def test_tied_head_and_shared_expert_families_track_single_process_losses(world2
     for losses, _, _, _ in (result[name] for result in world2):
         _check(losses, reference_families[name])
     assert sorted(i for result in world2 for ls in result[name][1] for i in ls) == [0, 1, 2, 3]
-    if FAMILY_RUNS[name][2] == "zbv":
+    if FAMILY_RUNS[name].schedule == "zbv":
         # The head rides with stage 3 on rank 0, beside the embedding it is tied to.
         assert world2[0][name][2] == [0, 3] and world2[0][name][3] == ((0, 3),) and world2[1][name][3] == ()
 
@@ -469,7 +486,7 @@ def test_tied_head_under_zbv_stays_one_fsdp_parameter():
     # Rank 0 of pp=2 x dp_shard=2 on the fake process group: ZB-V puts stages 0 and 3 there, and
     # the embedding and the head stay one parameter, sharded once over dp_shard.
     import moe_ep
-    from test_plan_fake_pg import fake_rank
+    from moe_ep.bench.planner import fake_rank
     from torch.distributed.tensor import DTensor
 
     with fake_rank(0, 4):
@@ -496,16 +513,16 @@ def test_tied_stages_reduce_after_the_last_use():
 
     from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-    from moe_ep.parallel.pipeline import _check_tied_order
+    from moe_ep.parallel.pipeline.tied import check_tied_order
 
     F, B, W, RG = (_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_WEIGHT,
                    _ComputationType.REDUCE_GRAD)
     start = [_Action(0, F, 0), _Action(3, F, 0), _Action(3, B, 0)]
     good = start + [_Action(3, RG, None), _Action(0, B, 0), _Action(0, RG, None)]
-    _check_tied_order(SimpleNamespace(pipeline_order_with_comms={0: good}), 0, ((0, 3),))
+    check_tied_order(SimpleNamespace(pipeline_order_with_comms={0: good}), 0, ((0, 3),))
     bad = start + [_Action(0, B, 0), _Action(0, RG, None), _Action(3, W, 0), _Action(3, RG, None)]
     with pytest.raises(RuntimeError, match=r"runs \['0REDUCE_GRAD'\] of stage 0.*before stage 3's last computation"):
-        _check_tied_order(SimpleNamespace(pipeline_order_with_comms={0: bad}), 0, ((0, 3),))
+        check_tied_order(SimpleNamespace(pipeline_order_with_comms={0: bad}), 0, ((0, 3),))
 
 
 def test_memory_cap_and_batch_shape_reach_the_cut_through_parallelize():
@@ -513,13 +530,13 @@ def test_memory_cap_and_batch_shape_reach_the_cut_through_parallelize():
     # so the even cut's stage 0 is the fullest stage of either cut, and a cap between the two
     # fullest stages moves a layer off it. Half the tokens per micro-batch fit the even cut again.
     import moe_ep
+    from moe_ep.parallel import PipelineConfig
     from moe_ep.parallel.pipeline import pipeline_unit_costs
-    from test_plan_fake_pg import fake_rank
-
-    from moe_ep.partition import partition
+    from moe_ep.planner.partition import partition
+    from moe_ep.bench.planner import fake_rank
 
     with fake_rank(0, 2):
-        costs = pipeline_unit_costs(_meta_model(), 2, schedule="1f1b", microbatches=2, seq_len=2048)
+        costs = pipeline_unit_costs(_meta_model(), 2, PipelineConfig(microbatches=2, seq_len=2048))
         fullest = [max(partition(costs, 2, split_points=[p], inflight=[2, 1]).stage_bytes(s) for s in range(2))
                    for p in (2, 1)]
         assert fullest[1] < fullest[0]
@@ -542,15 +559,16 @@ def test_parameter_shared_between_layers_keeps_them_on_one_stage():
     # Not only a tied LM head: any parameter two decoder layers share pins the layers between
     # them to one stage (the even cut of 4 layers, after layer 1, would separate layers 1 and 2).
     import moe_ep
+    from moe_ep.parallel import PipelineConfig
     from moe_ep.parallel.pipeline import pipeline_unit_costs
-    from test_plan_fake_pg import fake_rank
+    from moe_ep.bench.planner import fake_rank
 
     with fake_rank(0, 2):
         assert moe_ep.parallelize(_meta_model(), pp=2, microbatches=2).partition.starts == (0, 2, 4)
         model = _meta_model()
         layers = model.model.layers
         layers[2].mlp.gate.weight = layers[1].mlp.gate.weight
-        costs = pipeline_unit_costs(model, 2, schedule="1f1b", microbatches=2)
+        costs = pipeline_unit_costs(model, 2, PipelineConfig(microbatches=2))
         tie = ["layers.1.mlp.gate.weight"]
         assert [sorted(c.shared) for c in costs] == [[], tie, tie, []]
         starts = moe_ep.parallelize(model, pp=2, microbatches=2).partition.starts
@@ -563,7 +581,7 @@ def test_explicit_split_points_need_no_cost_model():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from moe_ep.parallel.pipeline import build_pipeline
-    from test_plan_fake_pg import fake_rank
+    from moe_ep.bench.planner import fake_rank
 
     config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, mlp_bias=True)
@@ -583,8 +601,8 @@ def test_explicit_split_points_need_no_cost_model():
 @pytest.mark.parametrize(
     "world, kwargs, message",
     [
-        (2, dict(ep=2), "expert parallelism needs the 'moe_ep' experts implementation"),
-        (4, dict(pp=2, ep=2, microbatches=2), "expert parallelism needs the 'moe_ep' experts implementation"),
+        (2, dict(ep=3), "dp_shard=2 must be divisible by ep=3"),
+        (4, dict(pp=2, ep=2, microbatches=1), "needs at least pp=2 micro-batches"),
         (2, dict(memory_cap=2**30), r"memory_cap=1073741824 describes pipeline stages and needs pp > 1"),
         (2, dict(seq_len=128), r"seq_len=128 describes pipeline stages and needs pp > 1"),
         (2, dict(microbatch_size=2), r"microbatch_size=2 describes pipeline stages and needs pp > 1"),
@@ -596,11 +614,12 @@ def test_explicit_split_points_need_no_cost_model():
     ],
 )
 def test_refused_arguments_leave_the_model_untouched(world, kwargs, message):
-    # Refused before meshes are built, experts sharded or checkpointing turned on: the caller may
-    # fix the call and try again on the same model.
+    # Refused before meshes are built, experts switched to moe_ep's or sharded, or checkpointing
+    # turned on: the caller may fix the call and try again on the same model.
     import moe_ep
-    from moe_ep.parallel.parallelize import MESHES_ATTRIBUTE, PIPELINE_MESHES_ATTRIBUTE
-    from test_plan_fake_pg import fake_rank
+    from moe_ep.hf import is_patched
+    from moe_ep.parallel import parallel_context
+    from moe_ep.bench.planner import fake_rank
     from torch.distributed.tensor import DTensor
 
     with fake_rank(0, world):
@@ -608,5 +627,5 @@ def test_refused_arguments_leave_the_model_untouched(world, kwargs, message):
         with pytest.raises(ValueError, match=message):
             moe_ep.parallelize(model, activation_checkpointing=True, **kwargs)
     assert not _checkpointing_on(model)
-    assert not hasattr(model, MESHES_ATTRIBUTE) and not hasattr(model, PIPELINE_MESHES_ATTRIBUTE)
+    assert parallel_context(model) is None and not is_patched(model)
     assert not any(isinstance(p, DTensor) for p in model.parameters())

@@ -5,7 +5,7 @@ match the planner's figures: parameter shards, the gradients FSDP2 reduce-scatte
 forward and backward, AdamW's state after a step (within 2%), and the bytes of its all-gathers,
 reduce-scatters, all-reduces, all-to-alls and pipeline sends over one step (within 5%).
 
-The layout is applied by moe_ep.parallel.parallelize (pp = 1) or parallelize_pipeline (pp > 1)
+The layout is applied by moe_ep.parallel.parallelize
 to the model built on the meta device, with the mixed precision the planner assumes; the shards
 are materialised as fake tensors (FakeTensorMode: shapes, dtypes and devices, no storage), so the
 training step runs at full size in seconds and no memory. The harness is moe_ep.bench.planner

@@ -14,11 +14,11 @@ import time
 import pytest
 
 from moe_ep.cli import EXIT_IMPOSSIBLE, main
-from moe_ep.partition import partition
 from moe_ep.planner import CLUSTERS, Cluster, Layout, ModelSpec, PlanError, config_from_name, evaluate, plan
 from moe_ep.planner.activations import MicroBatch, head_scratch, rank_shares
 from moe_ep.planner.comm import all_to_all_collective
 from moe_ep.planner.memory import FSDP_LAYER_BYTES, build_units, layer_ids, unit_costs
+from moe_ep.planner.partition import partition
 
 GiB = 2**30
 A100 = dict(gpus_per_node=8, gpu_memory_gib=80)

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from conftest import TOLERANCE, rel_err, requires_cuda
-from moe_ep.reference import route_topk_ref
-from moe_ep.routing import route_topk
-import moe_ep.routing_triton  # noqa: F401  (registers torch.ops.moe_ep.route_topk, whatever ran before)
+from markers import requires_cuda
+from numerics import TOLERANCE, rel_err
+from moe_ep.ops.reference import route_topk_ref
+from moe_ep.ops.routing import route_topk
+import moe_ep.ops.routing_triton  # noqa: F401  (registers torch.ops.moe_ep.route_topk, whatever ran before)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -11,15 +11,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_ep import selector
-from moe_ep.experts import moe_experts
+from moe_ep.ops import selector
+from moe_ep.ops.experts import moe_experts
 from moe_ep.kernels import autotune
 from moe_ep.kernels import grouped_gemm as gg
 from moe_ep.kernels.autotune import Config
 from moe_ep.kernels.runtime import interpreting
-from moe_ep.reference import moe_experts_ref
+from moe_ep.ops.reference import moe_experts_ref
 
-from conftest import TOLERANCE, rel_err
+from numerics import TOLERANCE, rel_err
 from dist_utils import run_ranks
 from moe_cases import Case, run_with_grads
 
@@ -216,7 +216,7 @@ PROBE = [16 << i for i in range(10)]
 
 def _ranks(rank, world_size, cache_root):
     import moe_ep.kernels.grouped_gemm as gg_
-    from moe_ep import selector as sel
+    from moe_ep.ops import selector as sel
 
     assert interpreting()
     os.environ[sel.CACHE_ENV_VAR] = os.path.join(cache_root, f"node{rank}")  # one cache per "node"

@@ -8,6 +8,7 @@ losses of every layout against float64 are in test_pipeline.py."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -386,36 +387,47 @@ def test_consecutive_non_finite_steps_raise():
     assert unlimited.consecutive_skips == 3
 
 
-# The 2-rank runs of the skip test: data-parallel halves in fp32 and with bf16 compute, and two
-# pipeline stages.
-SKIP_LAYOUTS = {
-    "dp2_fp32": dict(dp_shard=2),
-    "dp2_bf16": dict(dp_shard=2, bf16=True),
-    "pp2": dict(pp=2, microbatches=2),
+@dataclass(frozen=True)
+class SkipRun:
+    """A 2-rank layout of the skip test: parallelize's degrees, and bf16 compute (FSDP mixed
+    precision, fp32 reduction) or not."""
+
+    dp_shard: int | None = None
+    pp: int = 1
+    microbatches: int | None = None
+    bf16: bool = False
+
+    def parallelize_kwargs(self) -> dict:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else None
+        return dict(dp_shard=self.dp_shard, pp=self.pp, microbatches=self.microbatches, mixed_precision=policy)
+
+
+# Data-parallel halves in fp32 and with bf16 compute, and two pipeline stages.
+SKIP_RUNS = {
+    "dp2_fp32": SkipRun(dp_shard=2),
+    "dp2_bf16": SkipRun(dp_shard=2, bf16=True),
+    "pp2": SkipRun(pp=2, microbatches=2),
 }
 
 
-def _skips_on_two_ranks(rank, world, layouts):
+def _skips_on_two_ranks(rank, world, runs):
     """For each layout: a run that meets a NaN gradient of the embedding on rank 0 (finite loss),
     then a NaN logit on rank 1, between clean steps, against a run that never sees them; then a
     step limited to 2 consecutive skips. Compared here, on the rank: tensors do not travel back."""
     import moe_ep
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from moe_ep.parallel import meshes_of
     from moe_ep.training import NonFiniteStepsError, TrainStep
 
     config = tiny_config("mixtral", **TINY)
     batches = [tiny_batch(config, batch=4, seq=6, seed=s) for s in range(3)]
     out = {}
-    for name, layout in layouts.items():
-        layout = dict(layout)
-        if layout.pop("bf16", False):
-            layout["mixed_precision"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for name, run in runs.items():
 
         def build():
             model = _model()
-            target = moe_ep.parallelize(model, **layout)
-            meshes = target.meshes if layout.get("pp") else meshes_of(target)
+            target = moe_ep.parallelize(model, **run.parallelize_kwargs())
+            meshes = moe_ep.parallel_context(target).meshes
             share = [{k: v.chunk(meshes.dims.dp)[meshes.dp.get_local_rank()] for k, v in b.items()} for b in batches]
             opt = torch.optim.AdamW(target.parameters(), lr=1e-2)
             return model, TrainStep(target, opt, microbatches=2), opt, share
@@ -459,8 +471,8 @@ def test_a_non_finite_step_on_one_rank_is_skipped_on_every_rank():
     rank 0 with a finite loss, and a NaN loss on rank 1, are each skipped on both ranks, leaving
     weights and optimizer state bit-equal; the next step is bit-equal to that of a run that never
     met them; the consecutive-skip limit raises on both ranks at the same step."""
-    ranks = run_ranks(_skips_on_two_ranks, 2, SKIP_LAYOUTS, timeout=300)
-    for name in SKIP_LAYOUTS:
+    ranks = run_ranks(_skips_on_two_ranks, 2, SKIP_RUNS, timeout=300)
+    for name in SKIP_RUNS:
         for result in (r[name] for r in ranks):
             assert result["skipped"] == [(True, True), (True, False)], name
             assert result["untouched"] and result["same"], name

@@ -51,7 +51,7 @@ def report_failure(err: BaseException, *, rank: int, world_size: int) -> int | N
     traceback is the report). An ``agreed`` error (every check before start-up is one) is said by
     rank 0, any other by the rank that raised it; a rank that stopped only because a peer failed
     (moe_ep's fail_fast) leaves the saying to that peer, rank 0 naming it."""
-    from moe_ep.parallel import PeerFailure
+    from moe_ep import PeerFailure
 
     own = err.__cause__ if isinstance(err, PeerFailure) and err.__cause__ is not None else err
     if isinstance(own, KeyboardInterrupt):

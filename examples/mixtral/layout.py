@@ -1,7 +1,7 @@
 """The parallel layout: degrees from the flags or from moe_ep.plan, checked against the number of
 processes, then applied to the model with moe_ep.parallelize.
 
-Rank order follows DESIGN.md's dense mesh ``(pp, dp_replicate, dp_shard)``, row-major; experts use
+Rank order follows ARCHITECTURE.md's dense mesh ``(pp, dp_replicate, dp_shard)``, row-major; experts use
 ``(pp, dp_replicate, edp, ep)`` with ``edp = dp_shard / ep``, so expert parallelism borrows ranks
 from sharded data parallelism and every rank of a pipeline stage trains on its own data."""
 
@@ -12,9 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from moe_ep.parallel.parallelize import DEFAULT_SCHEDULE
-from moe_ep.planner import Layout
-from moe_ep.planner.schedules import NO_PIPELINE
+from moe_ep import DEFAULT_SCHEDULE, NO_PIPELINE, Layout
 
 from errors import UsageError
 from models import num_experts_in
@@ -96,7 +94,7 @@ def check_layout(degrees: dict[str, int], schedule: str, microbatches: int, worl
 
 
 def check_pipeline(pp: int, schedule: str, microbatches: int, num_layers: int) -> None:
-    from moe_ep.planner import schedule_info
+    from moe_ep import schedule_info
 
     try:
         info = schedule_info(schedule)
@@ -115,7 +113,7 @@ def check_pipeline(pp: int, schedule: str, microbatches: int, num_layers: int) -
 def layout_from_plan(args, config, world_size: int, gpus_per_node: int):
     """The planner's layout for this model on the launched processes, its micro-batching
     included (it replaces --micro-batch-size and --grad-accum). Returns (layout, plan)."""
-    from moe_ep.planner import plan
+    from moe_ep import plan
 
     if world_size % gpus_per_node:
         raise UsageError(f"--plan: {world_size} processes are not a whole number of nodes of {gpus_per_node}")
@@ -149,7 +147,7 @@ def apply_layout(model: torch.nn.Module, layout: RunLayout, *, mixed_precision: 
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from moe_ep.parallel import parallelize
+    from moe_ep import parallelize
 
     # Compute in the low precision, reduce gradients and keep master weights in float32.
     policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32) if mixed_precision else None

@@ -37,7 +37,7 @@ def tiny_config():
 def named_configs() -> dict:
     """Name -> (config factory, build on the meta device). The full-size Mixtral shapes are the
     planner's, so what is trained is what was planned."""
-    from moe_ep.planner import MODEL_NAMES, config_from_name
+    from moe_ep import MODEL_NAMES, config_from_name
 
     table = {"tiny": (tiny_config, False)}
     for name in MODEL_NAMES:
@@ -211,7 +211,7 @@ def configure_experts(model: nn.Module, implementation: str, backend: str | None
     """Switch the expert kernels. ``moe_ep`` goes through moe_ep.hf.patch (kernels and fused
     router); transformers' own implementations through its registry."""
     if implementation == "moe_ep":
-        from moe_ep.hf import patch
+        from moe_ep import patch
 
         return patch(model, backend=backend, fused_router=True)
     if backend is not None:

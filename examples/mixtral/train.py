@@ -26,9 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from moe_ep.parallel import PeerFailure, fail_fast
-from moe_ep.parallel.expert_sharding import experts_modules, num_experts_of
-from moe_ep.training import NonFiniteStepsError, TrainStep
+from moe_ep import NonFiniteStepsError, PeerFailure, TrainStep, experts_modules, fail_fast, num_experts_of
 
 from checkpoint import (
     load_checkpoint,

@@ -40,11 +40,11 @@ from pathlib import Path
 
 import torch
 
-from .. import selector
-from ..experts import moe_experts
 from ..kernels import autotune
 from ..kernels.runtime import interpreting
-from ..reference import moe_experts_ref, moe_experts_ref_by_expert
+from ..ops import selector
+from ..ops.experts import moe_experts
+from ..ops.reference import moe_experts_ref, moe_experts_ref_by_expert
 from . import kernels as kernel_bench
 from . import model as model_bench
 from .report import Column, Report, close_figure, environment, new_figure

@@ -23,9 +23,9 @@ from typing import Callable
 import torch
 
 from ..kernels.runtime import interpreting
-from ..experts import moe_experts
-from ..experts_torch import grouped_linear, routing_order
-from ..routing import route_topk
+from ..ops.experts import moe_experts
+from ..ops.experts_torch import grouped_linear, routing_order
+from ..ops.routing import route_topk
 from .optional import Lookup, optional_attr
 from .report import Column, Report, close_figure, environment, new_figure
 from .routing_cases import ROUTINGS, make_routing, max_load_share

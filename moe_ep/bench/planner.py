@@ -299,7 +299,7 @@ def _values_unread():
     unpacked sequence per row, so it would build a causal mask a real run does not."""
     import transformers.masking_utils as masking
 
-    from .. import experts
+    from ..ops import experts
 
     saved = experts.check_experts_args, masking.find_packed_sequence_indices
     experts.check_experts_args = lambda *args: None
@@ -351,7 +351,6 @@ def apply_plan(best):
 
     from ..hf import patch
     from ..parallel import parallelize
-    from ..parallel.pipeline import parallelize_pipeline
     from ..planner import config_from_name
 
     lay = best.layout
@@ -364,8 +363,8 @@ def apply_plan(best):
     if lay.pp == 1:
         parallelize(model, **common)
         return [model], 0
-    stages = parallelize_pipeline(model, pp=lay.pp, schedule=lay.schedule, microbatches=lay.microbatches,
-                                  split_points=best.split_points, **common)
+    stages = parallelize(model, pp=lay.pp, schedule=lay.schedule, microbatches=lay.microbatches,
+                         split_points=best.split_points, **common)
     return stages.modules, stages.pp_rank
 
 
@@ -407,7 +406,7 @@ def fake_train_step(modules, partition=None, *, microbatches: int, tokens: int, 
     ``partition``: the pipeline's cut (None without stages)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..parallel.expert_sharding import experts_modules
+    from ..hf import experts_modules
 
     part = partition
     recorder = CollectiveRecorder()
@@ -548,7 +547,7 @@ def dispatcher_checks(layout, *, seq_len: int = 4096, world_size: int = 128, see
     from ..dispatch import combine, dispatch
     from ..dispatch.dispatcher import join_to_dispatch
     from ..planner.comm import all_to_all_collective
-    from ..routing import route_topk
+    from ..ops import route_topk
 
     spec = ModelSpec.resolve("mixtral-8x7b")
     ep, H = layout.ep, spec.hidden_size

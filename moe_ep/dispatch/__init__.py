@@ -1,14 +1,14 @@
 """Expert-parallel token dispatch: stateless ``dispatch`` / ``combine`` over a process group,
 dropless or with a capacity (``join_to_dispatch`` for experts that may return a tensor outside
 the autograd graph), the ``moe_experts_ep`` layer built on them, the dispatcher object
-that ``moe_ep.parallel.parallelize`` installs on transformers experts modules, transformers'
-expert-parallel registry entry ``"moe_ep"``, and the byte count of both dispatch schemes."""
+that ``moe_ep.parallelize`` binds to transformers experts modules, and the byte count of
+moe_ep's and transformers' dispatch schemes. Nothing here knows transformers (its
+expert-parallel registry entry is ``moe_ep.hf.transformers_ep``)."""
 
 from .capacity import capacity_keep_mask, expert_capacity
 from .dispatcher import combine, dispatch, join_to_dispatch
 from .expert_parallel import ExpertParallelDispatcher, moe_experts_ep
 from .layout import DispatchedTokens, DispatchLayout
-from .transformers_ep import register_transformers_ep
 from .wire_bytes import CountExchangeBytes, WireBytes, count_exchange_bytes, wire_bytes
 
 __all__ = [
@@ -24,6 +24,5 @@ __all__ = [
     "expert_capacity",
     "join_to_dispatch",
     "moe_experts_ep",
-    "register_transformers_ep",
     "wire_bytes",
 ]

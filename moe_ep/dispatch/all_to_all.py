@@ -51,12 +51,12 @@ class AllToAllRouting(torch.autograd.Function):
     differentiable; backward sends their gradient alone."""
 
     @staticmethod
-    def forward(ctx, weights_SK, ids_SK, out_splits: Splits, in_splits: Splits, group):
+    def forward(ctx, weights_SC, ids_SC, out_splits: Splits, in_splits: Splits, group):
         ctx.splits = (out_splits, in_splits)
         ctx.group = group
-        k = weights_SK.shape[1]
+        k = weights_SC.shape[1]
         # A bit-cast, not a conversion: all_to_all copies bytes, so the ids arrive exactly.
-        packed = torch.cat([weights_SK.float(), ids_SK.to(torch.int32).view(torch.float32)], dim=1)
+        packed = torch.cat([weights_SC.float(), ids_SC.to(torch.int32).view(torch.float32)], dim=1)
         received = _exchange(packed, out_splits, in_splits, group)
         ids = received[:, k:].contiguous().view(torch.int32)
         ctx.mark_non_differentiable(ids)

@@ -1,43 +1,19 @@
 """Stateless expert-parallel dispatch and combine over one process group (the ``ep`` group).
 
-Rank ``j`` of the group owns experts ``[j L, (j+1) L)`` with ``L = E / ep``. ``dispatch`` sends
-each token ONCE to each rank that owns at least one of its chosen experts (DeepEP's scheme;
-transformers' all-to-all sends one copy per chosen expert). What travels with a row depends on
-how many of the token's experts live on that rank:
+Rank ``j`` owns experts ``[j L, (j+1) L)`` with ``L = E / ep``. ``dispatch`` sends each token
+ONCE to each rank that owns one of its chosen experts (DeepEP's scheme; transformers sends one
+copy per chosen expert). A *single* row (one of the token's experts on that rank, the common
+case) carries nothing else: within each destination's block single rows are sorted by local
+expert and the per-expert counts ride in the count exchange, and the source applies the routing
+weight when the row comes back. A *multi* row (several) carries its local ids and weights
+(``min(K, L)`` int32 + float32 columns), after the single rows; the expert rank weights and sums
+its outputs, so one row comes back. So we never send more bytes than transformers once a row is
+at least ``4 min(K, L)`` bytes (``wire_bytes``). Reductions are fixed-order: no float atomics.
 
-- one (a *single* row, the common case): nothing. Inside each destination's block the single rows
-  are sorted by local expert and the per-expert counts travel in the count exchange, so the
-  receiver knows every row's expert, as transformers' scheme does. The expert returns the
-  unweighted output and the source rank applies the routing weight.
-- several (a *multi* row): its local expert ids and routing weights (``min(K, L)`` int32 +
-  float32 columns), sent after the single rows. The expert rank applies the weights and sums the
-  token's partial outputs, so one row comes back instead of several.
-
-So per (token, rank) we send one row where transformers sends ``m``, plus ``8 min(K, L)`` bytes
-when ``m >= 2``; the count exchange is ``L`` int32 per peer (``L + 2`` when rows can be multi,
-``L >= 2``) against transformers' ``L`` int64. Whenever a hidden row is at least ``4 min(K, L)``
-bytes, which every real model's is, we never send more bytes than transformers, and strictly
-fewer (with a larger row) as soon as two experts of a token share a rank (see ``wire_bytes``).
-All reductions are fixed-order sums over a padded grid: deterministic, no float atomics.
-
-Two modes:
-
-- dropless (``capacity_factor=None``): uneven splits. The per-layer exchange of counts is the
-  one host sync (the split sizes of ``all_to_all_single`` are host integers).
-- capacity (``capacity_factor=c``): the policy of ``moe_ep.dispatch.capacity`` drops pairs beyond
-  ``ceil(c T K / E)`` per expert; every buffer has a fixed, padded size, the counts are exchanged
-  on the device and nothing is read back to the host. The padding costs bytes: the "never more
-  than transformers" bound above is dropless mode's.
-
-  Precondition: every rank of the group passes the same number of tokens T (the padded sizes
-  derive from it). It is checked with the count exchange, before any row moves, but the check
-  reads a device value: on the CPU a mismatch raises ValueError on every rank; on CUDA it is
-  queued (``torch._assert_async``, so as not to add the host sync this mode exists to avoid), the
-  host goes on to launch the row all-to-all with mismatched sizes, and the job then fails with a
-  device-side assert at its next synchronisation, or stops in that exchange until
-  ``moe_ep.parallel.fail_fast``'s or the process group's timeout. Pad every rank's batch to one
-  length (a fixed sequence length and micro-batch size), or use dropless mode.
-"""
+Dropless mode (``capacity_factor=None``) exchanges the counts with one host sync per layer
+(``all_to_all_single`` takes host split sizes). Capacity mode (``moe_ep.dispatch.capacity``)
+has fixed padded buffers and no host sync, and needs the same number of tokens on every rank
+(see ``dispatch``). ARCHITECTURE.md draws the whole flow, forward and backward."""
 
 from __future__ import annotations
 
@@ -47,14 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .._validate import (
-    check_float,
-    check_index,
-    check_indices_in_range,
-    check_on_device,
-    check_same_device,
-    check_tensor,
-)
+from ..ops.validate import check_on_device, check_routing, check_tensor
 from .all_to_all import AllToAllRouting, AllToAllRows, Splits
 from .capacity import capacity_keep_mask, check_capacity_factor, expert_capacity
 from .layout import DispatchedTokens, DispatchLayout
@@ -74,39 +43,25 @@ def check_num_experts(num_experts, ep: int, *, name: str = "num_experts") -> int
 
 def check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts) -> int:
     """Validates the public arguments; returns the expert-parallel group size."""
-    check_tensor("hidden_states", hidden_states, ndim=2)
-    check_tensor("top_k_index", top_k_index, ndim=2)
-    check_tensor("top_k_weights", top_k_weights, ndim=2)
-    check_float("hidden_states", hidden_states)
-    check_float("top_k_weights", top_k_weights)
-    check_index("top_k_index", top_k_index)
-    check_same_device(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights)
-    if top_k_index.shape[0] != hidden_states.shape[0] or top_k_weights.shape != top_k_index.shape:
-        raise ValueError(
-            f"top_k_index and top_k_weights must both have shape [T={hidden_states.shape[0]}, K], got "
-            f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
-        )
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
     ep = dist.get_world_size(group)
     check_num_experts(num_experts, ep)
-    if not 1 <= top_k_index.shape[1] <= num_experts:
-        raise ValueError(f"top_k_index must choose between 1 and E={num_experts} experts, got {top_k_index.shape[1]}")
-    check_indices_in_range("top_k_index", top_k_index, num_experts)
+    check_routing(hidden_states, top_k_index, top_k_weights, num_experts)
     return ep
 
 
-def _compact(valid_N: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of the first ``size`` True entries of ``valid_N`` in order, and which of the
+def _compact(valid: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of the first ``size`` True entries of the 1-D ``valid`` in order, and which of the
     ``size`` outputs are real (the tail is padding, index 0, when fewer are True). A cumsum and a
     scatter, no host sync."""
-    n = valid_N.numel()
-    device = valid_N.device
-    pos_N = torch.cumsum(valid_N, 0) - 1
-    target_N = torch.where(valid_N & (pos_N < size), pos_N, size)
+    n = valid.numel()
+    device = valid.device
+    pos = torch.cumsum(valid, 0) - 1
+    target = torch.where(valid & (pos < size), pos, size)
     index = torch.zeros(size + 1, dtype=torch.long, device=device)
-    index.scatter_(0, target_N, torch.arange(n, device=device))
-    real = torch.arange(size, device=device) < valid_N.sum()
+    index.scatter_(0, target, torch.arange(n, device=device))
+    real = torch.arange(size, device=device) < valid.sum()
     return index[:size], real
 
 
@@ -158,7 +113,7 @@ def _exchange_counts_checking_tokens(send_RC: torch.Tensor, T: int, group) -> to
     blocks are sized from T, so every rank of the group must have the same T or the row exchange
     would not line up (a crash or a hang instead of an error). On the CPU the check raises here,
     on every rank, before the rows move; on CUDA it is queued on the device and fires only at the
-    next synchronisation, after the mismatched row exchange was launched (see the module doc)."""
+    next synchronisation, after the mismatched row exchange was launched (see ``dispatch``)."""
     tokens = torch.full((send_RC.shape[0], 1), T, dtype=send_RC.dtype, device=send_RC.device)
     recv = _exchange_counts(torch.cat([send_RC, tokens], dim=1), group)
     check_on_device(
@@ -291,12 +246,12 @@ def _received_slots(recv_RC, blocks: _Blocks, sizes: _Sizes, w_meta, ids_meta, L
     key_values = torch.arange(per_block.shape[1], device=device).repeat(ep)
     key_S = torch.repeat_interleave(key_values, per_block.reshape(-1), output_size=num_recv)
     single_S = key_S < L
-    ids_SK = torch.full((num_recv, k_max), L, dtype=torch.int32, device=device)
-    ids_SK[:, 0] = torch.where(single_S, key_S, L).to(torch.int32)
-    w_SK = torch.zeros(num_recv, k_max, dtype=torch.float32, device=device)
-    w_SK[:, 0] = single_S.float()
+    ids_SC = torch.full((num_recv, k_max), L, dtype=torch.int32, device=device)
+    ids_SC[:, 0] = torch.where(single_S, key_S, L).to(torch.int32)
+    w_SC = torch.zeros(num_recv, k_max, dtype=torch.float32, device=device)
+    w_SC[:, 0] = single_S.float()
     if w_meta is None:
-        return w_SK, ids_SK
+        return w_SC, ids_SC
     block_S = torch.repeat_interleave(torch.arange(ep, device=device), per_block.sum(1), output_size=num_recv)
     s = torch.arange(num_recv, device=device)
     meta_S = blocks.meta_base_R[block_S] + s - blocks.row_base_R[block_S] - blocks.singles_R[block_S]
@@ -304,7 +259,7 @@ def _received_slots(recv_RC, blocks: _Blocks, sizes: _Sizes, w_meta, ids_meta, L
     meta_S = torch.where(multi_S, meta_S, w_meta.shape[0])  # the padding row appended below
     ids_pad = F.pad(ids_meta, (0, 0, 0, 1), value=L)
     w_pad = F.pad(w_meta, (0, 0, 0, 1))
-    return torch.where(multi_S[:, None], w_pad[meta_S], w_SK), torch.where(multi_S[:, None], ids_pad[meta_S], ids_SK)
+    return torch.where(multi_S[:, None], w_pad[meta_S], w_SC), torch.where(multi_S[:, None], ids_pad[meta_S], ids_SC)
 
 
 def _expert_pairs(x_recv, w_recv, ids_recv, L: int, num_pairs: int, padded: bool):
@@ -312,22 +267,22 @@ def _expert_pairs(x_recv, w_recv, ids_recv, L: int, num_pairs: int, padded: bool
     entry that fills it (``num_pairs`` = none), which ``combine`` sums per row; and for each entry
     its slot (``S * k_max`` = none: capacity mode's padding)."""
     S, k_max = ids_recv.shape
-    ids_N = ids_recv.reshape(-1)
-    pair_slot, pair_real = _compact(ids_N < L, num_pairs)
-    expert_P = ids_N[pair_slot].long()
-    weight_P = w_recv.reshape(-1)[pair_slot]
+    ids_flat = ids_recv.reshape(-1)  # slot s * k_max + c of the [S, C] table
+    pair_slot, pair_real = _compact(ids_flat < L, num_pairs)
+    expert_Q = ids_flat[pair_slot].long()
+    weight_Q = w_recv.reshape(-1)[pair_slot]
     if padded:  # capacity mode's tail entries: expert 0, weight 0, output exactly 0
-        expert_P = torch.where(pair_real, expert_P, 0)
-        weight_P = torch.where(pair_real, weight_P, 0.0)
+        expert_Q = torch.where(pair_real, expert_Q, 0)
+        weight_Q = torch.where(pair_real, weight_Q, 0.0)
     pair_reader = torch.where(pair_real, pair_slot, S * k_max)
-    row_src = torch.full((S * k_max + 1,), num_pairs, dtype=torch.long, device=ids_N.device)
-    row_src.scatter_(0, pair_reader, torch.arange(num_pairs, device=ids_N.device))
+    row_src = torch.full((S * k_max + 1,), num_pairs, dtype=torch.long, device=ids_flat.device)
+    row_src.scatter_(0, pair_reader, torch.arange(num_pairs, device=ids_flat.device))
     row_src_SC = row_src[: S * k_max].view(S, k_max)
     if _pairs_are_rows(num_pairs, S, padded):
-        hidden_PH = x_recv  # no copy: entry p is row p
+        hidden_QH = x_recv  # no copy: pair q is row q
     else:
-        hidden_PH = gather_rows(x_recv, pair_slot // k_max, row_src_SC, padded=padded)
-    return hidden_PH, expert_P[:, None], weight_P[:, None], row_src_SC, pair_reader
+        hidden_QH = gather_rows(x_recv, pair_slot // k_max, row_src_SC, padded=padded)
+    return hidden_QH, expert_Q[:, None], weight_Q[:, None], row_src_SC, pair_reader
 
 
 def _pairs_are_rows(num_pairs: int, num_rows: int, padded: bool) -> bool:
@@ -375,12 +330,27 @@ def dispatch(
 
     ``top_k_index [T, K]`` holds global expert ids, ``top_k_weights [T, K]`` their weights. Returns
     the (row, local expert) pairs this rank's experts must compute and the layout ``combine``
-    needs. Every rank of ``group`` must call it (collective), whatever its number of tokens; in
-    capacity mode (``capacity_factor`` not None) every rank must also pass the same number of
-    tokens, which on CUDA is only checked asynchronously (module doc). Differentiable in
-    ``hidden_states`` and ``top_k_weights``."""
-    ep = check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts)
+    needs. Every rank of ``group`` must call it (collective), whatever its number of tokens.
+    Differentiable in ``hidden_states`` and ``top_k_weights``.
+
+    Capacity mode (``capacity_factor`` not None) needs the same number of tokens T on every rank
+    of the group: the padded buffers are sized from it. It is checked with the count exchange,
+    before any row moves, but the check reads a device value: on the CPU a mismatch raises
+    ValueError on every rank; on CUDA it is queued (``torch._assert_async``, so as not to add the
+    host sync this mode exists to avoid), the host goes on to launch the row all-to-all with
+    mismatched sizes, and the job fails with a device-side assert at its next synchronisation, or
+    stops in that exchange until ``moe_ep.fail_fast``'s or the process group's timeout. Pad every
+    rank's batch to one length (a fixed sequence length and micro-batch size), or use dropless
+    mode."""
+    check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts)
     check_capacity_factor(capacity_factor)
+    return dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_experts, capacity_factor)
+
+
+def dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_experts: int,
+                     capacity_factor: float | None) -> DispatchedTokens:
+    """``dispatch`` on arguments its caller validated (``check_dispatch_args``)."""
+    ep = dist.get_world_size(group)
     T, K = top_k_index.shape
     L = num_experts // ep
     k_max, r_max = min(K, L), min(K, ep)
@@ -418,7 +388,7 @@ def dispatch(
         )
         w_meta, ids_meta = AllToAllRouting.apply(w_send, ids_send, sizes.meta_recv_splits, sizes.meta_send_splits, group)
     w_recv, ids_recv = _received_slots(recv_RC, recv_blocks, sizes, w_meta, ids_meta, L, k_max)
-    hidden_PH, expert_P1, weight_P1, row_src_SC, pair_reader_P = _expert_pairs(
+    hidden_QH, expert_Q1, weight_Q1, row_src_SC, pair_reader_Q = _expert_pairs(
         x_recv, w_recv, ids_recv, L, sizes.num_pairs, padded=kept_TK is not None
     )
     layout = DispatchLayout(
@@ -431,11 +401,11 @@ def dispatch(
         source_reader=source_reader_S,
         source_weights=source_weights_TC,
         row_src=row_src_SC,
-        pair_reader=pair_reader_P,
+        pair_reader=pair_reader_Q,
         num_pairs=sizes.num_pairs,
         kept_TK=kept_TK,
     )
-    return DispatchedTokens(hidden_states=hidden_PH, expert_ids=expert_P1, weights=weight_P1, layout=layout)
+    return DispatchedTokens(hidden_states=hidden_QH, expert_ids=expert_Q1, weights=weight_Q1, layout=layout)
 
 
 class _JoinedToDispatch(torch.autograd.Function):
@@ -444,12 +414,12 @@ class _JoinedToDispatch(torch.autograd.Function):
     behind them, with zeros); what matters is that the edges exist."""
 
     @staticmethod
-    def forward(ctx, expert_output_PH, hidden_PH, weights_P1):
-        return expert_output_PH.view_as(expert_output_PH)
+    def forward(ctx, expert_output_QH, hidden_QH, weights_Q1):
+        return expert_output_QH.view_as(expert_output_QH)
 
     @staticmethod
-    def backward(ctx, grad_PH):
-        return grad_PH, None, None
+    def backward(ctx, grad_QH):
+        return grad_QH, None, None
 
 
 def join_to_dispatch(expert_output: torch.Tensor, tokens: DispatchedTokens) -> torch.Tensor:
@@ -462,11 +432,16 @@ def join_to_dispatch(expert_output: torch.Tensor, tokens: DispatchedTokens) -> t
     check_tensor("expert_output", expert_output)
     if not isinstance(tokens, DispatchedTokens):
         raise TypeError(f"tokens must be the DispatchedTokens returned by dispatch, got {type(tokens).__name__}")
+    return join_checked(expert_output, tokens)
+
+
+def join_checked(expert_output: torch.Tensor, tokens: DispatchedTokens) -> torch.Tensor:
+    """``join_to_dispatch`` for ``tokens`` of this module's own dispatch."""
     return _JoinedToDispatch.apply(expert_output, tokens.hidden_states, tokens.weights)
 
 
 def combine(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
-    """The weighted expert outputs ``[P, H]`` of ``dispatch``'s pairs back to their tokens:
+    """The weighted expert outputs ``[Q, H]`` of ``dispatch``'s pairs back to their tokens:
     ``[T, H]`` on the source rank, in the dtype of ``expert_output``. Collective, differentiable.
 
     Every rank must also enter the backward of both exchanges, so ``expert_output`` must depend
@@ -480,6 +455,11 @@ def combine(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor
             f"expert_output must have one row per dispatched pair ({layout.num_pairs}), "
             f"got shape {tuple(expert_output.shape)}"
         )
+    return combine_checked(expert_output, layout)
+
+
+def combine_checked(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
+    """``combine`` of expert outputs its caller computed from this module's own dispatch."""
     padded = layout.rows_per_rank is not None
     if _pairs_are_rows(layout.num_pairs, layout.row_src.shape[0], padded):
         rows_SH = expert_output

@@ -1,18 +1,19 @@
 """The expert-parallel MoE layer: dispatch, the local experts (``moe_experts`` on this rank's
 shard, local ids), combine. ``moe_experts_ep`` is the functional form; ``ExpertParallelDispatcher``
-is the object ``moe_ep.parallel.parallelize`` installs on a transformers experts module
-(``experts.moe_ep_dispatcher``), which the ``"moe_ep"`` experts implementation calls."""
+is what ``moe_ep.parallel.parallelize`` binds to a transformers experts module
+(``moe_ep.hf.binding``), which the ``"moe_ep"`` experts implementation calls."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .._validate import check_tensor
-from ..activations import check_activation
-from ..experts import moe_experts
+from ..ops.activations import check_activation
+from ..ops.backend import resolve_backend
+from ..ops.experts import check_expert_weights, run_experts
+from ..ops.validate import check_tensor
 from .capacity import check_capacity_factor
-from .dispatcher import check_num_experts, combine, dispatch, join_to_dispatch
+from .dispatcher import check_dispatch_args, check_num_experts, combine_checked, dispatch_checked, join_checked
 
 
 def moe_experts_ep(
@@ -29,23 +30,24 @@ def moe_experts_ep(
 ) -> torch.Tensor:
     """``moe_experts`` with the ``E = L * ep`` experts spread over ``group``: this rank holds
     experts ``[rank L, (rank+1) L)`` as ``gate_up_local [L, 2I, H]`` and ``down_local [L, H, I]``.
-    ``top_k_index`` holds global ids. Returns ``[T, H]`` for this rank's tokens. Collective."""
+    ``top_k_index`` holds global ids. Returns ``[T, H]`` for this rank's tokens. Collective.
+    Every argument is checked here, once: the dispatch, the local experts and the combine that
+    follow take what this call validated and what the dispatch made."""
     check_tensor("gate_up_local", gate_up_local, ndim=3)
-    check_tensor("down_local", down_local, ndim=3)
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
     num_experts = gate_up_local.shape[0] * dist.get_world_size(group)
-    tokens = dispatch(
-        hidden_states, top_k_index, top_k_weights, group=group, num_experts=num_experts,
-        capacity_factor=capacity_factor,
-    )
-    out_PH = moe_experts(
-        tokens.hidden_states, tokens.expert_ids, tokens.weights, gate_up_local, down_local,
-        activation=activation, backend=backend, group=group,
-    )
-    # moe_experts keeps even an empty batch in the graph, but the backward all-to-alls that
-    # every rank must enter should not hang on that promise.
-    return combine(join_to_dispatch(out_PH, tokens), tokens.layout)
+    check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts)
+    check_expert_weights(hidden_states, gate_up_local, down_local, names=("gate_up_local", "down_local"))
+    check_capacity_factor(capacity_factor)
+    check_activation(activation)
+    backend = resolve_backend(backend, hidden_states.device)
+    tokens = dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_experts, capacity_factor)
+    out_QH = run_experts(tokens.hidden_states, tokens.expert_ids, tokens.weights, gate_up_local, down_local,
+                         activation, backend, group)
+    # The experts keep even an empty batch in the graph, but the backward all-to-alls that every
+    # rank must enter should not hang on that promise.
+    return combine_checked(join_checked(out_QH, tokens), tokens.layout)
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:

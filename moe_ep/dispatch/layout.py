@@ -28,19 +28,19 @@ class DispatchLayout:
     recv_splits: Splits
     rows_per_rank: int | None  # capacity mode: rows in each rank's padded block; None = dropless
     # Source side: token t's c-th destination (in rank order) went out in, and comes back in, row
-    # token_src[t, c] of the exchanges (the number of rows sent = none), [T, Rmax] with
-    # Rmax = min(ep, K); the returned row is scaled by source_weights[t, c]: the routing weight of
+    # token_src[t, c] of the exchanges (the number of rows sent = none), [T, C] with
+    # C = min(ep, K); the returned row is scaled by source_weights[t, c]: the routing weight of
     # a single row (the expert returned it unweighted), 1 for a multi row. source_reader[s] =
-    # t * Rmax + c inverts token_src (T * Rmax = a padding row). source_weights is differentiable
+    # t * C + c inverts token_src (T * C = a padding row). source_weights is differentiable
     # in the weights.
     token_src: torch.Tensor
     source_reader: torch.Tensor
     source_weights: torch.Tensor
     # Expert side: slot c of received row s takes pair output row_src[s, c] (num_pairs = none),
-    # [S, Kmax] with Kmax = min(K, L); pair_reader[p] = s * Kmax + c inverts it.
+    # [S, C] with C = min(K, L); pair_reader[q] = s * C + c inverts it.
     row_src: torch.Tensor
     pair_reader: torch.Tensor
-    num_pairs: int  # P, rows handed to the local experts
+    num_pairs: int  # Q, rows handed to the local experts
     kept_TK: torch.Tensor | None  # capacity mode: the (token, slot) pairs that were not dropped
 
 
@@ -49,13 +49,13 @@ class DispatchedTokens:
     """What the local experts compute on: one entry per (received row, local expert) pair.
 
     ``expert_ids`` are local (``[0, L)``) and ``weights`` the weights the expert rank applies, so
-    the expert output for entry p is ``weights[p] * expert[expert_ids[p]](hidden_states[p])``,
+    the expert output for pair q is ``weights[q] * expert[expert_ids[q]](hidden_states[q])``,
     exactly what ``moe_experts(hidden_states, expert_ids, weights, gate_up_local, down_local)``
     returns. The weight is the routing weight for a pair of a multi row and 1 for a single row,
     whose routing weight the source applies in ``combine``. In capacity mode the tail entries are
     padding: a zero weight and expert 0."""
 
-    hidden_states: torch.Tensor  # [P, H], differentiable
-    expert_ids: torch.Tensor  # [P, 1] int64, local ids
-    weights: torch.Tensor  # [P, 1] float32, differentiable (constant 1 for single rows)
+    hidden_states: torch.Tensor  # [Q, H], differentiable
+    expert_ids: torch.Tensor  # [Q, 1] int64, local ids
+    weights: torch.Tensor  # [Q, 1] float32, differentiable (constant 1 for single rows)
     layout: DispatchLayout

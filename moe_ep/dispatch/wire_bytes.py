@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._validate import check_index, check_tensor
+from ..ops.validate import check_index, check_tensor
 
 _ROUTING_COLUMN_BYTES = 8  # int32 local expert id + float32 routing weight
 

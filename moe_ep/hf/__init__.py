@@ -1,22 +1,17 @@
 """Hugging Face integration: the ``"moe_ep"`` experts implementation of transformers' registry and
 ``patch(model)`` for models already built.
 
-``import moe_ep`` (the package, see ``moe_ep/__init__.py``) imports transformers when it is
-installed and calls ``register_if_installed()``, which adds ``"moe_ep"`` to transformers'
-experts registry (and moe_ep's expert-parallel entry); nothing else is touched on import: no
+``import moe_ep`` (see ``moe_ep/__init__.py``) arranges for ``register_if_installed()`` to run
+when transformers imports its experts registry, which adds ``"moe_ep"`` to it (and moe_ep's
+expert-parallel entry to transformers' expert-parallel registry); nothing else is touched: no
 class, no model, no router. ``patch(model)`` switches a built model, on request.
 
-Routers: with ``patch(model, fused_router=True)`` (the default) each MoE router's forward runs
-``moe_ep.route_topk``, which computes the router logits in float32 (as Megatron-Core's router
-dtype fp32 does), where Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE compute them in the activation
-dtype. In bf16 a near tie between two experts' logits can round to a tie or swap, so for such a
-token the fused router may pick another expert than the model's own router would; it picks what
-the float32 model picks. ``fused_router=False``, and a model switched by
-``experts_implementation="moe_ep"`` alone, keep the model's own router computation (bf16 logits
-included). Each fused router class is verified against the installed transformers' own router on
-a probe input before it is patched (``moe_ep.hf.routers.verify_fused_router``)."""
+Routers: ``patch(model, fused_router=True)`` (the default) runs each MoE router on
+``moe_ep.route_topk``, which computes the logits in float32 (``routers.py`` says where that can
+differ from a family's own bf16 router, and how each class is verified first)."""
 
-from .layout import activation_name, experts_activation
+from .binding import Binding, ExpertsDispatcher, bind, binding_of
+from .layout import activation_name, experts_activation, experts_modules, num_experts_of
 from .patch import fused_routers, is_patched, patch
 from .registry import (
     EXPERTS_IMPLEMENTATION,
@@ -25,19 +20,27 @@ from .registry import (
     register,
     register_if_installed,
 )
+from .transformers_ep import register_transformers_ep
 from .version import MIN_TRANSFORMERS_VERSION, require_transformers
 
 __all__ = [
+    "Binding",
+    "ExpertsDispatcher",
     "EXPERTS_IMPLEMENTATION",
     "MIN_TRANSFORMERS_VERSION",
     "activation_name",
+    "bind",
+    "binding_of",
     "experts_activation",
+    "experts_modules",
     "fused_routers",
     "is_patched",
     "is_registered",
     "moe_ep_experts_forward",
+    "num_experts_of",
     "patch",
     "register",
     "register_if_installed",
+    "register_transformers_ep",
     "require_transformers",
 ]

@@ -31,6 +31,20 @@ def _is_experts_module(module: torch.nn.Module) -> bool:
     return all(hasattr(module, flag) for flag in ("has_gate", "has_bias", "is_transposed"))
 
 
+def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The transformers experts modules of ``model`` (classes decorated with
+    ``@use_experts_implementation``), with their names, in module order."""
+    return [(name, m) for name, m in model.named_modules() if _is_experts_module(m)]
+
+
+def num_experts_of(modules: list[tuple[str, torch.nn.Module]]) -> int:
+    """The one expert count of the MoE layers ``experts_modules`` found (ValueError if they differ)."""
+    counts = {name: m.gate_up_proj.shape[0] for name, m in modules}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"every MoE layer must have the same number of experts to share one ep layout, got {counts}")
+    return next(iter(counts.values()))
+
+
 def experts_activation(module: torch.nn.Module) -> str:
     """The ``activation`` argument of ``moe_experts`` for a transformers experts module.
 

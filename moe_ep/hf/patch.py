@@ -3,8 +3,9 @@
 Nothing about the model's structure changes: no module is replaced, no class is swapped, no
 parameter is renamed or reshaped, so ``state_dict``, ``save_pretrained``, checkpoint conversion,
 FSDP wrapping and transformers' output-recording hooks see the model they expect. What changes:
-``config._experts_implementation`` (transformers' own switch), a ``moe_ep_backend`` attribute on
-each experts and router module, and, with ``fused_router=True``, the router instances' ``forward``.
+``config._experts_implementation`` (transformers' own switch), the backend bound to each experts
+and router module (``moe_ep.hf.binding``), and, with ``fused_router=True``, the router instances'
+``forward``.
 Every check runs before the first change, so a refused model is left untouched."""
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from types import MethodType
 
 import torch
 
-from ..backend import BACKENDS
-from .layout import _is_experts_module, experts_activation
+from ..ops.backend import BACKENDS
+from .binding import bind
+from .layout import experts_activation, experts_modules
 from .registry import EXPERTS_IMPLEMENTATION, register
 from .routers import FUSED_ROUTER_FORWARDS, fused_router_forward, router_key, verify_fused_router
 
@@ -45,10 +47,6 @@ def _set_router_forward(router: torch.nn.Module, func) -> None:
         router.__dict__.pop("forward", None)
         return
     setattr(router, slot, MethodType(func if func is not None else type(router).forward, router))
-
-
-def _experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    return [(name, m) for name, m in model.named_modules() if _is_experts_module(m)]
 
 
 def _router_of(model: torch.nn.Module, experts_name: str) -> tuple[str, torch.nn.Module | None]:
@@ -119,7 +117,7 @@ def patch(model: torch.nn.Module, *, backend: str | None = None, fused_router: b
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if not isinstance(fused_router, bool):
         raise TypeError(f"fused_router must be a bool, got {type(fused_router).__name__}")
-    experts = _experts_modules(model)
+    experts = experts_modules(model)
     if not experts:
         raise ValueError(
             f"{type(model).__name__} has no experts module (a class decorated with transformers' "
@@ -135,12 +133,12 @@ def patch(model: torch.nn.Module, *, backend: str | None = None, fused_router: b
     if model.config._experts_implementation != EXPERTS_IMPLEMENTATION:
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     for _, module in experts:
-        module.moe_ep_backend = backend
+        bind(module, backend=backend)
     for _, router in routers:
         if router is None:
             continue
         if fused_router:
-            router.moe_ep_backend = backend
+            bind(router, backend=backend)
             if _installed_forward(router) is None:
                 _set_router_forward(router, fused_router_forward(router))
         elif _installed_forward(router) in FUSED_ROUTER_FORWARDS.values():
@@ -150,7 +148,7 @@ def patch(model: torch.nn.Module, *, backend: str | None = None, fused_router: b
 
 def is_patched(model: torch.nn.Module) -> bool:
     """True when every experts module of ``model`` runs on moe_ep (routers not considered)."""
-    experts = _experts_modules(model)
+    experts = experts_modules(model)
     return bool(experts) and all(m.config._experts_implementation == EXPERTS_IMPLEMENTATION for _, m in experts)
 
 

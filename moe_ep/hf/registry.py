@@ -10,8 +10,9 @@ import warnings
 
 import torch
 
-from ..experts import moe_experts
+from ..ops.experts import moe_experts
 from .autocast import autocast_dtype
+from .binding import binding_of
 from .layout import experts_activation
 from .version import require_transformers
 
@@ -38,9 +39,9 @@ def moe_ep_experts_forward(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """transformers' experts forward signature. An expert-parallel dispatcher installed on the
-    module (``moe_ep_dispatcher``) takes the call; otherwise the local ``moe_experts`` op runs with
-    the backend stored by ``moe_ep.hf.patch`` (``moe_ep_backend``, None = default).
+    """transformers' experts forward signature. The module's binding (``moe_ep.hf.binding``) says
+    how it runs: its expert-parallel dispatcher, set by ``moe_ep.parallelize``, takes the call;
+    without one the local ``moe_experts`` op runs with the backend ``moe_ep.patch`` bound.
 
     Under autocast both paths compute in the autocast dtype, as ``F.linear`` in the eager experts
     does: the activations and weights are cast before the local op or the dispatcher sees them
@@ -51,9 +52,9 @@ def moe_ep_experts_forward(
     experts, x_TH = self, hidden_states
     if compute_dtype is not None:
         experts, x_TH = _ExpertsInDtype(self, compute_dtype), hidden_states.to(compute_dtype)
-    dispatcher = getattr(self, "moe_ep_dispatcher", None)
-    if dispatcher is not None:
-        y_TH = dispatcher(experts, x_TH, top_k_index, top_k_weights)
+    binding = binding_of(self)
+    if binding.dispatcher is not None:
+        y_TH = binding.dispatcher(experts, x_TH, top_k_index, top_k_weights)
     else:
         y_TH = moe_experts(
             x_TH,
@@ -62,7 +63,7 @@ def moe_ep_experts_forward(
             experts.gate_up_proj,
             experts.down_proj,
             activation=activation,
-            backend=getattr(self, "moe_ep_backend", None),
+            backend=binding.backend,
         )
     return y_TH.to(hidden_states.dtype)
 
@@ -89,10 +90,10 @@ def register() -> None:
 
 
 def register_if_installed() -> bool:
-    """What ``import moe_ep`` runs: register when transformers is installed. Returns False without
-    touching anything when it is not installed (the integration is optional); warns and returns
-    False when it is too old, so the rest of moe_ep stays importable while ``patch()`` and
-    ``register()`` still raise the version error."""
+    """What ``import moe_ep`` runs once transformers imports its experts registry: register when
+    transformers is installed. Returns False without touching anything when it is not (the
+    integration is optional); warns and returns False when it is too old, so the rest of moe_ep
+    stays importable while ``patch()`` and ``register()`` still raise the version error."""
     if importlib.util.find_spec("transformers") is None:
         return False
     try:

@@ -2,7 +2,7 @@
 router forward returns: ``(router_logits, top_k_weights, top_k_index)`` with the same dtypes.
 
 The router module is kept (its class, parameters, buffers and hooks); only its computation is
-replaced by ``moe_ep.routing.route_topk``. transformers records ``router_logits`` with a forward
+replaced by ``moe_ep.route_topk``. transformers records ``router_logits`` with a forward
 hook on the router class (``OutputRecorder(<Router>, index=0)``), so the auxiliary loss of
 ``output_router_logits=True`` is computed from our logits exactly as from its own.
 
@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import torch
 
-from ..routing import route_topk
+from ..ops.routing import route_topk
 from .autocast import autocast_dtype
+from .binding import binding_of
 
 SEMANTICS_READ_FROM = "5.17-5.23"
 
@@ -87,17 +88,17 @@ def deepseek_v3_route(router, hidden_states, backend):
     return logits_TE.to(logits_dtype), w_TK, idx_TK
 
 
-# The instance-level forwards patch() installs: the family's route with the backend patch() stored.
+# The instance-level forwards patch() installs: the family's route with the backend patch() bound.
 def mixtral_router_forward(self, hidden_states):
-    return mixtral_route(self, hidden_states, self.moe_ep_backend)
+    return mixtral_route(self, hidden_states, binding_of(self).backend)
 
 
 def qwen_router_forward(self, hidden_states):
-    return qwen_route(self, hidden_states, self.moe_ep_backend)
+    return qwen_route(self, hidden_states, binding_of(self).backend)
 
 
 def deepseek_v3_router_forward(self, hidden_states):
-    return deepseek_v3_route(self, hidden_states, self.moe_ep_backend)
+    return deepseek_v3_route(self, hidden_states, binding_of(self).backend)
 
 
 _ROUTE_OF = {
@@ -154,7 +155,7 @@ def _configuration(router: torch.nn.Module) -> tuple:
             (name, value)
             for name, value in vars(router).items()
             if not name.startswith("_")
-            and name not in ("training", "moe_ep_backend")
+            and name != "training"
             and isinstance(value, (bool, int, float, str, type(None)))
         )
     )

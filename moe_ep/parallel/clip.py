@@ -96,8 +96,16 @@ def clip_grad_norm_(
     # host sync: only on request, to raise before touching the gradients.
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(f"the total {float(norm_type)}-norm of the gradients is {total.item()}; not clipping")
-    scale_grads_(parameters, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    clip_grads_(parameters, total, max_norm)
     return total
+
+
+def clip_grads_(
+    parameters: torch.nn.Module | Iterable[torch.Tensor], total_norm: torch.Tensor, max_norm: float
+) -> None:
+    """Scale the gradients so that their global norm ``total_norm`` (already computed, e.g. over
+    every pipeline stage) becomes at most ``max_norm``."""
+    scale_grads_(parameters, torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))
 
 
 def _as_list(parameters) -> list[torch.Tensor]:

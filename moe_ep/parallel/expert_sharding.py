@@ -1,6 +1,7 @@
 """Expert parallelism on a transformers model: each experts module keeps this rank's
 ``L = E / ep`` experts as DTensors ``Shard(0)`` over the ``ep`` mesh (global shape, HF name), and
-gets a dispatcher that the ``"moe_ep"`` experts implementation calls."""
+is bound to a dispatcher (``moe_ep.hf.binding``) that the ``"moe_ep"`` experts implementation
+hands its forward."""
 
 from __future__ import annotations
 
@@ -8,24 +9,11 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from ..dispatch import ExpertParallelDispatcher
-from ..hf.layout import _is_experts_module, experts_activation
+from ..hf.binding import bind
+from ..hf.layout import experts_activation, experts_modules, num_experts_of
 from ..hf.registry import EXPERTS_IMPLEMENTATION
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
-
-
-def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The transformers experts modules of ``model`` (classes decorated with
-    ``@use_experts_implementation``), in module order."""
-    return [(name, m) for name, m in model.named_modules() if _is_experts_module(m)]
-
-
-def num_experts_of(modules: list[tuple[str, torch.nn.Module]]) -> int:
-    """The one expert count of the model's MoE layers (ValueError if they differ)."""
-    counts = {name: m.gate_up_proj.shape[0] for name, m in modules}
-    if len(set(counts.values())) != 1:
-        raise ValueError(f"every MoE layer must have the same number of experts to share one ep layout, got {counts}")
-    return next(iter(counts.values()))
 
 
 def check_experts_implementation(name: str, module: torch.nn.Module) -> None:
@@ -72,7 +60,8 @@ def shard_experts(
     for name, module in modules:
         for weight in EXPERT_WEIGHTS:
             setattr(module, weight, _shard(getattr(module, weight), ep_mesh))
-        module.moe_ep_dispatcher = ExpertParallelDispatcher(
+        dispatcher = ExpertParallelDispatcher(
             group, num_experts, activation=activations[name], capacity_factor=capacity_factor, backend=backend
         )
+        bind(module, dispatcher=dispatcher)
     return modules

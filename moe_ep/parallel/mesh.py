@@ -1,4 +1,4 @@
-"""The parallel degrees and the device meshes of DESIGN.md ("Parallel layout").
+"""The parallel degrees and the device meshes of ARCHITECTURE.md ("Parallel layout").
 
 One world mesh ``(pp, dp_replicate, edp, ep)``, ``ep`` fastest-varying so an expert group is a
 block of consecutive ranks (one node, on GPUs) and ``pp`` slowest, so each pipeline rank owns a

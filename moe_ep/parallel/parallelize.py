@@ -1,32 +1,32 @@
 """``parallelize``: expert parallelism, FSDP2/HSDP and pipeline stages on a transformers MoE
-model, the one entry point for every layout."""
+model, the one entry point for every layout. Its arguments become one ``ParallelConfig``; every
+check runs before the first change, so a refused model is left as it was."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..dispatch.capacity import check_capacity_factor
-from .expert_sharding import check_experts_implementation, experts_modules, num_experts_of, shard_experts
+from ..hf.layout import experts_modules, num_experts_of
+from ..hf.patch import fused_routers, is_patched, patch
+from ..planner.partition import Partition
+from .config import ParallelConfig
+from .context import ParallelContext, parallel_context, record_context
+from .expert_sharding import shard_experts
 from .fsdp import apply_fsdp
-from .mesh import MoEMeshes, ParallelDims, build_meshes, check_degree, resolve_dims
+from .mesh import MoEMeshes, ParallelDims, build_meshes, resolve_dims
+from .pipeline import PipelineStages, build_stages, plan_stages
+from .pipeline.tied import shard_tied_stages
 
-if TYPE_CHECKING:
-    from .pipeline import PipelineStages
-
-MESHES_ATTRIBUTE = "moe_ep_meshes"
-# Set instead of MESHES_ATTRIBUTE when the model was cut into pipeline stages: this rank holds
-# only some stages' shards, so the model as a whole is no longer one (state dicts, meshes_of).
-PIPELINE_MESHES_ATTRIBUTE = "moe_ep_pipeline_meshes"
-DEFAULT_SCHEDULE = "1f1b"
+logger = logging.getLogger(__name__)
 
 
 def parallelize(
-    model: torch.nn.Module,
+    model: nn.Module,
     *,
     ep: int = 1,
     dp_replicate: int = 1,
@@ -43,39 +43,41 @@ def parallelize(
     capacity_factor: float | None = None,
     reshard_after_forward: bool | None = None,
     experts_backend: str | None = None,
-) -> torch.nn.Module | PipelineStages:
-    """Spread ``model`` over the default process group; returns what ``moe_ep.training.TrainStep``
-    takes, so the training loop is the same for every layout::
+) -> nn.Module | PipelineStages:
+    """Spread ``model`` over the default process group; returns what ``moe_ep.TrainStep`` takes,
+    so the training loop is the same for every layout::
 
         target = moe_ep.parallelize(model, ep=2, pp=pp, microbatches=4 if pp > 1 else None)
-        step = TrainStep(target, torch.optim.AdamW(target.parameters()), microbatches=4)
+        step = moe_ep.TrainStep(target, torch.optim.AdamW(target.parameters()), microbatches=4)
         for batch in batches:
             loss = step(batch)
 
-    - ``pp == 1``: ``model`` itself, sharded in place (an ``nn.Module``; its meshes on
-      ``model.moe_ep_meshes``, see ``meshes_of``). Also usable without TrainStep, with any
-      optimizer and loop, and with ``full_state_dict``.
+    - ``pp == 1``: ``model`` itself, sharded in place (an ``nn.Module``). Also usable without
+      TrainStep, with any optimizer and loop, and with ``full_state_dict``.
     - ``pp > 1``: this rank's ``moe_ep.parallel.PipelineStages`` (``.parameters()`` for the
-      optimizer, the meshes on ``.meshes``). Stages run only under their schedule, which
-      TrainStep drives; the model object is cut and must not be called or saved as a whole.
+      optimizer). Stages run only under their schedule, which TrainStep drives; the model object
+      is cut and must not be called or saved as a whole.
+
+    Either way ``moe_ep.parallel.parallel_context(result)`` gives the configuration, the meshes
+    and the stages.
 
     Degrees:
 
     - ``ep``: experts are split over ``ep`` ranks (DTensor ``Shard(0)``, global shapes and HF names
-      kept) and tokens reach them through moe_ep's all-to-all dispatcher; needs the ``"moe_ep"``
-      experts implementation (``moe_ep.hf.patch(model)``) when ``ep > 1``.
+      kept) and tokens reach them through moe_ep's all-to-all dispatcher, which runs in moe_ep's
+      experts implementation: a model whose experts run on another one is switched to it
+      (``moe_ep.patch``, its routers left as they are), with a logged warning.
     - ``dp_replicate`` x ``dp_shard``: FSDP2 over ``dp_shard`` ranks, HSDP replicas over
       ``dp_replicate``; ``dp_shard=None`` uses the rest of the world. Experts are FSDP-sharded over
       ``edp = dp_shard / ep`` and replicated over ``dp_replicate``.
-    - ``pp``: pipeline stages (``moe_ep.parallel.pipeline.parallelize_pipeline``). ``schedule`` is
-      ``"gpipe"``, ``"1f1b"`` (the default), ``"interleaved-1f1b"`` or ``"zbv"``; ``microbatches``
-      (required, at least ``pp``) is the number of micro-batches per step; ``split_points`` the
-      decoder-layer indices that start stages 1..S-1 (default: an automatic cut that balances the
-      planner's per-layer costs). The automatic cut keeps every rank under ``memory_cap`` bytes
-      (planner's memory model; None: no cap) for micro-batches of ``microbatch_size`` sequences
-      (default 1) of ``seq_len`` tokens (default: the model's context, at most 4096). All six
-      are refused with ``pp=1``, where there is no pipeline (gradient accumulation without a
-      pipeline: ``TrainStep(microbatches=...)``).
+    - ``pp``: pipeline stages. ``schedule`` is ``"gpipe"``, ``"1f1b"`` (the default),
+      ``"interleaved-1f1b"`` or ``"zbv"``; ``microbatches`` (required, at least ``pp``) is the
+      number of micro-batches per step; ``split_points`` the decoder-layer indices that start
+      stages 1..S-1 (default: an automatic cut that balances the planner's per-layer costs). The
+      automatic cut keeps every rank under ``memory_cap`` bytes (planner's memory model; None: no
+      cap) for micro-batches of ``microbatch_size`` sequences (default 1) of ``seq_len`` tokens
+      (default: the model's context, at most 4096). All six are refused with ``pp=1``, where there
+      is no pipeline (gradient accumulation without a pipeline: ``TrainStep(microbatches=...)``).
 
     Options:
 
@@ -87,105 +89,101 @@ def parallelize(
       ``ep > 1``.
     - ``reshard_after_forward``: FSDP2's; None means True without a pipeline and False with one
       (a pipeline would otherwise regather the weights for every micro-batch).
+    - ``experts_backend``: the expert kernels' backend under expert parallelism (None: the default
+      of ``moe_experts``).
 
     Every rank must call it (collective). Gradients are those of the mean of the data-parallel
     ranks' losses (TrainStep makes that the mean over all their tokens); clip them with
     ``moe_ep.parallel.clip_grad_norm_``. Model parameters may live on the meta device (shards are
     created there; materialise with ``to_empty`` and ``load_full_state_dict``)."""
-    check_degree("pp", pp)
-    if pp > 1:
-        from .pipeline import parallelize_pipeline
-
-        if microbatches is None:
-            raise ValueError(f"pp={pp} needs microbatches: the micro-batches of one step (at least pp)")
-        return parallelize_pipeline(
-            model, pp=pp, ep=ep, dp_replicate=dp_replicate, dp_shard=dp_shard,
-            schedule=DEFAULT_SCHEDULE if schedule is None else schedule, microbatches=microbatches,
-            split_points=split_points, memory_cap=memory_cap, seq_len=seq_len, microbatch_size=microbatch_size,
-            mixed_precision=mixed_precision,
-            activation_checkpointing=activation_checkpointing, capacity_factor=capacity_factor,
-            reshard_after_forward=False if reshard_after_forward is None else reshard_after_forward,
-            experts_backend=experts_backend,
-        )
-    pipeline_only = (("schedule", schedule), ("microbatches", microbatches), ("split_points", split_points),
-                     ("memory_cap", memory_cap), ("seq_len", seq_len), ("microbatch_size", microbatch_size))
-    for name, value in pipeline_only:
-        if value is not None:
-            raise ValueError(
-                f"{name}={value!r} describes pipeline stages and needs pp > 1, got pp=1 (gradient accumulation "
-                "without a pipeline: TrainStep(microbatches=...))"
-            )
-    reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
-    experts, meshes = prepare(
-        model, "parallelize", pp=1, ep=ep, dp_replicate=dp_replicate, dp_shard=dp_shard,
+    config = ParallelConfig.from_arguments(
+        ep=ep, dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, schedule=schedule, microbatches=microbatches,
+        split_points=split_points, memory_cap=memory_cap, seq_len=seq_len, microbatch_size=microbatch_size,
         mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
-        capacity_factor=capacity_factor, reshard_after_forward=reshard_after_forward, require_experts=True,
+        capacity_factor=capacity_factor, reshard_after_forward=reshard_after_forward, experts_backend=experts_backend,
     )
-    if meshes.dims.ep > 1:
-        shard_experts(model, meshes.ep, capacity_factor=capacity_factor, backend=experts_backend)
-    apply_fsdp(
-        model, meshes, [m for _, m in experts], mixed_precision=mixed_precision,
-        reshard_after_forward=reshard_after_forward,
-    )
-    setattr(model, MESHES_ATTRIBUTE, meshes)
-    return model
+    return parallelize_with(model, config)
 
 
-def prepare(
-    model: torch.nn.Module,
-    caller: str,
-    *,
-    pp: int,
-    ep: int,
-    dp_replicate: int,
-    dp_shard: int | None,
-    mixed_precision,
-    activation_checkpointing: bool,
-    capacity_factor: float | None,
-    reshard_after_forward: bool,
-    require_experts: bool,
-) -> tuple[list[tuple[str, torch.nn.Module]], MoEMeshes]:
-    """What every layout checks before changing anything (a refused model is left as it was),
-    then the meshes (collective) and, if asked for, activation checkpointing. Returns the
-    model's experts modules and the meshes."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
-        raise TypeError(
-            f"mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got "
-            f"{type(mixed_precision).__name__}"
-        )
-    for name, value in (("activation_checkpointing", activation_checkpointing),
-                        ("reshard_after_forward", reshard_after_forward)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    check_capacity_factor(capacity_factor)
-    if not dist.is_initialized():
-        raise RuntimeError(f"{caller} needs an initialised default process group (torch.distributed.init_process_group)")
-    if hasattr(model, MESHES_ATTRIBUTE) or hasattr(model, PIPELINE_MESHES_ATTRIBUTE):
-        raise ValueError("model was already parallelized (it has moe_ep_meshes or moe_ep_pipeline_meshes)")
-    experts = experts_modules(model)
-    if require_experts and not experts:
-        raise ValueError(f"{type(model).__name__} has no transformers experts module to parallelize")
-    dims: ParallelDims = resolve_dims(
-        dist.get_world_size(), ep=ep, dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp,
-        num_experts=num_experts_of(experts) if experts else None,
-    )
-    if capacity_factor is not None and dims.ep == 1:
-        raise ValueError(f"capacity_factor={capacity_factor} applies to the expert-parallel dispatcher; ep=1 has none")
-    if dims.ep > 1:
-        for name, module in experts:
-            check_experts_implementation(name, module)
-    if activation_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"activation_checkpointing=True: {type(model).__name__} does not support gradient checkpointing")
+def parallelize_with(model: nn.Module, config: ParallelConfig) -> nn.Module | PipelineStages:
+    """``parallelize`` for a ``ParallelConfig`` built beforehand."""
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(f"config must be a moe_ep.parallel.ParallelConfig, got {type(config).__name__}")
+    dims, cut = _check(model, config)
+    if dims.ep > 1 and not is_patched(model):
+        _switch_to_moe_ep_experts(model, config)
     device = next(model.parameters()).device
     meshes = build_meshes(dims, "cuda" if device.type == "cuda" else "cpu")
-    if activation_checkpointing:
+    if config.activation_checkpointing:
         enable_activation_checkpointing(model)
-    return experts, meshes
+    if cut is None:
+        _shard(model, meshes, config)
+        record_context(model, ParallelContext(config, meshes))
+        return model
+    tied: list[tuple[int, int]] = []
+    stages = build_stages(model, meshes.world["pp"].get_group(), cut, config.pipeline,
+                          stage_transform=lambda modules: tied.extend(_shard_stages(modules, meshes, config)))
+    stages.tied_stages = tuple((stages.stage_ids[owner], stages.stage_ids[user]) for owner, user in tied)
+    record_context(model, ParallelContext(config, meshes, stages))
+    return stages
 
 
-def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+def _check(model: nn.Module, config: ParallelConfig) -> tuple[ParallelDims, Partition | None]:
+    """What needs the model and the process group, checked before anything changes: the degrees
+    against the world size and the expert count, and with ``pp > 1`` the pipeline's cut."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize needs an initialised default process group (torch.distributed.init_process_group)")
+    if parallel_context(model) is not None:
+        raise ValueError("model was already parallelized (moe_ep.parallel.parallel_context(model) describes how)")
+    experts = experts_modules(model)
+    if (config.pp == 1 or config.ep > 1) and not experts:
+        raise ValueError(
+            f"{type(model).__name__} has no transformers experts module to parallelize"
+            + (f" with ep={config.ep}" if config.ep > 1 else "")
+        )
+    dims = resolve_dims(
+        dist.get_world_size(), ep=config.ep, dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, pp=config.pp,
+        num_experts=num_experts_of(experts) if experts else None,
+    )
+    if config.activation_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"activation_checkpointing=True: {type(model).__name__} does not support gradient checkpointing")
+    if config.pp == 1:
+        return dims, None
+    cut = plan_stages(model, dims.pp, config.pipeline, dp_shard=dims.dp_shard, ep=dims.ep,
+                      checkpointing=config.activation_checkpointing)
+    return dims, cut
+
+
+def _switch_to_moe_ep_experts(model: nn.Module, config: ParallelConfig) -> None:
+    """Expert parallelism runs in moe_ep's experts implementation: switch a model whose experts
+    run on another one, keeping its routers as they are (fused or its own)."""
+    fused = bool(fused_routers(model))
+    found = getattr(model.config, "_experts_implementation", None)
+    patch(model, backend=config.experts_backend, fused_router=fused)
+    logger.warning(
+        "parallelize(ep=%d): %s ran its experts on %r; switched them to moe_ep's with moe_ep.patch(model, "
+        "fused_router=%s), routers left as they were", config.ep, type(model).__name__, found, fused,
+    )
+
+
+def _shard(module: nn.Module, meshes: MoEMeshes, config: ParallelConfig) -> None:
+    """The experts over ``ep`` (with their dispatcher), then FSDP2 over the dense and expert meshes."""
+    experts = [m for _, m in experts_modules(module)]
+    if meshes.dims.ep > 1:
+        shard_experts(module, meshes.ep, capacity_factor=config.capacity_factor, backend=config.experts_backend)
+    apply_fsdp(module, meshes, experts, mixed_precision=config.mixed_precision,
+               reshard_after_forward=config.fsdp_reshard_after_forward)
+
+
+def _shard_stages(stages: list[nn.Module], meshes: MoEMeshes, config: ParallelConfig) -> list[tuple[int, int]]:
+    """``_shard`` on each of this rank's stage modules, a parameter tied between two of them (ZB-V
+    with a tied LM head) kept one FSDP parameter. Returns the tied (owner, user) stage indices."""
+    return shard_tied_stages(stages, lambda stage: _shard(stage, meshes, config))
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
     """transformers' non-reentrant checkpointing of every block; the method was renamed in 5.2x
     (``gradient_checkpointing_enable`` remains as a deprecated alias until v6)."""
     kwargs = {"use_reentrant": False}
@@ -193,17 +191,3 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def meshes_of(model: torch.nn.Module) -> MoEMeshes:
-    """The meshes of a model that ``parallelize`` prepared with ``pp=1``; pipeline stages keep
-    theirs on ``PipelineStages.meshes``."""
-    meshes = getattr(model, MESHES_ATTRIBUTE, None)
-    if meshes is None:
-        if hasattr(model, PIPELINE_MESHES_ATTRIBUTE):
-            raise ValueError(
-                f"{type(model).__name__} was cut into pipeline stages; their meshes are on the PipelineStages "
-                "that parallelize returned (.meshes)"
-            )
-        raise ValueError(f"{type(model).__name__} was not prepared by moe_ep.parallel.parallelize")
-    return meshes

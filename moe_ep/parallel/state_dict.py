@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from .parallelize import meshes_of
+from .context import meshes_of
 
 
 def full_state_dict(model: torch.nn.Module, *, cpu_offload: bool = True) -> dict[str, torch.Tensor]:

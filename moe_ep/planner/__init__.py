@@ -5,11 +5,11 @@ estimate whose MFU follows from stated per-kernel efficiencies, and why the alte
 from .cluster import Cluster
 from .layout import Layout
 from .presets import CLUSTERS, Efficiencies, cluster_preset
-from .schedules import SCHEDULES, schedule_info
+from .schedules import NO_PIPELINE, SCHEDULES, schedule_info
 from .search import Assumptions, Plan, PlanError, evaluate, plan
 from .spec import MODEL_NAMES, ModelSpec, config_from_name
 
 __all__ = [
-    "Assumptions", "CLUSTERS", "Cluster", "Efficiencies", "Layout", "MODEL_NAMES", "ModelSpec", "Plan", "PlanError",
-    "SCHEDULES", "cluster_preset", "config_from_name", "evaluate", "plan", "schedule_info",
+    "Assumptions", "CLUSTERS", "Cluster", "Efficiencies", "Layout", "MODEL_NAMES", "ModelSpec", "NO_PIPELINE", "Plan",
+    "PlanError", "SCHEDULES", "cluster_preset", "config_from_name", "evaluate", "plan", "schedule_info",
 ]

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dispatch.capacity import expert_capacity
-from ..partition import Partition
+from .partition import Partition
 from .activations import I32, rank_shares
 from .cluster import Cluster
 from .layout import Layout

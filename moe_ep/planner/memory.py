@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dispatch.capacity import expert_capacity
-from ..partition import Partition, UnitCost
 from .activations import (
     MicroBatch, Routed, checkpoint_shared, checkpointed_layer_saved, embed_saved, expected_routed, head_saved,
     head_scratch, layer_saved, layer_scratch,
@@ -36,6 +35,7 @@ from .activations import (
 from .cluster import Cluster
 from .comm import Collective, all_to_all_collective
 from .compute import Work, embed_traffic, head_traffic, layer_traffic, MEMORY_BACKWARD
+from .partition import Partition, UnitCost
 from .layout import Layout
 from .spec import BF16, FP32, ModelSpec
 

@@ -4,8 +4,8 @@ assumptions behind them and why the closest alternatives lost."""
 
 from __future__ import annotations
 
-from ..partition import format_bytes
 from .memory import layer_ids, max_load
+from .partition import format_bytes
 from .presets import CLUSTERS, DEFAULT_CLUSTER, Efficiencies
 from .schedules import SCHEDULES
 

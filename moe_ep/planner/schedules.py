@@ -12,7 +12,7 @@ class ScheduleInfo:
     name: str
     torch_class: str  # in torch.distributed.pipelining.schedules
     stages_per_rank: int
-    placement: str  # see moe_ep.partition.stage_to_rank
+    placement: str  # see moe_ep.planner.partition.stage_to_rank
     description: str
 
     def bubble(self, pp: int) -> float:

@@ -1,9 +1,9 @@
 """Search over layouts: every (pp, dp_replicate, dp_shard, ep) that divides the world, every
 micro-batch size that divides a replica's batch, with and without activation checkpointing,
-every pipeline schedule that applies; each is partitioned (moe_ep.partition) and costed (memory,
-timing). Of the layouts that fit, the fastest wins unless it leaves less than ``min_headroom`` of
-GPU memory free while another within ``speed_margin`` of its step time keeps that much (see
-:func:`choose`)."""
+every pipeline schedule that applies; each is partitioned (moe_ep.planner.partition) and costed
+(memory, timing). Of the layouts that fit, the fastest wins unless it leaves less than
+``min_headroom`` of GPU memory free while another within ``speed_margin`` of its step time keeps
+that much (see :func:`choose`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from ..partition import InfeasiblePartition, Partition, fits, partition
 from .calibration import read_calibration
+from .partition import InfeasiblePartition, Partition, fits, partition
 from .cluster import Cluster
 from .inputs import check, check_world
 from .layout import Layout
@@ -630,7 +630,7 @@ def _no_microbatching(world, sequences, seq_len, batched, fixed, under) -> str:
 
 
 def _nothing_fits(spec, cluster, seq_len, global_batch_tokens, assumptions, fixed, candidates) -> str:
-    from ..partition import format_bytes
+    from .partition import format_bytes
 
     smallest = min(candidates, key=lambda c: c.memory.total)
     state = 16 * spec.total_params

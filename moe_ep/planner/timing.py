@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from ..partition import Partition
+from .partition import Partition
 from .cluster import Cluster
 from .comm import Collective, fsdp_units, p2p_collective
 from .compute import FSDP_GATHER_COPY, FSDP_REDUCE_COPY, OPTIMIZER_BYTES_PER_PARAM, Seconds

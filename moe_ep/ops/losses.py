@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ._validate import check_index, check_tensor
+from .validate import check_index, check_tensor
 
 
 def _as_layers(name: str, value) -> list[torch.Tensor]:
@@ -59,7 +59,7 @@ def load_balancing_loss(
             gives the router's actual choice (e.g. with a correction bias), one ``[T, K]`` per layer.
         token_mask: ``[T]``, 1 for tokens that count (padding 0), shared by every layer.
         group: None = this rank's tokens only. A process group = every rank that holds different
-            tokens (``moe_ep.parallel.meshes_of(model).dp_group``): counts, probability sums and
+            tokens (``moe_ep.parallel_context(model).meshes.dp_group``): counts, probability sums and
             token counts are summed over it (one all-reduce), the value is the loss of the whole
             global batch on every rank, and the gradient is scaled by the group size for the
             gradient averaging of data parallelism. Collective then: call it on every rank.

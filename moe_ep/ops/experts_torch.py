@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .activations import glu_bwd, glu_fwd
+from .experts_op import register_experts_autograd
 
 
 def routing_order(idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,21 +41,21 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def grouped_linear(a_NK: torch.Tensor, w_EMK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """Row block of expert e times ``w_EMK[e]^T``; sizes that are not a multiple of 8 are
-    zero-padded (a copy only for such odd shapes, which real models do not have)."""
-    M, K = w_EMK.shape[1:]
-    Mp, Kp = _aligned(M), _aligned(K)
-    w = _pad_to(_pad_to(w_EMK, 2, Kp), 1, Mp)
-    return _grouped_mm(_pad_to(a_NK, 1, Kp), w.transpose(1, 2), offs=offsets_E)[:, :M]
+def grouped_linear(a_ND: torch.Tensor, w_EFD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Row block of expert e times ``w_EFD[e]^T`` -> ``[N, F]``; sizes that are not a multiple of
+    8 are zero-padded (a copy only for such odd shapes, which real models do not have)."""
+    F, D = w_EFD.shape[1:]
+    Fp, Dp = _aligned(F), _aligned(D)
+    w = _pad_to(_pad_to(w_EFD, 2, Dp), 1, Fp)
+    return _grouped_mm(_pad_to(a_ND, 1, Dp), w.transpose(1, 2), offs=offsets_E)[:, :F]
 
 
-def grouped_outer(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """Per expert, ``a[rows]^T @ b[rows]`` -> ``[E, M, K]``: the weight gradient."""
-    M, K = a_NM.shape[1], b_NK.shape[1]
-    a = _pad_to(a_NM, 1, _aligned(M))
-    b = _pad_to(b_NK, 1, _aligned(K))
-    return _grouped_mm(a.t(), b, offs=offsets_E)[:, :M, :K]
+def grouped_outer(a_NF: torch.Tensor, b_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Per expert, ``a[rows]^T @ b[rows]`` -> ``[E, F, D]``: the weight gradient."""
+    F, D = a_NF.shape[1], b_ND.shape[1]
+    a = _pad_to(a_NF, 1, _aligned(F))
+    b = _pad_to(b_ND, 1, _aligned(D))
+    return _grouped_mm(a.t(), b, offs=offsets_E)[:, :F, :D]
 
 
 def _unsort_sum(rows_N: torch.Tensor, order_N: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
@@ -137,31 +138,4 @@ def experts_torch_bwd(
     return dx_TH, dw_TK, d_gate_up_E2IH, d_down_EHI
 
 
-@experts_torch_bwd.register_fake
-def _(dy_TH, x_TH, w_TK, gate_up_E2IH, down_EHI, order_N, offsets_E, gate_up_N2I, activation):
-    return (
-        x_TH.new_empty(x_TH.shape),
-        w_TK.new_empty(w_TK.shape),
-        gate_up_E2IH.new_empty(gate_up_E2IH.shape),
-        down_EHI.new_empty(down_EHI.shape),
-    )
-
-
-def _setup_context(ctx, inputs, output):
-    x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation = inputs
-    _, order_N, offsets_E, gate_up_N2I = output
-    ctx.activation = activation
-    # The saved outputs get no gradient: do not make autograd fill zeros of their size.
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x_TH, w_TK, gate_up_E2IH, down_EHI, order_N, offsets_E, gate_up_N2I)
-
-
-def _backward(ctx, dy_TH, _d_order, _d_offsets, _d_gate_up_N2I):
-    x_TH, w_TK, gate_up_E2IH, down_EHI, order_N, offsets_E, gate_up_N2I = ctx.saved_tensors
-    dx, dw, dgu, dd = experts_torch_bwd(
-        dy_TH.contiguous(), x_TH, w_TK, gate_up_E2IH, down_EHI, order_N, offsets_E, gate_up_N2I, ctx.activation
-    )
-    return dx, None, dw, dgu, dd, None
-
-
-experts_torch_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_experts_autograd(experts_torch_fwd, experts_torch_bwd)

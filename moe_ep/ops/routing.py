@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import check_float, check_same_device, check_tensor
+from .validate import check_float, check_same_device, check_tensor
 from .backend import resolve_backend
 
 SCORES = ("softmax", "sigmoid")

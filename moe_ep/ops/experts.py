@@ -6,66 +6,44 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._validate import (
-    check_float,
-    check_index,
-    check_indices_in_range,
-    check_same_device,
-    check_tensor,
-)
 from .activations import check_activation
 from .backend import resolve_backend
 from .experts_torch import experts_torch_fwd
+from .validate import check_routing, check_same_device, check_tensor
 
 
-def check_experts_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
-    check_tensor("hidden_states", hidden_states, ndim=2)
-    check_tensor("top_k_index", top_k_index, ndim=2)
-    check_tensor("top_k_weights", top_k_weights, ndim=2)
-    check_tensor("gate_up_proj", gate_up_proj, ndim=3)
-    check_tensor("down_proj", down_proj, ndim=3)
-    check_float("hidden_states", hidden_states)
-    check_float("top_k_weights", top_k_weights)
-    check_index("top_k_index", top_k_index)
-    for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+def check_expert_weights(hidden_states, gate_up_proj, down_proj, *, names=("gate_up_proj", "down_proj")) -> int:
+    """``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` for ``hidden_states [T, H]``: 3-D,
+    its dtype and device, consistent shapes. ``names`` are the arguments' names in the caller's
+    signature. Returns ``E``. ``hidden_states`` must already be a checked 2-D tensor."""
+    gate_up_name, down_name = names
+    check_tensor(gate_up_name, gate_up_proj, ndim=3)
+    check_tensor(down_name, down_proj, ndim=3)
+    for name, weight in ((gate_up_name, gate_up_proj), (down_name, down_proj)):
         if weight.dtype != hidden_states.dtype:
-            raise TypeError(
-                f"{name} must have the dtype of hidden_states ({hidden_states.dtype}), got {weight.dtype}"
-            )
-    check_same_device(
-        hidden_states=hidden_states,
-        top_k_index=top_k_index,
-        top_k_weights=top_k_weights,
-        gate_up_proj=gate_up_proj,
-        down_proj=down_proj,
-    )
-    T, H = hidden_states.shape
+            raise TypeError(f"{name} must have the dtype of hidden_states ({hidden_states.dtype}), got {weight.dtype}")
+    check_same_device(hidden_states=hidden_states, **{gate_up_name: gate_up_proj, down_name: down_proj})
+    H = hidden_states.shape[1]
     E, two_I, H_gu = gate_up_proj.shape
     if H_gu != H:
         raise ValueError(
-            f"gate_up_proj must have shape [E, 2I, H={H}] to match hidden_states {tuple(hidden_states.shape)}, "
+            f"{gate_up_name} must have shape [E, 2I, H={H}] to match hidden_states {tuple(hidden_states.shape)}, "
             f"got {tuple(gate_up_proj.shape)}"
         )
     if two_I % 2:
-        raise ValueError(f"gate_up_proj.shape[1] must be even (gate and up halves), got {two_I}")
+        raise ValueError(f"{gate_up_name}.shape[1] must be even (gate and up halves), got {two_I}")
     if tuple(down_proj.shape) != (E, H, two_I // 2):
         raise ValueError(
-            f"down_proj must have shape [E={E}, H={H}, I={two_I // 2}] to match gate_up_proj "
+            f"{down_name} must have shape [E={E}, H={H}, I={two_I // 2}] to match {gate_up_name} "
             f"{tuple(gate_up_proj.shape)}, got {tuple(down_proj.shape)}"
         )
-    if top_k_index.shape[0] != T:
-        raise ValueError(
-            f"top_k_index must have one row per token ({T}), got shape {tuple(top_k_index.shape)}"
-        )
-    if top_k_weights.shape != top_k_index.shape:
-        raise ValueError(
-            f"top_k_weights must have the shape of top_k_index {tuple(top_k_index.shape)}, "
-            f"got {tuple(top_k_weights.shape)}"
-        )
-    K = top_k_index.shape[1]
-    if not 1 <= K <= E:
-        raise ValueError(f"top_k_index must choose between 1 and E={E} experts per token, got {K}")
-    check_indices_in_range("top_k_index", top_k_index, E)
+    return E
+
+
+def check_experts_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
+    check_tensor("gate_up_proj", gate_up_proj, ndim=3)
+    check_routing(hidden_states, top_k_index, top_k_weights, gate_up_proj.shape[0])
+    check_expert_weights(hidden_states, gate_up_proj, down_proj)
 
 
 def moe_experts(
@@ -90,7 +68,7 @@ def moe_experts(
         down_proj: ``[E, H, I]``, dtype of ``hidden_states``.
         activation: ``"silu"`` (SwiGLU) or ``"gelu"`` (GeGLU).
         backend: ``"auto"`` (the faster of the Triton kernels and the grouped-GEMM path, measured
-            once per problem, see ``moe_ep.selector``), ``"triton"``, ``"torch"`` (the
+            once per problem, see ``moe_ep.ops.selector``), ``"triton"``, ``"torch"`` (the
             grouped-GEMM path) or None (``MOE_EP_BACKEND``, else "auto" on CUDA and torch
             elsewhere).
         group: the process group whose ranks must make the same choices (path and kernel
@@ -106,7 +84,16 @@ def moe_experts(
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     backend = resolve_backend(backend, hidden_states.device)
-    args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+    return run_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend,
+                       group)
+
+
+def run_experts(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation: str, backend: str,
+                group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``moe_experts`` on arguments its caller validated, ``backend`` resolved ("auto", "triton" or
+    "torch") and ``group`` as there: for callers that checked them once already (the
+    expert-parallel layer)."""
+    args = (x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation)
     if backend != "torch":
         from .selector import choose
 

@@ -62,3 +62,25 @@ def check_indices_in_range(name: str, idx: torch.Tensor, num_experts: int) -> No
     lo, hi = int(idx.min()), int(idx.max())
     if lo < 0 or hi >= num_experts:
         raise ValueError(f"{message}, got values in [{lo}, {hi}]")
+
+
+def check_routing(hidden_states, top_k_index, top_k_weights, num_experts: int) -> None:
+    """Tokens and their routing as the expert ops take them: ``hidden_states [T, H]`` and
+    ``top_k_weights [T, K]`` float, ``top_k_index [T, K]`` int ids in ``[0, num_experts)`` with
+    ``1 <= K <= num_experts``, on one device."""
+    check_tensor("hidden_states", hidden_states, ndim=2)
+    check_tensor("top_k_index", top_k_index, ndim=2)
+    check_tensor("top_k_weights", top_k_weights, ndim=2)
+    check_float("hidden_states", hidden_states)
+    check_float("top_k_weights", top_k_weights)
+    check_index("top_k_index", top_k_index)
+    check_same_device(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights)
+    if top_k_index.shape[0] != hidden_states.shape[0] or top_k_weights.shape != top_k_index.shape:
+        raise ValueError(
+            f"top_k_index and top_k_weights must both have shape [T={hidden_states.shape[0]}, K], got "
+            f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
+        )
+    K = top_k_index.shape[1]
+    if not 1 <= K <= num_experts:
+        raise ValueError(f"top_k_index must choose between 1 and E={num_experts} experts per token, got {K}")
+    check_indices_in_range("top_k_index", top_k_index, num_experts)

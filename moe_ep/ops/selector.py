@@ -54,8 +54,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .kernels import autotune
-from .kernels.runtime import interpreting
+from ..kernels import autotune
+from ..kernels.runtime import interpreting
 
 PATHS = ("triton", "torch")
 # The path of each architecture without measurement (MOE_EP_AUTOTUNE=0, a bucket no rank

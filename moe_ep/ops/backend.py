@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from .kernels.runtime import interpreting
+from ..kernels.runtime import interpreting
 
 BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "MOE_EP_BACKEND"
@@ -15,7 +15,7 @@ ENV_VAR = "MOE_EP_BACKEND"
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """"auto", "triton" or "torch". None (after ``MOE_EP_BACKEND``) is "auto" on CUDA and "torch"
-    elsewhere; "auto" lets the op choose (``moe_experts`` measures, see ``moe_ep.selector``; the
+    elsewhere; "auto" lets the op choose (``moe_experts`` measures, see ``moe_ep.ops.selector``; the
     router takes Triton) and is "torch" where Triton cannot run."""
     if backend is None:
         backend = os.environ.get(ENV_VAR) or None

@@ -4,14 +4,15 @@ combine; the backward recomputes the activation from the saved GEMM-1 output.
 
 Registered with ``torch.library`` so ``torch.compile`` and FSDP2 treat it as one opaque op. Nothing
 on this path reads a device value back to the host (kernel configurations are timed only on a
-problem's first call, see ``moe_ep.selector``)."""
+problem's first call, see ``moe_ep.ops.selector``)."""
 
 from __future__ import annotations
 
 import torch
 
-from .kernels import grouped_gemm as gg
-from .kernels.routing_metadata import RoutingMetadata, padded_rows, routing_metadata
+from ..kernels import grouped_gemm as gg
+from ..kernels.routing_metadata import RoutingMetadata, padded_rows, routing_metadata
+from .experts_op import register_experts_autograd
 
 
 @torch.library.custom_op("moe_ep::experts_triton_fwd", mutates_args=())
@@ -89,36 +90,7 @@ def experts_triton_bwd(
     return dx_TH, dw_N.view(T, K).to(w_TK.dtype), d_gate_up_E2IH, d_down_EHI
 
 
-@experts_triton_bwd.register_fake
-def _(dy_TH, x_TH, w_TK, gate_up_E2IH, down_EHI, counts_E, padded_offsets_E1, sorted_slot_P, slot_pos_N,
-      block_expert_B, pre_P2I, activation, pad_m):
-    return (
-        x_TH.new_empty(x_TH.shape),
-        w_TK.new_empty(w_TK.shape),
-        gate_up_E2IH.new_empty(gate_up_E2IH.shape),
-        down_EHI.new_empty(down_EHI.shape),
-    )
-
-
-def _setup_context(ctx, inputs, output):
-    x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation, pad_m = inputs
-    ctx.activation = activation
-    ctx.pad_m = pad_m
-    # Only y gets a gradient: without this autograd would allocate and zero-fill one of pre_P2I's
-    # size (2I columns per padded row) for every backward.
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x_TH, w_TK, gate_up_E2IH, down_EHI, *output[1:])
-
-
-def _backward(ctx, dy_TH, *_metadata_and_pre_grads):
-    x_TH, w_TK, gate_up_E2IH, down_EHI, *saved = ctx.saved_tensors
-    dx, dw, dgu, dd = experts_triton_bwd(
-        dy_TH, x_TH, w_TK, gate_up_E2IH, down_EHI, *saved, ctx.activation, ctx.pad_m
-    )
-    return dx, None, dw, dgu, dd, None, None
-
-
-experts_triton_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_experts_autograd(experts_triton_fwd, experts_triton_bwd)
 
 
 def experts_triton(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation):

@@ -22,7 +22,8 @@ def _registry_module():
 
 
 def _implementation_class(module):
-    from .dispatcher import combine, dispatch, join_to_dispatch
+    from ..dispatch import dispatch
+    from ..dispatch.dispatcher import combine_checked, join_checked
 
     class MoeEpAllToAll(module.EPImplementation):
         """Tokens go once to each rank owning one of their experts; the expert rank applies the
@@ -57,8 +58,8 @@ def _implementation_class(module):
                 )[:0]
             # The experts' own forward may cut its output off the graph (eager experts answer zero
             # rows with a fresh zeros_like); joined, this rank still enters both backward all-to-alls.
-            expert_output = join_to_dispatch(expert_output.to(hidden_states.dtype), tokens)
-            return combine(expert_output, tokens.layout)
+            expert_output = join_checked(expert_output.to(hidden_states.dtype), tokens)
+            return combine_checked(expert_output, tokens.layout)
 
     return MoeEpAllToAll
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.runtime import interpreting
-from .kernels.router import router_backward, router_forward
+from ..kernels.runtime import interpreting
+from ..kernels.router import router_backward, router_forward
 
 
 @torch.library.custom_op("moe_ep::route_topk", mutates_args=())
@@ -91,7 +91,7 @@ _route_topk.register_autograd(_backward, setup_context=_setup_context)
 def route_topk_triton(
     hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale
 ):
-    """Same contract as ``moe_ep.routing.route_topk_torch``; arguments already validated by
+    """Same contract as ``moe_ep.ops.routing.route_topk_torch``; arguments already validated by
     ``route_topk``, which gives both tensors one dtype. Returns (logits_TE float32, weights_TK
     float32, indices_TK int64)."""
     return _route_topk(

@@ -1,0 +1,154 @@
+"""The parallel configuration: ``parallelize``'s arguments as one frozen object, checked once
+when it is built and passed down whole (the meshes, the expert sharding, FSDP and the pipeline
+read it; nothing relays its fields one by one). What needs the model or the process group (the
+world size, the expert count, the decoder layers) is checked by ``parallelize`` before it
+changes anything."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from ..dispatch.capacity import check_capacity_factor
+from ..ops.backend import BACKENDS
+from ..planner.schedules import ScheduleInfo, schedule_info
+from .mesh import check_degree
+
+DEFAULT_SCHEDULE = "1f1b"
+# parallelize's arguments that describe the pipeline, in the order its errors name them.
+PIPELINE_ARGUMENTS = ("schedule", "microbatches", "split_points", "memory_cap", "seq_len", "microbatch_size")
+
+
+def _check_optional_positive_int(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How a model is cut into pipeline stages and scheduled.
+
+    ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` (2 stages per rank) or ``"zbv"``
+    (zero-bubble V, 2 stages per rank, first and last stage on pipeline rank 0). ``microbatches``:
+    per step. ``split_points``: the decoder-layer indices that start stages 1..S-1 (None: the
+    automatic cut, which balances the planner's per-layer costs and keeps every rank under
+    ``memory_cap`` bytes, for micro-batches of ``microbatch_size`` sequences (default 1) of
+    ``seq_len`` tokens (default: the model's context, at most 4096))."""
+
+    microbatches: int
+    schedule: str = DEFAULT_SCHEDULE
+    split_points: tuple[int, ...] | None = None
+    memory_cap: float | None = None
+    seq_len: int | None = None
+    microbatch_size: int | None = None
+
+    def __post_init__(self):
+        schedule_info(self.schedule)
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"microbatches must be a positive int, got {self.microbatches!r}")
+        if self.split_points is not None:
+            object.__setattr__(self, "split_points", tuple(self.split_points))
+        memory_cap = self.memory_cap
+        if memory_cap is not None and (
+            isinstance(memory_cap, bool) or not isinstance(memory_cap, (int, float)) or not 0 < memory_cap < math.inf
+        ):
+            raise ValueError(f"memory_cap must be a positive finite number of bytes or None, got {memory_cap!r}")
+        _check_optional_positive_int("seq_len", self.seq_len)
+        _check_optional_positive_int("microbatch_size", self.microbatch_size)
+
+    @property
+    def info(self) -> ScheduleInfo:
+        return schedule_info(self.schedule)
+
+    def num_stages(self, pp: int) -> int:
+        return pp * self.info.stages_per_rank
+
+    def check(self, pp: int, num_layers: int) -> None:
+        """What depends on the pipeline size and on the model's decoder layers."""
+        problem = self.info.check_microbatches(pp, self.microbatches)
+        if problem:
+            raise ValueError(f"microbatches={self.microbatches}: {problem}")
+        if self.num_stages(pp) > num_layers:
+            raise ValueError(
+                f"{self.num_stages(pp)} stages ({pp} ranks x {self.info.stages_per_rank} for {self.schedule!r}) need "
+                f"at least as many decoder layers, the model has {num_layers}"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Everything ``moe_ep.parallelize`` is asked to do (its docstring says what each field means).
+
+    ``pipeline`` is given exactly when ``pp > 1``. ``reshard_after_forward`` None means FSDP2's
+    resharding after forward without a pipeline and none with one (``fsdp_reshard_after_forward``).
+    Build it from ``parallelize``'s flat keywords with ``ParallelConfig.from_arguments``."""
+
+    ep: int = 1
+    dp_replicate: int = 1
+    dp_shard: int | None = None
+    pp: int = 1
+    pipeline: PipelineConfig | None = None
+    mixed_precision: MixedPrecisionPolicy | None = None
+    activation_checkpointing: bool = False
+    capacity_factor: float | None = None
+    reshard_after_forward: bool | None = None
+    experts_backend: str | None = None
+
+    def __post_init__(self):
+        for name in ("pp", "ep", "dp_replicate"):
+            check_degree(name, getattr(self, name))
+        if self.dp_shard is not None:
+            check_degree("dp_shard", self.dp_shard)
+        if self.pp > 1 and not isinstance(self.pipeline, PipelineConfig):
+            raise ValueError(f"pp={self.pp} needs microbatches: the micro-batches of one step (at least pp)")
+        if self.pp == 1 and self.pipeline is not None:
+            raise ValueError("a PipelineConfig describes pipeline stages and needs pp > 1, got pp=1")
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecisionPolicy):
+            raise TypeError(
+                f"mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got "
+                f"{type(self.mixed_precision).__name__}"
+            )
+        if not isinstance(self.activation_checkpointing, bool):
+            raise TypeError(
+                f"activation_checkpointing must be a bool, got {type(self.activation_checkpointing).__name__}"
+            )
+        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(
+                f"reshard_after_forward must be a bool or None, got {type(self.reshard_after_forward).__name__}"
+            )
+        check_capacity_factor(self.capacity_factor)
+        if self.capacity_factor is not None and self.ep == 1:
+            raise ValueError(
+                f"capacity_factor={self.capacity_factor} applies to the expert-parallel dispatcher; ep=1 has none"
+            )
+        if self.experts_backend is not None and self.experts_backend not in BACKENDS:
+            raise ValueError(f"experts_backend must be one of {BACKENDS} or None, got {self.experts_backend!r}")
+
+    @classmethod
+    def from_arguments(cls, **arguments) -> ParallelConfig:
+        """The configuration of ``parallelize(model, **arguments)``: the pipeline's own arguments
+        (``PipelineConfig``'s fields, None meaning not given) become ``pipeline``, refused with
+        ``pp=1``, where there is no pipeline; the others are ``ParallelConfig``'s fields."""
+        given = {name: value for name in PIPELINE_ARGUMENTS if (value := arguments.pop(name, None)) is not None}
+        pp = arguments.get("pp", 1)
+        check_degree("pp", pp)
+        if pp == 1 and given:
+            name, value = next(iter(given.items()))
+            raise ValueError(
+                f"{name}={value!r} describes pipeline stages and needs pp > 1, got pp=1 (gradient "
+                "accumulation without a pipeline: TrainStep(microbatches=...))"
+            )
+        if pp == 1:
+            return cls(**arguments)
+        if "microbatches" not in given:
+            raise ValueError(f"pp={pp} needs microbatches: the micro-batches of one step (at least pp)")
+        return cls(pipeline=PipelineConfig(**given), **arguments)
+
+    @property
+    def fsdp_reshard_after_forward(self) -> bool:
+        """FSDP2's ``reshard_after_forward``: by default True without a pipeline and False with
+        one, whose schedule keeps a stage's gradients unsharded until its last micro-batch anyway
+        (regathering the weights for every micro-batch would multiply the all-gather traffic by
+        the micro-batch count)."""
+        return self.pp == 1 if self.reshard_after_forward is None else self.reshard_after_forward

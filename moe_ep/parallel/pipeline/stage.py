@@ -1,0 +1,79 @@
+"""A pipeline stage of a Hugging Face decoder-only causal LM: some of its decoder layers, with the
+embedding on the first stage and the final norm and LM head on the last. Stage modules copy
+nothing: they hold the model's own submodules under the model's own names (``model.layers.<i>``,
+``lm_head``), so a stage's state dict is a slice of the model's.
+
+Inputs: stage 0 takes ``input_ids [batch, seq]``; positions are ``0..seq-1`` and attention is
+causal with no padding mask (right-pad and set the padded labels to -100). The last stage
+returns logits."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+
+def decoder_parts(model: nn.Module):
+    """(base model, lm_head) of a transformers causal LM, checked for what a stage needs."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, a)]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if base is None or missing or head is None or not hasattr(model, "config"):
+        raise TypeError(
+            f"model must be a transformers decoder-only *ForCausalLM (base model with embed_tokens, layers, norm, "
+            f"rotary_emb and an LM head), got {type(model).__name__}"
+            + (f" whose base model lacks {missing}" if base is not None and missing else "")
+        )
+    return base, head
+
+
+class CausalLMStage(nn.Module):
+    """Decoder layers ``layer_ids`` of ``model``, with the embedding when ``first`` and the final
+    norm and LM head when ``last``. Submodules are the model's own, under the model's names."""
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, first: bool, last: bool):
+        super().__init__()
+        base, head = decoder_parts(model)
+        prefix = getattr(model, "base_model_prefix", "model")
+        self.config = model.config
+        self.first, self.last = first, last
+        self.layer_ids = tuple(layer_ids)
+        # FSDP wraps the blocks this names (moe_ep.parallel.fsdp.transformer_blocks).
+        self._no_split_modules = getattr(model, "_no_split_modules", None)
+        self.prefix = prefix
+        trunk = nn.Module()
+        if first:
+            trunk.embed_tokens = base.embed_tokens
+        trunk.layers = nn.ModuleDict({str(i): base.layers[i] for i in self.layer_ids})
+        trunk.rotary_emb = base.rotary_emb  # buffers only
+        if last:
+            trunk.norm = base.norm
+        self.add_module(prefix, trunk)
+        if last:
+            self.lm_head = head
+
+    @property
+    def trunk(self) -> nn.Module:
+        return getattr(self, self.prefix)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        trunk = self.trunk
+        hidden = trunk.embed_tokens(x) if self.first else x
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        position_embeddings = trunk.rotary_emb(hidden, position_ids)
+        # The (absent) cache goes positionally: transformers 5.17 names it past_key_values, later
+        # releases cache and warn about the old name.
+        mask = create_causal_mask(self.config, hidden, None, None, position_ids=position_ids)
+        for layer in trunk.layers.values():
+            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
+                           position_embeddings=position_embeddings)
+            # Families written before transformers 5 return (hidden_states, ...).
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+        if self.last:
+            hidden = self.lm_head(trunk.norm(hidden))
+        return hidden

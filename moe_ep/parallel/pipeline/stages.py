@@ -1,0 +1,116 @@
+"""This rank's share of a pipeline at run time: its stage modules, torch's ``PipelineStage``
+wrappers and the schedule that runs them (which ``moe_ep.training.TrainStep`` drives)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...planner.partition import Partition
+from ...planner.schedules import schedule_info
+from .tied import check_tied_order
+
+if TYPE_CHECKING:
+    from ..context import ParallelContext
+
+
+class _LatestLoss:
+    """The loss function the schedule calls: the one ``PipelineStages.schedule`` got last. A
+    separate object, so that the schedule holds no reference back to the stages."""
+
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.fn(logits, labels)
+
+
+@dataclass(eq=False)
+class PipelineStages:
+    """This rank's share of a pipeline: stage modules (in stage order), their torch
+    ``PipelineStage`` wrappers, the partition and the schedule to run them with; ``context`` is
+    what ``moe_ep.parallelize`` made of the model (None for stages built by ``build_pipeline``)."""
+
+    modules: list[nn.Module]
+    stages: list
+    stage_ids: list[int]
+    partition: Partition
+    schedule_name: str
+    microbatches: int
+    group: dist.ProcessGroup
+    context: ParallelContext | None = None
+    # (stage that shards a tied parameter, later stage of this rank that uses it), by stage id.
+    tied_stages: tuple[tuple[int, int], ...] = ()
+    _schedule: object = field(default=None, repr=False)
+    _loss: _LatestLoss = field(default_factory=_LatestLoss, repr=False)
+
+    @property
+    def meshes(self):
+        """The MoEMeshes of ``moe_ep.parallelize``, or None."""
+        return None if self.context is None else self.context.meshes
+
+    @property
+    def num_stages(self) -> int:
+        return self.partition.num_stages
+
+    @property
+    def pp_rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    @property
+    def last_stage_global_rank(self) -> int:
+        """Global rank of the member of this pipeline group that computes the loss."""
+        return dist.get_global_rank(self.group, self.partition.rank_of_stage(self.num_stages - 1))
+
+    def parameters(self):
+        seen = set()
+        for module in self.modules:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def named_parameters(self):
+        seen = set()
+        for module in self.modules:
+            for name, p in module.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def train(self, mode: bool = True) -> "PipelineStages":
+        for module in self.modules:
+            module.train(mode)
+        return self
+
+    def schedule(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        """The torch schedule over these stages, computing the loss with ``loss_fn(logits, labels)``
+        until the next call gives another (so every TrainStep on these stages calls this before
+        each of its steps). The schedule is built once: it holds the stages' communication set-up
+        and shape inference, which a second schedule would redo on the same stages; it calls the
+        loss through ``_LatestLoss``. Gradients are not divided by the number of micro-batches:
+        ``loss_fn`` normalises by the tokens of the whole step (moe_ep.training.CausalLMLoss)."""
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(logits, labels), got {type(loss_fn).__name__}")
+        self._loss.fn = loss_fn
+        if self._schedule is None:
+            from torch.distributed.pipelining import schedules
+
+            info = schedule_info(self.schedule_name)
+            cls = getattr(schedules, info.torch_class)
+            stages = self.stages[0] if info.stages_per_rank == 1 else self.stages
+            schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
+            check_tied_order(schedule, self.pp_rank, self.tied_stages)
+            self._schedule = schedule
+        return self._schedule

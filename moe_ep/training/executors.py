@@ -1,0 +1,134 @@
+"""How one step's micro-batches run on this rank, behind one interface so that ``TrainStep`` holds
+the step's logic once: ``GradientAccumulation`` runs them one after another through a model,
+``PipelineSchedule`` through the schedule of this rank's pipeline stages. An executor also says
+where the step's scalars live (``device``) and sums a value over the pipeline's stages
+(``sum_over_stages``; nothing to sum without stages); data parallelism is the same for both and
+stays with TrainStep."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel.pipeline import PipelineStages
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Executor(ABC):
+    microbatches: int
+    modules: list[nn.Module]  # the modules the step runs on this rank (its aux-loss hooks go there)
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where the step's scalars (token counts, losses, norms) live."""
+
+    @abstractmethod
+    def run(self, ids: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward of every micro-batch of ``ids [batch, seq]`` (gradients
+        accumulate); returns the sum of their losses, detached, in float32, equal on every stage
+        of this rank."""
+
+    @abstractmethod
+    def sum_over_stages(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over this rank's pipeline (in place; collective there)."""
+
+    def grad_norm_over_stages(self, stage_norm: torch.Tensor) -> torch.Tensor:
+        """The 2-norm of the whole model's gradients from this rank's stages' norm."""
+        return self.sum_over_stages(stage_norm.to(self.device, torch.float32).square()).sqrt()
+
+
+class GradientAccumulation(Executor):
+    """The micro-batches through ``model`` one after another; with ``autocast_dtype`` the forward
+    runs under ``torch.autocast`` (for a model that no FSDP ``MixedPrecisionPolicy`` casts), the
+    loss in fp32 and backward outside autocast."""
+
+    def __init__(self, model: nn.Module, microbatches: int | None, autocast_dtype: torch.dtype | None):
+        microbatches = 1 if microbatches is None else microbatches
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+        if autocast_dtype is not None and (
+            not isinstance(autocast_dtype, torch.dtype) or not autocast_dtype.is_floating_point
+        ):
+            raise TypeError(f"autocast_dtype must be a floating torch.dtype or None, got {autocast_dtype!r}")
+        self.model, self.microbatches, self.autocast_dtype = model, microbatches, autocast_dtype
+        self.modules = [model]
+        # A transformers model would otherwise fill a key/value cache that training never reads.
+        self.forward_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def run(self, ids, labels, loss_fn):
+        total = torch.zeros((), device=ids.device)
+        for ids_mb, labels_mb in zip(ids.chunk(self.microbatches), labels.chunk(self.microbatches)):
+            with self._autocast(ids.device):
+                out = self.model(input_ids=ids_mb, **self.forward_kwargs)
+            logits = out.logits if hasattr(out, "logits") else out
+            loss = loss_fn(logits, labels_mb)
+            loss.backward()
+            total = total + loss.detach().to(total.device)
+        return total
+
+    def sum_over_stages(self, t):
+        return t
+
+    def grad_norm_over_stages(self, stage_norm):
+        return stage_norm
+
+    def _autocast(self, device: torch.device):
+        return nullcontext() if self.autocast_dtype is None else torch.autocast(device.type, dtype=self.autocast_dtype)
+
+
+class PipelineSchedule(Executor):
+    """The micro-batches through the schedule of this rank's pipeline stages; the loss, computed
+    on the last stage, is broadcast over the pipeline."""
+
+    def __init__(self, stages: PipelineStages, microbatches: int | None, autocast_dtype: torch.dtype | None):
+        if microbatches not in (None, stages.microbatches):
+            raise ValueError(
+                f"microbatches={microbatches} differs from the pipeline's {stages.microbatches}; the schedule fixes it "
+                "(parallelize(microbatches=...))"
+            )
+        if autocast_dtype is not None:
+            raise ValueError(
+                f"autocast_dtype={autocast_dtype} applies without pipeline stages; stages compute in low precision "
+                "through parallelize(mixed_precision=MixedPrecisionPolicy(param_dtype=...))"
+            )
+        self.stages, self.microbatches = stages, stages.microbatches
+        self.modules = stages.modules
+
+    @property
+    def device(self) -> torch.device:
+        return self.stages.stages[0].device
+
+    def run(self, ids, labels, loss_fn):
+        stages = self.stages
+        schedule = stages.schedule(loss_fn)
+        args = (ids,) if stages.has_first else ()
+        losses = [] if stages.has_last else None
+        schedule.step(*args, target=labels if stages.has_last else None, losses=losses)
+        loss = torch.stack(losses).sum().detach() if stages.has_last else torch.zeros((), device=self.device)
+        loss = loss.to(device=self.device, dtype=torch.float32)
+        dist.broadcast(loss, src=stages.last_stage_global_rank, group=stages.group)
+        return loss
+
+    def sum_over_stages(self, t):
+        dist.all_reduce(t, group=self.stages.group)
+        return t
+
+
+def executor_for(target, *, microbatches: int | None, autocast_dtype: torch.dtype | None) -> Executor:
+    """The executor of what ``moe_ep.parallelize`` returned: PipelineStages or a model."""
+    if isinstance(target, PipelineStages):
+        return PipelineSchedule(target, microbatches, autocast_dtype)
+    if isinstance(target, nn.Module):
+        return GradientAccumulation(target, microbatches, autocast_dtype)
+    raise TypeError(f"model_or_stages must be a torch.nn.Module or PipelineStages, got {type(target).__name__}")

@@ -1,0 +1,198 @@
+"""``TrainStep``: one optimizer step of a causal LM over micro-batches, the same code with and
+without pipeline stages (the difference lives in the executor), on what ``moe_ep.parallelize``
+returns. The objective is the mean over every token of the global batch plus the weighted
+balancing terms; a step that is not finite is skipped on every rank. How the pieces fit:
+ARCHITECTURE.md, "Training step"."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.clip import clip_grads_, grad_norm
+from ..parallel.context import parallel_context
+from .balancing import Balancing
+from .executors import executor_for
+from .loss import IGNORE_INDEX, CausalLMLoss, predicted_tokens
+from .loss_scale import LossScaler
+from .skips import SkipCounter
+
+
+class TrainStep:
+    """``TrainStep(model_or_stages, optimizer, *, microbatches=1, ...)``, then ``loss = step(batch)``.
+
+    Args:
+        model_or_stages: what ``moe_ep.parallelize`` returns: a transformers causal LM
+            (parallelized or not) or ``PipelineStages`` (also from ``build_pipeline``); with stages
+            the micro-batch count is theirs and ``microbatches`` must be None or equal to it.
+        optimizer: over ``model.parameters()`` or ``stages.parameters()``.
+        microbatches: gradient-accumulation micro-batches per step (batch dim split evenly).
+        loss_scale: None, ``"dynamic"`` (fp16) or a fixed positive scale.
+        aux_loss_coef: weight of the per-layer load-balancing loss (0: none).
+        global_aux_loss: compute it from the statistics of every data-parallel rank.
+        z_loss_coef: weight of the per-layer router z-loss (0: none).
+        expert_bias_rate: step size of DeepSeek-V3's aux-loss-free expert bias (0: none; every
+            MoE router must hold a float32 ``e_score_correction_bias``).
+        max_grad_norm: clip the gradients' global 2-norm (all stages, all meshes) to this.
+        max_consecutive_skips: raise ``moe_ep.NonFiniteStepsError`` on every rank when this many
+            steps in a row were skipped for a non-finite loss or gradient norm (None: never).
+        lr_scheduler: stepped after every optimizer step that was taken.
+        autocast_dtype: run the forward (without pipeline stages) under ``torch.autocast`` in
+            this dtype, for a model that FSDP's ``MixedPrecisionPolicy`` does not cast (one
+            process); the loss is computed in fp32 and backward runs outside autocast.
+
+    ``step(batch)`` takes ``{"input_ids": [batch, seq], "labels": [batch, seq] (optional, defaults
+    to input_ids)}`` (this rank's share of the global batch, ``batch`` a multiple of the
+    micro-batches, checked before any work) and returns the step's loss (LM loss plus the
+    weighted aux and z losses; the parts are ``last_lm_loss``, ``last_aux_loss`` and
+    ``last_z_loss``): the mean over the global batch, a detached scalar equal on every rank.
+
+    Each step: the micro-batches run forward and backward (gradients accumulate; FSDP2
+    reduce-scatters after each, so they stay sharded in between), then the global loss and
+    gradient norm decide (one host sync) whether the optimizer steps: a non-finite one on any rank
+    skips the step on every rank (optimizer, lr scheduler and expert bias stay as they were), and
+    the gradients are cleared either way. ``last_grad_norm`` is the step's global gradient norm
+    before clipping; ``last_step_skipped``, ``steps_skipped`` and ``consecutive_skips`` count the
+    skipped steps (an fp16 overflow included). ``close()`` removes the step's hooks from the
+    model (the step cannot run afterwards)."""
+
+    def __init__(self, model_or_stages, optimizer: torch.optim.Optimizer, *, microbatches: int | None = None,
+                 loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, global_aux_loss: bool = False,
+                 z_loss_coef: float = 0.0, expert_bias_rate: float = 0.0, max_grad_norm: float | None = None,
+                 max_consecutive_skips: int | None = 20, lr_scheduler=None, autocast_dtype: torch.dtype | None = None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.executor = executor_for(model_or_stages, microbatches=microbatches, autocast_dtype=autocast_dtype)
+        for name, coef in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
+                           ("expert_bias_rate", expert_bias_rate)):
+            if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {coef!r}")
+        if global_aux_loss and not aux_loss_coef:
+            raise ValueError("global_aux_loss=True needs aux_loss_coef > 0")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                          or not max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+        self.skips = SkipCounter(max_consecutive_skips)
+        self.target = model_or_stages
+        context = parallel_context(model_or_stages)
+        # The data-parallel ranks: the loss's token count and its parts are summed over them.
+        self.dp = context.dp if context is not None else 1
+        self.dp_group = context.meshes.dp_group if self.dp > 1 else None
+        self.optimizer = optimizer
+        self.microbatches = self.executor.microbatches
+        self.scaler = None if loss_scale is None else LossScaler(loss_scale)
+        self.max_grad_norm = max_grad_norm
+        self.lr_scheduler = lr_scheduler
+        self.loss_fn = CausalLMLoss()
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.aux = None
+        if aux_loss_coef or z_loss_coef or expert_bias_rate:
+            self.aux = Balancing(self.executor, aux_loss_coef=float(aux_loss_coef), z_loss_coef=float(z_loss_coef),
+                                 expert_bias_rate=float(expert_bias_rate),
+                                 group=self.dp_group if global_aux_loss else None)
+        self.closed = False
+        self.last_lm_loss = self.last_aux_loss = self.last_z_loss = self.last_grad_norm = None
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return self.skips.last_step_skipped
+
+    @property
+    def steps_skipped(self) -> int:
+        return self.skips.steps_skipped
+
+    @property
+    def consecutive_skips(self) -> int:
+        return self.skips.consecutive_skips
+
+    def close(self) -> None:
+        """Remove this step's hooks from the model; the step cannot run afterwards."""
+        if self.aux is not None:
+            self.aux.close()
+        self.closed = True
+
+    def __call__(self, batch) -> torch.Tensor:
+        if self.closed:
+            raise RuntimeError("this TrainStep was closed (its hooks are removed); build a new one")
+        ids, labels = self._inputs(batch)
+        self.loss_fn.normalizer = self._normalizer(labels)
+        self.loss_fn.scale = self.scaler.scale if self.scaler else 1.0
+        with self.aux.armed(self.loss_fn.scale) if self.aux is not None else nullcontext():
+            loss = self.executor.run(ids, labels, self.loss_fn)
+        records = self.aux.step_records() if self.aux is not None else None
+        parts = [loss / self.loss_fn.scale]
+        if self.aux is not None and self.aux.losses:
+            parts.extend(self.aux.means(records, loss.device).unbind())
+        if self.dp_group is not None:
+            # The LM parts add up to the global mean (times dp); the aux parts are means of
+            # equally many micro-batches per rank, so their mean is the global one.
+            summed = torch.stack(parts)
+            dist.all_reduce(summed, group=self.dp_group)
+            parts = list((summed / self.dp).unbind())
+        self.last_lm_loss = loss = parts[0]
+        if self.aux is not None and self.aux.losses:
+            self.last_aux_loss, self.last_z_loss = parts[1], parts[2]
+            loss = loss + self.aux.aux_loss_coef * self.last_aux_loss + self.aux.z_loss_coef * self.last_z_loss
+        self._finish(loss, records)
+        return loss
+
+    def _finish(self, loss: torch.Tensor, records) -> None:
+        """Unscale, measure, then step or skip alike on every rank, and clear the gradients."""
+        if self.scaler:
+            self.scaler.unscale_(self.params)
+        self.last_grad_norm = norm = self.executor.grad_norm_over_stages(grad_norm(self.params))
+        # host sync: the skip decision. Every rank holds the same global loss and norm, so every
+        # rank decides alike without a collective of its own.
+        loss_value, norm_value = torch.stack([loss.float(), norm.to(loss.device)]).tolist()
+        took_step = self.skips.takes(loss_value, norm_value)
+        if self.scaler:
+            self.scaler.update(took_step)
+        if took_step:
+            if self.max_grad_norm is not None:
+                clip_grads_(self.params, norm, self.max_grad_norm)
+            self.optimizer.step()
+            if self.aux is not None and self.aux.expert_bias_rate:
+                self.aux.update_expert_bias(records, self.dp_group)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skips.record(not took_step, loss_value, norm_value)
+
+    def _normalizer(self, labels: torch.Tensor) -> torch.Tensor:
+        """The loss divisor of this rank: the global batch's predicted tokens over ``dp``: FSDP
+        averages gradients over the ``dp`` ranks, so each backpropagates ``dp`` x its tokens'
+        share of the global mean, and the average is the global mean's gradient. At least 1/dp,
+        so that a batch with every label ignored gives a zero loss, not NaN."""
+        tokens = predicted_tokens(labels)  # int64: exact at any batch size
+        if self.dp_group is not None:
+            tokens = tokens.to(self.executor.device)
+            dist.all_reduce(tokens, group=self.dp_group)
+        return tokens.clamp(min=1) / self.dp
+
+    def _inputs(self, batch):
+        if not isinstance(batch, dict) or "input_ids" not in batch:
+            raise TypeError(f"batch must be a dict with 'input_ids' (and optionally 'labels'), got {type(batch).__name__}")
+        extra = sorted(set(batch) - {"input_ids", "labels"})
+        if extra:
+            raise ValueError(
+                f"batch keys {extra} are not supported: stages compute positions 0..seq-1 and a causal mask; "
+                f"right-pad and set padded labels to {IGNORE_INDEX}"
+            )
+        ids = batch["input_ids"]
+        labels = batch.get("labels", ids)
+        if ids.dim() != 2 or labels.shape != ids.shape:
+            raise ValueError(
+                f"input_ids must be [batch, seq] and labels the same shape, got {tuple(ids.shape)} and "
+                f"{tuple(labels.shape)}"
+            )
+        if ids.shape[0] < self.microbatches or ids.shape[0] % self.microbatches:
+            # Checked before any work: an uneven cut would run fewer micro-batches than the loss
+            # and the aux loss are scaled for.
+            raise ValueError(
+                f"batch of {ids.shape[0]} sequences cannot be cut into {self.microbatches} micro-batches: "
+                f"microbatches={self.microbatches} must divide input_ids' first dimension, got shape "
+                f"{tuple(ids.shape)}"
+            )
+        return ids, labels

@@ -1,0 +1,45 @@
+"""The grouped-GEMM launchers of moe_ep.kernels.grouped_gemm: errors that name the argument, and
+an AOT spec for every configuration a launcher may choose. Their numbers are checked through
+moe_experts in test_experts_backends.py."""
+
+import pytest
+import torch
+
+from moe_cases import CASES
+from moe_ep.kernels import grouped_gemm as gg
+from moe_ep.kernels.routing_metadata import routing_metadata
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_launcher_errors_name_the_argument():
+    case = CASES[1]
+    x, idx, w, gate_up, down = case.make(torch.float32, device=DEVICE)
+    meta = routing_metadata(idx, case.E, 64)
+    with pytest.raises(ValueError, match="activation must be one of .* got 'relu'"):
+        gg.gather_glu(x, gate_up, meta, case.K, "relu")
+    with pytest.raises(ValueError, match=r"gate_up_E2IH must be a torch.float32 tensor of shape"):
+        gg.gather_glu(x, gate_up.half(), meta, case.K, "silu")
+    with pytest.raises(ValueError, match="gate_up_E2IH must be contiguous"):
+        gg.gather_glu(x, gate_up.transpose(1, 2).contiguous().transpose(1, 2), meta, case.K, "silu")
+    with pytest.raises(ValueError, match="w_layout must be 'nk' or 'kn', got 'nn'"):
+        gg.rows_matmul(x, down, meta, w_layout="nn")
+    with pytest.raises(TypeError, match="rows_PH must be float32, float16 or bfloat16, got torch.int32"):
+        gg.combine(torch.zeros(4, 4, dtype=torch.int32, device=DEVICE), meta, case.T, case.K)
+
+
+def test_aot_specs_cover_every_launchable_config():
+    names = [s.name for s in gg.aot_specs()]
+    assert len(names) == len(set(names))
+    for family in gg.CONFIGS:
+        for kernel in gg.GEMM_KERNELS:
+            for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
+                for aligned in (True, False):
+                    for c in gg.configs_for(kernel, dtype, family, aligned=aligned):
+                        assert any(n.startswith(kernel) and f"_{ty}_{family}_{c}_{'' if aligned else 'un'}aligned" in n
+                                   for n in names), (kernel, ty, c, aligned)
+    for family in gg.CONFIGS:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for pad_m in (64, 128):
+                for kernel in gg.GEMM_KERNELS:
+                    assert gg.configs_for(kernel, dtype, family, pad_m), (kernel, dtype, pad_m)
