@@ -719,7 +719,7 @@ def _divide_by_rank_minus_one(rank, world):
         (dict(pp=2, microbatches=2, memory_cap=float("inf")), ValueError, r"memory_cap must be a positive finite"),
         (dict(capacity_factor=1.0), ValueError, r"capacity_factor=1.0 applies to the expert-parallel dispatcher"),
         (dict(ep=2, capacity_factor=-1), ValueError, r"capacity_factor must be a positive number or None"),
-        (dict(experts_backend="cuda"), ValueError, r"experts_backend must be one of \('triton', 'torch'\) or None"),
+        (dict(experts_backend="cuda"), ValueError, r"experts_backend must be one of \('auto', 'triton', 'torch'\) or None"),
         (dict(activation_checkpointing=1), TypeError, r"activation_checkpointing must be a bool, got int"),
         (dict(reshard_after_forward="no"), TypeError, r"reshard_after_forward must be a bool or None, got str"),
         (dict(mixed_precision=torch.bfloat16), TypeError, r"mixed_precision must be a torch.distributed.fsdp"),
