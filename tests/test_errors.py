@@ -114,7 +114,7 @@ def _route(**kwargs):
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
@@ -147,7 +147,7 @@ def test_route_topk_refuses_numbers_out_of_range(backend, kwargs, error, message
         _route(backend=backend, **kwargs)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_route_topk_with_a_finite_bias_matches_float64(backend):
     # The check refuses only non-finite biases: large finite ones still steer the choice.
     from moe_ep.ops.reference import route_topk_ref

@@ -864,7 +864,7 @@ def _divide_by_rank_minus_one(rank, world):
         (dict(capacity_factor=1.0), ValueError, r"capacity_factor=1.0 applies to the expert-parallel dispatcher"),
         (dict(ep=2, capacity_factor=-1), ValueError, r"capacity_factor must be a finite number > 0 or None"),
         (dict(ep=2, capacity_factor=float("inf")), ValueError, r"capacity_factor must be a finite number > 0 or None, got inf"),
-        (dict(experts_backend="cuda"), ValueError, r"experts_backend must be one of \('triton', 'torch'\) or None"),
+        (dict(experts_backend="cuda"), ValueError, r"experts_backend must be one of \('auto', 'triton', 'torch'\) or None"),
         (dict(activation_checkpointing=1), TypeError, r"activation_checkpointing must be a bool, got int"),
         (dict(reshard_after_forward="no"), TypeError, r"reshard_after_forward must be a bool or None, got str"),
         (dict(mixed_precision=torch.bfloat16), TypeError, r"mixed_precision must be a torch.distributed.fsdp"),

@@ -116,7 +116,7 @@ def route_topk(
         hidden_states, router_weight = hidden_states.to(dtype), router_weight.to(dtype)
     backend = resolve_backend(backend, hidden_states.device)
     args = (hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale)
-    if backend == "triton":
+    if backend in ("triton", "auto"):
         from .routing_triton import route_topk_triton
 
         return route_topk_triton(*args)
