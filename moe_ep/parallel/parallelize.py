@@ -95,11 +95,10 @@ def parallelize(
 
     Every rank must call it (collective), with the same arguments and the same model (parameter
     names, shapes and dtypes, expert counts, routing): one all-gather of fingerprints confirms it
-    before the first collective that depends on them, and ``moe_ep.parallel.RanksDisagree`` names
-    the first difference on every rank otherwise (a rank that refuses its arguments stops the
-    others too). Gradients are those of the mean of the data-parallel
-    ranks' losses (TrainStep makes that the mean over all their tokens); clip them with
-    ``moe_ep.parallel.clip_grad_norm_``. Model parameters may live on the meta device (shards are
+    before the first collective that depends on them, and ``moe_ep.RanksDisagree`` names the first
+    difference on every rank otherwise (a rank that refuses its arguments stops the others too).
+    Gradients are those of the mean of the data-parallel ranks' losses (TrainStep makes that the
+    mean over all their tokens); clip them with ``moe_ep.parallel.clip_grad_norm_``. Model parameters may live on the meta device (shards are
     created there; materialise with ``to_empty`` and ``load_full_state_dict``)."""
     arguments = dict(
         ep=ep, dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, schedule=schedule, microbatches=microbatches,

@@ -36,7 +36,8 @@ def _ranks_agree(target, context, optimizer, options: dict):
     shared = {name: shown(value) for name, value in options.items()}
     shared["optimizer"] = type(optimizer).__qualname__
     local = {}
-    for i, param_group in enumerate(getattr(optimizer, "param_groups", ())):
+    groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else ()
+    for i, param_group in enumerate(groups):
         hyper = {k: v for k, v in param_group.items() if k != "params"}
         local[f"optimizer group {i}"] = f"{shown(hyper)} over {len(param_group['params'])} parameters"
     if isinstance(target, (torch.nn.Module, PipelineStages)):
