@@ -628,37 +628,37 @@ def gather_glu(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, meta: RoutingMeta
     return _tuned("gather_glu", meta, x_TH.dtype, x_TH.device, (H, I, E, gelu), align, launch)
 
 
-def rows_matmul(a_PK: torch.Tensor, w_E: torch.Tensor, meta: RoutingMetadata, *, w_layout: str,
+def rows_matmul(a_PD: torch.Tensor, w_E: torch.Tensor, meta: RoutingMetadata, *, w_layout: str,
                 scale_N: torch.Tensor | None = None) -> torch.Tensor:
     """Per padded row p of expert e: ``w[e] @ a[p]`` for ``w_layout="nk"`` (w_E is [E, n_out, k])
     or ``a[p] @ w[e]`` for ``"kn"`` (w_E is [E, k, n_out]); times ``scale_N[slot(p)]`` if given."""
-    _check_float("a_PK", a_PK)
+    _check_float("a_PD", a_PD)
     if w_layout not in ("nk", "kn"):
         raise ValueError(f"w_layout must be 'nk' or 'kn', got {w_layout!r}")
-    P, k_red = a_PK.shape
+    P, k_red = a_PD.shape
     E = w_E.shape[0]
     n_out = w_E.shape[1] if w_layout == "nk" else w_E.shape[2]
-    a_PK = _check("a_PK", a_PK, (meta.sorted_slot_P.numel(), k_red), a_PK.dtype)
-    w_E = _check("w_E", w_E, (E, n_out, k_red) if w_layout == "nk" else (E, k_red, n_out), a_PK.dtype)
+    a_PD = _check("a_PD", a_PD, (meta.sorted_slot_P.numel(), k_red), a_PD.dtype)
+    w_E = _check("w_E", w_E, (E, n_out, k_red) if w_layout == "nk" else (E, k_red, n_out), a_PD.dtype)
     _check_expert_size("w_E", w_E)
     if scale_N is not None:
         scale_N = _check("scale_N", scale_N, (meta.slot_pos_N.numel(),), torch.float32)
-    out_PN = a_PK.new_empty(P, n_out)
+    out_PF = a_PD.new_empty(P, n_out)
     if P == 0:
-        return out_PN
+        return out_PF
     # The pointer is never read without SCALE; any float32 tensor keeps the signature fixed.
-    scale = scale_N if scale_N is not None else a_PK.new_empty(0, dtype=torch.float32)
+    scale = scale_N if scale_N is not None else a_PD.new_empty(0, dtype=torch.float32)
 
     def launch(c: Config):
-        _run(_rows_matmul_kernel, c, _row_tiles(c, P, n_out), a_PK.device,
-             a_PK, w_E, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P, scale, out_PN,
+        _run(_rows_matmul_kernel, c, _row_tiles(c, P, n_out), a_PD.device,
+             a_PD, w_E, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P, scale, out_PF,
              P, n_out, k_red, E, meta.pad_m, W_NK=w_layout == "nk", SCALE=scale_N is not None, GROUP_M=GROUP_M,
              ALIGN=align)
-        return out_PN
+        return out_PF
 
     shapes = (n_out, k_red, E, w_layout, scale_N is not None)
-    align = row_align(a_PK.dtype, n_out, k_red)
-    return _tuned("rows_matmul", meta, a_PK.dtype, a_PK.device, shapes, align, launch)
+    align = row_align(a_PD.dtype, n_out, k_red)
+    return _tuned("rows_matmul", meta, a_PD.dtype, a_PD.device, shapes, align, launch)
 
 
 def glu_backward(dy_TH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Tensor, w_N: torch.Tensor,
@@ -698,23 +698,23 @@ def glu_backward(dy_TH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Ten
     return dpre_P2I, dw_N, hs_PI
 
 
-def _weight_grad(a, b, meta: RoutingMetadata, out_EMN, top_k: int, *, a_gather: bool):
+def _weight_grad(a, b, meta: RoutingMetadata, out_EFD, top_k: int, *, a_gather: bool):
     """out[e] = sum over e's padded rows of A^T B, one operand gathered by token (``a`` when
     ``a_gather``), the other in the padded layout with zero padding rows."""
-    E, M, N = out_EMN.shape
+    E, F, D = out_EFD.shape
     P = meta.sorted_slot_P.numel()
     if P == 0:
-        return out_EMN.zero_()
+        return out_EFD.zero_()
 
     def launch(c: Config):
-        tiles = E * triton.cdiv(M, c.BLOCK_M) * triton.cdiv(N, c.BLOCK_N)
-        _run(_weight_grad_kernel, c, tiles, out_EMN.device,
-             a, b, meta.padded_offsets_E1, meta.sorted_slot_P, out_EMN, P, M, N, E, top_k,
+        tiles = E * triton.cdiv(F, c.BLOCK_M) * triton.cdiv(D, c.BLOCK_N)
+        _run(_weight_grad_kernel, c, tiles, out_EFD.device,
+             a, b, meta.padded_offsets_E1, meta.sorted_slot_P, out_EFD, P, F, D, E, top_k,
              A_GATHER=a_gather, GROUP_M=GROUP_M, ALIGN=align)
-        return out_EMN
+        return out_EFD
 
-    align = row_align(out_EMN.dtype, M, N)
-    return _tuned("weight_grad", meta, out_EMN.dtype, out_EMN.device, (M, N, E, a_gather), align, launch)
+    align = row_align(out_EFD.dtype, F, D)
+    return _tuned("weight_grad", meta, out_EFD.dtype, out_EFD.device, (F, D, E, a_gather), align, launch)
 
 
 def down_weight_grad(dy_TH: torch.Tensor, hs_PI: torch.Tensor, meta: RoutingMetadata, top_k: int) -> torch.Tensor:
