@@ -75,20 +75,28 @@ _UNALIGNED_GLU = [Config(64, 32, 32, 4, 2)]
 # sm_80 and sm_90 (glu_backward, the dx product); a 16-deep reduction step does not.
 _FP32_UNALIGNED = [Config(64, 64, 16, 8, 2)]
 CONFIGS = {
-    # H100: 227 KB of shared memory per block, wgmma with the accumulator in registers, TMA.
+    # H100: 227 KB of shared memory per block, wgmma with the accumulator in registers, TMA. The
+    # order is what an H100 80GB HBM3 measured at Mixtral-8x7B shapes (T=16384, bf16; 2026-11-25,
+    # scripts/sweep_configs.py, benchmarks/results/sweep_configs_*): the fastest that does not spill
+    # first.
     "sm_90": {
-        # Two accumulators (gate and up): 128x128 spills, 128x64 does not.
-        "gather_glu": _space([Config(128, 64, 64, 8, 4, tma=True, persistent=True),
+        # Two accumulators (gate and up): 128x128 spills (4-18 B, though 13.4-14.6 ms against
+        # 16.6), 128x64 does not; here cp.async beat TMA on the weights (16.6 against 18.6 ms).
+        "gather_glu": _space([Config(128, 64, 64, 8, 4), Config(128, 64, 64, 8, 4, tma=True, persistent=True),
                               Config(64, 64, 64, 4, 4, tma=True, persistent=True),
-                              Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_TILE, _UNALIGNED_GLU),
+                              Config(64, 64, 64, 4, 4)], _FP32_TILE, _UNALIGNED_GLU),
         "rows_matmul": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True),
                                Config(64, 256, 64, 4, 4, tma=True, persistent=True),
                                Config(128, 128, 64, 8, 4), Config(64, 128, 64, 4, 3)], _FP32_TILE, _UNALIGNED),
-        "glu_backward": _space([Config(128, 128, 64, 8, 2, tma=True, persistent=True),
+        # Three stages, not two: 9.7 against 15.1 ms.
+        "glu_backward": _space([Config(128, 128, 64, 8, 3, tma=True, persistent=True),
                                 Config(64, 128, 64, 8, 3, tma=True, persistent=True),
                                 Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_GLU_BWD, _UNALIGNED_GLU),
-        "weight_grad": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True),
-                               Config(128, 256, 64, 8, 3)], _FP32_TILE, _UNALIGNED),
+        # A 32-row reduction step five stages deep: 16.9 (d gate_up, 256x128) and 8.5 ms (d down,
+        # 128x256) against 23.0 and 10.7 with 64-row steps four deep.
+        "weight_grad": _space([Config(256, 128, 32, 8, 5, tma=True, persistent=True),
+                               Config(128, 256, 32, 8, 5, tma=True, persistent=True),
+                               Config(128, 256, 32, 8, 5)], _FP32_TILE, _UNALIGNED),
     },
     # A100: 163 KB of shared memory per block, mma.sync with operands in registers, cp.async.
     "sm_80": {
@@ -563,16 +571,16 @@ def _descriptor_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _run(kernel, config: Config, tiles: int, device: torch.device, *args, **constexprs) -> None:
+def _run(kernel, config: Config, tiles: int, device: torch.device, *args, **constexprs):
     """Launch ``kernel`` over ``tiles`` tiles: one program per tile, or one per SM when the
-    configuration is persistent."""
+    configuration is persistent. Returns what Triton's launch returns (the compiled kernel, whose
+    registers and spills ``scripts/sweep_configs.py`` records)."""
     grid = (min(tiles, sm_count(device)) if config.persistent else tiles,)
     launch = lambda: kernel[grid](  # noqa: E731
         *args, INTERPRETED=interpreting(), **config.constexprs(), **config.launch_options(), **constexprs
     )
     if not config.tma or interpreting():
-        launch()
-        return
+        return launch()
     # Triton's allocator is a context variable, unset in the autograd engine's threads: set it for
     # this launch only, and give the caller's back.
     from triton.runtime import _allocation
@@ -580,7 +588,7 @@ def _run(kernel, config: Config, tiles: int, device: torch.device, *args, **cons
     previous = _allocation._allocator.get()
     triton.set_allocator(_descriptor_scratch)
     try:
-        launch()
+        return launch()
     finally:
         triton.set_allocator(previous)
 

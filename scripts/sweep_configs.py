@@ -36,27 +36,30 @@ C = Config
 # space's current default and the correctness reference.
 CANDIDATES = {
     "weight_grad": [
-        C(128, 256, 64, 8, 4, tma=True, persistent=True), C(128, 256, 64, 8, 3, tma=True, persistent=True),
-        C(128, 256, 64, 8, 3), C(128, 256, 64, 8, 4, tma=True), C(128, 128, 64, 8, 4, tma=True, persistent=True),
-        C(128, 128, 64, 4, 4, tma=True, persistent=True), C(128, 128, 128, 8, 3, tma=True, persistent=True),
-        C(256, 128, 64, 8, 3, tma=True, persistent=True), C(128, 256, 32, 8, 5, tma=True, persistent=True),
-        C(128, 128, 64, 8, 4), C(128, 128, 64, 4, 4), C(128, 128, 32, 4, 5), C(64, 256, 64, 4, 4, tma=True),
+        C(128, 256, 64, 8, 4, tma=True, persistent=True), C(128, 256, 32, 8, 5, tma=True, persistent=True),
+        C(128, 256, 32, 8, 6, tma=True, persistent=True), C(128, 256, 32, 8, 4, tma=True, persistent=True),
+        C(128, 256, 32, 8, 5, tma=True), C(256, 128, 32, 8, 5, tma=True, persistent=True),
+        C(128, 128, 32, 8, 5, tma=True, persistent=True), C(128, 128, 32, 4, 6, tma=True, persistent=True),
+        C(128, 256, 32, 8, 5), C(128, 128, 32, 4, 5),
     ],
     "gather_glu": [
-        C(128, 64, 64, 8, 4, tma=True, persistent=True), C(128, 64, 64, 8, 3, tma=True, persistent=True),
-        C(128, 64, 64, 8, 4, tma=True), C(128, 64, 64, 8, 4), C(128, 64, 64, 4, 4, tma=True, persistent=True),
-        C(128, 128, 64, 8, 3, tma=True, persistent=True), C(128, 128, 32, 8, 4, tma=True, persistent=True),
-        C(64, 128, 64, 4, 4, tma=True, persistent=True), C(128, 64, 128, 8, 3, tma=True, persistent=True),
+        C(128, 64, 64, 8, 4, tma=True, persistent=True), C(128, 128, 32, 8, 4, tma=True, persistent=True),
+        C(128, 128, 32, 8, 3, tma=True, persistent=True), C(128, 128, 32, 8, 5, tma=True, persistent=True),
+        C(128, 128, 32, 8, 4, tma=True), C(128, 128, 64, 8, 3, tma=True, persistent=True),
+        C(64, 128, 64, 4, 4, tma=True, persistent=True), C(128, 64, 32, 8, 6, tma=True, persistent=True),
+        C(128, 64, 64, 8, 4),
     ],
     "glu_backward": [
         C(128, 128, 64, 8, 2, tma=True, persistent=True), C(128, 128, 64, 8, 3, tma=True, persistent=True),
         C(128, 128, 64, 8, 3, tma=True), C(128, 128, 64, 8, 3), C(128, 64, 64, 8, 4, tma=True, persistent=True),
         C(128, 64, 64, 4, 4, tma=True, persistent=True), C(64, 128, 64, 4, 4, tma=True, persistent=True),
-        C(128, 128, 32, 8, 4, tma=True, persistent=True), C(128, 256, 64, 8, 2, tma=True, persistent=True),
+        C(128, 128, 32, 8, 4, tma=True, persistent=True), C(128, 128, 32, 8, 5, tma=True, persistent=True),
+        C(128, 256, 64, 8, 2, tma=True, persistent=True),
     ],
     "rows_matmul": [
         C(128, 256, 64, 8, 4, tma=True, persistent=True), C(128, 256, 64, 8, 3, tma=True, persistent=True),
         C(128, 256, 64, 8, 4, tma=True), C(128, 128, 64, 8, 4, tma=True, persistent=True),
+        C(128, 256, 32, 8, 5, tma=True, persistent=True),
     ],
 }
 GROUP_MS = (8, 4, 16)
@@ -86,18 +89,24 @@ def main() -> int:
     h_PI, pre_P2I = gg.gather_glu(x_TH, gate_up, meta, p.K, "silu")
     dpre_P2I, _, hs_PI = gg.glu_backward(dy_TH, down, pre_P2I, w_N, meta, p.K, "silu")
     N, H, I = p.N, p.H, p.I
-    # (space, flops, call) per launcher of the op, the furthest from its bound first.
+    # Row outputs are compared on the slots' own rows: padding rows and rows past the live end
+    # (padded_offsets[E]) are never read, and rows_matmul does not write them.
+    live = meta.sorted_slot_P >= 0
+    # (space, flops, call, whether its output is rows) per launcher of the op, the furthest from its bound first.
     launchers = {
-        "dw_gate_up": ("weight_grad", 4 * N * H * I, lambda: gg.gate_up_weight_grad(dpre_P2I, x_TH, meta, p.K)),
-        "dw_down": ("weight_grad", 2 * N * H * I, lambda: gg.down_weight_grad(dy_TH, hs_PI, meta, p.K)),
-        "gemm1": ("gather_glu", 4 * N * H * I, lambda: gg.gather_glu(x_TH, gate_up, meta, p.K, "silu")[0]),
+        "dw_gate_up": ("weight_grad", 4 * N * H * I, lambda: gg.gate_up_weight_grad(dpre_P2I, x_TH, meta, p.K), False),
+        "dw_down": ("weight_grad", 2 * N * H * I, lambda: gg.down_weight_grad(dy_TH, hs_PI, meta, p.K), False),
+        "gemm1": ("gather_glu", 4 * N * H * I, lambda: gg.gather_glu(x_TH, gate_up, meta, p.K, "silu")[0], True),
         "glu_bwd": ("glu_backward", 2 * N * H * I,
-                    lambda: gg.glu_backward(dy_TH, down, pre_P2I, w_N, meta, p.K, "silu")[0]),
-        "gemm2": ("rows_matmul", 2 * N * H * I, lambda: gg.rows_matmul(h_PI, down, meta, w_layout="nk", scale_N=w_N)),
-        "dx": ("rows_matmul", 4 * N * H * I, lambda: gg.rows_matmul(dpre_P2I, gate_up, meta, w_layout="kn")),
+                    lambda: gg.glu_backward(dy_TH, down, pre_P2I, w_N, meta, p.K, "silu")[0], True),
+        "gemm2": ("rows_matmul", 2 * N * H * I, lambda: gg.rows_matmul(h_PI, down, meta, w_layout="nk", scale_N=w_N), True),
+        "dx": ("rows_matmul", 4 * N * H * I, lambda: gg.rows_matmul(dpre_P2I, gate_up, meta, w_layout="kn"), True),
     }
+    compiled = []
+    run = gg._run
+    gg._run = lambda *a, **k: compiled.append(run(*a, **k)) or compiled[-1]
     rows = []
-    for name, (space, flops, call) in launchers.items():
+    for name, (space, flops, call, by_row) in launchers.items():
         if space not in args.kernels:
             continue
         saved, saved_group = gg.CONFIGS[family][space]["half"], gg.GROUP_M
@@ -112,7 +121,10 @@ def main() -> int:
             autotune.clear_cache()
             row = dict(launcher=name, config=str(config), group_m=group)
             try:
-                out = call().clone()
+                compiled.clear()
+                out = call()
+                out = out[live] if by_row else out.clone()
+                row.update(regs=getattr(compiled[-1], "n_regs", None), spills=getattr(compiled[-1], "n_spills", None))
                 if ref is None:
                     ref = out
                 row["err_vs_first"] = rel_err(out, ref)
@@ -127,7 +139,7 @@ def main() -> int:
                 gg.CONFIGS[family][space]["half"], gg.GROUP_M = saved, saved_group
             rows.append(row)
             print(f"{name:10s} {row['config']:36s} G{group:<3d} {row.get('ms', float('nan')):8.3f} ms "
-                  f"{row.get('tflops', float('nan')):6.0f} TFLOP/s  {row['status']}", flush=True)
+                  f"{row.get('tflops', float('nan')):6.0f} TFLOP/s spills {row.get('spills')} {row['status']}", flush=True)
     args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                                         triton=triton.__version__, tokens=args.tokens, rows=rows), indent=1))
     print("\nbest per launcher:")
