@@ -47,10 +47,15 @@ GEMM_KERNELS = ("gather_glu", "rows_matmul", "glu_backward", "weight_grad")
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def _space(tiles: list[Config], fp32: list[Config], unaligned: list[Config]) -> dict:
+def _space(tiles: list[Config], fp32: list[Config], unaligned: list[Config],
+           gelu_tiles: list[Config] | None = None) -> dict:
     """A kernel's configurations: half types and float32 on aligned rows, and on rows that are not
-    (``row_align`` 1), whose element-wise loads need registers for every element's address."""
-    return {"half": tiles, "fp32": fp32, "half_unaligned": unaligned, "fp32_unaligned": _FP32_UNALIGNED}
+    (``row_align`` 1), whose element-wise loads need registers for every element's address; and,
+    where GELU's longer epilogue (erf) spills in a tile SiLU's does not, the half types' for GELU."""
+    space = {"half": tiles, "fp32": fp32, "half_unaligned": unaligned, "fp32_unaligned": _FP32_UNALIGNED}
+    if gelu_tiles is not None:
+        space["half_gelu"] = gelu_tiles
+    return space
 
 
 # Configuration spaces per architecture family, kernel and dtype, best first (the first eligible
@@ -88,10 +93,13 @@ CONFIGS = {
         "rows_matmul": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True),
                                Config(64, 256, 64, 4, 4, tma=True, persistent=True),
                                Config(128, 128, 64, 8, 4), Config(64, 128, 64, 4, 3)], _FP32_TILE, _UNALIGNED),
-        # Three stages, not two: 9.7 against 15.1 ms.
+        # Three stages, not two: 9.7 against 15.1 ms; with GELU three stages spill 8 B (Triton 3.6).
         "glu_backward": _space([Config(128, 128, 64, 8, 3, tma=True, persistent=True),
                                 Config(64, 128, 64, 8, 3, tma=True, persistent=True),
-                                Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_GLU_BWD, _UNALIGNED_GLU),
+                                Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_GLU_BWD, _UNALIGNED_GLU,
+                               gelu_tiles=[Config(128, 128, 64, 8, 2, tma=True, persistent=True),
+                                           Config(64, 128, 64, 8, 3, tma=True, persistent=True),
+                                           Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)]),
         # A 32-row reduction step five stages deep: 16.9 (d gate_up, 256x128) and 8.5 ms (d down,
         # 128x256) against 23.0 and 10.7 with 64-row steps four deep.
         "weight_grad": _space([Config(256, 128, 32, 8, 5, tma=True, persistent=True),
@@ -131,10 +139,13 @@ def arch_family(device: torch.device) -> str:
 
 
 def configs_for(kernel: str, dtype: torch.dtype, family: str = "default", pad_m: int | None = None,
-                aligned: bool = True) -> list[Config]:
-    """The configurations ``kernel`` may launch with: those of the space for ``dtype`` and for
-    aligned rows (``row_align`` > 1) or not, less those whose tile does not divide ``pad_m``."""
-    space = CONFIGS[family][kernel][("half" if dtype in _HALF else "fp32") + ("" if aligned else "_unaligned")]
+                aligned: bool = True, gelu: bool = False) -> list[Config]:
+    """The configurations ``kernel`` may launch with: those of the space for ``dtype``, for aligned
+    rows (``row_align`` > 1) or not and, where the space has its own, for GELU; less those whose
+    tile does not divide ``pad_m``."""
+    spaces = CONFIGS[family][kernel]
+    name = ("half" if dtype in _HALF else "fp32") + ("" if aligned else "_unaligned")
+    space = spaces.get(name + "_gelu", spaces[name]) if gelu else spaces[name]
     return [c for c in space
             if pad_m is None or pad_m % (c.BLOCK_K if kernel == "weight_grad" else c.BLOCK_M) == 0]
 
@@ -593,13 +604,14 @@ def _run(kernel, config: Config, tiles: int, device: torch.device, *args, **cons
         triton.set_allocator(previous)
 
 
-def _tuned(kernel: str, meta: RoutingMetadata, dtype, device, shapes: tuple, align: int, launch):
+def _tuned(kernel: str, meta: RoutingMetadata, dtype, device, shapes: tuple, align: int, launch,
+           gelu: bool = False):
     """Choose ``kernel``'s configuration (timing on first sight of the key) and launch with it:
     the one place where a configuration is picked. ``launch(config)`` passes ``align`` as ALIGN."""
     num_rows = meta.slot_pos_N.numel()
     with on_device(device):
         config = autotune.choose(
-            kernel, configs_for(kernel, dtype, arch_family(device), meta.pad_m, aligned=align > 1),
+            kernel, configs_for(kernel, dtype, arch_family(device), meta.pad_m, aligned=align > 1, gelu=gelu),
             shapes=shapes + (meta.pad_m, align), dtype=dtype, device=device, num_rows=num_rows, launch=launch,
         )
         return launch(config)
@@ -633,7 +645,7 @@ def gather_glu(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, meta: RoutingMeta
         return h_PI, pre_P2I
 
     align = row_align(x_TH.dtype, H, I)
-    return _tuned("gather_glu", meta, x_TH.dtype, x_TH.device, (H, I, E, gelu), align, launch)
+    return _tuned("gather_glu", meta, x_TH.dtype, x_TH.device, (H, I, E, gelu), align, launch, gelu)
 
 
 def rows_matmul(a_PD: torch.Tensor, w_E: torch.Tensor, meta: RoutingMetadata, *, w_layout: str,
@@ -700,7 +712,7 @@ def glu_backward(dy_TH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Ten
         return dw_part
 
     align = row_align(dy_TH.dtype, H, I)
-    dw_part = _tuned("glu_backward", meta, dy_TH.dtype, dy_TH.device, (H, I, E, gelu), align, launch)
+    dw_part = _tuned("glu_backward", meta, dy_TH.dtype, dy_TH.device, (H, I, E, gelu), align, launch, gelu)
     # Padding rows of dw_part are never written; only the slots' own rows are read.
     dw_N = dw_part.index_select(0, meta.slot_pos_N).sum(1)
     return dpre_P2I, dw_N, hs_PI
@@ -839,7 +851,9 @@ def aot_specs() -> list[KernelSpec]:
                     H, I = _SIZES[sizes]
                     tag = "_".join(str(v) for v in key if v != "")
                     P = padded_rows(MIXTRAL.T * top_k, MIXTRAL.E, 128)
-                    for rank, c in enumerate(configs_for(kernel, dtype, family, aligned=sizes == "aligned")):
+                    configs = configs_for(kernel, dtype, family, aligned=sizes == "aligned",
+                                          gelu=uses_activation and activation == "gelu")
+                    for rank, c in enumerate(configs):
                         for role, args, flags in _gemm_launches(kernel, dtype, H, I, top_k, activation == "gelu", P):
                             reference = (ty == "bf16" and key == ("aligned", 2, "silu" if uses_activation else "")
                                          or ty == "bf16" and kernel == "rows_matmul" and key == ("aligned", 0, ""))
