@@ -73,7 +73,7 @@ def _forward_impl(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation):
     order_N, offsets_E = routing_order(idx_TK, E)
     x_NH = x_TH[order_N // K]
     gate_up_N2I = grouped_linear(x_NH, gate_up_E2IH, offsets_E)
-    h_NI = glu_fwd(gate_up_N2I, activation).to(x_TH.dtype)
+    h_NI = glu_fwd(gate_up_N2I, activation, x_TH.dtype)
     out_NH = grouped_linear(h_NI, down_EHI, offsets_E)
     w_N = w_TK.reshape(-1)[order_N].float()
     out_NH = out_NH.float().mul_(w_N[:, None]).to(x_TH.dtype)  # in place for float32
@@ -133,7 +133,7 @@ def experts_torch_bwd(
     dw_N, wh_NI, d_gate_up_N2I = glu_bwd(gate_up_N2I, dh_raw_NI, w_N, activation)
     dw_TK = torch.empty_like(dw_N).index_copy_(0, order_N, dw_N).view(T, K).to(w_TK.dtype)
     # d down[e] = sum_n (w_n dy_n)^T h_n = sum_n dy_n^T (w_n h_n): the weight goes on h.
-    d_down_EHI = grouped_outer(dy_NH, wh_NI.to(dtype), offsets_E)
+    d_down_EHI = grouped_outer(dy_NH, wh_NI, offsets_E)
     d_gate_up_E2IH = grouped_outer(d_gate_up_N2I, x_NH, offsets_E)
     dx_NH = grouped_linear(d_gate_up_N2I, gate_up_E2IH.transpose(1, 2), offsets_E)
     dx_TH = _unsort_sum(dx_NH, order_N, T, K).to(dtype)
