@@ -24,8 +24,7 @@ from dist_utils import run_ranks
 from hf_models import tiny_config, tiny_model
 from markers import HAS_EP_REGISTRY, requires_cuda
 from numerics import TOLERANCE, rel_err
-
-FAMILIES = ("mixtral", "qwen3_moe")
+from transformers_ep_cases import FAMILIES, expected_cases, save_tiny_checkpoints, transformers_ep_vs_one_process
 
 
 def _local_experts(family: str, local: int, *, marker: str):
@@ -147,85 +146,14 @@ def test_sentinel_path_has_no_host_sync_on_cuda():
 # ---------------------------------------------------------------------------------------------
 # transformers' expert-parallel FSDP2 test, world 2, float32, against one float64 process.
 
-BATCH = 2  # sequences per data-parallel rank
-
-
-def distributed_configs(world: int, family: str) -> list[tuple[str, dict, int]]:
-    """(name, DistributedConfig keywords, data-parallel size) for the installed transformers."""
-    if not HAS_EP_REGISTRY:
-        # 5.17: expert parallelism is tensor parallelism's; every rank holds the whole batch and
-        # the router sends sentinels, with no flag on the experts.
-        return [("tp_enable_expert_parallel", {"tp_size": world, "enable_expert_parallel": True}, 1)]
-    cases = [(f"fsdp_ep_{impl}", {"fsdp_size": world, "ep_size": 2, "ep_implementation": impl}, world)
-             for impl in ("auto", "moe_ep")]
-    if family == "mixtral" and world == 2:
-        # The whole batch on both ranks, off-rank slots sent as sentinels.
-        cases.append(("tp_ep_all_reduce", {"tp_size": 2, "ep_size": 2, "ep_implementation": "all_reduce"}, 1))
-    return cases
-
-
-def transformers_ep_vs_one_process(rank: int, world: int, checkpoints: dict[str, str]) -> dict:
-    """Per family and configuration: the mean loss over the data-parallel ranks and every
-    parameter's whole gradient against one float64 process on the whole batch."""
-    from torch.distributed.tensor import DTensor
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
-
-    import moe_ep  # noqa: F401  (registers the "moe_ep" experts and ep_implementation)
-    from hf_models import tiny_batch
-
-    results = {}
-    for family, checkpoint in checkpoints.items():
-        reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64, experts_implementation="eager")
-        for name, kwargs, dp in distributed_configs(world, family):
-            batch = tiny_batch(reference.config, batch=BATCH * dp, seq=16)
-            reference.zero_grad()
-            ref_loss = reference(**batch).loss
-            ref_loss.backward()
-            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, experts_implementation="moe_ep",
-                                                         distributed_config=DistributedConfig(**kwargs))
-            mine = slice(BATCH * rank, BATCH * (rank + 1)) if dp > 1 else slice(None)
-            loss = model(**{k: v[mine] for k, v in batch.items()}).loss
-            loss.backward()
-            mean_loss = loss.detach().clone()
-            torch.distributed.all_reduce(mean_loss)
-            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
-                     for n, p in model.named_parameters()}
-            want = dict(reference.named_parameters())
-            experts = model.model.layers[0].mlp.experts
-            results[f"{family} {name}"] = {
-                "loss_err": rel_err(mean_loss / world, ref_loss),
-                "grad_err": max(rel_err(g, want[n].grad) for n, g in grads.items() if g is not None),
-                "missing": sorted(n for n, g in grads.items() if g is None),
-                "compared": len(grads),
-                "implementation": model.config._experts_implementation,
-                "local_experts": experts.gate_up_proj.to_local().shape[0]
-                if isinstance(experts.gate_up_proj, DTensor) else experts.gate_up_proj.shape[0],
-            }
-            del model
-    return results
-
 
 @pytest.fixture(scope="module")
-def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
-    folders = {}
-    for family in FAMILIES:
-        folder = tmp_path_factory.mktemp(family)
-        tiny_model(family).save_pretrained(folder)
-        folders[family] = str(folder)
-    return folders
+def world2(tmp_path_factory):
+    checkpoints = save_tiny_checkpoints(tmp_path_factory.mktemp("tiny_moe"))
+    return run_ranks(transformers_ep_vs_one_process, 2, checkpoints, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def world2(tiny_checkpoints):
-    return run_ranks(transformers_ep_vs_one_process, 2, tiny_checkpoints, timeout=300)
-
-
-def _expected_cases(world: int) -> list[str]:
-    return [f"{family} {name}" for family in FAMILIES for name, _, _ in distributed_configs(world, family)]
-
-
-@pytest.mark.parametrize("case", _expected_cases(2))
+@pytest.mark.parametrize("case", expected_cases(2))
 def test_transformers_expert_parallel_matches_one_process(world2, case):
     for rank, results in enumerate(world2):
         found = results[case]
@@ -235,11 +163,11 @@ def test_transformers_expert_parallel_matches_one_process(world2, case):
         assert found["grad_err"] <= TOLERANCE[torch.float32], (rank, found)
 
 
-def test_the_experts_were_split_over_the_ranks(world2, tiny_checkpoints):
+def test_the_experts_were_split_over_the_ranks(world2):
     """The runs above were expert-parallel: each rank held half of the experts."""
     for family in FAMILIES:
         E = tiny_config(family).num_local_experts if family == "mixtral" else tiny_config(family).num_experts
-        for case in _expected_cases(2):
+        for case in expected_cases(2):
             if case.startswith(family):
                 assert {r[case]["local_experts"] for r in world2} == {E // 2}, case
 
