@@ -89,6 +89,13 @@ def launch(runs: list[Run], processes: int, out: Path, *, timeout: float) -> str
     return output
 
 
+def launch_world(out: Path, processes: int, layout: tuple[str, ...], *, resume: bool, bf16: bool) -> Path:
+    """``world_runs`` on ``processes`` processes, then the one-process runs they are compared with."""
+    launch(world_runs(processes, layout, resume=resume, bf16=bf16), processes, out, timeout=500)
+    launch(one_process_runs((processes,)), 1, out, timeout=200)
+    return out
+
+
 def step_records(folder: Path) -> dict[int, dict]:
     """Step -> the last record logged for it (a resumed run logs the steps after its checkpoint)."""
     records = {}
@@ -118,3 +125,21 @@ def final_logits(folder: Path):
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return model(input_ids=ids).logits.double()
+
+
+def check_against_baseline_and_one_process(runs: Path, script: str, processes: int) -> None:
+    """The moe_ep run's per-step losses and gradient norms against the baseline on the same
+    processes and one process accumulating the same batches, to the float32 tolerance; and its
+    final model's logits against the baseline's."""
+    import torch
+
+    from numerics import TOLERANCE, rel_err
+
+    ep, baseline = step_records(runs / f"{script}_ep"), step_records(runs / f"{script}_baseline")
+    one = step_records(runs / f"{script}_one_process_x{processes}")
+    assert sorted(ep) == list(range(1, STEPS + 1))
+    for other in (baseline, one):
+        for key in ("loss", "grad_norm"):
+            assert max_rel_diff(ep, other, key) <= TOLERANCE[torch.float32], (key, ep, other)
+    ep_logits = final_logits(runs / f"{script}_ep" / "final")
+    assert rel_err(ep_logits, final_logits(runs / f"{script}_baseline" / "final")) <= TOLERANCE[torch.float32]

@@ -14,12 +14,10 @@ ranks, experts split over 2 and FSDP-sharded over the other 2) with moe_ep's exp
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dist_utils import run_ranks
-from hf_loops import SCRIPTS, STEPS, final_logits, launch, max_rel_diff, one_process_runs, step_records, world_runs
-from numerics import TOLERANCE, rel_err
-from transformers_ep_cases import expected_cases, save_tiny_checkpoints, transformers_ep_vs_one_process
+from hf_loops import SCRIPTS, check_against_baseline_and_one_process, launch_world
+from transformers_ep_cases import check_case, expected_cases, save_tiny_checkpoints, transformers_ep_vs_one_process
 
 PROCESSES = 4
 LAYOUT = ("--ep", "2", "--dp-replicate", "2")
@@ -27,22 +25,12 @@ LAYOUT = ("--ep", "2", "--dp-replicate", "2")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_loops_4")
-    launch(world_runs(PROCESSES, LAYOUT, resume=False, bf16=False), PROCESSES, out, timeout=500)
-    launch(one_process_runs((PROCESSES,)), 1, out, timeout=200)
-    return out
+    return launch_world(tmp_path_factory.mktemp("hf_loops_4"), PROCESSES, LAYOUT, resume=False, bf16=False)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_expert_parallel_with_hsdp_matches_data_parallel_and_one_process(runs, script):
-    ep, baseline = step_records(runs / f"{script}_ep"), step_records(runs / f"{script}_baseline")
-    one = step_records(runs / f"{script}_one_process_x{PROCESSES}")
-    assert sorted(ep) == list(range(1, STEPS + 1))
-    for other in (baseline, one):
-        assert max_rel_diff(ep, other, "loss") <= TOLERANCE[torch.float32], (ep, other)
-        assert max_rel_diff(ep, other, "grad_norm") <= TOLERANCE[torch.float32], (ep, other)
-    ep_logits = final_logits(runs / f"{script}_ep" / "final")
-    assert rel_err(ep_logits, final_logits(runs / f"{script}_baseline" / "final")) <= TOLERANCE[torch.float32]
+    check_against_baseline_and_one_process(runs, script, PROCESSES)
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +43,4 @@ def world4(tmp_path_factory):
     pytest.param("none", marks=pytest.mark.skip(reason="transformers without the expert-parallel registry: the "
                                                        "world-4 FSDP case does not exist there"))])
 def test_transformers_expert_parallel_with_sharded_experts_matches_one_process(world4, case):
-    for rank, results in enumerate(world4):
-        found = results[case]
-        assert found["implementation"] == "moe_ep", (rank, found)
-        assert found["missing"] == [] and found["compared"] > 0, (rank, found)
-        assert found["loss_err"] <= TOLERANCE[torch.float32], (rank, found)
-        assert found["grad_err"] <= TOLERANCE[torch.float32], (rank, found)
+    check_case(world4, case)

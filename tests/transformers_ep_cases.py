@@ -32,8 +32,13 @@ def distributed_configs(world: int, family: str) -> list[tuple[str, dict, int]]:
         # the router sends sentinels, with no flag on the experts. Over 2 ranks only: the tiny
         # Mixtral's 6 experts do not split over 4.
         return [("tp_enable_expert_parallel", {"tp_size": world, "enable_expert_parallel": True}, 1)] if world == 2 else []
+    implementations = ("auto", "moe_ep")
     cases = [(f"fsdp_ep_{impl}", {"fsdp_size": world, "ep_size": 2, "ep_implementation": impl}, world)
-             for impl in ("auto", "moe_ep")]
+             for impl in implementations]
+    # Expert parallelism over a tensor-parallel group, whose ranks share their batch (transformers'
+    # test_fsdp2_expert_parallel_2d_vs_ddp on 4 ranks): the all-to-alls take a slice each.
+    cases += [(f"fsdp_tp_ep_{impl}", {"fsdp_size": world // 2, "tp_size": 2, "ep_size": 2, "ep_implementation": impl},
+               world // 2) for impl in implementations]
     if family == "mixtral" and world == 2:
         # The whole batch on both ranks, off-rank slots sent as sentinels.
         cases.append(("tp_ep_all_reduce", {"tp_size": 2, "ep_size": 2, "ep_implementation": "all_reduce"}, 1))
@@ -60,7 +65,9 @@ def transformers_ep_vs_one_process(rank: int, world: int, checkpoints: dict[str,
             ref_loss.backward()
             model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, experts_implementation="moe_ep",
                                                          distributed_config=DistributedConfig(**kwargs))
-            mine = slice(BATCH * rank, BATCH * (rank + 1)) if dp > 1 else slice(None)
+            # transformers' mesh is (pp, fsdp, tp), tp fastest: the ranks of a TP group share a batch.
+            dp_rank = rank // (world // dp)
+            mine = slice(BATCH * dp_rank, BATCH * (dp_rank + 1))
             loss = model(**{k: v[mine] for k, v in batch.items()}).loss
             loss.backward()
             mean_loss = loss.detach().clone()
@@ -82,7 +89,18 @@ def transformers_ep_vs_one_process(rank: int, world: int, checkpoints: dict[str,
     return results
 
 
-
-
 def expected_cases(world: int) -> list[str]:
     return [f"{family} {name}" for family in FAMILIES for name, _, _ in distributed_configs(world, family)]
+
+
+def check_case(per_rank: list[dict], case: str) -> None:
+    """Every rank ran ``case`` on moe_ep's experts, compared every gradient, and matched the float64
+    process to the float32 tolerance."""
+    from numerics import TOLERANCE
+
+    for rank, results in enumerate(per_rank):
+        found = results[case]
+        assert found["implementation"] == "moe_ep", (rank, found)
+        assert found["missing"] == [] and found["compared"] > 0, (rank, found)
+        assert found["loss_err"] <= TOLERANCE[torch.float32], (rank, found)
+        assert found["grad_err"] <= TOLERANCE[torch.float32], (rank, found)

@@ -18,18 +18,15 @@ from pathlib import Path
 
 import torch
 
-from errors import report_failure
 from loops import (
     RunFolder,
     StepLog,
-    build_parser,
-    check_args,
+    checked_run,
     configuration_errors,
-    count_parameters,
-    env_int,
+    finished,
     lr_at,
-    make_data,
     make_model,
+    script_main,
 )
 from ownership import delete_atomically
 
@@ -66,17 +63,9 @@ def save_checkpoint(accelerator, run: RunFolder, step: int) -> Path:
 
 
 def train(args) -> None:
-    world_size, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
-    check_args(args, world_size)
-    data = make_data(args, world_size)
-    run = RunFolder(Path(args.output_dir), "accelerate_loop", f"{CHECKPOINTS}/step_*", managed=(CHECKPOINTS,))
-    run.check(resume=args.resume, parameters=count_parameters(args))
-    if rank == 0:
-        run.lock.acquire()
-    try:
+    with checked_run(args, "accelerate_loop", f"{CHECKPOINTS}/step_*", managed=(CHECKPOINTS,)) as (
+            data, run, world_size, rank):
         _train(args, data, run, world_size, rank)
-    finally:
-        run.lock.release()
 
 
 def _train(args, data, run: RunFolder, world_size: int, rank: int) -> None:
@@ -89,7 +78,7 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int) -> None:
         run.claim()
     log = StepLog(run.path, enabled=accelerator.is_main_process)
     with configuration_errors():
-        model = make_model(args)
+        model = make_model(args, accelerator.device)
         if not args.baseline:
             moe_ep.configure_accelerator(accelerator, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -125,28 +114,18 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int) -> None:
                   "grad_norm": float(grad_norm), "lr": optimizer.param_groups[0]["lr"]})
         if args.checkpoint_every and progress.step % args.checkpoint_every == 0:
             log.info(f"checkpoint {save_checkpoint(accelerator, run, progress.step)}")
-    if progress.step < args.steps:
-        log.info(f"stopped after step {progress.step}; continue with --resume")
+    if not finished(log, progress.step, args):
         return
     state_dict = accelerator.get_state_dict(model)  # every rank: gathers the full weights on rank 0
     if accelerator.is_main_process:
         accelerator.unwrap_model(model).save_pretrained(str(run.final), state_dict=state_dict)
-        run.mark_final()
     accelerator.wait_for_everyone()
-    log.info(f"saved the model to {run.final} (loads with plain from_pretrained)")
+    run.saved_final(log, is_main=accelerator.is_main_process)
 
 
 def main(argv=None) -> int:
-    args = build_parser("Expert-parallel training in a hand-written accelerate loop; launch with `accelerate launch`.",
-                        "runs/mixtral-tiny-accelerate").parse_args(argv)
-    try:
-        train(args)
-    except BaseException as err:
-        code = report_failure(err, rank=env_int("RANK", 0), world_size=env_int("WORLD_SIZE", 1))
-        if code is None:
-            raise
-        return code
-    return 0
+    return script_main(train, "Expert-parallel training in a hand-written accelerate loop; launch with `accelerate launch`.",
+                       "runs/mixtral-tiny-accelerate", argv)
 
 
 if __name__ == "__main__":

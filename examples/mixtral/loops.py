@@ -150,14 +150,14 @@ def model_config(args):
     return config
 
 
-def make_model(args):
-    """The tiny Mixtral, identical on every rank (seeded); with moe_ep, its experts and routers on
-    moe_ep's kernels and split over ``--ep`` ranks, its dense weights FSDP2-sharded. Needs the
-    process group."""
+def make_model(args, device: torch.device):
+    """The tiny Mixtral on ``device``, identical on every rank (seeded); with moe_ep, its experts and
+    routers on moe_ep's kernels and split over ``--ep`` ranks, its dense weights FSDP2-sharded.
+    Needs the process group."""
     from transformers import MixtralForCausalLM
 
     torch.manual_seed(args.seed)
-    model = MixtralForCausalLM(model_config(args))
+    model = MixtralForCausalLM(model_config(args)).to(device)
     if args.baseline:
         return model
     import moe_ep
@@ -233,8 +233,11 @@ class RunFolder:
         for name in self.managed:
             make_managed_dir(self.path / name, name)
 
-    def mark_final(self) -> None:
-        mark(self.final, "export")
+    def saved_final(self, log: StepLog, is_main: bool) -> None:
+        """After the final model is written: mark it as an export (rank 0) and say where it is."""
+        if is_main:
+            mark(self.final, "export")
+        log.info(f"saved the model to {self.final} (loads with plain from_pretrained)")
 
 
 class StepLog:
@@ -257,6 +260,38 @@ class StepLog:
     def info(self, message: str) -> None:
         if self.enabled:
             print(message, flush=True)
+
+
+@contextmanager
+def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = ()):
+    """Every check before any work, on every rank (flags, layout, data, run folder), then the job:
+    rank 0 holds the folder's lock while it runs (the other ranks join it through the process
+    group). Yields (data, run folder, world size, rank)."""
+    world_size, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
+    check_args(args, world_size)
+    data = make_data(args, world_size)
+    run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed)
+    run.check(resume=args.resume, parameters=count_parameters(args))
+    if rank == 0:
+        run.lock.acquire()
+    try:
+        yield data, run, world_size, rank
+    finally:
+        run.lock.release()
+
+
+def finished(log: StepLog, step: int, args) -> bool:
+    """Whether the run reached --steps; says how to continue when --stop-after stopped it."""
+    if step < args.steps:
+        log.info(f"stopped after step {step}; continue with --resume")
+        return False
+    return True
+
+
+def script_main(train, description: str, default_output: str, argv=None) -> int:
+    from errors import run_reported
+
+    return run_reported(train, build_parser(description, default_output).parse_args(argv))
 
 
 def env_int(name: str, default: int) -> int:

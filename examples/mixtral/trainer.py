@@ -12,21 +12,17 @@ Trainer's own. ``--baseline`` runs the same script without moe_ep. See README.md
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-from errors import report_failure
 from loops import (
     RunFolder,
     StepLog,
-    build_parser,
-    check_args,
+    checked_run,
     configuration_errors,
-    count_parameters,
-    env_int,
-    make_data,
+    finished,
     make_model,
+    script_main,
 )
 
 
@@ -56,18 +52,8 @@ def stop_callback(stop_after: int):
 
 
 def train(args) -> None:
-    world_size, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
-    check_args(args, world_size)
-    data = make_data(args, world_size)
-    run = RunFolder(Path(args.output_dir), "trainer", "checkpoint-*")
-    run.check(resume=args.resume, parameters=count_parameters(args))
-    # Rank 0 holds the folder for the job; the others join it through the process group.
-    if rank == 0:
-        run.lock.acquire()
-    try:
+    with checked_run(args, "trainer", "checkpoint-*") as (data, run, world_size, rank):
         _train(args, data, run, world_size, rank)
-    finally:
-        run.lock.release()
 
 
 def _train(args, data, run: RunFolder, world_size: int, rank: int) -> None:
@@ -76,7 +62,7 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int) -> None:
 
     import moe_ep
 
-    PartialState(cpu=not torch.cuda.is_available())  # the process group, which parallelize needs
+    state = PartialState(cpu=not torch.cuda.is_available())  # the process group, which parallelize needs
     if rank == 0:
         run.claim()
     log = StepLog(run.path, enabled=rank == 0)
@@ -94,32 +80,22 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int) -> None:
     trainer_class = Trainer if args.baseline else moe_ep.ExpertParallelTrainer
     callbacks = [log_callback(log)] + ([stop_callback(args.stop_after)] if args.stop_after else [])
     with configuration_errors():
-        trainer = trainer_class(model=make_model(args), args=training_args, train_dataset=data, callbacks=callbacks)
+        trainer = trainer_class(model=make_model(args, state.device), args=training_args, train_dataset=data,
+                                callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # StepLog says the same, once per step
     log.info(f"{'baseline (transformers experts, DDP)' if args.baseline else f'moe_ep ep={args.ep}'} on "
              f"{world_size} process(es), mixed precision {training_args.mixed_precision}"
              + (f", resuming from {resume}" if resume else ""))
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    if trainer.state.global_step < args.steps:
-        log.info(f"stopped after step {trainer.state.global_step}; continue with --resume")
+    if not finished(log, trainer.state.global_step, args):
         return
     trainer.save_model(str(run.final))
-    if rank == 0:
-        run.mark_final()
-    log.info(f"saved the model to {run.final} (loads with plain from_pretrained)")
+    run.saved_final(log, is_main=rank == 0)
 
 
 def main(argv=None) -> int:
-    args = build_parser("Expert-parallel training with transformers' Trainer; launch with `accelerate launch`.",
-                        "runs/mixtral-tiny-trainer").parse_args(argv)
-    try:
-        train(args)
-    except BaseException as err:
-        code = report_failure(err, rank=env_int("RANK", 0), world_size=env_int("WORLD_SIZE", 1))
-        if code is None:
-            raise
-        return code
-    return 0
+    return script_main(train, "Expert-parallel training with transformers' Trainer; launch with `accelerate launch`.",
+                       "runs/mixtral-tiny-trainer", argv)
 
 
 if __name__ == "__main__":
