@@ -41,6 +41,9 @@ class KernelSpec:
     archs: tuple = field(default=(80, 90))
     # Position of the configuration in its space: 0 is the one launched when nothing is timed.
     rank: int = 0
+    # Whether the quick check (``--quick``, run in CI) compiles this launch when rank is 0: False
+    # for specialisations that another quick spec of the same kernel already exercises.
+    quick: bool = True
     # The static cost model's description of this launch at the reference shapes (see
     # ``moe_ep.kernels.cost``), or None where the spec is not one the estimate is made for.
     cost: object = None

@@ -1,19 +1,30 @@
-"""A small autotuner for the grouped-GEMM kernels.
+"""Which configuration each grouped-GEMM launch uses.
 
-Each kernel has a few hand-picked configurations. The first time a launcher meets a key
-(kernel, problem shapes, dtype, GPU architecture, token-count bucket) it times every eligible
-configuration on the real inputs and keeps the fastest for the rest of the process. The kernels
-only write their outputs, so running one several times while timing is harmless.
+Each kernel has a few hand-picked configurations per architecture. A launch is keyed by (kernel,
+problem shapes, dtype, GPU architecture, token-count bucket) and uses, in this order:
 
-Under the Triton interpreter nothing is timed: the first eligible configuration is used. The same
-happens on a GPU with ``MOE_EP_AUTOTUNE=0``, which makes the choice (and so the floating-point
-summation order) identical from one process to the next."""
+1. the configuration agreed for its key (``install``: the op layer agrees on them across the ranks
+   of a process group, or loads them from its disk cache, see ``moe_ep.ops.selector``);
+2. inside a tuning session (``tuning()``), the fastest eligible configuration timed on the real
+   inputs, kept by the session, which reports every timing (the session is where host syncs are
+   allowed: the first sight of a problem, never the middle of a later step);
+3. the configuration agreed for the nearest bucket of the same kernel, shapes, dtype and
+   architecture;
+4. the first eligible configuration: the fixed default of the architecture's space.
+
+Outside a session nothing is timed: a launch never waits for the GPU, and its choice depends on
+the agreed table alone, so processes holding the same table make the same choice for every key.
+``MOE_EP_AUTOTUNE=0`` makes sessions time nothing. Under the Triton interpreter a session times with
+the host clock: the figures mean nothing, but the protocol runs on the CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -49,7 +60,18 @@ class Config:
         return f"m{self.BLOCK_M}n{self.BLOCK_N}k{self.BLOCK_K}w{self.num_warps}s{self.num_stages}{tags}"
 
 
-_CHOSEN: dict[tuple, Config] = {}
+@dataclass
+class Session:
+    """What a tuning session timed: seconds per configuration (by its ``str``) per key, and the
+    fastest of each key, which the session's launches use."""
+
+    timings: dict[tuple, dict[str, float]] = field(default_factory=dict)
+    fastest: dict[tuple, str] = field(default_factory=dict)
+
+
+_AGREED: dict[tuple, str] = {}  # key -> configuration name, see install
+_USED: dict[tuple, Config] = {}  # what each key last launched with (chosen_configs)
+_SESSION: Session | None = None
 
 
 def token_bucket(num_rows: int) -> int:
@@ -75,11 +97,54 @@ def tuning_key(kernel: str, shapes: tuple, dtype: torch.dtype, device: torch.dev
     return (kernel, tuple(shapes), dtype, device_arch(device), token_bucket(num_rows))
 
 
-def _timing_enabled() -> bool:
+def enabled() -> bool:
+    """Whether tuning sessions time anything (``MOE_EP_AUTOTUNE``, default 1)."""
     value = os.environ.get(ENV_VAR, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{ENV_VAR} must be '0' or '1', got {value!r}")
-    return value == "1" and not interpreting()
+    return value == "1"
+
+
+@contextlib.contextmanager
+def tuning():
+    """A tuning session: launches of keys with no agreed configuration time every eligible one
+    (host syncs) and use the fastest. Yields the ``Session`` with the timings."""
+    global _SESSION
+    if _SESSION is not None:
+        raise RuntimeError("tuning sessions do not nest")
+    _SESSION = Session()
+    try:
+        yield _SESSION
+    finally:
+        _SESSION = None
+
+
+def install(choices: dict[tuple, str]) -> None:
+    """Agreed configurations (by name) for keys: used by every later launch of those keys, and by
+    launches of other buckets of the same kernel, shapes, dtype and architecture that have none."""
+    _AGREED.update(choices)
+    _nearest.cache_clear()
+
+
+def _time(launch: Callable[[], object], device: torch.device) -> float:
+    if interpreting() or device.type != "cuda":
+        start = time.perf_counter()
+        launch()
+        return time.perf_counter() - start
+    import triton.testing
+
+    # host sync: timing waits for the GPU; only inside a tuning session.
+    return triton.testing.do_bench(launch, warmup=5, rep=20) / 1e3
+
+
+@functools.lru_cache(maxsize=None)
+def _nearest(key: tuple) -> str | None:
+    """The agreed configuration of the bucket nearest ``key``'s (in powers of two; the smaller
+    one on a tie) among the keys of the same kernel, shapes, dtype and architecture."""
+    bucket = key[-1]
+    same = [(abs(math.log2(k[-1]) - math.log2(bucket)), k[-1], name) for k, name in _AGREED.items()
+            if k[:-1] == key[:-1]]
+    return min(same)[2] if same else None
 
 
 def choose(
@@ -92,34 +157,43 @@ def choose(
     num_rows: int,
     launch: Callable[[Config], object],
 ) -> Config:
-    """The configuration to launch ``kernel`` with; ``launch(config)`` runs it once on the real
-    inputs and is only called while timing."""
+    """The configuration to launch ``kernel`` with (see the module docstring); ``launch(config)``
+    runs it once on the real inputs and is only called inside a tuning session."""
     if not configs:
         raise ValueError(f"no eligible configuration for kernel {kernel!r}")
     key = tuning_key(kernel, shapes, dtype, device, num_rows)
-    if key in _CHOSEN:
-        return _CHOSEN[key]
-    if len(configs) == 1 or not _timing_enabled():
-        best = configs[0]
-    else:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"autotuning {kernel} for {key} would time kernels inside a CUDA graph capture; "
-                f"run the op once before capturing, or set {ENV_VAR}=0"
-            )
-        import triton.testing
-
-        # host sync: timing needs the GPU to finish; it happens once per key and process.
-        timings = [triton.testing.do_bench(lambda c=c: launch(c), warmup=5, rep=20) for c in configs]
-        best = configs[min(range(len(configs)), key=timings.__getitem__)]
-    _CHOSEN[key] = best
-    return best
+    by_name = {str(c): c for c in configs}
+    name = _AGREED.get(key)
+    if name not in by_name and _SESSION is not None and enabled() and len(configs) > 1:
+        if key not in _SESSION.fastest:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"tuning {kernel} for {key} would time kernels inside a CUDA graph capture; run the op once "
+                    f"before capturing, or set {ENV_VAR}=0"
+                )
+            timings = {str(c): _time(lambda c=c: launch(c), device) for c in configs}
+            _SESSION.timings[key] = timings
+            _SESSION.fastest[key] = min(timings, key=timings.__getitem__)
+        name = _SESSION.fastest[key]
+    if name not in by_name:
+        name = _nearest(key)
+    config = by_name.get(name, configs[0])
+    _USED[key] = config
+    return config
 
 
 def chosen_configs() -> dict[tuple, Config]:
-    """A copy of this process's choices, keyed by ``tuning_key``."""
-    return dict(_CHOSEN)
+    """A copy of what each key of this process last launched with, keyed by ``tuning_key``."""
+    return dict(_USED)
+
+
+def agreed_configs() -> dict[tuple, str]:
+    """A copy of the agreed configuration names, keyed by ``tuning_key``."""
+    return dict(_AGREED)
 
 
 def clear_cache() -> None:
-    _CHOSEN.clear()
+    """Forget every agreed and used configuration (tests, and the GPU check between settings)."""
+    _AGREED.clear()
+    _USED.clear()
+    _nearest.cache_clear()

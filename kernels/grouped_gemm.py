@@ -47,52 +47,81 @@ GEMM_KERNELS = ("gather_glu", "rows_matmul", "glu_backward", "weight_grad")
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def _space(tiles: list[Config], fp32: list[Config]) -> dict:
-    return {"half": tiles, "fp32": fp32}
+def _space(tiles: list[Config], fp32: list[Config], unaligned: list[Config],
+           gelu_tiles: list[Config] | None = None) -> dict:
+    """A kernel's configurations: half types and float32 on aligned rows, and on rows that are not
+    (``row_align`` 1), whose element-wise loads need registers for every element's address; and,
+    where GELU's longer epilogue (erf) spills in a tile SiLU's does not, the half types' for GELU."""
+    space = {"half": tiles, "fp32": fp32, "half_unaligned": unaligned, "fp32_unaligned": _FP32_UNALIGNED}
+    if gelu_tiles is not None:
+        space["half_gelu"] = gelu_tiles
+    return space
 
 
 # Configuration spaces per architecture family, kernel and dtype, best first (the first eligible
 # one is used when nothing is timed). BLOCK_M of the row kernels must divide the metadata's pad_m
 # (64 or 128, see ``routing_block``), so each row kernel has a 64-row tile too; BLOCK_K of the
-# weight gradients steps over an expert's rows and must divide pad_m as well. TMA configurations
-# need 16-byte aligned operands and row strides, and fall back to the others when a launch has
-# not. Float32 runs on IEEE FMAs, not tensor cores, and is there for accuracy: one small tile.
-# Each tile is the largest that compiles without spills and fits shared memory on its
-# architecture under Triton 3.6 and 3.9 (``python -m moe_ep.kernels.aot``).
+# weight gradients steps over an expert's rows and must divide pad_m as well. Launches whose rows
+# are 16-byte aligned (``row_align``; the launchers align base addresses) choose from the aligned
+# spaces, where TMA configurations live; the others from the unaligned ones. Float32 runs on IEEE
+# FMAs, not tensor cores, and is there for accuracy: one small tile. Each tile is the largest that
+# compiles without spills and fits shared memory on its architecture under Triton 3.6 and 3.9
+# (``python -m moe_ep.kernels.aot``).
 _FP32_TILE = [Config(64, 32, 32, num_warps=8, num_stages=2)]
 # glu_backward's epilogue splits the columns in halves: 16-column halves of the float32 tile
 # spill 8 bytes, 32-column ones do not.
 _FP32_GLU_BWD = [Config(64, 64, 32, num_warps=8, num_stages=2)]
+# Rows that are not 16-byte aligned load element by element (no vector loads, no cp.async, no
+# TMA): every element of a tile needs its own address registers, so the tiles are small. The
+# gate/up product of gather_glu (two accumulators) and glu_backward's epilogue take 32 columns.
+_UNALIGNED = [Config(64, 64, 32, 8, 2)]
+_UNALIGNED_GLU = [Config(64, 32, 32, 4, 2)]
+# Float32 on unaligned rows: the aligned tiles' cp.async of single elements spill 8-48 bytes on
+# sm_80 and sm_90 (glu_backward, the dx product); a 16-deep reduction step does not.
+_FP32_UNALIGNED = [Config(64, 64, 16, 8, 2)]
 CONFIGS = {
-    # H100: 227 KB of shared memory per block, wgmma with the accumulator in registers, TMA.
+    # H100: 227 KB of shared memory per block, wgmma with the accumulator in registers, TMA. The
+    # order is what an H100 80GB HBM3 measured at Mixtral-8x7B shapes (T=16384, bf16; 2026-11-25,
+    # scripts/sweep_configs.py, benchmarks/results/sweep_configs_*): the fastest that does not spill
+    # first.
     "sm_90": {
-        # Two accumulators (gate and up): 128x128 spills, 128x64 does not.
-        "gather_glu": _space([Config(128, 64, 64, 8, 4, tma=True, persistent=True),
+        # Two accumulators (gate and up): 128x128 spills (4-18 B, though 13.4-14.6 ms against
+        # 16.6), 128x64 does not; here cp.async beat TMA on the weights (16.6 against 18.6 ms).
+        "gather_glu": _space([Config(128, 64, 64, 8, 4), Config(128, 64, 64, 8, 4, tma=True, persistent=True),
                               Config(64, 64, 64, 4, 4, tma=True, persistent=True),
-                              Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_TILE),
+                              Config(64, 64, 64, 4, 4)], _FP32_TILE, _UNALIGNED_GLU),
         "rows_matmul": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True),
                                Config(64, 256, 64, 4, 4, tma=True, persistent=True),
-                               Config(128, 256, 64, 8, 3), Config(64, 128, 64, 4, 3)], _FP32_TILE),
-        "glu_backward": _space([Config(128, 128, 64, 8, 3, tma=True, persistent=True),
-                                Config(64, 128, 32, 4, 4, tma=True, persistent=True),
-                                Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_GLU_BWD),
-        "weight_grad": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True),
-                               Config(128, 256, 64, 8, 3)], _FP32_TILE),
+                               Config(128, 128, 64, 8, 4), Config(64, 128, 64, 4, 3)], _FP32_TILE, _UNALIGNED),
+        # Four stages, not two: 8.7 against 15.1 ms (three: 9.7); with GELU three stages already
+        # spill 8 B (Triton 3.6), so GELU keeps two.
+        "glu_backward": _space([Config(128, 128, 64, 8, 4, tma=True, persistent=True),
+                                Config(128, 128, 64, 8, 3, tma=True, persistent=True),
+                                Config(64, 128, 64, 8, 3, tma=True, persistent=True),
+                                Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_GLU_BWD, _UNALIGNED_GLU,
+                               gelu_tiles=[Config(128, 128, 64, 8, 2, tma=True, persistent=True),
+                                           Config(64, 128, 64, 8, 3, tma=True, persistent=True),
+                                           Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)]),
+        # A 32-row reduction step five stages deep: 16.9 (d gate_up, 256x128) and 8.5 ms (d down,
+        # 128x256) against 23.0 and 10.7 with 64-row steps four deep.
+        "weight_grad": _space([Config(256, 128, 32, 8, 5, tma=True, persistent=True),
+                               Config(128, 256, 32, 8, 5, tma=True, persistent=True),
+                               Config(128, 256, 32, 8, 5)], _FP32_TILE, _UNALIGNED),
     },
     # A100: 163 KB of shared memory per block, mma.sync with operands in registers, cp.async.
     "sm_80": {
         # mma.sync keeps its operands in registers too: 128x128 gate/up and 128x256 dx spill.
-        "gather_glu": _space([Config(128, 64, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_TILE),
-        "rows_matmul": _space([Config(128, 128, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_TILE),
-        "glu_backward": _space([Config(128, 128, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_GLU_BWD),
-        "weight_grad": _space([Config(128, 256, 32, 8, 4)], _FP32_TILE),
+        "gather_glu": _space([Config(128, 64, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_TILE, _UNALIGNED_GLU),
+        "rows_matmul": _space([Config(128, 128, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_TILE, _UNALIGNED),
+        "glu_backward": _space([Config(128, 128, 32, 8, 3), Config(64, 128, 32, 8, 4)], _FP32_GLU_BWD, _UNALIGNED_GLU),
+        "weight_grad": _space([Config(128, 256, 32, 8, 4)], _FP32_TILE, _UNALIGNED),
     },
     # Any other GPU (sm_86 and sm_89 have 99 KB of shared memory per block), and the interpreter.
     "default": {
-        "gather_glu": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_TILE),
-        "rows_matmul": _space([Config(64, 128, 64, 4, 3), Config(128, 128, 64, 8, 3)], _FP32_TILE),
-        "glu_backward": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_GLU_BWD),
-        "weight_grad": _space([Config(128, 128, 64, 8, 3)], _FP32_TILE),
+        "gather_glu": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_TILE, _UNALIGNED_GLU),
+        "rows_matmul": _space([Config(64, 128, 64, 4, 3), Config(128, 128, 64, 8, 3)], _FP32_TILE, _UNALIGNED),
+        "glu_backward": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_GLU_BWD, _UNALIGNED_GLU),
+        "weight_grad": _space([Config(128, 128, 64, 8, 3)], _FP32_TILE, _UNALIGNED),
     },
 }
 # The compute capability each family is compiled for by the AOT check.
@@ -112,13 +141,15 @@ def arch_family(device: torch.device) -> str:
 
 
 def configs_for(kernel: str, dtype: torch.dtype, family: str = "default", pad_m: int | None = None,
-                tma_ok: bool = True) -> list[Config]:
-    """The configurations ``kernel`` may launch with; ``pad_m`` and ``tma_ok`` (the launch's
-    operands are aligned for tensor descriptors) drop those that cannot."""
-    space = CONFIGS[family][kernel]["half" if dtype in _HALF else "fp32"]
+                aligned: bool = True, gelu: bool = False) -> list[Config]:
+    """The configurations ``kernel`` may launch with: those of the space for ``dtype``, for aligned
+    rows (``row_align`` > 1) or not and, where the space has its own, for GELU; less those whose
+    tile does not divide ``pad_m``."""
+    spaces = CONFIGS[family][kernel]
+    name = ("half" if dtype in _HALF else "fp32") + ("" if aligned else "_unaligned")
+    space = spaces.get(name + "_gelu", spaces[name]) if gelu else spaces[name]
     return [c for c in space
-            if (pad_m is None or pad_m % (c.BLOCK_K if kernel == "weight_grad" else c.BLOCK_M) == 0)
-            and (tma_ok or not c.tma)]
+            if pad_m is None or pad_m % (c.BLOCK_K if kernel == "weight_grad" else c.BLOCK_M) == 0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,6 +174,14 @@ def _downcast(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def _aligned(size, ALIGN: tl.constexpr):
+    """``size``, a multiple of ALIGN, spelled so that the compiler knows it (see "Specialisation")."""
+    if ALIGN > 1:
+        size = size // ALIGN * ALIGN
+    return size
 
 
 @triton.jit
@@ -189,20 +228,29 @@ def _tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 # row kernels read how many padded rows are live from the metadata (padded_offsets[E]), so the
 # static bound on P costs nothing beyond the real end.
 #
+# Specialisation: the JIT compiles one variant per constexpr value and per integer argument that
+# is 1 or a multiple of 16, and each must compile without spills (the AOT check compiles exactly
+# those the launchers can launch). So the sizes and counts are not specialised (do_not_specialize;
+# top_k only for 1, a real gain); instead ALIGN, a constexpr that the launcher sets from the sizes
+# (``row_align``), tells the compiler that every row starts 16-byte aligned (``_aligned``), and
+# pointers are always 16-byte aligned (the launchers copy a view that is not).
+#
 # TMA (a constexpr) loads the operands that are not gathered through tensor descriptors: the
 # expert weights (one descriptor over all experts, the expert as its leading coordinate, so an
 # edge tile reads zeros past the expert's own rows instead of its neighbour's) and the row
 # operands already in the padded layout. Gathered token rows stay on pointer loads (cp.async).
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "H", "I", "num_experts", "pad_m"], do_not_specialize_on_alignment=["top_k"])
 def _gather_glu_kernel(
     x_ptr, w_ptr, padded_offsets_ptr, block_expert_ptr, sorted_slot_ptr, h_ptr, pre_ptr,
     num_rows, H, I, num_experts, top_k, pad_m,
     GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRETED: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """pre[p] = gate_up[e] @ x[token(p)]; h[p] = act(pre gate half) * pre up half."""
+    H = _aligned(H, ALIGN)
+    I = _aligned(I, ALIGN)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     live_m = tl.load(padded_offsets_ptr + num_experts) // BLOCK_M
     if TMA:
@@ -264,16 +312,18 @@ def _gather_glu_kernel(
         tl.store(pre_ptrs + I, zeros, mask=(cols < I)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "n_out", "k_red", "num_experts", "pad_m"])
 def _rows_matmul_kernel(
     a_ptr, w_ptr, padded_offsets_ptr, block_expert_ptr, sorted_slot_ptr, scale_ptr, out_ptr,
     num_rows, n_out, k_red, num_experts, pad_m,
     W_NK: tl.constexpr, SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRETED: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """out[p] = w[e] @ a[p] (W_NK: w[e] is [n_out, k_red]) or a[p] @ w[e] (w[e] is [k_red, n_out]),
     times scale[slot(p)] when SCALE."""
+    n_out = _aligned(n_out, ALIGN)
+    k_red = _aligned(k_red, ALIGN)
     num_pid_n = tl.cdiv(n_out, BLOCK_N)
     live_m = tl.load(padded_offsets_ptr + num_experts) // BLOCK_M
     if TMA:
@@ -355,19 +405,21 @@ def _glu_backward_half(dh, rows, cols, weight, pre_ptr, dpre_ptr, hs_ptr, I,
     return dw
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "H", "I", "num_experts", "pad_m"], do_not_specialize_on_alignment=["top_k"])
 def _glu_backward_kernel(
     dy_ptr, w_ptr, pre_ptr, scale_ptr, padded_offsets_ptr, block_expert_ptr, sorted_slot_ptr,
     dpre_ptr, hs_ptr, dw_part_ptr,
     num_rows, H, I, num_experts, top_k, pad_m,
     GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRETED: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """dh = dy[token(p)] @ down[e] (the gradient of the unweighted expert output w.r.t. h); then,
     with act recomputed from pre and w the slot's routing weight: d pre = (w dh * up * act'(gate),
     w dh * act(gate)), hs = w * act(gate) * up (the operand of d down), and the partial
     d w = <h, dh> over this tile's columns. Every live row is written, padding rows with zeros:
     the weight gradients reduce over them."""
+    H = _aligned(H, ALIGN)
+    I = _aligned(I, ALIGN)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     live_m = tl.load(padded_offsets_ptr + num_experts) // BLOCK_M
     if TMA:
@@ -408,18 +460,20 @@ def _glu_backward_kernel(
         tl.store(dw_part_ptr + rows.to(tl.int64) * num_pid_n + pid_n, dw, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "M", "N", "num_experts"], do_not_specialize_on_alignment=["top_k"])
 def _weight_grad_kernel(
     a_ptr, b_ptr, padded_offsets_ptr, sorted_slot_ptr, out_ptr,
     num_rows, M, N, num_experts, top_k,
     A_GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRETED: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """out[e] = sum over expert e's padded rows p of A(p)^T B(p), [M, N] per expert.
 
     One operand is gathered by token and the other is in the padded layout: A_GATHER gives
     A(p) = a[token(p)] and B(p) = b[p], else A(p) = a[p] and B(p) = b[token(p)]. The padded
     operand's padding rows must be zero (TMA reads them unmasked)."""
+    M = _aligned(M, ALIGN)
+    N = _aligned(N, ALIGN)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     per_expert = num_pid_m * num_pid_n
@@ -468,10 +522,11 @@ def _weight_grad_kernel(
         tl.store(out_ptrs, _downcast(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "H"], do_not_specialize_on_alignment=["top_k"])
 def _combine_kernel(rows_ptr, slot_pos_ptr, out_ptr, T, H, top_k,
-                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr):
     """out[t] = sum_k rows[slot_pos[t * K + k]], in float32 and in slot order."""
+    H = _aligned(H, ALIGN)
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_ok = ts < T
@@ -494,11 +549,14 @@ def _gelu_flag(activation: str) -> bool:
     return activation == "gelu"
 
 
-def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
+def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` validated, at a 16-byte aligned address: the kernels are compiled for aligned base
+    pointers only (see "Specialisation"), so a view that starts elsewhere is copied."""
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
         raise ValueError(f"{name} must be a {dtype} tensor of shape {tuple(shape)}, got {t.dtype} {tuple(t.shape)}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _check_expert_size(name: str, w_E: torch.Tensor) -> None:
@@ -512,12 +570,12 @@ def _check_float(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
 
 
-def _tma_ready(*tensors: torch.Tensor) -> bool:
-    """Tensor descriptors need 16-byte aligned base addresses and strides (but the last)."""
-    return all(
-        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-        for t in tensors
-    )
+def row_align(dtype: torch.dtype, *sizes: int) -> int:
+    """The ALIGN constexpr of a launch whose row lengths are ``sizes``: the elements in 16 bytes
+    when every size is a multiple of them (rows start 16-byte aligned: vector loads, cp.async and
+    tensor descriptors), else 1."""
+    vector = 16 // torch.empty(0, dtype=dtype).element_size()
+    return vector if all(s % vector == 0 for s in sizes) else 1
 
 
 def _descriptor_scratch(size: int, alignment: int, stream):
@@ -526,16 +584,16 @@ def _descriptor_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _run(kernel, config: Config, tiles: int, device: torch.device, *args, **constexprs) -> None:
+def _run(kernel, config: Config, tiles: int, device: torch.device, *args, **constexprs):
     """Launch ``kernel`` over ``tiles`` tiles: one program per tile, or one per SM when the
-    configuration is persistent."""
+    configuration is persistent. Returns what Triton's launch returns (the compiled kernel, whose
+    registers and spills ``scripts/sweep_configs.py`` records)."""
     grid = (min(tiles, sm_count(device)) if config.persistent else tiles,)
     launch = lambda: kernel[grid](  # noqa: E731
         *args, INTERPRETED=interpreting(), **config.constexprs(), **config.launch_options(), **constexprs
     )
     if not config.tma or interpreting():
-        launch()
-        return
+        return launch()
     # Triton's allocator is a context variable, unset in the autograd engine's threads: set it for
     # this launch only, and give the caller's back.
     from triton.runtime import _allocation
@@ -543,19 +601,20 @@ def _run(kernel, config: Config, tiles: int, device: torch.device, *args, **cons
     previous = _allocation._allocator.get()
     triton.set_allocator(_descriptor_scratch)
     try:
-        launch()
+        return launch()
     finally:
         triton.set_allocator(previous)
 
 
-def _tuned(kernel: str, meta: RoutingMetadata, dtype, device, shapes: tuple, tma_ok: bool, launch):
+def _tuned(kernel: str, meta: RoutingMetadata, dtype, device, shapes: tuple, align: int, launch,
+           gelu: bool = False):
     """Choose ``kernel``'s configuration (timing on first sight of the key) and launch with it:
-    the one place where a configuration is picked."""
+    the one place where a configuration is picked. ``launch(config)`` passes ``align`` as ALIGN."""
     num_rows = meta.slot_pos_N.numel()
     with on_device(device):
         config = autotune.choose(
-            kernel, configs_for(kernel, dtype, arch_family(device), meta.pad_m, tma_ok),
-            shapes=shapes + (meta.pad_m, tma_ok), dtype=dtype, device=device, num_rows=num_rows, launch=launch,
+            kernel, configs_for(kernel, dtype, arch_family(device), meta.pad_m, aligned=align > 1, gelu=gelu),
+            shapes=shapes + (meta.pad_m, align), dtype=dtype, device=device, num_rows=num_rows, launch=launch,
         )
         return launch(config)
 
@@ -572,8 +631,8 @@ def gather_glu(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, meta: RoutingMeta
     T, H = x_TH.shape
     E, two_I, _ = gate_up_E2IH.shape
     I = two_I // 2
-    _check("x_TH", x_TH, (T, H), x_TH.dtype)
-    _check("gate_up_E2IH", gate_up_E2IH, (E, two_I, H), x_TH.dtype)
+    x_TH = _check("x_TH", x_TH, (T, H), x_TH.dtype)
+    gate_up_E2IH = _check("gate_up_E2IH", gate_up_E2IH, (E, two_I, H), x_TH.dtype)
     _check_expert_size("gate_up_E2IH", gate_up_E2IH)
     P = meta.sorted_slot_P.numel()
     h_PI = x_TH.new_empty(P, I)
@@ -584,42 +643,44 @@ def gather_glu(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, meta: RoutingMeta
     def launch(c: Config):
         _run(_gather_glu_kernel, c, _row_tiles(c, P, I), x_TH.device,
              x_TH, gate_up_E2IH, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P, h_PI, pre_P2I,
-             P, H, I, E, top_k, meta.pad_m, GELU=gelu, GROUP_M=GROUP_M)
+             P, H, I, E, top_k, meta.pad_m, GELU=gelu, GROUP_M=GROUP_M, ALIGN=align)
         return h_PI, pre_P2I
 
-    tma_ok = _tma_ready(gate_up_E2IH.view(E, 2, I, H))
-    return _tuned("gather_glu", meta, x_TH.dtype, x_TH.device, (H, I, E, gelu), tma_ok, launch)
+    align = row_align(x_TH.dtype, H, I)
+    return _tuned("gather_glu", meta, x_TH.dtype, x_TH.device, (H, I, E, gelu), align, launch, gelu)
 
 
-def rows_matmul(a_PK: torch.Tensor, w_E: torch.Tensor, meta: RoutingMetadata, *, w_layout: str,
+def rows_matmul(a_PD: torch.Tensor, w_E: torch.Tensor, meta: RoutingMetadata, *, w_layout: str,
                 scale_N: torch.Tensor | None = None) -> torch.Tensor:
     """Per padded row p of expert e: ``w[e] @ a[p]`` for ``w_layout="nk"`` (w_E is [E, n_out, k])
     or ``a[p] @ w[e]`` for ``"kn"`` (w_E is [E, k, n_out]); times ``scale_N[slot(p)]`` if given."""
-    _check_float("a_PK", a_PK)
+    _check_float("a_PD", a_PD)
     if w_layout not in ("nk", "kn"):
         raise ValueError(f"w_layout must be 'nk' or 'kn', got {w_layout!r}")
-    P, k_red = a_PK.shape
+    P, k_red = a_PD.shape
     E = w_E.shape[0]
     n_out = w_E.shape[1] if w_layout == "nk" else w_E.shape[2]
-    _check("a_PK", a_PK, (meta.sorted_slot_P.numel(), k_red), a_PK.dtype)
-    _check("w_E", w_E, (E, n_out, k_red) if w_layout == "nk" else (E, k_red, n_out), a_PK.dtype)
+    a_PD = _check("a_PD", a_PD, (meta.sorted_slot_P.numel(), k_red), a_PD.dtype)
+    w_E = _check("w_E", w_E, (E, n_out, k_red) if w_layout == "nk" else (E, k_red, n_out), a_PD.dtype)
     _check_expert_size("w_E", w_E)
     if scale_N is not None:
-        _check("scale_N", scale_N, (meta.slot_pos_N.numel(),), torch.float32)
-    out_PN = a_PK.new_empty(P, n_out)
+        scale_N = _check("scale_N", scale_N, (meta.slot_pos_N.numel(),), torch.float32)
+    out_PF = a_PD.new_empty(P, n_out)
     if P == 0:
-        return out_PN
+        return out_PF
     # The pointer is never read without SCALE; any float32 tensor keeps the signature fixed.
-    scale = scale_N if scale_N is not None else a_PK.new_empty(0, dtype=torch.float32)
+    scale = scale_N if scale_N is not None else a_PD.new_empty(0, dtype=torch.float32)
 
     def launch(c: Config):
-        _run(_rows_matmul_kernel, c, _row_tiles(c, P, n_out), a_PK.device,
-             a_PK, w_E, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P, scale, out_PN,
-             P, n_out, k_red, E, meta.pad_m, W_NK=w_layout == "nk", SCALE=scale_N is not None, GROUP_M=GROUP_M)
-        return out_PN
+        _run(_rows_matmul_kernel, c, _row_tiles(c, P, n_out), a_PD.device,
+             a_PD, w_E, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P, scale, out_PF,
+             P, n_out, k_red, E, meta.pad_m, W_NK=w_layout == "nk", SCALE=scale_N is not None, GROUP_M=GROUP_M,
+             ALIGN=align)
+        return out_PF
 
     shapes = (n_out, k_red, E, w_layout, scale_N is not None)
-    return _tuned("rows_matmul", meta, a_PK.dtype, a_PK.device, shapes, _tma_ready(a_PK, w_E), launch)
+    align = row_align(a_PD.dtype, n_out, k_red)
+    return _tuned("rows_matmul", meta, a_PD.dtype, a_PD.device, shapes, align, launch)
 
 
 def glu_backward(dy_TH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Tensor, w_N: torch.Tensor,
@@ -634,11 +695,11 @@ def glu_backward(dy_TH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Ten
     E, _, I = down_EHI.shape
     P = meta.sorted_slot_P.numel()
     N = meta.slot_pos_N.numel()
-    _check("dy_TH", dy_TH, (T, H), dy_TH.dtype)
-    _check("down_EHI", down_EHI, (E, H, I), dy_TH.dtype)
+    dy_TH = _check("dy_TH", dy_TH, (T, H), dy_TH.dtype)
+    down_EHI = _check("down_EHI", down_EHI, (E, H, I), dy_TH.dtype)
     _check_expert_size("down_EHI", down_EHI)
-    _check("pre_P2I", pre_P2I, (P, 2 * I), dy_TH.dtype)
-    _check("w_N", w_N, (N,), torch.float32)
+    pre_P2I = _check("pre_P2I", pre_P2I, (P, 2 * I), dy_TH.dtype)
+    w_N = _check("w_N", w_N, (N,), torch.float32)
     dpre_P2I = torch.empty_like(pre_P2I)
     hs_PI = pre_P2I.new_empty(P, I)
     if P == 0:
@@ -649,32 +710,33 @@ def glu_backward(dy_TH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Ten
         dw_part = w_N.new_empty(P, triton.cdiv(I, c.BLOCK_N))
         _run(_glu_backward_kernel, c, _row_tiles(c, P, I), dy_TH.device,
              dy_TH, down_EHI, pre_P2I, w_N, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P,
-             dpre_P2I, hs_PI, dw_part, P, H, I, E, top_k, meta.pad_m, GELU=gelu, GROUP_M=GROUP_M)
+             dpre_P2I, hs_PI, dw_part, P, H, I, E, top_k, meta.pad_m, GELU=gelu, GROUP_M=GROUP_M, ALIGN=align)
         return dw_part
 
-    dw_part = _tuned("glu_backward", meta, dy_TH.dtype, dy_TH.device, (H, I, E, gelu), _tma_ready(down_EHI), launch)
+    align = row_align(dy_TH.dtype, H, I)
+    dw_part = _tuned("glu_backward", meta, dy_TH.dtype, dy_TH.device, (H, I, E, gelu), align, launch, gelu)
     # Padding rows of dw_part are never written; only the slots' own rows are read.
     dw_N = dw_part.index_select(0, meta.slot_pos_N).sum(1)
     return dpre_P2I, dw_N, hs_PI
 
 
-def _weight_grad(a, b, meta: RoutingMetadata, out_EMN, top_k: int, *, a_gather: bool):
+def _weight_grad(a, b, meta: RoutingMetadata, out_EFD, top_k: int, *, a_gather: bool):
     """out[e] = sum over e's padded rows of A^T B, one operand gathered by token (``a`` when
     ``a_gather``), the other in the padded layout with zero padding rows."""
-    E, M, N = out_EMN.shape
+    E, F, D = out_EFD.shape
     P = meta.sorted_slot_P.numel()
     if P == 0:
-        return out_EMN.zero_()
+        return out_EFD.zero_()
 
     def launch(c: Config):
-        tiles = E * triton.cdiv(M, c.BLOCK_M) * triton.cdiv(N, c.BLOCK_N)
-        _run(_weight_grad_kernel, c, tiles, out_EMN.device,
-             a, b, meta.padded_offsets_E1, meta.sorted_slot_P, out_EMN, P, M, N, E, top_k,
-             A_GATHER=a_gather, GROUP_M=GROUP_M)
-        return out_EMN
+        tiles = E * triton.cdiv(F, c.BLOCK_M) * triton.cdiv(D, c.BLOCK_N)
+        _run(_weight_grad_kernel, c, tiles, out_EFD.device,
+             a, b, meta.padded_offsets_E1, meta.sorted_slot_P, out_EFD, P, F, D, E, top_k,
+             A_GATHER=a_gather, GROUP_M=GROUP_M, ALIGN=align)
+        return out_EFD
 
-    tma_ok = _tma_ready(b if a_gather else a)
-    return _tuned("weight_grad", meta, out_EMN.dtype, out_EMN.device, (M, N, E, a_gather), tma_ok, launch)
+    align = row_align(out_EFD.dtype, F, D)
+    return _tuned("weight_grad", meta, out_EFD.dtype, out_EFD.device, (F, D, E, a_gather), align, launch)
 
 
 def down_weight_grad(dy_TH: torch.Tensor, hs_PI: torch.Tensor, meta: RoutingMetadata, top_k: int) -> torch.Tensor:
@@ -683,8 +745,8 @@ def down_weight_grad(dy_TH: torch.Tensor, hs_PI: torch.Tensor, meta: RoutingMeta
     T, H = dy_TH.shape
     P, I = hs_PI.shape
     E = meta.counts_E.numel()
-    _check("dy_TH", dy_TH, (T, H), dy_TH.dtype)
-    _check("hs_PI", hs_PI, (meta.sorted_slot_P.numel(), I), dy_TH.dtype)
+    dy_TH = _check("dy_TH", dy_TH, (T, H), dy_TH.dtype)
+    hs_PI = _check("hs_PI", hs_PI, (meta.sorted_slot_P.numel(), I), dy_TH.dtype)
     return _weight_grad(dy_TH, hs_PI, meta, dy_TH.new_empty(E, H, I), top_k, a_gather=True)
 
 
@@ -695,8 +757,8 @@ def gate_up_weight_grad(dpre_P2I: torch.Tensor, x_TH: torch.Tensor, meta: Routin
     T, H = x_TH.shape
     P, two_I = dpre_P2I.shape
     E = meta.counts_E.numel()
-    _check("x_TH", x_TH, (T, H), x_TH.dtype)
-    _check("dpre_P2I", dpre_P2I, (meta.sorted_slot_P.numel(), two_I), x_TH.dtype)
+    x_TH = _check("x_TH", x_TH, (T, H), x_TH.dtype)
+    dpre_P2I = _check("dpre_P2I", dpre_P2I, (meta.sorted_slot_P.numel(), two_I), x_TH.dtype)
     return _weight_grad(dpre_P2I, x_TH, meta, x_TH.new_empty(E, two_I, H), top_k, a_gather=False)
 
 
@@ -704,7 +766,7 @@ def combine(rows_PH: torch.Tensor, meta: RoutingMetadata, num_tokens: int, top_k
     """y[t] = sum_k rows[padded row of slot t * K + k], summed in float32 in slot order."""
     _check_float("rows_PH", rows_PH)
     P, H = rows_PH.shape
-    _check("rows_PH", rows_PH, (meta.sorted_slot_P.numel(), H), rows_PH.dtype)
+    rows_PH = _check("rows_PH", rows_PH, (meta.sorted_slot_P.numel(), H), rows_PH.dtype)
     if meta.slot_pos_N.numel() != num_tokens * top_k:
         raise ValueError(
             f"metadata holds {meta.slot_pos_N.numel()} slots, expected num_tokens * top_k = {num_tokens * top_k}"
@@ -716,7 +778,8 @@ def combine(rows_PH: torch.Tensor, meta: RoutingMetadata, num_tokens: int, top_k
     with on_device(rows_PH.device):
         _combine_kernel[grid](
             rows_PH, meta.slot_pos_N, y_TH, num_tokens, H, top_k,
-            BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H, INTERPRETED=interpreting(), num_warps=COMBINE_WARPS,
+            BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H, ALIGN=row_align(rows_PH.dtype, H),
+            INTERPRETED=interpreting(), num_warps=COMBINE_WARPS,
         )
     return y_TH
 
@@ -724,14 +787,14 @@ def combine(rows_PH: torch.Tensor, meta: RoutingMetadata, num_tokens: int, top_k
 # ----------------------------------------------------------------------------------------------
 # Ahead-of-time compile list
 
-# The reference shapes of the AOT check (Mixtral-8x7B: H 4096, I 14336, 8 experts, top-2) and a
-# variant whose sizes are not multiples of 16 (but of 8, so TMA stays eligible), which Triton's
-# JIT compiles without divisibility hints.
-_SIZES = {"aligned": (MIXTRAL.H, MIXTRAL.I), "unaligned": (MIXTRAL.H + 8, MIXTRAL.I + 8)}
+# The reference shapes of the AOT check (Mixtral-8x7B: H 4096, I 14336, 8 experts, top-2) and
+# odd sizes, whose rows are not 16-byte aligned in any dtype (``row_align`` 1). The sizes are not
+# specialised (only ALIGN is), so these two stand for every size of their class.
+_SIZES = {"aligned": (MIXTRAL.H, MIXTRAL.I), "unaligned": (MIXTRAL.H + 1, MIXTRAL.I + 1)}
 # (sizes, top_k, activation) of each specialisation: top-k 1 becomes a constant in the JIT's
-# specialisation and GeGLU is another epilogue; the size variant is compiled with top-2 SwiGLU.
-_VARIANTS = [("aligned", 2, "silu"), ("aligned", 2, "gelu"), ("aligned", 1, "silu"), ("aligned", 1, "gelu"),
-             ("unaligned", 2, "silu")]
+# specialisation and GeGLU is another epilogue. The quick check (CI) takes top-2 SwiGLU and top-1
+# GeGLU of the kernels with an activation.
+_VARIANTS = [(sizes, top_k, activation) for sizes in _SIZES for top_k in (2, 1) for activation in ACTIVATIONS]
 # The static cost model's description of each launch (cost.Gemm), by kernel and role.
 COSTS = {
     "gather_glu": ("fwd gemm1 (gather, gate_up, act)", cost.Gemm("rows", n=MIXTRAL.I, k=MIXTRAL.H, b_panels=2,
@@ -745,19 +808,25 @@ COSTS = {
 }
 
 
-def _gemm_launches(kernel: str, ty: str, dtype, H: int, I: int, top_k: int, gelu: bool, P: int) -> list:
+def _gemm_launches(kernel: str, dtype, H: int, I: int, top_k: int, gelu: bool, P: int) -> list:
     """(role, args, constexprs) of each launch of ``kernel``, as its launcher passes them."""
     E = MIXTRAL.E
     x, i32, f32 = pointer(dtype), pointer(torch.int32), pointer(torch.float32)
     if kernel == "gather_glu":
-        return [("gather_glu", (x, x, i32, i32, i32, x, x, P, H, I, E, top_k, 128), {"GELU": gelu})]
+        return [("gather_glu", (x, x, i32, i32, i32, x, x, P, H, I, E, top_k, 128),
+                 {"GELU": gelu, "ALIGN": row_align(dtype, H, I)})]
     if kernel == "rows_matmul":
-        return [("rows_matmul_nk_scaled", (x, x, i32, i32, i32, f32, x, P, H, I, E, 128), {"W_NK": True, "SCALE": True}),
-                ("rows_matmul_kn", (x, x, i32, i32, i32, f32, x, P, H, 2 * I, E, 128), {"W_NK": False, "SCALE": False})]
+        return [("rows_matmul_nk_scaled", (x, x, i32, i32, i32, f32, x, P, H, I, E, 128),
+                 {"W_NK": True, "SCALE": True, "ALIGN": row_align(dtype, H, I)}),
+                ("rows_matmul_kn", (x, x, i32, i32, i32, f32, x, P, H, 2 * I, E, 128),
+                 {"W_NK": False, "SCALE": False, "ALIGN": row_align(dtype, H, 2 * I)})]
     if kernel == "glu_backward":
-        return [("glu_backward", (x, x, x, f32, i32, i32, i32, x, x, f32, P, H, I, E, top_k, 128), {"GELU": gelu})]
-    return [("weight_grad_down", (x, x, i32, i32, x, P, H, I, E, top_k), {"A_GATHER": True}),
-            ("weight_grad_gate_up", (x, x, i32, i32, x, P, 2 * I, H, E, top_k), {"A_GATHER": False})]
+        return [("glu_backward", (x, x, x, f32, i32, i32, i32, x, x, f32, P, H, I, E, top_k, 128),
+                 {"GELU": gelu, "ALIGN": row_align(dtype, H, I)})]
+    return [("weight_grad_down", (x, x, i32, i32, x, P, H, I, E, top_k),
+             {"A_GATHER": True, "ALIGN": row_align(dtype, H, I)}),
+            ("weight_grad_gate_up", (x, x, i32, i32, x, P, 2 * I, H, E, top_k),
+             {"A_GATHER": False, "ALIGN": row_align(dtype, 2 * I, H)})]
 
 
 _KERNEL_FNS = {"gather_glu": _gather_glu_kernel, "rows_matmul": _rows_matmul_kernel,
@@ -766,26 +835,28 @@ _KERNEL_FNS = {"gather_glu": _gather_glu_kernel, "rows_matmul": _rows_matmul_ker
 
 def aot_specs() -> list[KernelSpec]:
     """Every (kernel, dtype, configuration, specialisation) the launchers above may launch on a
-    GPU, in each architecture family's space."""
+    GPU, in each architecture family's space: what ``configs_for`` gives each alignment class."""
     specs = []
     for family in CONFIGS:
         for dtype, ty in TRITON_TYPES.items():
             # IEEE float32 dot products run on FMAs: only the half types must reach tensor cores.
             on_tensor_cores = dtype in _HALF
             for kernel in GEMM_KERNELS:
-                for rank, c in enumerate(configs_for(kernel, dtype, family)):
-                    uses_activation = kernel in ("gather_glu", "glu_backward")
-                    seen = set()
-                    for sizes, top_k, activation in _VARIANTS:
-                        # Kernels that take no activation or top-k compile each size variant once.
-                        key = (sizes, top_k if kernel != "rows_matmul" else 0, activation if uses_activation else "")
-                        if key in seen:
-                            continue
-                        seen.add(key)
-                        H, I = _SIZES[sizes]
-                        P = padded_rows(MIXTRAL.T * top_k, MIXTRAL.E, 128)
-                        for role, args, flags in _gemm_launches(kernel, ty, dtype, H, I, top_k, activation == "gelu", P):
-                            tag = "_".join(str(v) for v in key if v != "")
+                uses_activation = kernel in ("gather_glu", "glu_backward")
+                seen = set()
+                for sizes, top_k, activation in _VARIANTS:
+                    # Kernels that take no activation or top-k compile each size class once.
+                    key = (sizes, top_k if kernel != "rows_matmul" else 0, activation if uses_activation else "")
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    H, I = _SIZES[sizes]
+                    tag = "_".join(str(v) for v in key if v != "")
+                    P = padded_rows(MIXTRAL.T * top_k, MIXTRAL.E, 128)
+                    configs = configs_for(kernel, dtype, family, aligned=sizes == "aligned",
+                                          gelu=uses_activation and activation == "gelu")
+                    for rank, c in enumerate(configs):
+                        for role, args, flags in _gemm_launches(kernel, dtype, H, I, top_k, activation == "gelu", P):
                             reference = (ty == "bf16" and key == ("aligned", 2, "silu" if uses_activation else "")
                                          or ty == "bf16" and kernel == "rows_matmul" and key == ("aligned", 0, ""))
                             specs.append(KernelSpec(
@@ -793,16 +864,19 @@ def aot_specs() -> list[KernelSpec]:
                                 constexprs={**flags, **c.constexprs(), "GROUP_M": GROUP_M, "INTERPRETED": False},
                                 uses_dot=on_tensor_cores, tma=c.tma, archs=FAMILY_ARCHS[family], rank=rank,
                                 cost=(family, rank, *COSTS[role], c.persistent) if reference else None,
+                                quick=not uses_activation or (top_k == 1) == (activation == "gelu"),
                                 **c.launch_options(),
                             ))
     for dtype, ty in TRITON_TYPES.items():
-        for sizes, top_k in (("aligned", 2), ("aligned", 1), ("unaligned", 2)):
-            H = _SIZES[sizes][0]
-            x = pointer(dtype)
-            specs.append(KernelSpec(
-                name=f"combine_{ty}_{sizes}_k{top_k}", fn=_combine_kernel,
-                args=(x, pointer(torch.int32), x, MIXTRAL.T, H, top_k),
-                constexprs={"BLOCK_T": COMBINE_BLOCK_T, "BLOCK_H": COMBINE_BLOCK_H, "INTERPRETED": False},
-                num_warps=COMBINE_WARPS,
-            ))
+        for sizes in _SIZES:
+            for top_k in (2, 1):
+                H = _SIZES[sizes][0]
+                x = pointer(dtype)
+                specs.append(KernelSpec(
+                    name=f"combine_{ty}_{sizes}_k{top_k}", fn=_combine_kernel,
+                    args=(x, pointer(torch.int32), x, MIXTRAL.T, H, top_k),
+                    constexprs={"BLOCK_T": COMBINE_BLOCK_T, "BLOCK_H": COMBINE_BLOCK_H, "ALIGN": row_align(dtype, H),
+                                "INTERPRETED": False},
+                    num_warps=COMBINE_WARPS,
+                ))
     return specs

@@ -50,7 +50,9 @@ def padded_rows(num_slots: int, num_experts: int, pad_m: int) -> int:
     return (triton.cdiv(num_slots, pad_m) + num_experts) * pad_m
 
 
-@triton.jit
+# Counts are not specialised: one compiled variant serves every token and expert count (the one the
+# AOT check compiles), instead of one per count that is 1 or a multiple of 16.
+@triton.jit(do_not_specialize=["num_slots", "num_experts"])
 def _histogram_kernel(idx_ptr, chunk_counts_ptr, num_slots, num_experts,
                       CHUNK: tl.constexpr, E_TILE: tl.constexpr):
     chunk = tl.program_id(0)
@@ -62,7 +64,7 @@ def _histogram_kernel(idx_ptr, chunk_counts_ptr, num_slots, num_experts,
         tl.store(chunk_counts_ptr + chunk * num_experts + ids, tl.sum(hits, axis=0), mask=ids < num_experts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "num_experts", "pad_m", "num_blocks"])
 def _scan_kernel(chunk_counts_ptr, chunk_base_ptr, counts_ptr, padded_offsets_ptr, block_expert_ptr,
                  num_chunks, num_experts, pad_m, num_blocks,
                  C_TILE: tl.constexpr, E_TILE: tl.constexpr, B_TILE: tl.constexpr):
@@ -101,7 +103,7 @@ def _scan_kernel(chunk_counts_ptr, chunk_base_ptr, counts_ptr, padded_offsets_pt
         tl.store(block_expert_ptr + blocks, owner, mask=blocks < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_experts"])
 def _scatter_kernel(idx_ptr, chunk_base_ptr, padded_offsets_ptr, sorted_slot_ptr, slot_pos_ptr,
                     num_slots, num_experts, CHUNK: tl.constexpr, E_TILE: tl.constexpr):
     chunk = tl.program_id(0)

@@ -5,24 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
 EXIT_IMPOSSIBLE = 2
-
-
-def _load_model(value: str):
-    """A name from MODEL_NAMES, or a local config.json / model folder (never downloaded)."""
-    from .planner import MODEL_NAMES
-
-    if value in MODEL_NAMES:
-        return value
-    if os.path.exists(value):
-        from transformers import AutoConfig
-
-        # A file path loads that file; a folder its config.json.
-        return AutoConfig.from_pretrained(value, local_files_only=True)
-    raise ValueError(f"--model must be one of {MODEL_NAMES} or a local config.json or model folder, got {value!r}")
 
 
 def _bounded(name: str):
@@ -115,7 +100,7 @@ def _run_plan(args) -> int:
         startup_imbalance=args.startup_imbalance, min_headroom=args.min_headroom, speed_margin=args.speed_margin,
     )
     result = plan(
-        _load_model(args.model),
+        args.model,
         nodes=args.nodes,
         cluster=args.cluster,
         seq_len=args.seq_len,

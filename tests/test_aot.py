@@ -21,26 +21,40 @@ def run_python(args, timeout=900):
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_first_configurations_compile_for_sm80_and_sm90(tmp_path):
-    """Every kernel's first configuration (the one launched without timing) in every family, in
-    bfloat16 and float32, with every specialisation: the full sweep over every configuration and
-    dtype is ``python -m moe_ep.kernels.aot`` (committed under benchmarks/results/)."""
+def test_quick_check_compiles_every_kernel_for_sm80_and_sm90(tmp_path):
+    """The quick check: every kernel's first configuration (the one launched without timing) in
+    every family, for aligned and unaligned rows, in bfloat16 and float32, top-2 SwiGLU and top-1
+    GeGLU: TMA on sm_90, cp.async on sm_80, element-wise loads for unaligned rows; the routers and
+    the routing metadata. The full sweep over every configuration, dtype and specialisation is
+    ``python -m moe_ep.kernels.aot`` (committed under benchmarks/results/)."""
     report = tmp_path / "aot.json"
-    proc = run_python(["-m", "moe_ep.kernels.aot", "--first-config", "--dtype", "bf16", "fp32",
-                       "--json", str(report)])
+    proc = run_python(["-m", "moe_ep.kernels.aot", "--quick", "--dtype", "bf16", "fp32", "--json", str(report)])
     data = json.loads(report.read_text())
-    rows = [r for r in data["rows"] if "unaligned" not in r["kernel"]]
+    rows = data["rows"]
     bad = [(r["kernel"], r["arch"], r["problem"]) for r in rows if not r["ok"]]
     assert not bad, bad
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for kernel in ("gather_glu", "rows_matmul_nk_scaled", "rows_matmul_kn", "glu_backward", "weight_grad_down",
+                   "weight_grad_gate_up"):
+        for ty in ("bf16", "fp32"):
+            for arch in (80, 90):
+                mine = [r for r in rows if r["kernel"].startswith(f"{kernel}_{ty}_") and r["arch"] == arch]
+                assert any("_aligned" in r["kernel"] for r in mine), (kernel, ty, arch)
+                unaligned = [r for r in mine if "_unaligned" in r["kernel"]]
+                assert unaligned and all(r["load_path"] in ("ld.global", "cp.async") for r in unaligned), unaligned
+            if ty == "bf16":
+                assert any(r["kernel"].startswith(f"{kernel}_bf16_sm_90_") and r["load_path"].startswith("TMA")
+                           for r in rows), kernel
     specs, failures = aot.discover()
     assert not failures
     assert {m for m, _ in specs} >= {"router", "grouped_gemm", "routing_metadata"}
+    assert {r["module"] for r in rows} == {m for m, _ in specs}
     for module in {m for m, _ in specs}:
         names = [s.name for m, s in specs if m == module]
         assert len(names) == len(set(names)), f"{module}: spec names must be unique"
     compiled = {(r["module"], r["kernel"], r["arch"]) for r in data["rows"]}
     for module, spec in specs:
-        if spec.rank == 0 and any(f"_{d}_" in f"_{spec.name}_" for d in ("bf16", "fp32")):
+        if spec.rank == 0 and spec.quick and aot.names_dtype(spec.name, ("bf16", "fp32")):
             for arch in spec.archs:
                 assert (module, spec.name, arch) in compiled, f"{module} {spec.name} missing for sm_{arch}"
     by_name = {(m, s.name): s for m, s in specs}
@@ -50,27 +64,53 @@ def test_first_configurations_compile_for_sm80_and_sm90(tmp_path):
     assert tma and all(r["arch"] == 90 and "TMA" in r["load_path"] for r in tma)
     for arch in ("sm_80", "sm_90"):
         est = data["estimates"][arch]
-        assert est["triton"]["ms"] > 0 and est["dense"]["ms"] > 0 and est["grouped_mm"]["ms"] > 0
+        for path in ("triton", "dense", "grouped_mm"):
+            # The expected time is never below the roofline bound.
+            assert 0 < est[path]["roofline_ms"] <= est[path]["expected_ms"], (arch, path, est[path])
+        for step in est["triton"]["steps"]:
+            assert step["roofline_ms"] <= step["expected_ms"], step
     assert "kernel / config" in proc.stdout and "sm_80" in proc.stdout and "sm_90" in proc.stdout
-    assert "dense / triton" in proc.stdout
+    assert "expected dense / triton" in proc.stdout and "bound    dense / triton" in proc.stdout
 
 
-def test_jit_specialisation_of_integer_arguments(tmp_path):
-    """top_k = 1 becomes a constant and other small counts get no divisibility hint, as in the JIT
-    (in a process without the interpreter, which replaces the jit functions)."""
+def test_jit_specialisation_is_what_the_aot_check_compiles(tmp_path):
+    """Sizes and counts are not specialised (one variant per size class, chosen by ALIGN), top_k = 1
+    is a constant: launches at any other sizes of a class bind to the very compile key of the
+    spec the check compiles (in a process without the interpreter, which replaces jit functions)."""
     (tmp_path / "check.py").write_text(textwrap.dedent('''
+        import dataclasses
+        import torch
         from moe_ep.kernels import aot
         from moe_ep.kernels import grouped_gemm as gg
 
         specs = {s.name: s for s in gg.aot_specs()}
         params = [p.name for p in gg._gather_glu_kernel.params]
         for top_k, expect in ((1, "constexpr"), (2, "i32")):
-            spec = next(s for n, s in specs.items()
-                        if n.startswith("gather_glu_bf16_sm_90") and n.endswith(f"_aligned_{top_k}_silu"))
+            spec = specs[f"gather_glu_bf16_sm_90_{gg.configs_for('gather_glu', torch.bfloat16, 'sm_90')[0]}"
+                         f"_aligned_{top_k}_silu"]
             signature, constexprs, attrs, _ = aot.specialise(spec, 90)
             assert signature["top_k"] == expect, signature
-            assert attrs[(params.index("H"),)] == [["tt.divisibility", 16]], attrs
-            assert not attrs.get((params.index("num_experts"),)), attrs
+            assert constexprs[(params.index("ALIGN"),)] == 8, constexprs
+            for name in ("H", "I", "num_experts", "num_rows", "pad_m"):
+                assert signature[name] == "i32" and not attrs.get((params.index(name),)), (name, attrs)
+        # Other sizes of each class, other expert counts and padding: the same compile key as the
+        # spec (16 and 1 are sizes the JIT would otherwise specialise).
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+        for kind, sizes in (("aligned", [(16, 8), (4096 + 16, 1024 + 8), (8, 16)]),
+                            ("unaligned", [(1, 1), (17, 33), (4096, 14337)])):
+            H0, I0 = gg._SIZES[kind]
+            for H, I in sizes:
+                swap = {H0: H, I0: I, 2 * I0: 2 * I, gg.MIXTRAL.E: 64, 128: 64}
+                for name, spec in specs.items():
+                    if not name.endswith((f"_{kind}_2_silu", f"_{kind}_2", f"_{kind}_0")) or "_sm_80_" not in name:
+                        continue
+                    dtype = next(d for t, d in dtypes.items() if f"_{t}_" in name)
+                    if gg.row_align(dtype, H, I) != spec.constexprs["ALIGN"]:
+                        continue  # e.g. (8, 16) is unaligned in float32
+                    args = tuple(swap.get(a, a) if isinstance(a, int) else a for a in spec.args)
+                    assert args != spec.args
+                    other = dataclasses.replace(spec, args=args)
+                    assert aot.compile_key(other, 80) == aot.compile_key(spec, 80), (name, H, I)
         print("ok")
     '''))
     proc = run_python([str(tmp_path / "check.py")], timeout=300)

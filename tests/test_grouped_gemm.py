@@ -34,8 +34,13 @@ def test_aot_specs_cover_every_launchable_config():
     for family in gg.CONFIGS:
         for kernel in gg.GEMM_KERNELS:
             for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
-                for c in gg.configs_for(kernel, dtype, family):
-                    assert any(n.startswith(kernel) and f"_{ty}_{family}_{c}_" in n for n in names), (kernel, ty, c)
+                for aligned in (True, False):
+                    for gelu in (False, True):
+                        for c in gg.configs_for(kernel, dtype, family, aligned=aligned, gelu=gelu):
+                            # GELU only changes the spaces of the kernels that take an activation.
+                            suffix = "_gelu" if gelu and kernel in ("gather_glu", "glu_backward") else ""
+                            assert any(n.startswith(kernel) and f"_{ty}_{family}_{c}_{'' if aligned else 'un'}aligned" in n
+                                       and n.endswith(suffix) for n in names), (kernel, ty, c, aligned, gelu)
     for family in gg.CONFIGS:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for pad_m in (64, 128):

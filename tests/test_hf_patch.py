@@ -419,7 +419,7 @@ def test_foreign_router_forward_is_refused():
 
 def test_bad_arguments_are_named():
     model = tiny_model("olmoe")
-    with pytest.raises(ValueError, match=r"backend must be one of \('triton', 'torch'\) or None, got 'cuda'"):
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'triton', 'torch'\) or None, got 'cuda'"):
         hf.patch(model, backend="cuda")
     with pytest.raises(TypeError, match="fused_router must be a bool, got str"):
         hf.patch(model, fused_router="yes")

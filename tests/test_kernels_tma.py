@@ -27,9 +27,13 @@ ALIGNED = [
 ]
 
 
+def _spaces(aligned: list, unaligned: list) -> dict:
+    space = {"half": aligned, "fp32": aligned, "half_unaligned": unaligned, "fp32_unaligned": unaligned}
+    return {k: space for k in gg.GEMM_KERNELS}
+
+
 def _small(tma: bool, persistent: bool) -> dict:
-    tile = [Config(32, 16, 16, 4, 2, tma=tma, persistent=persistent)]
-    return {k: {"half": tile, "fp32": tile} for k in gg.GEMM_KERNELS}
+    return _spaces([Config(32, 16, 16, 4, 2, tma=tma, persistent=persistent)], [Config(32, 16, 16, 4, 2)])
 
 
 @pytest.fixture
@@ -76,25 +80,54 @@ def test_gelu_fp16_and_determinism(variant):
 
 @pytest.mark.parametrize("case", [ALIGNED[0], CASES[1]], ids=lambda c: c.name)
 def test_descriptors_only_where_rows_are_16_byte_aligned(case, monkeypatch):
-    """Rows of 17 or 9 bf16 elements cannot be described: the launchers take the pointer-load
-    configuration of the space instead, and the results still match."""
-    tile = Config(32, 16, 16, 4, 2)
-    space = [Config(32, 16, 16, 4, 2, tma=True, persistent=True), tile]
-    monkeypatch.setitem(gg.CONFIGS, "default", {k: {"half": space, "fp32": space} for k in gg.GEMM_KERNELS})
+    """Rows of 17 or 9 bf16 elements cannot be described: the launchers choose from the unaligned
+    space (ALIGN 1) instead, and the results still match."""
+    monkeypatch.setitem(gg.CONFIGS, "default", _spaces([Config(32, 16, 16, 4, 2, tma=True, persistent=True)],
+                                                       [Config(32, 16, 16, 4, 2)]))
     autotune.clear_cache()
     check(case, torch.bfloat16)
     aligned = case in ALIGNED
     chosen = autotune.chosen_configs()
     assert chosen and all(c.tma == aligned for c in chosen.values()), chosen
+    # The alignment is part of each key: it selects the space and the kernels' ALIGN.
+    assert all(key[1][-1] == (8 if aligned else 1) for key in chosen), list(chosen)
     autotune.clear_cache()
 
 
-def test_every_space_has_a_pointer_load_fallback_for_every_pad_m():
+def test_row_align():
+    assert gg.row_align(torch.bfloat16, 4096, 14336) == 8 and gg.row_align(torch.float32, 4096, 12) == 4
+    assert gg.row_align(torch.bfloat16, 4096, 14340) == 1 and gg.row_align(torch.float32, 4097) == 1
+
+
+def test_every_space_has_a_pointer_load_configuration_for_every_pad_m():
     for family in gg.CONFIGS:
         for kernel in gg.GEMM_KERNELS:
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
                 for pad_m in (64, 128):
-                    assert gg.configs_for(kernel, dtype, family, pad_m, tma_ok=False), (family, kernel, dtype, pad_m)
+                    unaligned = gg.configs_for(kernel, dtype, family, pad_m, aligned=False)
+                    assert unaligned and not any(c.tma for c in unaligned), (family, kernel, dtype, pad_m)
+                    assert gg.configs_for(kernel, dtype, family, pad_m), (family, kernel, dtype, pad_m)
+
+
+def test_operands_at_unaligned_addresses_are_copied_not_misread(monkeypatch):
+    """The kernels are compiled for 16-byte aligned base pointers: the launchers pass an aligned
+    copy of a view that starts one element into its storage, with the same results."""
+    monkeypatch.setitem(gg.CONFIGS, "default", _small(True, True))
+    autotune.clear_cache()
+    case = ALIGNED[0]
+    x, idx, w, gate_up, down = case.make(torch.bfloat16, device=DEVICE)
+    meta = routing_metadata(idx, case.E, 64)
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype, device=DEVICE)[1:].view_as(x).copy_(x)
+    assert shifted.data_ptr() % 16 != 0 and shifted.is_contiguous()
+    # (The interpreter reads any address: what the compiled kernels need is the launcher's copy.)
+    passed = gg._check("x_TH", shifted, x.shape, x.dtype)
+    assert passed.data_ptr() % 16 == 0 and torch.equal(passed, shifted)
+    assert gg._check("x_TH", x, x.shape, x.dtype) is x
+    h, pre = gg.gather_glu(x, gate_up, meta, case.K, "silu")
+    h_shifted, pre_shifted = gg.gather_glu(shifted, gate_up, meta, case.K, "silu")
+    live = int(meta.padded_offsets_E1[-1])  # host sync: test only; h past the live rows is never written
+    assert torch.equal(h[:live], h_shifted[:live]) and torch.equal(pre, pre_shifted)
+    autotune.clear_cache()
 
 
 def test_padding_rows_of_backward_intermediates_are_zero():

@@ -91,7 +91,7 @@ def test_bias_update_of_several_layers_balances_each_on_its_own():
          r"router_logits\[1\] must have the shape of router_logits\[0\]"),
         (lambda: load_balancing_loss([torch.zeros(4, 6, dtype=torch.long)], 2), TypeError, "must be a float tensor"),
         (lambda: update_expert_bias_(torch.zeros(4), torch.zeros(3), rate=0.1), ValueError, "counts must have the shape of bias"),
-        (lambda: update_expert_bias_(torch.zeros(4), torch.zeros(4), rate=-1), ValueError, "rate must be a non-negative number"),
+        (lambda: update_expert_bias_(torch.zeros(4), torch.zeros(4), rate=-1), ValueError, "rate must be a finite number >= 0, got -1"),
         (lambda: update_expert_bias_([torch.zeros(4)] * 2, [torch.zeros(4)], rate=0.1), ValueError,
          r"counts must give one tensor per bias \(2\), got 1"),
         (lambda: update_expert_bias_([torch.zeros(4), torch.zeros(4)], [torch.zeros(4), torch.zeros(3)], rate=0.1),

@@ -393,11 +393,113 @@ def _errors(rank, world) -> dict:
     return messages
 
 
+@dataclass(frozen=True)
+class Disagreement:
+    """Rank r builds a Mixtral model with ``models[r]`` overrides in ``dtypes[r]`` and calls
+    ``parallelize(model, **arguments[r])``; every rank must stop with RanksDisagree matching
+    ``message``. None: the same on every rank ({} and float32)."""
+
+    arguments: tuple[dict, ...]
+    message: str
+    models: tuple[dict, ...] | None = None
+    dtypes: tuple[torch.dtype, ...] | None = None
+
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+AGREE = r"\. Every rank must pass the same arguments and the same model; stopped on every rank$"
+DISAGREEMENTS_2 = {
+    "ep": Disagreement((dict(ep=2), dict(ep=1)), r"^parallelize: ranks disagree on ep: rank 1 has 1, rank 0 has 2" + AGREE),
+    "dp_shard": Disagreement((dict(dp_shard=2), dict(dp_replicate=2, dp_shard=1)),
+                             r"^parallelize: ranks disagree on dp_replicate: rank 1 has 2, rank 0 has 1" + AGREE),
+    "pp": Disagreement((dict(pp=2, microbatches=2), dict()),
+                       r"^parallelize: ranks disagree on pp: rank 1 has 1, rank 0 has 2" + AGREE),
+    "schedule": Disagreement((dict(pp=2, microbatches=2, schedule="gpipe"), dict(pp=2, microbatches=2, schedule="1f1b")),
+                             r"^parallelize: ranks disagree on schedule: rank 1 has '1f1b', rank 0 has 'gpipe'" + AGREE),
+    "capacity_factor": Disagreement((dict(ep=2, capacity_factor=1.0), dict(ep=2, capacity_factor=2.0)),
+                                    r"^parallelize: ranks disagree on capacity_factor: rank 1 has 2.0, rank 0 has 1.0"),
+    "expert_count": Disagreement((dict(ep=2),) * 2, r"^parallelize: ranks disagree on experts per MoE layer: rank 1 has "
+                                 r"\(6, 6\), rank 0 has \(4, 4\)" + AGREE,
+                                 models=(dict(num_local_experts=4), dict(num_local_experts=6))),
+    "top_k": Disagreement((dict(ep=2),) * 2, r"^parallelize: ranks disagree on config.num_experts_per_tok: rank 1 has 1, "
+                          r"rank 0 has 2" + AGREE, models=(dict(num_experts_per_tok=2), dict(num_experts_per_tok=1))),
+    "hidden_size": Disagreement((dict(ep=2),) * 2, r"^parallelize: ranks disagree on parameter model.embed_tokens.weight: "
+                                r"rank 1 has \(96, 48\) torch.float32, rank 0 has \(96, 32\) torch.float32" + AGREE,
+                                models=(dict(hidden_size=32), dict(hidden_size=48))),
+    "dtype": Disagreement((dict(ep=2),) * 2, r"^parallelize: ranks disagree on parameter model.embed_tokens.weight: rank 1 "
+                          r"has \(96, 32\) torch.bfloat16, rank 0 has \(96, 32\) torch.float32" + AGREE,
+                          dtypes=(F32, BF16)),
+    # A rank whose own arguments are refused (ep=3 does not divide its world; a dtype is no
+    # MixedPrecisionPolicy) still meets the others, which would otherwise wait for it: the
+    # difference is named on every rank.
+    "one_rank_refuses_its_ep": Disagreement((dict(ep=2), dict(ep=3)),
+                                            r"^parallelize: ranks disagree on ep: rank 1 has 3, rank 0 has 2" + AGREE),
+    "one_rank_refuses_its_policy": Disagreement(
+        (dict(ep=2), dict(ep=2, mixed_precision=torch.bfloat16)),
+        r"^parallelize: ranks disagree on mixed_precision: rank 1 has torch.bfloat16, rank 0 has None" + AGREE),
+}
+DISAGREEMENTS_4 = {
+    "ep_of_the_last_rank": Disagreement((dict(ep=2),) * 3 + (dict(ep=4),),
+                                        r"^parallelize: ranks disagree on ep: rank 3 has 4, rank 0 has 2" + AGREE),
+    "dtype_of_one_rank": Disagreement((dict(ep=2),) * 4, r"^parallelize: ranks disagree on parameter "
+                                      r"model.embed_tokens.weight: rank 2 has \(96, 32\) torch.float16, rank 0 has "
+                                      r"\(96, 32\) torch.float32" + AGREE, dtypes=(F32, F32, F16, F32)),
+}
+
+
+@dataclass(frozen=True)
+class Stopped:
+    message: str  # "Type: text" of what parallelize raised on this rank, or "no error"
+    seconds: float
+    untouched: bool  # the model was left as it was: no context, the experts whole
+
+
+def _disagreements(rank, world, cases: dict) -> dict:
+    from moe_ep.parallel import parallel_context, parallelize
+
+    out = {}
+    for name, case in cases.items():
+        model = _build("mixtral", dtype=case.dtypes[rank] if case.dtypes else F32, experts_implementation="moe_ep",
+                       routing="natural", ep=2, overrides=case.models[rank] if case.models else {})
+        start = time.monotonic()
+        try:
+            parallelize(model, **case.arguments[rank])
+            message = "no error"
+        except Exception as exc:  # the test asserts the type: RanksDisagree on every rank
+            message = f"{type(exc).__name__}: {exc}"
+        experts = model.model.layers[0].mlp.experts.gate_up_proj
+        out[name] = Stopped(message, time.monotonic() - start,
+                            parallel_context(model) is None and type(experts) is torch.nn.Parameter)
+    return out
+
+
+def _agreement_of_peers(rank, world) -> dict:
+    """check_agreement's two other paths, with hand-made descriptions: the ranks agree but one
+    rank's checks failed; and a local part compared only among the ranks sharing its key."""
+    from moe_ep.parallel.agreement import Description, check_agreement
+
+    out = {}
+
+    def attempt(name, description, error=None):
+        try:
+            check_agreement("test", description, error=error)
+            out[name] = "no error"
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+
+    attempt("peer_refused", Description({"x": "1"}), error=ValueError("refused here") if rank == 1 else None)
+    attempt("both_refused_alike", Description({"x": "1"}), error=ValueError("refused"))
+    attempt("local_parts_of_other_peers", Description({"x": "1"}, peers=f"stage {rank}", local={"p": str(rank)}))
+    attempt("local_parts_of_the_same_peers", Description({"x": "1"}, peers="stage 0", local={"p": str(rank)}))
+    return out
+
+
 def _world_2(rank, world) -> dict:
     return {
         "parity": {name: _parity(rank, world, run) for name, run in PARITY_2.items()},
         "state_dict": {name: _state_dict_roundtrip(rank, world, run) for name, run in ROUNDTRIPS_2.items()},
         "errors": _errors(rank, world),
+        "disagreements": _disagreements(rank, world, DISAGREEMENTS_2),
+        "agreement": _agreement_of_peers(rank, world),
     }
 
 
@@ -405,6 +507,7 @@ def _world_4(rank, world) -> dict:
     return {
         "parity": {name: _parity(rank, world, run) for name, run in PARITY_4.items()},
         "state_dict": {name: _state_dict_roundtrip(rank, world, run) for name, run in ROUNDTRIPS_4.items()},
+        "disagreements": _disagreements(rank, world, DISAGREEMENTS_4),
     }
 
 
@@ -486,6 +589,47 @@ def test_full_state_dict_roundtrip(request, world, name):
 )
 def test_parallelize_errors(world2, name, pattern):
     assert re.search(pattern, world2[0]["errors"][name]), world2[0]["errors"][name]
+
+
+# A bound far below the worlds' process-group timeout (60 s): a rank left waiting in a collective
+# would take at least that long.
+STOP_WITHIN = 30.0
+
+
+@pytest.mark.parametrize("world, name", [("world2", name) for name in DISAGREEMENTS_2]
+                         + [("world4", name) for name in DISAGREEMENTS_4])
+def test_ranks_given_different_arguments_or_models_stop_with_the_first_difference(request, world, name):
+    """Every rank stops with the same message naming the first difference (the rank, the field,
+    both values), within seconds, the model left as it was; the world then goes on with the next
+    case (the ranks' collectives stayed in step)."""
+    results = request.getfixturevalue(world)
+    case = {**DISAGREEMENTS_2, **DISAGREEMENTS_4}[name]
+    stopped = [r["disagreements"][name] for r in results]
+    assert len({s.message for s in stopped}) == 1, [s.message for s in stopped]
+    assert stopped[0].message.startswith("RanksDisagree: "), stopped[0].message
+    assert re.search(case.message, stopped[0].message.removeprefix("RanksDisagree: ")), stopped[0].message
+    assert all(s.untouched for s in stopped)
+    assert max(s.seconds for s in stopped) < STOP_WITHIN, [s.seconds for s in stopped]
+
+
+@pytest.mark.parametrize(
+    "name, rank0, rank1",
+    [
+        ("peer_refused", r"^RanksDisagree: test: rank 1 refused its arguments \(ValueError: refused here\); stopped on "
+                         r"every rank \(rank 0's were accepted\)$", r"^no error$"),
+        ("both_refused_alike", r"^no error$", r"^no error$"),  # each rank then raises its own error
+        ("local_parts_of_other_peers", r"^no error$", r"^no error$"),
+        ("local_parts_of_the_same_peers", r"^RanksDisagree: test: ranks disagree \(the ranks holding stage 0\) on p: rank "
+                                          r"1 has 1, rank 0 has 0\.", None),
+    ],
+)
+def test_agreement_outcomes_and_peers(world2, name, rank0, rank1):
+    """check_agreement returns on a rank whose own checks failed (the caller re-raises its error)
+    and stops a rank whose checks passed when a peer's failed; a local part (a pipeline stage's
+    parameters) is compared only among the ranks with the same key."""
+    got = [r["agreement"][name] for r in world2]
+    assert re.search(rank0, got[0]), got[0]
+    assert re.search(rank1 or rank0, got[1]), got[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -718,8 +862,9 @@ def _divide_by_rank_minus_one(rank, world):
         (dict(pp=2, microbatches=2, schedule="pipedream"), ValueError, r"schedule must be one of"),
         (dict(pp=2, microbatches=2, memory_cap=float("inf")), ValueError, r"memory_cap must be a positive finite"),
         (dict(capacity_factor=1.0), ValueError, r"capacity_factor=1.0 applies to the expert-parallel dispatcher"),
-        (dict(ep=2, capacity_factor=-1), ValueError, r"capacity_factor must be a positive number or None"),
-        (dict(experts_backend="cuda"), ValueError, r"experts_backend must be one of \('triton', 'torch'\) or None"),
+        (dict(ep=2, capacity_factor=-1), ValueError, r"capacity_factor must be a finite number > 0 or None"),
+        (dict(ep=2, capacity_factor=float("inf")), ValueError, r"capacity_factor must be a finite number > 0 or None, got inf"),
+        (dict(experts_backend="cuda"), ValueError, r"experts_backend must be one of \('auto', 'triton', 'torch'\) or None"),
         (dict(activation_checkpointing=1), TypeError, r"activation_checkpointing must be a bool, got int"),
         (dict(reshard_after_forward="no"), TypeError, r"reshard_after_forward must be a bool or None, got str"),
         (dict(mixed_precision=torch.bfloat16), TypeError, r"mixed_precision must be a torch.distributed.fsdp"),

@@ -452,13 +452,13 @@ def test_errors():
         TrainStep(model, object())
     with pytest.raises(TypeError, match="model_or_stages must be a torch.nn.Module or PipelineStages"):
         TrainStep("model", opt)
-    with pytest.raises(ValueError, match="loss_scale must be None, 'dynamic' or a positive number, got -1"):
+    with pytest.raises(ValueError, match="loss_scale must be None, 'dynamic' or a finite number > 0, got -1"):
         LossScaler(-1)
-    with pytest.raises(ValueError, match="max_grad_norm must be a positive number or None, got 0"):
+    with pytest.raises(ValueError, match="max_grad_norm must be a finite number > 0 or None, got 0"):
         TrainStep(model, opt, max_grad_norm=0)
-    with pytest.raises(ValueError, match="aux_loss_coef must be a number >= 0, got -0.1"):
+    with pytest.raises(ValueError, match="aux_loss_coef must be a finite number >= 0, got -0.1"):
         TrainStep(model, opt, aux_loss_coef=-0.1)
-    with pytest.raises(ValueError, match="z_loss_coef must be a number >= 0, got -1"):
+    with pytest.raises(ValueError, match="z_loss_coef must be a finite number >= 0, got -1"):
         TrainStep(model, opt, z_loss_coef=-1)
     with pytest.raises(ValueError, match="global_aux_loss=True needs aux_loss_coef > 0"):
         TrainStep(model, opt, global_aux_loss=True)

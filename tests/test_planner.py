@@ -773,3 +773,38 @@ def test_cli_reads_the_config_file_it_is_given(tmp_path, capsys):
         assert json.loads(capsys.readouterr().out)["model"] == model_type
 
 
+
+
+BROKEN_CONFIGS = {
+    "truncated": (lambda p: p.write_text('{"model_type": "mixtral", "hidden_size": '),
+                  r"^model config '{file}' cannot be loaded: It looks like the config file at '{file}' is not a valid "
+                  r"JSON file\.$"),
+    "binary": (lambda p: p.write_bytes(bytes(range(256))), r"^model config '{file}' cannot be loaded: .*not a valid JSON"),
+    "empty": (lambda p: p.write_text(""), r"^model config '{file}' cannot be loaded: .*not a valid JSON"),
+    "no_model_type": (lambda p: p.write_text('{"hidden_size": 32}'),
+                      r"^model config '{file}' cannot be loaded: Unrecognized model"),
+    "unknown_family": (lambda p: p.write_text('{"model_type": "no_such_family"}'),
+                       r"^model config '{file}' cannot be loaded: .*model type `no_such_family`"),
+    "unsupported_layout": (lambda p: p.write_text('{"model_type": "mixtral", "mlp_bias": true}'),
+                           r"^model config '{given}': model config MixtralConfig has mlp_bias=True: a layout the planner "
+                           r"does not model"),
+}
+
+
+@pytest.mark.parametrize("name, given_as", [(name, given_as) for name in BROKEN_CONFIGS for given_as in ("file", "folder")]
+                         + [("folder_without_config", "folder")])
+def test_a_config_file_that_fails_to_load_is_named(tmp_path, capsys, name, given_as):
+    """plan() and `moe-ep plan --model PATH`: the file is named in one line, never a traceback."""
+    file = tmp_path / "config.json"
+    if name in BROKEN_CONFIGS:
+        write, message = BROKEN_CONFIGS[name]
+        write(file)
+    else:
+        message = r"^model folder '{given}' has no config.json$"
+    given = tmp_path if given_as == "folder" else file
+    expected = message.format(file=re.escape(str(file)), given=re.escape(str(given)))
+    with pytest.raises(ValueError, match=expected):
+        plan(str(given), nodes=1, **A100)
+    assert main(["plan", "--model", str(given), "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory", "80"]) != 0
+    err = capsys.readouterr().err
+    assert re.search(expected.replace("^", "^moe-ep plan: "), err.strip()) and "Traceback" not in err, err

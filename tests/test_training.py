@@ -8,6 +8,7 @@ losses of every layout against float64 are in test_pipeline.py."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -152,7 +153,7 @@ def test_expert_bias_refused_without_a_correction_bias():
     dense = torch.nn.Sequential(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="expert_bias_rate > 0 needs MoE blocks"):
         TrainStep(dense, torch.optim.SGD(dense.parameters(), lr=0.1), expert_bias_rate=0.01)
-    with pytest.raises(ValueError, match="expert_bias_rate must be a number >= 0, got -0.1"):
+    with pytest.raises(ValueError, match="expert_bias_rate must be a finite number >= 0, got -0.1"):
         TrainStep(model, opt, expert_bias_rate=-0.1)
     # A bfloat16 bias would stop moving: a step of 1e-3 rounds away once |bias| >= 0.5.
     dsv3 = _dsv3()
@@ -466,12 +467,110 @@ def _skips_on_two_ranks(rank, world, runs):
     return out
 
 
-def test_a_non_finite_step_on_one_rank_is_skipped_on_every_rank():
+@dataclass(frozen=True)
+class StepDisagreement:
+    """Rank r builds ``TrainStep(target, optimizer, **options[r])`` on the model parallelized with
+    ``layout`` (the same on both ranks), its optimizer ``optimizers[r]`` (class name, keyword
+    arguments; None: AdamW with lr=1e-3 on both). ``message``: what every rank raises."""
+
+    options: tuple[dict, dict]
+    message: str
+    optimizers: tuple[tuple[str, dict], tuple[str, dict]] | None = None
+    layout: str = "dp2"
+
+
+STEP_AGREE = r"\. Every rank must pass the same arguments and the same model; stopped on every rank$"
+STEP_DISAGREEMENTS = {
+    "microbatches": StepDisagreement(({}, dict(microbatches=2)), r"^RanksDisagree: TrainStep: ranks disagree on "
+                                     r"microbatches: rank 1 has 2, rank 0 has None" + STEP_AGREE),
+    "aux_loss_coef": StepDisagreement((dict(aux_loss_coef=0.01), dict(aux_loss_coef=0.02)),
+                                      r"^RanksDisagree: TrainStep: ranks disagree on aux_loss_coef: rank 1 has 0.02, "
+                                      r"rank 0 has 0.01" + STEP_AGREE),
+    "global_aux_loss": StepDisagreement((dict(aux_loss_coef=0.01), dict(aux_loss_coef=0.01, global_aux_loss=True)),
+                                        r"^RanksDisagree: TrainStep: ranks disagree on global_aux_loss: rank 1 has True, "
+                                        r"rank 0 has False" + STEP_AGREE),
+    "z_loss_coef": StepDisagreement(({}, dict(z_loss_coef=1e-3)), r"^RanksDisagree: TrainStep: ranks disagree on "
+                                    r"z_loss_coef: rank 1 has 0.001, rank 0 has 0.0" + STEP_AGREE),
+    "max_grad_norm": StepDisagreement((dict(max_grad_norm=1.0), {}), r"^RanksDisagree: TrainStep: ranks disagree on "
+                                      r"max_grad_norm: rank 1 has None, rank 0 has 1.0" + STEP_AGREE),
+    "max_grad_norm_pipeline": StepDisagreement((dict(max_grad_norm=1.0), dict(max_grad_norm=0.5)),
+                                               r"^RanksDisagree: TrainStep: ranks disagree on max_grad_norm: rank 1 has "
+                                               r"0.5, rank 0 has 1.0" + STEP_AGREE, layout="pp2"),
+    "max_consecutive_skips": StepDisagreement(({}, dict(max_consecutive_skips=5)), r"^RanksDisagree: TrainStep: ranks "
+                                              r"disagree on max_consecutive_skips: rank 1 has 5, rank 0 has 20" + STEP_AGREE),
+    "loss_scale": StepDisagreement(({}, dict(loss_scale="dynamic")), r"^RanksDisagree: TrainStep: ranks disagree on "
+                                   r"loss_scale: rank 1 has 'dynamic', rank 0 has None" + STEP_AGREE),
+    "learning_rate": StepDisagreement(({}, {}), r"^RanksDisagree: TrainStep: ranks disagree on optimizer group 0: rank 1 "
+                                      r"has \{'lr': 0.01, .* over \d+ parameters, rank 0 has \{'lr': 0.001, ",
+                                      optimizers=(("AdamW", dict(lr=1e-3)), ("AdamW", dict(lr=1e-2)))),
+    "optimizer": StepDisagreement(({}, {}), r"^RanksDisagree: TrainStep: ranks disagree on optimizer: rank 1 has SGD, "
+                                  r"rank 0 has AdamW" + STEP_AGREE,
+                                  optimizers=(("AdamW", dict(lr=1e-3)), ("SGD", dict(lr=1e-3)))),
+    # A NaN coefficient is refused on its rank, and that rank still meets the other.
+    "one_rank_nan_coefficient": StepDisagreement((dict(aux_loss_coef=0.01), dict(aux_loss_coef=float("nan"))),
+                                                 r"^RanksDisagree: TrainStep: ranks disagree on aux_loss_coef: rank 1 "
+                                                 r"has nan, rank 0 has 0.01" + STEP_AGREE),
+    # The same refused value on every rank: each raises its own error, no disagreement.
+    "nan_coefficient_everywhere": StepDisagreement((dict(z_loss_coef=float("inf")),) * 2,
+                                                   r"^ValueError: z_loss_coef must be a finite number >= 0, got inf$"),
+}
+
+
+def _step_disagreements(rank, world) -> dict:
+    """Each STEP_DISAGREEMENTS case: (what TrainStep raised, seconds, forward hooks it left)."""
+    import time
+
+    import moe_ep
+    from moe_ep.training import TrainStep
+
+    targets = {"dp2": moe_ep.parallelize(_model(), dp_shard=2),
+               "pp2": moe_ep.parallelize(_model(), pp=2, microbatches=2)}
+    out = {}
+    for name, case in STEP_DISAGREEMENTS.items():
+        target = targets[case.layout]
+        optimizer_name, kwargs = case.optimizers[rank] if case.optimizers else ("AdamW", dict(lr=1e-3))
+        optimizer = getattr(torch.optim, optimizer_name)(target.parameters(), **kwargs)
+        modules = target.modules if case.layout == "pp2" else [target]
+        hooks = sum(len(m._forward_hooks) for module in modules for m in module.modules())  # FSDP's own
+        start = time.monotonic()
+        try:
+            TrainStep(target, optimizer, **case.options[rank])
+            message = "no error"
+        except Exception as exc:  # the test asserts the type and the text
+            message = f"{type(exc).__name__}: {exc}"
+        seconds = time.monotonic() - start
+        hooks_added = sum(len(m._forward_hooks) for module in modules for m in module.modules()) - hooks
+        out[name] = (message, seconds, hooks_added)
+    return out
+
+
+def _two_ranks(rank, world, runs):
+    return {"skips": _skips_on_two_ranks(rank, world, runs), "disagreements": _step_disagreements(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_two_ranks, 2, SKIP_RUNS, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(STEP_DISAGREEMENTS))
+def test_ranks_building_different_train_steps_stop_with_the_first_difference(two_ranks, name):
+    """TrainStep's options, optimizer and learning rate, on data-parallel ranks and on two
+    pipeline stages: every rank stops with the same message naming the first difference, in
+    seconds (the world's collectives time out after 60 s), leaving no hook on the model."""
+    results = [r["disagreements"][name] for r in two_ranks]
+    assert results[0][0] == results[1][0], results
+    assert re.search(STEP_DISAGREEMENTS[name].message, results[0][0]), results[0][0]
+    assert max(seconds for _, seconds, _ in results) < 30
+    assert all(hooks == 0 for _, _, hooks in results)
+
+
+def test_a_non_finite_step_on_one_rank_is_skipped_on_every_rank(two_ranks):
     """2 gloo ranks, data-parallel (fp32, bf16 compute) and as 2 pipeline stages: a NaN gradient on
     rank 0 with a finite loss, and a NaN loss on rank 1, are each skipped on both ranks, leaving
     weights and optimizer state bit-equal; the next step is bit-equal to that of a run that never
     met them; the consecutive-skip limit raises on both ranks at the same step."""
-    ranks = run_ranks(_skips_on_two_ranks, 2, SKIP_RUNS, timeout=300)
+    ranks = [r["skips"] for r in two_ranks]
     for name in SKIP_RUNS:
         for result in (r[name] for r in ranks):
             assert result["skipped"] == [(True, True), (True, False)], name

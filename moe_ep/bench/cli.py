@@ -1,5 +1,5 @@
-"""``python -m moe_ep.bench {kernels,model,dispatch,planner}``: run one benchmark mode, print its
-table, save its figures."""
+"""``python -m moe_ep.bench {kernels,model,dispatch,planner,gpu}``: run one benchmark mode, print
+its table, save its figures."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from . import dispatch, kernels, model, planner
+from . import dispatch, gpu_check, kernels, model, planner
 from .report import RESULTS_DIR, format_table, save
 
-MODES = {"kernels": kernels, "model": model, "dispatch": dispatch, "planner": planner}
+MODES = {"kernels": kernels, "model": model, "dispatch": dispatch, "planner": planner, "gpu": gpu_check}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,4 +48,6 @@ def main(argv: list[str] | None = None):
     if not args.no_save:
         for path in save(report, args.out_dir):
             print(f"wrote {path}")
+    if report.failed:
+        raise SystemExit(f"{args.mode}: failed: {', '.join(report.failed)}")
     return report

@@ -163,6 +163,8 @@ def expert_variants(device: torch.device) -> dict[str, Lookup]:
     variants = {"moe_ep[torch]": Lookup(partial(_moe_ep, "torch"), None)}
     if device.type == "cuda":
         variants["moe_ep[triton]"] = Lookup(partial(_moe_ep, "triton"), None)
+        # The default on CUDA: whichever of the two measured faster on its first call.
+        variants["moe_ep[auto]"] = Lookup(partial(_moe_ep, "auto"), None)
     grouped = optional_attr("transformers.integrations.moe", "grouped_mm_experts_forward")
     variants[GROUPED_MM] = Lookup(partial(_hf_grouped_mm, grouped.value), None) if grouped.available else grouped
     variants[REFERENCE] = Lookup(_hf_eager, None)
@@ -407,7 +409,7 @@ def bench_copy(device: torch.device, args) -> dict:
 def _sync_checks(p: Problem, inp: Inputs) -> dict[str, Lookup]:
     checks = {}
     variants = expert_variants(p.device)
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "auto"):
         checks[f"route_topk[{backend}]"] = Lookup(partial(route_topk, inp.x_TH, inp.router_EH, p.K, backend=backend), None)
         op = variants.get(f"moe_ep[{backend}]", Lookup(None, f"not run on {p.device.type}"))
         checks[f"moe_experts[{backend}] fwd+bwd"] = Lookup(partial(_outputs, op.value, inp), None) if op.available else op
@@ -476,6 +478,14 @@ def target_notes(rows: list[dict], device: torch.device) -> list[str]:
         ok = fb["peak_mib"] <= g["peak_mib"]
         notes.append(f"GPU target peak memory: {fb['peak_mib']:.0f} MiB vs grouped_mm {g['peak_mib']:.0f} MiB "
                      f"({'met' if ok else 'MISSED'})")
+    for routing in ("uniform", "skewed"):
+        auto = row("moe_ep[auto]", "fwd+bwd", T=16384, routing=routing)
+        paths = [r for r in (row(f"moe_ep[{b}]", "fwd+bwd", T=16384, routing=routing) for b in ("triton", "torch"))
+                 if r is not None]
+        if auto is not None and paths:
+            best = min(paths, key=lambda r: r["ms"])
+            notes.append(f"selector T=16384 {routing}: moe_ep[auto] {auto['ms']:.1f} ms, best path {best['variant']} "
+                         f"{best['ms']:.1f} ms: {verdict(best['ms'] / auto['ms'], 0.97)} (never slower, within noise)")
     return notes
 
 

@@ -34,6 +34,8 @@ class Report:
     meta: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # printed under the table and saved in the JSON
     plot: Callable[["Report", Path], None] | None = None
+    formats: tuple[str, ...] = (".json", ".csv", ".png")  # the files ``save`` writes
+    failed: list[str] = field(default_factory=list)  # checks that failed: the command exits with 1
 
 
 def device_name(device: torch.device) -> str:
@@ -90,18 +92,23 @@ def format_table(report: Report) -> str:
 
 
 def save(report: Report, out_dir: Path) -> list[Path]:
-    """Write JSON (meta, notes and rows), CSV (rows) and, when the mode draws one, a PNG."""
+    """Write the report's formats: JSON (meta, notes and rows), CSV (rows) and, when the mode draws
+    one, a PNG."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / results_stem(report)
-    paths = [stem.with_suffix(".json"), stem.with_suffix(".csv")]
-    payload = {"mode": report.mode, "meta": report.meta, "notes": report.notes, "rows": report.rows}
-    paths[0].write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    keys = list(dict.fromkeys(k for row in report.rows for k in row))
-    with paths[1].open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(report.rows)
-    if report.plot is not None and report.rows:
+    paths = []
+    if ".json" in report.formats:
+        paths.append(stem.with_suffix(".json"))
+        payload = {"mode": report.mode, "meta": report.meta, "notes": report.notes, "rows": report.rows}
+        paths[-1].write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    if ".csv" in report.formats:
+        paths.append(stem.with_suffix(".csv"))
+        keys = list(dict.fromkeys(k for row in report.rows for k in row))
+        with paths[-1].open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(report.rows)
+    if ".png" in report.formats and report.plot is not None and report.rows:
         paths.append(stem.with_suffix(".png"))
         report.plot(report, paths[-1])
     return paths

@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from ..ops.validate import check_number
+
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """Slots per expert on one source rank: ``ceil(capacity_factor * T * K / E)``."""
@@ -29,10 +31,7 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
 
 
 def check_capacity_factor(capacity_factor) -> None:
-    if capacity_factor is None:
-        return
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be a positive number or None (dropless), got {capacity_factor!r}")
+    check_number("capacity_factor", capacity_factor, above=0, or_none=True)
 
 
 def capacity_keep_mask(idx_TK: torch.Tensor, w_TK: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:

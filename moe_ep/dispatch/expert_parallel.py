@@ -44,7 +44,7 @@ def moe_experts_ep(
     backend = resolve_backend(backend, hidden_states.device)
     tokens = dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_experts, capacity_factor)
     out_QH = run_experts(tokens.hidden_states, tokens.expert_ids, tokens.weights, gate_up_local, down_local,
-                         activation, backend)
+                         activation, backend, group)
     # The experts keep even an empty batch in the graph, but the backward all-to-alls that every
     # rank must enter should not hang on that promise.
     return combine_checked(join_checked(out_QH, tokens), tokens.layout)

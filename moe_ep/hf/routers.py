@@ -66,7 +66,7 @@ def mixtral_route(router, hidden_states, backend):
 def qwen_route(router, hidden_states, backend):
     """Qwen2-MoE, Qwen3-MoE and OLMoE share this router."""
     return _softmax_topk(
-        router, hidden_states, backend, normalize=router.norm_topk_prob, weights_in_logits_dtype=True
+        router, hidden_states, backend, normalize=bool(router.norm_topk_prob), weights_in_logits_dtype=True
     )
 
 

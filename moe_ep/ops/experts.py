@@ -4,6 +4,7 @@ fused weight layout (``gate_up_proj [E, 2I, H]``, gate half first; ``down_proj [
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .activations import check_activation
 from .backend import resolve_backend
@@ -54,6 +55,7 @@ def moe_experts(
     *,
     activation: str = "silu",
     backend: str | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """``y[t] = sum_k w[t,k] * down[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t]))`` with ``e = idx[t,k]``.
 
@@ -65,22 +67,37 @@ def moe_experts(
         gate_up_proj: ``[E, 2I, H]``, gate rows first, dtype of ``hidden_states``.
         down_proj: ``[E, H, I]``, dtype of ``hidden_states``.
         activation: ``"silu"`` (SwiGLU) or ``"gelu"`` (GeGLU).
-        backend: ``"triton"``, ``"torch"`` or None (Triton on CUDA, torch elsewhere;
-            ``MOE_EP_BACKEND`` overrides None).
+        backend: ``"auto"`` (the faster of the Triton kernels and the grouped-GEMM path, measured
+            once per problem, see ``moe_ep.ops.selector``), ``"triton"``, ``"torch"`` (the
+            grouped-GEMM path) or None (``MOE_EP_BACKEND``, else "auto" on CUDA and torch
+            elsewhere).
+        group: the process group whose ranks must make the same choices (path and kernel
+            configurations): each problem is decided on its first call with one collective over
+            it, which every rank of the group must make. ``moe_experts_ep`` passes its
+            expert-parallel group. None: this process decides alone.
 
     Differentiable in ``hidden_states``, ``top_k_weights``, ``gate_up_proj`` and ``down_proj``.
     Returns ``[T, H]`` in the dtype of ``hidden_states``.
     """
     check_experts_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     check_activation(activation)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     backend = resolve_backend(backend, hidden_states.device)
-    return run_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend)
+    return run_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend,
+                       group)
 
 
-def run_experts(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation: str, backend: str) -> torch.Tensor:
-    """``moe_experts`` on arguments its caller validated, ``backend`` resolved ("triton" or
-    "torch"): for callers that checked them once already (the expert-parallel layer)."""
+def run_experts(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation: str, backend: str,
+                group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``moe_experts`` on arguments its caller validated, ``backend`` resolved ("auto", "triton" or
+    "torch") and ``group`` as there: for callers that checked them once already (the
+    expert-parallel layer)."""
     args = (x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation)
+    if backend != "torch":
+        from .selector import choose
+
+        backend = choose(*args, pinned=None if backend == "auto" else backend, group=group)
     if backend == "triton":
         from .experts_triton import experts_triton
 

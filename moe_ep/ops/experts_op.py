@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .validate import refuse_double_backward
+
 
 def _gradients_like(x_TH, w_TK, gate_up_E2IH, down_EHI) -> tuple[torch.Tensor, ...]:
     return (x_TH.new_empty(x_TH.shape), w_TK.new_empty(w_TK.shape), gate_up_E2IH.new_empty(gate_up_E2IH.shape),
@@ -41,3 +43,4 @@ def register_experts_autograd(fwd, bwd) -> None:
         return (dx, None, dw, d_gate_up, d_down, *(None for _ in ctx.options))
 
     fwd.register_autograd(backward, setup_context=setup_context)
+    refuse_double_backward(bwd, "moe_experts")

@@ -1,8 +1,10 @@
 """The pure-PyTorch backend of ``moe_experts``: one sort of the routed slots, ``torch._grouped_mm``
 for the four expert GEMMs, the gated activation recomputed in backward, a deterministic combine.
 
-It is the default on the CPU and the fallback users can pick anywhere. It has no host sync: the
-per-expert offsets stay on the device and go straight into ``_grouped_mm``."""
+It is the default on the CPU and the fallback users can pick anywhere. It makes no host sync of
+its own: the per-expert offsets stay on the device and go straight into ``_grouped_mm``. On CUDA
+in bfloat16 that is the whole story; torch's float32 grouped GEMM falls back to a loop over the
+groups that reads the offsets back (seen on an H100 with torch 2.11)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ def routing_order(idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     return order_N, torch.cumsum(counts_E, 0, dtype=torch.int32)
 
 
-# torch._grouped_mm needs 16-byte aligned strides; 8 elements covers every supported dtype.
+# PyTorch's grouped GEMM: the public name where the installed torch has one (a wrapper of the
+# private op in 2.13). It needs 16-byte aligned strides; 8 elements covers every supported dtype.
+_grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
 _ALIGN = 8
 
 
@@ -45,7 +49,7 @@ def grouped_linear(a_ND: torch.Tensor, w_EFD: torch.Tensor, offsets_E: torch.Ten
     F, D = w_EFD.shape[1:]
     Fp, Dp = _aligned(F), _aligned(D)
     w = _pad_to(_pad_to(w_EFD, 2, Dp), 1, Fp)
-    return torch._grouped_mm(_pad_to(a_ND, 1, Dp), w.transpose(1, 2), offs=offsets_E)[:, :F]
+    return _grouped_mm(_pad_to(a_ND, 1, Dp), w.transpose(1, 2), offs=offsets_E)[:, :F]
 
 
 def grouped_outer(a_NF: torch.Tensor, b_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -53,7 +57,7 @@ def grouped_outer(a_NF: torch.Tensor, b_ND: torch.Tensor, offsets_E: torch.Tenso
     F, D = a_NF.shape[1], b_ND.shape[1]
     a = _pad_to(a_NF, 1, _aligned(F))
     b = _pad_to(b_ND, 1, _aligned(D))
-    return torch._grouped_mm(a.t(), b, offs=offsets_E)[:, :F, :D]
+    return _grouped_mm(a.t(), b, offs=offsets_E)[:, :F, :D]
 
 
 def _unsort_sum(rows_N: torch.Tensor, order_N: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:

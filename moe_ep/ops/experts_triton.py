@@ -3,8 +3,8 @@ gather and the gated activation fused, GEMM 2 with the routing weight fused, a d
 combine; the backward recomputes the activation from the saved GEMM-1 output.
 
 Registered with ``torch.library`` so ``torch.compile`` and FSDP2 treat it as one opaque op. Nothing
-on this path reads a device value back to the host (the autotuner times kernels once per shape
-bucket, see ``moe_ep.kernels.autotune``)."""
+on this path reads a device value back to the host (kernel configurations are timed only on a
+problem's first call, see ``moe_ep.ops.selector``)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .validate import check_index, check_tensor
+from .validate import check_count, check_index, check_number, check_tensor
 
 
 def _as_layers(name: str, value) -> list[torch.Tensor]:
@@ -28,12 +28,22 @@ def _as_layers(name: str, value) -> list[torch.Tensor]:
     return layers
 
 
+def _check_token_mask(token_mask, tokens: int) -> None:
+    if token_mask is None:
+        return
+    check_tensor("token_mask", token_mask)
+    if token_mask.numel() != tokens:
+        raise ValueError(f"token_mask must hold one value per token (T={tokens}), got shape {tuple(token_mask.shape)}")
+
+
 def expert_counts(top_k_index: torch.Tensor, num_experts: int, token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Routed (token, slot) pairs per expert, ``[E]`` float32 (masked tokens count 0). On the
     device: a scatter-add, no host sync (``bincount`` would read the maximum back)."""
     check_tensor("top_k_index", top_k_index, ndim=2)
     check_index("top_k_index", top_k_index)
+    check_count("num_experts", num_experts, at_least=1)
     T, K = top_k_index.shape
+    _check_token_mask(token_mask, T)
     ones = torch.ones(T, K, dtype=torch.float32, device=top_k_index.device)
     if token_mask is not None:
         ones = ones * token_mask.reshape(T, 1).to(torch.float32)
@@ -71,6 +81,7 @@ def load_balancing_loss(
     choices = None if top_k_index is None else _as_layers("top_k_index", top_k_index)
     if choices is not None and len(choices) != len(logits):
         raise ValueError(f"top_k_index must give one tensor per layer ({len(logits)}), got {len(choices)}")
+    _check_token_mask(token_mask, logits[0].shape[0])
     device = logits[0].device
     # float32 at least (bf16 logits), float64 kept for float64 references.
     dtype = torch.promote_types(logits[0].dtype, torch.float32)
@@ -147,8 +158,7 @@ def update_expert_bias_(
         check_tensor(f"counts{at}", c, ndim=1)
         if c.shape != b.shape:
             raise ValueError(f"counts{at} must have the shape of bias{at} {tuple(b.shape)}, got {tuple(c.shape)}")
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
-        raise ValueError(f"rate must be a non-negative number, got {rate!r}")
+    check_number("rate", rate, at_least=0)
     load = torch.cat([c.to(torch.float64) for c in loads])  # a new tensor: the callers' counts stay as they are
     if group is not None:
         dist.all_reduce(load, group=group)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from .validate import check_float, check_same_device, check_tensor
+from .validate import check_finite, check_float, check_number, check_same_device, check_tensor
 from .backend import resolve_backend
 
 SCORES = ("softmax", "sigmoid")
 
 
-def check_route_args(hidden_states, router_weight, top_k, score, correction_bias, n_group, topk_group) -> None:
+def check_route_args(hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group,
+                     scale) -> None:
     check_tensor("hidden_states", hidden_states, ndim=2)
     check_tensor("router_weight", router_weight, ndim=2)
     check_float("hidden_states", hidden_states)
@@ -28,13 +29,22 @@ def check_route_args(hidden_states, router_weight, top_k, score, correction_bias
         raise ValueError(f"top_k must be an int in [1, E={E}], got {top_k!r}")
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+    check_number("scale", scale, above=0)
     if correction_bias is not None:
         check_tensor("correction_bias", correction_bias, ndim=1)
         if correction_bias.shape[0] != E:
             raise ValueError(f"correction_bias must have shape [E={E}], got {tuple(correction_bias.shape)}")
-    if not isinstance(n_group, int) or n_group < 1 or E % n_group:
+        if not correction_bias.is_floating_point():
+            raise TypeError(f"correction_bias must be a float tensor, got {correction_bias.dtype}")
+        check_same_device(hidden_states=hidden_states, correction_bias=correction_bias)
+        # A NaN bias makes every score NaN and top-k then picks the same experts for every token
+        # with finite weights: silently wrong, so refused (queued on the device: no host sync).
+        check_finite("correction_bias", correction_bias)
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or E % n_group:
         raise ValueError(f"n_group must be a positive divisor of E={E}, got {n_group!r}")
-    if not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+    if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
         raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
     if n_group > 1 and top_k > topk_group * (E // n_group):
         raise ValueError(
@@ -100,13 +110,13 @@ def route_topk(
     are then promoted to the wider dtype, on either backend, and each gradient comes back in its
     input's dtype.
     """
-    check_route_args(hidden_states, router_weight, top_k, score, correction_bias, n_group, topk_group)
+    check_route_args(hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale)
     if router_weight.dtype != hidden_states.dtype:
         dtype = torch.promote_types(hidden_states.dtype, router_weight.dtype)
         hidden_states, router_weight = hidden_states.to(dtype), router_weight.to(dtype)
     backend = resolve_backend(backend, hidden_states.device)
     args = (hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale)
-    if backend == "triton":
+    if backend in ("triton", "auto"):
         from .routing_triton import route_topk_triton
 
         return route_topk_triton(*args)

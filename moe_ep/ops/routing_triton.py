@@ -13,6 +13,7 @@ import torch
 
 from ..kernels.runtime import interpreting
 from ..kernels.router import router_backward, router_forward
+from .validate import refuse_double_backward
 
 
 @torch.library.custom_op("moe_ep::route_topk", mutates_args=())
@@ -86,6 +87,7 @@ def _backward(ctx, grad_logits, grad_weights, _grad_indices):
 
 
 _route_topk.register_autograd(_backward, setup_context=_setup_context)
+refuse_double_backward(_route_topk_logits_grad, "route_topk's Triton backend", "; backend='torch' supports it")
 
 
 def route_topk_triton(

@@ -3,6 +3,8 @@ argument, the value received and what was expected, never deep inside a kernel."
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -14,6 +16,28 @@ def check_tensor(name: str, value, *, ndim: int | None = None) -> torch.Tensor:
     if ndim is not None and value.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(value.shape)}")
     return value
+
+
+def check_number(name: str, value, *, at_least: float | None = None, above: float | None = None,
+                 or_none: bool = False) -> None:
+    """A finite real number (an int or a float, not a bool) with ``value >= at_least`` and
+    ``value > above`` where given: NaN and infinities are refused, since every comparison with
+    NaN is false and an infinite weight or rate turns a whole step into NaN."""
+    if value is None and or_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (at_least is None or value >= at_least) and (above is None or value > above)
+    if not ok:
+        bound = "".join(f" {op} {b}" for op, b in ((">=", at_least), (">", above)) if b is not None)
+        raise ValueError(f"{name} must be a finite number{bound}{' or None' if or_none else ''}, got {value!r}")
+
+
+def check_count(name: str, value, *, at_least: int = 0, or_none: bool = False) -> None:
+    """An int (not a bool) ``>= at_least``."""
+    if value is None and or_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < at_least:
+        raise ValueError(f"{name} must be an int >= {at_least}{' or None' if or_none else ''}, got {value!r}")
 
 
 def check_float(name: str, value: torch.Tensor) -> None:
@@ -35,6 +59,14 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device, got {listing}")
 
 
+def _has_values(t: torch.Tensor) -> bool:
+    """Meta and fake tensors carry shapes, no values: their value checks are skipped (the real
+    run makes them), so that shape propagation (meta initialisation, ``FakeTensorMode``) works."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.device.type != "meta" and not isinstance(t, FakeTensor)
+
+
 def _queued_on_device(t: torch.Tensor) -> bool:
     """Checks of tensor values are queued on the device (``torch._assert_async``) where reading
     them back would be a host sync per layer (CUDA) or a graph break (torch.compile): a failure
@@ -53,7 +85,7 @@ def check_on_device(condition: torch.Tensor, message: str) -> None:
 
 def check_indices_in_range(name: str, idx: torch.Tensor, num_experts: int) -> None:
     """Expert ids must lie in [0, num_experts); on the CPU the error names the values found."""
-    if idx.numel() == 0:
+    if idx.numel() == 0 or not _has_values(idx):
         return
     message = f"{name} must hold expert ids in [0, {num_experts})"
     if _queued_on_device(idx):
@@ -62,6 +94,22 @@ def check_indices_in_range(name: str, idx: torch.Tensor, num_experts: int) -> No
     lo, hi = int(idx.min()), int(idx.max())
     if lo < 0 or hi >= num_experts:
         raise ValueError(f"{message}, got values in [{lo}, {hi}]")
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Every value of ``t`` finite; on the CPU the error names the first non-finite one, on CUDA
+    (and under torch.compile) the check is queued on the device: no host sync."""
+    if t.numel() == 0 or not _has_values(t):
+        return
+    message = f"{name} must hold finite values"
+    if _queued_on_device(t):
+        torch._assert_async(torch.isfinite(t).all(), message)
+        return
+    bad = (~torch.isfinite(t)).nonzero()
+    if bad.shape[0]:
+        where = tuple(bad[0].tolist())
+        raise ValueError(f"{message}, got {t[where].item()} at index {where[0] if len(where) == 1 else where} "
+                         f"({bad.shape[0]} of {t.numel()} not finite)")
 
 
 def check_routing(hidden_states, top_k_index, top_k_weights, num_experts: int) -> None:
@@ -84,3 +132,18 @@ def check_routing(hidden_states, top_k_index, top_k_weights, num_experts: int) -
     if not 1 <= K <= num_experts:
         raise ValueError(f"top_k_index must choose between 1 and E={num_experts} experts per token, got {K}")
     check_indices_in_range("top_k_index", top_k_index, num_experts)
+
+
+def refuse_double_backward(backward_op, what: str, instead: str = "") -> None:
+    """Give ``backward_op`` (the custom op that computes ``what``'s gradients) a derivative that
+    raises, naming what is unsupported: without one autograd reports only that the op has no
+    formula. A single backward, with ``create_graph=True`` too, is unaffected."""
+
+    def derivative(ctx, *grads):
+        raise NotImplementedError(
+            f"{what} is differentiable once: double backward (a derivative of its gradients, e.g. "
+            "torch.autograd.grad(..., create_graph=True) followed by a backward through that gradient, as gradient "
+            f"penalties and Hessian-vector products do) is not supported{instead}"
+        )
+
+    backward_op.register_autograd(derivative, setup_context=lambda ctx, inputs, output: None)

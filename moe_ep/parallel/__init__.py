@@ -1,8 +1,10 @@
 """Expert parallelism composed with FSDP2/HSDP and pipeline stages on transformers MoE models:
 ``parallelize`` (every layout, ``pp > 1`` included) and its ``ParallelConfig``, what it made of a
 model (``parallel_context``), the meshes, expert sharding, pipeline stages, gradient norms across
-meshes, full state dicts, fail-fast steps."""
+meshes, full state dicts, fail-fast steps, and the check that every rank was given the same
+(``RanksDisagree``)."""
 
+from .agreement import RanksDisagree
 from .clip import clip_grad_norm_, grad_norm
 from .config import DEFAULT_SCHEDULE, ParallelConfig, PipelineConfig
 from .context import ParallelContext, meshes_of, parallel_context
@@ -22,6 +24,7 @@ __all__ = [
     "PeerFailure",
     "PipelineConfig",
     "PipelineStages",
+    "RanksDisagree",
     "build_meshes",
     "build_pipeline",
     "clip_grad_norm_",

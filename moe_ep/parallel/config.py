@@ -145,6 +145,15 @@ class ParallelConfig:
             raise ValueError(f"pp={pp} needs microbatches: the micro-batches of one step (at least pp)")
         return cls(pipeline=PipelineConfig(**given), **arguments)
 
+    def arguments(self) -> dict:
+        """``parallelize``'s keyword arguments that give this configuration, in its order (the
+        pipeline's None without one)."""
+        pipeline = {name: getattr(self.pipeline, name, None) for name in PIPELINE_ARGUMENTS}
+        return dict(ep=self.ep, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, pp=self.pp, **pipeline,
+                    mixed_precision=self.mixed_precision, activation_checkpointing=self.activation_checkpointing,
+                    capacity_factor=self.capacity_factor, reshard_after_forward=self.reshard_after_forward,
+                    experts_backend=self.experts_backend)
+
     @property
     def fsdp_reshard_after_forward(self) -> bool:
         """FSDP2's ``reshard_after_forward``: by default True without a pipeline and False with

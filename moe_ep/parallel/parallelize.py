@@ -5,7 +5,7 @@ check runs before the first change, so a refused model is left as it was."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 from torch import nn
@@ -14,6 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ..hf.layout import experts_modules, num_experts_of
 from ..hf.patch import fused_routers, is_patched, patch
 from ..planner.partition import Partition
+from .agreement import Description, parameter_fields, ranks_agree, shown
 from .config import ParallelConfig
 from .context import ParallelContext, parallel_context, record_context
 from .expert_sharding import shard_experts
@@ -92,28 +93,41 @@ def parallelize(
     - ``experts_backend``: the expert kernels' backend under expert parallelism (None: the default
       of ``moe_experts``).
 
-    Every rank must call it (collective). Gradients are those of the mean of the data-parallel
-    ranks' losses (TrainStep makes that the mean over all their tokens); clip them with
-    ``moe_ep.parallel.clip_grad_norm_``. Model parameters may live on the meta device (shards are
+    Every rank must call it (collective), with the same arguments and the same model (parameter
+    names, shapes and dtypes, expert counts, routing): one all-gather of fingerprints confirms it
+    before the first collective that depends on them, and ``moe_ep.RanksDisagree`` names the first
+    difference on every rank otherwise (a rank that refuses its arguments stops the others too).
+    Gradients are those of the mean of the data-parallel ranks' losses (TrainStep makes that the
+    mean over all their tokens); clip them with ``moe_ep.parallel.clip_grad_norm_``. Model parameters may live on the meta device (shards are
     created there; materialise with ``to_empty`` and ``load_full_state_dict``)."""
-    config = ParallelConfig.from_arguments(
+    arguments = dict(
         ep=ep, dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, schedule=schedule, microbatches=microbatches,
         split_points=split_points, memory_cap=memory_cap, seq_len=seq_len, microbatch_size=microbatch_size,
         mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
         capacity_factor=capacity_factor, reshard_after_forward=reshard_after_forward, experts_backend=experts_backend,
     )
-    return parallelize_with(model, config)
+    return _parallelize(model, arguments, lambda: ParallelConfig.from_arguments(**arguments))
 
 
 def parallelize_with(model: nn.Module, config: ParallelConfig) -> nn.Module | PipelineStages:
     """``parallelize`` for a ``ParallelConfig`` built beforehand."""
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"config must be a moe_ep.parallel.ParallelConfig, got {type(config).__name__}")
-    dims, cut = _check(model, config)
+    return _parallelize(model, config.arguments(), lambda: config)
+
+
+def _parallelize(model: nn.Module, arguments: dict, make_config: Callable[[], ParallelConfig]):
+    """Check (the configuration, then what needs the model and the process group) and confirm that
+    every rank was given the same, then change the model."""
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize needs an initialised default process group (torch.distributed.init_process_group)")
+    with ranks_agree("parallelize", _description(model, arguments)):
+        config = make_config()
+        dims, cut = _check(model, config)
     if dims.ep > 1 and not is_patched(model):
         _switch_to_moe_ep_experts(model, config)
     device = next(model.parameters()).device
-    meshes = build_meshes(dims, "cuda" if device.type == "cuda" else "cpu")
+    meshes = build_meshes(dims, _mesh_device(device))
     if config.activation_checkpointing:
         enable_activation_checkpointing(model)
     if cut is None:
@@ -128,13 +142,41 @@ def parallelize_with(model: nn.Module, config: ParallelConfig) -> nn.Module | Pi
     return stages
 
 
+def _mesh_device(device) -> str:
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
+# The routing of a model's config that the parameter shapes do not show: ranks that route
+# differently exchange different amounts (top-k) or train apart.
+_ROUTING_FIELDS = ("num_experts_per_tok", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor")
+
+
+def _description(model, arguments: dict) -> Description:
+    """What every rank must agree on before the first collective: parallelize's arguments as
+    given, the model's class, the device type its meshes will use, its expert counts and routing,
+    and every parameter's name, shape and dtype."""
+    shared = {name: shown(value) for name, value in arguments.items()}
+    shared["model"] = type(model).__qualname__
+    if isinstance(model, nn.Module):
+        first = next(model.parameters(), None)
+        shared["mesh device"] = "none" if first is None else _mesh_device(first.device)
+        shared["experts per MoE layer"] = shown([
+            m.gate_up_proj.shape[0] if hasattr(m, "gate_up_proj") else getattr(m, "num_experts", None)
+            for _, m in experts_modules(model)
+        ])
+        config = getattr(model, "config", None)
+        for name in _ROUTING_FIELDS:
+            if hasattr(config, name):
+                shared[f"config.{name}"] = shown(getattr(config, name))
+        shared.update(parameter_fields(model.named_parameters()))
+    return Description(shared)
+
+
 def _check(model: nn.Module, config: ParallelConfig) -> tuple[ParallelDims, Partition | None]:
     """What needs the model and the process group, checked before anything changes: the degrees
     against the world size and the expert count, and with ``pp > 1`` the pipeline's cut."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not dist.is_initialized():
-        raise RuntimeError("parallelize needs an initialised default process group (torch.distributed.init_process_group)")
     if parallel_context(model) is not None:
         raise ValueError("model was already parallelized (moe_ep.parallel.parallel_context(model) describes how)")
     experts = experts_modules(model)

@@ -442,7 +442,8 @@ def plan(
     """Choose the fastest layout of ``model`` that fits the cluster, by the headroom rule.
 
     Args:
-        model: a Hugging Face config, a ModelSpec, or a name in ``moe_ep.planner.MODEL_NAMES``.
+        model: a Hugging Face config, a ModelSpec, a name in ``moe_ep.planner.MODEL_NAMES``, or
+            the path of a local ``config.json`` or model folder (a file that fails to load is named).
         nodes: how many nodes.
         cluster: a preset of ``moe_ep.planner.CLUSTERS`` (``"dgx-a100-80gb"``, ``"p4d"``, ...) whose
             figures the others default to; None takes the DGX A100 80 GB figures and then needs

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 BF16 = 2
 FP32 = 4
@@ -61,6 +62,22 @@ def config_from_name(name: str):
     if name not in table:
         raise ValueError(f"model must be a Hugging Face config or one of {MODEL_NAMES}, got {name!r}")
     return table[name]()
+
+
+def config_from_file(path):
+    """The transformers config of a local ``config.json`` (or another JSON file of one) or of a
+    model folder; nothing is downloaded. A file that cannot be read or parsed is named."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"model folder {str(path)!r} has no config.json")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:  # transformers' loaders raise many types; each is named with the file
+        cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"model config {str(file)!r} cannot be loaded: {cause}") from err
 
 
 @dataclass(frozen=True)
@@ -170,9 +187,21 @@ class ModelSpec:
 
     @classmethod
     def resolve(cls, model) -> "ModelSpec":
-        """A name from MODEL_NAMES, a transformers config, or a ModelSpec."""
+        """A name from MODEL_NAMES, a local config.json or model folder, a transformers config, or a
+        ModelSpec."""
         if isinstance(model, ModelSpec):
             return model
+        if isinstance(model, (str, Path)) and str(model) not in MODEL_NAMES:
+            if not Path(model).exists():
+                raise ValueError(
+                    f"model must be a Hugging Face config or one of {MODEL_NAMES}, or a local config.json or model "
+                    f"folder, got {str(model)!r}"
+                )
+            config = config_from_file(model)
+            try:
+                return cls.from_config(config)
+            except (TypeError, ValueError) as err:  # a layout it does not model: said with the file
+                raise type(err)(f"model config {str(model)!r}: {err}") from None
         if isinstance(model, str):
             return cls.from_config(config_from_name(model), name=model)
         return cls.from_config(model)

@@ -5,6 +5,8 @@ steps in a row; a fixed one never changes."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -15,10 +17,10 @@ class LossScaler:
     def __init__(self, loss_scale: float | str, *, growth_interval: int = 2000, init_scale: float = 2.0**16):
         if loss_scale == "dynamic":
             self.dynamic, self.scale = True, float(init_scale)
-        elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0:
+        elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and 0 < loss_scale < math.inf:
             self.dynamic, self.scale = False, float(loss_scale)
         else:
-            raise ValueError(f"loss_scale must be None, 'dynamic' or a positive number, got {loss_scale!r}")
+            raise ValueError(f"loss_scale must be None, 'dynamic' or a finite number > 0, got {loss_scale!r}")
         if not isinstance(growth_interval, int) or growth_interval < 1:
             raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
         self.growth_interval = growth_interval

@@ -11,13 +11,39 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from ..ops.validate import check_number
+from ..parallel.agreement import Description, parameter_fields, ranks_agree, shown
 from ..parallel.clip import clip_grads_, grad_norm
 from ..parallel.context import parallel_context
+from ..parallel.pipeline import PipelineStages
 from .balancing import Balancing
 from .executors import executor_for
 from .loss import IGNORE_INDEX, CausalLMLoss, predicted_tokens
 from .loss_scale import LossScaler
 from .skips import SkipCounter
+
+
+def _ranks_agree(target, context, optimizer, options: dict):
+    """The check that every rank of the step's collectives was given the same step: the world for
+    what ``parallelize`` returned, the pipeline's group for stages of ``build_pipeline``; nothing
+    to agree on for a model that no parallelize prepared (its step runs no collective)."""
+    if context is not None:
+        group = None
+    elif isinstance(target, PipelineStages):
+        group = target.group
+    else:
+        return nullcontext()
+    shared = {name: shown(value) for name, value in options.items()}
+    shared["optimizer"] = type(optimizer).__qualname__
+    local = {}
+    groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else ()
+    for i, param_group in enumerate(groups):
+        hyper = {k: v for k, v in param_group.items() if k != "params"}
+        local[f"optimizer group {i}"] = f"{shown(hyper)} over {len(param_group['params'])} parameters"
+    if isinstance(target, (torch.nn.Module, PipelineStages)):
+        local.update(parameter_fields(target.named_parameters()))
+    peers = f"pipeline stages {target.stage_ids}" if isinstance(target, PipelineStages) else ""
+    return ranks_agree("TrainStep", Description(shared, peers, local), group=group)
 
 
 class TrainStep:
@@ -56,33 +82,40 @@ class TrainStep:
     the gradients are cleared either way. ``last_grad_norm`` is the step's global gradient norm
     before clipping; ``last_step_skipped``, ``steps_skipped`` and ``consecutive_skips`` count the
     skipped steps (an fp16 overflow included). ``close()`` removes the step's hooks from the
-    model (the step cannot run afterwards)."""
+    model (the step cannot run afterwards).
+
+    Building it on what ``parallelize`` (or ``build_pipeline``) returned is collective: every rank
+    must pass the same options and optimizer (the ranks holding a pipeline stage also the same
+    parameters and optimizer groups), which one all-gather confirms before any hook or collective;
+    otherwise every rank raises ``moe_ep.RanksDisagree`` naming the first difference."""
 
     def __init__(self, model_or_stages, optimizer: torch.optim.Optimizer, *, microbatches: int | None = None,
                  loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, global_aux_loss: bool = False,
                  z_loss_coef: float = 0.0, expert_bias_rate: float = 0.0, max_grad_norm: float | None = None,
                  max_consecutive_skips: int | None = 20, lr_scheduler=None, autocast_dtype: torch.dtype | None = None):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        self.executor = executor_for(model_or_stages, microbatches=microbatches, autocast_dtype=autocast_dtype)
-        for name, coef in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
-                           ("expert_bias_rate", expert_bias_rate)):
-            if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {coef!r}")
-        if global_aux_loss and not aux_loss_coef:
-            raise ValueError("global_aux_loss=True needs aux_loss_coef > 0")
-        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                          or not max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
-        self.skips = SkipCounter(max_consecutive_skips)
-        self.target = model_or_stages
+        options = dict(microbatches=microbatches, loss_scale=loss_scale, aux_loss_coef=aux_loss_coef,
+                       global_aux_loss=global_aux_loss, z_loss_coef=z_loss_coef, expert_bias_rate=expert_bias_rate,
+                       max_grad_norm=max_grad_norm, max_consecutive_skips=max_consecutive_skips,
+                       lr_scheduler=lr_scheduler, autocast_dtype=autocast_dtype)
         context = parallel_context(model_or_stages)
+        with _ranks_agree(model_or_stages, context, optimizer, options):
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            self.executor = executor_for(model_or_stages, microbatches=microbatches, autocast_dtype=autocast_dtype)
+            for name, coef in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
+                               ("expert_bias_rate", expert_bias_rate)):
+                check_number(name, coef, at_least=0)
+            if global_aux_loss and not aux_loss_coef:
+                raise ValueError("global_aux_loss=True needs aux_loss_coef > 0")
+            check_number("max_grad_norm", max_grad_norm, above=0, or_none=True)
+            self.skips = SkipCounter(max_consecutive_skips)
+            self.scaler = None if loss_scale is None else LossScaler(loss_scale)
+        self.target = model_or_stages
         # The data-parallel ranks: the loss's token count and its parts are summed over them.
         self.dp = context.dp if context is not None else 1
         self.dp_group = context.meshes.dp_group if self.dp > 1 else None
         self.optimizer = optimizer
         self.microbatches = self.executor.microbatches
-        self.scaler = None if loss_scale is None else LossScaler(loss_scale)
         self.max_grad_norm = max_grad_norm
         self.lr_scheduler = lr_scheduler
         self.loss_fn = CausalLMLoss()

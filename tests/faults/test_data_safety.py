@@ -13,17 +13,25 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
-from test_example_launch import COMMON, EXAMPLE, STEPS, losses, train_in_process
+from example_runs import (
+    COMMON,
+    STEPS,
+    copy_run,
+    flip_byte,
+    losses,
+    rewrite,
+    snapshot,
+    train_in_process,
+    trained_model,
+)
 
-sys.path.insert(0, str(EXAMPLE))
-
+# The example's own modules (example_runs put its folder on the path).
 import checkpoint as ckpt  # noqa: E402
 import export  # noqa: E402
 import integrity  # noqa: E402
@@ -37,40 +45,12 @@ def train_cli(argv, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    """Every file under ``folder`` with its size and modification time: what "nothing touched" means."""
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     """An undisturbed one-process run: checkpoints at steps 2, 4 and 6, its losses the reference."""
     out = tmp_path_factory.mktemp("base") / "run"
     assert train_in_process([*COMMON, "--output-dir", str(out)]) == 0
     return out
-
-
-def copy_run(base: Path, dest: Path) -> Path:
-    """A copy of the base run to damage: the large DCP shards are hard links (a damaged one is
-    written anew by the damage below, never changed in place), everything else real copies."""
-    def link_shards(src, dst):
-        return os.link(src, dst) if src.endswith(ckpt.SHARD_SUFFIX) else shutil.copy2(src, dst)
-
-    shutil.copytree(base, dest, copy_function=link_shards)
-    return dest
-
-
-def rewrite(path: Path, data: bytes) -> None:
-    """Replace a file's bytes through a new inode (the copy's shards are links to the base run's)."""
-    path.unlink()
-    path.write_bytes(data)
-
-
-def flip_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    rewrite(path, bytes(data))
 
 
 def truncate(path: Path) -> None:
@@ -397,8 +377,6 @@ def poison(monkeypatch, *, grads_at=(), weights_at=()) -> None:
 
 
 def state_of(step: Path) -> dict[str, torch.Tensor]:
-    from test_example_launch import trained_model
-
     return trained_model(step).state_dict()
 
 

@@ -17,22 +17,24 @@ from pathlib import Path
 
 import pytest
 
-from test_data_safety import copy_run, flip_byte, snapshot
-from test_example_launch import (
+from example_runs import (
     COMMON,
     STEPS,
-    torchrun_cmd,
+    copy_run,
+    flip_byte,
     kill_launch,
     launch,
     losses,
     paused_files,
     rank_processes,
     run,
+    snapshot,
+    torchrun_cmd,
     train_in_process,
     wait_until,
 )
 
-# The example's modules (test_data_safety put its folder on the path).
+# The example's own modules (example_runs put its folder on the path).
 import checkpoint as ckpt  # noqa: E402
 import integrity  # noqa: E402
 import ownership  # noqa: E402

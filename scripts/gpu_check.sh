@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One command for a GPU: compile check, CUDA test tier, kernel and model benchmarks, one JSON and one
+# PNG under benchmarks/results/ (or --out-dir). See `python -m moe_ep.bench gpu --help`.
+#
+#   bash scripts/gpu_check.sh                      # on a machine with a CUDA GPU, about 5-8 minutes
+#   bash scripts/gpu_check.sh --out-dir /tmp/out   # results elsewhere
+#   bash scripts/gpu_check.sh --device cpu         # the same plumbing at small shapes (CI)
+#
+# Installs nothing: it runs the first Python that has torch, triton and transformers (and, unless
+# --device cpu, sees a GPU): $MOE_EP_PYTHON if set, then .venv/bin/python, python3, python.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+device=cuda
+previous=
+for arg in "$@"; do
+    if [[ $previous == --device ]]; then device=$arg; fi
+    if [[ $arg == --device=* ]]; then device=${arg#--device=}; fi
+    previous=$arg
+done
+
+python=
+for candidate in "${MOE_EP_PYTHON:-}" .venv/bin/python python3 python; do
+    [[ -n $candidate ]] || continue
+    command -v "$candidate" > /dev/null 2>&1 || continue
+    if "$candidate" - "$device" <<'EOF' > /dev/null 2>&1
+import sys
+import torch, triton, transformers  # noqa: F401
+sys.exit(0 if sys.argv[1] == "cpu" or torch.cuda.is_available() else 1)
+EOF
+    then
+        python=$candidate
+        break
+    fi
+done
+if [[ -z $python ]]; then
+    echo "gpu_check.sh: no Python with torch, triton and transformers$([[ $device == cpu ]] || echo ' that sees a CUDA GPU') found" \
+         "(tried \$MOE_EP_PYTHON, .venv/bin/python, python3, python)" >&2
+    exit 2
+fi
+
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# The kernels run compiled on a GPU and under Triton's interpreter on the CPU; Triton reads this
+# when the kernels are defined, so it is set before Python starts.
+if [[ $device == cpu ]]; then export TRITON_INTERPRET=1; else export TRITON_INTERPRET=0; fi
+echo "gpu_check.sh: $("$python" -c 'import sys, torch, triton; print(sys.executable, "torch", torch.__version__, "triton", triton.__version__)')"
+exec "$python" -m moe_ep.bench gpu "$@"

@@ -1,0 +1,79 @@
+"""``bash scripts/gpu_check.sh --device cpu``: the GPU check's plumbing at small shapes (the Triton
+kernels under the interpreter): every step runs or says why not, one JSON and one PNG are written,
+and a failing check fails the command."""
+
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+import torch
+
+from moe_ep.bench import gpu_check
+from moe_ep.bench.cli import main
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["--warmup", "0", "--reps", "1"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU mode; on a GPU run the script itself")
+def test_script_in_cpu_mode_writes_one_json_and_one_png(tmp_path):
+    env = dict(os.environ, MOE_EP_PYTHON=str(pathlib.Path(os.sys.executable)))
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--out-dir", str(tmp_path), *TINY],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(tmp_path.iterdir())
+    assert [p.suffix for p in files] == [".json", ".png"] and all(p.name.startswith("gpu_check_cpu_") for p in files)
+    payload = json.loads(files[0].read_text())
+    steps = payload["meta"]["steps"]
+    assert steps["compile"]["status"].startswith("skipped: no GPU")
+    assert all(steps[name]["status"] == "done" for name in ("tests", "kernels", "model")), steps
+    tests = payload["meta"]["results"]["tests"]
+    names = {r["check"] for r in tests}
+    assert {c.name for c in gpu_check.checks_for(torch.device("cpu"))} <= names
+    for r in tests:
+        if r["check"] == "no host sync":
+            assert r["status"].startswith("skipped")
+        else:
+            assert r["status"] == "ok" and r["triton_err"] <= r["tolerance"] and r["bitwise_repeatable"], r
+    assert {r["autotune"] for r in tests if "autotune" in r} == {True, False}
+    kernels = payload["meta"]["results"]["kernels"]["rows"]
+    assert {"moe_ep[torch]", "hf_grouped_mm", "hf_eager", "dense_mm"} <= {r["variant"] for r in kernels}
+    assert payload["meta"]["results"]["model"]["rows"]
+    assert any(n.startswith("gpu check: ") and "0 failed" in n for n in payload["notes"])
+
+
+def test_a_failing_check_fails_the_command(tmp_path, monkeypatch):
+    check = next(c for c in gpu_check.checks_for(torch.device("cpu")) if c.name == "small top-k = E")  # the smallest
+    monkeypatch.setattr(gpu_check, "checks_for", lambda device: [check])
+    monkeypatch.setitem(gpu_check.TOLERANCE, torch.bfloat16, 1e-9)
+    with pytest.raises(SystemExit, match=f"gpu: failed: {check.name}"):
+        main(["gpu", "--device", "cpu", "--steps", "tests", "--out-dir", str(tmp_path), *TINY])
+    payload = json.loads(next(tmp_path.glob("gpu_check_cpu_*.json")).read_text())
+    assert payload["meta"]["steps"]["kernels"]["status"] == "not asked for"
+    status = payload["meta"]["results"]["tests"][0]["status"]
+    assert status.startswith("FAIL: ") and "triton err" in status and "auto err" in status
+
+
+def test_budget_skips_later_steps(tmp_path):
+    main(["gpu", "--device", "cpu", "--steps", "model", "--budget", "-1", "--out-dir", str(tmp_path), *TINY])
+    payload = json.loads(next(tmp_path.glob("gpu_check_cpu_*.json")).read_text())
+    assert payload["meta"]["steps"]["model"]["status"].startswith("skipped: ")
+
+
+def test_cpu_mode_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        main(["gpu", "--device", "cpu", "--no-save"])
+
+
+def test_reference_by_expert_matches_the_per_token_loop():
+    from moe_ep.ops.reference import moe_experts_ref, moe_experts_ref_by_expert
+
+    for check in gpu_check.checks_for(torch.device("cpu")):
+        x, idx, w, gate_up, down, dy = gpu_check.make_case(check, torch.float32, torch.device("cpu"), seed=0)
+        a = gpu_check._outputs(lambda *t: moe_experts_ref(*t, activation=check.activation), x, idx, w, gate_up, down, dy)
+        b = gpu_check._outputs(lambda *t: moe_experts_ref_by_expert(*t, activation=check.activation),
+                               x, idx, w, gate_up, down, dy)
+        assert gpu_check._worst(b, a) <= 1e-12, check.name

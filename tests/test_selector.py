@@ -1,0 +1,273 @@
+"""The path selector of moe_experts (``backend="auto"``): one decision per problem, made at its
+first call with one collective, the same on every rank whatever token counts they see; then only
+lookups (no timing, no collective); pinning; MOE_EP_AUTOTUNE=0; and the disk cache, whose damaged
+files are reported and left alone. On the CPU the Triton path runs under the interpreter."""
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_ep.ops import selector
+from moe_ep.ops.experts import moe_experts
+from moe_ep.kernels import autotune
+from moe_ep.kernels import grouped_gemm as gg
+from moe_ep.kernels.autotune import Config
+from moe_ep.kernels.runtime import interpreting
+from moe_ep.ops.reference import moe_experts_ref
+
+from numerics import TOLERANCE, rel_err
+from dist_utils import run_ranks
+from moe_cases import Case, run_with_grads
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tier: the Triton path under the interpreter")
+
+H, I, E, K = 16, 24, 4, 2
+TWO = [Config(32, 16, 16, 4, 2), Config(64, 32, 16, 4, 2)]
+
+
+def two_config_space():
+    """Two configurations per kernel, so that configurations are timed and agreed too."""
+    space = {"half": TWO, "fp32": TWO, "half_unaligned": TWO, "fp32_unaligned": TWO}
+    return {k: space for k in gg.GEMM_KERNELS}
+
+
+@pytest.fixture(autouse=True)
+def fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv(selector.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    monkeypatch.setitem(gg.CONFIGS, "default", two_config_space())
+    selector.clear()
+    selector._DAMAGED.clear()
+    selector._WARNED.clear()
+    yield
+    selector.clear()
+
+
+def run(T, activation="silu", backend="auto", group=None, seed=0):
+    x, idx, w, gate_up, down = Case("c", T=T, H=H, I=I, E=E, K=K).make(torch.float32, seed=seed)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    out = run_with_grads(lambda *a: moe_experts(*a, activation=activation, backend=backend, group=group),
+                         x, idx, w, gate_up, down, dy)
+    ref = run_with_grads(lambda *a: moe_experts_ref(*a, activation=activation), x, idx, w, gate_up, down, dy)
+    for got, want in zip([out[0], *out[1]], [ref[0], *ref[1]]):
+        assert rel_err(got, want) <= TOLERANCE[torch.float32]
+    return out
+
+
+class Counter:
+    """Counts calls of a module attribute, still calling it."""
+
+    def __init__(self, monkeypatch, owner, name):
+        self.calls = 0
+        inner = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+
+def test_first_call_decides_later_calls_look_up(monkeypatch):
+    measured = Counter(monkeypatch, selector, "_measure")
+    run(40)
+    (problem, table), = selector.decisions().items()
+    assert problem == selector.Problem("interpreter", torch.float32, H, I, E, K, "silu", "auto")
+    assert list(table.paths) == [128] and set(table.times[128]) == {"triton", "torch"}
+    assert table.paths[128] == min(table.times[128], key=table.times[128].get)
+    assert {c[0] for c in table.configs} == {"gather_glu", "rows_matmul", "glu_backward", "weight_grad"}
+    for T in (3, 40, 300):  # other buckets: the nearest measured one, no measurement
+        run(T)
+    assert measured.calls == 1 and len(selector.decisions()) == 1
+    run(40, activation="gelu")  # another problem
+    assert measured.calls == 2 and len(selector.decisions()) == 2
+
+
+def test_merge_is_the_same_from_the_same_contributions():
+    def measured(bucket, triton, torch_, best):
+        launch = ("gather_glu", (16, 24, 4, False, 64, 8), bucket)
+        return {"measured": {bucket: {"paths": {"triton": triton, "torch": torch_},
+                                      "configs": {launch: {"a": best, "b": 1.0}}}}}
+
+    everyone = [{}, measured(128, 1.0, 2.0, 0.5), measured(128, 2.0, 0.5, 2.0), measured(1024, 1.0, None, 0.1)]
+    table = selector._merge(everyone)
+    # Summed over ranks: triton 3.0 < torch 2.5? no: torch 2.5 wins at 128; torch failed at 1024.
+    assert table.paths == {128: "torch", 1024: "triton"}
+    assert dict(((k, b), n) for k, _, b, n in table.configs) == {("gather_glu", 128): "b", ("gather_glu", 1024): "a"}
+    assert table.path(16, "triton") == "torch" and table.path(8192, "torch") == "triton"
+    assert table.path(362, "x") == "torch"  # 362 is nearer 128 than 1024 in powers of two
+    cached = selector.Table({128: "triton"}, {128: {"triton": 1.0}}, ())
+    assert selector._merge([{}, {"cached": cached.to_json()}, *everyone[1:]]).paths == {128: "triton", 1024: "triton"}
+    assert selector._merge(everyone) == table
+
+
+def test_pinned_backends(monkeypatch):
+    measured = Counter(monkeypatch, selector, "_measure")
+    run(40, backend="torch")
+    assert measured.calls == 0 and selector.decisions() == {}
+    monkeypatch.setenv("MOE_EP_BACKEND", "torch")
+    run(40, backend=None)
+    assert measured.calls == 0
+    run(40, backend="triton")  # configurations are still tuned; the grouped-GEMM path is not timed
+    (problem, table), = selector.decisions().items()
+    assert measured.calls == 1 and set(table.times[128]) == {"triton"} and table.configs
+    assert problem.paths == "triton"
+    run(40, backend="auto")  # comparing the paths is a decision of its own
+    assert measured.calls == 2 and len(selector.decisions()) == 2
+
+
+def test_the_first_call_under_saved_tensor_hooks_and_checkpointing():
+    """The measurement's graph is its own: a hook around the first call sees what the op saves and
+    nothing more, and a checkpointed first call recomputes and differentiates correctly."""
+    x, idx, w, gate_up, down = Case("c", T=40, H=H, I=I, E=E, K=K).make(torch.float32)
+
+    def saved_by_one_call():
+        packed = []
+        leaves = [t.detach().requires_grad_() for t in (x, w, gate_up, down)]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            moe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], backend="auto")
+        return len(packed)
+
+    first = saved_by_one_call()
+    assert len(selector.decisions()) == 1 and first == saved_by_one_call()
+    selector.clear()
+    leaves = [t.detach().requires_grad_() for t in (x, w, gate_up, down)]
+    y = torch.utils.checkpoint.checkpoint(
+        lambda a, b, c, d: moe_experts(a, idx, b, c, d, backend="auto"), *leaves, use_reentrant=False)
+    grads = torch.autograd.grad(y, leaves, torch.ones_like(y))
+    ref = [t.detach().double().requires_grad_() for t in (x, w, gate_up, down)]
+    y_ref = moe_experts_ref(ref[0], idx, *ref[1:])
+    grads_ref = torch.autograd.grad(y_ref, ref, torch.ones_like(y_ref))
+    assert len(selector.decisions()) == 1
+    for got, want in zip([y, *grads], [y_ref, *grads_ref]):
+        assert rel_err(got.detach(), want) <= TOLERANCE[torch.float32]
+
+
+def test_inference_mode_measures_nothing(monkeypatch):
+    measured = Counter(monkeypatch, selector, "_measure")
+    x, idx, w, gate_up, down = Case("c", T=40, H=H, I=I, E=E, K=K).make(torch.float32)
+    with torch.inference_mode():
+        y = moe_experts(x, idx, w, gate_up, down, backend="auto")
+    assert measured.calls == 0 and selector.decisions() == {}
+    assert rel_err(y, moe_experts_ref(x, idx, w, gate_up, down)) <= TOLERANCE[torch.float32]
+
+
+def test_autotune_off_uses_the_defaults_and_writes_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv(autotune.ENV_VAR, "0")
+    measured = Counter(monkeypatch, selector, "_measure")
+    run(40)
+    assert measured.calls == 0 and selector.decisions() == {} and autotune.agreed_configs() == {}
+    assert all(str(c) == str(TWO[0]) for c in autotune.chosen_configs().values())
+    assert not (tmp_path / "cache").exists()
+
+
+def test_disk_cache_is_written_and_read_back(monkeypatch):
+    run(40)
+    decided = selector.decisions()
+    path = selector.cache_file(torch.device("cpu"))
+    data = json.loads(path.read_text())
+    assert data["format"] == selector.CACHE_FORMAT and data["sha256"] == selector._checksum(data["families"])
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+    selector.clear()
+    measured = Counter(monkeypatch, selector, "_measure")
+    run(40)
+    assert measured.calls == 0 and selector.decisions() == decided
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "foreign"])
+def test_a_damaged_cache_is_reported_and_left_alone(monkeypatch, damage):
+    run(40)
+    path = selector.cache_file(torch.device("cpu"))
+    text = path.read_text()
+    text = {"truncated": text[: len(text) // 2],
+            "flipped": text.replace('"triton"', '"torch"', 1) if '"triton"' in text else text.replace('"torch"', '"triton"', 1),
+            "foreign": json.dumps({"someone": "else's file"})}[damage]
+    path.write_text(text)
+    selector.clear()
+    selector._DAMAGED.clear()
+    measured = Counter(monkeypatch, selector, "_measure")
+    with pytest.warns(RuntimeWarning, match="ignoring the damaged selector cache .* neither loaded nor overwritten"):
+        run(40)
+    assert measured.calls == 1  # not loaded: measured again
+    selector.clear()
+    run(40, activation="gelu")  # a new decision is not saved over the damaged file
+    assert path.read_text() == text
+
+
+def test_an_unwritable_cache_warns_and_keeps_the_decision(monkeypatch, tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the cache folder would go")
+    monkeypatch.setenv(selector.CACHE_ENV_VAR, str(blocker / "cache"))
+    with pytest.warns(RuntimeWarning, match="could not write the selector cache"):
+        run(40)
+    assert len(selector.decisions()) == 1 and blocker.read_text().startswith("a file")
+
+
+# ----------------------------------------------------------------------------------------------
+# Several ranks
+
+
+STEPS = {0: [0, 50, 7], 1: [24, 3, 200], 2: [300, 0, 40]}  # tokens per rank and step
+PROBE = [16 << i for i in range(10)]
+
+
+def _ranks(rank, world_size, cache_root):
+    import moe_ep.kernels.grouped_gemm as gg_
+    from moe_ep.ops import selector as sel
+
+    assert interpreting()
+    os.environ[sel.CACHE_ENV_VAR] = os.path.join(cache_root, f"node{rank}")  # one cache per "node"
+    gg_.CONFIGS["default"] = two_config_space()
+    sel.clear()
+    counts = {"all_gather_object": 0, "_measure": 0, "timed": 0}
+
+    def count(owner, name, key):
+        inner = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            counts[key] += 1
+            return inner(*args, **kwargs)
+
+        setattr(owner, name, counted)
+
+    count(dist, "all_gather_object", "all_gather_object")
+    count(sel, "_measure", "_measure")
+    count(autotune, "_time", "timed")
+    after_first = {}
+    group = dist.group.WORLD
+    for step, T in enumerate(STEPS[rank]):
+        for layer, activation in enumerate(("silu", "gelu")):  # two problems, like two layer types
+            run(T, activation=activation, group=group, seed=10 * rank + step)
+        # The layer's own collectives (the expert all-to-all) on every rank after each step.
+        dist.all_reduce(torch.ones(1), group=group)
+        if step == 0:
+            after_first = dict(counts)
+    tables = {p.name(): t.to_json() for p, t in sel.decisions().items()}
+    probes = {p.name(): [t.path(b, "default") for b in PROBE] for p, t in sel.decisions().items()}
+    agreed = sorted((k[0], repr(k[1]), k[4], n) for k, n in autotune.agreed_configs().items())
+    return dict(tables=tables, probes=probes, agreed=agreed, counts=counts, after_first=after_first)
+
+
+def test_ranks_with_different_token_counts_make_one_choice_per_key(tmp_path):
+    results = run_ranks(_ranks, 3, str(tmp_path), timeout=600, pg_timeout=300)
+    first = results[0]
+    assert len(first["tables"]) == 2
+    for r in results[1:]:
+        assert r["tables"] == first["tables"] and r["probes"] == first["probes"] and r["agreed"] == first["agreed"]
+    # Each rank measured its own first bucket (rank 0 had no tokens); the table holds all three.
+    for problem in first["tables"].values():
+        assert sorted(map(int, problem["paths"])) == sorted({autotune.token_bucket(K * STEPS[r][0]) for r in (1, 2)})
+    for rank, r in enumerate(results):
+        # One collective and one measurement per problem, all at the first step; afterwards new
+        # buckets on every rank cost no collective, no measurement and no timed launch.
+        assert r["counts"] == r["after_first"], rank
+        assert r["counts"]["all_gather_object"] == 2
+        assert r["counts"]["_measure"] == (0 if STEPS[rank][0] == 0 else 2)
+    # A second job finds every rank's cache: nothing measured, the same decisions.
+    again = run_ranks(_ranks, 3, str(tmp_path), timeout=600, pg_timeout=300)
+    for r in again:
+        assert r["counts"]["_measure"] == 0 and r["counts"]["timed"] == 0 and r["counts"]["all_gather_object"] == 2
+        assert r["tables"] == first["tables"] and r["agreed"] == first["agreed"]
