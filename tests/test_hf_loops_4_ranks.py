@@ -9,7 +9,9 @@ per-rank batches; the saved models give the baseline's logits under plain transf
 
 transformers' ``test_fsdp2_expert_parallel_bf16_grads`` case ``experts_sharded`` (FSDP over 4
 ranks, experts split over 2 and FSDP-sharded over the other 2) with moe_ep's experts, for
-``ep_implementation`` "auto" and "moe_ep", against one float64 process."""
+``ep_implementation`` "auto" and "moe_ep", against one float64 process; and the same over fsdp 2 x
+tp 2 (expert parallelism over the tensor-parallel pairs, which share a batch). Skipped, saying so,
+where transformers has no expert-parallel registry (5.17)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 
 from dist_utils import run_ranks
 from hf_loops import SCRIPTS, check_against_baseline_and_one_process, launch_world
-from transformers_ep_cases import check_case, expected_cases, save_tiny_checkpoints, transformers_ep_vs_one_process
+from transformers_ep_cases import case_params, check_case, save_tiny_checkpoints, transformers_ep_vs_one_process
 
 PROCESSES = 4
 LAYOUT = ("--ep", "2", "--dp-replicate", "2")
@@ -39,8 +41,6 @@ def world4(tmp_path_factory):
     return run_ranks(transformers_ep_vs_one_process, 4, checkpoints, timeout=300)
 
 
-@pytest.mark.parametrize("case", expected_cases(PROCESSES) or [
-    pytest.param("none", marks=pytest.mark.skip(reason="transformers without the expert-parallel registry: the "
-                                                       "world-4 FSDP case does not exist there"))])
+@pytest.mark.parametrize("case", case_params(PROCESSES))
 def test_transformers_expert_parallel_with_sharded_experts_matches_one_process(world4, case):
     check_case(world4, case)

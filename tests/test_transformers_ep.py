@@ -28,6 +28,7 @@ from markers import HAS_EP_REGISTRY, requires_cuda
 from numerics import TOLERANCE, rel_err
 from transformers_ep_cases import (
     FAMILIES,
+    case_params,
     check_case,
     expected_cases,
     save_tiny_checkpoints,
@@ -166,7 +167,7 @@ def world2(tmp_path_factory):
     return run_ranks(transformers_ep_vs_one_process, 2, checkpoints, timeout=300)
 
 
-@pytest.mark.parametrize("case", expected_cases(2))
+@pytest.mark.parametrize("case", case_params(2))
 def test_transformers_expert_parallel_matches_one_process(world2, case):
     check_case(world2, case)
 

@@ -5,9 +5,10 @@ test_hf_loops_4_ranks.py on 4)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from markers import HAS_EP_REGISTRY
+from markers import EP_REGISTRY_MODULE, HAS_EP_REGISTRY
 from numerics import rel_err
 
 FAMILIES = ("mixtral", "qwen3_moe")
@@ -91,6 +92,20 @@ def transformers_ep_vs_one_process(rank: int, world: int, checkpoints: dict[str,
 
 def expected_cases(world: int) -> list[str]:
     return [f"{family} {name}" for family in FAMILIES for name, _, _ in distributed_configs(world, family)]
+
+
+def case_params(world: int) -> list:
+    """``expected_cases(world)`` as pytest parameters, and where transformers has no expert-parallel
+    registry (5.17) one skipped parameter saying that ``ep_implementation`` (transformers' default
+    and "moe_ep") cannot be tested there."""
+    params = list(expected_cases(world))
+    if not HAS_EP_REGISTRY:
+        import transformers
+
+        params.append(pytest.param("ep_implementation", marks=pytest.mark.skip(
+            reason=f"transformers {transformers.__version__} has no {EP_REGISTRY_MODULE}: no DistributedConfig("
+                   "ep_implementation=...), so neither its default nor 'moe_ep' exists there")))
+    return params
 
 
 def check_case(per_rank: list[dict], case: str) -> None:
