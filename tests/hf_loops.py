@@ -96,6 +96,18 @@ def launch_world(out: Path, processes: int, layout: tuple[str, ...], *, resume: 
     return out
 
 
+def world_fixture(processes: int, layout: tuple[str, ...], *, resume: bool, bf16: bool):
+    """A module-scoped fixture named ``runs``: the folder of ``launch_world``'s runs."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def runs(tmp_path_factory):
+        return launch_world(tmp_path_factory.mktemp(f"hf_loops_{processes}"), processes, layout, resume=resume,
+                            bf16=bf16)
+
+    return runs
+
+
 def step_records(folder: Path) -> dict[int, dict]:
     """Step -> the last record logged for it (a resumed run logs the steps after its checkpoint)."""
     records = {}

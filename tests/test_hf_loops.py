@@ -18,10 +18,10 @@ from hf_loops import (
     SCRIPTS,
     check_against_baseline_and_one_process,
     final_logits,
-    launch_world,
     max_abs_diff,
     max_rel_diff,
     step_records,
+    world_fixture,
 )
 from numerics import TOLERANCE
 
@@ -29,9 +29,7 @@ PROCESSES = 2
 LAYOUT = ("--ep", "2")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return launch_world(tmp_path_factory.mktemp("hf_loops_2"), PROCESSES, LAYOUT, resume=True, bf16=True)
+runs = world_fixture(PROCESSES, LAYOUT, resume=True, bf16=True)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -18,16 +18,14 @@ from __future__ import annotations
 import pytest
 
 from dist_utils import run_ranks
-from hf_loops import SCRIPTS, check_against_baseline_and_one_process, launch_world
+from hf_loops import SCRIPTS, check_against_baseline_and_one_process, world_fixture
 from transformers_ep_cases import case_params, check_case, save_tiny_checkpoints, transformers_ep_vs_one_process
 
 PROCESSES = 4
 LAYOUT = ("--ep", "2", "--dp-replicate", "2")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return launch_world(tmp_path_factory.mktemp("hf_loops_4"), PROCESSES, LAYOUT, resume=False, bf16=False)
+runs = world_fixture(PROCESSES, LAYOUT, resume=False, bf16=False)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
