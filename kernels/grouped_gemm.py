@@ -79,6 +79,9 @@ _UNALIGNED_GLU = [Config(64, 32, 32, 4, 2)]
 # Float32 on unaligned rows: the aligned tiles' cp.async of single elements spill 8-48 bytes on
 # sm_80 and sm_90 (glu_backward, the dx product); a 16-deep reduction step does not.
 _FP32_UNALIGNED = [Config(64, 64, 16, 8, 2)]
+# sm_90's smaller glu_backward tiles, after the 128x128 one (whose depth depends on the activation).
+_SM90_GLU_BWD_SMALL = [Config(64, 128, 64, 8, 3, tma=True, persistent=True), Config(128, 64, 64, 8, 4),
+                       Config(64, 64, 64, 4, 4)]
 CONFIGS = {
     # H100: 227 KB of shared memory per block, wgmma with the accumulator in registers, TMA. The
     # order is what an H100 80GB HBM3 measured at Mixtral-8x7B shapes (T=16384, bf16; 2026-11-25,
@@ -93,15 +96,12 @@ CONFIGS = {
         "rows_matmul": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True),
                                Config(64, 256, 64, 4, 4, tma=True, persistent=True),
                                Config(128, 128, 64, 8, 4), Config(64, 128, 64, 4, 3)], _FP32_TILE, _UNALIGNED),
-        # Four stages, not two: 8.7 against 15.1 ms (three: 9.7); with GELU three stages already
-        # spill 8 B (Triton 3.6), so GELU keeps two.
-        "glu_backward": _space([Config(128, 128, 64, 8, 4, tma=True, persistent=True),
-                                Config(128, 128, 64, 8, 3, tma=True, persistent=True),
-                                Config(64, 128, 64, 8, 3, tma=True, persistent=True),
-                                Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)], _FP32_GLU_BWD, _UNALIGNED_GLU,
+        # Three stages, not two: 9.7 against 15.1 ms. Four (8.7 ms) spill 8 B under Triton 3.9, and
+        # with GELU three already spill 8 B under 3.6, so GELU keeps two.
+        "glu_backward": _space([Config(128, 128, 64, 8, 3, tma=True, persistent=True), *_SM90_GLU_BWD_SMALL],
+                               _FP32_GLU_BWD, _UNALIGNED_GLU,
                                gelu_tiles=[Config(128, 128, 64, 8, 2, tma=True, persistent=True),
-                                           Config(64, 128, 64, 8, 3, tma=True, persistent=True),
-                                           Config(128, 64, 64, 8, 4), Config(64, 64, 64, 4, 4)]),
+                                           *_SM90_GLU_BWD_SMALL]),
         # A 32-row reduction step five stages deep: 16.9 (d gate_up, 256x128) and 8.5 ms (d down,
         # 128x256) against 23.0 and 10.7 with 64-row steps four deep.
         "weight_grad": _space([Config(256, 128, 32, 8, 5, tma=True, persistent=True),
