@@ -32,10 +32,17 @@ if TYPE_CHECKING:
         parallelize,
     )
     from .planner import MODEL_NAMES, NO_PIPELINE, Layout, config_from_name, plan, schedule_info
-    from .training import NonFiniteStepsError, TrainStep
+    from .training import (
+        ExpertParallelTrainer,
+        ExpertParallelTrainerMixin,
+        NonFiniteStepsError,
+        TrainStep,
+        configure_accelerator,
+    )
 
 # Public name -> the module that defines it, imported on first access. By layer: the ops, the
-# Hugging Face integration, the layout over ranks, the planner, the training step.
+# Hugging Face integration, the layout over ranks, the planner, the training step (moe_ep's own, and
+# transformers' Trainer and accelerate's Accelerator on a parallelized model).
 _PUBLIC = {
     "moe_experts": "moe_ep.ops",
     "route_topk": "moe_ep.ops",
@@ -60,6 +67,9 @@ _PUBLIC = {
     "config_from_name": "moe_ep.planner",
     "TrainStep": "moe_ep.training",
     "NonFiniteStepsError": "moe_ep.training",
+    "ExpertParallelTrainer": "moe_ep.training",
+    "ExpertParallelTrainerMixin": "moe_ep.training",
+    "configure_accelerator": "moe_ep.training",
 }
 _SUBPACKAGES = ("bench", "dispatch", "hf", "kernels", "ops", "parallel", "planner", "training")
 

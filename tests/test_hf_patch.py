@@ -355,7 +355,6 @@ def _assert_untouched(model):
         ("is_transposed", True),
         ("has_bias", True),
         ("has_post_expert_norm", True),
-        ("_is_expert_parallel", True),
     ],
 )
 def test_unsupported_layout_flag_is_named(flag, value):

@@ -70,3 +70,21 @@ def report_failure(err: BaseException, *, rank: int, world_size: int) -> int | N
             print(f"error (rank 0): {err}", file=sys.stderr, flush=True)
         return 1
     return None
+
+
+def run_reported(train, args) -> int:
+    """A script's ``main``: ``train(args)``, and the exit status. A failure ``report_failure``
+    knows is said in one line (the process group destroyed, so the launcher ends the job at once);
+    anything else propagates with its traceback."""
+    try:
+        train(args)
+    except BaseException as err:
+        code = report_failure(err, rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        if code is None:
+            raise
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return code
+    return 0

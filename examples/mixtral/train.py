@@ -52,7 +52,7 @@ from data import (
     token_cache_file,
     token_cache_problems,
 )
-from errors import RunError, UsageError, lost_peer, report_failure
+from errors import RunError, UsageError, lost_peer, run_reported
 from layout import RunLayout, apply_layout, layout_from_flags, layout_from_plan, rank_view
 from metrics import ExpertLoad, Reporter, Throughput, flops_per_token, peak_flops, summary_lines
 from models import (
@@ -480,17 +480,7 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        train(args)
-    except BaseException as err:
-        code = report_failure(err, rank=env_int("RANK", 0), world_size=env_int("WORLD_SIZE", 1))
-        if code is None:
-            raise
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return code
-    return 0
+    return run_reported(train, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -18,11 +18,6 @@ _LAYOUT_FLAGS = (
     ("is_transposed", False, "transposed expert weights are not the [E, out, in] layout the kernels read"),
     ("has_bias", False, "the expert kernels have no bias terms"),
     ("has_post_expert_norm", False, "a norm after each expert does not fit the fused routing-weight epilogue"),
-    (
-        "_is_expert_parallel",
-        False,
-        "transformers' own expert parallelism sends sentinel expert ids; use moe_ep's dispatcher instead",
-    ),
 )
 
 

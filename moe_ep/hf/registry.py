@@ -33,6 +33,35 @@ class _ExpertsInDtype:
         return f"{type(self.module).__name__} in {self.gate_up_proj.dtype}"
 
 
+def under_transformers_parallelism(module: torch.nn.Module) -> bool:
+    """Whether transformers' own expert (or tensor) parallelism drives ``module``, and so may hand
+    it sentinel expert ids. transformers 5.24+ says so in the flag ``_is_expert_parallel`` that
+    ``@use_experts_implementation`` puts on every experts module; releases without the flag (5.17)
+    mark every module of a model they distributed with ``_is_hooked`` and send sentinels from any
+    expert-parallel router."""
+    flag = getattr(module, "_is_expert_parallel", None)
+    if flag is not None:
+        return bool(flag)
+    return bool(getattr(module, "_is_hooked", False))
+
+
+def skip_sentinel_slots(
+    module: torch.nn.Module, idx_TK: torch.Tensor, w_TK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' expert-parallel routers that give each rank the whole batch (5.24's
+    ``AllReduceEP``, every 5.17 expert-parallel model) mark a slot whose expert another rank owns
+    with the id ``L`` (this rank's expert count) and weight 0; its experts must skip it. Here such a
+    slot becomes a slot of local expert 0 with weight 0: it adds exactly 0 to its token's output, and
+    no gradient reaches the hidden state, the expert weights (the weight is 0) or the routing weight
+    (``masked_fill`` passes none at the filled slot). Computed on the device, with no host sync and
+    no shape that depends on the data; where there is no sentinel it costs two element-wise ops on
+    ``[T, K]``. The price where there are sentinels: their rows go through expert 0's GEMMs (as
+    transformers' ``batched_mm`` clamps and computes them too). Ids below 0 or above ``L`` are left
+    for ``moe_experts``' range check to refuse."""
+    sentinel_TK = idx_TK == module.gate_up_proj.shape[0]
+    return idx_TK.masked_fill(sentinel_TK, 0), w_TK.masked_fill(sentinel_TK, 0)
+
+
 def moe_ep_experts_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -41,7 +70,9 @@ def moe_ep_experts_forward(
 ) -> torch.Tensor:
     """transformers' experts forward signature. The module's binding (``moe_ep.hf.binding``) says
     how it runs: its expert-parallel dispatcher, set by ``moe_ep.parallelize``, takes the call;
-    without one the local ``moe_experts`` op runs with the backend ``moe_ep.patch`` bound.
+    without one the local ``moe_experts`` op runs with the backend ``moe_ep.patch`` bound, on
+    this rank's experts under transformers' own expert parallelism, whose sentinel ids it skips
+    (``skip_sentinel_slots``).
 
     Under autocast both paths compute in the autocast dtype, as ``F.linear`` in the eager experts
     does: the activations and weights are cast before the local op or the dispatcher sees them
@@ -56,6 +87,8 @@ def moe_ep_experts_forward(
     if binding.dispatcher is not None:
         y_TH = binding.dispatcher(experts, x_TH, top_k_index, top_k_weights)
     else:
+        if under_transformers_parallelism(self):
+            top_k_index, top_k_weights = skip_sentinel_slots(self, top_k_index, top_k_weights)
         y_TH = moe_experts(
             x_TH,
             top_k_index,

@@ -21,6 +21,24 @@ def _registry_module():
     return module if hasattr(module, "EPImplementationInterface") else None
 
 
+def _tp_slice(t, tp_mesh):
+    """This rank's rows of a batch its tensor-parallel group shares: Replicate -> Shard(0) is a
+    local chunk, whose backward all-gathers the rows' gradients (each rank's are partial)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(0)]).to_local()
+
+
+def _tp_gather(rows, tp_mesh, num_tokens: int):
+    """The group's row slices back into the whole batch on every rank (one all-gather, uneven or
+    empty slices too); the backward keeps this rank's rows of the gradient."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    hidden = rows.shape[1]
+    return DTensor.from_local(rows.contiguous(), tp_mesh, [Shard(0)], shape=(num_tokens, hidden),
+                              stride=(hidden, 1)).full_tensor()
+
+
 def _implementation_class(module):
     from ..dispatch import dispatch
     from ..dispatch.dispatcher import combine_checked, join_checked
@@ -30,20 +48,26 @@ def _implementation_class(module):
         routing weights and reduces; one row per (token, rank) comes back. The experts run with
         their own forward (any experts implementation) on local ids and the received weights.
 
-        Every rank of the expert group holds its own batch: ``tp_size`` must be 1."""
+        With tensor parallelism the ranks of a TP group hold the same batch: each dispatches its
+        slice of it (as transformers' all-to-all does), so a token goes through the experts once,
+        and the outputs are all-gathered back over the TP group."""
 
         def __init__(self, experts, ep_mesh, tp_mesh):
             super().__init__(experts, ep_mesh, tp_mesh)
-            if tp_mesh.size() > 1:
-                raise ValueError(
-                    f"ep_implementation={EP_IMPLEMENTATION!r} needs tp_size=1 (each rank of the expert group holds "
-                    f"its own batch), got a tensor-parallel mesh of size {tp_mesh.size()}; use "
-                    "ep_implementation='all_to_all' together with tensor parallelism"
-                )
             self.group = ep_mesh.get_group()
             self.num_experts = self.num_local_experts * ep_mesh.size()
 
         def __call__(self, hidden_states, top_k_index, top_k_weights):
+            num_tokens = hidden_states.shape[0]
+            tp = self.tp_mesh.size() > 1
+            if tp:
+                hidden_states, top_k_index, top_k_weights = (
+                    _tp_slice(t, self.tp_mesh) for t in (hidden_states, top_k_index, top_k_weights)
+                )
+            y_TH = self._dispatch_combine(hidden_states, top_k_index, top_k_weights)
+            return _tp_gather(y_TH, self.tp_mesh, num_tokens) if tp else y_TH
+
+        def _dispatch_combine(self, hidden_states, top_k_index, top_k_weights):
             tokens = dispatch(hidden_states, top_k_index, top_k_weights, group=self.group, num_experts=self.num_experts)
             if tokens.layout.num_pairs:
                 expert_output = self.experts_forward(tokens.hidden_states, tokens.expert_ids, tokens.weights)

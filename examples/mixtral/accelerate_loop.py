@@ -1,0 +1,132 @@
+"""Expert-parallel training in a hand-written accelerate loop, launched by ``accelerate launch``.
+
+    ACCELERATE_USE_CPU=true accelerate launch --config_file examples/mixtral/configs/cpu.yaml \\
+        examples/mixtral/accelerate_loop.py --ep 2
+
+What moe_ep adds to an ordinary accelerate loop is two lines: ``moe_ep.parallelize(model, ep=...)``
+(in ``loops.make_model``) and ``moe_ep.configure_accelerator(accelerator, model)`` before
+``accelerator.prepare``. The rest is accelerate's: ``accumulate``, ``backward``,
+``clip_grad_norm_``, ``gather_for_metrics``, ``save_state``/``load_state`` (DCP shards of model
+and optimizer) and ``get_state_dict`` for the final ``save_pretrained``. ``--baseline`` runs the
+same loop without moe_ep. See README.md beside this file."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from loops import (
+    RunFolder,
+    StepLog,
+    checked_run,
+    configuration_errors,
+    finished,
+    lr_at,
+    make_model,
+    script_main,
+)
+from ownership import delete_atomically
+
+CHECKPOINTS = "checkpoints"
+
+
+class Progress:
+    """The optimizer steps taken: saved and loaded with the accelerator's state."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+def save_checkpoint(accelerator, run: RunFolder, step: int) -> Path:
+    """accelerate's ``save_state`` into ``checkpoints/.tmp-step_N``, renamed to ``step_N`` by rank 0
+    once every rank wrote its shards: a checkpoint under its final name is always complete. A
+    ``step_N`` already there (this run's, from a run that went further before a resume) is replaced."""
+    root = run.path / CHECKPOINTS
+    final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if final.exists():
+            delete_atomically(final)
+        os.rename(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def train(args) -> None:
+    with checked_run(args, "accelerate_loop", f"{CHECKPOINTS}/step_*", managed=(CHECKPOINTS,)) as (
+            data, run, world_size, rank):
+        _train(args, data, run, world_size, rank)
+
+
+def _train(args, data, run: RunFolder, world_size: int, rank: int) -> None:
+    from accelerate import Accelerator
+
+    import moe_ep
+
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, cpu=not torch.cuda.is_available())
+    if rank == 0:
+        run.claim()
+    log = StepLog(run.path, enabled=accelerator.is_main_process)
+    with configuration_errors():
+        model = make_model(args, accelerator.device)
+        if not args.baseline:
+            moe_ep.configure_accelerator(accelerator, model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.micro_batch_size, shuffle=False, drop_last=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    if args.resume:
+        resume = run.checkpoints()[-1]
+        accelerator.load_state(str(resume))
+        log.info(f"resumed from {resume} at step {progress.step}")
+    log.info(f"{'baseline (transformers experts, DDP)' if args.baseline else f'moe_ep ep={args.ep}'} on "
+             f"{world_size} process(es), mixed precision {accelerator.mixed_precision}")
+    batches = iter(accelerator.skip_first_batches(loader, progress.step * args.grad_accum))
+    stop = args.stop_after or args.steps
+    model.train()
+    while progress.step < stop:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(progress.step, args)
+        micro_losses = []
+        for _ in range(args.grad_accum):
+            with accelerator.accumulate(model):
+                loss = model(**next(batches)).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            micro_losses.append(accelerator.gather_for_metrics(loss.detach().reshape(1)))
+        progress.step += 1
+        # host sync: once per step, for the log.
+        log.step({"step": progress.step, "loss": torch.cat(micro_losses).mean().item(),
+                  "grad_norm": float(grad_norm), "lr": optimizer.param_groups[0]["lr"]})
+        if args.checkpoint_every and progress.step % args.checkpoint_every == 0:
+            log.info(f"checkpoint {save_checkpoint(accelerator, run, progress.step)}")
+    if not finished(log, progress.step, args):
+        return
+    state_dict = accelerator.get_state_dict(model)  # every rank: gathers the full weights on rank 0
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(str(run.final), state_dict=state_dict)
+    accelerator.wait_for_everyone()
+    run.saved_final(log, is_main=accelerator.is_main_process)
+
+
+def main(argv=None) -> int:
+    return script_main(train, "Expert-parallel training in a hand-written accelerate loop; launch with `accelerate launch`.",
+                       "runs/mixtral-tiny-accelerate", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Expert-parallel training with transformers' own ``Trainer``, launched by ``accelerate launch``.
+
+    ACCELERATE_USE_CPU=true accelerate launch --config_file examples/mixtral/configs/cpu.yaml \\
+        examples/mixtral/trainer.py --ep 2
+
+What moe_ep adds to an ordinary Trainer script is two lines: ``moe_ep.parallelize(model, ep=...)``
+(in ``loops.make_model``) and ``moe_ep.ExpertParallelTrainer`` where the script built ``Trainer``.
+Everything else (TrainingArguments, gradient accumulation and clipping, mixed precision from the
+accelerate config, ``save_steps`` checkpoints, ``resume_from_checkpoint``, ``save_model``) is the
+Trainer's own. ``--baseline`` runs the same script without moe_ep. See README.md beside this file."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from loops import (
+    RunFolder,
+    StepLog,
+    checked_run,
+    configuration_errors,
+    finished,
+    make_model,
+    script_main,
+)
+
+
+def log_callback(log: StepLog):
+    from transformers import TrainerCallback
+
+    class LogSteps(TrainerCallback):
+        """Trainer's per-step logs (``logging_steps=1``) as StepLog lines."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                log.step({"step": state.global_step, "loss": logs["loss"], "grad_norm": logs.get("grad_norm"),
+                          "lr": logs.get("learning_rate", 0.0)})
+
+    return LogSteps()
+
+
+def stop_callback(stop_after: int):
+    from transformers import TrainerCallback
+
+    class StopAfter(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= stop_after:
+                control.should_training_stop = True
+
+    return StopAfter()
+
+
+def train(args) -> None:
+    with checked_run(args, "trainer", "checkpoint-*") as (data, run, world_size, rank):
+        _train(args, data, run, world_size, rank)
+
+
+def _train(args, data, run: RunFolder, world_size: int, rank: int) -> None:
+    from accelerate import PartialState
+    from transformers import PrinterCallback, Trainer, TrainingArguments
+
+    import moe_ep
+
+    state = PartialState(cpu=not torch.cuda.is_available())  # the process group, which parallelize needs
+    if rank == 0:
+        run.claim()
+    log = StepLog(run.path, enabled=rank == 0)
+    resume = run.checkpoints()[-1] if args.resume else None
+    training_args = TrainingArguments(
+        output_dir=str(run.path), per_device_train_batch_size=args.micro_batch_size,
+        gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
+        lr_scheduler_type="linear", warmup_steps=args.warmup_steps, weight_decay=0.0, max_grad_norm=args.max_grad_norm,
+        seed=args.seed, logging_steps=1, report_to=[], disable_tqdm=True,
+        save_strategy="steps" if args.checkpoint_every else "no", save_steps=args.checkpoint_every or 1,
+        # The sequences are shuffled once (loops.Sequences): read in order, every layout trains
+        # on the same global batches.
+        train_sampling_strategy="sequential", dataloader_drop_last=True, use_cpu=not torch.cuda.is_available(),
+    )
+    trainer_class = Trainer if args.baseline else moe_ep.ExpertParallelTrainer
+    callbacks = [log_callback(log)] + ([stop_callback(args.stop_after)] if args.stop_after else [])
+    with configuration_errors():
+        trainer = trainer_class(model=make_model(args, state.device), args=training_args, train_dataset=data,
+                                callbacks=callbacks)
+    trainer.remove_callback(PrinterCallback)  # StepLog says the same, once per step
+    log.info(f"{'baseline (transformers experts, DDP)' if args.baseline else f'moe_ep ep={args.ep}'} on "
+             f"{world_size} process(es), mixed precision {training_args.mixed_precision}"
+             + (f", resuming from {resume}" if resume else ""))
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    if not finished(log, trainer.state.global_step, args):
+        return
+    trainer.save_model(str(run.final))
+    run.saved_final(log, is_main=rank == 0)
+
+
+def main(argv=None) -> int:
+    return script_main(train, "Expert-parallel training with transformers' Trainer; launch with `accelerate launch`.",
+                       "runs/mixtral-tiny-trainer", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""transformers' ``Trainer`` on a model that ``moe_ep.parallelize`` prepared: build
+``moe_ep.ExpertParallelTrainer`` where the script built ``Trainer``, with the same arguments, and
+change nothing else::
+
+    model = moe_ep.parallelize(model, ep=2)          # every rank, before the Trainer
+    trainer = moe_ep.ExpertParallelTrainer(model=model, args=training_args, train_dataset=data)
+    trainer.train()                                   # or train(resume_from_checkpoint=...)
+    trainer.save_model(folder)                        # loads with plain from_pretrained
+
+A Trainer subclass (TRL's ``SFTTrainer``, one's own) takes ``ExpertParallelTrainerMixin`` first:
+``class MyTrainer(moe_ep.ExpertParallelTrainerMixin, SFTTrainer)``.
+
+What it changes: the Trainer's ``Accelerator`` gets an FSDP2 plugin that wraps nothing
+(``hf_accelerate.fsdp2_plugin_arguments``) unless the user configured FSDP, and is then configured
+by ``configure_accelerator`` (``hf_accelerate.py`` says what accelerate's configuration must say;
+every disagreement stops in one line before the Trainer exists). From there the Trainer runs its
+own FSDP2 code: gradient accumulation without reduction until the last micro-batch, clipping over
+both meshes, ``save_steps`` checkpoints as DCP shards of model and optimizer (with the RNG,
+scheduler and trainer state files), ``resume_from_checkpoint`` from them, and ``evaluate``. The one
+change of behaviour: ``save_model(folder)`` called by the user writes the full model
+(``model.safetensors`` and ``config.json``, Hugging Face names and shapes), which plain
+``from_pretrained`` loads, whatever ``state_dict_type`` checkpoints use. The load-balancing loss is
+the model's own (``output_router_logits``), each rank's micro-batch balanced on its own as
+transformers computes it.
+
+Arguments refused before any work, each in one line: ``torch_compile``, ``gradient_checkpointing``
+(give ``parallelize(activation_checkpointing=True)``), a ``parallelism_config`` or FSDP
+configuration that disagrees with parallelize, and a model cut into pipeline stages (``pp > 1``:
+Trainer drives one module; pipeline stages train under ``moe_ep.TrainStep``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from transformers import Trainer
+
+from .hf_accelerate import (
+    check_fsdp_plugin,
+    check_parallelism_config,
+    configure_accelerator,
+    expert_parallel_context,
+    fsdp2_plugin_arguments,
+)
+
+
+def check_training_arguments(args, context) -> None:
+    """The ``TrainingArguments`` that cannot apply to a model parallelize already prepared."""
+    if args.torch_compile:
+        raise ValueError("TrainingArguments(torch_compile=True) is not supported with a model moe_ep.parallelize "
+                         "prepared: leave it False")
+    for name in ("gradient_checkpointing", "activation_checkpointing"):
+        if getattr(args, name, False):
+            raise ValueError(f"TrainingArguments({name}=True) would change a model moe_ep.parallelize sharded "
+                             "already: pass activation_checkpointing=True to moe_ep.parallelize instead")
+    check_parallelism_config(getattr(args, "parallelism_config", None), context)
+
+
+@contextlib.contextmanager
+def _full_state_dict(plugin):
+    """accelerate's FSDP plugin saving full state dicts for a while (Trainer.save_model writes
+    ``model.safetensors`` only with FULL_STATE_DICT)."""
+    before = plugin.state_dict_type
+    plugin.set_state_dict_type("FULL_STATE_DICT")
+    try:
+        yield
+    finally:
+        plugin.set_state_dict_type(before)
+
+
+class ExpertParallelTrainerMixin:
+    """Put in front of ``transformers.Trainer`` or any subclass of it; the module docstring says
+    what it does."""
+
+    def _build_accelerator_args(self, **kwargs):
+        context = expert_parallel_context(self.model)
+        check_training_arguments(self.args, context)
+        plugin = kwargs.get("fsdp_plugin")  # from TrainingArguments' fsdp and fsdp_config
+        if plugin is not None:
+            check_fsdp_plugin(plugin, context)
+        elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+            from accelerate.utils import FullyShardedDataParallelPlugin
+
+            plugin = FullyShardedDataParallelPlugin(**fsdp2_plugin_arguments(context))
+        # On GPUs accelerate enters FSDP2 mode with it by itself; on the CPU it drops it, and
+        # configure_accelerator switches with it.
+        self._moe_ep_fsdp_plugin = kwargs["fsdp_plugin"] = plugin
+        return super()._build_accelerator_args(**kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        configure_accelerator(self.accelerator, self.model, fsdp_plugin=self._moe_ep_fsdp_plugin)
+        # Set by Trainer from accelerate's state before configure_accelerator could change it.
+        self.is_fsdp_enabled = True
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if _internal_call:  # a checkpoint: model and optimizer as the plugin's state_dict_type says
+            return super().save_model(output_dir, _internal_call=True)
+        with _full_state_dict(self.accelerator.state.fsdp_plugin):
+            return super().save_model(output_dir, _internal_call=False)
+
+
+class ExpertParallelTrainer(ExpertParallelTrainerMixin, Trainer):
+    """``transformers.Trainer`` for a model that ``moe_ep.parallelize`` prepared."""

@@ -1,0 +1,46 @@
+"""Launched by ``accelerate launch`` for test_hf_loops*.py: runs examples/mixtral/trainer.py and
+accelerate_loop.py several times in one launched world, each run as its script would run alone,
+so that the tests pay the start-up of a world once. accelerate's shared state (and the
+environment a run asks for, e.g. ``ACCELERATE_MIXED_PRECISION``) is reset between runs; the
+process group stays.
+
+argv[1]: a JSON list of ``[script, flags, env]``. Rank 0 prints ``RUN <index> rc=<exit status>``
+after each run; the runs' figures are in their output folders (``metrics.jsonl``, ``final/``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mixtral"
+sys.path.insert(0, str(EXAMPLE))
+
+import accelerate_loop  # noqa: E402
+import trainer  # noqa: E402
+
+SCRIPTS = {"trainer": trainer, "accelerate_loop": accelerate_loop}
+
+
+def reset_accelerate() -> None:
+    # accelerate's own tests reset it this way between runs in one process.
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def main() -> None:
+    base_env = dict(os.environ)
+    for index, (script, flags, env) in enumerate(json.loads(sys.argv[1])):
+        os.environ.clear()
+        os.environ.update(base_env, **env)
+        reset_accelerate()
+        code = SCRIPTS[script].main(flags)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"RUN {index} rc={code}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

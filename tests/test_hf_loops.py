@@ -1,0 +1,63 @@
+"""transformers' Trainer and a hand-written accelerate loop on a model moe_ep.parallelize prepared,
+through the examples (examples/mixtral/trainer.py, accelerate_loop.py) launched by ``accelerate
+launch`` on 2 gloo processes: with expert parallelism (ep=2, FSDP2 over the same two), the per-step
+losses and gradient norms of 6 optimizer steps with gradient accumulation and the load-balancing
+loss equal, in float32 to 1e-5, those of the same script without expert parallelism (plain data
+parallel, transformers' own experts) on the same processes and of one process accumulating the
+same per-rank batches; a run stopped after a checkpoint and resumed logs the uninterrupted run's
+losses; the saved model loads with plain transformers and gives the baseline's logits; bf16 mixed
+precision from accelerate's configuration is applied (the losses move off float32's by about the
+bf16 rounding, and stay within the bf16 tolerance of the baseline's in bf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_loops import (
+    SCRIPTS,
+    check_against_baseline_and_one_process,
+    final_logits,
+    max_abs_diff,
+    max_rel_diff,
+    step_records,
+    world_fixture,
+)
+from numerics import TOLERANCE
+
+PROCESSES = 2
+LAYOUT = ("--ep", "2")
+
+
+runs = world_fixture(PROCESSES, LAYOUT, resume=True, bf16=True)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_expert_parallel_matches_data_parallel_and_one_process(runs, script):
+    check_against_baseline_and_one_process(runs, script, PROCESSES)
+    baseline = step_records(runs / f"{script}_baseline")
+    assert max_rel_diff(baseline, step_records(runs / f"{script}_one_process_x{PROCESSES}"), "loss") <= TOLERANCE[
+        torch.float32]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_resumed_run_gives_the_uninterrupted_losses(runs, script):
+    resumed, uninterrupted = step_records(runs / f"{script}_stopped"), step_records(runs / f"{script}_ep")
+    assert max_abs_diff(resumed, uninterrupted, "loss") == 0.0
+    assert max_abs_diff(resumed, uninterrupted, "grad_norm") == 0.0
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_saved_model_loads_with_plain_transformers(runs, script):
+    """(Its logits against the baseline's: test_expert_parallel_matches_data_parallel_and_one_process.)"""
+    assert "moe_ep" not in (runs / f"{script}_ep" / "final" / "config.json").read_text()
+    assert torch.equal(final_logits(runs / f"{script}_stopped" / "final"), final_logits(runs / f"{script}_ep" / "final"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bf16_mixed_precision_is_applied(runs, script):
+    ep, baseline = step_records(runs / f"{script}_ep_bf16"), step_records(runs / f"{script}_baseline_bf16")
+    fp32 = {s: r for s, r in step_records(runs / f"{script}_ep").items() if s in ep}
+    assert max_rel_diff(ep, baseline, "loss") <= TOLERANCE[torch.bfloat16]
+    # Computed in bf16, not silently in float32 (the first step's loss is the forward alone).
+    assert max_abs_diff(ep, fp32, "loss") > 1e-5
