@@ -1,11 +1,13 @@
 """Time each grouped-GEMM launcher of the Triton experts op under candidate configurations, one at
-a time, at Mixtral-8x7B expert shapes (T=16384, top-2, bf16): the measurements the sm_90 and sm_80
-configuration spaces in ``moe_ep/kernels/grouped_gemm.py`` are chosen from.
+a time, at Mixtral-8x7B expert shapes (T=16384, top-2, bf16): the measurements the sm_90
+configuration space in ``moe_ep/kernels/grouped_gemm.py`` is ordered by (the candidates below are
+Hopper's, TMA ones included; an A100 needs candidates of its own, without TMA).
 
     python scripts/sweep_configs.py --out sweep.json          # on a CUDA GPU, a few minutes
 
 Each candidate replaces the architecture's space for its kernel (so the launcher runs exactly that
-configuration), is checked against the first candidate's result (relative error; a broken
+configuration), is checked against the first candidate's result on the slots' own rows (relative
+error; a broken
 configuration is reported, never ranked) and timed with ``triton.testing.do_bench`` (median).
 Candidates that fail to compile or run are recorded with their error. A sweep, not a gate: the
 chosen configurations must still pass ``python -m moe_ep.kernels.aot`` (no spills) on the CPU."""
