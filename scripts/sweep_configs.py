@@ -7,8 +7,8 @@ Hopper's, TMA ones included; an A100 needs candidates of its own, without TMA).
 
 Each candidate replaces the architecture's space for its kernel (so the launcher runs exactly that
 configuration), is checked against the first candidate's result on the slots' own rows (relative
-error; a broken
-configuration is reported, never ranked) and timed with ``triton.testing.do_bench`` (median).
+error; a broken configuration is reported, never ranked) and timed with ``triton.testing.do_bench``
+(median).
 Candidates that fail to compile or run are recorded with their error. A sweep, not a gate: the
 chosen configurations must still pass ``python -m moe_ep.kernels.aot`` (no spills) on the CPU."""
 
