@@ -228,13 +228,15 @@ def run(archs, jobs: int, only: list[str] | None = None, dtypes: list[str] | Non
     return failures + [r for r, _ in pairs], pairs
 
 
-def gemm_cost(row: Row, spec) -> dict:
-    """The static cost of a compiled GEMM launch at the reference shapes."""
-    family, rank, step, gemm, persistent = spec.cost
+def gemm_cost(row: Row, spec, p: cost.Problem = cost.MIXTRAL) -> dict:
+    """The static cost of a compiled GEMM launch at problem ``p`` (the sizes are not specialised,
+    so one compiled launch stands for every problem of its size class)."""
+    family, rank, role, persistent, gemms_of = spec.cost
+    step, gemm = gemms_of(p)[role]
     machine = cost.MACHINES[row.arch]
     c = spec.constexprs
     occupancy = 1 if persistent else cost.occupancy(machine, row.registers, row.shared_bytes, row.num_warps)
-    estimate = cost.estimate(gemm, cost.MIXTRAL, machine, (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]),
+    estimate = cost.estimate(gemm, p, machine, (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]),
                              c["GROUP_M"], machine.sms * occupancy)
     return {"family": family, "rank": rank, "step": step, "programs_per_sm": occupancy, **estimate,
             **cost.expected(estimate, row.arch, row.load_path, row.num_stages)}
@@ -243,20 +245,25 @@ def gemm_cost(row: Row, spec) -> dict:
 # The down-projection weight gradient before it read hs (issue #12): it recomputed act(gate) * up
 # from pre (two [rows, BLOCK_N] panels per tile) in N-fastest tile order (GROUP_M 1), 128x128x64
 # tiles at 8 warps, 233 registers (sm_90) so one program per SM.
-TODAY_DOWN_GRAD = (cost.Gemm("weight", m=cost.MIXTRAL.H, n=cost.MIXTRAL.I, b_panels=2), (128, 128, 64), 1)
+def _down_grad_before(p: cost.Problem):
+    return cost.Gemm("weight", m=p.H, n=p.I, b_panels=2), (128, 128, 64), 1
+
+
 # The family whose first configuration (the one used without timing) each architecture runs.
 FAMILY_OF = {90: "sm_90", 80: "sm_80"}
 
 
-def whole_pass(rows: list[Row], arch: int) -> dict | None:
+def whole_pass(pairs: list[tuple[Row, object]], arch: int, p: cost.Problem = cost.MIXTRAL) -> dict | None:
     """Forward + backward of the Triton path, dense cuBLAS over the same FLOPs and grouped_mm's
-    kernel sequence, at the reference shapes on ``arch``'s machine: roofline bounds and expected
-    times (estimates)."""
-    p, machine = cost.MIXTRAL, cost.MACHINES[arch]
+    kernel sequence, at problem ``p`` on ``arch``'s machine: roofline bounds and expected times
+    (estimates), from the compiled first configuration of each GEMM of ``arch``'s family."""
+    machine = cost.MACHINES[arch]
     steps = {}
-    for r in rows:
-        if r.arch == arch and r.cost and r.cost["family"] == FAMILY_OF[arch] and r.cost["rank"] == 0:
-            steps[r.cost["step"]] = {"step": r.cost["step"], "kernel": r.kernel, **r.cost}
+    for r, spec in pairs:
+        if (r.arch == arch and r.ok and spec.cost is not None and spec.cost[0] == FAMILY_OF[arch]
+                and spec.cost[1] == 0):
+            c = gemm_cost(r, spec, p)
+            steps[c["step"]] = {"step": c["step"], "kernel": r.kernel, **c}
     if len(steps) != 6:
         return None
     N, T, H, e = p.N, p.T, p.H, p.elem
@@ -264,14 +271,16 @@ def whole_pass(rows: list[Row], arch: int) -> dict | None:
     triton_steps = list(steps.values()) + [
         cost.memory_pass("fwd+bwd routing metadata", N * 8 + N * 4, (P + N) * 4, arch),
         cost.memory_pass("fwd combine", N * H * e + N * 4, T * H * e, arch),
+        cost.memory_pass("bwd dy rows, padded order", T * H * e + P * 4, P * H * e, arch),
+        cost.memory_pass("bwd x rows, padded order", T * H * e + P * 4, P * H * e, arch),
         cost.memory_pass("bwd combine (dx)", N * H * e + N * 4, T * H * e, arch),
         cost.memory_pass("bwd d w (partial sums)", N * (p.I // 64) * 4, N * 4, arch),
     ]
     flops = cost.expert_mlp_flops(p)
     dense = [cost.gemm_pass("dense cuBLAS, same FLOPs", flops, 0, 0, arch)]
     grouped = cost.grouped_mm_sequence(p, arch)
-    today_gemm, block, group_m = TODAY_DOWN_GRAD
-    today = cost.estimate(today_gemm, p, machine, block, group_m, machine.sms)
+    before_gemm, block, group_m = _down_grad_before(p)
+    before = cost.estimate(before_gemm, p, machine, block, group_m, machine.sms)
     now = steps["bwd d down (dy^T hs)"]
     t, d, g = (cost.summary(x) for x in (triton_steps, dense, grouped))
     # The forward alone: the routing metadata is built in the forward; dense's forward is a third
@@ -291,9 +300,9 @@ def whole_pass(rows: list[Row], arch: int) -> dict | None:
         "forward": {basis: {"dense_over_triton": d_fwd[f"{key}_ms"] / t_fwd[f"{key}_ms"],
                             "grouped_mm_over_triton": g_fwd[f"{key}_ms"] / t_fwd[f"{key}_ms"]}
                     for basis, key in (("bound", "roofline"), ("expected", "expected"))},
-        "down_grad_bytes_today": today["bytes_read"] + today["bytes_written"],
+        "down_grad_bytes_today": before["bytes_read"] + before["bytes_written"],
         "down_grad_bytes_now": now["bytes_read"] + now["bytes_written"],
-        "down_grad_ms_today": today["roofline_ms"],
+        "down_grad_ms_today": before["roofline_ms"],
         "activation_bytes": cost.activation_bytes(p),
     }
 
@@ -360,6 +369,27 @@ def format_estimates(estimates: dict) -> str:
     return "\n".join(lines)
 
 
+def _brief(est: dict) -> dict:
+    """An estimate's totals and ratios, without its per-step rows."""
+    return {"problem": est["problem"], **{k: {m: v for m, v in est[k].items() if m != "steps"}
+                                          for k in ("triton", "dense", "grouped_mm")},
+            "expected": est["expected"], "bound": est["bound"], "forward": est["forward"]}
+
+
+def format_other_problems(others: dict) -> str:
+    """One line per (problem, architecture): the whole pass's estimates at the other reference
+    problems (fine-grained experts), from the same compiled launches."""
+    lines = ["\nEstimated forward+backward at the other reference problems (bf16; same machines and rates):"]
+    for name, by_arch in others.items():
+        for arch, est in by_arch.items():
+            p, t, d, g = est["problem"], est["triton"], est["dense"], est["grouped_mm"]
+            lines.append(f"  {name:<14} T={p['T']:<6} k={p['K']} H={p['H']} I={p['I']} E={p['E']:<4} sm_{arch}: "
+                         f"triton {t['expected_ms']:7.2f} ms, dense {d['expected_ms']:7.2f}, grouped_mm "
+                         f"{g['expected_ms']:7.2f}; grouped_mm / triton {est['expected']['grouped_mm_over_triton']:.2f}, "
+                         f"dense / triton {est['expected']['dense_over_triton']:.2f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_ep.kernels.aot", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", choices=ARCHS, default=list(ARCHS),
@@ -387,18 +417,23 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     start = time.perf_counter()
-    rows, _ = run(args.arch, max(1, args.jobs), args.modules, args.dtypes, args.first_config, args.quick)
-    estimates = {a: e for a in args.arch if (e := whole_pass(rows, a)) is not None}
+    rows, pairs = run(args.arch, max(1, args.jobs), args.modules, args.dtypes, args.first_config, args.quick)
+    estimates = {a: e for a in args.arch if (e := whole_pass(pairs, a)) is not None}
+    others = {name: {a: e for a in args.arch if (e := whole_pass(pairs, a, p)) is not None}
+              for name, p in cost.PROBLEMS.items() if p != cost.MIXTRAL}
     print(f"Triton {triton.__version__}")
     print(format_table(rows))
     print(format_estimates(estimates))
+    print(format_other_problems(others))
     failed = [r for r in rows if not r.ok]
     print(f"\n{len(rows) - len(failed)}/{len(rows)} ok, {len(failed)} failed, "
           f"{time.perf_counter() - start:.0f} s with {args.jobs} jobs")
     if args.json:
         report = {"triton": triton.__version__, "date": datetime.date.today().isoformat(),
                   "note": "costs and times are static estimates made without a GPU",
-                  "rows": [asdict(r) for r in rows], "estimates": {f"sm_{a}": e for a, e in estimates.items()}}
+                  "rows": [asdict(r) for r in rows], "estimates": {f"sm_{a}": e for a, e in estimates.items()},
+                  "other_problems": {name: {f"sm_{a}": _brief(e) for a, e in by_arch.items()}
+                                     for name, by_arch in others.items()}}
         args.json.write_text(json.dumps(report, indent=1))
     return 1 if failed else 0
 

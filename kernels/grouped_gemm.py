@@ -42,6 +42,9 @@ GROUP_M = 8
 COMBINE_BLOCK_T = 32
 COMBINE_BLOCK_H = 128
 COMBINE_WARPS = 4
+GATHER_BLOCK_R = 32
+GATHER_BLOCK_H = 128
+GATHER_WARPS = 4
 GEMM_KERNELS = ("gather_glu", "rows_matmul", "glu_backward", "weight_grad")
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -68,59 +71,75 @@ def _space(tiles: list[Config], fp32: list[Config], unaligned: list[Config],
 # compiles without spills and fits shared memory on its architecture under Triton 3.6 and 3.9
 # (``python -m moe_ep.kernels.aot``).
 _FP32_TILE = [Config(64, 32, 32, num_warps=8, num_stages=2)]
+# gather_glu's BLOCK_N counts gate and up columns together: its tiles are twice as wide for the
+# same work per column of h.
+_FP32_GATHER_GLU = [Config(64, 64, 32, num_warps=8, num_stages=2)]
 # glu_backward's epilogue splits the columns in halves: 16-column halves of the float32 tile
 # spill 8 bytes, 32-column ones do not.
 _FP32_GLU_BWD = [Config(64, 64, 32, num_warps=8, num_stages=2)]
 # Rows that are not 16-byte aligned load element by element (no vector loads, no cp.async, no
-# TMA): every element of a tile needs its own address registers, so the tiles are small. The
-# gate/up product of gather_glu (two accumulators) and glu_backward's epilogue take 32 columns.
+# TMA): every element of a tile needs its own address registers, so the tiles are small.
+# glu_backward's epilogue takes 32 columns, gather_glu 32 of gate and 32 of up.
 _UNALIGNED = [Config(64, 64, 32, 8, 2)]
-_UNALIGNED_GLU = [Config(64, 32, 32, 4, 2)]
+_UNALIGNED_GATHER_GLU = [Config(64, 64, 32, 4, 2)]
+_UNALIGNED_GLU_BWD = [Config(64, 32, 32, 4, 2)]
 # Float32 on unaligned rows: the aligned tiles' cp.async of single elements spill 8-48 bytes on
 # sm_80 and sm_90 (glu_backward, the dx product); a 16-deep reduction step does not.
 _FP32_UNALIGNED = [Config(64, 64, 16, 8, 2)]
+# sm_90's narrower gather_glu tiles: 64 or 128 rows by 64 gate and 64 up columns.
+_SM90_GATHER_GLU_NARROW = [Config(128, 128, 64, 8, 4, tma=True, persistent=True), Config(128, 128, 64, 8, 4),
+                           Config(64, 128, 64, 4, 4)]
 # sm_90's smaller glu_backward tiles, after the 128x128 one (whose depth depends on the activation).
 _SM90_GLU_BWD_SMALL = [Config(64, 128, 64, 8, 3, tma=True, persistent=True), Config(128, 64, 64, 8, 4),
                        Config(64, 64, 64, 4, 4)]
 CONFIGS = {
-    # H100: 227 KB of shared memory per block, wgmma with the accumulator in registers, TMA. The
-    # order is what an H100 80GB HBM3 measured at Mixtral-8x7B shapes (T=16384, bf16; 2026-11-25,
-    # scripts/sweep_configs.py, benchmarks/results/sweep_configs_*): the fastest that does not spill
-    # first.
+    # H100: 227 KB of shared memory per block, wgmma with the accumulator in registers, TMA. Where a
+    # kernel is unchanged since the sweep, the order is what an H100 80GB HBM3 measured at
+    # Mixtral-8x7B shapes (T=16384, bf16; 2026-11-25, scripts/sweep_configs.py,
+    # benchmarks/results/sweep_configs_*): the fastest that does not spill first. The one-accumulator
+    # gather_glu, glu_backward with dy through TMA and the weight gradients over padded copies are
+    # newer than that sweep: their first tiles are the rows_matmul shape (128x256x64, the kernel at
+    # cuBLAS's rate), chosen by the AOT check and the cost model, not yet measured.
     "sm_90": {
-        # Two accumulators (gate and up): 128x128 spills (4-18 B, though 13.4-14.6 ms against
-        # 16.6), 128x64 does not; here cp.async beat TMA on the weights (16.6 against 18.6 ms).
-        "gather_glu": _space([Config(128, 64, 64, 8, 4), Config(128, 64, 64, 8, 4, tma=True, persistent=True),
-                              Config(64, 64, 64, 4, 4, tma=True, persistent=True),
-                              Config(64, 64, 64, 4, 4)], _FP32_TILE, _UNALIGNED_GLU),
+        # 128 gate and 128 up columns in one 128x256 accumulator, the weights through TMA. (With two
+        # accumulators, 128x64 each, cp.async measured faster than TMA: 16.6 against 18.6 ms.)
+        # GELU's epilogue (erf) spills 56 B in the 128x256 tile: it starts at 128x128.
+        "gather_glu": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True), *_SM90_GATHER_GLU_NARROW],
+                             _FP32_GATHER_GLU, _UNALIGNED_GATHER_GLU,
+                             gelu_tiles=_SM90_GATHER_GLU_NARROW),
         "rows_matmul": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True),
                                Config(64, 256, 64, 4, 4, tma=True, persistent=True),
                                Config(128, 128, 64, 8, 4), Config(64, 128, 64, 4, 3)], _FP32_TILE, _UNALIGNED),
-        # Three stages, not two: 9.7 against 15.1 ms. Four (8.7 ms) spill 8 B under Triton 3.9, and
-        # with GELU three already spill 8 B under 3.6, so GELU keeps two.
-        "glu_backward": _space([Config(128, 128, 64, 8, 3, tma=True, persistent=True), *_SM90_GLU_BWD_SMALL],
-                               _FP32_GLU_BWD, _UNALIGNED_GLU,
+        # With dy through TMA too, four stages; the sweep measured four at 8.7 ms, three at 9.7.
+        "glu_backward": _space([Config(128, 128, 64, 8, 4, tma=True, persistent=True),
+                                Config(128, 128, 64, 8, 3, tma=True, persistent=True), *_SM90_GLU_BWD_SMALL],
+                               _FP32_GLU_BWD, _UNALIGNED_GLU_BWD,
                                gelu_tiles=[Config(128, 128, 64, 8, 2, tma=True, persistent=True),
                                            *_SM90_GLU_BWD_SMALL]),
-        # A 32-row reduction step five stages deep: 16.9 (d gate_up, 256x128) and 8.5 ms (d down,
-        # 128x256) against 23.0 and 10.7 with 64-row steps four deep.
-        "weight_grad": _space([Config(256, 128, 32, 8, 5, tma=True, persistent=True),
+        # Both operands through TMA: the rows_matmul tile first; then the 32-row steps five deep
+        # that were fastest with one operand gathered (16.9 and 8.5 ms).
+        "weight_grad": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True),
+                               Config(256, 128, 32, 8, 5, tma=True, persistent=True),
                                Config(128, 256, 32, 8, 5, tma=True, persistent=True),
                                Config(128, 256, 32, 8, 5)], _FP32_TILE, _UNALIGNED),
     },
     # A100: 163 KB of shared memory per block, mma.sync with operands in registers, cp.async.
     "sm_80": {
-        # mma.sync keeps its operands in registers too: 128x128 gate/up and 128x256 dx spill.
-        "gather_glu": _space([Config(128, 64, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_TILE, _UNALIGNED_GLU),
+        # mma.sync keeps its operands in registers too: 128x256 gate/up and 128x256 dx spill.
+        "gather_glu": _space([Config(128, 128, 32, 8, 4), Config(64, 256, 32, 4, 4)], _FP32_GATHER_GLU,
+                             _UNALIGNED_GATHER_GLU),
         "rows_matmul": _space([Config(128, 128, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_TILE, _UNALIGNED),
-        "glu_backward": _space([Config(128, 128, 32, 8, 3), Config(64, 128, 32, 8, 4)], _FP32_GLU_BWD, _UNALIGNED_GLU),
+        "glu_backward": _space([Config(128, 128, 32, 8, 3), Config(64, 128, 32, 8, 4)], _FP32_GLU_BWD,
+                               _UNALIGNED_GLU_BWD),
         "weight_grad": _space([Config(128, 256, 32, 8, 4)], _FP32_TILE, _UNALIGNED),
     },
     # Any other GPU (sm_86 and sm_89 have 99 KB of shared memory per block), and the interpreter.
     "default": {
-        "gather_glu": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_TILE, _UNALIGNED_GLU),
+        "gather_glu": _space([Config(64, 128, 64, 4, 3), Config(128, 128, 64, 8, 3)], _FP32_GATHER_GLU,
+                             _UNALIGNED_GATHER_GLU),
         "rows_matmul": _space([Config(64, 128, 64, 4, 3), Config(128, 128, 64, 8, 3)], _FP32_TILE, _UNALIGNED),
-        "glu_backward": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_GLU_BWD, _UNALIGNED_GLU),
+        "glu_backward": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_GLU_BWD,
+                               _UNALIGNED_GLU_BWD),
         "weight_grad": _space([Config(128, 128, 64, 8, 3)], _FP32_TILE, _UNALIGNED),
     },
 }
@@ -241,6 +260,23 @@ def _tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 # operands already in the padded layout. Gathered token rows stay on pointer loads (cp.async).
 
 
+@triton.jit
+def _split_columns(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The left and right halves of an accumulator's columns, each [BLOCK_M, BLOCK_N // 2]."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _glu_forward_epilogue(gate, up, rows, cols, pre_ptr, h_ptr, I, GELU: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Stores pre (gate and up at ``cols``) and h = act(gate) * up for one sub-tile of columns."""
+    out_mask = (cols < I)[None, :]
+    pre_ptrs = pre_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
+    tl.store(pre_ptrs, _downcast(gate, pre_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
+    tl.store(pre_ptrs + I, _downcast(up, pre_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
+    tl.store(h_ptrs, _downcast(_act(gate, GELU) * up, h_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
+
+
 @triton.jit(do_not_specialize=["num_rows", "H", "I", "num_experts", "pad_m"], do_not_specialize_on_alignment=["top_k"])
 def _gather_glu_kernel(
     x_ptr, w_ptr, padded_offsets_ptr, block_expert_ptr, sorted_slot_ptr, h_ptr, pre_ptr,
@@ -248,65 +284,66 @@ def _gather_glu_kernel(
     GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, TMA: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    """pre[p] = gate_up[e] @ x[token(p)]; h[p] = act(pre gate half) * pre up half."""
+    """pre[p] = gate_up[e] @ x[token(p)]; h[p] = act(pre gate half) * pre up half.
+
+    One accumulator of BLOCK_N columns holds BLOCK_N / 2 gate columns and the same BLOCK_N / 2 up
+    columns side by side (gate rows c and I + c of the weight as one B tile), so each reduction
+    step is one wide MMA, as in ``_rows_matmul_kernel``, rather than two narrow ones; the epilogue
+    splits it into the two halves and works on one quarter of the columns at a time."""
     H = _aligned(H, ALIGN)
     I = _aligned(I, ALIGN)
-    num_pid_n = tl.cdiv(I, BLOCK_N)
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    num_pid_n = tl.cdiv(I, HALF_N)
     live_m = tl.load(padded_offsets_ptr + num_experts) // BLOCK_M
     if TMA:
-        # gate_up as [E, 2, I, H]: the gate and up halves are separate coordinates.
+        # gate_up as [E, 2, I, H]: one box covers HALF_N gate rows and the matching up rows.
         w_desc = tl.make_tensor_descriptor(
             w_ptr, shape=[num_experts, 2, I, H], strides=[2 * I * H, I * H, H, 1],
-            block_shape=[1, 1, BLOCK_N, BLOCK_K],
+            block_shape=[1, 2, HALF_N, BLOCK_K],
         )
     ks = tl.arange(0, BLOCK_K)
+    # Column j of the accumulator is weight row (j // HALF_N) * I + first column + j % HALF_N.
+    j = tl.arange(0, BLOCK_N)
     for tile in range(tl.program_id(0), live_m * num_pid_n, tl.num_programs(0)):
         pid_m, pid_n = _tile(tile, live_m, num_pid_n, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         expert = tl.load(block_expert_ptr + pid_m * BLOCK_M // pad_m)
         slot = tl.load(sorted_slot_ptr + rows)
         valid = slot >= 0
         # Row base pointers only; the tile addresses are rebuilt each step, which keeps the state
         # carried across iterations (and so the registers) small.
         x_rows = x_ptr + tl.where(valid, slot // top_k, 0).to(tl.int64) * H
-        # gate_up[e] is [2I, H]: the tile's gate rows are `cols`, its up rows `I + cols`. Offsets
-        # inside one expert's weight fit in int32 (the launcher checks its size).
-        g_rows = w_ptr + expert.to(tl.int64) * 2 * I * H + cols * H
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        w_col = pid_n * HALF_N + j % HALF_N
+        # Offsets inside one expert's weight fit in int32 (the launcher checks its size).
+        w_rows = w_ptr + expert.to(tl.int64) * 2 * I * H + ((j // HALF_N) * I + w_col) * H
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, H, BLOCK_K):
             kk = k0 + ks
             k_ok = kk < H
             a = tl.load(x_rows[:, None] + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
             if TMA:
-                b_g = w_desc.load([expert, 0, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-                b_u = w_desc.load([expert, 1, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+                b = w_desc.load([expert, 0, pid_n * HALF_N, k0]).reshape(BLOCK_N, BLOCK_K).T
             else:
-                b_mask = k_ok[:, None] & (cols < I)[None, :]
-                b_g = tl.load(g_rows[None, :] + kk[:, None], mask=b_mask, other=0.0)
-                b_u = tl.load(g_rows[None, :] + (kk[:, None] + I * H), mask=b_mask, other=0.0)
+                b = tl.load(w_rows[None, :] + kk[:, None], mask=k_ok[:, None] & (w_col < I)[None, :], other=0.0)
             if INTERPRETED:
                 a = a.to(tl.float32)
-                b_g = b_g.to(tl.float32)
-                b_u = b_u.to(tl.float32)
-            acc_g = tl.dot(a, b_g, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, b_u, acc_u, input_precision="ieee")
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
         # Padding rows (slot -1) read zeros, so they store zeros: the kernels that read h and pre
-        # through tensor descriptors see zero rows there.
-        out_mask = (cols < I)[None, :]
-        pre_ptrs = pre_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
-        tl.store(pre_ptrs, _downcast(acc_g, pre_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
-        tl.store(pre_ptrs + I, _downcast(acc_u, pre_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
-        h = _act(acc_g, GELU) * acc_u
-        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
-        tl.store(h_ptrs, _downcast(h, h_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
+        # through tensor descriptors see zero rows there. The epilogue holds gate, up and act per
+        # element besides the accumulator: a quarter of the columns at a time keeps it in registers.
+        gate, up = _split_columns(acc, BLOCK_M, BLOCK_N)
+        gate_lo, gate_hi = _split_columns(gate, BLOCK_M, HALF_N)
+        up_lo, up_hi = _split_columns(up, BLOCK_M, HALF_N)
+        cols = pid_n * HALF_N + tl.arange(0, HALF_N // 2)
+        _glu_forward_epilogue(gate_lo, up_lo, rows, cols, pre_ptr, h_ptr, I, GELU, INTERPRETED)
+        _glu_forward_epilogue(gate_hi, up_hi, rows, cols + HALF_N // 2, pre_ptr, h_ptr, I, GELU, INTERPRETED)
     # Rows past the live end: pre is returned (and saved for backward), so give them zeros.
     dead_m = num_rows // BLOCK_M - live_m
-    zeros = tl.zeros((BLOCK_M, BLOCK_N), pre_ptr.dtype.element_ty)
+    zeros = tl.zeros((BLOCK_M, HALF_N), pre_ptr.dtype.element_ty)
     for tile in range(tl.program_id(0), dead_m * num_pid_n, tl.num_programs(0)):
         rows = (live_m + tile // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = (tile % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = (tile % num_pid_n) * HALF_N + tl.arange(0, HALF_N)
         pre_ptrs = pre_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
         tl.store(pre_ptrs, zeros, mask=(cols < I)[None, :])
         tl.store(pre_ptrs + I, zeros, mask=(cols < I)[None, :])
@@ -405,24 +442,26 @@ def _glu_backward_half(dh, rows, cols, weight, pre_ptr, dpre_ptr, hs_ptr, I,
     return dw
 
 
-@triton.jit(do_not_specialize=["num_rows", "H", "I", "num_experts", "pad_m"], do_not_specialize_on_alignment=["top_k"])
+@triton.jit(do_not_specialize=["num_rows", "H", "I", "num_experts", "pad_m"])
 def _glu_backward_kernel(
     dy_ptr, w_ptr, pre_ptr, scale_ptr, padded_offsets_ptr, block_expert_ptr, sorted_slot_ptr,
     dpre_ptr, hs_ptr, dw_part_ptr,
-    num_rows, H, I, num_experts, top_k, pad_m,
+    num_rows, H, I, num_experts, pad_m,
     GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, TMA: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    """dh = dy[token(p)] @ down[e] (the gradient of the unweighted expert output w.r.t. h); then,
-    with act recomputed from pre and w the slot's routing weight: d pre = (w dh * up * act'(gate),
-    w dh * act(gate)), hs = w * act(gate) * up (the operand of d down), and the partial
-    d w = <h, dh> over this tile's columns. Every live row is written, padding rows with zeros:
-    the weight gradients reduce over them."""
+    """dh = dy[p] @ down[e] (the gradient of the unweighted expert output w.r.t. h; dy's rows in
+    the padded layout, ``gather_rows``); then, with act recomputed from pre and w the slot's
+    routing weight: d pre = (w dh * up * act'(gate), w dh * act(gate)), hs = w * act(gate) * up
+    (the operand of d down), and the partial d w = <h, dh> over this tile's columns. Every live
+    row is written, padding rows with zeros: the weight gradients reduce over them."""
     H = _aligned(H, ALIGN)
     I = _aligned(I, ALIGN)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     live_m = tl.load(padded_offsets_ptr + num_experts) // BLOCK_M
     if TMA:
+        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[num_rows, H], strides=[H, 1],
+                                            block_shape=[BLOCK_M, BLOCK_K])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts, H, I], strides=[H * I, I, 1],
                                            block_shape=[1, BLOCK_K, BLOCK_N])
     ks = tl.arange(0, BLOCK_K)
@@ -433,17 +472,19 @@ def _glu_backward_kernel(
         slot = tl.load(sorted_slot_ptr + rows)
         valid = slot >= 0
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        dy_rows = dy_ptr + tl.where(valid, slot // top_k, 0).to(tl.int64) * H
+        dy_rows = dy_ptr + rows.to(tl.int64) * H
         # down[e] is [H, I]: the reduction runs over H, its rows.
         w_cols = w_ptr + expert.to(tl.int64) * H * I + cols
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            kk = k0 + ks
-            k_ok = kk < H
-            a = tl.load(dy_rows[:, None] + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
             if TMA:
+                # Padding rows of dy are zero, so they need no mask.
+                a = dy_desc.load([pid_m * BLOCK_M, k0])
                 b = w_desc.load([expert, k0, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
             else:
+                kk = k0 + ks
+                k_ok = kk < H
+                a = tl.load(dy_rows[:, None] + kk[None, :], mask=k_ok[None, :], other=0.0)
                 b = tl.load(w_cols[None, :] + kk[:, None] * I, mask=k_ok[:, None] & (cols < I)[None, :], other=0.0)
             if INTERPRETED:
                 a = a.to(tl.float32)
@@ -452,7 +493,7 @@ def _glu_backward_kernel(
         # The epilogue holds gate, up, act and act' per element besides the accumulator: done one
         # half of the columns at a time, so a 128x128 tile fits in registers.
         weight = tl.load(scale_ptr + slot, mask=valid, other=0.0)
-        acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        acc_lo, acc_hi = _split_columns(acc, BLOCK_M, BLOCK_N)
         half = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
         dw = _glu_backward_half(acc_lo, rows, half, weight, pre_ptr, dpre_ptr, hs_ptr, I, GELU, INTERPRETED)
         dw += _glu_backward_half(acc_hi, rows, half + BLOCK_N // 2, weight, pre_ptr, dpre_ptr, hs_ptr, I,
@@ -460,30 +501,27 @@ def _glu_backward_kernel(
         tl.store(dw_part_ptr + rows.to(tl.int64) * num_pid_n + pid_n, dw, mask=valid)
 
 
-@triton.jit(do_not_specialize=["num_rows", "M", "N", "num_experts"], do_not_specialize_on_alignment=["top_k"])
+@triton.jit(do_not_specialize=["num_rows", "M", "N", "num_experts"])
 def _weight_grad_kernel(
-    a_ptr, b_ptr, padded_offsets_ptr, sorted_slot_ptr, out_ptr,
-    num_rows, M, N, num_experts, top_k,
-    A_GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr, b_ptr, padded_offsets_ptr, out_ptr,
+    num_rows, M, N, num_experts,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, TMA: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    """out[e] = sum over expert e's padded rows p of A(p)^T B(p), [M, N] per expert.
-
-    One operand is gathered by token and the other is in the padded layout: A_GATHER gives
-    A(p) = a[token(p)] and B(p) = b[p], else A(p) = a[p] and B(p) = b[token(p)]. The padded
-    operand's padding rows must be zero (TMA reads them unmasked)."""
+    """out[e] = sum over expert e's padded rows p of a[p]^T b[p], [M, N] per expert: a grouped GEMM
+    whose reduction (the expert's rows) is ragged. Both operands are in the padded layout and at
+    least one of them has zero padding rows, so no row is masked: with TMA both stream through
+    tensor descriptors."""
     M = _aligned(M, ALIGN)
     N = _aligned(N, ALIGN)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     per_expert = num_pid_m * num_pid_n
     if TMA:
-        if A_GATHER:
-            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[num_rows, N], strides=[N, 1],
-                                               block_shape=[BLOCK_K, BLOCK_N])
-        else:
-            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[num_rows, M], strides=[M, 1],
-                                               block_shape=[BLOCK_K, BLOCK_M])
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[num_rows, M], strides=[M, 1],
+                                           block_shape=[BLOCK_K, BLOCK_M])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[num_rows, N], strides=[N, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
     ks = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_experts * per_expert, tl.num_programs(0)):
         expert = tile // per_expert
@@ -498,28 +536,38 @@ def _weight_grad_kernel(
         # An expert without rows runs no iteration and writes zeros. Its row count is a multiple
         # of pad_m, which BLOCK_K divides.
         for r0 in range(start, end, BLOCK_K):
-            rows = r0 + ks
-            slot = tl.load(sorted_slot_ptr + rows)
-            valid = slot >= 0
-            token = tl.where(valid, slot // top_k, 0).to(tl.int64)
-            if A_GATHER:
-                a = tl.load(a_ptr + token[:, None] * M + offs_m[None, :], mask=valid[:, None] & m_ok[None, :], other=0.0)
-                if TMA:
-                    b = b_desc.load([r0, pid_n * BLOCK_N])
-                else:
-                    b = tl.load(b_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
+            if TMA:
+                a = a_desc.load([r0, pid_m * BLOCK_M])
+                b = b_desc.load([r0, pid_n * BLOCK_N])
             else:
-                b = tl.load(b_ptr + token[:, None] * N + offs_n[None, :], mask=valid[:, None] & n_ok[None, :], other=0.0)
-                if TMA:
-                    a = a_desc.load([r0, pid_m * BLOCK_M])
-                else:
-                    a = tl.load(a_ptr + rows[:, None].to(tl.int64) * M + offs_m[None, :], mask=m_ok[None, :], other=0.0)
+                rows = (r0 + ks).to(tl.int64)
+                a = tl.load(a_ptr + rows[:, None] * M + offs_m[None, :], mask=m_ok[None, :], other=0.0)
+                b = tl.load(b_ptr + rows[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
             if INTERPRETED:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
         out_ptrs = out_ptr + expert.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         tl.store(out_ptrs, _downcast(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["H", "num_experts"], do_not_specialize_on_alignment=["top_k"])
+def _gather_rows_kernel(src_ptr, padded_offsets_ptr, sorted_slot_ptr, out_ptr, H, num_experts, top_k,
+                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr):
+    """out[p] = src[token(p)] for the live padded rows, zeros in padding rows; rows past the live
+    end are left as they are (no kernel reads them)."""
+    H = _aligned(H, ALIGN)
+    live = tl.load(padded_offsets_ptr + num_experts)
+    if tl.program_id(0) * BLOCK_R < live:
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        row_ok = rows < live
+        h_ok = (hs < H)[None, :]
+        slot = tl.load(sorted_slot_ptr + rows, mask=row_ok, other=-1)
+        valid = slot >= 0
+        src = src_ptr + tl.where(valid, slot // top_k, 0).to(tl.int64)[:, None] * H + hs[None, :]
+        values = tl.load(src, mask=valid[:, None] & h_ok, other=0.0)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + hs[None, :], values, mask=row_ok[:, None] & h_ok)
 
 
 @triton.jit(do_not_specialize=["T", "H"], do_not_specialize_on_alignment=["top_k"])
@@ -641,7 +689,7 @@ def gather_glu(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, meta: RoutingMeta
         return h_PI, pre_P2I
 
     def launch(c: Config):
-        _run(_gather_glu_kernel, c, _row_tiles(c, P, I), x_TH.device,
+        _run(_gather_glu_kernel, c, _row_tiles(c, P, 2 * I), x_TH.device,
              x_TH, gate_up_E2IH, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P, h_PI, pre_P2I,
              P, H, I, E, top_k, meta.pad_m, GELU=gelu, GROUP_M=GROUP_M, ALIGN=align)
         return h_PI, pre_P2I
@@ -683,22 +731,40 @@ def rows_matmul(a_PD: torch.Tensor, w_E: torch.Tensor, meta: RoutingMetadata, *,
     return _tuned("rows_matmul", meta, a_PD.dtype, a_PD.device, shapes, align, launch)
 
 
-def glu_backward(dy_TH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Tensor, w_N: torch.Tensor,
-                 meta: RoutingMetadata, top_k: int, activation: str
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gather_rows(src_TH: torch.Tensor, meta: RoutingMetadata, top_k: int) -> torch.Tensor:
+    """The token rows of ``src_TH`` in the padded layout: row p holds ``src[sorted_slot[p] // K]``,
+    padding rows hold zeros, rows past the live end are not written. One pass over the rows, so
+    that the backward kernels stream their operands through tensor descriptors instead of
+    gathering them row by row inside the GEMM (the weight gradients were latency-bound on that)."""
+    _check_float("src_TH", src_TH)
+    T, H = src_TH.shape
+    src_TH = _check("src_TH", src_TH, (T, H), src_TH.dtype)
+    P = meta.sorted_slot_P.numel()
+    out_PH = src_TH.new_empty(P, H)
+    if P == 0:
+        return out_PH
+    grid = (triton.cdiv(P, GATHER_BLOCK_R), triton.cdiv(H, GATHER_BLOCK_H))
+    with on_device(src_TH.device):
+        _gather_rows_kernel[grid](src_TH, meta.padded_offsets_E1, meta.sorted_slot_P, out_PH, H,
+                                  meta.counts_E.numel(), top_k, BLOCK_R=GATHER_BLOCK_R, BLOCK_H=GATHER_BLOCK_H,
+                                  ALIGN=row_align(src_TH.dtype, H), num_warps=GATHER_WARPS)
+    return out_PH
+
+
+def glu_backward(dy_PH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Tensor, w_N: torch.Tensor,
+                 meta: RoutingMetadata, activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d pre_P2I, d w_N, hs_PI): gradients of the GEMM-1 output and of each slot's routing weight,
-    and ``hs = w * act(gate) * up``, the operand of ``down_weight_grad``. Padding rows of d pre and
-    hs are zero."""
-    _check_float("dy_TH", dy_TH)
+    and ``hs = w * act(gate) * up``, the operand of ``down_weight_grad``; ``dy_PH`` is the output
+    gradient in the padded layout (``gather_rows``). Padding rows of d pre and hs are zero."""
+    _check_float("dy_PH", dy_PH)
     gelu = _gelu_flag(activation)
-    T, H = dy_TH.shape
-    E, _, I = down_EHI.shape
+    E, H, I = down_EHI.shape
     P = meta.sorted_slot_P.numel()
     N = meta.slot_pos_N.numel()
-    dy_TH = _check("dy_TH", dy_TH, (T, H), dy_TH.dtype)
-    down_EHI = _check("down_EHI", down_EHI, (E, H, I), dy_TH.dtype)
+    dy_PH = _check("dy_PH", dy_PH, (P, H), dy_PH.dtype)
+    down_EHI = _check("down_EHI", down_EHI, (E, H, I), dy_PH.dtype)
     _check_expert_size("down_EHI", down_EHI)
-    pre_P2I = _check("pre_P2I", pre_P2I, (P, 2 * I), dy_TH.dtype)
+    pre_P2I = _check("pre_P2I", pre_P2I, (P, 2 * I), dy_PH.dtype)
     w_N = _check("w_N", w_N, (N,), torch.float32)
     dpre_P2I = torch.empty_like(pre_P2I)
     hs_PI = pre_P2I.new_empty(P, I)
@@ -708,58 +774,41 @@ def glu_backward(dy_TH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Ten
     def launch(c: Config):
         # Each column tile writes its own partial sum of d w; summed below in a fixed order.
         dw_part = w_N.new_empty(P, triton.cdiv(I, c.BLOCK_N))
-        _run(_glu_backward_kernel, c, _row_tiles(c, P, I), dy_TH.device,
-             dy_TH, down_EHI, pre_P2I, w_N, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P,
-             dpre_P2I, hs_PI, dw_part, P, H, I, E, top_k, meta.pad_m, GELU=gelu, GROUP_M=GROUP_M, ALIGN=align)
+        _run(_glu_backward_kernel, c, _row_tiles(c, P, I), dy_PH.device,
+             dy_PH, down_EHI, pre_P2I, w_N, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P,
+             dpre_P2I, hs_PI, dw_part, P, H, I, E, meta.pad_m, GELU=gelu, GROUP_M=GROUP_M, ALIGN=align)
         return dw_part
 
-    align = row_align(dy_TH.dtype, H, I)
-    dw_part = _tuned("glu_backward", meta, dy_TH.dtype, dy_TH.device, (H, I, E, gelu), align, launch, gelu)
+    align = row_align(dy_PH.dtype, H, I)
+    dw_part = _tuned("glu_backward", meta, dy_PH.dtype, dy_PH.device, (H, I, E, gelu), align, launch, gelu)
     # Padding rows of dw_part are never written; only the slots' own rows are read.
     dw_N = dw_part.index_select(0, meta.slot_pos_N).sum(1)
     return dpre_P2I, dw_N, hs_PI
 
 
-def _weight_grad(a, b, meta: RoutingMetadata, out_EFD, top_k: int, *, a_gather: bool):
-    """out[e] = sum over e's padded rows of A^T B, one operand gathered by token (``a`` when
-    ``a_gather``), the other in the padded layout with zero padding rows."""
-    E, F, D = out_EFD.shape
+def weight_grad(a_PF: torch.Tensor, b_PD: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:
+    """``out[e] = sum over e's padded rows p of a[p]^T b[p]`` -> ``[E, F, D]``: a weight gradient
+    (``d down = weight_grad(dy_PH, hs_PI)``, ``d gate_up = weight_grad(d pre_P2I, x_PH)``). Both
+    operands are in the padded layout and one of them has zero padding rows (``gather_rows``'s
+    copies, and ``glu_backward``'s outputs, have)."""
+    _check_float("a_PF", a_PF)
     P = meta.sorted_slot_P.numel()
+    F, D = a_PF.shape[1], b_PD.shape[1]
+    E = meta.counts_E.numel()
+    a_PF = _check("a_PF", a_PF, (P, F), a_PF.dtype)
+    b_PD = _check("b_PD", b_PD, (P, D), a_PF.dtype)
+    out_EFD = a_PF.new_empty(E, F, D)
     if P == 0:
         return out_EFD.zero_()
 
     def launch(c: Config):
         tiles = E * triton.cdiv(F, c.BLOCK_M) * triton.cdiv(D, c.BLOCK_N)
         _run(_weight_grad_kernel, c, tiles, out_EFD.device,
-             a, b, meta.padded_offsets_E1, meta.sorted_slot_P, out_EFD, P, F, D, E, top_k,
-             A_GATHER=a_gather, GROUP_M=GROUP_M, ALIGN=align)
+             a_PF, b_PD, meta.padded_offsets_E1, out_EFD, P, F, D, E, GROUP_M=GROUP_M, ALIGN=align)
         return out_EFD
 
     align = row_align(out_EFD.dtype, F, D)
-    return _tuned("weight_grad", meta, out_EFD.dtype, out_EFD.device, (F, D, E, a_gather), align, launch)
-
-
-def down_weight_grad(dy_TH: torch.Tensor, hs_PI: torch.Tensor, meta: RoutingMetadata, top_k: int) -> torch.Tensor:
-    """d down[e] = sum over e's slots of dy[token]^T hs, hs from ``glu_backward``: [E, H, I]."""
-    _check_float("dy_TH", dy_TH)
-    T, H = dy_TH.shape
-    P, I = hs_PI.shape
-    E = meta.counts_E.numel()
-    dy_TH = _check("dy_TH", dy_TH, (T, H), dy_TH.dtype)
-    hs_PI = _check("hs_PI", hs_PI, (meta.sorted_slot_P.numel(), I), dy_TH.dtype)
-    return _weight_grad(dy_TH, hs_PI, meta, dy_TH.new_empty(E, H, I), top_k, a_gather=True)
-
-
-def gate_up_weight_grad(dpre_P2I: torch.Tensor, x_TH: torch.Tensor, meta: RoutingMetadata,
-                        top_k: int) -> torch.Tensor:
-    """d gate_up[e] = sum over e's slots of d pre^T x[token], d pre from ``glu_backward``: [E, 2I, H]."""
-    _check_float("x_TH", x_TH)
-    T, H = x_TH.shape
-    P, two_I = dpre_P2I.shape
-    E = meta.counts_E.numel()
-    x_TH = _check("x_TH", x_TH, (T, H), x_TH.dtype)
-    dpre_P2I = _check("dpre_P2I", dpre_P2I, (meta.sorted_slot_P.numel(), two_I), x_TH.dtype)
-    return _weight_grad(dpre_P2I, x_TH, meta, x_TH.new_empty(E, two_I, H), top_k, a_gather=False)
+    return _tuned("weight_grad", meta, out_EFD.dtype, out_EFD.device, (F, D, E), align, launch)
 
 
 def combine(rows_PH: torch.Tensor, meta: RoutingMetadata, num_tokens: int, top_k: int) -> torch.Tensor:
@@ -792,20 +841,26 @@ def combine(rows_PH: torch.Tensor, meta: RoutingMetadata, num_tokens: int, top_k
 # specialised (only ALIGN is), so these two stand for every size of their class.
 _SIZES = {"aligned": (MIXTRAL.H, MIXTRAL.I), "unaligned": (MIXTRAL.H + 1, MIXTRAL.I + 1)}
 # (sizes, top_k, activation) of each specialisation: top-k 1 becomes a constant in the JIT's
-# specialisation and GeGLU is another epilogue. The quick check (CI) takes top-2 SwiGLU and top-1
-# GeGLU of the kernels with an activation.
+# specialisation of gather_glu (the one GEMM that gathers token rows) and GeGLU is another
+# epilogue. The quick check (CI) takes top-2 SwiGLU and top-1 GeGLU of gather_glu.
 _VARIANTS = [(sizes, top_k, activation) for sizes in _SIZES for top_k in (2, 1) for activation in ACTIVATIONS]
-# The static cost model's description of each launch (cost.Gemm), by kernel and role.
-COSTS = {
-    "gather_glu": ("fwd gemm1 (gather, gate_up, act)", cost.Gemm("rows", n=MIXTRAL.I, k=MIXTRAL.H, b_panels=2,
-                                                                  dots=2, epilogue_write=3)),
-    "rows_matmul_nk_scaled": ("fwd gemm2 (down, routing weight)", cost.Gemm("rows", n=MIXTRAL.H, k=MIXTRAL.I)),
-    "glu_backward": ("bwd dy @ down (d pre, hs, d w)", cost.Gemm("rows", n=MIXTRAL.I, k=MIXTRAL.H, epilogue_read=2,
-                                                                 epilogue_write=3)),
-    "rows_matmul_kn": ("bwd dx (d pre @ gate_up)", cost.Gemm("rows", n=MIXTRAL.H, k=2 * MIXTRAL.I)),
-    "weight_grad_down": ("bwd d down (dy^T hs)", cost.Gemm("weight", m=MIXTRAL.H, n=MIXTRAL.I)),
-    "weight_grad_gate_up": ("bwd d gate_up (d pre^T x)", cost.Gemm("weight", m=2 * MIXTRAL.I, n=MIXTRAL.H)),
-}
+_TAKES_TOP_K = ("gather_glu",)
+_TAKES_ACTIVATION = ("gather_glu", "glu_backward")
+
+
+def gemm_costs(p: cost.Problem) -> dict:
+    """The static cost model's description of each launch (cost.Gemm) at problem ``p``, by role:
+    (step name, Gemm). gather_glu's tile holds gate and up columns side by side: 2I output columns,
+    of which it writes pre (2I) and h (I)."""
+    return {
+        "gather_glu": ("fwd gemm1 (gather, gate_up, act)", cost.Gemm("rows", n=2 * p.I, k=p.H, epilogue_write=1.5)),
+        "rows_matmul_nk_scaled": ("fwd gemm2 (down, routing weight)", cost.Gemm("rows", n=p.H, k=p.I)),
+        "glu_backward": ("bwd dy @ down (d pre, hs, d w)", cost.Gemm("rows", n=p.I, k=p.H, epilogue_read=2,
+                                                                     epilogue_write=3)),
+        "rows_matmul_kn": ("bwd dx (d pre @ gate_up)", cost.Gemm("rows", n=p.H, k=2 * p.I)),
+        "weight_grad_down": ("bwd d down (dy^T hs)", cost.Gemm("weight", m=p.H, n=p.I)),
+        "weight_grad_gate_up": ("bwd d gate_up (d pre^T x)", cost.Gemm("weight", m=2 * p.I, n=p.H)),
+    }
 
 
 def _gemm_launches(kernel: str, dtype, H: int, I: int, top_k: int, gelu: bool, P: int) -> list:
@@ -821,12 +876,10 @@ def _gemm_launches(kernel: str, dtype, H: int, I: int, top_k: int, gelu: bool, P
                 ("rows_matmul_kn", (x, x, i32, i32, i32, f32, x, P, H, 2 * I, E, 128),
                  {"W_NK": False, "SCALE": False, "ALIGN": row_align(dtype, H, 2 * I)})]
     if kernel == "glu_backward":
-        return [("glu_backward", (x, x, x, f32, i32, i32, i32, x, x, f32, P, H, I, E, top_k, 128),
+        return [("glu_backward", (x, x, x, f32, i32, i32, i32, x, x, f32, P, H, I, E, 128),
                  {"GELU": gelu, "ALIGN": row_align(dtype, H, I)})]
-    return [("weight_grad_down", (x, x, i32, i32, x, P, H, I, E, top_k),
-             {"A_GATHER": True, "ALIGN": row_align(dtype, H, I)}),
-            ("weight_grad_gate_up", (x, x, i32, i32, x, P, 2 * I, H, E, top_k),
-             {"A_GATHER": False, "ALIGN": row_align(dtype, 2 * I, H)})]
+    return [("weight_grad_down", (x, x, i32, x, P, H, I, E), {"ALIGN": row_align(dtype, H, I)}),
+            ("weight_grad_gate_up", (x, x, i32, x, P, 2 * I, H, E), {"ALIGN": row_align(dtype, 2 * I, H)})]
 
 
 _KERNEL_FNS = {"gather_glu": _gather_glu_kernel, "rows_matmul": _rows_matmul_kernel,
@@ -842,41 +895,48 @@ def aot_specs() -> list[KernelSpec]:
             # IEEE float32 dot products run on FMAs: only the half types must reach tensor cores.
             on_tensor_cores = dtype in _HALF
             for kernel in GEMM_KERNELS:
-                uses_activation = kernel in ("gather_glu", "glu_backward")
+                uses_activation = kernel in _TAKES_ACTIVATION
+                uses_top_k = kernel in _TAKES_TOP_K
                 seen = set()
                 for sizes, top_k, activation in _VARIANTS:
                     # Kernels that take no activation or top-k compile each size class once.
-                    key = (sizes, top_k if kernel != "rows_matmul" else 0, activation if uses_activation else "")
+                    key = (sizes, top_k if uses_top_k else 0, activation if uses_activation else "")
                     if key in seen:
                         continue
                     seen.add(key)
                     H, I = _SIZES[sizes]
-                    tag = "_".join(str(v) for v in key if v != "")
+                    tag = "_".join(str(v) for v in key if v not in ("", 0))
                     P = padded_rows(MIXTRAL.T * top_k, MIXTRAL.E, 128)
                     configs = configs_for(kernel, dtype, family, aligned=sizes == "aligned",
                                           gelu=uses_activation and activation == "gelu")
+                    reference = ty == "bf16" and key == ("aligned", 2 if uses_top_k else 0,
+                                                         "silu" if uses_activation else "")
                     for rank, c in enumerate(configs):
                         for role, args, flags in _gemm_launches(kernel, dtype, H, I, top_k, activation == "gelu", P):
-                            reference = (ty == "bf16" and key == ("aligned", 2, "silu" if uses_activation else "")
-                                         or ty == "bf16" and kernel == "rows_matmul" and key == ("aligned", 0, ""))
                             specs.append(KernelSpec(
                                 name=f"{role}_{ty}_{family}_{c}_{tag}", fn=_KERNEL_FNS[kernel], args=args,
                                 constexprs={**flags, **c.constexprs(), "GROUP_M": GROUP_M, "INTERPRETED": False},
                                 uses_dot=on_tensor_cores, tma=c.tma, archs=FAMILY_ARCHS[family], rank=rank,
-                                cost=(family, rank, *COSTS[role], c.persistent) if reference else None,
-                                quick=not uses_activation or (top_k == 1) == (activation == "gelu"),
+                                cost=(family, rank, role, c.persistent, gemm_costs) if reference else None,
+                                quick=not (uses_top_k and uses_activation) or (top_k == 1) == (activation == "gelu"),
                                 **c.launch_options(),
                             ))
     for dtype, ty in TRITON_TYPES.items():
         for sizes in _SIZES:
             for top_k in (2, 1):
                 H = _SIZES[sizes][0]
-                x = pointer(dtype)
+                x, i32 = pointer(dtype), pointer(torch.int32)
                 specs.append(KernelSpec(
                     name=f"combine_{ty}_{sizes}_k{top_k}", fn=_combine_kernel,
-                    args=(x, pointer(torch.int32), x, MIXTRAL.T, H, top_k),
+                    args=(x, i32, x, MIXTRAL.T, H, top_k),
                     constexprs={"BLOCK_T": COMBINE_BLOCK_T, "BLOCK_H": COMBINE_BLOCK_H, "ALIGN": row_align(dtype, H),
                                 "INTERPRETED": False},
                     num_warps=COMBINE_WARPS,
+                ))
+                specs.append(KernelSpec(
+                    name=f"gather_rows_{ty}_{sizes}_k{top_k}", fn=_gather_rows_kernel,
+                    args=(x, i32, i32, x, H, MIXTRAL.E, top_k),
+                    constexprs={"BLOCK_R": GATHER_BLOCK_R, "BLOCK_H": GATHER_BLOCK_H, "ALIGN": row_align(dtype, H)},
+                    num_warps=GATHER_WARPS,
                 ))
     return specs

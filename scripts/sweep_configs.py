@@ -38,17 +38,17 @@ C = Config
 # space's current default and the correctness reference.
 CANDIDATES = {
     "weight_grad": [
-        C(256, 128, 32, 8, 5, tma=True, persistent=True), C(256, 128, 32, 8, 6, tma=True, persistent=True),
-        C(256, 128, 32, 8, 4, tma=True, persistent=True), C(256, 128, 64, 8, 3, tma=True, persistent=True),
-        C(256, 128, 32, 8, 5, tma=True), C(128, 256, 32, 8, 7, tma=True, persistent=True),
-        C(128, 256, 32, 8, 5, tma=True, persistent=True),
+        C(128, 256, 64, 8, 4, tma=True, persistent=True), C(128, 256, 64, 8, 3, tma=True, persistent=True),
+        C(256, 128, 64, 8, 4, tma=True, persistent=True), C(256, 128, 32, 8, 5, tma=True, persistent=True),
+        C(128, 256, 32, 8, 5, tma=True, persistent=True), C(128, 128, 64, 8, 5, tma=True, persistent=True),
     ],
     "glu_backward": [
-        C(128, 128, 64, 8, 3, tma=True, persistent=True), C(128, 128, 64, 8, 4, tma=True, persistent=True),
-        C(128, 128, 32, 8, 6, tma=True, persistent=True), C(128, 128, 64, 4, 3, tma=True, persistent=True),
+        C(128, 128, 64, 8, 4, tma=True, persistent=True), C(128, 128, 64, 8, 3, tma=True, persistent=True),
+        C(128, 128, 64, 8, 5, tma=True, persistent=True), C(128, 128, 64, 4, 4, tma=True, persistent=True),
     ],
     "gather_glu": [
-        C(128, 64, 64, 8, 4), C(128, 64, 64, 8, 5), C(128, 64, 64, 8, 3), C(128, 64, 32, 8, 6), C(128, 64, 64, 4, 4),
+        C(128, 256, 64, 8, 4, tma=True, persistent=True), C(128, 256, 64, 8, 3, tma=True, persistent=True),
+        C(128, 256, 64, 8, 4), C(128, 128, 64, 8, 4, tma=True, persistent=True), C(128, 128, 64, 8, 4),
     ],
     "rows_matmul": [C(128, 256, 64, 8, 4, tma=True, persistent=True)],
 }
@@ -77,18 +77,19 @@ def main() -> int:
     w_N = inp.w_TK.detach().reshape(-1).float().contiguous()
     meta = routing_metadata(inp.idx_TK, p.E, gg.routing_block(p.N, p.E))
     h_PI, pre_P2I = gg.gather_glu(x_TH, gate_up, meta, p.K, "silu")
-    dpre_P2I, _, hs_PI = gg.glu_backward(dy_TH, down, pre_P2I, w_N, meta, p.K, "silu")
+    dy_PH, x_PH = gg.gather_rows(dy_TH, meta, p.K), gg.gather_rows(x_TH, meta, p.K)
+    dpre_P2I, _, hs_PI = gg.glu_backward(dy_PH, down, pre_P2I, w_N, meta, "silu")
     N, H, I = p.N, p.H, p.I
     # Row outputs are compared on the slots' own rows: padding rows and rows past the live end
     # (padded_offsets[E]) are never read, and rows_matmul does not write them.
     live = meta.sorted_slot_P >= 0
     # (space, flops, call, whether its output is rows) per launcher of the op, the furthest from its bound first.
     launchers = {
-        "dw_gate_up": ("weight_grad", 4 * N * H * I, lambda: gg.gate_up_weight_grad(dpre_P2I, x_TH, meta, p.K), False),
-        "dw_down": ("weight_grad", 2 * N * H * I, lambda: gg.down_weight_grad(dy_TH, hs_PI, meta, p.K), False),
+        "dw_gate_up": ("weight_grad", 4 * N * H * I, lambda: gg.weight_grad(dpre_P2I, x_PH, meta), False),
+        "dw_down": ("weight_grad", 2 * N * H * I, lambda: gg.weight_grad(dy_PH, hs_PI, meta), False),
         "gemm1": ("gather_glu", 4 * N * H * I, lambda: gg.gather_glu(x_TH, gate_up, meta, p.K, "silu")[0], True),
         "glu_bwd": ("glu_backward", 2 * N * H * I,
-                    lambda: gg.glu_backward(dy_TH, down, pre_P2I, w_N, meta, p.K, "silu")[0], True),
+                    lambda: gg.glu_backward(dy_PH, down, pre_P2I, w_N, meta, "silu")[0], True),
         "gemm2": ("rows_matmul", 2 * N * H * I, lambda: gg.rows_matmul(h_PI, down, meta, w_layout="nk", scale_N=w_N), True),
         "dx": ("rows_matmul", 4 * N * H * I, lambda: gg.rows_matmul(dpre_P2I, gate_up, meta, w_layout="kn"), True),
     }

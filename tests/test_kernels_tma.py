@@ -131,16 +131,22 @@ def test_operands_at_unaligned_addresses_are_copied_not_misread(monkeypatch):
 
 
 def test_padding_rows_of_backward_intermediates_are_zero():
-    """The weight gradients read hs and d pre through descriptors without masking padding rows."""
+    """The weight gradients read hs, d pre and the padded copies of dy and x through descriptors
+    without masking padding rows."""
     case = ALIGNED[1]
     x, idx, w, gate_up, down = case.make(torch.bfloat16, device=DEVICE)
     meta = routing_metadata(idx, case.E, 64)
     w_N = w.reshape(-1).float().contiguous()
     _, pre = gg.gather_glu(x, gate_up, meta, case.K, "silu")
     dy = torch.randn(case.T, case.H, dtype=torch.bfloat16, device=DEVICE)
-    dpre, _, hs = gg.glu_backward(dy, down, pre, w_N, meta, case.K, "silu")
+    dy_padded = gg.gather_rows(dy, meta, case.K)
+    dpre, _, hs = gg.glu_backward(dy_padded, down, pre, w_N, meta, "silu")
     live = int(meta.padded_offsets_E1[-1])  # host sync: test only
-    padding = (meta.sorted_slot_P[:live] < 0).cpu()
+    slot = meta.sorted_slot_P[:live].cpu()
+    padding = slot < 0
     assert padding.any()
-    assert torch.count_nonzero(hs[:live][padding]) == 0 and torch.count_nonzero(dpre[:live][padding]) == 0
+    for t in (hs, dpre, dy_padded):
+        assert torch.count_nonzero(t[:live][padding]) == 0
     assert torch.count_nonzero(pre[live:]) == 0
+    # The live rows of the padded copy are the token rows, bit for bit.
+    assert torch.equal(dy_padded[:live][~padding].cpu(), dy.cpu()[slot[~padding].long() // case.K])

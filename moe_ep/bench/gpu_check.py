@@ -53,7 +53,8 @@ from .routing_cases import make_routing
 STEPS = ("compile", "tests", "kernels", "model")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 GRADS = ("hidden_states", "top_k_weights", "gate_up_proj", "down_proj")
-# The AOT check's step names (kernels/grouped_gemm.py COSTS) of each per-kernel row of the kernel
+# The AOT check's step names (kernels/grouped_gemm.py gemm_costs, kernels/aot.py whole_pass) of each
+# per-kernel row of the kernel
 # benchmark.
 ESTIMATED_STEPS = {
     "gemm1[triton]": "fwd gemm1 (gather, gate_up, act)",
@@ -63,6 +64,8 @@ ESTIMATED_STEPS = {
     "dw_down[triton]": "bwd d down (dy^T hs)",
     "dw_gate_up[triton]": "bwd d gate_up (d pre^T x)",
     "combine[triton]": "fwd combine",
+    "dy_rows[triton]": "bwd dy rows, padded order",
+    "x_rows[triton]": "bwd x rows, padded order",
 }
 
 COLUMNS = [

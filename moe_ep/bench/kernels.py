@@ -336,7 +336,8 @@ def _triton_router_components(p: Problem, inp: Inputs) -> list[Component]:
 
 TRITON_GEMMS = (
     ("metadata[triton]", "fwd"), ("gemm1[triton]", "fwd"), ("gemm2[triton]", "fwd"), ("combine[triton]", "fwd"),
-    ("glu_bwd[triton]", "bwd"), ("dx[triton]", "bwd"), ("dw_down[triton]", "bwd"), ("dw_gate_up[triton]", "bwd"),
+    ("dy_rows[triton]", "bwd"), ("glu_bwd[triton]", "bwd"), ("dx[triton]", "bwd"), ("dw_down[triton]", "bwd"),
+    ("x_rows[triton]", "bwd"), ("dw_gate_up[triton]", "bwd"),
 )
 
 
@@ -353,7 +354,8 @@ def _triton_gemm_components(p: Problem, inp: Inputs) -> list[Component]:
     meta = routing_metadata(inp.idx_TK, p.E, pad_m)
     h_PI, pre_P2I = gg.gather_glu(x_TH, gate_up, meta, p.K, "silu")
     out_PH = gg.rows_matmul(h_PI, down, meta, w_layout="nk", scale_N=w_N)
-    dpre_P2I, _, hs_PI = gg.glu_backward(dy_TH, down, pre_P2I, w_N, meta, p.K, "silu")
+    dy_PH, x_PH = gg.gather_rows(dy_TH, meta, p.K), gg.gather_rows(x_TH, meta, p.K)
+    dpre_P2I, _, hs_PI = gg.glu_backward(dy_PH, down, pre_P2I, w_N, meta, "silu")
     N, H, I, E, e = p.N, p.H, p.I, p.E, p.elem
     fns = {
         "metadata[triton]": (0, 16 * N + 4 * E, lambda: routing_metadata(inp.idx_TK, E, pad_m)),
@@ -362,14 +364,16 @@ def _triton_gemm_components(p: Problem, inp: Inputs) -> list[Component]:
         "gemm2[triton]": (2 * N * H * I, (E * I * H + N * I + N * H) * e,
                           lambda: gg.rows_matmul(h_PI, down, meta, w_layout="nk", scale_N=w_N)),
         "combine[triton]": (0, (N * H + p.T * H) * e, lambda: gg.combine(out_PH, meta, p.T, p.K)),
+        "dy_rows[triton]": (0, 2 * N * H * e, lambda: gg.gather_rows(dy_TH, meta, p.K)),
         "glu_bwd[triton]": (2 * N * H * I, (N * H + E * H * I + 5 * N * I) * e,
-                            lambda: gg.glu_backward(dy_TH, down, pre_P2I, w_N, meta, p.K, "silu")),
+                            lambda: gg.glu_backward(dy_PH, down, pre_P2I, w_N, meta, "silu")),
         "dx[triton]": (4 * N * H * I, (2 * N * I + 2 * E * I * H + N * H) * e,
                        lambda: gg.rows_matmul(dpre_P2I, gate_up, meta, w_layout="kn")),
         "dw_down[triton]": (2 * N * H * I, (N * H + N * I + E * H * I) * e,
-                            lambda: gg.down_weight_grad(dy_TH, hs_PI, meta, p.K)),
+                            lambda: gg.weight_grad(dy_PH, hs_PI, meta)),
+        "x_rows[triton]": (0, 2 * N * H * e, lambda: gg.gather_rows(x_TH, meta, p.K)),
         "dw_gate_up[triton]": (4 * N * H * I, (2 * N * I + N * H + 2 * E * I * H) * e,
-                               lambda: gg.gate_up_weight_grad(dpre_P2I, x_TH, meta, p.K)),
+                               lambda: gg.weight_grad(dpre_P2I, x_PH, meta)),
     }
     return [Component(name, phase, *fns[name]) for name, phase in TRITON_GEMMS]
 

@@ -79,14 +79,18 @@ def experts_triton_bwd(
     gate_up_E2IH = gate_up_E2IH.contiguous()
     down_EHI = down_EHI.contiguous()
     w_N = w_TK.reshape(-1).float().contiguous()
-    dpre_P2I, dw_N, hs_PI = gg.glu_backward(dy_TH, down_EHI, pre_P2I, w_N, meta, K, activation)
+    # dy's rows in the padded layout, once: glu_backward and the down gradient stream them.
+    dy_PH = gg.gather_rows(dy_TH, meta, K)
+    dpre_P2I, dw_N, hs_PI = gg.glu_backward(dy_PH, down_EHI, pre_P2I, w_N, meta, activation)
     # hs (P x I, the activation times the routing weight) lives only from here to the down
     # gradient: nothing more is saved from the forward than pre.
-    d_down_EHI = gg.down_weight_grad(dy_TH, hs_PI, meta, K)
-    del hs_PI
+    d_down_EHI = gg.weight_grad(dy_PH, hs_PI, meta)
+    del hs_PI, dy_PH
     dx_PH = gg.rows_matmul(dpre_P2I, gate_up_E2IH, meta, w_layout="kn")
     dx_TH = gg.combine(dx_PH, meta, T, K)
-    d_gate_up_E2IH = gg.gate_up_weight_grad(dpre_P2I, x_TH, meta, K)
+    del dx_PH
+    # x's rows in the padded layout only now, after dy's copy is freed: the two never coexist.
+    d_gate_up_E2IH = gg.weight_grad(dpre_P2I, gg.gather_rows(x_TH, meta, K), meta)
     return dx_TH, dw_N.view(T, K).to(w_TK.dtype), d_gate_up_E2IH, d_down_EHI
 
 
