@@ -32,6 +32,7 @@ from . import autotune, cost
 from .aot_spec import TRITON_TYPES, KernelSpec, pointer
 from .autotune import Config
 from .cost import MIXTRAL
+from .library import GROUPED_MM, Library, grouped_mm, grouped_mm_sync_free
 from .routing_metadata import RoutingMetadata, padded_rows
 from .runtime import interpreting, on_device, sm_count
 
@@ -655,16 +656,24 @@ def _run(kernel, config: Config, tiles: int, device: torch.device, *args, **cons
 
 
 def _tuned(kernel: str, meta: RoutingMetadata, dtype, device, shapes: tuple, align: int, launch,
-           gelu: bool = False):
+           gelu: bool = False, library=None):
     """Choose ``kernel``'s configuration (timing on first sight of the key) and launch with it:
-    the one place where a configuration is picked. ``launch(config)`` passes ``align`` as ALIGN."""
+    the one place where a configuration is picked. ``launch(config)`` passes ``align`` as ALIGN.
+    ``library()``, where given, computes the same launch with PyTorch's grouped GEMM: a candidate
+    after the Triton configurations where that is sync-free and the rows are aligned (its operands
+    need 16-byte strides), so a tuned launch is never slower than the better of the two."""
     num_rows = meta.slot_pos_N.numel()
+    candidates = configs_for(kernel, dtype, arch_family(device), meta.pad_m, aligned=align > 1, gelu=gelu)
+    if library is not None and align > 1 and grouped_mm_sync_free(autotune.device_arch(device), dtype):
+        candidates = [*candidates, GROUPED_MM]
+
+    def run(c):
+        return library() if isinstance(c, Library) else launch(c)
+
     with on_device(device):
-        config = autotune.choose(
-            kernel, configs_for(kernel, dtype, arch_family(device), meta.pad_m, aligned=align > 1, gelu=gelu),
-            shapes=shapes + (meta.pad_m, align), dtype=dtype, device=device, num_rows=num_rows, launch=launch,
-        )
-        return launch(config)
+        config = autotune.choose(kernel, candidates, shapes=shapes + (meta.pad_m, align), dtype=dtype, device=device,
+                                 num_rows=num_rows, launch=run)
+        return run(config)
 
 
 def _row_tiles(config: Config, num_rows: int, n_out: int) -> int:
@@ -726,9 +735,16 @@ def rows_matmul(a_PD: torch.Tensor, w_E: torch.Tensor, meta: RoutingMetadata, *,
              ALIGN=align)
         return out_PF
 
+    def library():
+        # Rows past the last expert's end are not written, as by the kernel.
+        return grouped_mm(a_PD, w_E, offs=meta.padded_offsets_E1[1:])
+
     shapes = (n_out, k_red, E, w_layout, scale_N is not None)
     align = row_align(a_PD.dtype, n_out, k_red)
-    return _tuned("rows_matmul", meta, a_PD.dtype, a_PD.device, shapes, align, launch)
+    # The scaled form keeps the routing weight in its epilogue; PyTorch's would need a pass more.
+    plain_kn = w_layout == "kn" and scale_N is None
+    return _tuned("rows_matmul", meta, a_PD.dtype, a_PD.device, shapes, align, launch,
+                  library=library if plain_kn else None)
 
 
 def gather_rows(src_TH: torch.Tensor, meta: RoutingMetadata, top_k: int) -> torch.Tensor:
@@ -807,8 +823,12 @@ def weight_grad(a_PF: torch.Tensor, b_PD: torch.Tensor, meta: RoutingMetadata) -
              a_PF, b_PD, meta.padded_offsets_E1, out_EFD, P, F, D, E, GROUP_M=GROUP_M, ALIGN=align)
         return out_EFD
 
+    def library():
+        # The expert's rows are the reduction: the 2-D x 2-D form, one [F, D] product per group.
+        return grouped_mm(a_PF.t(), b_PD, offs=meta.padded_offsets_E1[1:])
+
     align = row_align(out_EFD.dtype, F, D)
-    return _tuned("weight_grad", meta, out_EFD.dtype, out_EFD.device, (F, D, E), align, launch)
+    return _tuned("weight_grad", meta, out_EFD.dtype, out_EFD.device, (F, D, E), align, launch, library=library)
 
 
 def combine(rows_PH: torch.Tensor, meta: RoutingMetadata, num_tokens: int, top_k: int) -> torch.Tensor:

@@ -57,4 +57,6 @@ CASES = [
     Case("t1", T=1, H=16, I=8, E=4, K=2),
     Case("t0", T=0, H=16, I=8, E=4, K=2),
     Case("k3_of_5", T=9, H=16, I=8, E=5, K=3),
+    # Fine-grained experts as Qwen3-MoE, OLMoE and DeepSeek-V3 have them: many small experts, top-8.
+    Case("fine_grained", T=12, H=32, I=16, E=16, K=8),
 ]

@@ -3,6 +3,8 @@ fused weight layout (``gate_up_proj [E, 2I, H]``, gate half first; ``down_proj [
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -94,6 +96,8 @@ def run_experts(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation: str, bac
     "torch") and ``group`` as there: for callers that checked them once already (the
     expert-parallel layer)."""
     args = (x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation)
+    if backend == "torch" and x_TH.device.type == "cuda":
+        _warn_if_torch_path_syncs(x_TH)
     if backend != "torch":
         from .selector import choose
 
@@ -103,3 +107,22 @@ def run_experts(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation: str, bac
 
         return experts_triton(*args)
     return experts_torch_fwd(*args)[0]
+
+
+_SYNC_WARNED: set[tuple] = set()
+
+
+def _warn_if_torch_path_syncs(x_TH: torch.Tensor) -> None:
+    """The grouped-GEMM path pinned where PyTorch's grouped GEMM reads its offsets back to the host
+    (sm_80, float32): said once per architecture and dtype, since it breaks CUDA graphs and stalls
+    every layer."""
+    from ..kernels.autotune import device_arch
+    from ..kernels.library import grouped_mm_sync_free
+
+    key = (device_arch(x_TH.device), x_TH.dtype)
+    if key not in _SYNC_WARNED and not grouped_mm_sync_free(*key):
+        _SYNC_WARNED.add(key)
+        warnings.warn(
+            f"moe_ep: backend='torch' on {key[0]} in {key[1]}: torch's grouped_mm has no sync-free kernel there, "
+            f"so every expert layer reads its offsets back to the host (a host sync per GEMM); "
+            f"backend='triton' (or 'auto') has none", RuntimeWarning, stacklevel=3)

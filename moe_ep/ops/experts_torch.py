@@ -2,14 +2,17 @@
 for the four expert GEMMs, the gated activation recomputed in backward, a deterministic combine.
 
 It is the default on the CPU and the fallback users can pick anywhere. It makes no host sync of
-its own: the per-expert offsets stay on the device and go straight into ``_grouped_mm``. On CUDA
-in bfloat16 that is the whole story; torch's float32 grouped GEMM falls back to a loop over the
-groups that reads the offsets back (seen on an H100 with torch 2.11)."""
+its own: the per-expert offsets stay on the device and go straight into ``_grouped_mm``. On sm_90
+in bfloat16 and float16 that is the whole story; torch's grouped GEMM in float32 (seen on an H100
+with torch 2.11), and in every dtype on sm_80 (torch 2.9-2.11), falls back to a loop over the
+groups that reads the offsets back (``kernels.library.grouped_mm_sync_free``): ``moe_experts``
+warns once when this path is pinned there, and ``backend="auto"`` never times or runs it there."""
 
 from __future__ import annotations
 
 import torch
 
+from ..kernels.library import grouped_mm as _grouped_mm
 from .activations import glu_bwd, glu_fwd
 from .experts_op import register_experts_autograd
 
@@ -25,9 +28,7 @@ def routing_order(idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     return order_N, torch.cumsum(counts_E, 0, dtype=torch.int32)
 
 
-# PyTorch's grouped GEMM: the public name where the installed torch has one (a wrapper of the
-# private op in 2.13). It needs 16-byte aligned strides; 8 elements covers every supported dtype.
-_grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+# PyTorch's grouped GEMM needs 16-byte aligned strides; 8 elements covers every supported dtype.
 _ALIGN = 8
 
 

@@ -3,6 +3,10 @@
 Two paths compute the op: the Triton kernels (``"triton"``: the gather, gated activation and
 routing weight fused into the grouped GEMMs) and the grouped-GEMM path (``"torch"``: moe_ep's one
 sort, its activation and weighted combine, the GEMMs on PyTorch's grouped GEMM, CUTLASS on sm_90).
+Inside the Triton path, the launches that are plain grouped GEMMs (dx and the two weight
+gradients) also time PyTorch's grouped GEMM as one more candidate configuration, so each of those
+stages runs on whichever is faster. Where PyTorch's grouped GEMM is not sync-free (sm_80, float32;
+``kernels.library.grouped_mm_sync_free``) neither the path nor the candidate is ever timed or run.
 With ``backend="auto"`` (the default on CUDA) the op runs whichever measured faster for its
 architecture, dtype, expert shapes, activation and token bucket, the way Inductor's max-autotune
 chooses between its templates and ATen; ``backend="triton"``/``"torch"`` (or ``MOE_EP_BACKEND``)
@@ -55,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import autotune
+from ..kernels.library import grouped_mm_sync_free
 from ..kernels.runtime import interpreting
 
 PATHS = ("triton", "torch")
@@ -153,7 +158,10 @@ def choose(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation: str, *, pinne
     if table is None:
         if not _can_measure(x_TH):
             return default
-        table = _decide(problem, (x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI), measure_torch=pinned is None,
+        # The grouped-GEMM path is timed only where it is sync-free: on sm_80 timing it would put
+        # its host syncs into the first step, and it could never be chosen anyway.
+        measure_torch = pinned is None and grouped_mm_sync_free(problem.arch, problem.dtype)
+        table = _decide(problem, (x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI), measure_torch=measure_torch,
                         group=group)
     return pinned or table.path(bucket, default)
 

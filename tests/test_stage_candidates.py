@@ -1,0 +1,140 @@
+"""PyTorch's grouped GEMM as a candidate of the Triton path's plain grouped GEMMs (dx and the two
+weight gradients): offered only where it is sync-free (never on sm_80, never in float32 on a GPU),
+exact when chosen, and chosen per stage by the same timing, agreement and cache as the Triton
+configurations; the selector never times the grouped-GEMM path where it would sync, and pinning
+that path there warns. On the CPU the Triton kernels run under the interpreter and the architecture
+is mocked."""
+
+import warnings
+
+import pytest
+import torch
+
+from moe_ep.kernels import autotune
+from moe_ep.kernels import grouped_gemm as gg
+from moe_ep.kernels.library import GROUPED_MM, Library, grouped_mm_sync_free
+from moe_ep.ops import experts, selector
+from moe_ep.ops.experts import moe_experts
+from moe_ep.ops.reference import moe_experts_ref
+
+from numerics import TOLERANCE, rel_err
+from moe_cases import CASES, Case, run_with_grads
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tier: the Triton path under the interpreter")
+
+GRAD_NAMES = ["hidden_states", "top_k_weights", "gate_up_proj", "down_proj"]
+HARD = [c for c in CASES if c.name in ("empty_expert", "one_expert", "k_eq_e", "k1", "fine_grained")]
+
+
+@pytest.fixture(autouse=True)
+def fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv(selector.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    selector.clear()
+    yield
+    selector.clear()
+
+
+def test_grouped_mm_is_sync_free_only_on_hopper_and_blackwell_in_half_types():
+    for arch in ("sm_90", "sm_100"):
+        assert grouped_mm_sync_free(arch, torch.bfloat16) and grouped_mm_sync_free(arch, torch.float16)
+        assert not grouped_mm_sync_free(arch, torch.float32)
+    for arch in ("sm_80", "sm_86", "sm_89", "sm_120"):
+        assert not any(grouped_mm_sync_free(arch, d) for d in (torch.bfloat16, torch.float16, torch.float32))
+    assert grouped_mm_sync_free("interpreter", torch.float32)
+
+
+def offered(monkeypatch, arch: str, dtype: torch.dtype) -> dict:
+    """The candidates each launch of one Triton forward and backward is offered on ``arch``."""
+    monkeypatch.setattr(autotune, "device_arch", lambda device: arch)
+    seen = {}
+    choose = autotune.choose
+
+    def spy(kernel, configs, **kw):
+        seen.setdefault((kernel, kw["shapes"]), list(configs))
+        return choose(kernel, configs, **kw)
+
+    monkeypatch.setattr(autotune, "choose", spy)
+    x, idx, w, gate_up, down = Case("c", T=6, H=16, I=8, E=2, K=2).make(dtype)
+    dy = torch.ones(6, 16, dtype=torch.float64)
+    run_with_grads(lambda *a: moe_experts(*a, backend="triton"), x, idx, w, gate_up, down, dy)
+    return seen
+
+
+@pytest.mark.parametrize("arch,dtype,expected", [("sm_80", torch.bfloat16, False), ("sm_90", torch.float32, False),
+                                                 ("sm_90", torch.bfloat16, True)], ids=str)
+def test_the_candidate_is_offered_only_where_it_is_sync_free(monkeypatch, arch, dtype, expected):
+    seen = offered(monkeypatch, arch, dtype)
+    with_library = {key for key, configs in seen.items() if GROUPED_MM in configs}
+    plain = {key for key in seen if key[0] == "weight_grad" or key[0] == "rows_matmul" and key[1][3:5] == ("kn", False)}
+    assert len(plain) == 3  # dx, d down, d gate_up
+    assert with_library == (plain if expected else set()), (arch, dtype, sorted(seen))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", HARD, ids=lambda c: c.name)
+def test_stages_on_grouped_mm_match_float64_and_repeat_bitwise(monkeypatch, case, dtype):
+    """A tuning session that times PyTorch's grouped GEMM fastest puts dx and both weight gradients
+    on it: the results still match the float64 reference, and a second run gives the same bits."""
+    library_calls = []
+    library = gg.grouped_mm
+    monkeypatch.setattr(gg, "grouped_mm", lambda *a, **k: library_calls.append(1) or library(*a, **k))
+
+    def timed(launch, device):
+        before = len(library_calls)
+        launch()
+        return 0.0 if len(library_calls) > before else 1.0
+
+    monkeypatch.setattr(autotune, "_time", timed)
+
+    def run():
+        x, idx, w, gate_up, down = case.make(dtype)
+        dy = torch.randn(case.T, case.H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        return run_with_grads(lambda *a: moe_experts(*a, backend="auto"), x, idx, w, gate_up, down, dy), \
+            run_with_grads(moe_experts_ref, x, idx, w, gate_up, down, dy)
+
+    (y, grads), (y_ref, grads_ref) = run()
+    assert rel_err(y, y_ref) <= TOLERANCE[dtype]
+    for name, g, g_ref in zip(GRAD_NAMES, grads, grads_ref):
+        assert rel_err(g, g_ref) <= TOLERANCE[dtype], name
+    if case.T:
+        chosen = {key[0]: c for key, c in autotune.chosen_configs().items() if isinstance(c, Library)}
+        assert set(chosen) == {"rows_matmul", "weight_grad"}, autotune.chosen_configs()
+        table = next(iter(selector.decisions().values()))
+        assert {(k, n) for k, _, _, n in table.configs if n == str(GROUPED_MM)} == {
+            ("rows_matmul", "grouped_mm"), ("weight_grad", "grouped_mm")}
+    (y2, grads2), _ = run()  # a lookup now: the same stages, the same bits
+    assert torch.equal(y, y2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+@pytest.mark.parametrize("arch,dtype,timed", [("sm_80", torch.bfloat16, False), ("sm_90", torch.float32, False),
+                                              ("sm_90", torch.bfloat16, True)], ids=str)
+def test_auto_times_the_grouped_mm_path_only_where_it_is_sync_free(monkeypatch, arch, dtype, timed):
+    """On an A100 the selector never runs the host-syncing grouped-GEMM path, not even to time it on
+    the first call: the decision is driven by the (mocked) architecture alone."""
+    monkeypatch.setattr(autotune, "device_arch", lambda device: arch)
+    calls = []
+    measure = selector._measure
+    monkeypatch.setattr(selector, "_measure", lambda *a: calls.append(a[2]) or measure(*a))
+    x, idx, w, gate_up, down = Case("c", T=6, H=16, I=8, E=2, K=2).make(dtype)
+    run_with_grads(lambda *a: moe_experts(*a, backend="auto"), x, idx, w, gate_up, down,
+                   torch.ones(6, 16, dtype=torch.float64))
+    (problem, table), = selector.decisions().items()
+    assert calls == [timed] and problem.arch == arch
+    assert set(table.times[16]) == ({"triton", "torch"} if timed else {"triton"})
+    if not timed:
+        assert table.paths[16] == "triton"
+
+
+def test_pinning_the_grouped_mm_path_where_it_syncs_warns_once(monkeypatch):
+    monkeypatch.setattr(autotune, "device_arch", lambda device: "sm_80")
+    monkeypatch.setattr(experts, "_SYNC_WARNED", set())
+    x = torch.zeros(2, 4, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match=r"backend='torch' on sm_80 in torch.bfloat16: .* host sync"):
+        experts._warn_if_torch_path_syncs(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        experts._warn_if_torch_path_syncs(x)  # once per architecture and dtype
+    monkeypatch.setattr(autotune, "device_arch", lambda device: "sm_90")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        experts._warn_if_torch_path_syncs(x)  # sync-free there: nothing to say
