@@ -52,11 +52,12 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def _space(tiles: list[Config], fp32: list[Config], unaligned: list[Config],
-           gelu_tiles: list[Config] | None = None) -> dict:
+           gelu_tiles: list[Config] | None = None, fp32_unaligned: list[Config] | None = None) -> dict:
     """A kernel's configurations: half types and float32 on aligned rows, and on rows that are not
     (``row_align`` 1), whose element-wise loads need registers for every element's address; and,
     where GELU's longer epilogue (erf) spills in a tile SiLU's does not, the half types' for GELU."""
-    space = {"half": tiles, "fp32": fp32, "half_unaligned": unaligned, "fp32_unaligned": _FP32_UNALIGNED}
+    space = {"half": tiles, "fp32": fp32, "half_unaligned": unaligned,
+             "fp32_unaligned": fp32_unaligned or _FP32_UNALIGNED}
     if gelu_tiles is not None:
         space["half_gelu"] = gelu_tiles
     return space
@@ -87,6 +88,9 @@ _UNALIGNED_GLU_BWD = [Config(64, 32, 32, 4, 2)]
 # Float32 on unaligned rows: the aligned tiles' cp.async of single elements spill 8-48 bytes on
 # sm_80 and sm_90 (glu_backward, the dx product); a 16-deep reduction step does not.
 _FP32_UNALIGNED = [Config(64, 64, 16, 8, 2)]
+# ... except the weight gradients, whose two pointer-loaded operands spill 8 B on sm_90 at a
+# 16-row step and none at 32.
+_FP32_UNALIGNED_WEIGHT_GRAD = [Config(64, 64, 32, 8, 2)]
 # sm_90's narrower gather_glu tiles: 64 or 128 rows by 64 gate and 64 up columns.
 _SM90_GATHER_GLU_NARROW = [Config(128, 128, 64, 8, 4, tma=True, persistent=True), Config(128, 128, 64, 8, 4),
                            Config(64, 128, 64, 4, 4)]
@@ -122,7 +126,8 @@ CONFIGS = {
         "weight_grad": _space([Config(128, 256, 64, 8, 4, tma=True, persistent=True),
                                Config(256, 128, 32, 8, 5, tma=True, persistent=True),
                                Config(128, 256, 32, 8, 5, tma=True, persistent=True),
-                               Config(128, 256, 32, 8, 5)], _FP32_TILE, _UNALIGNED),
+                               Config(128, 256, 32, 8, 5)], _FP32_TILE, _UNALIGNED,
+                              fp32_unaligned=_FP32_UNALIGNED_WEIGHT_GRAD),
     },
     # A100: 163 KB of shared memory per block, mma.sync with operands in registers, cp.async.
     "sm_80": {
@@ -132,7 +137,8 @@ CONFIGS = {
         "rows_matmul": _space([Config(128, 128, 32, 8, 4), Config(64, 128, 32, 4, 4)], _FP32_TILE, _UNALIGNED),
         "glu_backward": _space([Config(128, 128, 32, 8, 3), Config(64, 128, 32, 8, 4)], _FP32_GLU_BWD,
                                _UNALIGNED_GLU_BWD),
-        "weight_grad": _space([Config(128, 256, 32, 8, 4)], _FP32_TILE, _UNALIGNED),
+        "weight_grad": _space([Config(128, 256, 32, 8, 4)], _FP32_TILE, _UNALIGNED,
+                              fp32_unaligned=_FP32_UNALIGNED_WEIGHT_GRAD),
     },
     # Any other GPU (sm_86 and sm_89 have 99 KB of shared memory per block), and the interpreter.
     "default": {
@@ -141,7 +147,8 @@ CONFIGS = {
         "rows_matmul": _space([Config(64, 128, 64, 4, 3), Config(128, 128, 64, 8, 3)], _FP32_TILE, _UNALIGNED),
         "glu_backward": _space([Config(64, 64, 64, 4, 3), Config(128, 64, 64, 8, 3)], _FP32_GLU_BWD,
                                _UNALIGNED_GLU_BWD),
-        "weight_grad": _space([Config(128, 128, 64, 8, 3)], _FP32_TILE, _UNALIGNED),
+        "weight_grad": _space([Config(128, 128, 64, 8, 3)], _FP32_TILE, _UNALIGNED,
+                              fp32_unaligned=_FP32_UNALIGNED_WEIGHT_GRAD),
     },
 }
 # The compute capability each family is compiled for by the AOT check.
