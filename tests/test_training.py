@@ -1,9 +1,11 @@
-"""moe_ep.training.TrainStep in one process: what it refuses before any work, and the forward
-options the example's single-process runs use (autocast, no key/value cache); the aux-loss-free
-expert bias against a hand-computed update (with activation checkpointing), and on 2 gloo ranks
-(data-parallel, and pipeline stages) against one process on the whole batch; TrainSteps
-sharing a model or pipeline stages without leaking hooks or loss functions into each other. The
-losses of every layout against float64 are in test_pipeline.py."""
+"""moe_ep.training.TrainStep in one process: what it refuses before any work (an optimizer
+without the model's parameters included), and the forward options the example's single-process
+runs use (autocast, no key/value cache); the aux-loss-free expert bias against a hand-computed
+update (with activation checkpointing), and on 2 gloo ranks (data-parallel, and pipeline stages)
+against one process on the whole batch; TrainSteps sharing a model or pipeline stages without
+leaking hooks or loss functions into each other; skipped steps (non-finite, no predicted token)
+and refused batches (ids or labels out of range or of a wrong dtype), in one process and on 2
+gloo ranks. The losses of every layout against float64 are in test_pipeline.py."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch.distributed as dist
 
 from dist_utils import run_ranks
 from hf_models import tiny_batch, tiny_config, tiny_model
+from markers import requires_cuda
 from numerics import TOLERANCE, rel_err
 
 TINY = dict(num_hidden_layers=2, num_local_experts=4, intermediate_size=24)
@@ -463,6 +466,45 @@ def test_a_bad_batch_is_refused_naming_the_tensor_and_the_range(name):
     loss, state = run(BAD_BATCHES[name])
     clean_loss, clean_state = run(None)
     assert torch.equal(loss, clean_loss) and _equal(state, clean_state)
+
+
+@requires_cuda
+def test_a_bad_batch_on_cuda_is_refused_without_a_host_sync_of_its_own():
+    """On CUDA the batch's values are checked on the device and read back with the loss: no host
+    sync comes from the checks, a bad batch makes no more syncs than a good step, each is refused
+    with the CPU's message, and the process goes on (no device-side assert from the embedding or
+    cross-entropy)."""
+    import warnings
+
+    from moe_ep.training import TrainStep
+
+    model = _model().cuda()
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-2), microbatches=2)
+    batch = {k: v.cuda() for k, v in tiny_batch(tiny_config("mixtral", **TINY), batch=4, seq=6).items()}
+    step(batch)  # the first call also chooses the experts' backend (timed, with syncs)
+
+    def syncs(b) -> tuple[list, str | None]:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    step(b)
+                    outcome = None
+                except ValueError as exc:
+                    outcome = str(exc)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return [w for w in caught if "synchroniz" in str(w.message)], outcome
+
+    good, outcome = syncs(batch)
+    assert outcome is None and len(good) >= 1  # the step's read-back at least
+    for bad in BAD_BATCHES.values():
+        found, outcome = syncs(_spoiled(batch, bad))
+        assert outcome is not None and re.search(_refusal(bad, 1), outcome), outcome
+        assert len(found) <= len(good) and not any(w.filename.endswith("batch.py") for w in found), (
+            [(w.filename, w.lineno) for w in found], [(w.filename, w.lineno) for w in good])
+    assert torch.isfinite(step(batch)) and not step.last_step_skipped
 
 
 def test_int32_token_ids_and_labels_train_as_int64_ones():

@@ -164,7 +164,6 @@ class TrainStep:
             self.aux = Balancing(self.executor, aux_loss_coef=float(aux_loss_coef), z_loss_coef=float(z_loss_coef),
                                  expert_bias_rate=float(expert_bias_rate),
                                  group=self.dp_group if global_aux_loss else None)
-        self.vocab_size = self.executor.vocab_size
         self.closed = False
         self.last_lm_loss = self.last_aux_loss = self.last_z_loss = self.last_grad_norm = None
 
@@ -228,7 +227,7 @@ class TrainStep:
         loss_value, norm_value, *counts = torch.cat([torch.stack([loss.float(), norm.to(loss.device)]),
                                                      flags.to(loss.device)]).tolist()
         *problems, no_tokens = counts
-        refused = refusal(problems, self.vocab_size)
+        refused = refusal(problems, self.executor.vocab_size)
         if refused is not None:
             self.optimizer.zero_grad(set_to_none=True)
             self.last_lm_loss = self.last_aux_loss = self.last_z_loss = self.last_grad_norm = None
@@ -283,4 +282,4 @@ class TrainStep:
                 f"{tuple(ids.shape)}"
             )
         # Their values are checked on the device and refused at the step's read-back, on every rank.
-        return screened(ids, batch.get("labels"), self.vocab_size)
+        return screened(ids, batch.get("labels"), self.executor.vocab_size)
