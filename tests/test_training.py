@@ -404,13 +404,16 @@ class BadBatch(NamedTuple):
 
 V = tiny_config("mixtral", **TINY).vocab_size
 RANGE = rf"outside \[0, {V}\) \(config.vocab_size\)"
-DTYPE = r"are not int64 or int32 on {n} \(token ids are integers, in one of the two dtypes torch.nn.Embedding takes\)"
+IDS_DTYPE = r"input_ids are not int64 or int32 on {n} \(token ids are integers, in one of the two dtypes " \
+            r"torch.nn.Embedding takes\)"
+IDS_RANGE = rf"input_ids hold ids {RANGE} on {{n}} \(pad input_ids with a token id; -100 belongs in labels\)"
 BAD_BATCHES = {
-    "float_ids": BadBatch("input_ids", "float", "input_ids " + DTYPE),
-    "int16_ids": BadBatch("input_ids", "int16", "input_ids " + DTYPE),
-    "id_at_vocab_size": BadBatch("input_ids", "at_vocab", rf"input_ids hold ids {RANGE} on {{n}}"),
-    "negative_id": BadBatch("input_ids", "negative", rf"input_ids hold ids {RANGE} on {{n}}"),
-    "float_labels": BadBatch("labels", "float", "labels " + DTYPE),
+    "float_ids": BadBatch("input_ids", "float", IDS_DTYPE),
+    "int16_ids": BadBatch("input_ids", "int16", IDS_DTYPE),
+    "id_at_vocab_size": BadBatch("input_ids", "at_vocab", IDS_RANGE),
+    "negative_id": BadBatch("input_ids", "negative", IDS_RANGE),
+    "float_labels": BadBatch("labels", "float", r"labels are not int64 or int32 on {n} \(labels are token ids or "
+                                                r"-100; int32 ones are cast to int64 for cross-entropy\)"),
     "label_at_vocab_size": BadBatch("labels", "at_vocab", rf"labels hold values {RANGE} other than the ignore index "
                                                           r"-100 on {n}"),
     "negative_label": BadBatch("labels", "negative", rf"labels hold values {RANGE} other than the ignore index -100 "

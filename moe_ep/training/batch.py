@@ -57,15 +57,18 @@ def refusal(ranks_with: list[float], vocab_size: int) -> str | None:
     found = dict(zip(PROBLEMS, ranks_with))
     where = {name: f"on {int(n)} rank{'s' if n != 1 else ''}" for name, n in found.items()}
     problems = []
-    for tensor in ("input_ids", "labels"):
-        if found[f"{tensor} dtype"]:
-            problems.append(f"{tensor} are not int64 or int32 {where[f'{tensor} dtype']} (token ids are integers, in "
-                            "one of the two dtypes torch.nn.Embedding takes)")
+    if found["input_ids dtype"]:
+        problems.append(f"input_ids are not int64 or int32 {where['input_ids dtype']} (token ids are integers, in one "
+                        "of the two dtypes torch.nn.Embedding takes)")
     if found["input_ids range"]:
-        problems.append(f"input_ids hold ids outside [0, {vocab_size}) (config.vocab_size) {where['input_ids range']}")
+        problems.append(f"input_ids hold ids outside [0, {vocab_size}) (config.vocab_size) {where['input_ids range']} "
+                        f"(pad input_ids with a token id; {IGNORE_INDEX} belongs in labels)")
+    if found["labels dtype"]:
+        problems.append(f"labels are not int64 or int32 {where['labels dtype']} (labels are token ids or "
+                        f"{IGNORE_INDEX}; int32 ones are cast to int64 for cross-entropy)")
     if found["labels range"]:
         problems.append(f"labels hold values outside [0, {vocab_size}) (config.vocab_size) other than the ignore index "
                         f"{IGNORE_INDEX} {where['labels range']}")
     if not problems:
         return None
-    return ("TrainStep refused the batch on every rank, nothing was applied: " + "; ".join(problems))
+    return "TrainStep refused the batch on every rank, nothing was applied: " + "; ".join(problems)
