@@ -595,9 +595,9 @@ def test_an_optimizer_without_the_models_parameters_is_refused(one_rank, case):
     if case == "before_parallelize":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         target = moe_ep.parallelize(model)
-        message = rf"optimizer does not hold {len(names)} of the {len(names)} trainable parameters of model_or_stages " \
-                  rf"\({re.escape(first)}, \.\.\.\); it holds {len(names)} parameters that are not the model's: the " \
-                  r"step would never change them\. An optimizer built before moe_ep\.parallelize"
+        message = rf"optimizer does not hold {len(names)} of the {len(names)} trainable parameters of " \
+                  rf"model_or_stages \({re.escape(first)}, \.\.\.\); it holds {len(names)} parameters that are not " \
+                  r"the model's: the step would never change them\. An optimizer built before moe_ep\.parallelize"
     elif case == "another_models":
         target = moe_ep.parallelize(model)
         opt = torch.optim.AdamW(moe_ep.parallelize(_model()).parameters(), lr=1e-2)
