@@ -1,15 +1,18 @@
-"""moe_ep.training.TrainStep in one process: what it refuses before any work, and the forward
-options the example's single-process runs use (autocast, no key/value cache); the aux-loss-free
-expert bias against a hand-computed update (with activation checkpointing), and on 2 gloo ranks
-(data-parallel, and pipeline stages) against one process on the whole batch; TrainSteps
-sharing a model or pipeline stages without leaking hooks or loss functions into each other. The
-losses of every layout against float64 are in test_pipeline.py."""
+"""moe_ep.training.TrainStep in one process: what it refuses before any work (an optimizer
+without the model's parameters included), and the forward options the example's single-process
+runs use (autocast, no key/value cache); the aux-loss-free expert bias against a hand-computed
+update (with activation checkpointing), and on 2 gloo ranks (data-parallel, and pipeline stages)
+against one process on the whole batch; TrainSteps sharing a model or pipeline stages without
+leaking hooks or loss functions into each other; skipped steps (non-finite, no predicted token)
+and refused batches (ids or labels out of range or of a wrong dtype), in one process and on 2
+gloo ranks. The losses of every layout against float64 are in test_pipeline.py."""
 
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ import torch.distributed as dist
 
 from dist_utils import run_ranks
 from hf_models import tiny_batch, tiny_config, tiny_model
+from markers import requires_cuda
+from numerics import TOLERANCE, rel_err
 
 TINY = dict(num_hidden_layers=2, num_local_experts=4, intermediate_size=24)
 
@@ -388,6 +393,238 @@ def test_consecutive_non_finite_steps_raise():
     assert unlimited.consecutive_skips == 3
 
 
+
+class BadBatch(NamedTuple):
+    """A batch spoiled one way (``spoiled``), and the problem TrainStep names for it."""
+
+    tensor: str  # "input_ids" or "labels"
+    edit: str  # "float", "int16", "at_vocab" (one entry = vocab_size), "negative" (one entry = -2)
+    problem: str
+
+
+V = tiny_config("mixtral", **TINY).vocab_size
+RANGE = rf"outside \[0, {V}\) \(config.vocab_size\)"
+IDS_DTYPE = r"input_ids are not int64 or int32 on {n} \(token ids are integers, in one of the two dtypes " \
+            r"torch.nn.Embedding takes\)"
+IDS_RANGE = rf"input_ids hold ids {RANGE} on {{n}} \(pad input_ids with a token id; -100 belongs in labels\)"
+BAD_BATCHES = {
+    "float_ids": BadBatch("input_ids", "float", IDS_DTYPE),
+    "int16_ids": BadBatch("input_ids", "int16", IDS_DTYPE),
+    "id_at_vocab_size": BadBatch("input_ids", "at_vocab", IDS_RANGE),
+    "negative_id": BadBatch("input_ids", "negative", IDS_RANGE),
+    "float_labels": BadBatch("labels", "float", r"labels are not int64 or int32 on {n} \(labels are token ids or "
+                                                r"-100; int32 ones are cast to int64 for cross-entropy\)"),
+    "label_at_vocab_size": BadBatch("labels", "at_vocab", rf"labels hold values {RANGE} other than the ignore index "
+                                                          r"-100 on {n}"),
+    "negative_label": BadBatch("labels", "negative", rf"labels hold values {RANGE} other than the ignore index -100 "
+                                                     r"on {n}"),
+}
+
+
+def _spoiled(batch: dict, bad: BadBatch) -> dict:
+    spoiled = dict(batch)
+    t = batch[bad.tensor].clone()
+    if bad.edit == "float":
+        t = t.float()
+    elif bad.edit == "int16":
+        t = t.to(torch.int16)
+    else:
+        t[-1, -1] = V if bad.edit == "at_vocab" else -2
+    spoiled[bad.tensor] = t
+    return spoiled
+
+
+def _refusal(bad: BadBatch, ranks: int) -> str:
+    n = f"{ranks} rank" + ("s" if ranks != 1 else "")
+    return r"^TrainStep refused the batch on every rank, nothing was applied: " + bad.problem.format(n=n) + "$"
+
+
+@pytest.mark.parametrize("name", list(BAD_BATCHES))
+def test_a_bad_batch_is_refused_naming_the_tensor_and_the_range(name):
+    """Token ids or labels outside [0, vocab_size) (labels may be -100), or not int64/int32: a
+    ValueError naming the tensor and the range; nothing applied (weights, optimizer state, lr
+    schedule, skip counts as before, gradients cleared) and the next step bit-equal to that of a
+    run that never met the batch. (On CUDA the same check needs no host sync of its own: it is
+    read back with the loss, test_a_bad_batch_on_cuda_is_refused_without_a_host_sync_of_its_own.)"""
+    from moe_ep.training import TrainStep
+
+    config = tiny_config("mixtral", **TINY)
+    batches = [tiny_batch(config, batch=4, seq=6, seed=s) for s in range(2)]
+
+    def run(bad: BadBatch | None):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (i + 1))
+        step = TrainStep(model, opt, microbatches=2, lr_scheduler=sched, aux_loss_coef=0.01)
+        step(batches[0])
+        if bad is not None:
+            before = _local_state(list(model.parameters()), opt)
+            with pytest.raises(ValueError, match=_refusal(bad, 1)):
+                step(_spoiled(batches[1], bad))
+            assert _equal(_local_state(list(model.parameters()), opt), before)
+            assert all(p.grad is None for p in model.parameters()) and sched.last_epoch == 1
+            assert (step.steps_skipped, step.last_step_skipped) == (0, False) and step.last_lm_loss is None
+        return step(batches[1]), _local_state(list(model.parameters()), opt)
+
+    loss, state = run(BAD_BATCHES[name])
+    clean_loss, clean_state = run(None)
+    assert torch.equal(loss, clean_loss) and _equal(state, clean_state)
+
+
+@requires_cuda
+def test_a_bad_batch_on_cuda_is_refused_without_a_host_sync_of_its_own():
+    """On CUDA the batch's values are checked on the device and read back with the loss: no host
+    sync comes from the checks, a bad batch makes no more syncs than a good step, each is refused
+    with the CPU's message, and the process goes on (no device-side assert from the embedding or
+    cross-entropy)."""
+    import warnings
+
+    from moe_ep.training import TrainStep
+
+    model = _model().cuda()
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-2), microbatches=2)
+    batch = {k: v.cuda() for k, v in tiny_batch(tiny_config("mixtral", **TINY), batch=4, seq=6).items()}
+    step(batch)  # the first call also chooses the experts' backend (timed, with syncs)
+
+    def syncs(b) -> tuple[list, str | None]:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    step(b)
+                    outcome = None
+                except ValueError as exc:
+                    outcome = str(exc)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return [w for w in caught if "synchroniz" in str(w.message)], outcome
+
+    good, outcome = syncs(batch)
+    assert outcome is None and len(good) >= 1  # the step's read-back at least
+    for bad in BAD_BATCHES.values():
+        found, outcome = syncs(_spoiled(batch, bad))
+        assert outcome is not None and re.search(_refusal(bad, 1), outcome), outcome
+        assert len(found) <= len(good) and not any(w.filename.endswith("batch.py") for w in found), (
+            [(w.filename, w.lineno) for w in found], [(w.filename, w.lineno) for w in good])
+    assert torch.isfinite(step(batch)) and not step.last_step_skipped
+
+
+def test_int32_token_ids_and_labels_train_as_int64_ones():
+    """int32 ids and labels (torch.nn.Embedding takes them; cross-entropy takes int64, so labels
+    are cast): the same losses and weights, bit for bit, with and without separate labels."""
+    from moe_ep.training import TrainStep
+
+    batch = tiny_batch(tiny_config("mixtral", **TINY), batch=4, seq=6)
+
+    def run(dtype):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = TrainStep(model, opt, microbatches=2)
+        losses = [step({k: v.to(dtype) for k, v in batch.items()}), step({"input_ids": batch["input_ids"].to(dtype)})]
+        return losses, _local_state(list(model.parameters()), opt)
+
+    losses, state = run(torch.int32)
+    losses64, state64 = run(torch.int64)
+    assert all(torch.equal(a, b) for a, b in zip(losses, losses64)) and _equal(state, state64)
+
+
+def test_a_step_without_a_predicted_token_is_skipped():
+    """Every label -100 in the whole batch: the step is skipped and counted like a non-finite one
+    (no weight decay, optimizer, lr schedule or expert-bias step; the dynamic loss scale kept,
+    there was no overflow); a step with one micro-batch all ignored is taken. Afterwards bit-equal
+    to a run that never met the empty step; too many in a row raise NonFiniteStepsError."""
+    from moe_ep.training import NonFiniteStepsError, TrainStep
+
+    config = tiny_config("mixtral", **TINY)
+    batches = [tiny_batch(config, batch=4, seq=6, seed=s) for s in range(3)]
+    ignored = dict(batches[1], labels=torch.full_like(batches[1]["labels"], -100))
+    half = dict(batches[1], labels=batches[1]["labels"].clone())
+    half["labels"][:2] = -100  # the first of the 2 micro-batches predicts nothing
+
+    def run(empty: bool):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (i + 1))
+        step = TrainStep(model, opt, microbatches=2, lr_scheduler=sched, loss_scale="dynamic")
+        step(batches[0])
+        if empty:
+            before, scale = _local_state(list(model.parameters()), opt), step.scaler.scale
+            assert step(ignored) == 0 and step.last_step_skipped
+            assert (step.steps_skipped, step.consecutive_skips) == (1, 1) and step.scaler.scale == scale
+            assert _equal(_local_state(list(model.parameters()), opt), before)
+            assert all(p.grad is None for p in model.parameters()) and sched.last_epoch == 1
+        step(half)
+        assert not step.last_step_skipped and step.consecutive_skips == 0
+        return step(batches[2]), _local_state(list(model.parameters()), opt), step
+
+    loss, state, step = run(True)
+    clean_loss, clean_state, _ = run(False)
+    assert torch.equal(loss, clean_loss) and _equal(state, clean_state)
+    limited = TrainStep(step.target, step.optimizer, max_consecutive_skips=2)
+    limited(ignored)
+    with pytest.raises(NonFiniteStepsError, match=r"^2 steps in a row were skipped \(max_consecutive_skips=2\): the "
+                                                  r"last had no predicted token \(every label of the global batch was "
+                                                  r"the ignore index -100\)"):
+        limited(ignored)
+
+
+def test_expert_bias_stays_on_a_step_without_a_predicted_token():
+    from moe_ep.training import TrainStep
+
+    model = _dsv3()
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=DSV3_LR), expert_bias_rate=RATE)
+    batch = _dsv3_batch()
+    start = _biases([model])
+    step(dict(batch, labels=torch.full_like(batch["labels"], -100)))
+    assert step.last_step_skipped and all(torch.equal(b, s) for b, s in zip(_biases([model]), start))
+
+
+@pytest.mark.parametrize("case", ["before_parallelize", "another_models", "one_missing", "frozen_absent"])
+def test_an_optimizer_without_the_models_parameters_is_refused(one_rank, case):
+    """The optimizer must hold every trainable parameter of the model as parallelize left it (by
+    identity): one built before parallelize (the unsharded parameters) or another model's would
+    leave the model unchanged forever; refused naming how many are missing and the first ones,
+    before any hook. A frozen parameter may be absent, and the step then trains the others."""
+    import moe_ep
+    from moe_ep.training import TrainStep
+
+    model = _model()
+    names = [name for name, _ in model.named_parameters()]
+    first = ", ".join(repr(n) for n in names[:3])
+    if case == "before_parallelize":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        target = moe_ep.parallelize(model)
+        message = rf"optimizer does not hold {len(names)} of the {len(names)} trainable parameters of " \
+                  rf"model_or_stages \({re.escape(first)}, \.\.\.\); it holds {len(names)} parameters that are not " \
+                  r"the model's: the step would never change them\. An optimizer built before moe_ep\.parallelize"
+    elif case == "another_models":
+        target = moe_ep.parallelize(model)
+        opt = torch.optim.AdamW(moe_ep.parallelize(_model()).parameters(), lr=1e-2)
+        message = rf"optimizer does not hold {len(names)} of the {len(names)} trainable parameters .* it holds " \
+                  rf"{len(names)} parameters that are not the model's"
+    elif case == "one_missing":
+        target = moe_ep.parallelize(model)
+        opt = torch.optim.AdamW([p for n, p in target.named_parameters() if n != "lm_head.weight"], lr=1e-2)
+        message = rf"^optimizer does not hold 1 of the {len(names)} trainable parameters of model_or_stages " \
+                  r"\('lm_head.weight'\): the step would never change them\..* build the optimizer after parallelize"
+    else:
+        target = moe_ep.parallelize(model)
+        target.model.embed_tokens.weight.requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in target.parameters() if p.requires_grad], lr=1e-2)
+        message = None
+    hooks = sum(len(m._forward_hooks) for m in target.modules())
+    if message is not None:
+        with pytest.raises(ValueError, match=message):
+            TrainStep(target, opt, aux_loss_coef=0.01)
+        assert sum(len(m._forward_hooks) for m in target.modules()) == hooks
+        return
+    frozen = target.model.embed_tokens.weight.full_tensor().clone()
+    head = target.lm_head.weight.full_tensor().clone()
+    TrainStep(target, opt)(tiny_batch(tiny_config("mixtral", **TINY), batch=2, seq=6))
+    assert torch.equal(target.model.embed_tokens.weight.full_tensor(), frozen)
+    assert not torch.equal(target.lm_head.weight.full_tensor(), head)
+
 @dataclass(frozen=True)
 class SkipRun:
     """A 2-rank layout of the skip test: parallelize's degrees, and bf16 compute (FSDP mixed
@@ -471,12 +708,15 @@ def _skips_on_two_ranks(rank, world, runs):
 class StepDisagreement:
     """Rank r builds ``TrainStep(target, optimizer, **options[r])`` on the model parallelized with
     ``layout`` (the same on both ranks), its optimizer ``optimizers[r]`` (class name, keyword
-    arguments; None: AdamW with lr=1e-3 on both). ``message``: what every rank raises."""
+    arguments; None: AdamW with lr=1e-3 on both), built before parallelize (over a fresh model's
+    parameters, then parallelized) where ``built_before[r]``. ``message``: what every rank raises,
+    or each rank's (a rank refusing its own arguments raises its error, the others name it)."""
 
     options: tuple[dict, dict]
-    message: str
+    message: str | tuple[str, str]
     optimizers: tuple[tuple[str, dict], tuple[str, dict]] | None = None
     layout: str = "dp2"
+    built_before: tuple[bool, bool] = (False, False)
 
 
 STEP_AGREE = r"\. Every rank must pass the same arguments and the same model; stopped on every rank$"
@@ -513,7 +753,26 @@ STEP_DISAGREEMENTS = {
     # The same refused value on every rank: each raises its own error, no disagreement.
     "nan_coefficient_everywhere": StepDisagreement((dict(z_loss_coef=float("inf")),) * 2,
                                                    r"^ValueError: z_loss_coef must be a finite number >= 0, got inf$"),
+    # An optimizer over the unsharded parameters, on one rank: refused there, and the other rank
+    # stops naming that refusal instead of waiting for it.
+    "one_rank_optimizer_built_before_parallelize": StepDisagreement(
+        ({}, {}), (r"^RanksDisagree: TrainStep: rank 1 refused its arguments \(ValueError: optimizer does not hold 21 "
+                   r"of the 21 trainable parameters of model_or_stages .*\); stopped on every rank \(rank 0's were "
+                   r"accepted\)$",
+                   r"^ValueError: optimizer does not hold 21 of the 21 trainable parameters of model_or_stages "
+                   r"\('model.embed_tokens.weight', .*it holds 21 parameters that are not the model's"),
+        built_before=(False, True)),
+    "optimizer_built_before_parallelize_everywhere": StepDisagreement(
+        ({}, {}), r"^ValueError: optimizer does not hold 21 of the 21 trainable parameters of model_or_stages "
+                  r"\('model.embed_tokens.weight', .*build the optimizer after parallelize", built_before=(True, True)),
+    # Each pipeline rank names its own stage's parameters.
+    "optimizer_built_before_parallelize_pipeline": StepDisagreement(
+        ({}, {}), (r"^ValueError: optimizer does not hold \d+ of the \d+ trainable parameters of model_or_stages "
+                   r"\('model.embed_tokens.weight', ",
+                   r"^ValueError: optimizer does not hold \d+ of the \d+ trainable parameters of model_or_stages "
+                   r"\('model.layers.1."), layout="pp2", built_before=(True, True)),
 }
+PARALLELIZE = {"dp2": dict(dp_shard=2), "pp2": dict(pp=2, microbatches=2)}
 
 
 def _step_disagreements(rank, world) -> dict:
@@ -523,13 +782,18 @@ def _step_disagreements(rank, world) -> dict:
     import moe_ep
     from moe_ep.training import TrainStep
 
-    targets = {"dp2": moe_ep.parallelize(_model(), dp_shard=2),
-               "pp2": moe_ep.parallelize(_model(), pp=2, microbatches=2)}
+    targets = {layout: moe_ep.parallelize(_model(), **kwargs) for layout, kwargs in PARALLELIZE.items()}
     out = {}
     for name, case in STEP_DISAGREEMENTS.items():
-        target = targets[case.layout]
         optimizer_name, kwargs = case.optimizers[rank] if case.optimizers else ("AdamW", dict(lr=1e-3))
-        optimizer = getattr(torch.optim, optimizer_name)(target.parameters(), **kwargs)
+        if any(case.built_before):
+            model = _model()
+            unsharded = list(model.parameters())
+            target = moe_ep.parallelize(model, **PARALLELIZE[case.layout])
+        else:
+            target = targets[case.layout]
+        params = unsharded if case.built_before[rank] else target.parameters()
+        optimizer = getattr(torch.optim, optimizer_name)(params, **kwargs)
         modules = target.modules if case.layout == "pp2" else [target]
         hooks = sum(len(m._forward_hooks) for module in modules for m in module.modules())  # FSDP's own
         start = time.monotonic()
@@ -544,8 +808,84 @@ def _step_disagreements(rank, world) -> dict:
     return out
 
 
+class RankBadBatch(NamedTuple):
+    """``BAD_BATCHES[bad]`` in the batch of the ranks ``on`` of a 2-rank ``layout``."""
+
+    layout: str
+    bad: str
+    on: tuple[int, ...]
+
+
+# Data-parallel halves: each rank checks its own; pipeline stages: both ranks get the whole batch,
+# and the rank whose stage never reads the spoiled tensor refuses it too.
+RANK_BAD_BATCHES = {
+    "dp2_id_at_vocab_size_on_rank_0": RankBadBatch("dp2", "id_at_vocab_size", (0,)),
+    "dp2_negative_label_on_rank_1": RankBadBatch("dp2", "negative_label", (1,)),
+    "dp2_float_ids_on_both": RankBadBatch("dp2", "float_ids", (0, 1)),
+    "pp2_label_at_vocab_size_on_the_last_stage": RankBadBatch("pp2", "label_at_vocab_size", (1,)),
+    "pp2_negative_id_on_the_first_stage": RankBadBatch("pp2", "negative_id", (0,)),
+    "pp2_float_labels_on_the_first_stage": RankBadBatch("pp2", "float_labels", (0,)),
+}
+# The steps of the 2-rank batch test after its bad batches, and of the one-process run it is
+# compared with: clean, every label ignored (skipped), the first half of the sequences (rank 0's
+# share with dp2) ignored (taken), clean.
+EMPTY_STEPS = ("clean", "all_ignored", "half_ignored", "clean")
+
+
+def _step_batches() -> list[dict]:
+    config = tiny_config("mixtral", **TINY)
+    out = []
+    for seed, kind in enumerate(EMPTY_STEPS):
+        batch = tiny_batch(config, batch=4, seq=6, seed=seed)
+        if kind == "all_ignored":
+            batch["labels"][:] = -100
+        elif kind == "half_ignored":
+            batch["labels"][:2] = -100
+        out.append(batch)
+    return out
+
+
+def _bad_batches_on_two_ranks(rank, world):
+    """Per layout: the messages of RANK_BAD_BATCHES' steps (with whether the weights, optimizer
+    state and gradients were left as they were), then EMPTY_STEPS' losses and skips."""
+    import moe_ep
+    from moe_ep.training import TrainStep
+
+    out = {}
+    for layout, kwargs in PARALLELIZE.items():
+        target = moe_ep.parallelize(_model(), **kwargs)
+        dp = moe_ep.parallel_context(target).meshes.dims.dp
+        opt = torch.optim.AdamW(target.parameters(), lr=1e-2, weight_decay=0.1)
+        step = TrainStep(target, opt, microbatches=2 if layout == "dp2" else None)
+        params = list(step.params)
+        share = [{k: v.chunk(dp)[rank if dp > 1 else 0] for k, v in b.items()} for b in _step_batches()]
+        losses, skipped = [step(share[0]).item()], [step.last_step_skipped]
+        refused = {}
+        for name, case in RANK_BAD_BATCHES.items():
+            if case.layout != layout:
+                continue
+            before = _local_state(params, opt)
+            batch = _spoiled(share[1], BAD_BATCHES[case.bad]) if rank in case.on else share[1]
+            try:
+                step(batch)
+                message = "no error"
+            except Exception as exc:  # the test asserts the type and the text
+                message = f"{type(exc).__name__}: {exc}"
+            untouched = _equal(_local_state(params, opt), before) and all(p.grad is None for p in params)
+            refused[name] = (message, untouched, step.steps_skipped)
+        for batch in share[1:]:
+            before = _local_state(params, opt)
+            losses.append(step(batch).item())
+            skipped.append(step.last_step_skipped)
+            if step.last_step_skipped:
+                skipped.append(_equal(_local_state(params, opt), before))
+        out[layout] = {"refused": refused, "losses": losses, "skipped": skipped}
+    return out
+
+
 def _two_ranks(rank, world, runs):
-    return {"skips": _skips_on_two_ranks(rank, world, runs), "disagreements": _step_disagreements(rank, world)}
+    return {"skips": _skips_on_two_ranks(rank, world, runs), "disagreements": _step_disagreements(rank, world),
+            "batches": _bad_batches_on_two_ranks(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -557,10 +897,15 @@ def two_ranks():
 def test_ranks_building_different_train_steps_stop_with_the_first_difference(two_ranks, name):
     """TrainStep's options, optimizer and learning rate, on data-parallel ranks and on two
     pipeline stages: every rank stops with the same message naming the first difference, in
-    seconds (the world's collectives time out after 60 s), leaving no hook on the model."""
+    seconds (the world's collectives time out after 60 s), leaving no hook on the model. An
+    optimizer built before parallelize: refused on its rank, and every other rank stops naming
+    that refusal (on every rank: each names its own stage's parameters)."""
     results = [r["disagreements"][name] for r in two_ranks]
-    assert results[0][0] == results[1][0], results
-    assert re.search(STEP_DISAGREEMENTS[name].message, results[0][0]), results[0][0]
+    message = STEP_DISAGREEMENTS[name].message
+    if isinstance(message, str):
+        assert results[0][0] == results[1][0], results
+        message = (message, message)
+    assert all(re.search(m, r[0]) for m, r in zip(message, results)), results
     assert max(seconds for _, seconds, _ in results) < 30
     assert all(hooks == 0 for _, _, hooks in results)
 
@@ -578,3 +923,41 @@ def test_a_non_finite_step_on_one_rank_is_skipped_on_every_rank(two_ranks):
             assert result["counts"] == (2, 0), name
             assert result["raised"] is not None and result["raised"].startswith(
                 "2 steps in a row were skipped (max_consecutive_skips=2)"), name
+
+
+@pytest.mark.parametrize("name", list(RANK_BAD_BATCHES))
+def test_a_bad_batch_on_one_rank_stops_every_rank_with_the_same_message(two_ranks, name):
+    """2 gloo ranks, data-parallel and as 2 pipeline stages: token ids or labels out of range or of
+    a wrong dtype on one rank (or both) stop every rank with the same ValueError naming the tensor,
+    the range and how many ranks had it (not a raw error on one rank and a gloo error on the other),
+    nothing applied on any rank."""
+    case = RANK_BAD_BATCHES[name]
+    results = [r["batches"][case.layout]["refused"][name] for r in two_ranks]
+    assert results[0] == results[1], results
+    message, untouched, steps_skipped = results[0]
+    assert re.search(_refusal(BAD_BATCHES[case.bad], len(case.on)), message.removeprefix("ValueError: ")), message
+    assert message.startswith("ValueError: ") and untouched and steps_skipped == 0
+
+
+@pytest.mark.parametrize("layout", list(PARALLELIZE))
+def test_steps_around_bad_and_empty_batches_on_two_ranks_equal_one_process(two_ranks, layout):
+    """After the refused batches, on 2 gloo ranks (data-parallel and pipeline stages): a step with
+    every label ignored is skipped on both ranks with nothing applied; one where rank 0's share (the
+    first half of the sequences) is all ignored is taken; every loss equals one process's on the
+    whole batch, which never met the bad batches."""
+    from moe_ep.training import TrainStep
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    step = TrainStep(model, opt, microbatches=4 if layout == "dp2" else 2)
+    losses, skipped = [], []
+    for batch in _step_batches():
+        losses.append(step(batch).item())
+        skipped.append(step.last_step_skipped)
+        if step.last_step_skipped:
+            skipped.append(True)  # the ranks also report that nothing was applied
+    assert skipped == [False, True, True, False, False]
+    for result in (r["batches"][layout] for r in two_ranks):
+        assert result["skipped"] == skipped
+        assert rel_err(torch.tensor(result["losses"]), torch.tensor(losses)) <= TOLERANCE[torch.float32], (
+            result["losses"], losses)

@@ -1,6 +1,6 @@
 """The training step: ``TrainStep`` runs one optimizer step of a causal LM over micro-batches,
 the same with and without pipeline stages. Its parts: the executors (how micro-batches run), the
-loss, loss scaling, the load-balancing terms and the skipping of non-finite steps.
+loss, loss scaling, the load-balancing terms, the batch's checks and the skipping of steps.
 
 The same models also train in the loops people already have: ``configure_accelerator`` for
 accelerate's ``Accelerator`` (``hf_accelerate.py``) and ``ExpertParallelTrainer`` for transformers'

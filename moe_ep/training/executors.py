@@ -1,9 +1,9 @@
 """How one step's micro-batches run on this rank, behind one interface so that ``TrainStep`` holds
 the step's logic once: ``GradientAccumulation`` runs them one after another through a model,
 ``PipelineSchedule`` through the schedule of this rank's pipeline stages. An executor also says
-where the step's scalars live (``device``) and sums a value over the pipeline's stages
-(``sum_over_stages``; nothing to sum without stages); data parallelism is the same for both and
-stays with TrainStep."""
+where the step's scalars live (``device``), the model's vocabulary size (``vocab_size``, the range
+of the batch's token ids) and sums a value over the pipeline's stages (``sum_over_stages``;
+nothing to sum without stages); data parallelism is the same for both and stays with TrainStep."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ class Executor(ABC):
     def device(self) -> torch.device:
         """Where the step's scalars (token counts, losses, norms) live."""
 
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """The model's ``config.vocab_size``: token ids and labels lie in ``[0, vocab_size)``."""
+
     @abstractmethod
     def run(self, ids: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
         """Forward and backward of every micro-batch of ``ids [batch, seq]`` (gradients
@@ -39,9 +44,12 @@ class Executor(ABC):
     def sum_over_stages(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over this rank's pipeline (in place; collective there)."""
 
-    def grad_norm_over_stages(self, stage_norm: torch.Tensor) -> torch.Tensor:
-        """The 2-norm of the whole model's gradients from this rank's stages' norm."""
-        return self.sum_over_stages(stage_norm.to(self.device, torch.float32).square()).sqrt()
+    def over_stages(self, stage_norm: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the 2-norm of the whole model's gradients, ``flags`` summed over the pipeline) from
+        this rank's stages' norm and flags, in one collective."""
+        summed = self.sum_over_stages(
+            torch.cat([stage_norm.to(self.device, torch.float32).square().reshape(1), flags.to(self.device)]))
+        return summed[0].sqrt(), summed[1:]
 
 
 class GradientAccumulation(Executor):
@@ -66,6 +74,10 @@ class GradientAccumulation(Executor):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def vocab_size(self) -> int:
+        return _vocab_size(self.model)
+
     def run(self, ids, labels, loss_fn):
         total = torch.zeros((), device=ids.device)
         for ids_mb, labels_mb in zip(ids.chunk(self.microbatches), labels.chunk(self.microbatches)):
@@ -80,8 +92,8 @@ class GradientAccumulation(Executor):
     def sum_over_stages(self, t):
         return t
 
-    def grad_norm_over_stages(self, stage_norm):
-        return stage_norm
+    def over_stages(self, stage_norm, flags):
+        return stage_norm, flags
 
     def _autocast(self, device: torch.device):
         return nullcontext() if self.autocast_dtype is None else torch.autocast(device.type, dtype=self.autocast_dtype)
@@ -109,6 +121,10 @@ class PipelineSchedule(Executor):
     def device(self) -> torch.device:
         return self.stages.stages[0].device
 
+    @property
+    def vocab_size(self) -> int:
+        return _vocab_size(self.stages.modules[0])
+
     def run(self, ids, labels, loss_fn):
         stages = self.stages
         schedule = stages.schedule(loss_fn)
@@ -123,6 +139,16 @@ class PipelineSchedule(Executor):
     def sum_over_stages(self, t):
         dist.all_reduce(t, group=self.stages.group)
         return t
+
+
+def _vocab_size(module: nn.Module) -> int:
+    vocab_size = getattr(getattr(module, "config", None), "vocab_size", None)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise TypeError(
+            f"model_or_stages must be a transformers causal LM whose config.vocab_size (a positive int) is the range "
+            f"of the batch's token ids; {type(module).__name__} has config.vocab_size={vocab_size!r}"
+        )
+    return vocab_size
 
 
 def executor_for(target, *, microbatches: int | None, autocast_dtype: torch.dtype | None) -> Executor:

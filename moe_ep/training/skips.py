@@ -1,6 +1,7 @@
-"""Steps that are not taken: a step whose loss or gradient norm is not finite on some rank is
-skipped on every rank (every rank reads the same global loss and norm, so every rank decides
-alike); too many in a row stop the run with ``NonFiniteStepsError``."""
+"""Steps that are not taken: a step whose loss or gradient norm is not finite on some rank, or
+whose global batch has no predicted token, is skipped on every rank (every rank reads the same
+global loss, norm and token flag, so every rank decides alike); too many in a row stop the run
+with ``NonFiniteStepsError``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import math
 
 class NonFiniteStepsError(RuntimeError):
     """``TrainStep`` skipped ``max_consecutive_skips`` steps in a row because their loss or gradient
-    norm was not finite; raised on every rank at the same step."""
+    norm was not finite or their batch had no predicted token; raised on every rank at the same
+    step."""
 
 
 def check_max_consecutive_skips(value) -> None:
@@ -32,7 +34,7 @@ class SkipCounter:
     def takes(loss: float, grad_norm: float) -> bool:
         return math.isfinite(loss) and math.isfinite(grad_norm)
 
-    def record(self, skipped: bool, loss: float, grad_norm: float) -> None:
+    def record(self, skipped: bool, loss: float, grad_norm: float, *, no_tokens: bool = False) -> None:
         self.last_step_skipped = skipped
         if not skipped:
             self.consecutive_skips = 0
@@ -41,6 +43,12 @@ class SkipCounter:
         self.consecutive_skips += 1
         limit = self.max_consecutive_skips
         if limit is not None and self.consecutive_skips >= limit:
+            if no_tokens:
+                raise NonFiniteStepsError(
+                    f"{self.consecutive_skips} steps in a row were skipped (max_consecutive_skips={limit}): the last "
+                    "had no predicted token (every label of the global batch was the ignore index -100), and such a "
+                    "step is never applied. Check the data of these steps: their labels mask every token"
+                )
             raise NonFiniteStepsError(
                 f"{self.consecutive_skips} steps in a row were skipped (max_consecutive_skips={limit}): the last had "
                 f"loss {loss} and gradient norm {grad_norm}, and a step with a non-finite loss or gradient norm is "

@@ -17,6 +17,7 @@ from ..parallel.clip import clip_grads_, grad_norm
 from ..parallel.context import parallel_context
 from ..parallel.pipeline import PipelineStages
 from .balancing import Balancing
+from .batch import refusal, screened
 from .executors import executor_for
 from .loss import IGNORE_INDEX, CausalLMLoss, predicted_tokens
 from .loss_scale import LossScaler
@@ -46,6 +47,27 @@ def _ranks_agree(target, context, optimizer, options: dict):
     return ranks_agree("TrainStep", Description(shared, peers, local), group=group)
 
 
+def _check_optimizer_holds(target, optimizer: torch.optim.Optimizer) -> None:
+    """Every parameter of ``target`` (this rank's stages) that requires grad must be one of the
+    optimizer's, by identity: ``parallelize`` replaces the model's parameters with sharded ones, so
+    an optimizer built before it (or another model's) holds tensors the step never touches, and
+    every step would leave the model as it is without a word. Frozen parameters may be absent."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = [(name, p) for name, p in target.named_parameters() if p.requires_grad]
+    missing = [name for name, p in trainable if id(p) not in held]
+    if not missing:
+        return
+    foreign = len(held - {id(p) for _, p in target.named_parameters()})
+    shown_names = ", ".join(repr(name) for name in missing[:3]) + (", ..." if len(missing) > 3 else "")
+    holds = f"; it holds {foreign} parameters that are not the model's" if foreign else ""
+    raise ValueError(
+        f"optimizer does not hold {len(missing)} of the {len(trainable)} trainable parameters of model_or_stages "
+        f"({shown_names}){holds}: the step would never change them. An optimizer built before moe_ep.parallelize "
+        "holds the parameters parallelize replaced, and another model's optimizer that model's: build the optimizer "
+        "after parallelize, over the model's parameters() (or the stages' parameters())"
+    )
+
+
 class TrainStep:
     """``TrainStep(model_or_stages, optimizer, *, microbatches=1, ...)``, then ``loss = step(batch)``.
 
@@ -53,7 +75,12 @@ class TrainStep:
         model_or_stages: what ``moe_ep.parallelize`` returns: a transformers causal LM
             (parallelized or not) or ``PipelineStages`` (also from ``build_pipeline``); with stages
             the micro-batch count is theirs and ``microbatches`` must be None or equal to it.
-        optimizer: over ``model.parameters()`` or ``stages.parameters()``.
+        optimizer: over ``model.parameters()`` or ``stages.parameters()``, built after
+            ``parallelize`` (which replaces the parameters with sharded ones): every parameter of
+            this rank's model or stages that requires grad must be one of the optimizer's, by
+            identity, or the step refuses it (ValueError naming how many are missing and a few of
+            them). Frozen parameters (``requires_grad=False``) may be absent; parameters beyond
+            the model's are allowed.
         microbatches: gradient-accumulation micro-batches per step (batch dim split evenly).
         loss_scale: None, ``"dynamic"`` (fp16) or a fixed positive scale.
         aux_loss_coef: weight of the per-layer load-balancing loss (0: none).
@@ -74,20 +101,31 @@ class TrainStep:
     micro-batches, checked before any work) and returns the step's loss (LM loss plus the
     weighted aux and z losses; the parts are ``last_lm_loss``, ``last_aux_loss`` and
     ``last_z_loss``): the mean over the global batch, a detached scalar equal on every rank.
+    Token ids and labels are int64 or int32 (``torch.nn.Embedding``'s index dtypes; labels are
+    cast to int64 for the loss) in ``[0, config.vocab_size)``, labels also -100 (ignored, as in
+    transformers). Their values are checked on their device without a host sync of their own:
+    a batch outside that on any rank runs with the bad entries neutralised, then every rank
+    raises the same ValueError naming the tensor, the range and how many ranks had it, at the
+    step's one host sync, with nothing applied (the gradients cleared, no step counted); the
+    TrainStep stays usable.
 
     Each step: the micro-batches run forward and backward (gradients accumulate; FSDP2
     reduce-scatters after each, so they stay sharded in between), then the global loss and
     gradient norm decide (one host sync) whether the optimizer steps: a non-finite one on any rank
     skips the step on every rank (optimizer, lr scheduler and expert bias stay as they were), and
-    the gradients are cleared either way. ``last_grad_norm`` is the step's global gradient norm
-    before clipping; ``last_step_skipped``, ``steps_skipped`` and ``consecutive_skips`` count the
-    skipped steps (an fp16 overflow included). ``close()`` removes the step's hooks from the
-    model (the step cannot run afterwards).
+    the gradients are cleared either way. A step whose global batch has no predicted token (every
+    label -100 on every rank; one micro-batch or rank without any is fine) is skipped the same way
+    (the loss would be 0 and the optimizer would still apply weight decay and momentum), without
+    changing the loss scale. ``last_grad_norm`` is the step's global gradient norm before
+    clipping; ``last_step_skipped``, ``steps_skipped`` and ``consecutive_skips`` count the skipped
+    steps (an fp16 overflow and a step without a predicted token included). ``close()`` removes
+    the step's hooks from the model (the step cannot run afterwards).
 
     Building it on what ``parallelize`` (or ``build_pipeline``) returned is collective: every rank
     must pass the same options and optimizer (the ranks holding a pipeline stage also the same
     parameters and optimizer groups), which one all-gather confirms before any hook or collective;
-    otherwise every rank raises ``moe_ep.RanksDisagree`` naming the first difference."""
+    otherwise every rank raises ``moe_ep.RanksDisagree`` naming the first difference (a rank
+    whose optimizer is refused raises its ValueError, the others ``RanksDisagree`` naming it)."""
 
     def __init__(self, model_or_stages, optimizer: torch.optim.Optimizer, *, microbatches: int | None = None,
                  loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, global_aux_loss: bool = False,
@@ -102,6 +140,7 @@ class TrainStep:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
             self.executor = executor_for(model_or_stages, microbatches=microbatches, autocast_dtype=autocast_dtype)
+            _check_optimizer_holds(model_or_stages, optimizer)
             for name, coef in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
                                ("expert_bias_rate", expert_bias_rate)):
                 check_number(name, coef, at_least=0)
@@ -149,8 +188,10 @@ class TrainStep:
     def __call__(self, batch) -> torch.Tensor:
         if self.closed:
             raise RuntimeError("this TrainStep was closed (its hooks are removed); build a new one")
-        ids, labels = self._inputs(batch)
-        self.loss_fn.normalizer = self._normalizer(labels)
+        ids, labels, flags = self._inputs(batch)
+        tokens = self._tokens(labels)
+        # Clamped so that a batch with every label ignored gives a zero loss, not NaN (and is skipped).
+        self.loss_fn.normalizer = tokens.clamp(min=1) / self.dp
         self.loss_fn.scale = self.scaler.scale if self.scaler else 1.0
         with self.aux.armed(self.loss_fn.scale) if self.aux is not None else nullcontext():
             loss = self.executor.run(ids, labels, self.loss_fn)
@@ -158,29 +199,41 @@ class TrainStep:
         parts = [loss / self.loss_fn.scale]
         if self.aux is not None and self.aux.losses:
             parts.extend(self.aux.means(records, loss.device).unbind())
+        # The batch's problems and "no predicted token", one flag each, summed over every rank by
+        # the collectives the step makes anyway (here over dp, in _finish over the pipeline).
+        flags = torch.cat([flags.to(loss.device), (tokens == 0).reshape(1).to(loss.device, torch.float32)])
         if self.dp_group is not None:
             # The LM parts add up to the global mean (times dp); the aux parts are means of
             # equally many micro-batches per rank, so their mean is the global one.
-            summed = torch.stack(parts)
+            summed = torch.cat([torch.stack(parts), flags])
             dist.all_reduce(summed, group=self.dp_group)
-            parts = list((summed / self.dp).unbind())
+            parts, flags = list((summed[:len(parts)] / self.dp).unbind()), summed[len(parts):]
         self.last_lm_loss = loss = parts[0]
         if self.aux is not None and self.aux.losses:
             self.last_aux_loss, self.last_z_loss = parts[1], parts[2]
             loss = loss + self.aux.aux_loss_coef * self.last_aux_loss + self.aux.z_loss_coef * self.last_z_loss
-        self._finish(loss, records)
+        self._finish(loss, records, flags)
         return loss
 
-    def _finish(self, loss: torch.Tensor, records) -> None:
-        """Unscale, measure, then step or skip alike on every rank, and clear the gradients."""
+    def _finish(self, loss: torch.Tensor, records, flags: torch.Tensor) -> None:
+        """Unscale, measure, then refuse, step or skip alike on every rank, and clear the gradients."""
         if self.scaler:
             self.scaler.unscale_(self.params)
-        self.last_grad_norm = norm = self.executor.grad_norm_over_stages(grad_norm(self.params))
-        # host sync: the skip decision. Every rank holds the same global loss and norm, so every
-        # rank decides alike without a collective of its own.
-        loss_value, norm_value = torch.stack([loss.float(), norm.to(loss.device)]).tolist()
-        took_step = self.skips.takes(loss_value, norm_value)
-        if self.scaler:
+        norm, flags = self.executor.over_stages(grad_norm(self.params), flags)
+        self.last_grad_norm = norm
+        # host sync: the step's one, for the skip decision and the batch's checks. Every rank holds
+        # the same global loss, norm and flags, so every rank decides alike without a collective
+        # of its own.
+        loss_value, norm_value, *counts = torch.cat([torch.stack([loss.float(), norm.to(loss.device)]),
+                                                     flags.to(loss.device)]).tolist()
+        *problems, no_tokens = counts
+        refused = refusal(problems, self.executor.vocab_size)
+        if refused is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.last_lm_loss = self.last_aux_loss = self.last_z_loss = self.last_grad_norm = None
+            raise ValueError(refused)
+        took_step = not no_tokens and self.skips.takes(loss_value, norm_value)
+        if self.scaler and not no_tokens:  # no token is no overflow: the scale stays
             self.scaler.update(took_step)
         if took_step:
             if self.max_grad_norm is not None:
@@ -191,18 +244,18 @@ class TrainStep:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.skips.record(not took_step, loss_value, norm_value)
+        self.skips.record(not took_step, loss_value, norm_value, no_tokens=bool(no_tokens))
 
-    def _normalizer(self, labels: torch.Tensor) -> torch.Tensor:
-        """The loss divisor of this rank: the global batch's predicted tokens over ``dp``: FSDP
-        averages gradients over the ``dp`` ranks, so each backpropagates ``dp`` x its tokens'
-        share of the global mean, and the average is the global mean's gradient. At least 1/dp,
-        so that a batch with every label ignored gives a zero loss, not NaN."""
-        tokens = predicted_tokens(labels)  # int64: exact at any batch size
+    def _tokens(self, labels: torch.Tensor) -> torch.Tensor:
+        """The global batch's predicted tokens (int64: exact at any batch size). The loss divisor
+        of this rank is that over ``dp``: FSDP averages gradients over the ``dp`` ranks, so each
+        backpropagates ``dp`` x its tokens' share of the global mean, and the average is the
+        global mean's gradient."""
+        tokens = predicted_tokens(labels)
         if self.dp_group is not None:
             tokens = tokens.to(self.executor.device)
             dist.all_reduce(tokens, group=self.dp_group)
-        return tokens.clamp(min=1) / self.dp
+        return tokens
 
     def _inputs(self, batch):
         if not isinstance(batch, dict) or "input_ids" not in batch:
@@ -228,4 +281,5 @@ class TrainStep:
                 f"microbatches={self.microbatches} must divide input_ids' first dimension, got shape "
                 f"{tuple(ids.shape)}"
             )
-        return ids, labels
+        # Their values are checked on the device and refused at the step's read-back, on every rank.
+        return screened(ids, batch.get("labels"), self.executor.vocab_size)
