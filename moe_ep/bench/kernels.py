@@ -226,12 +226,19 @@ def dense_passes(p: Problem, seed: int) -> dict[str, Callable]:
 def bench_experts(p: Problem, inp: Inputs, args) -> list[dict]:
     """Every available variant of the experts op and the dense equivalent, each pass, timed in
     turns; peak memory and the error against transformers' eager loop per variant."""
-    rows, outputs, peaks, cases = [], {}, {}, {}
-    for name, found in expert_variants(p.device).items():
+    rows, errors, peaks, cases = [], {}, {}, {}
+    variants = expert_variants(p.device)
+    # The reference's outputs first, and each variant's error at once: holding every variant's
+    # gradients (a copy of the experts' weights each) would not fit at DeepSeek-V3's 256 experts.
+    reference = _outputs(variants[REFERENCE].value, inp)
+    for name, found in variants.items():
         if not found.available:
             rows.append(dict(T=p.T, routing=p.routing, kind="op", variant=name, status=found.reason))
             continue
-        outputs[name] = _outputs(found.value, inp)
+        (y, grads), (y_ref, grads_ref) = _outputs(found.value, inp), reference
+        errors[name] = {"fwd": relative_error(y, y_ref),
+                        "grads": max(relative_error(a, b) for a, b in zip(grads, grads_ref))}
+        del y, grads
         peaks[name] = peak_memory_bytes(lambda: _outputs(found.value, inp), p.device)
         for pass_, case in _pass_fns(found.value, inp).items():
             cases[name, pass_] = case
@@ -244,24 +251,38 @@ def bench_experts(p: Problem, inp: Inputs, args) -> list[dict]:
         if name != DENSE:
             peak = peaks[name]
             row.update(gbps=p.expert_bytes(pass_) / t.median_s / 1e9, peak_mib=None if peak is None else peak / 2**20)
-        if name in outputs and REFERENCE in outputs:
-            (y, grads), (y_ref, grads_ref) = outputs[name], outputs[REFERENCE]
-            row["err_vs_eager"] = (relative_error(y, y_ref) if pass_ == "fwd"
-                                   else max(relative_error(a, b) for a, b in zip(grads, grads_ref)))
+        if name in errors:
+            row["err_vs_eager"] = errors[name]["fwd" if pass_ == "fwd" else "grads"]
         rows.append(row)
     return rows
 
 
+def dense_floor(ms: dict, T, routing, phase: str) -> float | None:
+    """The dense reference of a pass: the same FLOPs as ``torch.mm`` chains. For fwd+bwd, the
+    faster of the one timed chain and the forward's plus the backward's timings: on the H100 the
+    chain of six GEMMs measured slower than its two halves timed apart (50.7 against 14.7 + 30.8
+    ms, 2026-11-25), which a floor must not be; the chain runs the GPU longest at full power, where
+    its clocks drop (a likely cause, not measured). Both figures are in the rows."""
+    chain = ms.get((T, routing, DENSE, phase))
+    if phase != "fwd+bwd":
+        return chain
+    halves = [ms.get((T, routing, DENSE, half)) for half in ("fwd", "bwd")]
+    split = None if None in halves else sum(halves)
+    return min((t for t in (chain, split) if t is not None), default=None)
+
+
 def add_ratios(rows: list[dict]) -> None:
-    """vs grouped_mm, vs eager, vs dense for every timed row of the experts op, against the other
-    variants of the same (T, routing, pass)."""
+    """vs grouped_mm, vs eager, vs dense (``dense_floor``) for every timed row of the experts op,
+    against the other variants of the same (T, routing, pass)."""
     ms = {(r["T"], r["routing"], r["variant"], r["phase"]): r.get("ms") for r in rows if r["kind"] in ("op", "dense") and "ms" in r}
     for row in rows:
         if row["kind"] != "op" or row.get("ms") is None:
             continue
-        for col, other in (("vs_grouped_mm", GROUPED_MM), ("vs_eager", REFERENCE), ("vs_dense", DENSE)):
+        for col, other in (("vs_grouped_mm", GROUPED_MM), ("vs_eager", REFERENCE)):
             t_other = ms.get((row["T"], row["routing"], other, row["phase"]))
             row[col] = None if t_other is None else t_other / row["ms"]
+        floor = dense_floor(ms, row["T"], row["routing"], row["phase"])
+        row["vs_dense"] = None if floor is None else floor / row["ms"]
 
 
 # ---------------------------------------------------------------- individual kernels
@@ -443,8 +464,9 @@ def check_no_host_sync(p: Problem, inp: Inputs) -> dict[str, str]:
 # ---------------------------------------------------------------- targets, plot, entry point
 
 
-def target_notes(rows: list[dict], device: torch.device) -> list[str]:
-    """The issue's targets, read off the measured rows."""
+def target_notes(rows: list[dict], device: torch.device, grouped_mm_target: float = 1.35) -> list[str]:
+    """The issue's targets, read off the measured rows: fwd+bwd at least ``grouped_mm_target`` times
+    grouped_mm's speed (#20: 1.35 at Mixtral's shapes, 1.5 for fine-grained experts)."""
     def row(variant, pass_, T=None, routing="uniform"):
         for r in rows:
             if (r["kind"] == "op" and r["variant"] == variant and r.get("phase") == pass_ and r["routing"] == routing
@@ -471,24 +493,26 @@ def target_notes(rows: list[dict], device: torch.device) -> list[str]:
                              f"{dense['ms']:.1f} ms for the same FLOPs")
                 notes.append(note)
         return notes
-    fb, f = row("moe_ep[triton]", "fwd+bwd", T=16384), row("moe_ep[triton]", "fwd", T=16384)
-    g = row(GROUPED_MM, "fwd+bwd", T=16384)
+    T = max((r["T"] for r in rows if r["kind"] == "op" and r.get("ms") is not None), default=None)
+    fb, f = row("moe_ep[triton]", "fwd+bwd", T=T), row("moe_ep[triton]", "fwd", T=T)
+    g = row(GROUPED_MM, "fwd+bwd", T=T)
     if fb is None:
-        return ["GPU target (T=16384, uniform): moe_ep[triton] not measured"]
-    notes.append(f"GPU target T=16384 uniform: fwd+bwd vs grouped_mm {verdict(fb.get('vs_grouped_mm'), 1.3)}")
-    notes.append(f"GPU target T=16384 uniform: fwd+bwd vs dense {verdict(fb.get('vs_dense'), 0.8)}, "
+        return [f"GPU target (T={T}, uniform): moe_ep[triton] not measured"]
+    notes.append(f"GPU target T={T} uniform: fwd+bwd vs grouped_mm {verdict(fb.get('vs_grouped_mm'), grouped_mm_target)}"
+                 f"; fwd+bwd {fb['ms']:.1f} ms, fwd {f['ms'] if f else float('nan'):.1f} ms")
+    notes.append(f"GPU target T={T} uniform: fwd+bwd vs dense {verdict(fb.get('vs_dense'), 0.8)}, "
                  f"fwd vs dense {verdict(f.get('vs_dense') if f else None, 0.88)}")
     if g is not None and fb.get("peak_mib") is not None and g.get("peak_mib") is not None:
         ok = fb["peak_mib"] <= g["peak_mib"]
         notes.append(f"GPU target peak memory: {fb['peak_mib']:.0f} MiB vs grouped_mm {g['peak_mib']:.0f} MiB "
                      f"({'met' if ok else 'MISSED'})")
     for routing in ("uniform", "skewed"):
-        auto = row("moe_ep[auto]", "fwd+bwd", T=16384, routing=routing)
-        paths = [r for r in (row(f"moe_ep[{b}]", "fwd+bwd", T=16384, routing=routing) for b in ("triton", "torch"))
+        auto = row("moe_ep[auto]", "fwd+bwd", T=T, routing=routing)
+        paths = [r for r in (row(f"moe_ep[{b}]", "fwd+bwd", T=T, routing=routing) for b in ("triton", "torch"))
                  if r is not None]
         if auto is not None and paths:
             best = min(paths, key=lambda r: r["ms"])
-            notes.append(f"selector T=16384 {routing}: moe_ep[auto] {auto['ms']:.1f} ms, best path {best['variant']} "
+            notes.append(f"selector T={T} {routing}: moe_ep[auto] {auto['ms']:.1f} ms, best path {best['variant']} "
                          f"{best['ms']:.1f} ms: {verdict(best['ms'] / auto['ms'], 0.97)} (never slower, within noise)")
     return notes
 
@@ -557,7 +581,8 @@ def run(args, device: torch.device) -> Report:
             del inp
     report.rows.append(dict(T=None, routing=None, **bench_copy(device, args)))
     add_ratios(report.rows)
-    report.notes += target_notes(report.rows, device)
+    # Fine-grained experts (Qwen3-MoE, OLMoE, DeepSeek-V3: 64 and more) have the higher target.
+    report.notes += target_notes(report.rows, device, grouped_mm_target=1.5 if E >= 64 else 1.35)
     for case, results in sync_checks.items():
         report.notes += [f"no host sync, {case}, {name}: {result}" for name, result in results.items()]
     report.meta["no_host_sync"] = sync_checks

@@ -57,6 +57,14 @@ MODELS = {
              num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2),
         batch=1, seq=4096, dtype=torch.bfloat16,
     ),
+    # Two of Qwen3-30B-A3B's 48 layers: 128 experts of width 768, top-8, its 151,936-token vocabulary.
+    "qwen3-30b-a3b-2layer": ModelSetup(
+        "qwen3_moe",
+        dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+             num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+             num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+        batch=1, seq=4096, dtype=torch.bfloat16,
+    ),
 }
 TINY_MODELS = tuple(name for name in MODELS if name.startswith("tiny"))
 # Selected with set_experts_implementation ("moe_ep" is registered by importing moe_ep), so they can
@@ -166,7 +174,8 @@ def plot(report: Report, path: Path) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS),
-                        help="default: the tiny models on CPU; those and mixtral-8x7b-2layer on CUDA")
+                        help="default: the tiny models on CPU; those and the two-layer Mixtral-8x7B and "
+                             "Qwen3-30B-A3B on CUDA")
     parser.add_argument("--seq", type=int, help="override every model's sequence length")
     parser.add_argument("--batch", type=int, help="override every model's batch size")
 
