@@ -2,21 +2,28 @@
 
 All kernels work on the padded layout of ``routing_metadata``: row p of an intermediate tensor
 (``h_PI``, ``pre_P2I``, ...) holds slot ``sorted_slot[p]`` (token ``slot // K``), every block of
-``pad_m`` rows belongs to one expert and padding rows hold -1. Token rows are gathered inside the
-GEMM prologues, so no permuted copy of the hidden states is ever made.
+``pad_m`` rows belongs to one expert and padding rows hold -1. The forward gathers token rows
+inside GEMM 1's prologue, so no permuted copy of the hidden states is made there; the backward
+makes one copy of dy's rows and, later, one of x's in the padded layout (``gather_rows``), which
+its GEMMs then stream through tensor descriptors instead of gathering row by row.
 
-Forward:   ``gather_glu``   x[token] @ gate_up[e]^T, gated activation in the epilogue -> h, pre
+Forward:   ``gather_glu``   x[token] @ gate_up[e]^T, gate and up in one accumulator, the gated
+                            activation in the epilogue -> h, pre
            ``rows_matmul``  h @ down[e]^T, routing weight in the epilogue -> out rows
            ``combine``      y[t] = sum_k out[pos(t, k)], a fixed-order sum in float32
-Backward:  ``glu_backward`` dy[token] @ down[e], the activation recomputed from ``pre``
+Backward:  ``gather_rows``  dy rows in the padded layout -> dy_P
+           ``glu_backward`` dy_P @ down[e], the activation recomputed from ``pre``
                             -> d pre, hs = w * act(gate) * up, and d(routing weight) per slot
+           ``weight_grad``  per expert dy_P^T @ hs -> d down
            ``rows_matmul``  d pre @ gate_up[e] -> dx rows, then ``combine``
-           ``down_weight_grad``     per expert dy[token]^T @ hs
-           ``gate_up_weight_grad``  per expert d pre^T @ x[token]
+           ``gather_rows``  x rows in the padded layout -> x_P
+           ``weight_grad``  per expert d pre^T @ x_P -> d gate_up
 
 Intermediates in the padded layout hold zeros in their padding rows (the kernels that write them
 store every live row), so the weight gradients can reduce over whole row blocks, through TMA on
-sm_90, without masking them.
+sm_90, without masking them. dx and the weight gradients are plain grouped GEMMs: where PyTorch's
+grouped GEMM is sync-free (``library``) it is one more candidate of their launches, timed beside
+the Triton configurations.
 
 There are no atomics: every output element is written by exactly one program and reduced in a
 fixed order, so two runs give the same bits. Float32 operands use IEEE dot products (no TF32).

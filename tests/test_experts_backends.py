@@ -218,3 +218,40 @@ def test_triton_backend_has_no_host_sync_on_cuda():
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@requires_cuda
+def test_auto_and_its_stage_choices_have_no_host_sync_on_cuda(tmp_path, monkeypatch):
+    """backend="auto" on whatever GPU is lent, with timing on: its first call decides (and may
+    sync); every later call, whichever path and per-stage candidates it chose (PyTorch's grouped
+    GEMM only where that is sync-free), makes none. On sm_80 neither the grouped-GEMM path nor
+    the candidate may have been chosen."""
+    from moe_ep.kernels import autotune
+    from moe_ep.kernels.library import Library, grouped_mm_sync_free
+    from moe_ep.ops import selector
+
+    monkeypatch.setenv(selector.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(autotune.ENV_VAR, "1")
+    selector.clear()
+    case = Case("fine", T=512, H=256, I=128, E=16, K=8)
+    x, idx, w, gate_up, down = case.make(torch.bfloat16, device="cuda")
+    leaves = [t.requires_grad_() for t in (x, w, gate_up, down)]
+    dy = torch.randn_like(x)
+
+    def step():
+        y = experts("auto")(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+        return torch.autograd.grad(y, leaves, dy)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    arch = autotune.device_arch(x.device)
+    if not grouped_mm_sync_free(arch, torch.bfloat16):
+        (table,) = selector.decisions().values()
+        assert set(table.paths.values()) == {"triton"} and all(set(t) == {"triton"} for t in table.times.values())
+        assert not any(isinstance(c, Library) for c in autotune.chosen_configs().values())
+    selector.clear()
