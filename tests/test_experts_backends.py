@@ -211,7 +211,13 @@ def test_triton_backend_has_no_host_sync_on_cuda():
         y = experts("triton")(leaves[0], idx, leaves[1], leaves[2], leaves[3])
         return torch.autograd.grad(y, leaves, dy)
 
-    step()  # the first call may autotune, which times kernels and so synchronises
+    run_twice_second_without_sync(step)
+
+
+def run_twice_second_without_sync(step) -> None:
+    """``step()`` twice: the first call may decide and autotune, which times kernels and so
+    synchronises; the second runs under ``set_sync_debug_mode("error")``, where any sync raises."""
+    step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -242,13 +248,7 @@ def test_auto_and_its_stage_choices_have_no_host_sync_on_cuda(tmp_path, monkeypa
         y = experts("auto")(leaves[0], idx, leaves[1], leaves[2], leaves[3])
         return torch.autograd.grad(y, leaves, dy)
 
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    run_twice_second_without_sync(step)
     arch = autotune.device_arch(x.device)
     if not grouped_mm_sync_free(arch, torch.bfloat16):
         (table,) = selector.decisions().values()

@@ -313,56 +313,45 @@ MODEL_RUNS = {"cuda": [("mixtral-8x7b-2layer", 4096), ("qwen3-30b-a3b-2layer", 4
               "cpu": [("tiny-mixtral", 32), ("tiny-qwen3-moe", 32)]}
 
 
-def _out_of_budget(args) -> str | None:
-    """Why the next part of a step must not start: the gate's budget is spent."""
+def _run_part(args, result: dict, key: str, bench) -> None:
+    """One problem of a step: ``bench()`` (a benchmark report) unless the gate's budget is spent;
+    its rows, notes and meta added to ``result`` under ``key``, its status in ``result["parts"]``.
+    Running out of GPU memory is recorded as that part's failure, and the next part still runs."""
     elapsed = time.perf_counter() - args.started
-    return f"skipped: {elapsed:.0f} s spent of a {args.budget:.0f} s budget" if elapsed > args.budget else None
+    if elapsed > args.budget:
+        result["parts"][key] = f"skipped: {elapsed:.0f} s spent of a {args.budget:.0f} s budget"
+        return
+    try:
+        report = bench()
+    except torch.OutOfMemoryError as err:
+        result["parts"][key] = f"FAIL: out of memory ({str(err).splitlines()[0][:200]})"
+        return
+    result["parts"][key] = "done"
+    result["meta"][key] = report.meta
+    result["notes"] += [f"{key}: {n}" for n in report.notes]
+    result["rows"] += [dict(r, problem=key) for r in report.rows]
 
 
 def step_kernels(device: torch.device, args) -> dict:
     cuda = device.type == "cuda"
     problems = cost.PROBLEMS if cuda else CPU_KERNEL_PROBLEMS
-    result = dict(meta={}, notes=[], rows=[], problems={})
+    result = dict(meta={}, notes=[], rows=[], parts={})
     for i, (name, p) in enumerate(problems.items()):
-        skipped = _out_of_budget(args)
-        if skipped:
-            result["problems"][name] = skipped
-            continue
         # Both routings where every kernel is timed and on the first fine-grained problem.
         routing = ["uniform", "skewed"] if i < 2 else ["uniform"]
         bench = _bench_args(args, tokens=[p.T], hidden=p.H, intermediate=p.I, experts=p.E, top_k=p.K, routing=routing,
                             dtype="bfloat16" if cuda else "float32", skip_components=i > 0)
         print(f"[gpu] kernels: {name} T={p.T} H={p.H} I={p.I} E={p.E} k={p.K}", flush=True)
-        try:
-            report = kernel_bench.run(bench, device)
-        except torch.OutOfMemoryError as err:  # recorded, and the next problem still runs
-            result["problems"][name] = f"FAIL: out of memory ({str(err).splitlines()[0][:200]})"
-            continue
-        result["problems"][name] = "done"
-        result["meta"][name] = report.meta
-        result["notes"] += [f"{name}: {n}" for n in report.notes]
-        result["rows"] += [dict(r, problem=name) for r in report.rows]
+        _run_part(args, result, name, lambda: kernel_bench.run(bench, device))
     return result
 
 
 def step_model(device: torch.device, args) -> dict:
-    cuda = device.type == "cuda"
-    result = dict(meta={}, notes=[], rows=[], runs={})
+    batch = 1 if device.type == "cuda" else 2
+    result = dict(meta={}, notes=[], rows=[], parts={})
     for name, seq in MODEL_RUNS[device.type]:
-        key = f"{name} seq {seq}"
-        skipped = _out_of_budget(args)
-        if skipped:
-            result["runs"][key] = skipped
-            continue
-        try:
-            report = model_bench.run(_bench_args(args, models=[name], seq=seq, batch=1 if cuda else 2), device)
-        except torch.OutOfMemoryError as err:  # recorded, and the next run still starts
-            result["runs"][key] = f"FAIL: out of memory ({str(err).splitlines()[0][:200]})"
-            continue
-        result["runs"][key] = "done"
-        result["meta"][key] = report.meta
-        result["notes"] += [f"{key}: {n}" for n in report.notes]
-        result["rows"] += report.rows
+        _run_part(args, result, f"{name} seq {seq}",
+                  lambda: model_bench.run(_bench_args(args, models=[name], seq=seq, batch=batch), device))
     return result
 
 
