@@ -638,6 +638,26 @@ def test_cli_needs_the_cluster_or_its_size(capsys):
     assert "--gpus-per-node and --gpu-memory are required without --cluster" in capsys.readouterr().err
 
 
+def test_cli_help_states_the_figures_a_plan_without_a_cluster_takes(capsys):
+    # Each figure the help promises without --cluster is the one the plan then uses.
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--help"])
+    assert exit_.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    assert "without it --gpus-per-node and --gpu-memory are required and every other figure is dgx-a100-80gb's" \
+        in help_text
+    stated = dict(re.findall(r"--([a-z-]+) [A-Z_]+ [^-]*?(?:--cluster preset's, )?without one dgx-a100-80gb's "
+                             r"([0-9.]+)", help_text))
+    assert main(["plan", "--model", "mixtral-8x7b", "--nodes", "2", "--gpus-per-node", "8", "--gpu-memory", "80",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    used = {"intra-node-bw": out["cluster"]["intra_node_gbps"], "inter-node-bw": out["cluster"]["inter_node_gbps"],
+            "peak-tflops": out["cluster"]["peak_tflops"], "hbm-bw": out["cluster"]["hbm_gbps"]}
+    used.update({f"{kind.replace('_', '-')}-efficiency": figure["value"] for kind, figure in out["efficiencies"].items()})
+    assert {flag: float(value) for flag, value in stated.items()} == used
+    assert out["cluster"]["preset"] is None and out["cluster"]["gpu"] == "A100-SXM4-80GB"
+
+
 def test_the_largest_requests_plan_in_seconds():
     # Huge global batches and the widest clusters the planner accepts: layouts and micro-batch
     # splits grow with the divisors of the world and of the sequences, never with their values.
