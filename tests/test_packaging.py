@@ -151,8 +151,9 @@ LAYER_RANK = {"kernels": 0, "_on_import": 0, "ops": 1, "dispatch": 2, "hf": 3, "
 
 
 def _moe_ep_imports() -> dict[str, set[str]]:
-    """Module -> the moe_ep modules it imports when it runs (module-level and inside functions;
-    not under ``if TYPE_CHECKING:``), kernels/ included as moe_ep.kernels."""
+    """Module -> the moe_ep modules it imports (module-level, inside functions and under ``if
+    TYPE_CHECKING:``: a type-only import is a dependency too, and a cycle through one means
+    neither module can be read without the other), kernels/ included as moe_ep.kernels."""
     files = {}
     for path in sorted((REPO / "moe_ep").rglob("*.py")):
         parts = path.relative_to(REPO).with_suffix("").parts
@@ -165,13 +166,8 @@ def _moe_ep_imports() -> dict[str, set[str]]:
     for name, (path, is_package) in files.items():
         package = name if is_package else name.rpartition(".")[0]
         tree = ast.parse(path.read_text())
-        typing_only = {id(n) for node in ast.walk(tree)
-                       if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
-                       for n in ast.walk(node)}
         found = set()
         for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
             if isinstance(node, ast.ImportFrom):
                 base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
                 target = ".".join(base + ([node.module] if node.module else []))
