@@ -481,16 +481,19 @@ def _assert_case(results, name):
                 assert sent["ours"] < sent["theirs"], f"rank {rank}: {sent}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c.name for c in CASES_2])
 def test_two_ranks_match_float64_reference(world2, name):
     _assert_case(world2, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c.name for c in CASES_4])
 def test_four_ranks_match_float64_reference(world4, name):
     _assert_case(world4, name)
 
 
+@pytest.mark.slow
 def test_hard_cases_are_what_they_claim(world2, world4):
     assert world2[1]["cases"]["rank1_receives_nothing"]["rows_received"] == 0
     assert all(r["cases"]["same_rank"]["bytes"]["shared"] for r in world2)
@@ -504,16 +507,19 @@ def test_hard_cases_are_what_they_claim(world2, world4):
     assert all(world2[r]["cases"]["capacity_roomy"]["dropped"] == 0 for r in range(2))
 
 
+@pytest.mark.slow
 def test_capacity_mode_has_no_host_sync(world2):
     for rank, result in enumerate(world2):
         assert result["audit_capacity"] == [], f"rank {rank}: host reads in capacity mode: {result['audit_capacity']}"
 
 
+@pytest.mark.slow
 def test_dropless_mode_has_exactly_the_count_exchange_sync(world2):
     for result in world2:
         assert result["audit_dropless"] == ["tolist @ dispatch/dispatcher.py:dropless"]
 
 
+@pytest.mark.slow
 def test_host_sync_recorder_sees_reads_in_backward_and_tolist(world2):
     sites = world2[0]["recorder_self_test"]
     for read in ("_local_scalar_dense", "tolist", "index with a bool mask", "bincount"):
@@ -540,6 +546,7 @@ def test_registering_with_transformers_follows_the_registry():
     assert register_transformers_ep() is HAS_EP_REGISTRY
 
 
+@pytest.mark.slow
 @requires_ep_registry
 def test_transformers_registry_entry(world2):
     for result in world2:
@@ -548,6 +555,7 @@ def test_transformers_registry_entry(world2):
         assert ep["err"] <= TOL
 
 
+@pytest.mark.slow
 @requires_ep_registry
 @pytest.mark.parametrize("run_name", ["transformers_ep_from_pretrained", "transformers_ep_rank1_gets_nothing"])
 def test_transformers_distributed_config_runs_our_dispatcher(world2, run_name):
@@ -560,6 +568,7 @@ def test_transformers_distributed_config_runs_our_dispatcher(world2, run_name):
             assert run["only_first_rank_experts"], run
 
 
+@pytest.mark.slow
 @requires_ep_registry
 def test_transformers_distributed_config_rank_without_rows_beside_fsdp_peer_with_rows(world4):
     # Finishing at all is the main check (a skipped collective hangs); then the loss, and a
@@ -571,6 +580,7 @@ def test_transformers_distributed_config_rank_without_rows_beside_fsdp_peer_with
         assert run["only_first_rank_experts"], (rank, run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, pattern",
     [
