@@ -37,6 +37,15 @@ def _bounded(name: str):
 
 def _add_plan_parser(sub) -> None:
     from .planner import CLUSTERS
+    from .planner.presets import DEFAULT_CLUSTER, efficiencies_for
+
+    # Without --cluster the planner takes DEFAULT_CLUSTER's figures for everything not given; each
+    # option's help names the figure it would get, so the help says what the plan will assume.
+    preset = CLUSTERS[DEFAULT_CLUSTER]
+    efficiencies = efficiencies_for(preset.gpu.family)
+
+    def default(figure) -> str:
+        return f"default: the --cluster preset's, without one {DEFAULT_CLUSTER}'s {figure:g}"
 
     p = sub.add_parser(
         "plan",
@@ -47,7 +56,9 @@ def _add_plan_parser(sub) -> None:
     )
     p.add_argument("--model", required=True, help="mixtral-8x7b, mixtral-8x22b, or a local config.json / folder")
     p.add_argument("--cluster", choices=tuple(CLUSTERS),
-                   help="a preset whose figures every other option defaults to (and may override)")
+                   help="a preset whose figures every other option defaults to (and may override); without it "
+                        f"--gpus-per-node and --gpu-memory are required and every other figure is {DEFAULT_CLUSTER}'s "
+                        f"({preset.description}, {preset.gpu.name}), as each option's default says")
     p.add_argument("--nodes", type=_bounded("nodes"), required=True)
     p.add_argument("--gpus-per-node", type=_bounded("gpus_per_node"), help="required without --cluster")
     p.add_argument("--gpu-memory", type=_bounded("gpu_memory_gib"),
@@ -55,17 +66,23 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--seq-len", type=_bounded("seq_len"), default=4096)
     p.add_argument("--global-batch-tokens", type=_bounded("global_batch_tokens"), default=None,
                    help="tokens per optimizer step (default 4Mi)")
-    p.add_argument("--intra-node-bw", type=_bounded("intra_node_gbps"), help="GB/s per GPU over NVLink (NCCL bus bw)")
+    p.add_argument("--intra-node-bw", type=_bounded("intra_node_gbps"),
+                   help=f"GB/s per GPU over NVLink (NCCL bus bw); {default(preset.gpu.nvlink_gbps)}")
     p.add_argument("--inter-node-bw", type=_bounded("inter_node_gbps"),
-                   help="GB/s per GPU across nodes: the node's network over its GPUs")
-    p.add_argument("--peak-tflops", type=_bounded("peak_tflops"), help="dense bf16 peak per GPU")
-    p.add_argument("--hbm-bw", type=_bounded("hbm_gbps"), help="GB/s of GPU memory bandwidth")
+                   help="GB/s per GPU across nodes: the node's network over its GPUs; "
+                        f"{default(preset.network_gbps_per_gpu)} ({preset.network} over {preset.gpus_per_node} GPUs)")
+    p.add_argument("--peak-tflops", type=_bounded("peak_tflops"),
+                   help=f"dense bf16 peak per GPU; {default(preset.gpu.peak_tflops)}")
+    p.add_argument("--hbm-bw", type=_bounded("hbm_gbps"),
+                   help=f"GB/s of GPU memory bandwidth; {default(preset.gpu.hbm_gbps)}")
     p.add_argument("--calibration", metavar="FILE",
-                   help="a result JSON of 'python -m moe_ep.bench kernels' from the cluster's GPU: its measured "
-                        "efficiencies replace the defaults")
+                   help="a result JSON of 'python -m moe_ep.bench kernels' from the cluster's GPU (without "
+                        f"--cluster, an {preset.gpu.family}): its measured efficiencies replace the defaults")
     for kind in ("grouped-gemm", "dense-gemm", "attention", "memory"):
-        p.add_argument(f"--{kind}-efficiency", type=_bounded(f"{kind.replace('-', '_')}_efficiency"),
-                       help="fraction of the peak (of HBM bandwidth for memory) this kind of kernel reaches")
+        field = kind.replace("-", "_")
+        p.add_argument(f"--{kind}-efficiency", type=_bounded(f"{field}_efficiency"),
+                       help="fraction of the peak (of HBM bandwidth for memory) this kind of kernel reaches; "
+                            f"{default(getattr(efficiencies, field))}, or the --calibration file's")
     p.add_argument("--reserve-fraction", type=_bounded("reserve_fraction"), default=0.10,
                    help="GPU memory kept back for the CUDA context, NCCL and fragmentation (0.10)")
     p.add_argument("--imbalance", type=_bounded("imbalance"), default=None,

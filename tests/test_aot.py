@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from moe_ep.kernels import aot
@@ -24,6 +25,7 @@ def run_python(args, timeout=900):
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_quick_check_compiles_every_kernel_for_sm80_and_sm90(tmp_path):
     """The quick check: every kernel's first configuration (the one launched without timing) in
     every family, for aligned and unaligned rows, in bfloat16 and float32, top-2 SwiGLU and top-1
@@ -84,6 +86,7 @@ def test_quick_check_compiles_every_kernel_for_sm80_and_sm90(tmp_path):
     assert "expected dense / triton" in proc.stdout and "bound    dense / triton" in proc.stdout
 
 
+@pytest.mark.slow
 def test_jit_specialisation_is_what_the_aot_check_compiles(tmp_path):
     """Sizes and counts are not specialised (one variant per size class, chosen by ALIGN), top_k = 1
     is a constant: launches at any other sizes of a class bind to the very compile key of the
@@ -134,6 +137,7 @@ def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):
     assert "TRITON_INTERPRET" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_gemm_without_tensor_cores_fails_the_check(tmp_path):
     """A kernel declared uses_dot whose product is elementwise must be reported and fail. It runs
     in a fresh process without the interpreter: Triton modules imported while this process has it

@@ -107,6 +107,7 @@ def test_bad_arguments(monkeypatch):
                 pass
 
 
+@pytest.mark.slow
 def test_op_tunes_each_gemm_kernel_on_its_first_call(monkeypatch):
     if not interpreting():
         pytest.skip("swaps the interpreter's configuration space")

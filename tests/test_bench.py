@@ -29,6 +29,7 @@ def written(tmp_path, mode):
     return json.loads(next(tmp_path.glob(f"{mode}_cpu_*.json")).read_text())
 
 
+@pytest.mark.slow
 def test_kernels_mode_smoke(tmp_path):
     main(["kernels", "--device", "cpu", "--tokens", "24", "--hidden", "16", "--intermediate", "24",
           "--experts", "4", "--top-k", "2", "--out-dir", str(tmp_path), *TINY])
@@ -86,6 +87,7 @@ def test_kernels_mode_on_cuda(tmp_path):
     assert checks["moe_experts[triton] fwd+bwd"] == "pass" and checks["moe_experts[torch] fwd+bwd"] == "pass"
 
 
+@pytest.mark.slow
 def test_model_mode_smoke(tmp_path):
     """Every family's tiny model (the CPU default), each variant on the eager model's loss."""
     main(["model", "--device", "cpu", "--seq", "8", "--batch", "1", "--out-dir", str(tmp_path), *TINY])
@@ -108,6 +110,7 @@ def test_dispatch_mode_bytes_only(tmp_path):
     assert all(r["status"] == "bytes only" for r in rows)
 
 
+@pytest.mark.slow
 @requires_ep_registry  # transformers' AllToAllEP is the baseline
 def test_dispatch_mode_spawns_ranks(tmp_path):
     main(["dispatch", "--device", "cpu", "--ep", "2", "--models", "mixtral", "fine-grained", "--tokens", "16",

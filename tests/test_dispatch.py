@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from dist_utils import run_ranks
 from markers import HAS_EP_REGISTRY, requires_cuda, requires_ep_registry
 from numerics import TOLERANCE, rel_err
 from routing_rules import keep_mask_reference, remap_routing
+import moe_ep
 from moe_ep.bench.dispatch import count_sent_bytes
 from moe_ep.dispatch import CountExchangeBytes, capacity_keep_mask, count_exchange_bytes, expert_capacity, wire_bytes
 from moe_ep.ops.reference import moe_experts_ref
@@ -162,6 +164,21 @@ def _check_case(case: Case, rank: int, world: int) -> dict:
 # Host-sync audit: every read of a tensor value by the host, with the moe_ep frame that caused it.
 
 
+# The package's own folder, as imported and with links resolved: a path substring such as
+# "/moe_ep/" would also match this test file when the checkout sits in a folder named moe_ep.
+PACKAGE_DIRS = tuple({Path(moe_ep.__file__).parent, Path(moe_ep.__file__).resolve().parent})
+
+
+def moe_ep_site(frames) -> str:
+    """The innermost frame inside the moe_ep package as "path/in/package.py:function"."""
+    for frame in reversed(frames):
+        path = Path(frame.filename)
+        for package in PACKAGE_DIRS:
+            if path.is_relative_to(package):
+                return f"{path.relative_to(package).as_posix()}:{frame.name}"
+    return "outside moe_ep"
+
+
 class HostSyncRecorder(TorchDispatchMode):
     """Records host reads: ops that copy a value to the host (``.item()``, ``int()``, ``bool()``
     go through ``_local_scalar_dense``) or whose output size depends on values (``nonzero``,
@@ -179,9 +196,7 @@ class HostSyncRecorder(TorchDispatchMode):
         self._patched = {}
 
     def _record(self, what: str) -> None:
-        frames = [f for f in traceback.extract_stack() if "/moe_ep/" in f.filename.replace("\\", "/")]
-        where = f"{frames[-1].filename.rsplit('/moe_ep/', 1)[1]}:{frames[-1].name}" if frames else "outside moe_ep"
-        self.sites.append(f"{what} @ {where}")
+        self.sites.append(f"{what} @ {moe_ep_site(traceback.extract_stack())}")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
@@ -466,16 +481,19 @@ def _assert_case(results, name):
                 assert sent["ours"] < sent["theirs"], f"rank {rank}: {sent}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c.name for c in CASES_2])
 def test_two_ranks_match_float64_reference(world2, name):
     _assert_case(world2, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c.name for c in CASES_4])
 def test_four_ranks_match_float64_reference(world4, name):
     _assert_case(world4, name)
 
 
+@pytest.mark.slow
 def test_hard_cases_are_what_they_claim(world2, world4):
     assert world2[1]["cases"]["rank1_receives_nothing"]["rows_received"] == 0
     assert all(r["cases"]["same_rank"]["bytes"]["shared"] for r in world2)
@@ -489,20 +507,37 @@ def test_hard_cases_are_what_they_claim(world2, world4):
     assert all(world2[r]["cases"]["capacity_roomy"]["dropped"] == 0 for r in range(2))
 
 
+@pytest.mark.slow
 def test_capacity_mode_has_no_host_sync(world2):
     for rank, result in enumerate(world2):
         assert result["audit_capacity"] == [], f"rank {rank}: host reads in capacity mode: {result['audit_capacity']}"
 
 
+@pytest.mark.slow
 def test_dropless_mode_has_exactly_the_count_exchange_sync(world2):
     for result in world2:
         assert result["audit_dropless"] == ["tolist @ dispatch/dispatcher.py:dropless"]
 
 
+@pytest.mark.slow
 def test_host_sync_recorder_sees_reads_in_backward_and_tolist(world2):
     sites = world2[0]["recorder_self_test"]
     for read in ("_local_scalar_dense", "tolist", "index with a bool mask", "bincount"):
         assert any(s.startswith(read) for s in sites), (read, sites)
+    assert all(s.endswith("@ outside moe_ep") for s in sites), sites  # all of them read in this file
+
+
+def test_host_sync_sites_are_the_package_frames_whatever_the_checkout_folder_is_called():
+    package = Path(moe_ep.__file__).parent
+    checkout_named_moe_ep = Path("/home/user/moe_ep")
+    frame = traceback.FrameSummary
+    # A test file of a checkout in a folder named moe_ep is outside the package.
+    assert moe_ep_site([frame(str(checkout_named_moe_ep / "tests/test_dispatch.py"), 1, "test")]) == "outside moe_ep"
+    inner = frame(str(package / "dispatch/dispatcher.py"), 1, "dropless")
+    outer = frame(str(package / "dispatch/expert_parallel.py"), 1, "moe_experts_ep")
+    # The recorder's own frames are the innermost ones; the checkout's folder name must not matter.
+    recorder = frame(str(package.parent / "tests/test_dispatch.py"), 1, "_record")
+    assert moe_ep_site([outer, inner, recorder]) == "dispatch/dispatcher.py:dropless"
 
 
 def test_registering_with_transformers_follows_the_registry():
@@ -511,6 +546,7 @@ def test_registering_with_transformers_follows_the_registry():
     assert register_transformers_ep() is HAS_EP_REGISTRY
 
 
+@pytest.mark.slow
 @requires_ep_registry
 def test_transformers_registry_entry(world2):
     for result in world2:
@@ -519,6 +555,7 @@ def test_transformers_registry_entry(world2):
         assert ep["err"] <= TOL
 
 
+@pytest.mark.slow
 @requires_ep_registry
 @pytest.mark.parametrize("run_name", ["transformers_ep_from_pretrained", "transformers_ep_rank1_gets_nothing"])
 def test_transformers_distributed_config_runs_our_dispatcher(world2, run_name):
@@ -531,6 +568,7 @@ def test_transformers_distributed_config_runs_our_dispatcher(world2, run_name):
             assert run["only_first_rank_experts"], run
 
 
+@pytest.mark.slow
 @requires_ep_registry
 def test_transformers_distributed_config_rank_without_rows_beside_fsdp_peer_with_rows(world4):
     # Finishing at all is the main check (a skipped collective hangs); then the loss, and a
@@ -542,6 +580,7 @@ def test_transformers_distributed_config_rank_without_rows_beside_fsdp_peer_with
         assert run["only_first_rank_experts"], (rank, run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, pattern",
     [

@@ -147,6 +147,7 @@ def test_route_topk_refuses_numbers_out_of_range(backend, kwargs, error, message
         _route(backend=backend, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_route_topk_with_a_finite_bias_matches_float64(backend):
     # The check refuses only non-finite biases: large finite ones still steer the choice.

@@ -35,6 +35,9 @@ from example_runs import (
 )
 from numerics import TOLERANCE, rel_err
 
+# Launches the example with accelerate and torchrun: not in the quick subset (bash scripts/test.sh --quick).
+pytestmark = pytest.mark.slow
+
 # 2 pipeline stages on 4 processes, each stage FSDP-sharded over 2 with its experts split over the
 # same 2; 4 micro-batches of 1 sequence per data-parallel rank: a global batch of 8 sequences, the
 # batch that the planner's layout for 4 processes below (4 stages, 8 micro-batches) also takes.

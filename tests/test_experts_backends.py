@@ -53,6 +53,7 @@ def check_against_reference(backend, device, case, dtype, *, activation="silu", 
         assert rel_err(g.cpu(), g_ref) <= tol, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, device", PLACES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -60,6 +61,7 @@ def test_matches_float64_reference(case, dtype, backend, device):
     check_against_reference(backend, device, case, dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", [MULTI_TILE, MANY_EXPERTS], ids=lambda c: c.name)
@@ -100,6 +102,7 @@ def test_torch_backend_in_row_blocks_matches_float64_and_one_block(dtype, activa
     assert torch.equal(y, one_block[0]) and all(torch.equal(a, b) for a, b in zip(grads, one_block[1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, device", PLACES)
 @pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=lambda c: c.name)
 def test_bitwise_deterministic(case, backend, device):
@@ -127,6 +130,7 @@ def _forward_op(backend, x, idx, w, gate_up, down):
     return experts_triton_fwd, (x, idx, w, gate_up, down, "silu", routing_block(idx.numel(), gate_up.shape[0]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck_forward_and_backward_registration(backend):
     x, idx, w, gate_up, down = CASES[1].make(torch.float32, device=DEVICE)
@@ -135,6 +139,7 @@ def test_opcheck_forward_and_backward_registration(backend):
     torch.library.opcheck(op, args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_compile_sees_forward_and_backward(backend):
     case = CASES[1]

@@ -17,6 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--warmup", "0", "--reps", "1"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU mode; on a GPU run the script itself")
 def test_script_in_cpu_mode_writes_one_json_and_one_png(tmp_path):
     env = dict(os.environ, MOE_EP_PYTHON=str(pathlib.Path(os.sys.executable)))
@@ -44,6 +45,7 @@ def test_script_in_cpu_mode_writes_one_json_and_one_png(tmp_path):
     assert any(n.startswith("gpu check: ") and "0 failed" in n for n in payload["notes"])
 
 
+@pytest.mark.slow
 def test_a_failing_check_fails_the_command(tmp_path, monkeypatch):
     check = next(c for c in gpu_check.checks_for(torch.device("cpu")) if c.name == "small top-k = E")  # the smallest
     monkeypatch.setattr(gpu_check, "checks_for", lambda device: [check])
@@ -68,6 +70,7 @@ def test_cpu_mode_needs_the_interpreter(monkeypatch):
         main(["gpu", "--device", "cpu", "--no-save"])
 
 
+@pytest.mark.slow
 def test_reference_by_expert_matches_the_per_token_loop():
     from moe_ep.ops.reference import moe_experts_ref, moe_experts_ref_by_expert
 

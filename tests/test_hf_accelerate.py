@@ -224,12 +224,14 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(EXPECTED))
 def test_a_disagreeing_configuration_stops_in_one_line(world2, case):
     for results in world2:
         assert EXPECTED[case] in results["configurations"]["messages"][case]
 
 
+@pytest.mark.slow
 def test_a_refused_trainer_wrote_nothing(world2):
     assert [r["configurations"]["written"] for r in world2] == [[], []]
 
@@ -249,12 +251,14 @@ PLUGINS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(PLUGINS))
 def test_what_the_fsdp_plugin_and_parallelism_config_must_say(world2, case):
     for results in world2:
         assert PLUGINS[case] in results["plugins"][case]
 
 
+@pytest.mark.slow
 def test_the_private_accelerate_state_is_where_moe_ep_switches_it(world2):
     """Fails when accelerate moves the state moe_ep switches (or a release outside the range it was
     verified against is installed): then ``_enter_fsdp2_mode`` must be read again."""
@@ -264,6 +268,7 @@ def test_the_private_accelerate_state_is_where_moe_ep_switches_it(world2):
             "before": "MULTI_CPU", "accelerator": "FSDP", "is_fsdp2": True, "state": "FSDP", "partial_state": "FSDP"}
 
 
+@pytest.mark.slow
 def test_prepare_passes_the_sharded_model_through(world2):
     for found in world2:
         switch = found["switch"]
@@ -272,6 +277,7 @@ def test_prepare_passes_the_sharded_model_through(world2):
         assert switch["models_registered"] == 1
 
 
+@pytest.mark.slow
 def test_evaluate_before_train(world2):
     for found in world2:
         assert found["evaluate"]["eval_loss_err"] <= TOLERANCE[torch.float32], found["evaluate"]

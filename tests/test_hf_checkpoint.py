@@ -17,6 +17,7 @@ from hf_models import FAMILIES, tiny_batch, tiny_model
 FP32 = TOLERANCE[torch.float32]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_save_pretrained_writes_identical_safetensors(family, tmp_path):
     unpatched = tiny_model(family)
@@ -55,6 +56,7 @@ def _legacy_state_dict(model, family: str) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_legacy_per_expert_checkpoint_loads(family, tmp_path):
     unpatched = tiny_model(family)
@@ -90,6 +92,7 @@ def test_patched_checkpoint_roundtrips_into_moe_ep_model(tmp_path):
 
 
 # Both backends (Triton under the interpreter without a GPU), experts and fused router.
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_generate_matches_unpatched(family, backend):

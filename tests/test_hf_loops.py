@@ -25,6 +25,9 @@ from hf_loops import (
 )
 from numerics import TOLERANCE
 
+# Launches the example loops with accelerate: not in the quick subset (bash scripts/test.sh --quick).
+pytestmark = pytest.mark.slow
+
 PROCESSES = 2
 LAYOUT = ("--ep", "2")
 

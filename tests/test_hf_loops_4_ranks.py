@@ -21,6 +21,9 @@ from dist_utils import run_ranks
 from hf_loops import SCRIPTS, check_against_baseline_and_one_process, world_fixture
 from transformers_ep_cases import case_params, check_case, save_tiny_checkpoints, transformers_ep_vs_one_process
 
+# Launches 4 processes: not in the quick subset (bash scripts/test.sh --quick).
+pytestmark = pytest.mark.slow
+
 PROCESSES = 4
 LAYOUT = ("--ep", "2", "--dp-replicate", "2")
 

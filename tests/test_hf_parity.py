@@ -107,6 +107,7 @@ def _check_whole_model(family, model, reference, batch_kwargs):
         assert rel_err(grad, ref_grads[name]) <= tol, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_model_matches_fp64_eager(family, reference):
     model = patch(tiny_model(family), backend="torch")
@@ -116,6 +117,7 @@ def test_fp32_model_matches_fp64_eager(family, reference):
     _check_whole_model(family, model, reference, {})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_experts_implementation_alone_matches(family, reference):
     """from_config(..., experts_implementation="moe_ep") without patch(): the model's own routers."""
@@ -178,6 +180,7 @@ def _check_bf16_model(family, model, bf16_reference, batch_kwargs, *, logits_vs_
         assert rel_err(grad, ref_grads[name]) <= _PARAMETER_FACTOR * max(eager_err, eager_all), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused_router", [True, False], ids=["fused_router", "model_router"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_model(family, fused_router, bf16_reference):
@@ -225,6 +228,7 @@ def test_bf16_moe_block(family, fused_router):
     _check_bf16_block(family, backend="torch", fused_router=fused_router, tokens=17)
 
 
+@pytest.mark.slow
 @requires_cuda
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_default_backend_fp32_model(family, reference):
@@ -244,24 +248,28 @@ def test_cuda_default_backend_fp32_model(family, reference):
 _TRITON_BATCH = {"batch": 1, "seq": 5}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_triton_experts_fp32_model(family, reference):
     model = patch(tiny_model(family), backend="triton", fused_router=False)
     _check_whole_model(family, model, reference, _TRITON_BATCH)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_triton_experts_and_router_fp32_model(family, reference):
     model = patch(tiny_model(family), backend="triton")
     _check_whole_model(family, model, reference, _TRITON_BATCH)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_triton_bf16_model(family, bf16_reference):
     model = patch(tiny_model(family, dtype=torch.bfloat16), backend="triton")
     _check_bf16_model(family, model, bf16_reference, _TRITON_BATCH, logits_vs_eager=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused_router", [True, False], ids=["fused_router", "model_router"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_triton_bf16_moe_block(family, fused_router):

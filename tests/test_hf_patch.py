@@ -206,6 +206,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_import_registers_and_patches_nothing():
     """In a fresh process: ``import moe_ep`` registers both transformers entries and the public
     API, and leaves every class and every model built without asking for moe_ep as it was."""
@@ -323,6 +324,7 @@ def test_autocast_reaches_the_expert_parallel_dispatcher():
     assert experts.gate_up_proj.grad.dtype == torch.float32 and experts.gate_up_proj.grad.norm() > 0
 
 
+@pytest.mark.slow
 def test_patched_moe_block_compiles_fullgraph():
     """No graph break in the fused router or the registered experts forward (aot_eager: the CPU
     has no compiler for inductor here); forward and gradients unchanged."""

@@ -62,6 +62,7 @@ def check(case, dtype, activation="silu"):
     return y, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS, indirect=True, ids=lambda v: f"tma{int(v[0])}_persistent{int(v[1])}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", ALIGNED, ids=lambda c: c.name)
@@ -69,6 +70,7 @@ def test_variants_match_float64_reference(variant, case, dtype):
     check(case, dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [(True, True)], indirect=True, ids=["tma_persistent"])
 def test_gelu_fp16_and_determinism(variant):
     case = ALIGNED[0]
@@ -78,6 +80,7 @@ def test_gelu_fp16_and_determinism(variant):
     assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [ALIGNED[0], CASES[1]], ids=lambda c: c.name)
 def test_descriptors_only_where_rows_are_16_byte_aligned(case, monkeypatch):
     """Rows of 17 or 9 bf16 elements cannot be described: the launchers choose from the unaligned

@@ -153,12 +153,14 @@ def two_ranks():
     return run_ranks(_global, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("masked", [False, True])
 def test_global_aux_loss_is_the_whole_batch_loss(two_ranks, masked):
     for result in two_ranks:
         assert result[masked]["value"] <= TOL and result[masked]["grad"] <= TOL, result[masked]
 
 
+@pytest.mark.slow
 def test_expert_bias_identical_on_every_rank(two_ranks):
     for result in two_ranks:
         assert result["bias_identical"] and result["bias_matches_one_process"] and result["bias_moved"]

@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -38,6 +40,7 @@ def test_a_regular_package_later_on_the_path_beats_our_folder(tmp_path):
     assert not origin.startswith(str(REPO)), origin
 
 
+@pytest.mark.slow
 def test_transformers_does_not_mistake_our_folder_for_hf_kernels(tmp_path):
     """transformers' answer to "is Hugging Face's kernels package usable?" is the same from the
     repository root, where our folder is on sys.path, as from a folder where it is not."""
@@ -90,6 +93,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("moe_ep", 
 """
 
 
+@pytest.mark.slow
 def test_a_kernel_loads_no_layer_above_the_kernels():
     """Importing one kernel module in a fresh interpreter loads moe_ep's package file, its import
     hook and kernel modules: no op, distributed, Hugging Face, planner or training code, and no
@@ -102,6 +106,7 @@ def test_a_kernel_loads_no_layer_above_the_kernels():
     assert not [m for m in loaded if m.startswith("transformers")]
 
 
+@pytest.mark.slow
 def test_import_moe_ep_is_cheap_and_registers_when_transformers_loads():
     """``import moe_ep`` alone imports neither torch nor transformers; transformers, imported
     afterwards, finds both "moe_ep" entries registered, and a public name loads on first use."""
@@ -151,8 +156,9 @@ LAYER_RANK = {"kernels": 0, "_on_import": 0, "ops": 1, "dispatch": 2, "hf": 3, "
 
 
 def _moe_ep_imports() -> dict[str, set[str]]:
-    """Module -> the moe_ep modules it imports when it runs (module-level and inside functions;
-    not under ``if TYPE_CHECKING:``), kernels/ included as moe_ep.kernels."""
+    """Module -> the moe_ep modules it imports (module-level, inside functions and under ``if
+    TYPE_CHECKING:``: a type-only import is a dependency too, and a cycle through one means
+    neither module can be read without the other), kernels/ included as moe_ep.kernels."""
     files = {}
     for path in sorted((REPO / "moe_ep").rglob("*.py")):
         parts = path.relative_to(REPO).with_suffix("").parts
@@ -165,13 +171,8 @@ def _moe_ep_imports() -> dict[str, set[str]]:
     for name, (path, is_package) in files.items():
         package = name if is_package else name.rpartition(".")[0]
         tree = ast.parse(path.read_text())
-        typing_only = {id(n) for node in ast.walk(tree)
-                       if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
-                       for n in ast.walk(node)}
         found = set()
         for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
             if isinstance(node, ast.ImportFrom):
                 base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
                 target = ".".join(base + ([node.module] if node.module else []))

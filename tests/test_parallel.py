@@ -535,11 +535,13 @@ def _assert_parity(result: dict, tol: float, *, capacity: bool = False) -> None:
         _assert_routing_claim(result)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name, run in PARITY_2.items() if not run.bf16])
 def test_two_ranks_match_one_process(world2, name):
     _assert_parity(world2[0]["parity"][name], TOL, capacity=PARITY_2[name].capacity_factor is not None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name, run in PARITY_2.items() if run.bf16])
 def test_two_ranks_bf16_mixed_precision_loss(world2, name):
     # Loss only: bf16 gradients of this tiny model are dominated by rounding (a one-process bf16
@@ -550,11 +552,13 @@ def test_two_ranks_bf16_mixed_precision_loss(world2, name):
     assert result["grads_finite"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PARITY_4))
 def test_four_ranks_match_one_process(world4, name):
     _assert_parity(world4[0]["parity"][name], TOL, capacity=PARITY_4[name].capacity_factor is not None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, name", [("world2", name) for name in ROUNDTRIPS_2]
                          + [("world4", name) for name in ROUNDTRIPS_4])
 def test_full_state_dict_roundtrip(request, world, name):
@@ -567,6 +571,7 @@ def test_full_state_dict_roundtrip(request, world, name):
     assert all(r["state_dict"][name]["reloaded_on_every_rank"] for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, pattern",
     [
@@ -596,6 +601,7 @@ def test_parallelize_errors(world2, name, pattern):
 STOP_WITHIN = 30.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, name", [("world2", name) for name in DISAGREEMENTS_2]
                          + [("world4", name) for name in DISAGREEMENTS_4])
 def test_ranks_given_different_arguments_or_models_stop_with_the_first_difference(request, world, name):
@@ -612,6 +618,7 @@ def test_ranks_given_different_arguments_or_models_stop_with_the_first_differenc
     assert max(s.seconds for s in stopped) < STOP_WITHIN, [s.seconds for s in stopped]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, rank0, rank1",
     [
@@ -713,6 +720,7 @@ def _hang_past_timeout(rank, world) -> StepOutcome:
         return StepOutcome(f"{type(exc).__name__}: {exc}", time.monotonic() - start)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("debug", ["OFF", "DETAIL"])
 def test_fail_fast_bounds_gloo_collectives_and_restores_their_timeout(debug):
     # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend in a checker: the bound must reach the
@@ -739,6 +747,7 @@ def test_fail_fast_bounds_gloo_collectives_and_restores_their_timeout(debug):
         dist.set_debug_level(level)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_rank_failing_mid_step_stops_the_others_quickly(where):
     # The default group's timeout is 60 s and DeviceMesh's groups' 30 minutes: stopping in
@@ -752,6 +761,7 @@ def test_rank_failing_mid_step_stops_the_others_quickly(where):
     assert rank1.alive_when_rank0_stopped
 
 
+@pytest.mark.slow
 def test_step_past_timeout_is_reported():
     rank0, rank1 = run_ranks(_hang_past_timeout, 2, pg_timeout=60, timeout=90)
     assert "ran past the fail_fast timeout of 0.5 s" in rank0.message + rank1.message
@@ -791,6 +801,7 @@ def test_resolve_dims_errors(kwargs, error, pattern):
         resolve_dims(4, **kwargs)
 
 
+@pytest.mark.slow
 def test_parallelize_refuses_dp_shard_not_divisible_by_ep():
     # Through the entry point, on torch's fake process group (one process, no communication):
     # 6 ranks of dp_shard with ep=4 while the 8 experts would split over 4 ranks.
@@ -843,6 +854,7 @@ def test_parallelize_needs_a_process_group():
         parallelize(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.slow
 def test_run_ranks_reports_the_failing_rank():
     with pytest.raises(RankError, match="rank 1 of 2 raised ZeroDivisionError"):
         run_ranks(_divide_by_rank_minus_one, 2)

@@ -266,6 +266,7 @@ def world2(reference):
     return run_ranks(_pp_alone, 2, reference[0], PP_ALONE, FAMILY_RUNS, timeout=300)
 
 
+@pytest.mark.slow
 def test_pp2_alone_tracks_single_process_losses_for_every_schedule(world2, reference, reference_aux,
                                                                    reference_clipped):
     _, expected = reference
@@ -288,6 +289,7 @@ def test_pp2_alone_tracks_single_process_losses_for_every_schedule(world2, refer
     assert ranks[0][interleaved][2] == [0, 2] and ranks[1][interleaved][2] == [1, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILY_RUNS))
 def test_tied_head_and_shared_expert_families_track_single_process_losses(world2, reference_families, name):
     for losses, _, _, _ in (result[name] for result in world2):
@@ -380,6 +382,7 @@ def world4(reference, reference_unbalanced):
     return run_ranks(_composed, 4, batches, COMPOSED, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMPOSED))
 def test_pp2_composes_with_ep_fsdp2_and_hsdp_for_every_schedule(world4, reference, reference_aux,
                                                                 reference_unbalanced, reference_global_aux_z,
@@ -400,6 +403,7 @@ def test_pp2_composes_with_ep_fsdp2_and_hsdp_for_every_schedule(world4, referenc
         assert by_rank[0]["skipped"] >= 1 and by_rank[0]["scale"] < 2.0**130
 
 
+@pytest.mark.slow
 def test_train_step_z_loss_without_stages(reference):
     from moe_ep.training import TrainStep
 
@@ -412,6 +416,7 @@ def test_train_step_z_loss_without_stages(reference):
     assert step.last_z_loss > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("coef", [0.0, AUX])
 def test_train_step_without_stages_accumulates_microbatches(reference, reference_aux, coef):
     from moe_ep.training import TrainStep
@@ -425,6 +430,7 @@ def test_train_step_without_stages_accumulates_microbatches(reference, reference
                                                        torch.tensor(expected[-1], dtype=torch.float32), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scaling_skips_overflowing_steps_and_recovers(reference):
     from moe_ep.training import TrainStep
 

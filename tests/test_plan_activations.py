@@ -23,6 +23,7 @@ def _assert_close(measured: dict, modelled: dict, what: str):
 # Every family whose attention runs flash attention on the CPU (DeepSeek-V3's latent attention,
 # with value heads narrower than the query heads, falls back to the math kernel there and keeps
 # the S x S probabilities no GPU kernel keeps, so it is modelled but not checked).
+@pytest.mark.slow
 @pytest.mark.parametrize("name, checkpointing, batch, seq", [
     ("tiny-mixtral", False, 1, 64), ("tiny-mixtral", False, 2, 128), ("tiny-mixtral", True, 1, 256),
     ("tiny-mixtral", True, 2, 64), ("tiny-qwen2-moe", False, 2, 64), ("tiny-qwen2-moe", True, 1, 128),

@@ -38,6 +38,10 @@ from moe_ep.bench.planner import (
 from moe_ep.bench.planner import fake_rank as _fake_rank
 from moe_ep.planner import Layout, plan
 
+# Lays out full-size Mixtral-8x7B rank by rank (minutes on 2 cores): not in the quick subset
+# (bash scripts/test.sh --quick).
+pytestmark = pytest.mark.slow
+
 WORLD = 128
 CLUSTER = dict(nodes=16, cluster="dgx-a100-80gb")
 HELD_TOLERANCE = 0.02

@@ -31,6 +31,7 @@ def mixtral_plan():
     return plan("mixtral-8x7b", nodes=16, **DGX)
 
 
+@pytest.mark.slow
 def test_mixtral_spec_matches_the_real_model():
     spec = ModelSpec.resolve("mixtral-8x7b")
     # The parameter count of the released checkpoint (and of MixtralForCausalLM on meta).
@@ -40,6 +41,7 @@ def test_mixtral_spec_matches_the_real_model():
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok) == (4096, 14336, 8, 2)
 
 
+@pytest.mark.slow
 def test_mixtral_on_16_nodes_of_a100_80gb_fits(mixtral_plan):
     lay, best = mixtral_plan.layout, mixtral_plan.best
     assert lay.world_size == 128 and lay.dp_shard % lay.ep == 0 and 8 % lay.ep == 0
@@ -69,6 +71,7 @@ def _layer_flops_by_kind(lay, seq=4096):
     return dense, expert, attention, 2 * V * H * T
 
 
+@pytest.mark.slow
 def test_compute_rows_follow_the_stated_efficiencies(mixtral_plan):
     # Each GEMM row is its FLOPs at its stated efficiency: forward + backward = 3 x forward (+1
     # recomputed), attention 3.5 x (flash recomputes the scores), the experts at the busiest
@@ -89,6 +92,7 @@ def test_compute_rows_follow_the_stated_efficiencies(mixtral_plan):
     assert rows["memory-bound kernels (incl. optimizer)"] > 0.02 * rows["total"]
 
 
+@pytest.mark.slow
 def test_mfu_is_a_consequence_of_the_efficiencies(mixtral_plan):
     # MFU = useful FLOPs / (step x GPUs x peak); its ceiling, the FLOP-weighted efficiency, is what
     # the useful FLOPs alone would reach; the step is the useful FLOPs at the stated efficiencies
@@ -132,6 +136,7 @@ def test_memory_bound_work_is_charged_at_hbm_bandwidth():
     assert b == pytest.approx(2 * a, rel=1e-12) and a > 0
 
 
+@pytest.mark.slow
 def test_report_states_cluster_layout_memory_time_efficiencies_and_alternatives(mixtral_plan):
     text = mixtral_plan.report()
     for needle in ("cluster: dgx-a100-80gb (NVIDIA DGX A100 (80 GB))", "312 TFLOP/s dense bf16", "2039 GB/s",
@@ -147,6 +152,7 @@ def test_report_states_cluster_layout_memory_time_efficiencies_and_alternatives(
     assert len(mixtral_plan.alternatives) >= 3
 
 
+@pytest.mark.slow
 def test_alternatives_tell_the_truth_about_time_and_memory(mixtral_plan):
     best = mixtral_plan.best
     for cand, reason in mixtral_plan.alternatives:
@@ -163,6 +169,7 @@ def test_alternatives_tell_the_truth_about_time_and_memory(mixtral_plan):
             assert cand.time.total < best.time.total and "headroom rule" in reason
 
 
+@pytest.mark.slow
 def test_cli_prints_a_fitting_layout(capsys):
     code = main(["plan", "--model", "mixtral-8x7b", "--nodes", "16", "--gpus-per-node", "8", "--gpu-memory", "80",
                  "--json"])
@@ -213,6 +220,7 @@ def test_groups_spanning_whole_nodes_get_the_nodes_network():
     assert dgx.bandwidth(128, 1) == 200 * GB  # 8 x 25 GB/s, capped by NVLink
 
 
+@pytest.mark.slow
 def test_p4d_and_dgx_a100_choose_differently_and_the_reports_say_why():
     # Same GPUs (A100 40 GB), a quarter of the network on p4d: the DGX's layout gathers every
     # expert over all 128 GPUs each micro-batch, which p4d's 400 Gb/s per node cannot hide.
@@ -232,6 +240,7 @@ def test_p4d_and_dgx_a100_choose_differently_and_the_reports_say_why():
         rows["FSDP/HSDP traffic not hidden"])
 
 
+@pytest.mark.slow
 def test_cli_takes_a_cluster_preset(capsys):
     assert main(["plan", "--model", "mixtral-8x7b", "--cluster", "p4d", "--nodes", "16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -310,6 +319,7 @@ def test_calibration_file_errors_name_the_file(tmp_path):
         plan("mixtral-8x7b", nodes=16, calibration=KERNELS_CPU, **DGX)
 
 
+@pytest.mark.slow
 def test_cli_takes_a_calibration_file(tmp_path, capsys):
     path = _gpu_results(tmp_path)
     assert main(["plan", "--model", "mixtral-8x7b", "--cluster", "dgx-a100-80gb", "--nodes", "16",
@@ -358,6 +368,7 @@ def test_expert_side_memory_is_sized_for_the_startup_imbalance():
     assert cap[0].activations < mem[2.0].activations
 
 
+@pytest.mark.slow
 def test_headroom_rule_prefers_a_layout_with_headroom_within_the_margin():
     p = plan("mixtral-8x7b", nodes=16, cluster="p4de")
     fastest, best = p.rule.fastest, p.best
@@ -638,6 +649,27 @@ def test_cli_needs_the_cluster_or_its_size(capsys):
     assert "--gpus-per-node and --gpu-memory are required without --cluster" in capsys.readouterr().err
 
 
+def test_cli_help_states_the_figures_a_plan_without_a_cluster_takes(capsys):
+    # Each figure the help promises without --cluster is the one the plan then uses.
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--help"])
+    assert exit_.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    assert "without it --gpus-per-node and --gpu-memory are required and every other figure is dgx-a100-80gb's" \
+        in help_text
+    stated = dict(re.findall(r"--([a-z-]+) [A-Z_]+ [^-]*?(?:--cluster preset's, )?without one dgx-a100-80gb's "
+                             r"([0-9.]+)", help_text))
+    assert main(["plan", "--model", "mixtral-8x7b", "--nodes", "2", "--gpus-per-node", "8", "--gpu-memory", "80",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    used = {"intra-node-bw": out["cluster"]["intra_node_gbps"], "inter-node-bw": out["cluster"]["inter_node_gbps"],
+            "peak-tflops": out["cluster"]["peak_tflops"], "hbm-bw": out["cluster"]["hbm_gbps"]}
+    used.update({f"{kind.replace('_', '-')}-efficiency": figure["value"] for kind, figure in out["efficiencies"].items()})
+    assert {flag: float(value) for flag, value in stated.items()} == used
+    assert out["cluster"]["preset"] is None and out["cluster"]["gpu"] == "A100-SXM4-80GB"
+
+
+@pytest.mark.slow
 def test_the_largest_requests_plan_in_seconds():
     # Huge global batches and the widest clusters the planner accepts: layouts and micro-batch
     # splits grow with the divisors of the world and of the sequences, never with their values.
@@ -704,6 +736,7 @@ def _experts_count(layer) -> int:
     return sum(_count(m) for _, m in experts_modules(layer))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(FAMILY_VARIANTS))
 def test_spec_counts_every_parameter_of_the_model_built_on_meta(variant):
     from hf_models import tiny_config

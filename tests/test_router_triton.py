@@ -137,6 +137,7 @@ def check_against(case, dtype, backend, router_dtype=None):
         assert err <= tols[name], f"{name}: relative error {err:.2e} > {tols[name]:.0e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_triton_router_matches_reference(case, dtype):
@@ -208,6 +209,7 @@ def test_two_runs_are_bitwise_equal():
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_torch_compile_traces_the_op_in_one_graph():
     case = CASES[6]
     x, w, kwargs = make_inputs(case, torch.float32)

@@ -71,6 +71,7 @@ class Counter:
         monkeypatch.setattr(owner, name, counted)
 
 
+@pytest.mark.slow
 def test_first_call_decides_later_calls_look_up(monkeypatch):
     measured = Counter(monkeypatch, selector, "_measure")
     run(40)
@@ -104,6 +105,7 @@ def test_merge_is_the_same_from_the_same_contributions():
     assert selector._merge(everyone) == table
 
 
+@pytest.mark.slow
 def test_pinned_backends(monkeypatch):
     measured = Counter(monkeypatch, selector, "_measure")
     run(40, backend="torch")
@@ -119,6 +121,7 @@ def test_pinned_backends(monkeypatch):
     assert measured.calls == 2 and len(selector.decisions()) == 2
 
 
+@pytest.mark.slow
 def test_the_first_call_under_saved_tensor_hooks_and_checkpointing():
     """The measurement's graph is its own: a hook around the first call sees what the op saves and
     nothing more, and a checkpointed first call recomputes and differentiates correctly."""
@@ -155,6 +158,7 @@ def test_inference_mode_measures_nothing(monkeypatch):
     assert rel_err(y, moe_experts_ref(x, idx, w, gate_up, down)) <= TOLERANCE[torch.float32]
 
 
+@pytest.mark.slow
 def test_autotune_off_uses_the_defaults_and_writes_nothing(monkeypatch, tmp_path):
     monkeypatch.setenv(autotune.ENV_VAR, "0")
     measured = Counter(monkeypatch, selector, "_measure")
@@ -164,6 +168,7 @@ def test_autotune_off_uses_the_defaults_and_writes_nothing(monkeypatch, tmp_path
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow
 def test_disk_cache_is_written_and_read_back(monkeypatch):
     run(40)
     decided = selector.decisions()
@@ -177,6 +182,7 @@ def test_disk_cache_is_written_and_read_back(monkeypatch):
     assert measured.calls == 0 and selector.decisions() == decided
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "foreign"])
 def test_a_damaged_cache_is_reported_and_left_alone(monkeypatch, damage):
     run(40)
@@ -197,6 +203,7 @@ def test_a_damaged_cache_is_reported_and_left_alone(monkeypatch, damage):
     assert path.read_text() == text
 
 
+@pytest.mark.slow
 def test_an_unwritable_cache_warns_and_keeps_the_decision(monkeypatch, tmp_path):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("a file where the cache folder would go")
@@ -251,6 +258,7 @@ def _ranks(rank, world_size, cache_root):
     return dict(tables=tables, probes=probes, agreed=agreed, counts=counts, after_first=after_first)
 
 
+@pytest.mark.slow
 def test_ranks_with_different_token_counts_make_one_choice_per_key(tmp_path):
     results = run_ranks(_ranks, 3, str(tmp_path), timeout=600, pg_timeout=300)
     first = results[0]

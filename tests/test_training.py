@@ -33,6 +33,7 @@ def _model():
     return patch(tiny_model("mixtral", **TINY), fused_router=True).train()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("aux_loss_coef", [0.0, 0.1])
 def test_a_batch_that_micro_batches_do_not_divide_is_refused_before_any_work(aux_loss_coef):
     """5 sequences in 4 micro-batches: ``chunk`` would give 3 of 2, 2 and 1, scaled as 4."""
@@ -119,6 +120,7 @@ def _hand_update(model, ids) -> list[torch.Tensor]:
     return updated
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_expert_bias_follows_each_steps_routed_load(checkpointing):
     """Two AdamW steps of 2 micro-batches: after each, every MoE layer's bias is the hand-computed
@@ -249,6 +251,7 @@ def _expert_bias_two_ranks(rank, world):
     return [b.tolist() for b in _biases([model])], [b.tolist() for b in _biases(stages.modules)], first_records
 
 
+@pytest.mark.slow
 def test_expert_bias_identical_on_data_parallel_ranks_and_equal_to_one_process():
     """2 gloo ranks, against one process stepping on the whole batch for 2 steps: with FSDP2
     (dp_shard=2, activation checkpointing) and half the batch each, every rank holds the same
@@ -305,6 +308,7 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 def test_a_non_finite_step_is_skipped_in_one_process():
     """One parameter's gradient NaN with a finite loss, then a NaN loss: both steps are skipped
     (weights, optimizer state and lr schedule untouched, gradients cleared), and the step after
@@ -893,6 +897,7 @@ def two_ranks():
     return run_ranks(_two_ranks, 2, SKIP_RUNS, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(STEP_DISAGREEMENTS))
 def test_ranks_building_different_train_steps_stop_with_the_first_difference(two_ranks, name):
     """TrainStep's options, optimizer and learning rate, on data-parallel ranks and on two
@@ -910,6 +915,7 @@ def test_ranks_building_different_train_steps_stop_with_the_first_difference(two
     assert all(hooks == 0 for _, _, hooks in results)
 
 
+@pytest.mark.slow
 def test_a_non_finite_step_on_one_rank_is_skipped_on_every_rank(two_ranks):
     """2 gloo ranks, data-parallel (fp32, bf16 compute) and as 2 pipeline stages: a NaN gradient on
     rank 0 with a finite loss, and a NaN loss on rank 1, are each skipped on both ranks, leaving

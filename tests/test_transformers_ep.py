@@ -66,6 +66,7 @@ def _routing(T: int, K: int, local: int, seed: int = 0):
     return idx_TK, w_TK
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("marker", ["flag", "hooked"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sentinel_slots_are_skipped(family, marker):
@@ -167,11 +168,13 @@ def world2(tmp_path_factory):
     return run_ranks(transformers_ep_vs_one_process, 2, checkpoints, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", case_params(2))
 def test_transformers_expert_parallel_matches_one_process(world2, case):
     check_case(world2, case)
 
 
+@pytest.mark.slow
 def test_the_experts_were_split_over_the_ranks(world2):
     """The runs above were expert-parallel: each rank held half of the experts."""
     for family in FAMILIES:

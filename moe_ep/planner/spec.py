@@ -80,6 +80,61 @@ def config_from_file(path):
         raise ValueError(f"model config {str(file)!r} cannot be loaded: {cause}") from err
 
 
+def _require_int(where: str, name: str, value, low: int, high: int | None = None, high_text: str | None = None):
+    """``value`` if it is an int in [low, high], else ValueError naming ``name``, the value and the
+    range: sizes the cost model divides by or multiplies with, where a zero or a negative would
+    plan a model that cannot exist (or fail with an unrelated error deep inside the search)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high):
+        return value
+    expected = f"an int >= {low}" if high is None else f"an int in [{low}, {high_text or high}]"
+    raise ValueError(f"{where}: {name} must be {expected}, got {value!r}")
+
+
+def _experts_field(config) -> str | None:
+    """The config attribute holding the routed expert count, by the name the family's config
+    itself uses (transformers aliases num_local_experts, num_experts and DeepSeek's
+    n_routed_experts to one another); None for a dense model's config, which has none of them."""
+    present = [a for a in ("num_local_experts", "num_experts", "n_routed_experts")
+               if getattr(config, a, None) is not None]
+    aliases = getattr(config, "attribute_map", None) or {}
+    return next((a for a in present if a not in aliases), present[0] if present else None)
+
+
+def _check_config_sizes(config, where: str) -> None:
+    """The sizes from_config reads, in the config's own names, before anything is derived."""
+    def get(attr):
+        return getattr(config, attr, None)
+
+    heads = _require_int(where, "num_attention_heads", config.num_attention_heads, 1)
+    for attr in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size"):
+        _require_int(where, attr, getattr(config, attr), 1)
+    if get("num_key_value_heads") is not None:
+        kv_heads = _require_int(where, "num_key_value_heads", get("num_key_value_heads"), 1, heads,
+                                f"num_attention_heads={heads}")
+        if heads % kv_heads:
+            raise ValueError(f"{where}: num_key_value_heads must divide num_attention_heads={heads} (each key/value "
+                             f"head serves a whole group of query heads), got {kv_heads}")
+    field = _experts_field(config)
+    if field is not None:
+        experts = _require_int(where, field, get(field), 1)
+        _require_int(where, "num_experts_per_tok", getattr(config, "num_experts_per_tok", 1), 1, experts,
+                     f"{field}={experts}")
+    for attr, low in (("moe_intermediate_size", 1), ("shared_expert_intermediate_size", 0), ("n_shared_experts", 0),
+                      ("first_k_dense_replace", 0), ("decoder_sparse_step", 1), ("kv_lora_rank", 0),
+                      ("q_lora_rank", 0)):
+        if get(attr) is not None:
+            _require_int(where, attr, get(attr), low)
+    if get("kv_lora_rank"):
+        for attr, low in (("qk_nope_head_dim", 0), ("qk_rope_head_dim", 0), ("v_head_dim", 1)):
+            _require_int(where, attr, get(attr), low)
+        _require_int(where, "qk_nope_head_dim + qk_rope_head_dim", get("qk_nope_head_dim") + get("qk_rope_head_dim"), 1)
+    elif get("head_dim") is not None:
+        _require_int(where, "head_dim", get("head_dim"), 1)
+    elif config.hidden_size < heads:
+        raise ValueError(f"{where}: hidden_size={config.hidden_size} over num_attention_heads={heads} leaves a "
+                         f"head_dim of 0; expected hidden_size >= num_attention_heads, or head_dim set")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -110,6 +165,22 @@ class ModelSpec:
     sigmoid_router: bool = False  # DeepSeek-V3: sigmoid scores from float32 copies of input and weight
     fp32_routing_weights: bool = True  # the experts get float32 weights (Mixtral, DeepSeek) or the logits' dtype
 
+    def __post_init__(self):
+        # from_config checked the config's own fields; this catches a ModelSpec built directly.
+        where = f"ModelSpec {self.name!r}"
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "intermediate_size"):
+            _require_int(where, name, getattr(self, name), 1)
+        _require_int(where, "num_kv_heads", self.num_kv_heads, 1, self.num_heads, f"num_heads={self.num_heads}")
+        for name in ("num_experts", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "attn_extra_params",
+                     "dense_intermediate_size", "shared_intermediate_size"):
+            _require_int(where, name, getattr(self, name), 0)
+        if self.v_head_dim is not None:
+            _require_int(where, "v_head_dim", self.v_head_dim, 1)
+        if self.num_experts:
+            _require_int(where, "top_k", self.top_k, 1, self.num_experts, f"num_experts={self.num_experts}")
+        elif self.top_k != 0:
+            raise ValueError(f"{where}: top_k must be 0 for a dense model (num_experts=0), got {self.top_k!r}")
+
     @classmethod
     def from_config(cls, config, name: str | None = None) -> "ModelSpec":
         for attr in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
@@ -124,9 +195,11 @@ class ModelSpec:
                     f"model config {type(config).__name__} has {attr}={getattr(config, attr)!r}: a layout the "
                     f"planner does not model (expected {attr} unset or {allowed[-1]!r})"
                 )
+        _check_config_sizes(config, f"model config {type(config).__name__}")
         H, L, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
         family = getattr(config, "model_type", None) or type(config).__name__
-        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+        experts_field = _experts_field(config)
+        experts = getattr(config, experts_field) if experts_field else 0
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         attention_bias = bool(getattr(config, "attention_bias", False))
         kv_lora = getattr(config, "kv_lora_rank", None) or 0

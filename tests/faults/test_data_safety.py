@@ -37,6 +37,10 @@ import export  # noqa: E402
 import integrity  # noqa: E402
 import ownership  # noqa: E402
 
+# Trains the example's model again and again (about a minute in all): not in the quick subset
+# (bash scripts/test.sh --quick).
+pytestmark = pytest.mark.slow
+
 
 def train_cli(argv, capsys) -> tuple[int, str]:
     """train.py's main in this process (world size 1): (exit status, what it printed to stderr)."""

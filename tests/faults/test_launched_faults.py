@@ -39,6 +39,9 @@ import checkpoint as ckpt  # noqa: E402
 import integrity  # noqa: E402
 import ownership  # noqa: E402
 
+# Launches the example and injects faults into it: not in the quick subset (bash scripts/test.sh --quick).
+pytestmark = pytest.mark.slow
+
 PAUSE = ckpt.PAUSE_HOOK
 
 

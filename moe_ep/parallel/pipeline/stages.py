@@ -4,7 +4,7 @@ wrappers and the schedule that runs them (which ``moe_ep.training.TrainStep`` dr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -12,10 +12,17 @@ from torch import nn
 
 from ...planner.partition import Partition
 from ...planner.schedules import schedule_info
+from ..mesh import MoEMeshes
 from .tied import check_tied_order
 
-if TYPE_CHECKING:
-    from ..context import ParallelContext
+
+class RecordedContext(Protocol):
+    """What the stages read of the ``ParallelContext`` that ``parallelize`` records on them. The
+    context module imports this one (a context holds its stages), so the stages name the type by
+    what they use of it rather than import it: no import cycle, type-only ones included."""
+
+    @property
+    def meshes(self) -> MoEMeshes: ...
 
 
 class _LatestLoss:
@@ -41,14 +48,14 @@ class PipelineStages:
     schedule_name: str
     microbatches: int
     group: dist.ProcessGroup
-    context: ParallelContext | None = None
+    context: RecordedContext | None = None  # a moe_ep.parallel.context.ParallelContext
     # (stage that shards a tied parameter, later stage of this rank that uses it), by stage id.
     tied_stages: tuple[tuple[int, int], ...] = ()
     _schedule: object = field(default=None, repr=False)
     _loss: _LatestLoss = field(default_factory=_LatestLoss, repr=False)
 
     @property
-    def meshes(self):
+    def meshes(self) -> MoEMeshes | None:
         """The MoEMeshes of ``moe_ep.parallelize``, or None."""
         return None if self.context is None else self.context.meshes
 

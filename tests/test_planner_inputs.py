@@ -1,0 +1,114 @@
+"""The planner's model inputs: a config or ModelSpec whose sizes no model can have (top-k above
+the expert count, zero experts, zero or negative sizes, key/value heads that do not group the
+query heads) is refused naming the field, the value and what was expected, by plan() and by
+`moe-ep plan` (one line, exit status 2, no traceback), before any costing."""
+
+import re
+
+import pytest
+from transformers import DeepseekV3Config, MixtralConfig, Qwen2MoeConfig
+
+from moe_ep.cli import EXIT_IMPOSSIBLE, main
+from moe_ep.planner import ModelSpec, plan
+
+SMALL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=8)
+A100 = dict(gpus_per_node=8, gpu_memory_gib=80)
+
+
+def mixtral(**overrides):
+    return MixtralConfig(**{**SMALL, "num_local_experts": 8, "num_experts_per_tok": 2, **overrides})
+
+
+BAD_CONFIGS = {
+    "top_k_above_experts": (mixtral(num_experts_per_tok=9),
+                            "num_experts_per_tok must be an int in [1, num_local_experts=8], got 9"),
+    "top_k_zero": (mixtral(num_experts_per_tok=0),
+                   "num_experts_per_tok must be an int in [1, num_local_experts=8], got 0"),
+    "zero_experts": (mixtral(num_local_experts=0), "num_local_experts must be an int >= 1, got 0"),
+    "negative_hidden": (mixtral(hidden_size=-1024), "hidden_size must be an int >= 1, got -1024"),
+    "zero_intermediate": (mixtral(intermediate_size=0), "intermediate_size must be an int >= 1, got 0"),
+    "zero_layers": (mixtral(num_hidden_layers=0), "num_hidden_layers must be an int >= 1, got 0"),
+    "zero_heads": (mixtral(num_attention_heads=0), "num_attention_heads must be an int >= 1, got 0"),
+    "zero_vocab": (mixtral(vocab_size=0), "vocab_size must be an int >= 1, got 0"),
+    "zero_kv_heads": (mixtral(num_key_value_heads=0),
+                      "num_key_value_heads must be an int in [1, num_attention_heads=8], got 0"),
+    "ungrouped_kv_heads": (mixtral(num_key_value_heads=3),
+                           "num_key_value_heads must divide num_attention_heads=8 (each key/value head serves a "
+                           "whole group of query heads), got 3"),
+    "zero_head_dim": (mixtral(head_dim=0), "head_dim must be an int >= 1, got 0"),
+    "hidden_below_heads": (mixtral(hidden_size=4),
+                           "hidden_size=4 over num_attention_heads=8 leaves a head_dim of 0; expected hidden_size >= "
+                           "num_attention_heads, or head_dim set"),
+    "qwen_zero_expert_width": (Qwen2MoeConfig(**SMALL, moe_intermediate_size=0),
+                               "moe_intermediate_size must be an int >= 1, got 0"),
+    "qwen_zero_sparse_step": (Qwen2MoeConfig(**SMALL, decoder_sparse_step=0),
+                              "decoder_sparse_step must be an int >= 1, got 0"),
+    "deepseek_top_k_above_experts": (
+        DeepseekV3Config(**SMALL, n_routed_experts=4, num_experts_per_tok=8, n_group=1, topk_group=1),
+        "num_experts_per_tok must be an int in [1, n_routed_experts=4], got 8",
+    ),
+    "deepseek_negative_latent": (DeepseekV3Config(**SMALL, kv_lora_rank=-16),
+                                 "kv_lora_rank must be an int >= 0, got -16"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_impossible_config_sizes_are_refused_naming_the_field(name):
+    config, message = BAD_CONFIGS[name]
+    expected = f"model config {type(config).__name__}: {message}"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        ModelSpec.from_config(config)
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        plan(config, nodes=1, **A100)
+
+
+def test_a_dense_models_config_has_no_experts_and_still_plans():
+    # No experts field at all is a dense model, not "zero experts".
+    from transformers import MistralConfig
+
+    spec = ModelSpec.from_config(MistralConfig(**SMALL))
+    assert (spec.num_experts, spec.top_k) == (0, 0)
+
+
+def _spec(**overrides) -> ModelSpec:
+    fields = dict(name="tiny", vocab_size=32000, hidden_size=1024, num_layers=4, num_heads=8, num_kv_heads=8,
+                  head_dim=128, intermediate_size=2048, num_experts=8, top_k=2, tie_word_embeddings=False)
+    return ModelSpec(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(top_k=9), "top_k must be an int in [1, num_experts=8], got 9"),
+    (dict(num_experts=0), "top_k must be 0 for a dense model (num_experts=0), got 2"),
+    (dict(num_experts=-8), "num_experts must be an int >= 0, got -8"),
+    (dict(hidden_size=0), "hidden_size must be an int >= 1, got 0"),
+    (dict(num_layers=-1), "num_layers must be an int >= 1, got -1"),
+    (dict(num_kv_heads=16), "num_kv_heads must be an int in [1, num_heads=8], got 16"),
+    (dict(v_head_dim=0), "v_head_dim must be an int >= 1, got 0"),
+    (dict(intermediate_size=2048.0), "intermediate_size must be an int >= 1, got 2048.0"),
+])
+def test_a_model_spec_built_directly_is_checked_too(overrides, message):
+    expected = f"ModelSpec 'tiny': {message}"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        _spec(**overrides)
+
+
+def test_a_valid_model_spec_plans():
+    assert plan(_spec(), nodes=1, global_batch_tokens=32 * 4096, **A100).best.fits
+
+
+@pytest.mark.parametrize("name", ["top_k_above_experts", "zero_experts", "negative_hidden", "zero_layers"])
+def test_cli_refuses_an_impossible_config_file_in_one_line(tmp_path, capsys, name):
+    config, message = BAD_CONFIGS[name]
+    config.save_pretrained(tmp_path)
+    code = main(["plan", "--model", str(tmp_path), "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory", "80"])
+    err = capsys.readouterr().err
+    assert code == EXIT_IMPOSSIBLE == 2
+    assert err.strip() == f"moe-ep plan: model config {str(tmp_path)!r}: model config MixtralConfig: {message}", err
+
+
+def test_cli_refuses_a_zero_sequence_length(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--model", "mixtral-8x7b", "--cluster", "p4d", "--nodes", "1", "--seq-len", "0"])
+    assert exit_.value.code == 2
+    assert "argument --seq-len: must be an int in [1, 1048576], got '0'" in capsys.readouterr().err
