@@ -70,6 +70,7 @@ def test_the_candidate_is_offered_only_where_it_is_sync_free(monkeypatch, arch, 
     assert with_library == (plain if expected else set()), (arch, dtype, sorted(seen))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", HARD, ids=lambda c: c.name)
 def test_stages_on_grouped_mm_match_float64_and_repeat_bitwise(monkeypatch, case, dtype):
