@@ -1,13 +1,21 @@
 """The step's objective: causal-LM cross-entropy summed over the step's predicted tokens and
 divided by their number over the whole global batch (``normalizer``), so that it is the mean over
-every token however the ignored labels fall on micro-batches and ranks."""
+every token however the ignored labels fall on micro-batches and ranks. ``CausalLMLoss`` takes the
+model's logits; ``ChunkedCausalLMLoss`` (``TrainStep(chunked_loss=True)``) the final hidden states
+and the LM head, through ``moe_ep.ops.linear_cross_entropy``, so the full logits never exist."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-IGNORE_INDEX = -100
+from ..ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, shift_labels
+
+# Model attributes that change the logits after the head's linear map: the chunked loss computes
+# ``hidden @ W.T + b`` only, so a model with one of them set is refused rather than trained on
+# another objective (Gemma's soft-capping, Granite's and MiniCPM's divisor, Cohere's multiplier).
+_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logits_scaling": 1, "logit_scale": 1}
 
 
 class CausalLMLoss:
@@ -24,6 +32,46 @@ class CausalLMLoss:
         target_T = labels[:, 1:].reshape(-1).to(logits.device)
         total = F.cross_entropy(logits_TV, target_T, ignore_index=IGNORE_INDEX, reduction="sum")
         return total / self.normalizer * self.scale
+
+
+class ChunkedCausalLMLoss(CausalLMLoss):
+    """``loss_fn(hidden [batch, seq, H], labels [batch, seq])``: ``CausalLMLoss``'s objective from
+    the final (normed) hidden states through ``head`` in chunks of tokens, never holding the
+    logits. ``head``'s weight is read at each call: under FSDP it is the gathered one only while
+    the model's forward has it gathered (the root keeps it so until backward)."""
+
+    def __init__(self, head: nn.Linear):
+        super().__init__()
+        self.head = head
+
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        target_T = shift_labels(labels.to(hidden.device))
+        total, _ = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.head.weight, target_T,
+                                        self.head.bias)
+        return total / self.normalizer * self.scale
+
+
+def chunked_loss_head(model: nn.Module) -> nn.Linear:
+    """The LM head of ``model`` if the chunked loss computes exactly its logits; otherwise a
+    ValueError naming what it cannot do."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"chunked_loss=True needs a causal LM whose get_output_embeddings() is a torch.nn.Linear (the LM head), "
+            f"got {type(head).__name__} from {type(model).__name__}"
+        )
+    config = getattr(model, "config", None)
+    configs = [config] + ([config.get_text_config()] if hasattr(config, "get_text_config") else [])
+    for name, neutral in _LOGIT_TRANSFORMS.items():
+        for c in configs:
+            value = getattr(c, name, neutral)
+            if value != neutral:
+                raise ValueError(
+                    f"chunked_loss=True computes the logits as the LM head's linear map only, but {type(model).__name__}'s "
+                    f"config has {name}={value!r} (expected {neutral!r}), which the model applies to its logits: use "
+                    "chunked_loss=False for this model"
+                )
+    return head
 
 
 def predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
