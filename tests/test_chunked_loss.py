@@ -143,9 +143,11 @@ def test_train_step_refuses_a_model_that_transforms_its_logits():
         TrainStep(model, opt, chunked_loss="yes")
 
 
-def test_train_step_refuses_the_chunked_loss_on_pipeline_stages():
-    """Not built yet: the last stage returns logits to torch's schedule. A one-stage pipeline on a
-    one-rank gloo group."""
+def test_pipeline_stages_with_the_chunked_loss_equal_the_full_logits_in_one_process():
+    """A one-stage pipeline (GPipe, 2 micro-batches) on a one-rank gloo group: its last stage
+    returns the hidden states and the loss applies the head; 3 steps give the losses and updates
+    of the full-logits stages. The stages' loss input is fixed by their first TrainStep: one with
+    the other switch on the same stages is refused at its first step."""
     import torch.distributed as dist
 
     from moe_ep.parallel.pipeline import build_pipeline
@@ -153,11 +155,20 @@ def test_train_step_refuses_the_chunked_loss_on_pipeline_stages():
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        stages = build_pipeline(_model(False), dist.group.WORLD, schedule="gpipe", microbatches=2, split_points=[])
-        with pytest.raises(ValueError, match="chunked_loss=True is not supported with pipeline stages yet"):
-            TrainStep(stages, torch.optim.SGD(stages.parameters(), lr=0.1), chunked_loss=True)
+        losses, updates = [], []
+        for chunked in (False, True):
+            stages = build_pipeline(_model(False), dist.group.WORLD, schedule="gpipe", microbatches=2, split_points=[])
+            before = {k: p.detach().clone() for k, p in stages.named_parameters()}
+            losses.append(_run(stages, _batches(), chunked_loss=chunked, microbatches=None))
+            updates.append({k: p.detach() - before[k] for k, p in stages.named_parameters()})
+        other = TrainStep(stages, torch.optim.SGD(stages.parameters(), lr=0.1), chunked_loss=False)
+        with pytest.raises(ValueError, match="computes the loss from their hidden .* not their logits"):
+            other(_batches()[0])
     finally:
         dist.destroy_process_group()
+    assert rel_err(torch.tensor(losses[1]), torch.tensor(losses[0])) <= TOLERANCE[torch.float32], losses
+    for name, want in updates[0].items():
+        assert rel_err(updates[1][name], want) <= TOLERANCE[torch.float32], name
 
 
 def _model(tied: bool):

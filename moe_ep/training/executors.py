@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.pipeline import PipelineStages
-from .loss import chunked_loss_head
+from .loss import check_chunked_head
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -25,6 +25,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class Executor(ABC):
     microbatches: int
     modules: list[nn.Module]  # the modules the step runs on this rank (its aux-loss hooks go there)
+    head: nn.Linear | None  # with the chunked loss, the LM head the loss applies (None: no loss here)
 
     @property
     @abstractmethod
@@ -77,7 +78,8 @@ class GradientAccumulation(Executor):
         self.forward_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
         self.head = self.base = None
         if chunked_loss:
-            self.head = chunked_loss_head(model)
+            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            self.head = check_chunked_head(head, getattr(model, "config", None), type(model).__name__)
             self.base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
             if not isinstance(self.base, nn.Module) or "logits_to_keep" not in inspect.signature(model.forward).parameters:
                 raise ValueError(
@@ -130,14 +132,11 @@ class GradientAccumulation(Executor):
 
 class PipelineSchedule(Executor):
     """The micro-batches through the schedule of this rank's pipeline stages; the loss, computed
-    on the last stage, is broadcast over the pipeline."""
+    on the last stage, is broadcast over the pipeline. With ``chunked_loss`` the last stage
+    returns its final hidden states and the loss applies its LM head in chunks."""
 
     def __init__(self, stages: PipelineStages, microbatches: int | None, autocast_dtype: torch.dtype | None,
                  chunked_loss: bool = False):
-        if chunked_loss:
-            # The last stage returns logits and torch's schedule hands them to the loss; taking the
-            # hidden states there instead is not built yet.
-            raise ValueError("chunked_loss=True is not supported with pipeline stages yet; use chunked_loss=False")
         if microbatches not in (None, stages.microbatches):
             raise ValueError(
                 f"microbatches={microbatches} differs from the pipeline's {stages.microbatches}; the schedule fixes it "
@@ -150,6 +149,13 @@ class PipelineSchedule(Executor):
             )
         self.stages, self.microbatches = stages, stages.microbatches
         self.modules = stages.modules
+        self.loss_input = "hidden" if chunked_loss else "logits"
+        self.head = None
+        if chunked_loss:
+            # Every rank checks the model's config (each stage holds it), so ranks refuse alike.
+            last = stages.modules[-1]
+            self.head = check_chunked_head(getattr(last, "lm_head", None), last.config, type(last).__name__,
+                                           holds_head=stages.has_last)
 
     @property
     def device(self) -> torch.device:
@@ -161,7 +167,7 @@ class PipelineSchedule(Executor):
 
     def run(self, ids, labels, loss_fn):
         stages = self.stages
-        schedule = stages.schedule(loss_fn)
+        schedule = stages.schedule(loss_fn, loss_input=self.loss_input)
         args = (ids,) if stages.has_first else ()
         losses = [] if stages.has_last else None
         schedule.step(*args, target=labels if stages.has_last else None, losses=losses)

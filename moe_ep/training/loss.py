@@ -37,10 +37,11 @@ class CausalLMLoss:
 class ChunkedCausalLMLoss(CausalLMLoss):
     """``loss_fn(hidden [batch, seq, H], labels [batch, seq])``: ``CausalLMLoss``'s objective from
     the final (normed) hidden states through ``head`` in chunks of tokens, never holding the
-    logits. ``head``'s weight is read at each call: under FSDP it is the gathered one only while
+    logits (``head`` None on a pipeline rank without the last stage, which computes no loss).
+    ``head``'s weight is read at each call: under FSDP it is the gathered one only while
     the model's forward has it gathered (the root keeps it so until backward)."""
 
-    def __init__(self, head: nn.Linear):
+    def __init__(self, head: nn.Linear | None):
         super().__init__()
         self.head = head
 
@@ -51,27 +52,27 @@ class ChunkedCausalLMLoss(CausalLMLoss):
         return total / self.normalizer * self.scale
 
 
-def chunked_loss_head(model: nn.Module) -> nn.Linear:
-    """The LM head of ``model`` if the chunked loss computes exactly its logits; otherwise a
-    ValueError naming what it cannot do."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(head, nn.Linear):
+def check_chunked_head(head, config, owner: str, *, holds_head: bool = True) -> nn.Linear | None:
+    """``head`` (the LM head of ``owner``, a model or a pipeline stage, with ``config``) if the
+    chunked loss computes exactly its logits; otherwise a ValueError naming what it cannot do.
+    ``holds_head=False`` (a pipeline rank without the last stage) checks the config only, so that
+    every rank refuses alike, and gives None."""
+    if holds_head and not isinstance(head, nn.Linear):
         raise ValueError(
-            f"chunked_loss=True needs a causal LM whose get_output_embeddings() is a torch.nn.Linear (the LM head), "
-            f"got {type(head).__name__} from {type(model).__name__}"
+            f"chunked_loss=True needs a causal LM whose LM head is a torch.nn.Linear, got {type(head).__name__} "
+            f"from {owner}"
         )
-    config = getattr(model, "config", None)
     configs = [config] + ([config.get_text_config()] if hasattr(config, "get_text_config") else [])
     for name, neutral in _LOGIT_TRANSFORMS.items():
         for c in configs:
             value = getattr(c, name, neutral)
             if value != neutral:
                 raise ValueError(
-                    f"chunked_loss=True computes the logits as the LM head's linear map only, but {type(model).__name__}'s "
-                    f"config has {name}={value!r} (expected {neutral!r}), which the model applies to its logits: use "
+                    f"chunked_loss=True computes the logits as the LM head's linear map only, but {owner}'s config has "
+                    f"{name}={value!r} (expected {neutral!r}), which the model applies to its logits: use "
                     "chunked_loss=False for this model"
                 )
-    return head
+    return head if holds_head else None
 
 
 def predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
