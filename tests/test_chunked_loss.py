@@ -3,8 +3,8 @@
 against a float64 reference of the full logits (fp32 and bf16 inputs, ragged and oversized
 chunks, every label ignored, one token); the label shift against transformers' ForCausalLMLoss;
 what it refuses; and TrainStep's losses and parameter updates over 3 steps with and without the switch,
-in one process (untied and tied embeddings) and on 2 gloo ranks with expert parallelism (against
-one process without it)."""
+in one process (untied and tied embeddings; also as one pipeline stage) and on 2 gloo ranks with
+expert parallelism and as 2 pipeline stages (against one process without the switch)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from dist_utils import run_ranks
 from hf_models import tiny_batch, tiny_config, tiny_model
 from numerics import TOLERANCE, rel_err
 
-TINY = dict(num_hidden_layers=2, num_local_experts=4, intermediate_size=24)
+# 4 layers: ZB-V cuts 2 ranks into 4 stages.
+TINY = dict(num_hidden_layers=4, num_local_experts=4, intermediate_size=24)
 STEPS = 3
 
 
@@ -214,42 +215,70 @@ def test_train_step_with_the_chunked_loss_equals_the_full_logits_in_one_process(
 
 
 class Layout(NamedTuple):
-    """A 2-rank layout: parallelize(ep=2) (dp_shard=2 over both ranks), embeddings tied or not."""
+    """A 2-rank layout: parallelize(ep=2) (dp_shard=2 over both ranks), or 2 pipeline ranks under
+    ``schedule`` (each rank the whole batch); embeddings tied or not."""
 
     tied: bool
+    pp: int = 1
+    schedule: str | None = None
 
 
-LAYOUTS = {"ep2": Layout(tied=False), "ep2_tied": Layout(tied=True)}
+LAYOUTS = {
+    "ep2": Layout(tied=False),
+    "ep2_tied": Layout(tied=True),
+    "pp2_1f1b": Layout(tied=False, pp=2, schedule="1f1b"),
+    # ZB-V: the first and the last stage on rank 0, the tied head one parameter; its backward is
+    # split into an input pass and a weight pass.
+    "pp2_zbv_tied": Layout(tied=True, pp=2, schedule="zbv"),
+}
 
 
 def _chunked_on_two_ranks(rank, world, layouts):
-    """Each layout: the chunked loss on half of every batch per rank, against one process on the
-    whole batch with the full logits, compared here (tensors do not travel back)."""
+    """Each layout, with and without the switch: the losses, and the parameter updates of this
+    rank (all of them with ep=2, its stages' with pp=2); one process's losses on the whole batch
+    with the full logits. Compared on the rank (tensors do not travel back)."""
     import moe_ep
+    from torch.distributed.tensor import DTensor
 
+    batches = _batches()
     out = {}
     for name, layout in layouts.items():
-        batches = _batches()
-        reference = _model(layout.tied)
-        before = {k: v.clone() for k, v in reference.state_dict().items()}
-        ref_losses = _run(reference, batches, chunked_loss=False, microbatches=4)
-        target = moe_ep.parallelize(_model(layout.tied), ep=2)
-        share = [{k: v.chunk(world)[rank] for k, v in b.items()} for b in batches]
-        losses = _run(target, share, chunked_loss=True)
-        state = moe_ep.full_state_dict(target, cpu_offload=False)
-        want = reference.state_dict()
-        errors = {k: rel_err(v - before[k], want[k] - before[k]) for k, v in state.items()}
-        out[name] = (losses, ref_losses, max(errors.values()), len(errors) == len(want))
+        # The same micro-batches as the layout's (the aux loss is a mean over micro-batches): each
+        # ep rank cuts its 2 sequences in 2, the pipeline cuts the 4 sequences in 2.
+        ref_losses = _run(_model(layout.tied), batches, chunked_loss=False, microbatches=4 if layout.pp == 1 else 2)
+        runs = {}
+        for chunked in (False, True):
+            model = _model(layout.tied)
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            if layout.pp == 1:
+                target = moe_ep.parallelize(model, ep=2)
+                share = [{k: v.chunk(world)[rank] for k, v in b.items()} for b in batches]
+                losses = _run(target, share, chunked_loss=chunked)
+                state = moe_ep.full_state_dict(target, cpu_offload=False)
+            else:
+                target = moe_ep.parallelize(model, pp=2, schedule=layout.schedule, microbatches=2)
+                losses = _run(target, batches, chunked_loss=chunked, microbatches=None)
+                state = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                         for k, p in target.named_parameters()}
+            runs[chunked] = losses, {k: v - before[k] for k, v in state.items()}
+        (full_losses, full_updates), (losses, updates) = runs[False], runs[True]
+        errors = [rel_err(updates[k], want) for k, want in full_updates.items()]
+        out[name] = (losses, full_losses, ref_losses, max(errors), bool(errors) and set(updates) == set(full_updates))
     return out
 
 
-def test_chunked_loss_with_expert_parallelism_on_two_ranks_equals_one_process():
+def test_chunked_loss_on_two_ranks_equals_one_process():
     """2 gloo ranks, ep=2 with FSDP2 over both (the root holds the head; tied, the embedding): the
     chunked loss reads the gathered head weight after the model's forward and its gradient is
-    reduced like any other; losses and parameter updates over 3 steps equal one process's
-    full-logits run on the whole batch."""
+    reduced like any other; as 2 pipeline ranks (1F1B, and ZB-V with a tied head) the last stage
+    returns hidden states. Over 3 steps: the losses equal one process's full-logits run on the
+    whole batch, and the parameter updates (of this rank's stages) the same layout's without the
+    switch. (Against one process the updates of this 4-layer model already differ by up to 2e-5
+    without the switch: FSDP's and the all-to-all's summation order alone, amplified through the
+    layers onto the small router gradients.)"""
     for result in run_ranks(_chunked_on_two_ranks, 2, LAYOUTS, timeout=300):
-        for name, (losses, ref_losses, max_error, complete) in result.items():
-            assert rel_err(torch.tensor(losses), torch.tensor(ref_losses)) <= TOLERANCE[torch.float32], (
-                name, losses, ref_losses)
+        for name, (losses, full_losses, ref_losses, max_error, complete) in result.items():
+            for got in (losses, full_losses):
+                assert rel_err(torch.tensor(got), torch.tensor(ref_losses)) <= TOLERANCE[torch.float32], (
+                    name, got, ref_losses)
             assert complete and max_error <= TOLERANCE[torch.float32], (name, max_error)
