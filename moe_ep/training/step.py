@@ -99,9 +99,11 @@ class TrainStep:
             chunks of tokens (``moe_ep.ops.linear_cross_entropy``), never holding the full
             float32 logits and their gradient (memory O(chunk x V) instead of O(tokens x V); the
             head's two gradient GEMMs run during forward). The same objective: equal losses and
-            updates to float32 rounding. Off by default. Refused (ValueError) with pipeline
-            stages, and for a model whose head is not a torch.nn.Linear or that changes its
-            logits after the head (soft-capping, logit scaling).
+            updates to float32 rounding. Off by default. With pipeline stages the last stage
+            returns its final hidden states; the first TrainStep that runs on the stages fixes
+            which, and a later one with the other choice raises ValueError at its first step.
+            Refused (ValueError) for a model whose head is not a torch.nn.Linear or that changes
+            its logits after the head (soft-capping, logit scaling).
 
     ``step(batch)`` takes ``{"input_ids": [batch, seq], "labels": [batch, seq] (optional, defaults
     to input_ids)}`` (this rank's share of the global batch, ``batch`` a multiple of the
