@@ -95,6 +95,7 @@ def test_loss_and_gradients_equal_the_full_logits_in_float64(name, dtype, z_loss
         assert loss.item() == 0 and all(g.abs().max().item() == 0 for g in grads)
 
 
+@pytest.mark.slow
 def test_label_shift_and_mean_equal_transformers_for_causal_lm_loss():
     """Sum over the shifted labels of each sequence (the last position predicts nothing), divided
     by the predicted tokens: transformers' ForCausalLMLoss with num_items_in_batch, in float64."""
@@ -133,6 +134,7 @@ def test_refusals_name_the_argument():
         dh.sum().backward()
 
 
+@pytest.mark.slow
 def test_train_step_refuses_a_model_that_transforms_its_logits():
     from moe_ep.training import TrainStep
 
@@ -144,6 +146,7 @@ def test_train_step_refuses_a_model_that_transforms_its_logits():
         TrainStep(model, opt, chunked_loss="yes")
 
 
+@pytest.mark.slow
 def test_pipeline_stages_with_the_chunked_loss_equal_the_full_logits_in_one_process():
     """A one-stage pipeline (GPipe, 2 micro-batches) on a one-rank gloo group: its last stage
     returns the hidden states and the loss applies the head; 3 steps give the losses and updates
@@ -196,6 +199,7 @@ def _run(model, batches, *, chunked_loss, microbatches=2):
     return [step(b).item() for b in batches]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_train_step_with_the_chunked_loss_equals_the_full_logits_in_one_process(tied):
     """3 SGD steps of a tiny Mixtral (2 micro-batches, aux loss on): the same losses and
@@ -267,6 +271,7 @@ def _chunked_on_two_ranks(rank, world, layouts):
     return out
 
 
+@pytest.mark.slow
 def test_chunked_loss_on_two_ranks_equals_one_process():
     """2 gloo ranks, ep=2 with FSDP2 over both (the root holds the head; tied, the embedding): the
     chunked loss reads the gathered head weight after the model's forward and its gradient is
