@@ -38,8 +38,8 @@ class ChunkedCausalLMLoss(CausalLMLoss):
     """``loss_fn(hidden [batch, seq, H], labels [batch, seq])``: ``CausalLMLoss``'s objective from
     the final (normed) hidden states through ``head`` in chunks of tokens, never holding the
     logits (``head`` None on a pipeline rank without the last stage, which computes no loss).
-    ``head``'s weight is read at each call: under FSDP it is the gathered one only while
-    the model's forward has it gathered (the root keeps it so until backward)."""
+    ``head``'s weight is read at each call, after the model's (or stage's) forward: under FSDP it
+    is then the gathered one, which the root keeps until backward (``moe_ep.parallel.fsdp``)."""
 
     def __init__(self, head: nn.Linear | None):
         super().__init__()
