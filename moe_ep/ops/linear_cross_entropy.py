@@ -12,7 +12,13 @@ The cost: the head's two gradient GEMMs run in forward even when the caller neve
 (the forward asks autograd which inputs need a gradient and computes only those), and the head
 weight's float32 gradient ([V, H]) lives from forward to backward. Sums run in a fixed order
 (chunk after chunk), so two runs give the same bits. Differentiable once: the stored gradients
-are constants to autograd, so double backward raises."""
+are constants to autograd, so double backward raises.
+
+Liger-Kernel's Triton version is not called on CUDA: it computes the logits and their gradient in
+the input's dtype and accumulates the weight's gradient in the weight's (bf16 under mixed
+precision), where this path keeps float32, and its signature has changed between releases; with
+no GPU and no Liger installed here it could not be checked against this one. This path runs
+there as on the CPU, its GEMMs on cuBLAS."""
 
 from __future__ import annotations
 
