@@ -14,10 +14,11 @@ weight's float32 gradient ([V, H]) lives from forward to backward. Sums run in a
 (chunk after chunk), so two runs give the same bits. Differentiable once: the stored gradients
 are constants to autograd, so double backward raises.
 
-Liger-Kernel's Triton version is not called on CUDA: it computes the logits and their gradient in
-the input's dtype and accumulates the weight's gradient in the weight's (bf16 under mixed
-precision), where this path keeps float32, and its signature has changed between releases; with
-no GPU and no Liger installed here it could not be checked against this one. This path runs
+Liger-Kernel's Triton version is not called on CUDA: its forward reads the count of non-ignored
+targets back to the host (``.item()``, a host sync per call on the step path), computes the
+logits in the input's dtype and, unless asked otherwise (``accum_dtype``, a recent argument),
+accumulates the weight's gradient in the weight's dtype (bf16 under mixed precision); and with no
+GPU and no Liger installed here it could not be checked against this path. This path runs
 there as on the CPU, its GEMMs on cuBLAS."""
 
 from __future__ import annotations
