@@ -7,6 +7,7 @@ nothing to sum without stages); data parallelism is the same for both and stays 
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from typing import Callable
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.pipeline import PipelineStages
+from .loss import check_chunked_head
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -23,6 +25,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class Executor(ABC):
     microbatches: int
     modules: list[nn.Module]  # the modules the step runs on this rank (its aux-loss hooks go there)
+    head: nn.Linear | None  # with the chunked loss, the LM head the loss applies (None: no loss here)
 
     @property
     @abstractmethod
@@ -55,9 +58,13 @@ class Executor(ABC):
 class GradientAccumulation(Executor):
     """The micro-batches through ``model`` one after another; with ``autocast_dtype`` the forward
     runs under ``torch.autocast`` (for a model that no FSDP ``MixedPrecisionPolicy`` casts), the
-    loss in fp32 and backward outside autocast."""
+    loss in fp32 and backward outside autocast. With ``chunked_loss`` the loss takes the final
+    hidden states instead of the logits: the model's own forward runs (so FSDP's hooks gather and
+    reduce as usual) with ``logits_to_keep`` selecting no position, and a forward hook on the base
+    model keeps its output."""
 
-    def __init__(self, model: nn.Module, microbatches: int | None, autocast_dtype: torch.dtype | None):
+    def __init__(self, model: nn.Module, microbatches: int | None, autocast_dtype: torch.dtype | None,
+                 chunked_loss: bool = False):
         microbatches = 1 if microbatches is None else microbatches
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
@@ -69,6 +76,17 @@ class GradientAccumulation(Executor):
         self.modules = [model]
         # A transformers model would otherwise fill a key/value cache that training never reads.
         self.forward_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
+        self.head = self.base = None
+        if chunked_loss:
+            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            self.head = check_chunked_head(head, getattr(model, "config", None), type(model).__name__)
+            self.base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+            if not isinstance(self.base, nn.Module) or "logits_to_keep" not in inspect.signature(model.forward).parameters:
+                raise ValueError(
+                    f"chunked_loss=True needs a transformers causal LM whose forward takes logits_to_keep (so that it "
+                    f"computes no logits) and whose base model is its base_model_prefix attribute; "
+                    f"{type(model).__name__} is not one: use chunked_loss=False"
+                )
 
     @property
     def device(self) -> torch.device:
@@ -82,12 +100,25 @@ class GradientAccumulation(Executor):
         total = torch.zeros((), device=ids.device)
         for ids_mb, labels_mb in zip(ids.chunk(self.microbatches), labels.chunk(self.microbatches)):
             with self._autocast(ids.device):
-                out = self.model(input_ids=ids_mb, **self.forward_kwargs)
-            logits = out.logits if hasattr(out, "logits") else out
-            loss = loss_fn(logits, labels_mb)
+                outputs = self._forward(ids_mb)
+            loss = loss_fn(outputs, labels_mb)
             loss.backward()
             total = total + loss.detach().to(total.device)
         return total
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """What the loss takes: the logits, or with the chunked loss the final hidden states."""
+        if self.head is None:
+            out = self.model(input_ids=ids, **self.forward_kwargs)
+            return out.logits if hasattr(out, "logits") else out
+        kept = []
+        handle = self.base.register_forward_hook(
+            lambda module, args, out: kept.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
+        try:
+            self.model(input_ids=ids, logits_to_keep=ids.new_empty(0, dtype=torch.long), **self.forward_kwargs)
+        finally:
+            handle.remove()
+        return kept[-1]
 
     def sum_over_stages(self, t):
         return t
@@ -101,9 +132,11 @@ class GradientAccumulation(Executor):
 
 class PipelineSchedule(Executor):
     """The micro-batches through the schedule of this rank's pipeline stages; the loss, computed
-    on the last stage, is broadcast over the pipeline."""
+    on the last stage, is broadcast over the pipeline. With ``chunked_loss`` the last stage
+    returns its final hidden states and the loss applies its LM head in chunks."""
 
-    def __init__(self, stages: PipelineStages, microbatches: int | None, autocast_dtype: torch.dtype | None):
+    def __init__(self, stages: PipelineStages, microbatches: int | None, autocast_dtype: torch.dtype | None,
+                 chunked_loss: bool = False):
         if microbatches not in (None, stages.microbatches):
             raise ValueError(
                 f"microbatches={microbatches} differs from the pipeline's {stages.microbatches}; the schedule fixes it "
@@ -116,6 +149,13 @@ class PipelineSchedule(Executor):
             )
         self.stages, self.microbatches = stages, stages.microbatches
         self.modules = stages.modules
+        self.loss_input = "hidden" if chunked_loss else "logits"
+        self.head = None
+        if chunked_loss:
+            # Every rank checks the model's config (each stage holds it), so ranks refuse alike.
+            last = stages.modules[-1]
+            self.head = check_chunked_head(getattr(last, "lm_head", None), last.config, type(last).__name__,
+                                           holds_head=stages.has_last)
 
     @property
     def device(self) -> torch.device:
@@ -127,7 +167,7 @@ class PipelineSchedule(Executor):
 
     def run(self, ids, labels, loss_fn):
         stages = self.stages
-        schedule = stages.schedule(loss_fn)
+        schedule = stages.schedule(loss_fn, loss_input=self.loss_input)
         args = (ids,) if stages.has_first else ()
         losses = [] if stages.has_last else None
         schedule.step(*args, target=labels if stages.has_last else None, losses=losses)
@@ -151,10 +191,13 @@ def _vocab_size(module: nn.Module) -> int:
     return vocab_size
 
 
-def executor_for(target, *, microbatches: int | None, autocast_dtype: torch.dtype | None) -> Executor:
+def executor_for(target, *, microbatches: int | None, autocast_dtype: torch.dtype | None,
+                 chunked_loss: bool = False) -> Executor:
     """The executor of what ``moe_ep.parallelize`` returned: PipelineStages or a model."""
+    if not isinstance(chunked_loss, bool):
+        raise TypeError(f"chunked_loss must be a bool, got {chunked_loss!r}")
     if isinstance(target, PipelineStages):
-        return PipelineSchedule(target, microbatches, autocast_dtype)
+        return PipelineSchedule(target, microbatches, autocast_dtype, chunked_loss)
     if isinstance(target, nn.Module):
-        return GradientAccumulation(target, microbatches, autocast_dtype)
+        return GradientAccumulation(target, microbatches, autocast_dtype, chunked_loss)
     raise TypeError(f"model_or_stages must be a torch.nn.Module or PipelineStages, got {type(target).__name__}")

@@ -19,7 +19,7 @@ from ..parallel.pipeline import PipelineStages
 from .balancing import Balancing
 from .batch import refusal, screened
 from .executors import executor_for
-from .loss import IGNORE_INDEX, CausalLMLoss, predicted_tokens
+from .loss import IGNORE_INDEX, CausalLMLoss, ChunkedCausalLMLoss, predicted_tokens
 from .loss_scale import LossScaler
 from .skips import SkipCounter
 
@@ -95,6 +95,15 @@ class TrainStep:
         autocast_dtype: run the forward (without pipeline stages) under ``torch.autocast`` in
             this dtype, for a model that FSDP's ``MixedPrecisionPolicy`` does not cast (one
             process); the loss is computed in fp32 and backward runs outside autocast.
+        chunked_loss: compute the LM loss from the final hidden states through the LM head in
+            chunks of tokens (``moe_ep.ops.linear_cross_entropy``), never holding the full
+            float32 logits and their gradient (memory O(chunk x V) instead of O(tokens x V); the
+            head's two gradient GEMMs run during forward). The same objective: equal losses and
+            updates to float32 rounding. Off by default. With pipeline stages the last stage
+            returns its final hidden states; the first TrainStep that runs on the stages fixes
+            which, and a later one with the other choice raises ValueError at its first step.
+            Refused (ValueError) for a model whose head is not a torch.nn.Linear or that changes
+            its logits after the head (soft-capping, logit scaling).
 
     ``step(batch)`` takes ``{"input_ids": [batch, seq], "labels": [batch, seq] (optional, defaults
     to input_ids)}`` (this rank's share of the global batch, ``batch`` a multiple of the
@@ -130,16 +139,18 @@ class TrainStep:
     def __init__(self, model_or_stages, optimizer: torch.optim.Optimizer, *, microbatches: int | None = None,
                  loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, global_aux_loss: bool = False,
                  z_loss_coef: float = 0.0, expert_bias_rate: float = 0.0, max_grad_norm: float | None = None,
-                 max_consecutive_skips: int | None = 20, lr_scheduler=None, autocast_dtype: torch.dtype | None = None):
+                 max_consecutive_skips: int | None = 20, lr_scheduler=None, autocast_dtype: torch.dtype | None = None,
+                 chunked_loss: bool = False):
         options = dict(microbatches=microbatches, loss_scale=loss_scale, aux_loss_coef=aux_loss_coef,
                        global_aux_loss=global_aux_loss, z_loss_coef=z_loss_coef, expert_bias_rate=expert_bias_rate,
                        max_grad_norm=max_grad_norm, max_consecutive_skips=max_consecutive_skips,
-                       lr_scheduler=lr_scheduler, autocast_dtype=autocast_dtype)
+                       lr_scheduler=lr_scheduler, autocast_dtype=autocast_dtype, chunked_loss=chunked_loss)
         context = parallel_context(model_or_stages)
         with _ranks_agree(model_or_stages, context, optimizer, options):
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-            self.executor = executor_for(model_or_stages, microbatches=microbatches, autocast_dtype=autocast_dtype)
+            self.executor = executor_for(model_or_stages, microbatches=microbatches, autocast_dtype=autocast_dtype,
+                                         chunked_loss=chunked_loss)
             _check_optimizer_holds(model_or_stages, optimizer)
             for name, coef in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
                                ("expert_bias_rate", expert_bias_rate)):
@@ -157,7 +168,7 @@ class TrainStep:
         self.microbatches = self.executor.microbatches
         self.max_grad_norm = max_grad_norm
         self.lr_scheduler = lr_scheduler
-        self.loss_fn = CausalLMLoss()
+        self.loss_fn = ChunkedCausalLMLoss(self.executor.head) if chunked_loss else CausalLMLoss()
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.aux = None
         if aux_loss_coef or z_loss_coef or expert_bias_rate:

@@ -5,7 +5,8 @@ nothing: they hold the model's own submodules under the model's own names (``mod
 
 Inputs: stage 0 takes ``input_ids [batch, seq]``; positions are ``0..seq-1`` and attention is
 causal with no padding mask (right-pad and set the padded labels to -100). The last stage
-returns logits."""
+returns logits, or its final (normed) hidden states when ``loss_input`` is ``"hidden"`` (the loss
+then applies the LM head itself, in chunks: ``TrainStep(chunked_loss=True)``)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ class CausalLMStage(nn.Module):
         self.add_module(prefix, trunk)
         if last:
             self.lm_head = head
+        # What the last stage returns; written once by PipelineStages.schedule, before the
+        # schedule infers the stages' output shapes.
+        self.loss_input = "logits"
 
     @property
     def trunk(self) -> nn.Module:
@@ -75,5 +79,7 @@ class CausalLMStage(nn.Module):
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
         if self.last:
-            hidden = self.lm_head(trunk.norm(hidden))
+            hidden = trunk.norm(hidden)
+            if self.loss_input == "logits":
+                hidden = self.lm_head(hidden)
         return hidden

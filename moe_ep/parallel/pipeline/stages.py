@@ -53,6 +53,7 @@ class PipelineStages:
     tied_stages: tuple[tuple[int, int], ...] = ()
     _schedule: object = field(default=None, repr=False)
     _loss: _LatestLoss = field(default_factory=_LatestLoss, repr=False)
+    _loss_input: str | None = field(default=None, repr=False)
 
     @property
     def meshes(self) -> MoEMeshes | None:
@@ -101,15 +102,30 @@ class PipelineStages:
             module.train(mode)
         return self
 
-    def schedule(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    def schedule(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, loss_input: str = "logits"):
         """The torch schedule over these stages, computing the loss with ``loss_fn(logits, labels)``
-        until the next call gives another (so every TrainStep on these stages calls this before
-        each of its steps). The schedule is built once: it holds the stages' communication set-up
-        and shape inference, which a second schedule would redo on the same stages; it calls the
-        loss through ``_LatestLoss``. Gradients are not divided by the number of micro-batches:
-        ``loss_fn`` normalises by the tokens of the whole step (moe_ep.training.CausalLMLoss)."""
+        (``loss_input="hidden"``: ``loss_fn(final hidden states, labels)``, the last stage
+        skipping its LM head) until the next call gives another (so every TrainStep on these
+        stages calls this before each of its steps). The schedule is built once: it holds the
+        stages' communication set-up and shape inference, which a second schedule would redo on
+        the same stages; it calls the loss through ``_LatestLoss``, and its ``loss_input`` stays
+        that of the first call (the last stage's output shape is inferred once). Gradients are
+        not divided by the number of micro-batches: ``loss_fn`` normalises by the tokens of the
+        whole step (moe_ep.training.CausalLMLoss)."""
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(logits, labels), got {type(loss_fn).__name__}")
+        if loss_input not in ("logits", "hidden"):
+            raise ValueError(f"loss_input must be 'logits' or 'hidden', got {loss_input!r}")
+        if self._loss_input is None:
+            self._loss_input = loss_input
+            for module in self.modules:
+                module.loss_input = loss_input
+        elif loss_input != self._loss_input:
+            raise ValueError(
+                f"these pipeline stages' schedule computes the loss from their {self._loss_input} (fixed by the first "
+                f"TrainStep that ran on them, whose output shapes the schedule inferred), not their {loss_input}: "
+                "build new stages for a TrainStep with the other chunked_loss"
+            )
         self._loss.fn = loss_fn
         if self._schedule is None:
             from torch.distributed.pipelining import schedules

@@ -1,0 +1,150 @@
+"""Cross-entropy of a linear head (the LM head) that never holds the full logits: the tokens go
+through the head in chunks, and each chunk's float32 logits give its loss and, in the same pass,
+their gradient, which is turned at once into the chunk's hidden-state gradient and added to the
+head weight's float32 gradient. Only those gradients are kept for backward, which scales them by
+the incoming gradient; the logits of one chunk are the largest temporary, so the head's memory is
+``O(chunk x V)`` instead of the ``O(T x V)`` of the logits, their float32 copy, the log-softmax
+autograd saves and the logits' gradient (the technique of Liger-Kernel's fused linear
+cross-entropy and of Apple's cut-cross-entropy, in plain PyTorch: the portable path, on any
+device).
+
+The cost: the head's two gradient GEMMs run in forward even when the caller never calls backward
+(the forward asks autograd which inputs need a gradient and computes only those), and the head
+weight's float32 gradient ([V, H]) lives from forward to backward. Sums run in a fixed order
+(chunk after chunk), so two runs give the same bits. Differentiable once: the stored gradients
+are constants to autograd, so double backward raises.
+
+Liger-Kernel's Triton version is not called on CUDA: its forward reads the count of non-ignored
+targets back to the host (``.item()``, a host sync per call on the step path), computes the
+logits in the input's dtype and, unless asked otherwise (``accum_dtype``, a recent argument),
+accumulates the weight's gradient in the weight's dtype (bf16 under mixed precision); and with no
+GPU and no Liger installed here it could not be checked against this path. This path runs
+there as on the CPU, its GEMMs on cuBLAS."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from .validate import check_count, check_float, check_index, check_number, check_same_device, check_tensor
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``labels [batch, seq]`` -> the target of every position ``[batch * seq]`` (int64): each
+    position predicts the next label of its own sequence and the last one predicts nothing
+    (``ignore_index``), as transformers' ``ForCausalLMLoss`` shifts them."""
+    check_tensor("labels", labels, ndim=2)
+    return F.pad(labels[:, 1:].long(), (0, 1), value=ignore_index).reshape(-1)
+
+
+def default_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
+    """Liger-Kernel's rule: a chunk's float32 logits hold about as many numbers as the hidden
+    states, so the head's temporaries stay the size of an activation whatever the vocabulary."""
+    return max(1, math.ceil(tokens / math.ceil(vocab / hidden)))
+
+
+def linear_cross_entropy(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, target_T: torch.Tensor,
+                         bias_V: torch.Tensor | None = None, *, ignore_index: int = IGNORE_INDEX,
+                         z_loss_coef: float = 0.0, chunk_tokens: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss_sum, z_sum)`` of the logits ``hidden_TH @ weight_VH.T + bias_V`` (float32) against
+    ``target_T`` without holding them: ``loss_sum`` (differentiable) is the sum over the tokens
+    whose target is not ``ignore_index`` of ``logsumexp - logit[target]`` plus ``z_loss_coef``
+    times ``logsumexp**2`` (PaLM's z-loss); ``z_sum`` (detached) is that sum of ``logsumexp**2``.
+    Both are float32 scalars, 0 when every target is ignored. Reductions other than a sum are the
+    caller's division (TrainStep divides by the global batch's predicted tokens).
+
+    ``hidden_TH`` and ``weight_VH`` (float32, float16 or bfloat16; they may differ, as under
+    autocast) are computed in float32 and their gradients accumulated in float32, returned in
+    their own dtypes; ``target_T`` is int64 or int32 in ``[0, V)`` or ``ignore_index`` (labels
+    shifted already: ``shift_labels``); ``chunk_tokens`` tokens per chunk (default:
+    ``default_chunk_tokens``). A tied head passes the embedding's weight: its gradient goes to
+    that tensor like any other input's."""
+    check_tensor("hidden_TH", hidden_TH, ndim=2)
+    check_tensor("weight_VH", weight_VH, ndim=2)
+    check_tensor("target_T", target_T, ndim=1)
+    check_float("hidden_TH", hidden_TH)
+    check_float("weight_VH", weight_VH)
+    check_index("target_T", target_T)
+    tokens, hidden = hidden_TH.shape
+    vocab = weight_VH.shape[0]
+    if weight_VH.shape[1] != hidden or target_T.shape[0] != tokens:
+        raise ValueError(
+            f"hidden_TH [T, H], weight_VH [V, H] and target_T [T] must agree, got shapes {tuple(hidden_TH.shape)}, "
+            f"{tuple(weight_VH.shape)} and {tuple(target_T.shape)}"
+        )
+    if bias_V is not None:
+        check_tensor("bias_V", bias_V, ndim=1)
+        check_float("bias_V", bias_V)
+        if bias_V.shape[0] != vocab:
+            raise ValueError(f"bias_V must have V={vocab} entries (weight_VH's rows), got shape {tuple(bias_V.shape)}")
+        check_same_device(hidden_TH=hidden_TH, weight_VH=weight_VH, target_T=target_T, bias_V=bias_V)
+    else:
+        check_same_device(hidden_TH=hidden_TH, weight_VH=weight_VH, target_T=target_T)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    check_number("z_loss_coef", z_loss_coef, at_least=0)
+    check_count("chunk_tokens", chunk_tokens, at_least=1, or_none=True)
+    chunk = default_chunk_tokens(tokens, hidden, vocab) if chunk_tokens is None else chunk_tokens
+    return _LinearCrossEntropy.apply(hidden_TH, weight_VH, bias_V, target_T, ignore_index, float(z_loss_coef), chunk)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Takes what ``linear_cross_entropy`` validated."""
+
+    @staticmethod
+    def forward(ctx, hidden_TH, weight_VH, bias_V, target_T, ignore_index, z_loss_coef, chunk):
+        need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+        # The head's logits are float32 whatever the compute dtype; autocast would make them half.
+        with torch.autocast(hidden_TH.device.type, enabled=False):
+            w32_VH = weight_VH.float()
+            b32_V = None if bias_V is None else bias_V.float()
+            loss = torch.zeros((), dtype=torch.float32, device=hidden_TH.device)
+            z_sum = torch.zeros((), dtype=torch.float32, device=hidden_TH.device)
+            dh_TH = torch.empty_like(hidden_TH) if need_dh else None
+            dw32_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_dw else None
+            db32_V = torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if need_db else None
+            for start in range(0, hidden_TH.shape[0], chunk):
+                h32_CH = hidden_TH[start:start + chunk].float()
+                tgt_C = target_T[start:start + chunk]
+                logits_CV = h32_CH @ w32_VH.T if b32_V is None else torch.addmm(b32_V, h32_CH, w32_VH.T)
+                lse_C = torch.logsumexp(logits_CV, dim=1)
+                valid_C = (tgt_C != ignore_index).float()
+                # Ignored tokens read column 0 and are multiplied by 0: no host check, no branch.
+                safe_C1 = torch.where(tgt_C != ignore_index, tgt_C, 0).long().unsqueeze(1)
+                target_logit_C = logits_CV.gather(1, safe_C1).squeeze(1)
+                lse_sq_C = lse_C.square()
+                loss += ((lse_C - target_logit_C + z_loss_coef * lse_sq_C) * valid_C).sum()
+                z_sum += (lse_sq_C * valid_C).sum()
+                if not (need_dh or need_dw or need_db):
+                    continue
+                # d(lse - logit[t] + c lse^2)/d logits = softmax * (1 + 2 c lse) - onehot(t), zero
+                # on ignored tokens; computed in the logits' buffer, the chunk's one [C, V].
+                g_CV = logits_CV.sub_(lse_C.unsqueeze(1)).exp_()
+                g_CV.mul_((valid_C * (1 + 2 * z_loss_coef * lse_C)).unsqueeze(1))
+                g_CV.scatter_add_(1, safe_C1, -valid_C.unsqueeze(1))
+                if need_dh:
+                    dh_TH[start:start + chunk] = g_CV @ w32_VH
+                if need_dw:
+                    dw32_VH.addmm_(g_CV.T, h32_CH)
+                if need_db:
+                    db32_V += g_CV.sum(0)
+        ctx.dtypes = (weight_VH.dtype, None if bias_V is None else bias_V.dtype)
+        ctx.save_for_backward(dh_TH, dw32_VH, db32_V)
+        ctx.mark_non_differentiable(z_sum)
+        return loss, z_sum
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, grad_z_sum):
+        dh_TH, dw32_VH, db32_V = ctx.saved_tensors
+        w_dtype, b_dtype = ctx.dtypes
+        dh = None if dh_TH is None else dh_TH * grad_loss.to(dh_TH.dtype)
+        dw = None if dw32_VH is None else (dw32_VH * grad_loss).to(w_dtype)
+        db = None if db32_V is None else (db32_V * grad_loss).to(b_dtype)
+        return dh, dw, db, None, None, None, None
