@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import sysconfig
 from pathlib import Path
@@ -603,6 +604,60 @@ def test_meta_model_loads_pretrained_weights_with_no_random_init(tiny_checkpoint
         assert read[name] == t.numel() * t.element_size(), name
     reference, _ = tiny_model_and_optimizer()
     assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+
+
+@pytest.mark.parametrize("layout", ["fused", "legacy"])
+@pytest.mark.parametrize("change,expected", [
+    ({"num_local_experts": 4}, [r"expected \[4, 128\], found \[8, 128\]",
+                                r"(more than the config's 4 experts|expected \[4, 512, 128\], found \[8, 512, 128\])"]),
+    ({"intermediate_size": 128}, [r"(expected \[8, 256, 128\], found \[8, 512, 128\]|expected \[128, 128\], found \[256, 128\])"]),
+    ({"hidden_size": 64, "head_dim": 16}, [r"model.embed_tokens.weight in model.safetensors: expected \[\d+, 64\], found \[\d+, 128\]"]),
+], ids=["fewer_experts", "narrower_experts", "narrower_model"])
+def test_weights_that_do_not_match_their_config_are_refused_before_any_read(tiny_checkpoints, layout, change, expected,
+                                                                              tmp_path):
+    """A config.json that disagrees with its safetensors (fewer or narrower experts, another hidden
+    size): every mismatched tensor named with its file and both shapes, nothing allocated or read."""
+    import shutil
+
+    from errors import UsageError
+    from models import build_model, resolve_model
+    from pretrained import load_pretrained
+    from transformers import AutoConfig
+
+    _, root = tiny_checkpoints
+    folder = tmp_path / "changed"
+    shutil.copytree(root / layout, folder)
+    config = AutoConfig.from_pretrained(folder)
+    for key, value in change.items():
+        setattr(config, key, value)
+    config.save_pretrained(folder)
+    source = resolve_model(str(folder))
+    model = build_model(source, seed=0, meta=True)
+    with pytest.raises(UsageError, match="do not match its config.json") as raised:
+        load_pretrained(model, source.pretrained_dir, torch.device("cpu"))
+    message = str(raised.value)
+    assert all(re.search(e, message) for e in expected), message
+    assert raised.value.agreed
+    assert all(p.device.type == "meta" for p in model.parameters())  # nothing allocated
+
+
+def test_a_missing_tensor_is_named(tiny_checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from errors import UsageError
+    from models import build_model, resolve_model
+    from pretrained import load_pretrained
+
+    _, root = tiny_checkpoints
+    folder = tmp_path / "missing"
+    folder.mkdir()
+    tensors = load_file(root / "fused" / "model.safetensors")
+    del tensors["model.layers.2.post_attention_layernorm.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text((root / "fused" / "config.json").read_text())
+    source = resolve_model(str(folder))
+    with pytest.raises(UsageError, match=r"\(1 tensors\): model.layers.2.post_attention_layernorm.weight: missing"):
+        load_pretrained(build_model(source, seed=0, meta=True), source.pretrained_dir, torch.device("cpu"))
 
 
 def test_delayed_init_is_deterministic_and_breaks_expert_symmetry():

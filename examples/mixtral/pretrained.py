@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from errors import UsageError
 from models import local_chunk
 
 # Per-expert names of a legacy checkpoint: (gate, up, down) given the layer prefix and expert id.
@@ -70,6 +71,49 @@ class SafetensorsFolder:
                 return self._slice(old, offset, shape)
         raise KeyError(f"{name} is not in the checkpoint {self.folder}, under its own or a legacy name")
 
+    def mismatches(self, expected: dict[str, tuple[int, ...]]) -> list[str]:
+        """Each tensor of ``expected`` (name -> the full shape the model's config gives it) that the
+        checkpoint lacks or holds with another shape, as "name in file: expected [..], found [..]";
+        for per-expert checkpoints, also experts beyond the config's count. Headers only."""
+        found = []
+        for name, shape in expected.items():
+            fused = FUSED.match(name)
+            if name in self.where:
+                found += self._compare(name, name, shape)
+            elif fused:
+                found += self._legacy_mismatches(name, fused["p"], fused["kind"], shape)
+            else:
+                old = next((o for pattern, legacy in LEGACY_RENAMES if (o := pattern.sub(legacy, name)) != name
+                            and o in self.where), None)
+                found += [f"{name}: missing"] if old is None else self._compare(name, old, shape)
+        return found
+
+    def _compare(self, name: str, stored: str, shape: tuple[int, ...]) -> list[str]:
+        full = tuple(self._open(self.where[stored]).get_slice(stored).get_shape())
+        if full == tuple(shape):
+            return []
+        label = name if stored == name else f"{name} (stored as {stored})"
+        return [f"{label} in {self.where[stored].name}: expected {list(shape)}, found {list(full)}"]
+
+    def _legacy_mismatches(self, name: str, prefix: str, kind: str, shape: tuple[int, ...]) -> list[str]:
+        layout = next(((g, u, d) for g, u, d in LEGACY_EXPERTS if g.format(p=prefix, e=0) in self.where), None)
+        if layout is None:
+            return [f"{name}: missing, neither fused nor per expert"]
+        gate, up, down = layout
+        num_experts, rows, cols = shape
+        # gate_up [E, 2I, H] is each expert's gate [I, H] over its up [I, H]; down [E, H, I] is w2.
+        per_expert = [(down, (rows, cols))] if kind == "down_proj" else [(gate, (rows // 2, cols)), (up, (rows // 2, cols))]
+        found = []
+        for e in range(num_experts):
+            for pattern, part_shape in per_expert:
+                part = pattern.format(p=prefix, e=e)
+                found += [f"{part}: missing"] if part not in self.where else self._compare(part, part, part_shape)
+        extra = per_expert[0][0].format(p=prefix, e=num_experts)
+        if extra in self.where:
+            found.append(f"{extra} in {self.where[extra].name}: the checkpoint holds more than the config's "
+                         f"{num_experts} experts")
+        return found
+
     def _slice(self, name: str, offset, shape) -> torch.Tensor:
         view = self._open(self.where[name]).get_slice(name)
         full = view.get_shape()
@@ -105,6 +149,10 @@ class SafetensorsFolder:
         return torch.stack(experts) if experts else torch.empty(shape)
 
 
+def _non_persistent_buffers(model: torch.nn.Module) -> set[str]:
+    return {f"{m}.{b}" if m else b for m, module in model.named_modules() for b in module._non_persistent_buffers_set}
+
+
 @torch.no_grad()
 def load_pretrained(model: torch.nn.Module, folder: Path, device: torch.device, *,
                     part: torch.nn.Module | None = None) -> dict[str, int]:
@@ -115,18 +163,17 @@ def load_pretrained(model: torch.nn.Module, folder: Path, device: torch.device, 
     model's names (its pipeline stages), default the whole model. Returns the bytes read from the
     safetensors files per tensor name (this rank's slices only)."""
     part = model if part is None else part
-    part.to_empty(device=device)
-    non_persistent = set()
-    for module_name, module in part.named_modules():
-        if module._non_persistent_buffers_set:
-            # Before the reads: it would also re-draw the module's own parameters, if it had any.
-            model._init_weights(module)
-            non_persistent |= {f"{module_name}.{b}" if module_name else b for b in module._non_persistent_buffers_set}
-    tensors = [*part.named_parameters(), *((n, b) for n, b in part.named_buffers() if n not in non_persistent)]
     reader = SafetensorsFolder(folder)
-    read = {}
     try:
-        for name, tensor in tensors:
+        _check_against_config(reader, model, folder)
+        part.to_empty(device=device)
+        for module in part.modules():
+            if module._non_persistent_buffers_set:
+                # Before the reads: it would also re-draw the module's own parameters, if it had any.
+                model._init_weights(module)
+        non_persistent = _non_persistent_buffers(part)
+        read = {}
+        for name, tensor in [*part.named_parameters(), *((n, b) for n, b in part.named_buffers() if n not in non_persistent)]:
             local, offset = local_chunk(tensor)
             if local.numel() == 0:
                 continue
@@ -136,3 +183,16 @@ def load_pretrained(model: torch.nn.Module, folder: Path, device: torch.device, 
     finally:
         reader.close()
     return read
+
+
+def _check_against_config(reader: SafetensorsFolder, model: torch.nn.Module, folder: Path) -> None:
+    """Before any allocation or read, every tensor of the whole model (the same verdict on every
+    rank, whichever stages it holds) at the full shape its config gives it: transformers refuses
+    such folders, and reading a slice of a larger tensor would train another model silently."""
+    skip = _non_persistent_buffers(model)
+    expected = {n: tuple(t.shape) for n, t in (*model.named_parameters(), *model.named_buffers()) if n not in skip}
+    mismatched = reader.mismatches(expected)
+    if mismatched:
+        shown = "; ".join(mismatched[:6]) + (f"; and {len(mismatched) - 6} more" if len(mismatched) > 6 else "")
+        raise UsageError(f"--model: the weights in {folder} do not match its config.json ({len(mismatched)} "
+                         f"tensors): {shown}", agreed=True)
