@@ -606,7 +606,7 @@ def test_meta_model_loads_pretrained_weights_with_no_random_init(tiny_checkpoint
     assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
 
 
-@pytest.mark.parametrize("layout", ["fused", "legacy"])
+@pytest.mark.parametrize("layout", ["fused", "legacy", "state_dict"])
 @pytest.mark.parametrize("change,expected", [
     ({"num_local_experts": 4}, [r"expected \[4, 128\], found \[8, 128\]",
                                 r"(more than the config's 4 experts|expected \[4, 512, 128\], found \[8, 512, 128\])"]),
@@ -624,9 +624,16 @@ def test_weights_that_do_not_match_their_config_are_refused_before_any_read(tiny
     from pretrained import load_pretrained
     from transformers import AutoConfig
 
-    _, root = tiny_checkpoints
+    full, root = tiny_checkpoints
     folder = tmp_path / "changed"
-    shutil.copytree(root / layout, folder)
+    if layout == "state_dict":  # transformers 5's own names, fused experts (save_pretrained writes per expert)
+        from safetensors.torch import save_file
+
+        folder.mkdir()
+        save_file({n: t.contiguous() for n, t in full.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+        shutil.copy(root / "fused" / "config.json", folder)
+    else:
+        shutil.copytree(root / layout, folder)
     config = AutoConfig.from_pretrained(folder)
     for key, value in change.items():
         setattr(config, key, value)
