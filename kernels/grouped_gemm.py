@@ -674,11 +674,14 @@ def _tuned(kernel: str, meta: RoutingMetadata, dtype, device, shapes: tuple, ali
     """Choose ``kernel``'s configuration (timing on first sight of the key) and launch with it:
     the one place where a configuration is picked. ``launch(config)`` passes ``align`` as ALIGN.
     ``library()``, where given, computes the same launch with PyTorch's grouped GEMM: a candidate
-    after the Triton configurations where that is sync-free and the rows are aligned (its operands
-    need 16-byte strides), so a tuned launch is never slower than the better of the two."""
+    after the Triton configurations on a GPU where that is sync-free and the rows are aligned (its
+    operands need 16-byte strides), so a tuned launch is never slower than the better of the two.
+    Not under the interpreter: there the kernels run to be tested, and its host-clock timings, which
+    mean nothing, would hand their launches to the library."""
     num_rows = meta.slot_pos_N.numel()
+    arch = autotune.device_arch(device)
     candidates = configs_for(kernel, dtype, arch_family(device), meta.pad_m, aligned=align > 1, gelu=gelu)
-    if library is not None and align > 1 and grouped_mm_sync_free(autotune.device_arch(device), dtype):
+    if library is not None and align > 1 and arch != "interpreter" and grouped_mm_sync_free(arch, dtype):
         candidates = [*candidates, GROUPED_MM]
 
     def run(c):
