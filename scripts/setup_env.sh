@@ -9,12 +9,16 @@ cd "$(dirname "$0")/.."
 EXTRAS="${1:-}"
 PIP=(.venv/bin/pip install -q --disable-pip-version-check)
 if [ ! -x .venv/bin/python ]; then
+    echo "setup_env: creating .venv (the first install takes about two minutes)" >&2
     python3 -m venv .venv
 fi
+echo "setup_env: torch 2.13.0, CPU build" >&2
 if "${PIP[@]}" --no-index --no-deps torch==2.13.0 2>/dev/null; then
     "${PIP[@]}" torch==2.13.0  # its dependencies, from the ordinary index
 else
     echo "setup_env: pip finds no local torch==2.13.0 wheel; installing the CPU build from PyTorch's index" >&2
     "${PIP[@]}" torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
 fi
+echo "setup_env: moe_ep${EXTRAS:+ with ${EXTRAS}} and its dependencies, editable" >&2
 "${PIP[@]}" -e ".${EXTRAS}"
+echo "setup_env: .venv ready" >&2

@@ -196,3 +196,45 @@ def test_argument_errors():
             main(["kernels", "--device", "cuda", "--no-save"])
     with pytest.raises(SystemExit):
         main(["nonsense"])
+
+
+def test_noisy_timings_get_more_rounds_then_a_warning(monkeypatch):
+    from moe_ep.bench import timing
+
+    clock = iter([1.0, 2.0, 2.0] * 100)  # one fast call in three: median 2 s, fastest 1 s
+    monkeypatch.setattr(timing, "_time_once", lambda fn, args, device: next(clock))
+    with pytest.warns(timing.NoisyTimingWarning, match=r"1 of 1 timing\(s\) noisy after 9 calls "
+                      r"\(worst 'the call': median 100% above its fastest call\); other work is using"):
+        t = measure(lambda: None, device=torch.device("cpu"), warmup=0, reps=3)
+    assert t.reps == 9  # 3 rounds of 3: the first and both extra rounds
+    steady = iter([1.0] * 100)
+    monkeypatch.setattr(timing, "_time_once", lambda fn, args, device: next(steady))
+    assert measure(lambda: None, device=torch.device("cpu"), warmup=0, reps=3).reps == 3
+    assert measure(lambda: None, device=torch.device("cpu"), warmup=0, reps=3, extra_rounds=0).reps == 3
+
+
+def test_tables_fit_120_columns_and_keep_every_value():
+    from moe_ep.bench.report import Column, Report, format_table
+
+    columns = [Column("name", "name"), Column("kind", "kind")]
+    columns += [Column(f"v{i}", f"value number {i}", "{:.3f}") for i in range(12)] + [Column("status", "status")]
+    reason = "not available (transformers has no grouped_mm experts in this version)"
+    rows = [dict(name=f"variant-{j}", kind="op", status="ok" if j else reason, **{f"v{i}": i + j / 7 for i in range(12)})
+            for j in range(3)]
+    report = Report("demo", torch.device("cpu"), columns, rows=rows, notes=["x " * 100])
+    text = format_table(report)
+    assert max(map(len, text.splitlines())) <= 120
+    blocks = text.split("\n\n")
+    assert len(blocks) >= 2 and all(b.startswith("     name  kind") for b in blocks)  # the row's name repeats
+    for i in range(12):
+        assert f"value number {i}" in text and f"{i + 2 / 7:.3f}" in text
+    assert "[1]" in text and f"[1] {reason}" in text
+
+
+def test_results_go_to_a_git_ignored_folder_by_default():
+    from moe_ep.bench.cli import build_parser
+
+    parser = build_parser()
+    assert str(parser.parse_args(["kernels"]).out_dir) == "bench-results"
+    assert str(parser.parse_args(["gpu"]).out_dir) == "benchmarks/results"  # the gate's results are committed
+    assert "/bench-results/" in open(".gitignore").read().split()

@@ -1,15 +1,19 @@
 """``python -m moe_ep.bench {kernels,model,dispatch,planner,gpu}``: run one benchmark mode, print
-its table, save its figures."""
+its table, save its figures (to ./bench-results/, git-ignored; the gpu gate to the committed
+benchmarks/results/)."""
 
 from __future__ import annotations
 
 import argparse
+import time
+import warnings
 from pathlib import Path
 
 import torch
 
 from . import dispatch, gpu_check, kernels, model, planner
-from .report import RESULTS_DIR, format_table, save
+from .report import COMMITTED_RESULTS_DIR, RESULTS_DIR, format_table, save
+from .timing import NoisyTimingWarning
 
 MODES = {"kernels": kernels, "model": model, "dispatch": dispatch, "planner": planner, "gpu": gpu_check}
 
@@ -27,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         mode.add_argument("--threads", type=int,
                           help="CPU threads for torch (default: torch's); on a shared machine 1 avoids "
                                "OpenMP barriers waiting on descheduled threads")
-        mode.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help=f"default {RESULTS_DIR}")
+        out_dir = COMMITTED_RESULTS_DIR if name == "gpu" else RESULTS_DIR
+        mode.add_argument("--out-dir", type=Path, default=out_dir, help=f"where results go (default {out_dir}/)")
         mode.add_argument("--no-save", action="store_true", help="print only, write no files")
         module.add_arguments(mode)
     return parser
@@ -42,8 +47,18 @@ def main(argv: list[str] | None = None):
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    report = MODES[args.mode].run(args, device)
-    print(f"\n{args.mode} benchmark on {report.meta.get('device')}")
+    print(f"[{args.mode}] on {device}: {args.warmup} warmup + {args.reps} timed calls per case; "
+          "progress below, the table at the end", flush=True)
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NoisyTimingWarning)
+        report = MODES[args.mode].run(args, device)
+    for warning in caught:
+        if issubclass(warning.category, NoisyTimingWarning):
+            report.notes.append(f"noisy: {warning.message}")
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    print(f"\n{args.mode} benchmark on {report.meta.get('device')} ({time.perf_counter() - start:.0f} s)")
     print(format_table(report))
     if not args.no_save:
         for path in save(report, args.out_dir):

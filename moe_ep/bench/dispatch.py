@@ -190,7 +190,8 @@ def _time_rank(s: Settings, impl, x_TH, idx_TK, w_TK, device) -> tuple[float, fl
     times = []
     for fn in (fwd, fwd_bwd):
         dist.barrier()
-        times.append(measure(fn, device=device, warmup=s.warmup, reps=s.reps).median_s)
+        # No extra rounds: every rank must issue the same collectives (see measure_many).
+        times.append(measure(fn, device=device, warmup=s.warmup, reps=s.reps, name=fn.__name__, extra_rounds=0).median_s)
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return tuple(slowest.tolist())

@@ -244,7 +244,9 @@ def bench_experts(p: Problem, inp: Inputs, args) -> list[dict]:
             cases[name, pass_] = case
     for pass_, fn in dense_passes(p, args.seed).items():
         cases[DENSE, pass_] = (fn, None)
-    for (name, pass_), t in measure_many(cases, device=p.device, warmup=args.warmup, reps=args.reps).items():
+    label = f"[kernels] T={p.T} {p.routing}: experts op and dense"
+    for (name, pass_), t in measure_many(cases, device=p.device, warmup=args.warmup, reps=args.reps,
+                                         label=label).items():
         row = dict(T=p.T, routing=p.routing, kind="dense" if name == DENSE else "op", variant=name, phase=pass_,
                    ms=t.median_s * 1e3, min_ms=t.min_s * 1e3, tflops=p.expert_flops(pass_) / t.median_s / 1e12,
                    status="ok")
@@ -408,13 +410,15 @@ def bench_components(p: Problem, inp: Inputs, args) -> list[dict]:
     if p.device.type == "cuda":
         components += triton_components(p, inp)
     timed = [c for c in components if c.fn is not None]
-    times = measure_many({i: (c.fn, None) for i, c in enumerate(timed)}, device=p.device,
-                         warmup=args.warmup, reps=args.reps)
+    # Keyed by position too: a noise warning names the component, and no two may collide.
+    times = measure_many({(i, c.name, c.pass_): (c.fn, None) for i, c in enumerate(timed)}, device=p.device,
+                         warmup=args.warmup, reps=args.reps, label=f"[kernels] T={p.T} {p.routing}: components")
     rows = []
     for c in components:
         row = dict(T=p.T, routing=p.routing, kind="kernel", variant=c.name, phase=c.pass_, status=c.reason)
         if c.fn is not None:
-            t = times[timed.index(c)]
+            i = timed.index(c)
+            t = times[i, c.name, c.pass_]
             row.update(ms=t.median_s * 1e3, min_ms=t.min_s * 1e3, gbps=c.bytes / t.median_s / 1e9, status="ok",
                        tflops=c.flops / t.median_s / 1e12 if c.flops else None)
         rows.append(row)
@@ -426,7 +430,8 @@ def bench_copy(device: torch.device, args) -> dict:
     n_bytes = COPY_BYTES[device.type]
     src = torch.empty(n_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    t = measure(lambda: dst.copy_(src), device=device, warmup=args.warmup, reps=args.reps)
+    print(f"[kernels] device copy of {n_bytes / 2**20:.0f} MiB", flush=True)
+    t = measure(lambda: dst.copy_(src), device=device, warmup=args.warmup, reps=args.reps, name="device copy")
     return dict(kind="copy", variant="device_copy", phase="copy", ms=t.median_s * 1e3, min_ms=t.min_s * 1e3,
                 gbps=2 * n_bytes / t.median_s / 1e9, status="ok")
 

@@ -128,7 +128,8 @@ def bench_model(name: str, setup: ModelSetup, device: torch.device, args) -> lis
         return setup
 
     def time_in_turns(cases):
-        return measure_many(cases, device=device, warmup=args.warmup, reps=args.reps)
+        return measure_many(cases, device=device, warmup=args.warmup, reps=args.reps,
+                            label=f"[model] {name}: {', '.join(cases)}")
 
     rows = {}
 

@@ -1,5 +1,6 @@
 """What every benchmark mode hands back, how it is printed and where it is saved: a table on
-stdout, and ``<mode>_<device>_<date>.{json,csv,png}`` in the results folder."""
+stdout no wider than 120 columns, and ``<mode>_<device>_<date>.{json,csv,png}`` in the results
+folder."""
 
 from __future__ import annotations
 
@@ -9,13 +10,18 @@ import json
 import math
 import platform
 import re
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-RESULTS_DIR = Path("benchmarks/results")
+# Where results go unless --out-dir says otherwise: a git-ignored folder, so that trying a
+# benchmark never changes the checkout. The GPU gate writes to the committed folder instead: its
+# results are the measured record the cost model and the README quote.
+RESULTS_DIR = Path("bench-results")
+COMMITTED_RESULTS_DIR = Path("benchmarks/results")
 
 
 @dataclass(frozen=True)
@@ -82,13 +88,46 @@ def _cell(value, fmt: str) -> str:
     return str(value)
 
 
-def format_table(report: Report) -> str:
-    cells = [[c.header for c in report.columns]]
-    cells += [[_cell(row.get(c.key), c.fmt) for c in report.columns] for row in report.rows]
+TABLE_WIDTH = 120  # columns a printed table may use: a terminal beside an editor
+LONG_CELL = 32  # longer texts (reasons a variant did not run) become numbered footnotes
+
+
+def format_table(report: Report, width: int = TABLE_WIDTH) -> str:
+    """The rows as text no wider than ``width``: columns that do not fit go to further blocks,
+    each repeating the leading columns that name a row (those without a number format), and
+    long texts become footnotes under the table; notes are wrapped to ``width``."""
+    footnotes: dict[str, int] = {}
+
+    def cell(row: dict, column: Column) -> str:
+        text = _cell(row.get(column.key), column.fmt)
+        if len(text) <= LONG_CELL:
+            return text
+        return f"[{footnotes.setdefault(text, len(footnotes) + 1)}]"
+
+    cells = [[c.header for c in report.columns]] + [[cell(row, c) for c in report.columns] for row in report.rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(report.columns))]
-    lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines + [f"note: {n}" for n in report.notes])
+    n_index = next((i for i, c in enumerate(report.columns) if c.fmt != "{}"), 0)
+    blocks, block = [], list(range(n_index))
+    for i in range(n_index, len(report.columns)):
+        if len(block) > n_index and sum(widths[j] + 2 for j in block) + widths[i] > width:
+            blocks.append(block)
+            block = list(range(n_index))
+        block.append(i)
+    blocks.append(block)
+    lines = []
+    for block in blocks:
+        if lines:
+            lines.append("")
+        rows = [[r[i].rjust(widths[i]) for i in block] for r in cells]
+        rows.insert(1, ["-" * widths[i] for i in block])
+        lines += ["  ".join(r) for r in rows]
+    lines += [_wrapped(f"[{n}] {text}", width) for text, n in footnotes.items()]
+    lines += [_wrapped(f"note: {note}", width) for note in report.notes]
+    return "\n".join(lines)
+
+
+def _wrapped(text: str, width: int) -> str:
+    return textwrap.fill(text, width, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
 
 
 def save(report: Report, out_dir: Path) -> list[Path]:
