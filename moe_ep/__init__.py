@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         ExpertParallelTrainerMixin,
         NonFiniteStepsError,
         TrainStep,
+        chunked_causal_lm_loss,
         configure_accelerator,
     )
 
@@ -70,6 +71,7 @@ _PUBLIC = {
     "ExpertParallelTrainer": "moe_ep.training",
     "ExpertParallelTrainerMixin": "moe_ep.training",
     "configure_accelerator": "moe_ep.training",
+    "chunked_causal_lm_loss": "moe_ep.training",
 }
 _SUBPACKAGES = ("bench", "dispatch", "hf", "kernels", "ops", "parallel", "planner", "training")
 

@@ -7,6 +7,7 @@ The training itself is tested through the examples (test_hf_loops*.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -194,9 +195,71 @@ def _evaluate_then_train(rank: int, world: int, out: str) -> dict:
             "train_loss": trained.training_loss, "steps": trained.global_step}
 
 
+def _chunked_loss(rank: int, world: int, out: str) -> dict:
+    """The chunked loss against the logits' loss on the same parallelized model (experts over 2
+    ranks, the load-balancing loss on, a third of the labels ignored): a hand-written step's loss
+    and gradients through ``chunked_causal_lm_loss``, and ``ExpertParallelTrainer(chunked_loss=True)``'s
+    losses over 3 steps of 2 accumulated micro-batches against the Trainer's own."""
+    import copy
+
+    from transformers import TrainingArguments
+
+    import moe_ep
+    from hf_models import tiny_batch, tiny_model
+
+    _accelerate_env(rank, world)
+    model = tiny_model("mixtral", experts_implementation="moe_ep", output_router_logits=True,
+                       router_aux_loss_coef=0.05).train()
+    batch = tiny_batch(model.config, batch=12, seq=9, seed=rank)
+    batch["labels"][:, ::3] = -100
+    found = {}
+
+    hand = moe_ep.parallelize(copy.deepcopy(model), ep=2)
+    want = hand(**batch).loss
+    want.backward()
+    notices = []
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    handler = logging.Handler()
+    handler.emit = notices.append
+    redistribute_log.addHandler(handler)
+    want_grads = {n: p.grad.full_tensor().clone() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                  for n, p in hand.named_parameters()}
+    redistribute_log.removeHandler(handler)
+    found["dtensor_notices"] = [r.getMessage() for r in notices]
+    hand.zero_grad()
+    loss, outputs = moe_ep.chunked_causal_lm_loss(hand, batch["labels"], input_ids=batch["input_ids"])
+    loss.backward()
+    found["hand_loss_err"] = (abs(loss - want) / want).item()
+    found["hand_grad_err"] = max(
+        ((p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) - want_grads[n]).abs().max().item()
+        / want_grads[n].abs().max().clamp_min(1e-30).item() for n, p in hand.named_parameters())
+    found["no_logits"] = outputs.logits.numel() == 0
+
+    data = [{k: v[i] for k, v in batch.items()} for i in range(len(batch["input_ids"]))]
+    losses = {}
+    environment = dict(os.environ)  # a Trainer exports its FSDP plugin's settings
+    for chunked in (False, True):
+        os.environ.clear()
+        os.environ.update(environment)
+        _fresh_accelerate()
+        args = TrainingArguments(output_dir=os.path.join(out, f"chunked{chunked}{rank}"), report_to=[], use_cpu=True,
+                                 max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                 logging_steps=1, save_strategy="no", learning_rate=1e-3, seed=0)
+        trainer = moe_ep.ExpertParallelTrainer(model=moe_ep.parallelize(copy.deepcopy(model), ep=2), args=args,
+                                               train_dataset=data, chunked_loss=chunked)
+        trainer.train()
+        losses[chunked] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    found["trainer_losses"] = losses
+    found["refusals"] = [_refusal(lambda: moe_ep.ExpertParallelTrainer(
+        model=moe_ep.parallelize(copy.deepcopy(model), ep=2), args=args, chunked_loss=True,
+        compute_loss_func=lambda *a, **k: None))]
+    return found
+
+
 def _world(rank: int, world: int, out: str) -> dict:
     return {"configurations": _configurations(rank, world, out), "plugins": _plugin_checks(rank, world),
-            "switch": _switch(rank, world), "evaluate": _evaluate_then_train(rank, world, out)}
+            "switch": _switch(rank, world), "evaluate": _evaluate_then_train(rank, world, out),
+            "chunked": _chunked_loss(rank, world, out)}
 
 
 @pytest.fixture(scope="module")
@@ -282,3 +345,34 @@ def test_evaluate_before_train(world2):
     for found in world2:
         assert found["evaluate"]["eval_loss_err"] <= TOLERANCE[torch.float32], found["evaluate"]
         assert found["evaluate"]["steps"] == 1 and found["evaluate"]["train_loss"] > 0
+
+
+@pytest.mark.slow
+def test_the_chunked_loss_in_a_hand_written_loop_and_in_the_trainer_equals_the_logits_loss(world2):
+    for found in world2:
+        chunked = found["chunked"]
+        assert chunked["no_logits"]
+        assert chunked["dtensor_notices"] == []  # gathering the strided expert gradients stays quiet
+        assert chunked["hand_loss_err"] <= TOLERANCE[torch.float32], chunked
+        assert chunked["hand_grad_err"] <= TOLERANCE[torch.float32], chunked
+        plain, mine = chunked["trainer_losses"][False], chunked["trainer_losses"][True]
+        assert len(plain) == len(mine) == 3
+        for a, b in zip(plain, mine):
+            assert abs(a - b) <= 1e-4 * abs(a), (plain, mine)  # the Trainer logs 4 significant digits
+        assert chunked["refusals"] == ["chunked_loss=True computes the training loss itself: pass "
+                                       "compute_loss_func=None or chunked_loss=False"]
+
+
+def test_only_the_strided_gather_notice_is_dropped():
+    from moe_ep.parallel.fsdp import _StridedGatherNotice
+
+    def record(message):
+        return logging.LogRecord("torch.distributed.tensor._redistribute", logging.WARNING, __file__, 1, message,
+                                 None, None)
+
+    notice = _StridedGatherNotice()
+    assert not notice.filter(record("While redistributing from (_StridedShard(dim=0, sf=2), Shard(dim=0)) to "
+                                    "(Replicate(), Replicate()), 2 sequential all_gather operations will be performed."))
+    assert notice.filter(record("While redistributing from (Shard(dim=0), Shard(dim=1)) to (Replicate(), Replicate()), "
+                                "2 sequential all_gather operations will be performed."))
+    assert notice.filter(record("some other DTensor warning about _StridedShard"))

@@ -13,9 +13,17 @@ which is the gradient of the mean loss.
 gloo: its reduce-scatter does not honour ``ReduceOp.AVG`` in every torch release (it sums:
 pytorch/pytorch#162338) and rejects ``PREMUL_SUM``, which a divide factor other than the group
 size selects. Where the shard group is gloo FSDP is told to reduce with SUM and divide afterwards
-(``set_force_sum_reduction_for_comms``), so the result does not depend on the release."""
+(``set_force_sum_reduction_for_comms``), so the result does not depend on the release.
+
+Gathering an expert parameter whole (a full state dict, a gradient norm check) redistributes its
+``(_StridedShard, Shard)`` placement over the experts mesh with two all-gathers, and torch 2.13
+warns about it on every rank at every gather, saying the results may differ between ranks by
+reduction order. All-gathers reduce nothing and the two are required by the layout, so that one
+message is dropped (``_StridedGatherNotice``); every other DTensor message stays."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.distributed as dist
@@ -47,6 +55,21 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
+class _StridedGatherNotice(logging.Filter):
+    """Drops DTensor's notice that a ``_StridedShard`` placement is gathered by sequential
+    all-gathers (the module docstring says why it does not apply)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("_StridedShard" in message and "sequential all_gather operations" in message)
+
+
+def _drop_strided_gather_notice() -> None:
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    if not any(isinstance(f, _StridedGatherNotice) for f in logger.filters):
+        logger.addFilter(_StridedGatherNotice())
+
+
 def apply_fsdp(
     model: torch.nn.Module,
     meshes: MoEMeshes,
@@ -65,6 +88,8 @@ def apply_fsdp(
     def experts_placement(param):
         return Shard(experts_dim)
 
+    if experts:
+        _drop_strided_gather_notice()
     for module in experts:
         fully_shard(
             module, mesh=meshes.experts, mp_policy=policy, reshard_after_forward=reshard_after_forward,

@@ -11,7 +11,7 @@ import importlib
 
 from .balancing import AuxLossHooks, Balancing
 from .executors import Executor, GradientAccumulation, PipelineSchedule, executor_for
-from .loss import IGNORE_INDEX, CausalLMLoss, predicted_tokens
+from .loss import IGNORE_INDEX, CausalLMLoss, chunked_causal_lm_loss, predicted_tokens
 from .loss_scale import LossScaler
 from .skips import NonFiniteStepsError
 from .step import TrainStep
@@ -36,6 +36,7 @@ __all__ = [
     "NonFiniteStepsError",
     "PipelineSchedule",
     "TrainStep",
+    "chunked_causal_lm_loss",
     "configure_accelerator",
     "executor_for",
     "predicted_tokens",

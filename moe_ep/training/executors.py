@@ -7,7 +7,6 @@ nothing to sum without stages); data parallelism is the same for both and stays 
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from typing import Callable
@@ -17,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.pipeline import PipelineStages
-from .loss import check_chunked_head
+from .loss import check_chunked_head, chunked_loss_parts, final_hidden_states, no_logits
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -78,15 +77,7 @@ class GradientAccumulation(Executor):
         self.forward_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
         self.head = self.base = None
         if chunked_loss:
-            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-            self.head = check_chunked_head(head, getattr(model, "config", None), type(model).__name__)
-            self.base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
-            if not isinstance(self.base, nn.Module) or "logits_to_keep" not in inspect.signature(model.forward).parameters:
-                raise ValueError(
-                    f"chunked_loss=True needs a transformers causal LM whose forward takes logits_to_keep (so that it "
-                    f"computes no logits) and whose base model is its base_model_prefix attribute; "
-                    f"{type(model).__name__} is not one: use chunked_loss=False"
-                )
+            self.head, self.base = chunked_loss_parts(model)
 
     @property
     def device(self) -> torch.device:
@@ -111,13 +102,8 @@ class GradientAccumulation(Executor):
         if self.head is None:
             out = self.model(input_ids=ids, **self.forward_kwargs)
             return out.logits if hasattr(out, "logits") else out
-        kept = []
-        handle = self.base.register_forward_hook(
-            lambda module, args, out: kept.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
-        try:
-            self.model(input_ids=ids, logits_to_keep=ids.new_empty(0, dtype=torch.long), **self.forward_kwargs)
-        finally:
-            handle.remove()
+        with final_hidden_states(self.base) as kept:
+            self.model(input_ids=ids, logits_to_keep=no_logits(ids), **self.forward_kwargs)
         return kept[-1]
 
     def sum_over_stages(self, t):

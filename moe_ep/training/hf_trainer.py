@@ -23,6 +23,11 @@ change of behaviour: ``save_model(folder)`` called by the user writes the full m
 the model's own (``output_router_logits``), each rank's micro-batch balanced on its own as
 transformers computes it.
 
+``ExpertParallelTrainer(..., chunked_loss=True)`` computes the training loss without the logits
+(``loss.chunked_causal_lm_loss``: the same loss, the same ``num_items_in_batch`` normalisation and
+scaling as the Trainer's own, the model's load-balancing loss included); evaluation computes the
+logits as usual, since ``compute_metrics`` and ``predict`` need them.
+
 Arguments refused before any work, each in one line: ``torch_compile``, ``gradient_checkpointing``
 (give ``parallelize(activation_checkpointing=True)``), a ``parallelism_config`` or FSDP
 configuration that disagrees with parallelize, and a model cut into pipeline stages (``pp > 1``:
@@ -42,6 +47,7 @@ from .hf_accelerate import (
     expert_parallel_context,
     fsdp2_plugin_arguments,
 )
+from .loss import chunked_causal_lm_loss, chunked_loss_parts
 
 
 def check_training_arguments(args, context) -> None:
@@ -71,6 +77,30 @@ def _full_state_dict(plugin):
 class ExpertParallelTrainerMixin:
     """Put in front of ``transformers.Trainer`` or any subclass of it; the module docstring says
     what it does."""
+
+    def __init__(self, *args, chunked_loss: bool = False, **kwargs):
+        if not isinstance(chunked_loss, bool):
+            raise TypeError(f"chunked_loss must be a bool, got {chunked_loss!r}")
+        if chunked_loss:
+            if kwargs.get("compute_loss_func") is not None:
+                raise ValueError("chunked_loss=True computes the training loss itself: pass compute_loss_func=None "
+                                 "or chunked_loss=False")
+            chunked_loss_parts(kwargs["model"] if "model" in kwargs else args[0])  # refused before any work
+        self.chunked_loss = chunked_loss
+        super().__init__(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not (self.chunked_loss and model.training and "labels" in inputs):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        loss, outputs = chunked_causal_lm_loss(model, labels, num_items_in_batch=num_items_in_batch, **inputs)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            # As Trainer.compute_loss scales a loss its model normalised by num_items_in_batch: that
+            # count is over every process, and the gradients are averaged over them.
+            tp_size = self.get_tp_size() if hasattr(self, "get_tp_size") else 1
+            loss = loss * (self.accelerator.num_processes // tp_size)
+        return (loss, outputs) if return_outputs else loss
 
     def _build_accelerator_args(self, **kwargs):
         context = expert_parallel_context(self.model)

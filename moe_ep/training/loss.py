@@ -2,9 +2,15 @@
 divided by their number over the whole global batch (``normalizer``), so that it is the mean over
 every token however the ignored labels fall on micro-batches and ranks. ``CausalLMLoss`` takes the
 model's logits; ``ChunkedCausalLMLoss`` (``TrainStep(chunked_loss=True)``) the final hidden states
-and the LM head, through ``moe_ep.ops.linear_cross_entropy``, so the full logits never exist."""
+and the LM head, through ``moe_ep.ops.linear_cross_entropy``, so the full logits never exist.
+``chunked_causal_lm_loss`` is the same objective for the loops moe_ep does not drive (an accelerate
+loop; ``ExpertParallelTrainer(chunked_loss=True)``): transformers' causal-LM loss, the model's own
+load-balancing loss included, without the logits."""
 
 from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -46,10 +52,16 @@ class ChunkedCausalLMLoss(CausalLMLoss):
         self.head = head
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        target_T = shift_labels(labels.to(hidden.device))
-        total, _ = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.head.weight, target_T,
-                                        self.head.bias)
+        total, _ = head_loss_sum(hidden, self.head, labels)
         return total / self.normalizer * self.scale
+
+
+def head_loss_sum(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(summed token cross-entropy, target_T)`` of the hidden states ``[batch, seq, H]`` through
+    ``head`` against the shifted ``labels [batch, seq]``, in chunks of tokens."""
+    target_T = shift_labels(labels.to(hidden.device))
+    total, _ = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, target_T, head.bias)
+    return total, target_T
 
 
 def check_chunked_head(head, config, owner: str, *, holds_head: bool = True) -> nn.Linear | None:
@@ -73,6 +85,75 @@ def check_chunked_head(head, config, owner: str, *, holds_head: bool = True) -> 
                     "chunked_loss=False for this model"
                 )
     return head if holds_head else None
+
+
+def chunked_loss_parts(model: nn.Module) -> tuple[nn.Linear, nn.Module]:
+    """``(head, base)`` of a transformers causal LM that the chunked loss can run: its LM head
+    (checked by check_chunked_head) and its base model, whose output are the final hidden states;
+    otherwise a ValueError. Its forward must take ``logits_to_keep``, so that it computes no
+    logits."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = check_chunked_head(head, getattr(model, "config", None), type(model).__name__)
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if not isinstance(base, nn.Module) or "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        raise ValueError(
+            f"chunked_loss=True needs a transformers causal LM whose forward takes logits_to_keep (so that it "
+            f"computes no logits) and whose base model is its base_model_prefix attribute; "
+            f"{type(model).__name__} is not one: use chunked_loss=False"
+        )
+    return head, base
+
+
+def no_logits(input_ids: torch.Tensor) -> torch.Tensor:
+    """``logits_to_keep`` selecting no position: the model's own forward runs (so that FSDP's hooks
+    gather and reduce as usual) and its LM head multiplies nothing."""
+    return input_ids.new_empty(0, dtype=torch.long)
+
+
+@contextmanager
+def final_hidden_states(base: nn.Module):
+    """Yields a list that each forward of ``base`` while inside appends its output hidden states to."""
+    kept: list[torch.Tensor] = []
+    handle = base.register_forward_hook(
+        lambda module, args, out: kept.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
+    try:
+        yield kept
+    finally:
+        handle.remove()
+
+
+def chunked_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, outputs, model: nn.Module,
+                    num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+    """transformers' causal-LM loss from the final hidden states ``[batch, seq, H]``: the token
+    cross-entropy summed, divided by ``num_items_in_batch`` (the Trainer's count over the
+    accumulated batch) or else by this batch's predicted tokens, plus the model's weighted
+    load-balancing loss when ``outputs`` carry one (``output_router_logits``), as the model's
+    forward adds it when given labels."""
+    total, target_T = head_loss_sum(hidden, head, labels)
+    count = num_items_in_batch if num_items_in_batch is not None else (target_T != IGNORE_INDEX).sum()
+    loss = total / (count.to(total.device) if isinstance(count, torch.Tensor) else count)
+    aux = outputs.get("aux_loss") if hasattr(outputs, "get") else None
+    if aux is not None:
+        coef = getattr(model, "router_aux_loss_coef", None)
+        if coef is None:
+            coef = model.config.router_aux_loss_coef
+        loss = loss + coef * aux.to(loss.device)
+    return loss
+
+
+def chunked_causal_lm_loss(model: nn.Module, labels: torch.Tensor, *, num_items_in_batch=None, **inputs):
+    """``(loss, outputs)``: ``model(**inputs, labels=labels).loss`` of a transformers causal LM
+    (shift, ``ignore_index`` -100, the mean over predicted tokens or the sum over
+    ``num_items_in_batch``, the load-balancing loss), computed in chunks of tokens from the final
+    hidden states so that the float32 logits of the whole batch never exist; ``outputs.logits``
+    is empty. For a hand-written loop: ``loss, _ = moe_ep.chunked_causal_lm_loss(model, labels,
+    input_ids=ids)`` in place of ``model(input_ids=ids, labels=labels).loss``."""
+    head, base = chunked_loss_parts(model)
+    if "logits_to_keep" in inputs:
+        raise ValueError("chunked_causal_lm_loss computes no logits: do not pass logits_to_keep")
+    with final_hidden_states(base) as kept:
+        outputs = model(**inputs, logits_to_keep=no_logits(labels))
+    return chunked_lm_loss(kept[-1], head, labels, outputs, model, num_items_in_batch), outputs
 
 
 def predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
