@@ -89,6 +89,8 @@ def _add_plan_parser(sub) -> None:
                    help="busiest expert rank's load over the mean in steady training (1.2)")
     p.add_argument("--startup-imbalance", type=_bounded("startup_imbalance"), default=None,
                    help="the same early in dropless training, which expert buffers are sized for (2.0)")
+    p.add_argument("--balanced-routing", action="store_true",
+                   help="routing forced to balance, as benchmarks that force it: --imbalance 1 --startup-imbalance 1")
     p.add_argument("--capacity-factor", type=_bounded("capacity_factor"), default=None,
                    help="plan for the dispatcher's capacity mode (default: dropless)")
     p.add_argument("--min-headroom", type=_bounded("min_headroom"), default=None,
@@ -100,6 +102,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--microbatch-size", type=_bounded("microbatch_size"), default=None, help="fix this choice")
     p.add_argument("--schedule", default=None, help="fix the schedule: none, gpipe, 1f1b, interleaved-1f1b, zbv")
     p.add_argument("--checkpointing", choices=("on", "off"), default=None, help="fix activation checkpointing")
+    p.add_argument("--virtual-stages", type=_bounded("virtual_stages"), default=None,
+                   help="fix interleaved 1F1B's stages per pipeline rank (implies --schedule interleaved-1f1b)")
     p.add_argument("--alternatives", type=_bounded("num_alternatives"), default=5,
                    help="how many rejected layouts to explain")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -107,6 +111,8 @@ def _add_plan_parser(sub) -> None:
 
 def _run_plan(args) -> int:
     from .planner import plan
+    if args.balanced_routing:
+        args.imbalance = args.startup_imbalance = 1.0
 
     given = dict(
         gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory, intra_node_gbps=args.intra_node_bw,
@@ -131,6 +137,7 @@ def _run_plan(args) -> int:
         microbatch_size=args.microbatch_size,
         schedule=args.schedule,
         checkpointing=None if args.checkpointing is None else args.checkpointing == "on",
+        virtual_stages=args.virtual_stages,
         num_alternatives=args.alternatives,
         **{k: v for k, v in given.items() if v is not None},
     )
@@ -145,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cluster is None and (args.gpus_per_node is None or args.gpu_memory is None):
         parser.error("--gpus-per-node and --gpu-memory are required without --cluster (or name a --cluster)")
+    if args.balanced_routing and (args.imbalance is not None or args.startup_imbalance is not None):
+        parser.error("--balanced-routing sets --imbalance and --startup-imbalance to 1: give either, not both")
     try:
         return _run_plan(args)
     except ValueError as err:

@@ -173,12 +173,19 @@ class FamilyRun(NamedTuple):
     family: str
     overrides: tuple[tuple[str, object], ...]
     schedule: str
+    virtual_stages: int | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return dict(self.overrides).get("num_hidden_layers", 4)
 
 
 FAMILY_RUNS = {
     "mixtral_tied_head_zbv": FamilyRun("mixtral", (("tie_word_embeddings", True),), "zbv"),
     "qwen2_moe_shared_expert_1f1b": FamilyRun("qwen2_moe", (), "1f1b"),
     "deepseek_v3_dense_first_layer_gpipe": FamilyRun("deepseek_v3", (), "gpipe"),
+    # 8 layers, 4 virtual stages on each of the 2 ranks: stage s on rank s % 2.
+    "mixtral_interleaved_4_virtual_stages": FamilyRun("mixtral", (("num_hidden_layers", 8),), "interleaved-1f1b", 4),
 }
 
 
@@ -235,7 +242,8 @@ def _pp_alone(rank, world, batch, schedules, families):
         # Through parallelize: FSDP2 on every stage (over one rank here), where a tied head could
         # come apart from its embedding.
         model = _model(torch.float32, "moe_ep", run.family, **dict(run.overrides))
-        stages = moe_ep.parallelize(model, pp=2, schedule=run.schedule, microbatches=MICRO)
+        stages = moe_ep.parallelize(model, pp=2, schedule=run.schedule, microbatches=MICRO,
+                                    virtual_stages=run.virtual_stages)
         step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR))
         losses = [step(batch).item() for _ in range(STEPS)]
         out[name] = (losses, [list(m.layer_ids) for m in stages.modules], stages.stage_ids, stages.tied_stages)
@@ -294,7 +302,10 @@ def test_pp2_alone_tracks_single_process_losses_for_every_schedule(world2, refer
 def test_tied_head_and_shared_expert_families_track_single_process_losses(world2, reference_families, name):
     for losses, _, _, _ in (result[name] for result in world2):
         _check(losses, reference_families[name])
-    assert sorted(i for result in world2 for ls in result[name][1] for i in ls) == [0, 1, 2, 3]
+    run = FAMILY_RUNS[name]
+    assert sorted(i for result in world2 for ls in result[name][1] for i in ls) == list(range(run.num_layers))
+    if run.virtual_stages:
+        assert [result[name][2] for result in world2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     if FAMILY_RUNS[name].schedule == "zbv":
         # The head rides with stage 3 on rank 0, beside the embedding it is tied to.
         assert world2[0][name][2] == [0, 3] and world2[0][name][3] == ((0, 3),) and world2[1][name][3] == ()

@@ -17,7 +17,8 @@ from .mesh import check_degree
 
 DEFAULT_SCHEDULE = "1f1b"
 # parallelize's arguments that describe the pipeline, in the order its errors name them.
-PIPELINE_ARGUMENTS = ("schedule", "microbatches", "split_points", "memory_cap", "seq_len", "microbatch_size")
+PIPELINE_ARGUMENTS = ("schedule", "microbatches", "split_points", "memory_cap", "seq_len", "microbatch_size",
+                      "virtual_stages")
 
 
 def _check_optional_positive_int(name: str, value) -> None:
@@ -29,8 +30,9 @@ def _check_optional_positive_int(name: str, value) -> None:
 class PipelineConfig:
     """How a model is cut into pipeline stages and scheduled.
 
-    ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` (2 stages per rank) or ``"zbv"``
-    (zero-bubble V, 2 stages per rank, first and last stage on pipeline rank 0). ``microbatches``:
+    ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` (``virtual_stages`` stages per
+    rank, default 2) or ``"zbv"`` (zero-bubble V, 2 stages per rank, first and last stage on
+    pipeline rank 0). ``microbatches``:
     per step. ``split_points``: the decoder-layer indices that start stages 1..S-1 (None: the
     automatic cut, which balances the planner's per-layer costs and keeps every rank under
     ``memory_cap`` bytes, for micro-batches of ``microbatch_size`` sequences (default 1) of
@@ -42,9 +44,10 @@ class PipelineConfig:
     memory_cap: float | None = None
     seq_len: int | None = None
     microbatch_size: int | None = None
+    virtual_stages: int | None = None
 
     def __post_init__(self):
-        schedule_info(self.schedule)
+        schedule_info(self.schedule, self.virtual_stages)
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches must be a positive int, got {self.microbatches!r}")
         if self.split_points is not None:
@@ -59,7 +62,7 @@ class PipelineConfig:
 
     @property
     def info(self) -> ScheduleInfo:
-        return schedule_info(self.schedule)
+        return schedule_info(self.schedule, self.virtual_stages)
 
     def num_stages(self, pp: int) -> int:
         return pp * self.info.stages_per_rank

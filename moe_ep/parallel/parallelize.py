@@ -39,6 +39,7 @@ def parallelize(
     memory_cap: float | None = None,
     seq_len: int | None = None,
     microbatch_size: int | None = None,
+    virtual_stages: int | None = None,
     mixed_precision: MixedPrecisionPolicy | None = None,
     activation_checkpointing: bool = False,
     capacity_factor: float | None = None,
@@ -72,12 +73,13 @@ def parallelize(
       ``dp_replicate``; ``dp_shard=None`` uses the rest of the world. Experts are FSDP-sharded over
       ``edp = dp_shard / ep`` and replicated over ``dp_replicate``.
     - ``pp``: pipeline stages. ``schedule`` is ``"gpipe"``, ``"1f1b"`` (the default),
-      ``"interleaved-1f1b"`` or ``"zbv"``; ``microbatches`` (required, at least ``pp``) is the
+      ``"interleaved-1f1b"`` (``virtual_stages`` stages per rank, default 2; Megatron-Core's
+      virtual pipeline size) or ``"zbv"``; ``microbatches`` (required, at least ``pp``) is the
       number of micro-batches per step; ``split_points`` the decoder-layer indices that start
       stages 1..S-1 (default: an automatic cut that balances the planner's per-layer costs). The
       automatic cut keeps every rank under ``memory_cap`` bytes (planner's memory model; None: no
       cap) for micro-batches of ``microbatch_size`` sequences (default 1) of ``seq_len`` tokens
-      (default: the model's context, at most 4096). All six are refused with ``pp=1``, where there
+      (default: the model's context, at most 4096). All seven are refused with ``pp=1``, where there
       is no pipeline (gradient accumulation without a pipeline: ``TrainStep(microbatches=...)``).
 
     Options:
@@ -103,7 +105,7 @@ def parallelize(
     arguments = dict(
         ep=ep, dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, schedule=schedule, microbatches=microbatches,
         split_points=split_points, memory_cap=memory_cap, seq_len=seq_len, microbatch_size=microbatch_size,
-        mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
+        virtual_stages=virtual_stages, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
         capacity_factor=capacity_factor, reshard_after_forward=reshard_after_forward, experts_backend=experts_backend,
     )
     return _parallelize(model, arguments, lambda: ParallelConfig.from_arguments(**arguments))

@@ -59,6 +59,7 @@ BOUNDS = {
     "dp_replicate": Bound(int, 1, MAX_WORLD),
     "dp_shard": Bound(int, 1, MAX_WORLD),
     "ep": Bound(int, 1, MAX_WORLD),
+    "virtual_stages": Bound(int, 2, 1024),
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schedules import NO_PIPELINE, SCHEDULES
+from .schedules import NO_PIPELINE, SCHEDULES, ScheduleInfo, schedule_info
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class Layout:
     microbatches: int  # micro-batches per optimizer step on one data-parallel replica
     schedule: str  # NO_PIPELINE when pp == 1
     checkpointing: bool
+    virtual_stages: int | None = None  # interleaved 1F1B's stages per rank (None: the schedule's 2)
 
     def __post_init__(self):
         for name in ("pp", "dp_replicate", "dp_shard", "ep", "microbatch_size", "microbatches"):
@@ -38,6 +39,15 @@ class Layout:
             )
         if self.pp > 1 and self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {self.schedule!r}")
+        if self.virtual_stages is not None:
+            if self.pp == 1:
+                raise ValueError(f"virtual_stages={self.virtual_stages!r} needs pipeline stages (pp > 1), got pp=1")
+            schedule_info(self.schedule, self.virtual_stages)
+
+    @property
+    def info(self) -> ScheduleInfo | None:
+        """The pipeline schedule with this layout's stages per rank (None without a pipeline)."""
+        return schedule_info(self.schedule, self.virtual_stages) if self.pp > 1 else None
 
     @property
     def world_size(self) -> int:
@@ -54,7 +64,7 @@ class Layout:
 
     @property
     def stages_per_rank(self) -> int:
-        return SCHEDULES[self.schedule].stages_per_rank if self.pp > 1 else 1
+        return self.info.stages_per_rank if self.pp > 1 else 1
 
     @property
     def num_stages(self) -> int:
@@ -62,20 +72,22 @@ class Layout:
 
     @property
     def placement(self) -> str:
-        return SCHEDULES[self.schedule].placement if self.pp > 1 else "loop"
+        return self.info.placement if self.pp > 1 else "loop"
 
     def inflight(self) -> list[float]:
         if self.pp == 1:
             return [1.0]
-        return SCHEDULES[self.schedule].inflight(self.pp, self.microbatches)
+        return self.info.inflight(self.pp, self.microbatches)
 
     def bubble(self) -> float:
-        return SCHEDULES[self.schedule].bubble(self.pp) if self.pp > 1 else 0.0
+        return self.info.bubble(self.pp) if self.pp > 1 else 0.0
 
     def degrees(self) -> str:
         return f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} ep={self.ep}"
 
     def short(self) -> str:
         sched = f" {self.schedule}" if self.pp > 1 else ""
+        if self.virtual_stages is not None:
+            sched += f" v={self.virtual_stages}"
         ckpt = " ckpt" if self.checkpointing else ""
         return f"{self.degrees()} mb={self.microbatch_size}x{self.microbatches}{sched}{ckpt}"

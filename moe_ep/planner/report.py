@@ -7,7 +7,6 @@ from __future__ import annotations
 from .memory import layer_ids, max_load
 from .partition import format_bytes
 from .presets import CLUSTERS, DEFAULT_CLUSTER, Efficiencies
-from .schedules import SCHEDULES
 
 ASSUMPTIONS = (
     "mixed precision as FSDP2 does it: fp32 master weights, bf16 compute, fp32 gradient reduction",
@@ -129,7 +128,7 @@ def format_plan(plan) -> str:
         f"  micro-batches      {lay.microbatches} per step of {lay.microbatch_size} sequence(s) "
         f"({lay.microbatch_size * plan.seq_len} tokens) per data-parallel rank",
         f"  schedule           {lay.schedule}"
-        + (f" ({SCHEDULES[lay.schedule].description}, bubble {lay.bubble():.2f} micro-batch times)" if lay.pp > 1 else ""),
+        + (f" ({lay.info.description}, bubble {lay.bubble():.2f} micro-batch times)" if lay.pp > 1 else ""),
         f"  checkpointing      {'full (every decoder layer)' if lay.checkpointing else 'none'}",
     ]
     if lay.pp > 1:

@@ -4,7 +4,7 @@ micro-batches each stage keeps alive. One table, read by the planner's cost mode
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,20 @@ SCHEDULES = {
 NO_PIPELINE = "none"
 
 
-def schedule_info(name: str) -> ScheduleInfo:
+INTERLEAVED = "interleaved-1f1b"
+
+
+def schedule_info(name: str, virtual_stages: int | None = None) -> ScheduleInfo:
+    """The schedule ``name``; ``virtual_stages`` (interleaved 1F1B only) sets its stages per rank,
+    any V >= 2 (Megatron-Core's virtual pipeline size; None: 2)."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {name!r}")
-    return SCHEDULES[name]
+    info = SCHEDULES[name]
+    if virtual_stages is None:
+        return info
+    if name != INTERLEAVED:
+        raise ValueError(f"virtual_stages applies to schedule {INTERLEAVED!r} only; {name!r} runs "
+                         f"{info.stages_per_rank} stage(s) per rank, got virtual_stages={virtual_stages!r}")
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 2:
+        raise ValueError(f"virtual_stages must be an int >= 2 (stages per pipeline rank), got {virtual_stages!r}")
+    return replace(info, stages_per_rank=virtual_stages, description=f"1F1B over {virtual_stages} chunks per rank")

@@ -22,7 +22,7 @@ from .memory import (
     unit_costs, unit_seconds,
 )
 from .presets import DEFAULT_CLUSTER, CLUSTERS, Efficiencies, cluster_preset
-from .schedules import NO_PIPELINE, SCHEDULES
+from .schedules import INTERLEAVED, NO_PIPELINE, SCHEDULES, schedule_info
 from .spec import ModelSpec
 from .timing import StepTime, step_time
 
@@ -53,7 +53,7 @@ class Assumptions:
 
 def _shape(lay: Layout) -> tuple:
     """Layouts that differ only in micro-batch size are one alternative."""
-    return (lay.pp, lay.dp_replicate, lay.dp_shard, lay.ep, lay.schedule, lay.checkpointing)
+    return (lay.pp, lay.dp_replicate, lay.dp_shard, lay.ep, lay.schedule, lay.virtual_stages, lay.checkpointing)
 
 
 @dataclass(frozen=True)
@@ -199,9 +199,25 @@ def _schedules(spec: ModelSpec, pp: int, fixed: dict) -> list[str]:
     (the embedding and the head ride with the first and the last), so pp x stages per rank must
     not exceed the layers."""
     names = [NO_PIPELINE] if pp == 1 else [
-        name for name, info in SCHEDULES.items() if pp * info.stages_per_rank <= spec.num_layers
+        name for name in SCHEDULES if pp * _info(name, fixed).stages_per_rank <= spec.num_layers
     ]
     return [name for name in names if fixed["schedule"] in (None, name)]
+
+
+def _info(schedule: str, fixed: dict):
+    """``schedule`` with the fixed virtual stages where they apply."""
+    return schedule_info(schedule, fixed["virtual_stages"] if schedule == INTERLEAVED else None)
+
+
+def _virtual_stages(spec: ModelSpec, pp: int, schedule: str, fixed: dict) -> list[int | None]:
+    """Interleaved 1F1B's stages per rank worth costing: its default 2 (None) and every larger V
+    whose pp x V stages split the decoder layers evenly (as Megatron-Core requires of its virtual
+    pipeline), or the fixed one; [None] for the other schedules."""
+    if schedule != INTERLEAVED:
+        return [None]
+    if fixed["virtual_stages"] is not None:
+        return [fixed["virtual_stages"]] if pp * fixed["virtual_stages"] <= spec.num_layers else []
+    return [None] + [v for v in range(3, spec.num_layers // pp + 1) if spec.num_layers % (pp * v) == 0]
 
 
 def _microbatchings(pp: int, per_replica: int, schedule: str, fixed: dict) -> list[tuple[int, int]]:
@@ -224,7 +240,8 @@ def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_token
             for mbs, m in _microbatchings(mesh.pp, per_replica, schedule, fixed):
                 for ckpt in (False, True):
                     if fixed["checkpointing"] in (None, ckpt):
-                        yield Layout(*mesh, mbs, m, schedule, ckpt)
+                        for v in _virtual_stages(spec, mesh.pp, schedule, fixed):
+                            yield Layout(*mesh, mbs, m, schedule, ckpt, v)
 
 
 def _units(spec: ModelSpec, layout: Layout, seq_len: int, assumptions: Assumptions) -> list[Unit]:
@@ -437,6 +454,7 @@ def plan(
     microbatch_size: int | None = None,
     schedule: str | None = None,
     checkpointing: bool | None = None,
+    virtual_stages: int | None = None,
     num_alternatives: int = 5,
 ) -> Plan:
     """Choose the fastest layout of ``model`` that fits the cluster, by the headroom rule.
@@ -465,6 +483,8 @@ def plan(
         min_headroom, speed_margin: the headroom rule (fractions of GPU memory and of step time).
         pp, dp_replicate, dp_shard, ep, microbatch_size, schedule, checkpointing: fix any of
             them; None lets the search choose.
+        virtual_stages: interleaved 1F1B's stages per rank (implies that schedule); None lets the
+            search try 2 and every V whose pp x V stages split the layers evenly.
         num_alternatives: how many rejected layouts the plan explains.
 
     Raises ValueError naming the argument for inputs out of range, and PlanError (a ValueError)
@@ -496,8 +516,11 @@ def plan(
     resolved, overrides = _resolve_cluster(nodes, cluster, calibration, figures, efficiency)
     resolved = resolved.replace(reserve_fraction=reserve_fraction)
     assumptions = Assumptions(imbalance, startup_imbalance, capacity_factor)
+    if virtual_stages is not None:
+        schedule_info(schedule or INTERLEAVED, virtual_stages)  # names the argument when wrong
+        schedule = INTERLEAVED
     fixed = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, microbatch_size=microbatch_size,
-                 schedule=schedule, checkpointing=checkpointing)
+                 schedule=schedule, checkpointing=checkpointing, virtual_stages=virtual_stages)
     _check_fixed_degrees(spec, resolved, fixed)
     if global_batch_tokens % seq_len:
         raise PlanError(
@@ -535,7 +558,7 @@ def _nothing_to_search(spec, cluster, seq_len, global_batch_tokens, fixed, uncut
         return _no_mesh(spec, world, fixed)
     pipelines = [(mesh, schedule) for mesh in meshes for schedule in _schedules(spec, mesh.pp, fixed)]
     if not pipelines:
-        return _no_schedule(spec, meshes, fixed["schedule"], under)
+        return _no_schedule(spec, meshes, fixed, under)
     batched = [(mesh, schedule) for mesh, schedule in pipelines if sequences % mesh.dp == 0]
     if not batched:
         smallest_dp = min(mesh.dp for mesh, _ in pipelines)
@@ -582,16 +605,17 @@ def _no_mesh(spec, world, fixed) -> str:
     )
 
 
-def _no_schedule(spec, meshes, schedule, under) -> str:
+def _no_schedule(spec, meshes, fixed, under) -> str:
     # Left free, the schedule always has an option: 'none' for pp = 1, GPipe for any pp up to
     # the layers. So a fixed one binds.
     pps = sorted({mesh.pp for mesh in meshes})
+    schedule = fixed["schedule"]
     if schedule == NO_PIPELINE:
         return (
             f"schedule={NO_PIPELINE!r} means no pipeline (pp=1), but the mesh degrees{under} leave pp in {pps}; "
             f"fix dp_replicate x dp_shard to the world size or leave the schedule free"
         )
-    info = SCHEDULES[schedule]
+    info = _info(schedule, fixed)
     if pps == [1]:
         return f"schedule={schedule!r} is a pipeline schedule and needs pp > 1, but the mesh degrees{under} leave pp=1"
     pp = min(p for p in pps if p > 1)

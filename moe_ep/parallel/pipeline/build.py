@@ -82,6 +82,7 @@ def build_pipeline(
     memory_cap: float | None = None,
     seq_len: int | None = None,
     microbatch_size: int | None = None,
+    virtual_stages: int | None = None,
     dp_shard: int = 1,
     ep: int = 1,
     checkpointing: bool = False,
@@ -93,7 +94,7 @@ def build_pipeline(
     Args:
         model: a transformers decoder-only ``*ForCausalLM`` (any device, meta included).
         pp_mesh: the 1-D pipeline DeviceMesh (e.g. ``meshes.world["pp"]``) or a ProcessGroup.
-        schedule, microbatches, split_points, memory_cap, seq_len, microbatch_size: the
+        schedule, microbatches, split_points, memory_cap, seq_len, microbatch_size, virtual_stages: the
             pipeline, as ``moe_ep.parallel.PipelineConfig`` documents them; ``split_points``
             without ``memory_cap`` needs no cost model (any decoder-only family).
         dp_shard, ep: the sharding the cost model assumes.
@@ -110,6 +111,7 @@ def build_pipeline(
     else:
         raise TypeError(f"pp_mesh must be a 1-D DeviceMesh or a ProcessGroup, got {type(pp_mesh).__name__}")
     pipeline = PipelineConfig(microbatches=microbatches, schedule=schedule, split_points=split_points,
-                              memory_cap=memory_cap, seq_len=seq_len, microbatch_size=microbatch_size)
+                              memory_cap=memory_cap, seq_len=seq_len, microbatch_size=microbatch_size,
+                              virtual_stages=virtual_stages)
     part = plan_stages(model, group.size(), pipeline, dp_shard=dp_shard, ep=ep, checkpointing=checkpointing)
     return build_stages(model, group, part, pipeline, stage_transform=stage_transform, device=device)

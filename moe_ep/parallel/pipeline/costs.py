@@ -28,7 +28,7 @@ def pipeline_unit_costs(
     context = getattr(model.config, "max_position_embeddings", DEFAULT_COST_SEQ_LEN)
     seq = pipeline.seq_len or min(DEFAULT_COST_SEQ_LEN, context)
     layout = Layout(pp, 1, dp_shard, ep, pipeline.microbatch_size or 1, pipeline.microbatches, pipeline.schedule,
-                    checkpointing)
+                    checkpointing, pipeline.virtual_stages)
     return _with_tie(model, unit_costs(build_units(spec, layout, seq, DEFAULT_IMBALANCE)))
 
 
