@@ -152,6 +152,19 @@ def test_torch_compile_sees_forward_and_backward(backend):
     assert all(rel_err(g.cpu(), g_ref) <= TOLERANCE[torch.float32] for g, g_ref in zip(grads, grads_ref))
 
 
+@pytest.mark.parametrize("name", ["odd", "odd_unaligned"])
+def test_the_torch_backward_gives_dense_gradients_as_its_fake_says(name):
+    """Odd sizes pad the grouped GEMMs' operands; the gradients handed back must still be dense,
+    as the fake implementation says, or an inductor-compiled graph around the op fails its
+    stride assertion (found compiling a decoder block with the op inside)."""
+    case = next(c for c in CASES if c.name == name)
+    x, idx, w, gate_up, down = case.make(torch.float32, device=DEVICE)
+    y, order, offsets, gate_up_out = experts_torch_fwd(x, idx, w, gate_up, down, "silu")
+    grads = torch.ops.moe_ep.experts_torch_bwd(torch.randn_like(y), x, w, gate_up, down, order, offsets, gate_up_out,
+                                                "silu")
+    assert all(g.is_contiguous() for g in grads), [g.stride() for g in grads]
+
+
 class _ZeroFills(TorchDispatchMode):
     """Shapes of the zero-filled tensors made while active."""
 

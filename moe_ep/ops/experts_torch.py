@@ -138,7 +138,9 @@ def experts_torch_bwd(
     d_gate_up_E2IH = grouped_outer(d_gate_up_N2I, x_NH, offsets_E)
     dx_NH = grouped_linear(d_gate_up_N2I, gate_up_E2IH.transpose(1, 2), offsets_E)
     dx_TH = _unsort_sum(dx_NH, order_N, T, K).to(dtype)
-    return dx_TH, dw_TK, d_gate_up_E2IH, d_down_EHI
+    # Odd sizes leave views of the padded products; the fake implementation (and so a compiled
+    # graph around the op) expects dense gradients. A no-op for the aligned sizes of real models.
+    return dx_TH, dw_TK, d_gate_up_E2IH.contiguous(), d_down_EHI.contiguous()
 
 
 register_experts_autograd(experts_torch_fwd, experts_torch_bwd)
