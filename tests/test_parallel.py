@@ -936,6 +936,10 @@ def _divide_by_rank_minus_one(rank, world):
         (dict(reshard_after_forward="no"), TypeError, r"reshard_after_forward must be a bool or None, got str"),
         (dict(mixed_precision=torch.bfloat16), TypeError, r"mixed_precision must be a torch.distributed.fsdp"),
         (dict(dp_shard=0), ValueError, r"dp_shard must be a positive int, got 0"),
+        (dict(ep=2, dispatch_mode="nodes"), ValueError, r"dispatch_mode must be one of \('auto', 'flat', 'node'\), got 'nodes'"),
+        (dict(ep=2, dispatch_mode="node", capacity_factor=1.0), ValueError, r"dispatch_mode='node' is dropless only"),
+        (dict(dispatch_mode="node"), ValueError, r"dispatch_mode='node' applies to the expert-parallel dispatcher; ep=1"),
+        (dict(ep=2, node_size=0), ValueError, r"node_size must be a positive int or None .*, got 0"),
     ],
 )
 def test_parallel_config_is_checked_when_built(arguments, error, pattern):
