@@ -549,7 +549,7 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_ranks(_world_4, 4, timeout=240)
+    return run_ranks(_world_4, 4, timeout=420)
 
 
 @pytest.fixture(scope="module")

@@ -127,7 +127,8 @@ class _Sizes:
 
     @classmethod
     def dropless(cls, send_RC: torch.Tensor, recv_RC: torch.Tensor, L: int, multi: bool) -> "_Sizes":
-        # host sync: the one per layer in dropless mode; all_to_all_single takes host split sizes.
+        # host sync: one per exchange (per layer: one single-stage, two node-aware); all_to_all_single
+        # takes host split sizes.
         send_host, recv_host = torch.stack([send_RC, recv_RC]).tolist()
         send_splits = tuple(sum(c[: L + 1]) for c in send_host)
         recv_splits = tuple(sum(c[: L + 1]) for c in recv_host)
