@@ -3,9 +3,10 @@
 nodes of 2, against the float64 single-process reference (outputs and the gradients of the
 tokens, the routing weights and this rank's experts), with a rank that has no tokens, ranks that
 receive nothing, every token to one node and odd sizes. The bytes each rank sends over each
-group, forward, equal the count of ``node_wire_bytes`` exactly; at full routing size on torch's
-fake process group (world 128 and 512, DeepSeek-V3's and Qwen3-30B-A3B's routing) they match the
-planner within 2%, and a token crosses the network at most ``min(K, nodes)`` times. Plus the host
+group, forward, equal the count of ``node_wire_bytes`` exactly; with 4096 tokens per rank of
+uniform routing, forward and backward, they match the planner within 2%, on those gloo ranks and
+at full routing size on torch's fake process group (world 128 and 512, DeepSeek-V3's and
+Qwen3-30B-A3B's routing), where a token crosses the network at most ``min(K, nodes - 1)`` times. Plus the host
 syncs (the two count exchanges), the choice of scheme and the argument errors.
 
 Every distributed check of one world size runs inside ONE spawned process group; pytest tests
@@ -29,7 +30,8 @@ from moe_ep.dispatch.nodes import LOCAL_WORLD_SIZE, node_size_for
 
 TOL = TOLERANCE[torch.float32]
 NODE_SIZE = 2
-NETWORK_TOLERANCE = 0.02  # the planner's bytes per group against the fake group's
+NETWORK_TOLERANCE = 0.02  # the planner's bytes per group against the measured ones
+PLANNER_TOKENS = 4096
 
 CASES_4 = [
     Case("random", T=7, E=8, K=2),
@@ -132,11 +134,22 @@ def _errors(rank: int, world: int, nodes) -> dict:
     return messages
 
 
+def _planner_bytes(rank: int, world: int, nodes) -> dict:
+    """This rank's bytes over each group for 4096 tokens of uniform routing (16 experts, top-4,
+    H=8; each rank its own draw), forward and backward, and the planner's for a rank."""
+    from moe_ep.bench.planner import node_dispatch_bytes, node_planner_bytes
+
+    spec = _spec(num_experts=16, top_k=4, hidden_size=8)
+    measured, _ = node_dispatch_bytes(spec, dist.group.WORLD, nodes, tokens=PLANNER_TOKENS, seed=rank, mirror=False)
+    return {"measured": measured, "planner": node_planner_bytes(spec, world, NODE_SIZE, PLANNER_TOKENS)}
+
+
 def _world(rank: int, world: int, cases: list[Case], checks: bool) -> dict:
     from moe_ep.dispatch import split_by_node
 
     nodes = split_by_node([list(range(world))], NODE_SIZE)
-    results = {"cases": {c.name: _check_case(c, rank, world, nodes) for c in cases}}
+    results = {"cases": {c.name: _check_case(c, rank, world, nodes) for c in cases},
+               "planner": _planner_bytes(rank, world, nodes)}
     if checks:
         results["audit"] = _audit(rank, world, nodes)
         results["errors"] = _errors(rank, world, nodes)
@@ -190,6 +203,17 @@ def test_hard_cases_are_what_they_claim(world4, world8):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world", ["world4", "world8"])
+def test_bytes_over_each_group_match_the_planner_on_gloo(request, world):
+    for rank, result in enumerate(request.getfixturevalue(world)):
+        measured, planner = result["planner"]["measured"], result["planner"]["planner"]
+        assert measured["other"] == []
+        for group in ("ep-inter", "ep-intra"):
+            ratio = measured[group] / planner[group]
+            assert abs(ratio - 1) <= NETWORK_TOLERANCE, f"rank {rank}, {group}: {measured[group]} against {planner[group]}"
+
+
+@pytest.mark.slow
 def test_node_aware_dispatch_has_the_two_count_exchange_syncs(world4):
     for result in world4:
         assert result["audit"] == ["tolist @ dispatch/rank_exchange.py:dropless"] * 2
@@ -233,6 +257,15 @@ def _config(family: str):
     from transformers import AutoConfig
 
     return AutoConfig.for_model(family)
+
+
+def _spec(**changes):
+    """The planner's description of Qwen3-30B-A3B with ``changes`` (routing and width)."""
+    import dataclasses
+
+    from moe_ep.planner.spec import ModelSpec
+
+    return dataclasses.replace(ModelSpec.resolve(_config("qwen3_moe")), **changes)
 
 
 @pytest.mark.slow

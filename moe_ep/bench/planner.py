@@ -582,51 +582,71 @@ def dispatcher_checks(layout, *, seq_len: int = 4096, world_size: int = 128, see
     return [Check("all-to-all over the ep group, one step", layout.short(), per_step * measured, per_step * modelled)]
 
 
-def node_dispatcher_checks(model: str, ep: int, node_size: int, *, world_size: int, tokens: int = 4096,
-                           hidden_size: int | None = None, seed: int = 0) -> tuple[list[Check], dict]:
-    """The node-aware dispatch of one MoE layer of ``model`` (its E and top-k; ``hidden_size``
-    overrides H, which only scales the rows) on rank 0 of the fake group, its ep group split into
-    nodes of ``node_size``, forward and backward, exchanges mirrored, identity experts, uniform
-    routing of ``tokens`` tokens: the bytes over each group against the planner's
-    (``node_all_to_all_collectives``, one layer-pass). Also returns the copies per token over the
-    network, node-aware and single-stage (distinct other nodes, distinct ranks on other nodes)."""
-    import dataclasses
+def node_dispatch_bytes(spec: ModelSpec, group, nodes, *, tokens: int, seed: int, mirror: bool) -> tuple[dict, dict]:
+    """This rank's all-to-all bytes over each group of the node-aware dispatch (``nodes``) of one
+    MoE layer of ``spec`` (its E, top-k and H), forward and backward, identity experts, uniform
+    routing of ``tokens`` tokens drawn from ``seed``; ``mirror``: exchanges hand every rank back its
+    own rows (the fake group). Returns ({"ep-inter": bytes, "ep-intra": bytes, "other": keys of any
+    other collective}, this rank's routing as {"idx_TK": ...})."""
+    from ..dispatch import combine, dispatch, join_to_dispatch
 
-    import torch.distributed as dist
-
-    from ..dispatch import combine, dispatch, join_to_dispatch, split_by_node
-    from ..planner.comm import node_all_to_all_collectives
-    from ..planner.layout import Layout
-
-    spec = ModelSpec.resolve(model)
-    if hidden_size is not None:
-        spec = dataclasses.replace(spec, hidden_size=hidden_size)
     E, K, H = spec.num_experts, spec.top_k, spec.hidden_size
     g = torch.Generator().manual_seed(seed)
     x_TH = torch.randn(tokens, H, generator=g).to(torch.bfloat16).requires_grad_()
     idx_TK = torch.rand(tokens, E, generator=g).topk(K, -1).indices
     w_TK = torch.rand(tokens, K, generator=g).requires_grad_()
+    with CollectiveRecorder(mirror=mirror) as recorder:
+        tokens_ = dispatch(x_TH, idx_TK, w_TK, group=group, num_experts=E, node_groups=nodes)
+        out_QH = tokens_.hidden_states * tokens_.weights.to(tokens_.hidden_states.dtype)
+        y_TH = combine(join_to_dispatch(out_QH, tokens_), tokens_.layout)
+        y_TH.float().sum().backward()
+    names = {("all-to-all", pg.group_name): name for name, pg in (("ep-inter", nodes.inter), ("ep-intra", nodes.intra))}
+    measured = {name: recorder.group_bytes.get(key, 0.0) for key, name in names.items()}
+    measured["other"] = sorted(recorder.group_bytes.keys() - names.keys())
+    return measured, {"idx_TK": idx_TK}
+
+
+def node_planner_bytes(spec: ModelSpec, ep: int, node_size: int, tokens: int) -> dict:
+    """The planner's bytes of one layer-pass of the node-aware dispatch per group, for a rank."""
+    from ..planner.comm import node_all_to_all_collectives
+    from ..planner.layout import Layout
+
+    layout = Layout(1, 1, ep, ep, 1, 1, "none", False)
+    return {c.group: c.bytes for c in node_all_to_all_collectives(spec, layout, tokens, 1, node_size)}
+
+
+def node_dispatcher_checks(model, ep: int, node_size: int, *, world_size: int, tokens: int = 4096,
+                           hidden_size: int | None = None, seed: int = 0) -> tuple[list[Check], dict]:
+    """``node_dispatch_bytes`` of ``model`` (anything ``ModelSpec.resolve`` takes; ``hidden_size``
+    overrides H, which only scales the rows) on rank 0 of the fake group of ``world_size``, its ep
+    group split into nodes of ``node_size``, exchanges mirrored (each rank receives what it sends:
+    the mean load), against the planner's (``node_all_to_all_collectives``). Also returns the
+    copies per token over the network, node-aware and single-stage (distinct other nodes,
+    distinct ranks on other nodes)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from ..dispatch import split_by_node
+
+    spec = ModelSpec.resolve(model)
+    if hidden_size is not None:
+        spec = dataclasses.replace(spec, hidden_size=hidden_size)
     with fake_rank(0, world_size):
         group = dist.new_group(list(range(ep)))
         nodes = split_by_node([list(range(ep))], node_size)
-        with CollectiveRecorder(mirror=True) as recorder:
-            tokens_ = dispatch(x_TH, idx_TK, w_TK, group=group, num_experts=E, node_groups=nodes)
-            out_QH = tokens_.hidden_states * tokens_.weights.to(tokens_.hidden_states.dtype)
-            y_TH = combine(join_to_dispatch(out_QH, tokens_), tokens_.layout)
-            y_TH.float().sum().backward()
-        measured = {name: recorder.group_bytes.get(("all-to-all", pg.group_name), 0.0)
-                    for name, pg in (("ep-inter", nodes.inter), ("ep-intra", nodes.intra))}
-        other = recorder.group_bytes.keys() - {("all-to-all", pg.group_name) for pg in (nodes.inter, nodes.intra)}
-    layout = Layout(1, 1, world_size, ep, 1, 1, "none", False)
-    modelled = {c.group: c.bytes for c in node_all_to_all_collectives(spec, layout, tokens, 1, node_size)}
-    case = f"{spec.name} E={E} K={K} H={H}, ep={ep} over nodes of {node_size}, world {world_size}"
-    checks = [Check(f"all-to-all over {name}, one layer", case, measured[name], modelled[name]) for name in measured]
-    dest_TK = idx_TK // (E // ep)
+        measured, routing = node_dispatch_bytes(spec, group, nodes, tokens=tokens, seed=seed, mirror=True)
+    modelled = node_planner_bytes(spec, ep, node_size, tokens)
+    case = f"{spec.name} E={spec.num_experts} K={spec.top_k} H={spec.hidden_size}, ep={ep} over nodes of {node_size}, " \
+           f"world {world_size}"
+    checks = [Check(f"all-to-all over {name}, one layer", case, measured[name], modelled[name])
+              for name in ("ep-inter", "ep-intra")]
+    dest_TK = routing["idx_TK"] // (spec.num_experts // ep)
     node_TK, home = dest_TK // node_size, 0
     copies = {
         "node-aware": sum(len(set(row) - {home}) for row in node_TK.tolist()) / tokens,
         "single-stage": sum(len({r for r in row if r // node_size != home}) for row in dest_TK.tolist()) / tokens,
-        "other collectives": sorted(other),
+        "other collectives": measured["other"],
     }
     return checks, copies
 
