@@ -344,6 +344,7 @@ def test_node_wire_bytes_counts_one_row_per_node_and_per_rank():
         node_count_exchange_bytes(8, 4, 2, 0)
 
 
+@pytest.mark.slow  # transformers' DeepSeek-V3 config: seconds to import
 def test_planner_sends_fewer_network_bytes_node_aware():
     # DeepSeek-V3 at EP64 over 8-GPU nodes: the network carries one copy per token and other
     # node (about 4.6) instead of one per rank on another node (about 6.6).
