@@ -326,6 +326,23 @@ def test_dispatch_mode_errors(monkeypatch, mode, ep, node_size, capacity_factor,
         node_size_for(mode, ep, node_size, capacity_factor)
 
 
+@pytest.mark.parametrize(
+    "ep_groups, node_size, pattern",
+    [
+        ([list(range(6))], 4, r"an ep group of 6 ranks does not split into nodes of node_size=4"),
+        ([[1, 2, 3, 4]], 2, r"ranks \[1, 2\] of the ep group \[1, 2, 3, 4\] should share a node of 2 and do not"),
+        ([[4, 5, 6, 7]], 2, r"rank 0 is in none of the ep groups \[\[4, 5, 6, 7\]\]"),
+        ([list(range(8))], None, r"node_size must be a positive int, got None"),
+    ],
+)
+def test_split_by_node_refuses_groups_that_do_not_split_into_nodes(ep_groups, node_size, pattern):
+    from moe_ep.bench.planner import fake_rank
+    from moe_ep.dispatch import split_by_node
+
+    with fake_rank(0, 8), pytest.raises(ValueError, match=pattern):
+        split_by_node(ep_groups, node_size)
+
+
 def test_node_wire_bytes_counts_one_row_per_node_and_per_rank():
     # 4 ranks as 2 nodes of 2, one expert per rank, H=4 in float32: a row is 16 bytes.
     idx = [torch.tensor([[2, 3]]), torch.empty(0, 2, dtype=torch.long), torch.tensor([[0, 2]]),
