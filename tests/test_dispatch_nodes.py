@@ -74,10 +74,10 @@ def _check_case(case: Case, rank: int, world: int, nodes) -> dict:
         y = moe_experts_ep(x, idxs[rank], w, gu, dn, group=group, node_groups=nodes)
     counted = node_wire_bytes(idxs, L, case.H, NODE_SIZE, element_size=x.element_size())[rank]
     counts = node_count_exchange_bytes(case.E, world, case.K, NODE_SIZE)
-    result["bytes"] = {
-        "inter": (recorder.group_bytes.get(("all-to-all", nodes.inter.group_name), 0.0), counted.inter_bytes + counts[0]),
-        "intra": (recorder.group_bytes.get(("all-to-all", nodes.intra.group_name), 0.0), counted.intra_bytes + counts[1]),
-    }
+    sent = {name: recorder.group_bytes.get(("all-to-all", pg.group_name), 0.0)
+            for name, pg in (("inter", nodes.inter), ("intra", nodes.intra))}
+    result["bytes"] = {"inter": (sent["inter"], counted.inter_bytes + counts[0]),
+                       "intra": (sent["intra"], counted.intra_bytes + counts[1])}
     result["other_collectives"] = sorted(
         k for k in recorder.group_bytes if k[1] not in (nodes.inter.group_name, nodes.intra.group_name))
     (y * dys[rank]).sum().backward()
@@ -210,7 +210,7 @@ def test_bytes_over_each_group_match_the_planner_on_gloo(request, world):
         assert measured["other"] == []
         for group in ("ep-inter", "ep-intra"):
             ratio = measured[group] / planner[group]
-            assert abs(ratio - 1) <= NETWORK_TOLERANCE, f"rank {rank}, {group}: {measured[group]} against {planner[group]}"
+            assert abs(ratio - 1) <= NETWORK_TOLERANCE, (rank, group, measured[group], planner[group])
 
 
 @pytest.mark.slow
@@ -367,6 +367,7 @@ def test_planner_sends_fewer_network_bytes_node_aware():
     # node (about 4.6) instead of one per rank on another node (about 6.6).
     from moe_ep.planner.comm import all_to_all_collective, node_all_to_all_collectives
     from moe_ep.planner.layout import Layout
+    from moe_ep.planner.presets import cluster_preset
     from moe_ep.planner.spec import ModelSpec
 
     spec = ModelSpec.resolve(_config("deepseek_v3"))
@@ -377,3 +378,18 @@ def test_planner_sends_fewer_network_bytes_node_aware():
         "ep-inter", 8, 8, "ep-intra", 8, 1)
     network_flat = flat.bytes * 56 / 63  # the share of the single-stage bytes to other nodes
     assert 0.6 < inter.bytes / network_flat < 0.75
+    # The search costs what parallelize's "auto" runs on the cluster: node-aware over 8-GPU nodes,
+    # single-stage in capacity mode; the node-aware layer's all-to-all takes less time.
+    from moe_ep.planner import Cluster
+    from moe_ep.planner.memory import unit_seconds
+    from moe_ep.planner.search import Assumptions, _units
+
+    cluster = Cluster.from_preset(cluster_preset("dgx-h100"), nodes=8)
+    moe = [u for u in _units(spec, layout, 4096, Assumptions(), cluster) if u.moe][0]
+    assert [c.group for c in moe.a2a] == ["ep-inter", "ep-intra"]
+    dropping = [u for u in _units(spec, layout, 4096, Assumptions(capacity_factor=1.0), cluster) if u.moe][0]
+    assert [c.group for c in dropping.a2a] == ["ep"]
+    # The single-stage all-to-all of the busiest rank, as the units count theirs.
+    loaded = all_to_all_collective(spec, layout, 4096, 1, Assumptions().imbalance)
+    assert sum(c.seconds(cluster) for c in moe.a2a) < 0.9 * loaded.seconds(cluster)
+    assert unit_seconds(moe, cluster) > 0

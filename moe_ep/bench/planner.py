@@ -637,8 +637,8 @@ def node_dispatcher_checks(model, ep: int, node_size: int, *, world_size: int, t
         nodes = split_by_node([list(range(ep))], node_size)
         measured, routing = node_dispatch_bytes(spec, group, nodes, tokens=tokens, seed=seed, mirror=True)
     modelled = node_planner_bytes(spec, ep, node_size, tokens)
-    case = f"{spec.name} E={spec.num_experts} K={spec.top_k} H={spec.hidden_size}, ep={ep} over nodes of {node_size}, " \
-           f"world {world_size}"
+    case = (f"{spec.name} E={spec.num_experts} K={spec.top_k} H={spec.hidden_size}, ep={ep} over nodes of "
+            f"{node_size}, world {world_size}")
     checks = [Check(f"all-to-all over {name}, one layer", case, measured[name], modelled[name])
               for name in ("ep-inter", "ep-intra")]
     dest_TK = routing["idx_TK"] // (spec.num_experts // ep)

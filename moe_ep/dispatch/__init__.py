@@ -2,8 +2,9 @@
 dropless or with a capacity, single-stage or node-aware (``NodeGroups``, ``split_by_node``)
 (``join_to_dispatch`` for experts that may return a tensor outside the autograd graph), the
 ``moe_experts_ep`` layer built on them, the dispatcher object that ``moe_ep.parallelize`` binds
-to transformers experts modules, and the byte count of moe_ep's schemes and transformers'. Nothing here knows transformers (its
-expert-parallel registry entry is ``moe_ep.hf.transformers_ep``)."""
+to transformers experts modules, and the byte count of moe_ep's schemes and transformers'.
+Nothing here knows transformers (its expert-parallel registry entry is
+``moe_ep.hf.transformers_ep``)."""
 
 from .capacity import capacity_keep_mask, expert_capacity
 from .dispatcher import combine, dispatch, join_to_dispatch

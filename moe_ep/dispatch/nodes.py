@@ -77,15 +77,16 @@ def check_node_groups(node_groups, group, capacity_factor) -> None:
     inter_rank, intra_rank = dist.get_rank(node_groups.inter), dist.get_rank(node_groups.intra)
     if rank != inter_rank * size + intra_rank:
         raise ValueError(
-            f"node_groups do not match the ep group: rank {rank} of it must be rank {rank // size} of node_groups.inter "
-            f"and rank {rank % size} of node_groups.intra, it is {inter_rank} and {intra_rank} (ranks numbered node by "
+            f"node_groups do not match the ep group: rank {rank} of it must be rank {rank // size} of "
+            f"node_groups.inter and rank {rank % size} of node_groups.intra, it is {inter_rank} and {intra_rank} (ranks numbered node by "
             "node: build them with moe_ep.dispatch.split_by_node)"
         )
 
 
 def check_node_size(node_size) -> None:
     if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1):
-        raise ValueError(f"node_size must be a positive int or None (the launcher's {LOCAL_WORLD_SIZE}), got {node_size!r}")
+        raise ValueError(
+            f"node_size must be a positive int or None (the launcher's {LOCAL_WORLD_SIZE}), got {node_size!r}")
 
 
 def check_dispatch_mode(dispatch_mode, capacity_factor) -> None:

@@ -348,7 +348,8 @@ def send_rows(hidden_states, idx_TK, w_TK, group, num_experts: int, kept_TK=None
     w_meta = ids_meta = None
     if multi:
         w_send, ids_send = _pack_routing(idx_TK, w_TK, dest_kept_TK, key_TR, meta_pos_RT, L, k_max, sizes.num_meta_send)
-        w_meta, ids_meta = AllToAllRouting.apply(w_send, ids_send, sizes.meta_recv_splits, sizes.meta_send_splits, group)
+        w_meta, ids_meta = AllToAllRouting.apply(w_send, ids_send, sizes.meta_recv_splits, sizes.meta_send_splits,
+                                                 group)
     w_recv, ids_recv = _received_slots(recv_RC, recv_blocks, sizes, w_meta, ids_meta, L, k_max)
     return SentRows(x_recv, w_recv, ids_recv, sizes, token_src_TC, source_reader_S, source_weights_TC)
 

@@ -147,7 +147,8 @@ def node_wire_bytes(
     sums = {name: [0] * ep for name in ("inter_rows", "inter_metadata", "intra_rows", "intra_metadata")}
     for source, idx_TK in enumerate(idx_by_rank):
         dest_TK = idx_TK.long().cpu() // L
-        experts_TR = torch.zeros(idx_TK.shape[0], ep, dtype=torch.long).scatter_add_(1, dest_TK, torch.ones_like(dest_TK))
+        experts_TR = torch.zeros(idx_TK.shape[0], ep, dtype=torch.long)
+        experts_TR.scatter_add_(1, dest_TK, torch.ones_like(dest_TK))
         experts_TN = experts_TR.view(-1, ep // G, G).sum(-1)
         home, local = divmod(source, G)
         for node in range(ep // G):
