@@ -61,7 +61,9 @@ def resolve_dims(
     ep_node_size: int | None = None,
 ) -> ParallelDims:
     """Check the degrees against each other, the world size and the number of experts.
-    ``dp_shard=None`` takes what the world leaves: ``world_size / (pp * dp_replicate)``."""
+    ``dp_shard=None`` takes what the world leaves: ``world_size / (pp * dp_replicate)``.
+    ``ep_node_size``: the node-aware dispatch's node size (``moe_ep.dispatch.nodes.node_size_for``),
+    None for the single-stage dispatch."""
     for name, value in (("ep", ep), ("dp_replicate", dp_replicate), ("pp", pp)):
         check_degree(name, value)
     if dp_shard is None:
