@@ -10,14 +10,14 @@ start); pytest tests read its results."""
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from dispatch_cases import Case, reference
+from host_syncs import CPU_ONLY_CHECKS, HostSyncRecorder, moe_ep_site
 from dist_utils import run_ranks
 from markers import HAS_EP_REGISTRY, requires_cuda, requires_ep_registry
 from numerics import TOLERANCE, rel_err
@@ -29,53 +29,6 @@ from moe_ep.ops.reference import moe_experts_ref
 
 TOL = TOLERANCE[torch.float32]
 # The ranks run transformers' expert-parallel entries only where its registry exists (markers.py).
-
-
-# ---------------------------------------------------------------------------------------------
-# Routing cases. Every rank builds the data of every rank from one seed, keeps its own slice and
-# computes the reference on all of it.
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    T: tuple[int, ...] | int  # tokens per rank
-    E: int
-    K: int
-    H: int = 16
-    I: int = 12
-    routing: str = "random"  # random | first_rank | one_expert | same_rank
-    capacity_factor: float | None = None
-    tied_weights: bool = False
-
-    def tokens(self, world: int) -> list[int]:
-        return list(self.T) if isinstance(self.T, tuple) else [self.T] * world
-
-    def make(self, world: int, seed: int = 0):
-        g = torch.Generator().manual_seed(seed)
-        E, K, L = self.E, self.K, self.E // world
-        xs, idxs, ws, dys = [], [], [], []
-        for T in self.tokens(world):
-            xs.append(torch.randn(T, self.H, generator=g))
-            if self.routing == "random":
-                idx = torch.rand(T, E, generator=g).topk(K, -1).indices
-            elif self.routing == "first_rank":  # every expert chosen lives on rank 0
-                idx = torch.rand(T, L, generator=g).topk(K, -1).indices
-            elif self.routing == "one_expert":  # expert E-1 (last rank) in every token
-                rest = torch.rand(T, E - 1, generator=g).topk(K - 1, -1).indices
-                idx = torch.cat([torch.full((T, 1), E - 1), rest], dim=1)
-            elif self.routing == "same_rank":  # all K experts of a token on one rank
-                rank = torch.randint(0, world, (T, 1), generator=g)
-                idx = rank * L + torch.rand(T, L, generator=g).topk(K, -1).indices
-            else:
-                raise ValueError(self.routing)
-            idxs.append(idx)
-            w = torch.rand(T, K, generator=g) + 0.1
-            ws.append((w * 4).round() / 4 if self.tied_weights else w)
-            dys.append(torch.randn(T, self.H, generator=g))
-        gate_up = torch.randn(E, 2 * self.I, self.H, generator=g) / self.H**0.5
-        down = torch.randn(E, self.H, self.I, generator=g) / self.I**0.5
-        return xs, idxs, ws, dys, gate_up, down
 
 
 CASES_2 = [
@@ -142,93 +95,16 @@ def _check_case(case: Case, rank: int, world: int) -> dict:
                            "shared": any(c.moe_ep_rows < c.transformers_rows for c in counted)}
     (y * dys[rank]).sum().backward()
 
-    x64 = torch.cat(xs).double().requires_grad_()
-    w64 = torch.cat(ws).double().requires_grad_()
-    # A dropped pair contributes nothing, so its weight gets no gradient either.
-    w64_kept = w64 if kept is None else w64 * torch.cat(kept)
-    gu64, dn64 = gate_up.double().requires_grad_(), down.double().requires_grad_()
-    y64 = moe_experts_ref(x64, torch.cat(idxs), w64_kept, gu64, dn64)
-    (y64 * torch.cat(dys).double()).sum().backward()
+    y64, dx64, dw64, dgu64, ddn64 = reference(xs, idxs, ws, dys, gate_up, down, kept)
     rows = slice(sum(case.tokens(world)[:rank]), sum(case.tokens(world)[: rank + 1]))
     result["err"] = {
         "y": rel_err(y, y64[rows]),
-        "dx": rel_err(x.grad, x64.grad[rows]),
-        "dw": rel_err(w.grad, w64.grad[rows]),
-        "d_gate_up": rel_err(gu.grad, gu64.grad[mine]),
-        "d_down": rel_err(dn.grad, dn64.grad[mine]),
+        "dx": rel_err(x.grad, dx64[rows]),
+        "dw": rel_err(w.grad, dw64[rows]),
+        "d_gate_up": rel_err(gu.grad, dgu64[mine]),
+        "d_down": rel_err(dn.grad, ddn64[mine]),
     }
     return result
-
-
-# ---------------------------------------------------------------------------------------------
-# Host-sync audit: every read of a tensor value by the host, with the moe_ep frame that caused it.
-
-
-# The package's own folder, as imported and with links resolved: a path substring such as
-# "/moe_ep/" would also match this test file when the checkout sits in a folder named moe_ep.
-PACKAGE_DIRS = tuple({Path(moe_ep.__file__).parent, Path(moe_ep.__file__).resolve().parent})
-
-
-def moe_ep_site(frames) -> str:
-    """The innermost frame inside the moe_ep package as "path/in/package.py:function"."""
-    for frame in reversed(frames):
-        path = Path(frame.filename)
-        for package in PACKAGE_DIRS:
-            if path.is_relative_to(package):
-                return f"{path.relative_to(package).as_posix()}:{frame.name}"
-    return "outside moe_ep"
-
-
-class HostSyncRecorder(TorchDispatchMode):
-    """Records host reads: ops that copy a value to the host (``.item()``, ``int()``, ``bool()``
-    go through ``_local_scalar_dense``) or whose output size depends on values (``nonzero``,
-    boolean-mask indexing and friends), plus ``Tensor.tolist``/``numpy``, which bypass the
-    dispatcher. On the CPU a ``.cpu()`` copy is a no-op it cannot see: the CUDA audit below covers
-    that."""
-
-    SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "masked_scatter", "unique", "_unique2",
-                "unique_consecutive", "equal", "is_nonzero", "bincount", "histc"}
-    MASK_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
-
-    def __init__(self):
-        super().__init__()
-        self.sites: list[str] = []
-        self._patched = {}
-
-    def _record(self, what: str) -> None:
-        self.sites.append(f"{what} @ {moe_ep_site(traceback.extract_stack())}")
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if name in self.SYNC_OPS or (name == "repeat_interleave" and "output_size" not in (kwargs or {})):
-            self._record(name)
-        elif name in self.MASK_INDEX_OPS and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
-        ):
-            self._record(f"{name} with a bool mask")
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        for method in ("tolist", "numpy"):
-            original = getattr(torch.Tensor, method)
-            self._patched[method] = original
-
-            def wrapper(tensor, *a, _original=original, _method=method, **k):
-                self._record(_method)
-                return _original(tensor, *a, **k)
-
-            setattr(torch.Tensor, method, wrapper)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for method, original in self._patched.items():
-            setattr(torch.Tensor, method, original)
-        return super().__exit__(*exc)
-
-
-# The value checks of the public ops read values on the CPU only; on CUDA they are queued on the
-# device (torch._assert_async), so they are no host sync where one matters.
-CPU_ONLY_CHECKS = ("ops/validate.py:check_indices_in_range", "ops/validate.py:check_on_device")
 
 
 def _audit(rank: int, world: int, capacity_factor) -> list[str]:
@@ -516,7 +392,7 @@ def test_capacity_mode_has_no_host_sync(world2):
 @pytest.mark.slow
 def test_dropless_mode_has_exactly_the_count_exchange_sync(world2):
     for result in world2:
-        assert result["audit_dropless"] == ["tolist @ dispatch/dispatcher.py:dropless"]
+        assert result["audit_dropless"] == ["tolist @ dispatch/rank_exchange.py:dropless"]
 
 
 @pytest.mark.slow

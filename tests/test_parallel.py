@@ -37,6 +37,7 @@ from routing_rules import keep_mask_reference, remap_routing
 
 TOL = TOLERANCE[torch.float32]
 STEPS = 5
+NODE_STEPS = 3  # the dispatch modes' runs over simulated nodes
 # With lr=1e-2, AdamW's normalisation turns fp32 rounding noise in near-zero gradients into
 # full-size steps and the fp32 and float64 runs drift apart legitimately (seen: 2e-5 in the
 # gradient norm at step 3 of Qwen3-MoE while the losses agreed to 3e-7); 1e-3 keeps the
@@ -176,10 +177,13 @@ class Parity:
     activation_checkpointing: bool = False
     capacity_factor: float | None = None
     experts_implementation: str = "moe_ep"  # what the model is built with, before parallelize
+    dispatch_mode: str = "auto"
+    node_size: int | None = None  # simulated nodes of this many ranks; None: the launcher's (unset here)
 
     @property
     def layout(self) -> dict:
-        return dict(ep=self.ep, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard)
+        return dict(ep=self.ep, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
+                    dispatch_mode=self.dispatch_mode, node_size=self.node_size)
 
 
 @dataclass(frozen=True)
@@ -227,6 +231,25 @@ PARITY_4 = {
     # and 3 local experts over edp=2 shard the intermediate dimension instead.
     "mixtral_e6_ep2_dp_shard4_empty_shard": Parity("mixtral", ep=2, dp_shard=4),
     "mixtral_ep4_capacity_drops": Parity("mixtral", ep=4, overrides=MIXTRAL_8, capacity_factor=0.75),
+    # 4 ranks as 2 simulated nodes of 2: the node-aware dispatch pinned and chosen by "auto", the
+    # single-stage one pinned over the same nodes and chosen by "auto" for an ep group inside a
+    # node; first_rank_only sends every token to node 0 and leaves ranks 1-3 without a pair.
+    "mixtral_ep4_two_nodes_node": Parity("mixtral", ep=4, overrides=MIXTRAL_8, steps=NODE_STEPS, dispatch_mode="node",
+                                         node_size=2),
+    "mixtral_ep4_two_nodes_node_first_rank_only": Parity("mixtral", ep=4, overrides=MIXTRAL_8, steps=NODE_STEPS,
+                                                         dispatch_mode="node", node_size=2, routing="first_rank_only"),
+    "qwen3_ep4_two_nodes_auto": Parity("qwen3_moe", ep=4, steps=NODE_STEPS, node_size=2),
+    "qwen3_ep4_two_nodes_flat_first_rank_only": Parity("qwen3_moe", ep=4, steps=NODE_STEPS, dispatch_mode="flat",
+                                                       node_size=2, routing="first_rank_only"),
+    "mixtral_ep2_dp_shard4_two_nodes_auto_single_stage": Parity("mixtral", ep=2, dp_shard=4, overrides=MIXTRAL_8,
+                                                                steps=NODE_STEPS, node_size=2),  # ep inside a node
+}
+MIXTRAL_16 = (("num_local_experts", 16),)
+# 8 ranks as 2 simulated nodes of 4, each dispatch mode.
+PARITY_8 = {
+    f"mixtral_e16_ep8_two_nodes_{mode}_{routing}": Parity("mixtral", ep=8, overrides=MIXTRAL_16, steps=NODE_STEPS,
+                                                          dispatch_mode=mode, node_size=4, routing=routing)
+    for mode, routing in (("node", "natural"), ("node", "first_rank_only"), ("flat", "first_rank_only"))
 }
 ROUNDTRIPS_2 = {
     "ep2": Roundtrip("qwen3_moe", local_expert_rows=4, ep=2),  # 8 experts over ep=2
@@ -282,6 +305,9 @@ def _parity(rank, world, run: Parity) -> dict | None:
         dist.all_gather_object(received_by_rank, received)
     if rank != 0:
         return None
+    from moe_ep.hf import binding_of, experts_modules
+
+    nodes = getattr(binding_of(experts_modules(model)[0][1]).dispatcher, "node_groups", None)
     dropped = []
     hook = None if capacity_factor is None else _drop_as_recorded(capacity_factor, routed_by_rank, dropped)
     ref_losses, ref_norms, ref_grads = _reference(family, routing, ep, overrides, batch, steps, activation_checkpointing,
@@ -298,6 +324,7 @@ def _parity(rank, world, run: Parity) -> dict | None:
         "routing": routing,
         "ep": ep,
         "tokens_per_rank": mine["input_ids"].numel(),
+        "node_groups": None if nodes is None else (nodes.num_nodes, nodes.node_size),
         "received_pairs": received_by_rank,
     }
 
@@ -511,6 +538,10 @@ def _world_4(rank, world) -> dict:
     }
 
 
+def _world_8(rank, world) -> dict:
+    return {"parity": {name: _parity(rank, world, run) for name, run in PARITY_8.items()}}
+
+
 @pytest.fixture(scope="module")
 def world2():
     return run_ranks(_world_2, 2, timeout=240)
@@ -518,10 +549,15 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_ranks(_world_4, 4, timeout=240)
+    return run_ranks(_world_4, 4, timeout=420)
 
 
-def _assert_parity(result: dict, tol: float, *, capacity: bool = False) -> None:
+@pytest.fixture(scope="module")
+def world8():
+    return run_ranks(_world_8, 8, timeout=300)
+
+
+def _assert_parity(result: dict, tol: float, *, capacity: bool = False, steps: int = STEPS) -> None:
     if capacity:
         assert result["dropped"] > 0, "capacity mode dropped nothing: the case tests no dropping"
     assert result["grad_names_match"]
@@ -531,7 +567,7 @@ def _assert_parity(result: dict, tol: float, *, capacity: bool = False) -> None:
     assert max(result["norm"]) <= tol, f"gradient norms: {result['norm']}"
     assert result["inf_norm"] <= tol, f"max-norm: {result['inf_norm']}"
     if result["routing"] != "natural":
-        assert result["steps"] == STEPS
+        assert result["steps"] == steps
         _assert_routing_claim(result)
 
 
@@ -555,7 +591,26 @@ def test_two_ranks_bf16_mixed_precision_loss(world2, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PARITY_4))
 def test_four_ranks_match_one_process(world4, name):
-    _assert_parity(world4[0]["parity"][name], TOL, capacity=PARITY_4[name].capacity_factor is not None)
+    run = PARITY_4[name]
+    _assert_parity(world4[0]["parity"][name], TOL, capacity=run.capacity_factor is not None, steps=run.steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PARITY_8))
+def test_eight_ranks_as_two_nodes_match_one_process(world8, name):
+    _assert_parity(world8[0]["parity"][name], TOL, steps=PARITY_8[name].steps)
+
+
+@pytest.mark.slow
+def test_node_runs_use_the_dispatch_they_name(world4, world8):
+    # What parallelize bound, read off the experts' dispatcher (on rank 0).
+    for world, table in ((world4, PARITY_4), (world8, PARITY_8)):
+        for name, run in table.items():
+            if run.node_size is None:
+                continue
+            bound = world[0]["parity"][name]["node_groups"]
+            node_aware = run.dispatch_mode == "node" or (run.dispatch_mode == "auto" and run.ep > run.node_size)
+            assert bound == ((run.ep // run.node_size, run.node_size) if node_aware else None), (name, bound)
 
 
 @pytest.mark.slow
@@ -881,6 +936,10 @@ def _divide_by_rank_minus_one(rank, world):
         (dict(reshard_after_forward="no"), TypeError, r"reshard_after_forward must be a bool or None, got str"),
         (dict(mixed_precision=torch.bfloat16), TypeError, r"mixed_precision must be a torch.distributed.fsdp"),
         (dict(dp_shard=0), ValueError, r"dp_shard must be a positive int, got 0"),
+        (dict(ep=2, dispatch_mode="nodes"), ValueError, r"dispatch_mode must be one of \('auto', 'flat', 'node'\), got 'nodes'"),
+        (dict(ep=2, dispatch_mode="node", capacity_factor=1.0), ValueError, r"dispatch_mode='node' is dropless only"),
+        (dict(dispatch_mode="node"), ValueError, r"dispatch_mode='node' applies to the expert-parallel dispatcher; ep=1"),
+        (dict(ep=2, node_size=0), ValueError, r"node_size must be a positive int or None .*, got 0"),
     ],
 )
 def test_parallel_config_is_checked_when_built(arguments, error, pattern):

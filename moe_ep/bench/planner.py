@@ -195,7 +195,8 @@ class CollectiveRecorder:
     """Records the collectives issued while active (``with recorder:``), by (kind, group size): calls
     and bytes as ``moe_ep.planner.comm.Collective`` counts them (an all-gather's output, a
     reduce-scatter's input, an all-reduce's tensors, what an all-to-all sends to the other ranks).
-    Any other c10d op is recorded under its own name, so nothing goes unseen. With ``mirror``, an
+    Any other c10d op is recorded under its own name, so nothing goes unseen; ``group_bytes`` has
+    the bytes by (kind, process group name), for groups of one size. With ``mirror``, an
     all-to-all hands every rank back its own input: on the fake process group each rank then
     receives what it sends, the mean load of uniform routing."""
 
@@ -214,6 +215,7 @@ class CollectiveRecorder:
         self.mirror = mirror
         self.calls: dict[tuple[str, int], int] = {}
         self.bytes: dict[tuple[str, int], float] = {}
+        self.group_bytes: dict[tuple[str, str], float] = {}
         self._mode = _Mode()
 
     def __enter__(self):
@@ -251,6 +253,9 @@ class CollectiveRecorder:
         key = (kind, group.size() if group is not None else 0)
         self.calls[key] = self.calls.get(key, 0) + 1
         self.bytes[key] = self.bytes.get(key, 0.0) + nbytes
+        if group is not None:
+            named = (kind, group.group_name)
+            self.group_bytes[named] = self.group_bytes.get(named, 0.0) + nbytes
 
 
 def ep_saved(name: str, ep: int, batch: int, seq: int, checkpointing: bool) -> tuple[dict, dict]:
@@ -575,6 +580,75 @@ def dispatcher_checks(layout, *, seq_len: int = 4096, world_size: int = 128, see
     modelled = all_to_all_collective(spec, layout, seq_len, 1).bytes
     per_step = layout.microbatches * spec.num_moe_layers
     return [Check("all-to-all over the ep group, one step", layout.short(), per_step * measured, per_step * modelled)]
+
+
+def node_dispatch_bytes(spec: ModelSpec, group, nodes, *, tokens: int, seed: int, mirror: bool) -> tuple[dict, dict]:
+    """This rank's all-to-all bytes over each group of the node-aware dispatch (``nodes``) of one
+    MoE layer of ``spec`` (its E, top-k and H), forward and backward, identity experts, uniform
+    routing of ``tokens`` tokens drawn from ``seed``; ``mirror``: exchanges hand every rank back its
+    own rows (the fake group). Returns ({"ep-inter": bytes, "ep-intra": bytes, "other": keys of any
+    other collective}, this rank's routing as {"idx_TK": ...})."""
+    from ..dispatch import combine, dispatch, join_to_dispatch
+
+    E, K, H = spec.num_experts, spec.top_k, spec.hidden_size
+    g = torch.Generator().manual_seed(seed)
+    x_TH = torch.randn(tokens, H, generator=g).to(torch.bfloat16).requires_grad_()
+    idx_TK = torch.rand(tokens, E, generator=g).topk(K, -1).indices
+    w_TK = torch.rand(tokens, K, generator=g).requires_grad_()
+    with CollectiveRecorder(mirror=mirror) as recorder:
+        tokens_ = dispatch(x_TH, idx_TK, w_TK, group=group, num_experts=E, node_groups=nodes)
+        out_QH = tokens_.hidden_states * tokens_.weights.to(tokens_.hidden_states.dtype)
+        y_TH = combine(join_to_dispatch(out_QH, tokens_), tokens_.layout)
+        y_TH.float().sum().backward()
+    names = {("all-to-all", pg.group_name): name for name, pg in (("ep-inter", nodes.inter), ("ep-intra", nodes.intra))}
+    measured = {name: recorder.group_bytes.get(key, 0.0) for key, name in names.items()}
+    measured["other"] = sorted(recorder.group_bytes.keys() - names.keys())
+    return measured, {"idx_TK": idx_TK}
+
+
+def node_planner_bytes(spec: ModelSpec, ep: int, node_size: int, tokens: int) -> dict:
+    """The planner's bytes of one layer-pass of the node-aware dispatch per group, for a rank."""
+    from ..planner.comm import node_all_to_all_collectives
+    from ..planner.layout import Layout
+
+    layout = Layout(1, 1, ep, ep, 1, 1, "none", False)
+    return {c.group: c.bytes for c in node_all_to_all_collectives(spec, layout, tokens, 1, node_size)}
+
+
+def node_dispatcher_checks(model, ep: int, node_size: int, *, world_size: int, tokens: int = 4096,
+                           hidden_size: int | None = None, seed: int = 0) -> tuple[list[Check], dict]:
+    """``node_dispatch_bytes`` of ``model`` (anything ``ModelSpec.resolve`` takes; ``hidden_size``
+    overrides H, which only scales the rows) on rank 0 of the fake group of ``world_size``, its ep
+    group split into nodes of ``node_size``, exchanges mirrored (each rank receives what it sends:
+    the mean load), against the planner's (``node_all_to_all_collectives``). Also returns the
+    copies per token over the network, node-aware and single-stage (distinct other nodes,
+    distinct ranks on other nodes)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from ..dispatch import split_by_node
+
+    spec = ModelSpec.resolve(model)
+    if hidden_size is not None:
+        spec = dataclasses.replace(spec, hidden_size=hidden_size)
+    with fake_rank(0, world_size):
+        group = dist.new_group(list(range(ep)))
+        nodes = split_by_node([list(range(ep))], node_size)
+        measured, routing = node_dispatch_bytes(spec, group, nodes, tokens=tokens, seed=seed, mirror=True)
+    modelled = node_planner_bytes(spec, ep, node_size, tokens)
+    case = (f"{spec.name} E={spec.num_experts} K={spec.top_k} H={spec.hidden_size}, ep={ep} over nodes of "
+            f"{node_size}, world {world_size}")
+    checks = [Check(f"all-to-all over {name}, one layer", case, measured[name], modelled[name])
+              for name in ("ep-inter", "ep-intra")]
+    dest_TK = routing["idx_TK"] // (spec.num_experts // ep)
+    node_TK, home = dest_TK // node_size, 0
+    copies = {
+        "node-aware": sum(len(set(row) - {home}) for row in node_TK.tolist()) / tokens,
+        "single-stage": sum(len({r for r in row if r // node_size != home}) for row in dest_TK.tolist()) / tokens,
+        "other collectives": measured["other"],
+    }
+    return checks, copies
 
 
 # ---------------------------------------------------------------- the benchmark mode

@@ -14,6 +14,7 @@ from ..ops.experts import check_expert_weights, run_experts
 from ..ops.validate import check_tensor
 from .capacity import check_capacity_factor
 from .dispatcher import check_dispatch_args, check_num_experts, combine_checked, dispatch_checked, join_checked
+from .nodes import NodeGroups, check_node_groups
 
 
 def moe_experts_ep(
@@ -27,10 +28,12 @@ def moe_experts_ep(
     capacity_factor: float | None = None,
     activation: str = "silu",
     backend: str | None = None,
+    node_groups: NodeGroups | None = None,
 ) -> torch.Tensor:
     """``moe_experts`` with the ``E = L * ep`` experts spread over ``group``: this rank holds
     experts ``[rank L, (rank+1) L)`` as ``gate_up_local [L, 2I, H]`` and ``down_local [L, H, I]``.
     ``top_k_index`` holds global ids. Returns ``[T, H]`` for this rank's tokens. Collective.
+    ``node_groups``: the node-aware dispatch (``moe_ep.dispatch.nodes``), None the single-stage.
     Every argument is checked here, once: the dispatch, the local experts and the combine that
     follow take what this call validated and what the dispatch made."""
     check_tensor("gate_up_local", gate_up_local, ndim=3)
@@ -40,9 +43,11 @@ def moe_experts_ep(
     check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts)
     check_expert_weights(hidden_states, gate_up_local, down_local, names=("gate_up_local", "down_local"))
     check_capacity_factor(capacity_factor)
+    check_node_groups(node_groups, group, capacity_factor)
     check_activation(activation)
     backend = resolve_backend(backend, hidden_states.device)
-    tokens = dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_experts, capacity_factor)
+    tokens = dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_experts, capacity_factor,
+                              node_groups)
     out_QH = run_experts(tokens.hidden_states, tokens.expert_ids, tokens.weights, gate_up_local, down_local,
                          activation, backend, group)
     # The experts keep even an empty batch in the graph, but the backward all-to-alls that every
@@ -64,7 +69,8 @@ class ExpertParallelDispatcher:
     Called as ``dispatcher(module, hidden_states, top_k_index, top_k_weights)`` by the ``"moe_ep"``
     experts implementation; reads the module's ``gate_up_proj`` / ``down_proj`` (this rank's
     ``L = num_experts / ep`` experts, DTensor or plain) at call time, so FSDP's unsharding and
-    resharding around the forward are respected. Holds no per-call state."""
+    resharding around the forward are respected. Holds no per-call state. ``node_groups``: the
+    node-aware dispatch (``moe_ep.dispatch.split_by_node`` of ``group``), None the single-stage."""
 
     def __init__(
         self,
@@ -74,21 +80,26 @@ class ExpertParallelDispatcher:
         activation: str = "silu",
         capacity_factor: float | None = None,
         backend: str | None = None,
+        node_groups: NodeGroups | None = None,
     ):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
         experts_per_rank = check_num_experts(num_experts, dist.get_world_size(group))
         check_activation(activation)
         check_capacity_factor(capacity_factor)
+        check_node_groups(node_groups, group, capacity_factor)
         self.group = group
         self.num_experts = num_experts
         self.experts_per_rank = experts_per_rank
         self.activation = activation
         self.capacity_factor = capacity_factor
         self.backend = backend
+        self.node_groups = node_groups
 
     def __repr__(self) -> str:
         mode = "dropless" if self.capacity_factor is None else f"capacity_factor={self.capacity_factor}"
+        if self.node_groups is not None:
+            mode += f", node-aware over {self.node_groups.num_nodes} nodes x {self.node_groups.node_size}"
         return (
             f"ExpertParallelDispatcher(ep={dist.get_world_size(self.group)}, num_experts={self.num_experts}, "
             f"{mode}, activation={self.activation!r})"
@@ -106,6 +117,6 @@ class ExpertParallelDispatcher:
         y_TH = moe_experts_ep(
             hidden_states, top_k_index, top_k_weights, gate_up, down,
             group=self.group, capacity_factor=self.capacity_factor,
-            activation=self.activation, backend=self.backend,
+            activation=self.activation, backend=self.backend, node_groups=self.node_groups,
         )
         return y_TH.to(hidden_states.dtype)

@@ -58,4 +58,27 @@ class DispatchedTokens:
     hidden_states: torch.Tensor  # [Q, H], differentiable
     expert_ids: torch.Tensor  # [Q, 1] int64, local ids
     weights: torch.Tensor  # [Q, 1] float32, differentiable (constant 1 for single rows)
-    layout: DispatchLayout
+    layout: DispatchLayout | NodeDispatchLayout
+
+
+@dataclass(frozen=True)
+class NodeDispatchLayout:
+    """Where every row went in the node-aware scheme (``moe_ep.dispatch.nodes``), for the way back.
+
+    ``intra``: the second stage, over the node, from the forwarding rank to the expert ranks,
+    whose "tokens" are the rows this rank received in the first stage. The rest is the first
+    stage's source side, over the inter-node group: ``DispatchLayout``'s fields of the same names,
+    with "rank" read as "node" (the rank with this rank's local index on that node)."""
+
+    intra: DispatchLayout
+    inter_group: object  # torch.distributed.ProcessGroup
+    num_tokens: int
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    token_src: torch.Tensor
+    source_reader: torch.Tensor
+    source_weights: torch.Tensor
+
+    @property
+    def num_pairs(self) -> int:
+        return self.intra.num_pairs

@@ -96,3 +96,87 @@ def count_exchange_bytes(num_experts: int, ep: int, top_k: int) -> CountExchange
     L = num_experts // ep
     ours_per_peer = 4 * (L + 2 if min(top_k, L) > 1 else L)
     return CountExchangeBytes(moe_ep_bytes=(ep - 1) * ours_per_peer, transformers_bytes=(ep - 1) * 8 * L)
+
+
+@dataclass(frozen=True)
+class NodeWireBytes:
+    """Bytes one rank sends in one layer's node-aware dispatch and combine (forward), over each
+    of its two groups (``moe_ep.dispatch.nodes``), the count exchanges apart
+    (``node_count_exchange_bytes``)."""
+
+    inter_rows: int  # its tokens' rows to other nodes, and the combined rows it returns to them
+    inter_metadata: int  # routing columns of its rows carrying several of a node's experts
+    intra_rows: int  # rows it forwards to the other ranks of its node, and the outputs it returns
+    intra_metadata: int
+    row_bytes: int
+
+    @property
+    def inter_bytes(self) -> int:
+        return self.inter_rows * self.row_bytes + self.inter_metadata
+
+    @property
+    def intra_bytes(self) -> int:
+        return self.intra_rows * self.row_bytes + self.intra_metadata
+
+
+def node_wire_bytes(
+    idx_by_rank: list[torch.Tensor],
+    experts_per_rank: int,
+    hidden_size: int,
+    node_size: int,
+    *,
+    element_size: int = 2,
+) -> list[NodeWireBytes]:
+    """Forward bytes of one layer of the node-aware dispatch for every rank of an ep group, from
+    every rank's routing ``idx_by_rank[r] [T_r, K]`` (a forwarding rank sends what others routed).
+    Rank ``n node_size + g`` is on node ``n``. Stage 1 sends a token's row once to each other node
+    holding one of its experts (``min(K, node_size L)`` routing columns when it holds several);
+    stage 2 forwards each received row, the rank's own node's included, once to each other rank
+    of the node holding one of its experts (``min(K, node_size L, L)`` columns when several); each
+    row comes back the way it went."""
+    _check_positive(experts_per_rank=experts_per_rank, hidden_size=hidden_size, node_size=node_size,
+                    element_size=element_size)
+    ep, L, G = len(idx_by_rank), experts_per_rank, node_size
+    if ep % G:
+        raise ValueError(f"node_size={node_size} must divide the {ep} ranks of idx_by_rank")
+    for r, idx_TK in enumerate(idx_by_rank):
+        check_tensor(f"idx_by_rank[{r}]", idx_TK, ndim=2)
+        check_index(f"idx_by_rank[{r}]", idx_TK)
+    K = idx_by_rank[0].shape[1]
+    k_inter, k_intra = min(K, G * L), min(K, L)
+    sums = {name: [0] * ep for name in ("inter_rows", "inter_metadata", "intra_rows", "intra_metadata")}
+    for source, idx_TK in enumerate(idx_by_rank):
+        dest_TK = idx_TK.long().cpu() // L
+        experts_TR = torch.zeros(idx_TK.shape[0], ep, dtype=torch.long)
+        experts_TR.scatter_add_(1, dest_TK, torch.ones_like(dest_TK))
+        experts_TN = experts_TR.view(-1, ep // G, G).sum(-1)
+        home, local = divmod(source, G)
+        for node in range(ep // G):
+            forwarder = node * G + local
+            if node != home:
+                rows = int((experts_TN[:, node] > 0).sum())
+                sums["inter_rows"][source] += rows
+                sums["inter_metadata"][source] += int((experts_TN[:, node] > 1).sum()) * k_inter * _ROUTING_COLUMN_BYTES
+                sums["inter_rows"][forwarder] += rows  # the node's combined rows come back
+            for expert_rank in range(node * G, (node + 1) * G):
+                if expert_rank == forwarder:
+                    continue
+                rows = int((experts_TR[:, expert_rank] > 0).sum())
+                sums["intra_rows"][forwarder] += rows
+                sums["intra_metadata"][forwarder] += (
+                    int((experts_TR[:, expert_rank] > 1).sum()) * k_intra * _ROUTING_COLUMN_BYTES)
+                sums["intra_rows"][expert_rank] += rows
+    row_bytes = hidden_size * element_size
+    return [NodeWireBytes(**{name: values[r] for name, values in sums.items()}, row_bytes=row_bytes) for r in range(ep)]
+
+
+def node_count_exchange_bytes(num_experts: int, ep: int, top_k: int, node_size: int) -> tuple[int, int]:
+    """What one rank sends in the node-aware dispatch's two count exchanges of one layer: (over
+    the inter-node group, over the intra-node group); each is the single-stage exchange of its
+    stage (the node's ``node_size L`` experts for stage 1, a forwarded row's ``min(K, node_size
+    L)`` columns for stage 2)."""
+    _check_positive(num_experts=num_experts, ep=ep, top_k=top_k, node_size=node_size)
+    nodes = ep // node_size
+    inter = count_exchange_bytes(num_experts, nodes, top_k).moe_ep_bytes
+    intra = count_exchange_bytes(num_experts // nodes, node_size, min(top_k, num_experts // nodes)).moe_ep_bytes
+    return inter, intra

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..dispatch.capacity import check_capacity_factor
+from ..dispatch.nodes import check_dispatch_mode, check_node_size
 from ..ops.backend import BACKENDS
 from ..planner.schedules import ScheduleInfo, schedule_info
 from .mesh import check_degree
@@ -97,6 +98,8 @@ class ParallelConfig:
     capacity_factor: float | None = None
     reshard_after_forward: bool | None = None
     experts_backend: str | None = None
+    dispatch_mode: str = "auto"
+    node_size: int | None = None
 
     def __post_init__(self):
         for name in ("pp", "ep", "dp_replicate"):
@@ -125,6 +128,10 @@ class ParallelConfig:
             raise ValueError(
                 f"capacity_factor={self.capacity_factor} applies to the expert-parallel dispatcher; ep=1 has none"
             )
+        check_dispatch_mode(self.dispatch_mode, self.capacity_factor)
+        check_node_size(self.node_size)
+        if self.dispatch_mode == "node" and self.ep == 1:
+            raise ValueError("dispatch_mode='node' applies to the expert-parallel dispatcher; ep=1 has none")
         if self.experts_backend is not None and self.experts_backend not in BACKENDS:
             raise ValueError(f"experts_backend must be one of {BACKENDS} or None, got {self.experts_backend!r}")
 
@@ -155,7 +162,7 @@ class ParallelConfig:
         return dict(ep=self.ep, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, pp=self.pp, **pipeline,
                     mixed_precision=self.mixed_precision, activation_checkpointing=self.activation_checkpointing,
                     capacity_factor=self.capacity_factor, reshard_after_forward=self.reshard_after_forward,
-                    experts_backend=self.experts_backend)
+                    experts_backend=self.experts_backend, dispatch_mode=self.dispatch_mode, node_size=self.node_size)
 
     @property
     def fsdp_reshard_after_forward(self) -> bool:

@@ -44,9 +44,11 @@ def shard_experts(
     *,
     capacity_factor: float | None = None,
     backend: str | None = None,
+    node_groups=None,
 ) -> list[tuple[str, torch.nn.Module]]:
-    """Shard every experts module over ``ep_mesh`` and install its dispatcher. Checks every
-    module before changing any. Returns the experts modules."""
+    """Shard every experts module over ``ep_mesh`` and install its dispatcher (node-aware with
+    ``node_groups``, ``moe_ep.dispatch.NodeGroups``). Checks every module before changing any.
+    Returns the experts modules."""
     modules = experts_modules(model)
     num_experts = num_experts_of(modules)
     activations = {}
@@ -61,7 +63,8 @@ def shard_experts(
         for weight in EXPERT_WEIGHTS:
             setattr(module, weight, _shard(getattr(module, weight), ep_mesh))
         dispatcher = ExpertParallelDispatcher(
-            group, num_experts, activation=activations[name], capacity_factor=capacity_factor, backend=backend
+            group, num_experts, activation=activations[name], capacity_factor=capacity_factor, backend=backend,
+            node_groups=node_groups,
         )
         bind(module, dispatcher=dispatcher)
     return modules

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..dispatch.dispatcher import check_num_experts
+from ..dispatch.nodes import NodeGroups, split_by_node
 
 DENSE_DIMS = ("pp", "dp_replicate", "dp_shard")
 
@@ -27,6 +28,7 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     ep: int
+    ep_node_size: int | None = None  # the node-aware dispatch's node size; None: single-stage
 
     @property
     def edp(self) -> int:
@@ -56,9 +58,12 @@ def resolve_dims(
     dp_shard: int | None = None,
     pp: int = 1,
     num_experts: int | None = None,
+    ep_node_size: int | None = None,
 ) -> ParallelDims:
     """Check the degrees against each other, the world size and the number of experts.
-    ``dp_shard=None`` takes what the world leaves: ``world_size / (pp * dp_replicate)``."""
+    ``dp_shard=None`` takes what the world leaves: ``world_size / (pp * dp_replicate)``.
+    ``ep_node_size``: the node-aware dispatch's node size (``moe_ep.dispatch.nodes.node_size_for``),
+    None for the single-stage dispatch."""
     for name, value in (("ep", ep), ("dp_replicate", dp_replicate), ("pp", pp)):
         check_degree(name, value)
     if dp_shard is None:
@@ -81,7 +86,7 @@ def resolve_dims(
         )
     if num_experts is not None:
         check_num_experts(num_experts, ep, name="the model's expert count")
-    return ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep)
+    return ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, ep_node_size=ep_node_size)
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,7 @@ class MoEMeshes:
     experts: DeviceMesh  # FSDP/HSDP of expert parameters: (dp_replicate, edp), or (edp,)
     ep: DeviceMesh  # experts are Shard(0) over it; tokens are dispatched within it
     dp: DeviceMesh  # every rank that sees different data, flattened: the group of global losses
+    ep_nodes: NodeGroups | None = None  # the ep group split by node for the node-aware dispatch
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -101,7 +107,8 @@ class MoEMeshes:
 def build_meshes(dims: ParallelDims, device_type: str) -> MoEMeshes:
     """Create the meshes (a collective: every rank must call it with the same ``dims``). The
     expert view unflattens ``dp_shard`` of the dense view, so both share one root mesh, which
-    FSDP2 needs to combine the ``edp`` and ``ep`` dimensions of an expert parameter."""
+    FSDP2 needs to combine the ``edp`` and ``ep`` dimensions of an expert parameter. With
+    ``dims.ep_node_size``, every ep group is also split by node (``moe_ep.dispatch.split_by_node``)."""
     world_size = dist.get_world_size()
     if dims.world_size != world_size:
         raise ValueError(f"{dims} covers {dims.world_size} ranks, the process group has {world_size}")
@@ -119,4 +126,6 @@ def build_meshes(dims: ParallelDims, device_type: str) -> MoEMeshes:
         experts=world["dp_replicate", "edp"] if hsdp else world["edp"],
         ep=world["ep"],
         dp=dp_2d._flatten("dp"),
+        ep_nodes=None if dims.ep_node_size is None else split_by_node(
+            world.mesh.reshape(-1, dims.ep).tolist(), dims.ep_node_size),
     )

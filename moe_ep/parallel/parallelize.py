@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from ..dispatch.nodes import node_size_for
 from ..hf.layout import experts_modules, num_experts_of
 from ..hf.patch import fused_routers, is_patched, patch
 from ..planner.partition import Partition
@@ -45,6 +46,8 @@ def parallelize(
     capacity_factor: float | None = None,
     reshard_after_forward: bool | None = None,
     experts_backend: str | None = None,
+    dispatch_mode: str = "auto",
+    node_size: int | None = None,
 ) -> nn.Module | PipelineStages:
     """Spread ``model`` over the default process group; returns what ``moe_ep.TrainStep`` takes,
     so the training loop is the same for every layout::
@@ -94,6 +97,12 @@ def parallelize(
       (a pipeline would otherwise regather the weights for every micro-batch).
     - ``experts_backend``: the expert kernels' backend under expert parallelism (None: the default
       of ``moe_experts``).
+    - ``dispatch_mode``: ``"auto"`` (default) dispatches node-aware (each token sent once per
+      destination node over the network, forwarded inside it: ``moe_ep.dispatch.nodes``) when the
+      ep group spans several whole nodes and the dispatch is dropless, else single-stage;
+      ``"node"`` pins the node-aware dispatch (refused where it cannot apply), ``"flat"`` the
+      single-stage one. ``node_size``: ranks per node (None: the launcher's ``LOCAL_WORLD_SIZE``;
+      ranks are numbered node by node).
 
     Every rank must call it (collective), with the same arguments and the same model (parameter
     names, shapes and dtypes, expert counts, routing): one all-gather of fingerprints confirms it
@@ -107,6 +116,7 @@ def parallelize(
         split_points=split_points, memory_cap=memory_cap, seq_len=seq_len, microbatch_size=microbatch_size,
         virtual_stages=virtual_stages, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
         capacity_factor=capacity_factor, reshard_after_forward=reshard_after_forward, experts_backend=experts_backend,
+        dispatch_mode=dispatch_mode, node_size=node_size,
     )
     return _parallelize(model, arguments, lambda: ParallelConfig.from_arguments(**arguments))
 
@@ -190,6 +200,8 @@ def _check(model: nn.Module, config: ParallelConfig) -> tuple[ParallelDims, Part
     dims = resolve_dims(
         dist.get_world_size(), ep=config.ep, dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, pp=config.pp,
         num_experts=num_experts_of(experts) if experts else None,
+        ep_node_size=node_size_for(config.dispatch_mode, config.ep, config.node_size, config.capacity_factor)
+        if config.ep > 1 else None,
     )
     if config.activation_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"activation_checkpointing=True: {type(model).__name__} does not support gradient checkpointing")
@@ -216,7 +228,8 @@ def _shard(module: nn.Module, meshes: MoEMeshes, config: ParallelConfig) -> None
     """The experts over ``ep`` (with their dispatcher), then FSDP2 over the dense and expert meshes."""
     experts = [m for _, m in experts_modules(module)]
     if meshes.dims.ep > 1:
-        shard_experts(module, meshes.ep, capacity_factor=config.capacity_factor, backend=config.experts_backend)
+        shard_experts(module, meshes.ep, capacity_factor=config.capacity_factor, backend=config.experts_backend,
+                      node_groups=meshes.ep_nodes)
     apply_fsdp(module, meshes, experts, mixed_precision=config.mixed_precision,
                reshard_after_forward=config.fsdp_reshard_after_forward)
 

@@ -18,6 +18,11 @@ goes once to each rank holding one of its experts), the multi rows' routing colu
 weight and int32 id per expert) and the combine's rows back; backward: the combine's and the
 dispatch's rows again and the routing weights' float32 gradients; a checkpointed layer repeats the
 forward. Bytes are those sent to other ranks; the busiest rank receives ``load`` times the mean.
+With the node-aware dispatch (``moe_ep.dispatch.nodes``: an ep group over several whole nodes,
+dropless) the same exchanges run twice, over the inter-node group (``ep-inter``: one row per
+token and destination node, each node standing for a rank holding ``node_size L`` experts) and
+over the node (``ep-intra``: one row per token and destination rank, as the single-stage
+dispatch, its routing columns ``min(K, L)``).
 
 Pipeline: each stage sends its output forward and its input's gradient back, per micro-batch, to
 a stage on another rank (two stages of one rank pass them in memory)."""
@@ -41,7 +46,7 @@ class Collective:
     what an all-to-all or a send moves to other ranks."""
 
     kind: str  # all-gather, reduce-scatter, all-reduce, all-to-all, send
-    group: str  # dp_shard, edp, dp_replicate, ep, pp
+    group: str  # dp_shard, edp, dp_replicate, ep (ep-inter, ep-intra: node-aware), pp
     size: int
     stride: int
     calls: float
@@ -116,18 +121,33 @@ def fsdp_collectives(spec: ModelSpec, layout: Layout, unit_names: list[str]) -> 
     return out
 
 
+def _exchange_collective(group: str, size: int, stride: int, experts_per_rank: int, top_k: int, hidden: int,
+                         rows: float, multi: float, layer_passes: int, checkpointing: bool,
+                         columns_extra: int = 0) -> Collective:
+    """The exchanges of one dispatch stage over ``layer_passes`` layer runs: ``rows`` hidden rows and
+    ``multi`` rows carrying several experts sent to other ranks per forward (their combine
+    returns as many), ``experts_per_rank`` experts per destination, ``top_k`` columns per row."""
+    k_max = min(top_k, experts_per_rank)
+    columns = (experts_per_rank + 2 if k_max > 1 else experts_per_rank) + columns_extra
+    forward_calls = 3 + (k_max > 1)
+    forward = I32 * columns * (size - 1) + 2 * BF16 * hidden * rows + 2 * FP32 * k_max * multi
+    backward = 2 * BF16 * hidden * rows + FP32 * k_max * multi
+    passes = 2 if checkpointing else 1
+    per_layer = passes * forward + backward
+    calls = passes * forward_calls + 2 + (k_max > 1)
+    return Collective("all-to-all", group, size, stride, layer_passes * calls, layer_passes * per_layer)
+
+
 def all_to_all_collective(spec: ModelSpec, layout: Layout, seq_len: int, layer_passes: int, load: float = 1.0,
                           capacity_factor: float | None = None) -> Collective | None:
     """The expert all-to-alls of ``layer_passes`` runs (forward and backward) of a MoE layer over a
-    micro-batch, on a rank whose experts receive ``load`` times the mean rows."""
+    micro-batch, on a rank whose experts receive ``load`` times the mean rows (single-stage)."""
     ep = layout.ep
     if ep == 1 or not layer_passes:
         return None
-    E, K, H = spec.num_experts, spec.top_k, spec.hidden_size
+    E, K = spec.num_experts, spec.top_k
     L = E // ep
-    k_max = min(K, L)
     T = layout.microbatch_size * seq_len
-    columns = L + 2 if k_max > 1 else L
     if capacity_factor is None:
         rows_per_token, multi_per_token = rank_shares(spec, ep)
         # Rows to the other ranks: each rank holds a given token's expert equally often.
@@ -137,15 +157,35 @@ def all_to_all_collective(spec: ModelSpec, layout: Layout, seq_len: int, layer_p
         # Capacity mode exchanges fixed blocks: ceil(c T K / E) slots per expert, L experts per peer.
         capacity = expert_capacity(T, K, E, capacity_factor)
         rows = (ep - 1) * min(T, L * capacity)
-        multi = (ep - 1) * min(T, L * capacity // 2) if k_max > 1 else 0.0
-        columns += 1  # each rank's token count rides with the counts
-    forward_calls = 3 + (k_max > 1)
-    forward = I32 * columns * (ep - 1) + 2 * BF16 * H * rows + 2 * FP32 * k_max * multi
-    backward = 2 * BF16 * H * rows + FP32 * k_max * multi
-    passes = 2 if layout.checkpointing else 1
-    per_layer = passes * forward + backward
-    calls = passes * forward_calls + 2 + (k_max > 1)
-    return Collective("all-to-all", "ep", ep, 1, layer_passes * calls, layer_passes * per_layer)
+        multi = (ep - 1) * min(T, L * capacity // 2) if min(K, L) > 1 else 0.0
+    # Capacity mode: each rank's token count rides with the counts.
+    return _exchange_collective("ep", ep, 1, L, K, spec.hidden_size, rows, multi, layer_passes, layout.checkpointing,
+                                columns_extra=int(capacity_factor is not None))
+
+
+def node_all_to_all_collectives(spec: ModelSpec, layout: Layout, seq_len: int, layer_passes: int, node_size: int,
+                                load: float = 1.0) -> list[Collective]:
+    """The node-aware dispatch's all-to-alls (inter-node, then intra-node) of ``layer_passes`` runs
+    of a MoE layer over a micro-batch, its ep group split into nodes of ``node_size`` ranks; the
+    forwarding rank of a node receives ``load`` times the mean rows."""
+    ep = layout.ep
+    if ep == 1 or not layer_passes:
+        return []
+    E, K, H = spec.num_experts, spec.top_k, spec.hidden_size
+    nodes, T = ep // node_size, layout.microbatch_size * seq_len
+    # Stage 1: the nodes are the "ranks" (node_size L experts each), one row per destination node.
+    node_rows, node_multi = rank_shares(spec, nodes)
+    share = (nodes - 1) / nodes
+    inter = _exchange_collective("ep-inter", nodes, node_size, E // nodes, K, H, load * T * node_rows * share,
+                                 load * T * node_multi * share, layer_passes, layout.checkpointing)
+    # Stage 2: a forwarding rank holds one row per (token, node) and sends one per (token, rank):
+    # over the node's ranks, as many as the single-stage dispatch, a share (G - 1) / G of them away.
+    rank_rows, rank_multi = rank_shares(spec, ep)
+    share = (node_size - 1) / node_size
+    intra = _exchange_collective("ep-intra", node_size, 1, E // ep, min(K, E // nodes), H,
+                                 load * T * rank_rows * share, load * T * rank_multi * share, layer_passes,
+                                 layout.checkpointing)
+    return [inter, intra]
 
 
 def p2p_collective(spec: ModelSpec, layout: Layout, part: Partition, rank: int, seq_len: int) -> Collective | None:

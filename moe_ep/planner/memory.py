@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from ..dispatch.capacity import expert_capacity
 from .activations import (
     MicroBatch, Routed, checkpoint_shared, checkpointed_layer_saved, embed_saved, expected_routed, head_saved,
-    head_scratch, layer_saved, layer_scratch,
+    head_scratch, layer_saved, layer_scratch, rank_shares,
 )
 from .cluster import Cluster
-from .comm import Collective, all_to_all_collective
+from .comm import Collective, all_to_all_collective, node_all_to_all_collectives
 from .compute import Work, embed_traffic, head_traffic, layer_traffic, MEMORY_BACKWARD
 from .partition import Partition, UnitCost
 from .layout import Layout
@@ -88,15 +88,16 @@ class Unit:
     held: float  # FSDP2 bytes held through the step for it (pipeline stages: gathered weights, grads)
     fsdp_work: float  # FSDP2 transient bytes while it runs
     a2a_buffers: float  # send and receive rows of one all-to-all
-    a2a: Collective | None  # its all-to-alls over one micro-batch (busiest rank)
+    a2a: tuple[Collective, ...]  # its all-to-alls over one micro-batch (busiest rank); () = none
     shared: frozenset = frozenset()
 
 
 def build_units(
     spec: ModelSpec, layout: Layout, seq_len: int, imbalance: float = DEFAULT_IMBALANCE, *,
     startup_imbalance: float = DEFAULT_STARTUP_IMBALANCE, capacity_factor: float | None = None,
-    backend: str = "triton",
+    backend: str = "triton", node_size: int | None = None,
 ) -> list[Unit]:
+    """The chain's units; ``node_size``: the node-aware dispatch's nodes (None: single-stage)."""
     mb = MicroBatch(layout.microbatch_size, seq_len)
     T, H, ep, ds = mb.tokens, spec.hidden_size, layout.ep, layout.dp_shard
     ckpt = layout.checkpointing
@@ -108,7 +109,7 @@ def build_units(
 
     pipelined = layout.pp > 1
 
-    def unit(name, dense, expert, work, act, scratch=0.0, moe=False, a2a=None, buffers=0.0, shared=()):
+    def unit(name, dense, expert, work, act, scratch=0.0, moe=False, a2a=(), buffers=0.0, shared=()):
         sharded = (dense + expert) / ds
         gathered = dense + expert / ep
         return Unit(
@@ -131,9 +132,16 @@ def build_units(
         work = Work(dense, expert, attention, traffic, MEMORY_BACKWARD * traffic, ckpt, expert_load)
         full = layer_saved(spec, i, mb, backend, ep, startup)
         scratch = layer_scratch(spec, i, mb, backend, ep, startup) + (full if ckpt else 0.0)
-        a2a = (all_to_all_collective(spec, layout, seq_len, 1, imbalance, capacity_factor)
-               if expert_parallel and moe else None)
-        buffers = BF16 * H * (startup.sent + startup.received) if a2a is not None else 0.0
+        a2a, buffers = (), 0.0
+        if expert_parallel and moe:
+            buffers = BF16 * H * (startup.sent + startup.received)
+            if node_size is None:
+                a2a = (all_to_all_collective(spec, layout, seq_len, 1, imbalance, capacity_factor),)
+            else:
+                a2a = tuple(node_all_to_all_collectives(spec, layout, seq_len, 1, node_size, imbalance))
+                # Stage 1's rows too: one per (token, node), sent and received.
+                node_rows = rank_shares(spec, ep // node_size)[0] * T
+                buffers += BF16 * H * node_rows * (1 + startup_imbalance)
         units.append(unit(f"layers.{i}", spec.layer_dense_params(i), spec.layer_expert_params(i), work,
                           checkpointed_layer_saved(spec, mb) if ckpt else full, scratch, moe, a2a, buffers))
     fwd, bwd = head_traffic(spec, mb)
@@ -145,7 +153,7 @@ def build_units(
 
 def unit_seconds(unit: Unit, cluster: Cluster) -> float:
     """Compute and all-to-all seconds of one micro-batch through ``unit`` on the busiest rank."""
-    return unit.work.seconds(cluster).total + (unit.a2a.seconds(cluster) if unit.a2a is not None else 0.0)
+    return unit.work.seconds(cluster).total + sum(c.seconds(cluster) for c in unit.a2a)
 
 
 def transient(unit: Unit) -> float:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from ..dispatch.nodes import node_size_for
 from .calibration import read_calibration
 from .partition import InfeasiblePartition, Partition, fits, partition
 from .cluster import Cluster
@@ -244,9 +245,11 @@ def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_token
                             yield Layout(*mesh, mbs, m, schedule, ckpt, v)
 
 
-def _units(spec: ModelSpec, layout: Layout, seq_len: int, assumptions: Assumptions) -> list[Unit]:
+def _units(spec: ModelSpec, layout: Layout, seq_len: int, assumptions: Assumptions, cluster: Cluster) -> list[Unit]:
+    # The dispatch parallelize's "auto" picks on this cluster: node-aware over whole nodes.
+    node_size = node_size_for("auto", layout.ep, cluster.gpus_per_node, assumptions.capacity_factor)
     return build_units(spec, layout, seq_len, assumptions.imbalance, startup_imbalance=assumptions.startup_imbalance,
-                       capacity_factor=assumptions.capacity_factor, backend=BACKEND)
+                       capacity_factor=assumptions.capacity_factor, backend=BACKEND, node_size=node_size)
 
 
 def evaluate(
@@ -256,7 +259,7 @@ def evaluate(
     """Cost one layout (``units`` and their ``unit_costs``, when given, must be this layout's).
     Raises InfeasiblePartition (a ValueError) when it cannot be cut into its pipeline stages at
     all (tied parameters that a loop placement would separate)."""
-    units = units if units is not None else _units(spec, layout, seq_len, assumptions)
+    units = units if units is not None else _units(spec, layout, seq_len, assumptions, cluster)
     costs = costs if costs is not None else unit_costs(units, cluster)
     p2p = p2p_bytes(layout, spec, seq_len)
     capacity = cluster.memory_bytes
@@ -304,7 +307,7 @@ class _UnitCache:
     def get(self, layout: Layout) -> list[Unit]:
         key = self._key(layout)
         if key not in self.units:
-            units = _units(self.spec, layout, self.seq_len, self.assumptions)
+            units = _units(self.spec, layout, self.seq_len, self.assumptions, self.cluster)
             self.units[key] = units
             self.costs[key] = unit_costs(units, self.cluster)
             self.sums[key] = (sum(u.params + u.grads + u.optim + u.held for u in units), sum(u.act for u in units))

@@ -114,7 +114,7 @@ def _fsdp_without_pipeline(spec, layout, units, cluster) -> tuple[float, float]:
             root_gather, root_reduce = root_gather + gather, root_reduce + reduce
             head_backward += bwd if u.name == "head" else 0.0
             continue
-        a2a = u.a2a.seconds(cluster) if u.a2a is not None else 0.0
+        a2a = sum(c.seconds(cluster) for c in u.a2a)
         # The all-to-all's share per pass: forward, backward, and the recompute's forward.
         a2a_pass = 0.0 if contends else a2a / (passes + 1)
         layers.append((gather, reduce, fwd + a2a_pass, bwd + passes * a2a_pass))
@@ -178,7 +178,7 @@ def step_time(
         compute = Seconds()
         for u in mine:
             compute = compute + u.work.seconds(cluster)
-        a2a = sum(u.a2a.seconds(cluster) for u in mine if u.a2a is not None)
+        a2a = sum(c.seconds(cluster) for u in mine for c in u.a2a)
         return compute, a2a
 
     if layout.pp == 1:
