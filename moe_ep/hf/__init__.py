@@ -12,7 +12,7 @@ differ from a family's own bf16 router, and how each class is verified first).""
 
 from .binding import Binding, ExpertsDispatcher, bind, binding_of
 from .layout import activation_name, experts_activation, experts_modules, num_experts_of
-from .patch import fused_routers, is_patched, patch
+from .patch import fused_routers, is_patched, limit_routing_to_nodes, patch
 from .registry import (
     EXPERTS_IMPLEMENTATION,
     is_registered,
@@ -36,6 +36,7 @@ __all__ = [
     "fused_routers",
     "is_patched",
     "is_registered",
+    "limit_routing_to_nodes",
     "moe_ep_experts_forward",
     "num_experts_of",
     "patch",

@@ -28,6 +28,8 @@ class ExpertsDispatcher(Protocol):
 class Binding:
     backend: str | None = None  # "triton", "torch" or None: the op's default (moe_experts, route_topk)
     dispatcher: ExpertsDispatcher | None = None  # experts only: takes the forward when set
+    # fused routers only: (nodes, max_nodes) of node-limited routing (moe_ep.ops.route_topk)
+    node_limit: tuple[int, int] | None = None
 
 
 _UNBOUND = Binding()

@@ -15,6 +15,7 @@ from types import MethodType
 import torch
 
 from ..ops.backend import BACKENDS
+from ..ops.routing import node_limited_groups
 from .binding import bind
 from .layout import experts_activation, experts_modules
 from .registry import EXPERTS_IMPLEMENTATION, register
@@ -143,6 +144,35 @@ def patch(model: torch.nn.Module, *, backend: str | None = None, fused_router: b
                 _set_router_forward(router, fused_router_forward(router))
         elif _installed_forward(router) in FUSED_ROUTER_FORWARDS.values():
             _set_router_forward(router, None)
+    return model
+
+
+def limit_routing_to_nodes(model: torch.nn.Module, nodes: int, max_nodes: int | None) -> torch.nn.Module:
+    """Route every token of ``model`` to experts on at most ``max_nodes`` of the ``nodes`` nodes
+    that expert parallelism spreads each layer's experts over (DeepSeek-V3's node-limited
+    routing; ``moe_ep.ops.route_topk``'s ``max_nodes``), so that a token crosses the network at
+    most ``max_nodes`` times; ``max_nodes=None`` lifts the limit. This changes which experts a
+    token may reach, so it is the model's routing from then on (as it is DeepSeek-V3's in
+    training). Needs ``patch(model)``'s fused routers. A DeepSeek-V3 config whose ``n_group`` is
+    the node count keeps its groups (``topk_group`` already bounds the nodes; ``max_nodes`` lowers
+    it); other group layouts are refused. Returns ``model``."""
+    for name, module in experts_modules(model):
+        router_name, router = _router_of(model, name)
+        if router is None or _installed_forward(router) not in FUSED_ROUTER_FORWARDS.values():
+            raise ValueError(
+                f"node-limited routing runs in moe_ep's fused routers, but the router of {name} "
+                f"({router_name or 'none found'}) is not one: call moe_ep.patch(model) (fused_router=True) first"
+            )
+        num_experts = router.weight.shape[0]
+        try:
+            node_limited_groups(num_experts, getattr(router, "num_group", 1), getattr(router, "topk_group", 1), nodes,
+                                max_nodes)
+        except ValueError as err:
+            raise ValueError(f"{router_name}: {err}") from None
+        if max_nodes is not None and router.top_k > max_nodes * (num_experts // nodes):
+            raise ValueError(f"{router_name}: top_k={router.top_k} experts do not fit on max_nodes={max_nodes} nodes "
+                             f"of {num_experts // nodes} experts each (nodes={nodes})")
+        bind(router, node_limit=None if max_nodes is None else (nodes, max_nodes))
     return model
 
 

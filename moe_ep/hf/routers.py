@@ -48,11 +48,18 @@ def _linear_out_dtype(x: torch.Tensor) -> torch.dtype:
     return autocast_dtype(x.device) or x.dtype
 
 
+def _node_limit(router) -> dict:
+    """``route_topk``'s node-limited routing arguments bound to ``router`` (none by default)."""
+    limit = binding_of(router).node_limit
+    return {} if limit is None else dict(nodes=limit[0], max_nodes=limit[1])
+
+
 def _softmax_topk(router, hidden_states, backend, *, normalize: bool, weights_in_logits_dtype: bool):
     x_TH = hidden_states.reshape(-1, router.hidden_dim)
     logits_dtype = _linear_out_dtype(x_TH)
     logits_TE, w_TK, idx_TK = route_topk(
-        x_TH, router.weight, router.top_k, score="softmax", normalize=normalize, backend=backend
+        x_TH, router.weight, router.top_k, score="softmax", normalize=normalize, backend=backend,
+        **_node_limit(router),
     )
     if weights_in_logits_dtype:
         w_TK = w_TK.to(logits_dtype)
@@ -84,6 +91,7 @@ def deepseek_v3_route(router, hidden_states, backend):
         topk_group=router.topk_group,
         scale=float(router.routed_scaling_factor),
         backend=backend,
+        **_node_limit(router),
     )
     return logits_TE.to(logits_dtype), w_TK, idx_TK
 

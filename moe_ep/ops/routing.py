@@ -53,6 +53,30 @@ def check_route_args(hidden_states, router_weight, top_k, score, normalize, corr
         )
 
 
+def node_limited_groups(num_experts: int, n_group: int, topk_group: int, nodes: int,
+                        max_nodes: int | None) -> tuple[int, int]:
+    """``(n_group, topk_group)`` that route every token to experts on at most ``max_nodes`` of
+    ``nodes`` (DeepSeek-V3's node-limited routing): expert parallelism puts ``E / nodes``
+    consecutive experts on each node, so the nodes are expert groups, ranked as DeepSeek-V3 ranks
+    its groups (the sum of their two best scores). A model without groups gets the nodes as its
+    groups; a model whose groups are the nodes keeps them, with ``topk_group`` at most
+    ``max_nodes``; other groupings cannot be limited by one group rule and are refused."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or num_experts % nodes:
+        raise ValueError(f"nodes must be a positive divisor of E={num_experts}, got {nodes!r}")
+    if max_nodes is None:
+        return n_group, topk_group
+    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or not 1 <= max_nodes <= nodes:
+        raise ValueError(f"max_nodes must be an int in [1, nodes={nodes}] or None, got {max_nodes!r}")
+    if n_group == 1:
+        return nodes, max_nodes
+    if n_group == nodes:
+        return nodes, min(topk_group, max_nodes)
+    raise ValueError(
+        f"max_nodes needs the router's expert groups to be the nodes: n_group={n_group} groups over nodes={nodes} "
+        f"(each node holds {num_experts // nodes} experts); use n_group=1 or n_group=nodes"
+    )
+
+
 def select_experts(probs_TE, top_k, correction_bias=None, n_group=1, topk_group=1):
     """Indices of the chosen experts. The correction bias and the group limit steer only the
     choice; the weights are always taken from the unbiased scores."""
@@ -95,6 +119,8 @@ def route_topk(
     n_group: int = 1,
     topk_group: int = 1,
     scale: float = 1.0,
+    nodes: int = 1,
+    max_nodes: int | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Route ``[T, H]`` tokens to ``top_k`` of the ``E`` experts of ``router_weight [E, H]``.
@@ -102,7 +128,10 @@ def route_topk(
     Returns ``(logits [T, E] float32, weights [T, K] float32, indices [T, K] int64)``, with
     Mixtral's semantics by default: softmax over all experts, top-k, weights renormalised to sum
     to one. ``score="sigmoid"``, ``correction_bias``, ``n_group``/``topk_group`` and ``scale``
-    give DeepSeek-V3's router. Differentiable in ``hidden_states`` and ``router_weight`` through
+    give DeepSeek-V3's router. ``max_nodes`` limits every token to experts on at most that many of
+    ``nodes`` nodes, over which expert parallelism lays the experts out in equal consecutive blocks
+    (DeepSeek-V3's node-limited routing, which bounds the network copies of a token;
+    ``node_limited_groups`` says how it combines with ``n_group``). Differentiable in ``hidden_states`` and ``router_weight`` through
     the logits and the weights; the indices carry no gradient.
 
     ``hidden_states`` is ``[T, H]`` (flatten batch and sequence first). ``router_weight`` may have
@@ -110,6 +139,9 @@ def route_topk(
     are then promoted to the wider dtype, on either backend, and each gradient comes back in its
     input's dtype.
     """
+    if max_nodes is not None or nodes != 1:
+        check_tensor("router_weight", router_weight, ndim=2)
+        n_group, topk_group = node_limited_groups(router_weight.shape[0], n_group, topk_group, nodes, max_nodes)
     check_route_args(hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale)
     if router_weight.dtype != hidden_states.dtype:
         dtype = torch.promote_types(hidden_states.dtype, router_weight.dtype)
