@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .layout import Layout
 from .partition import InfeasiblePartition, format_bytes
-from .report import _efficiency_lines
+from .report import _efficiency_lines, _why_not_fitting
 from .schedules import INTERLEAVED, NO_PIPELINE, SCHEDULES
 from .search import (
     DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN, Assumptions, Candidate, _resolve_cluster, choose, evaluate,
@@ -97,13 +97,14 @@ ANCHORS = (
     Anchor(
         "Megatron-Core Mixtral-8x7B", "mixtral-8x7b", nodes=8, pp=4, dp_replicate=1, dp_shard=16, ep=8,
         microbatch_size=1, global_batch=256, seq_len=4096, schedule=INTERLEAVED, virtual_stages=2,
-        checkpointing=False, balanced_routing=False, published=5640, unit=TOKENS_PER_GPU,
+        checkpointing=None, balanced_routing=False, published=5640, unit=TOKENS_PER_GPU,
         source="468 TFLOP/s per GPU for Mixtral 8x7B bf16 training with MCore v0.9: "
                "https://docs.nvidia.com/megatron-core/developer-guide/latest/api-guide/moe.html (opening paragraph); "
                "the layout (64 H100, EP8 PP4, seq 4096) and the 5,640 tokens/s per GPU derived from it as reported "
                "in moe_ep issue #22/#23, source not confirmed here",
-        note="TP1 there, so no FSDP stand-in; global batch 256 x 4096, 2 virtual stages per rank, no recomputation "
-             "and aux-loss routing (steady imbalance 1.2) assumed: the source gives none of them",
+        note="TP1 there: its 16 data-parallel ranks (distributed optimizer) are dp_shard 16 here; global batch "
+             "256 x 4096, 2 virtual stages per rank and aux-loss routing (steady imbalance 1.2) assumed, and "
+             "recomputation left to the planner: the source gives none of them",
     ),
     Anchor(
         "AutoModel Qwen3-30B-A3B", "qwen3-30b-a3b", nodes=1, pp=1, dp_replicate=1, dp_shard=8, ep=8,
@@ -176,8 +177,7 @@ class AnchorRow:
         memory = self.candidate.memory
         if memory.fits:
             return f"fits: {format_bytes(memory.total)} per GPU, {format_bytes(memory.headroom)} free"
-        return (f"does not fit: the planner's memory model needs {format_bytes(memory.total)} per GPU, "
-                f"{format_bytes(-memory.headroom)} over {format_bytes(memory.capacity)}")
+        return _why_not_fitting(self.candidate)
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ def anchor_report(calibration: str | Path | None = None, anchors: tuple[Anchor, 
 
 _WIDTH = 120
 _COLUMNS = ("#", "anchor", "GPUs", "layout", "tok/s/GPU", "step s", "GiB/GPU", "fits", "a2a", "published", "ratio")
-_FORMAT = "{:<2} {:<26} {:>4} {:<27} {:>9} {:>7} {:>7} {:<4} {:>4} {:>16} {:>5}"
+_FORMAT = "{:<2} {:<26} {:>4} {:<30} {:>9} {:>7} {:>7} {:<4} {:>4} {:>12} {:>5}"
 
 
 def _layout_text(layout: Layout) -> str:
@@ -276,9 +276,9 @@ def format_anchors(report: AnchorReport) -> str:
     how = (f"measured efficiencies from {report.calibration}" if report.calibration
            else "the default H100 efficiencies")
     lines = [
-        f"moe-ep plan --anchors: published MoE training runs planned with their published layouts on "
-        f"{c.preset} ({c.gpu}, {c.gpu_memory_gib:g} GiB)",
-        f"planned (estimated, not measured) with {how}:",
+        f"moe-ep plan --anchors: published MoE training runs planned with their published layouts on {c.preset}",
+        f"({c.gpu}, {c.gpu_memory_gib:g} GiB), planned (estimated, not measured) with",
+        *_wrap(f"{how}:", indent=""),
     ]
     for line in _efficiency_lines(c):
         lines += _wrap(line.strip())
