@@ -124,3 +124,15 @@ def test_anchor_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ANCHORS[0].nodes = 1  # type: ignore[misc]
     assert isinstance(ANCHORS[0], Anchor)
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9), ("qwen3-235b-a22b", 235e9, 22e9), ("deepseek-v3", 671e9, 37e9),
+])
+def test_the_anchor_models_have_their_published_sizes(name, total, active):
+    # The sizes the model cards state (DeepSeek-V3: 671 B without its multi-token-prediction module).
+    from moe_ep.planner import ModelSpec
+
+    spec = ModelSpec.resolve(name)
+    assert spec.total_params == pytest.approx(total, rel=0.01)
+    assert spec.active_params == pytest.approx(active, rel=0.03)
