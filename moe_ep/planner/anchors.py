@@ -113,7 +113,9 @@ ANCHORS = (
         source=f"{_AUTOMODEL_SUMMARY}, row 'Qwen3 MoE 30B' (8 GPUs, GBS 512, MBS 4, GA 16, seq 4096, EP 8, "
                f"FSDP 8, TE + DeepEP, 21.773 s per step, 277 TFLOP/s, 12,040 tokens/s per GPU)",
         note=f"full recomputation as moe_ep issue #22 states (the table has no recompute column); "
-             f"{_AUTOMODEL_BALANCED}",
+             f"{_AUTOMODEL_BALANCED}; the planner charges the LM head's full logits and their fp32 gradient "
+             f"as backward scratch (4 x 4096 tokens over a 151,936-token vocabulary): moe_ep's chunked loss, "
+             f"which never holds them, is not modelled",
     ),
     Anchor(
         "AutoModel DeepSeek-V3", "deepseek-v3", nodes=32, pp=4, dp_replicate=1, dp_shard=64, ep=64,
@@ -133,7 +135,8 @@ ANCHORS = (
                "bridge.perf_recipes.qwen.h100.qwen3_moe.html (256 H100, BF16, TP 2 PP 8 VP 4 EP 32; its source: "
                "MBS 1, seq 4096, no recompute, moe_router_force_load_balancing, all-to-all overlap); the 17.6 s "
                "per step as reported in moe_ep issue #22/#23, source not confirmed here",
-        note="TP2 x DP16 become dp_shard 32; global batch 2048 x 4096 assumed: the recipe's GBS 8192 in 17.6 s "
+        note="TP2 x DP16 become dp_shard 32, so each GPU keeps the activations that TP2 with sequence "
+             "parallelism splits over two; global batch 2048 x 4096 assumed: the recipe's GBS 8192 in 17.6 s "
              "would be 7,450 tokens/s per GPU, beyond an H100's dense peak for 22 B active parameters; moe_ep "
              "does not overlap the all-to-all with compute as the recipe does",
     ),
