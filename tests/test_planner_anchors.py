@@ -81,6 +81,10 @@ def test_anchor_definitions_are_checked():
         dataclasses.replace(a, source="")
     with pytest.raises(ValueError, match="global_batch=500 is not a whole number of micro-batches"):
         dataclasses.replace(a, global_batch=500)
+    with pytest.raises(ValueError, match=r"pp x dp_replicate x dp_shard must be the world of 16 GPUs"):
+        dataclasses.replace(a, nodes=2)
+    with pytest.raises(ValueError, match="anchors must share one cluster preset"):
+        anchor_report(anchors=(a, dataclasses.replace(a, cluster="p5")))
     assert {x.unit for x in ANCHORS} <= {TOKENS_PER_GPU, STEP_SECONDS}
 
 

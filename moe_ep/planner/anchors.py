@@ -18,6 +18,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cluster import Cluster
 from .layout import Layout
 from .partition import InfeasiblePartition, format_bytes
 from .report import _efficiency_lines, _why_not_fitting
@@ -25,6 +26,7 @@ from .schedules import INTERLEAVED, NO_PIPELINE, SCHEDULES
 from .search import (
     DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN, Assumptions, Candidate, _resolve_cluster, choose, evaluate,
 )
+from .presets import cluster_preset
 from .spec import MODEL_NAMES, ModelSpec
 
 TOKENS_PER_GPU = "tokens/s/GPU"
@@ -71,12 +73,19 @@ class Anchor:
             raise ValueError(f"anchor {self.name!r}: unit must be one of {_UNITS}, got {self.unit!r}")
         if not self.source:
             raise ValueError(f"anchor {self.name!r}: source must say where the published figure comes from")
+        if self.pp * self.dp_replicate * self.dp_shard != self.world_size:
+            raise ValueError(f"anchor {self.name!r}: pp x dp_replicate x dp_shard must be the world of "
+                             f"{self.world_size} GPUs ({self.nodes} nodes of {self.cluster})")
         replicas = self.dp_replicate * self.dp_shard
         if self.global_batch % (replicas * self.microbatch_size):
             raise ValueError(
                 f"anchor {self.name!r}: global_batch={self.global_batch} is not a whole number of micro-batches of "
                 f"{self.microbatch_size} on each of the {replicas} data-parallel replicas"
             )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * cluster_preset(self.cluster).gpus_per_node
 
     @property
     def microbatches(self) -> int:
@@ -186,7 +195,7 @@ class AnchorRow:
 @dataclass(frozen=True)
 class AnchorReport:
     rows: tuple[AnchorRow, ...]
-    cluster: object  # the first anchor's resolved Cluster: the efficiencies all rows share
+    cluster: Cluster  # the first anchor's, resolved: the efficiencies all rows share
     calibration: str | None
 
     def format(self) -> str:
@@ -201,9 +210,6 @@ def plan_anchor(anchor: Anchor, calibration: str | Path | None = None) -> Anchor
     among the fitting choices (the smallest footprint when none fits)."""
     spec = ModelSpec.resolve(anchor.model)
     cluster, _ = _resolve_cluster(anchor.nodes, anchor.cluster, calibration, {}, {})
-    if cluster.world_size != anchor.pp * anchor.dp_replicate * anchor.dp_shard:
-        raise ValueError(f"anchor {anchor.name!r}: pp x dp_replicate x dp_shard must be the world of "
-                         f"{cluster.world_size} GPUs")
     info = SCHEDULES.get(anchor.schedule)
     problem = info.check_microbatches(anchor.pp, anchor.microbatches) if info is not None else None
     if problem is not None:
@@ -229,6 +235,9 @@ def anchor_report(calibration: str | Path | None = None, anchors: tuple[Anchor, 
     defaults, as ``plan(calibration=)`` takes it."""
     if not anchors:
         raise ValueError("anchors must name at least one published run")
+    if len({a.cluster for a in anchors}) > 1:
+        # The report states one set of efficiencies for all rows.
+        raise ValueError(f"anchors must share one cluster preset, got {sorted({a.cluster for a in anchors})}")
     cluster, _ = _resolve_cluster(anchors[0].nodes, anchors[0].cluster, calibration, {}, {})
     rows = tuple(plan_anchor(a, calibration) for a in anchors)
     return AnchorReport(rows, cluster, None if calibration is None else str(calibration))
@@ -259,7 +268,7 @@ def _published_text(anchor: Anchor) -> str:
 def _row_line(i: int, row: AnchorRow) -> str:
     a = row.anchor
     if row.candidate is None:
-        return _FORMAT.format(i, a.name, a.nodes * 8, *("-",) * 6, _published_text(a), "-")
+        return _FORMAT.format(i, a.name, a.world_size, *("-",) * 6, _published_text(a), "-")
     c = row.candidate
     return _FORMAT.format(
         i, a.name, c.layout.world_size, _layout_text(c.layout), f"{row.tokens_per_gpu:,.0f}", f"{row.step_s:.2f}",
@@ -311,7 +320,7 @@ def anchors_to_dict(report: AnchorReport) -> dict:
     for row in report.rows:
         a, cand = row.anchor, row.candidate
         entry = {
-            "name": a.name, "model": a.model, "cluster": a.cluster, "nodes": a.nodes, "world_size": a.nodes * 8,
+            "name": a.name, "model": a.model, "cluster": a.cluster, "nodes": a.nodes, "world_size": a.world_size,
             "seq_len": a.seq_len, "global_batch_sequences": a.global_batch,
             "balanced_routing": a.balanced_routing,
             "published": {"value": a.published, "unit": a.unit, "source": a.source},
@@ -320,7 +329,6 @@ def anchors_to_dict(report: AnchorReport) -> dict:
         if cand is None:
             entry["planned"] = None
         else:
-            entry["world_size"] = cand.layout.world_size
             entry["layout"] = cand.layout.short()
             entry["planned"] = {
                 "tokens_per_s_per_gpu": row.tokens_per_gpu, "step_time_s": row.step_s,
