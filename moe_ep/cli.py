@@ -35,7 +35,7 @@ def _bounded(name: str):
     return parse
 
 
-def _add_plan_parser(sub) -> None:
+def _add_plan_parser(sub) -> argparse.ArgumentParser:
     from .planner import CLUSTERS
     from .planner.presets import DEFAULT_CLUSTER, efficiencies_for
 
@@ -54,12 +54,15 @@ def _add_plan_parser(sub) -> None:
         "estimated step time with the MFU that follows from the stated efficiencies, and why the closest "
         "alternatives lost.",
     )
-    p.add_argument("--model", required=True, help="mixtral-8x7b, mixtral-8x22b, or a local config.json / folder")
+    from .planner import MODEL_NAMES
+
+    p.add_argument("--model", help=f"one of {', '.join(MODEL_NAMES)}, or a local config.json / folder "
+                                   "(required unless --anchors)")
     p.add_argument("--cluster", choices=tuple(CLUSTERS),
                    help="a preset whose figures every other option defaults to (and may override); without it "
                         f"--gpus-per-node and --gpu-memory are required and every other figure is {DEFAULT_CLUSTER}'s "
                         f"({preset.description}, {preset.gpu.name}), as each option's default says")
-    p.add_argument("--nodes", type=_bounded("nodes"), required=True)
+    p.add_argument("--nodes", type=_bounded("nodes"), help="required unless --anchors")
     p.add_argument("--gpus-per-node", type=_bounded("gpus_per_node"), help="required without --cluster")
     p.add_argument("--gpu-memory", type=_bounded("gpu_memory_gib"),
                    help="GiB per GPU (80 for A100-80GB); required without --cluster")
@@ -107,6 +110,19 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--alternatives", type=_bounded("num_alternatives"), default=5,
                    help="how many rejected layouts to explain")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--anchors", action="store_true",
+                   help="instead of planning one model: plan published MoE training runs with their published "
+                        "layouts and print the planned figures beside the published ones, with their sources "
+                        "(takes only --calibration and --json)")
+    return p
+
+
+def _run_anchors(args) -> int:
+    from .planner.anchors import anchor_report
+
+    report = anchor_report(calibration=args.calibration)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return 0
 
 
 def _run_plan(args) -> int:
@@ -148,14 +164,23 @@ def _run_plan(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moe-ep", description="Mixture-of-Experts expert parallelism tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_plan_parser(sub)
+    plan_parser = _add_plan_parser(sub)
     args = parser.parse_args(argv)
-    if args.cluster is None and (args.gpus_per_node is None or args.gpu_memory is None):
+    if args.anchors:
+        # The anchors fix everything else as their sources published it.
+        given = [k for k, v in vars(args).items()
+                 if k not in ("command", "anchors", "calibration", "json") and v != plan_parser.get_default(k)]
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            parser.error(f"--anchors plans the published layouts and takes only --calibration and --json, got {flags}")
+    elif args.model is None or args.nodes is None:
+        parser.error("--model and --nodes are required (or give --anchors)")
+    elif args.cluster is None and (args.gpus_per_node is None or args.gpu_memory is None):
         parser.error("--gpus-per-node and --gpu-memory are required without --cluster (or name a --cluster)")
     if args.balanced_routing and (args.imbalance is not None or args.startup_imbalance is not None):
         parser.error("--balanced-routing sets --imbalance and --startup-imbalance to 1: give either, not both")
     try:
-        return _run_plan(args)
+        return _run_anchors(args) if args.anchors else _run_plan(args)
     except ValueError as err:
         # PlanError and argument errors: say what is wrong and what would be needed, no traceback.
         print(f"moe-ep {args.command}: {err}", file=sys.stderr)

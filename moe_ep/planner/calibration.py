@@ -1,5 +1,6 @@
 """Measured efficiencies: a result file of ``python -m moe_ep.bench kernels`` (the JSON it writes
-to ``benchmarks/results/``) from the user's own GPU replaces the default efficiencies of
+to ``benchmarks/results/``, or a ``scripts/gpu_check.sh`` result, which holds one) from the user's
+own GPU replaces the default efficiencies of
 ``moe_ep.planner.presets``:
 
 - grouped GEMMs: moe_ep's experts op (``moe_ep[triton]``, else ``moe_ep[torch]``), forward +
@@ -43,11 +44,15 @@ def read_calibration(path, *, gpu_family: str, peak_tflops: float, hbm_gbps: flo
         raise ValueError(f"calibration file {str(path)!r} cannot be read: {err.strerror or err}") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"calibration file {str(path)!r} is not JSON ({err.msg} at line {err.lineno})") from None
+    if isinstance(payload, dict) and payload.get("mode") == "gpu_check":
+        # scripts/gpu_check.sh keeps the kernels bench's result, meta and rows, inside its own.
+        kernels = ((payload.get("meta") or {}).get("results") or {}).get("kernels")
+        payload = dict(kernels, mode="kernels") if isinstance(kernels, dict) else payload
     if not isinstance(payload, dict) or payload.get("mode") != "kernels" or not isinstance(payload.get("rows"), list):
         mode = payload.get("mode") if isinstance(payload, dict) else None
         raise ValueError(
             f"calibration file {str(path)!r} must be a result of 'python -m moe_ep.bench kernels' (mode 'kernels' "
-            f"with rows), got mode {mode!r}"
+            f"with rows) or of scripts/gpu_check.sh (mode 'gpu_check' holding one), got mode {mode!r}"
         )
     meta = payload.get("meta") or {}
     device = str(meta.get("device", ""))

@@ -37,9 +37,31 @@ _WEIGHTS_IN_LOGITS_DTYPE = ("qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def _named_configs():
-    from transformers import MixtralConfig
+    """The sizes of each named model as its Hugging Face ``config.json`` states them (the
+    mistralai, Qwen and deepseek-ai repositories of the same names); the Qwen3 and DeepSeek-V3
+    ones are the models of the planner's published anchors (``moe_ep.planner.anchors``)."""
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+
+    def qwen3_moe(hidden, intermediate, moe_intermediate, layers, heads):
+        return Qwen3MoeConfig(
+            vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
+            moe_intermediate_size=moe_intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, tie_word_embeddings=False,
+            rms_norm_eps=1e-6,
+        )
 
     return {
+        "qwen3-30b-a3b": lambda: qwen3_moe(2048, 6144, 768, 48, 32),
+        "qwen3-235b-a22b": lambda: qwen3_moe(4096, 12288, 1536, 94, 64),
+        "deepseek-v3": lambda: DeepseekV3Config(
+            vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+            num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+            n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3, n_group=8, topk_group=4,
+            routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=512, q_lora_rank=1536,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
+            tie_word_embeddings=False, rms_norm_eps=1e-6,
+        ),
         "mixtral-8x7b": lambda: MixtralConfig(
             vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
             num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
@@ -53,7 +75,7 @@ def _named_configs():
     }
 
 
-MODEL_NAMES = ("mixtral-8x7b", "mixtral-8x22b")
+MODEL_NAMES = ("mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3")
 
 
 def config_from_name(name: str):

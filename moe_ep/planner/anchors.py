@@ -1,0 +1,347 @@
+"""The planner against published runs: MoE training runs whose layout and speed were published,
+costed by the planner with their own layouts, and the planned figures beside the published ones.
+
+Each anchor fixes what the run published (the mesh, micro-batching, pipeline schedule and virtual
+stages, checkpointing where stated, the global batch and sequence length) on the ``dgx-h100``
+preset; only what the source leaves open is chosen, by the headroom rule of ``plan()``. Routing
+is balanced (``imbalance=1, startup_imbalance=1``) where the benchmark forces it. The layout is
+costed with :func:`moe_ep.planner.search.evaluate`, so a run that does not fit the planner's
+memory model still gets its figures and the row says "does not fit" rather than failing.
+
+moe_ep has no tensor parallelism: where a run used it, its TP x DP ranks become FSDP ranks here
+(dp_shard), which the row's note says. Every figure on the moe_ep side is planned (estimated), not
+measured on a GPU."""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cluster import Cluster
+from .layout import Layout
+from .partition import InfeasiblePartition, format_bytes
+from .report import _efficiency_lines, _why_not_fitting
+from .schedules import INTERLEAVED, NO_PIPELINE, SCHEDULES
+from .search import (
+    DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN, Assumptions, Candidate, _resolve_cluster, choose, evaluate,
+)
+from .presets import cluster_preset
+from .spec import MODEL_NAMES, ModelSpec
+
+TOKENS_PER_GPU = "tokens/s/GPU"
+STEP_SECONDS = "s/step"
+_UNITS = (TOKENS_PER_GPU, STEP_SECONDS)
+_AUTOMODEL_SUMMARY = (
+    "https://docs.nvidia.com/nemo/automodel/performance/performance-summary.md, table 'Pre-Training "
+    "Performance, System: DGX-H100, Precision: BF16'"
+)
+_AUTOMODEL_BALANCED = ("routing balanced: NeMo AutoModel's benchmark configs set fake_balanced_gate: true "
+                       "(NVIDIA-NeMo/Automodel, examples/llm_benchmark)")
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """One published run: its model (a name in MODEL_NAMES), cluster and layout as published, the
+    published figure in ``unit`` and where it comes from. ``checkpointing`` None: the source does
+    not say, the planner chooses. ``global_batch`` counts sequences of ``seq_len`` tokens."""
+
+    name: str
+    model: str
+    nodes: int
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    ep: int
+    microbatch_size: int
+    global_batch: int
+    seq_len: int
+    schedule: str
+    virtual_stages: int | None
+    checkpointing: bool | None
+    balanced_routing: bool
+    published: float
+    unit: str
+    source: str
+    note: str
+    cluster: str = "dgx-h100"
+
+    def __post_init__(self):
+        if self.model not in MODEL_NAMES:
+            raise ValueError(f"anchor {self.name!r}: model must be one of {MODEL_NAMES}, got {self.model!r}")
+        if self.unit not in _UNITS:
+            raise ValueError(f"anchor {self.name!r}: unit must be one of {_UNITS}, got {self.unit!r}")
+        if not self.source:
+            raise ValueError(f"anchor {self.name!r}: source must say where the published figure comes from")
+        if self.pp * self.dp_replicate * self.dp_shard != self.world_size:
+            raise ValueError(f"anchor {self.name!r}: pp x dp_replicate x dp_shard must be the world of "
+                             f"{self.world_size} GPUs ({self.nodes} nodes of {self.cluster})")
+        replicas = self.dp_replicate * self.dp_shard
+        if self.global_batch % (replicas * self.microbatch_size):
+            raise ValueError(
+                f"anchor {self.name!r}: global_batch={self.global_batch} is not a whole number of micro-batches of "
+                f"{self.microbatch_size} on each of the {replicas} data-parallel replicas"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * cluster_preset(self.cluster).gpus_per_node
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.dp_replicate * self.dp_shard * self.microbatch_size)
+
+    @property
+    def global_batch_tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def layouts(self) -> list[Layout]:
+        """The published layout, once per checkpointing choice the source leaves open."""
+        choices = (False, True) if self.checkpointing is None else (self.checkpointing,)
+        return [Layout(self.pp, self.dp_replicate, self.dp_shard, self.ep, self.microbatch_size, self.microbatches,
+                       self.schedule, ckpt, self.virtual_stages) for ckpt in choices]
+
+
+ANCHORS = (
+    Anchor(
+        "Megatron-Core Mixtral-8x7B", "mixtral-8x7b", nodes=8, pp=4, dp_replicate=1, dp_shard=16, ep=8,
+        microbatch_size=1, global_batch=256, seq_len=4096, schedule=INTERLEAVED, virtual_stages=2,
+        checkpointing=None, balanced_routing=False, published=5640, unit=TOKENS_PER_GPU,
+        source="468 TFLOP/s per GPU for Mixtral 8x7B bf16 training with MCore v0.9: "
+               "https://docs.nvidia.com/megatron-core/developer-guide/latest/api-guide/moe.html (opening paragraph); "
+               "the layout (64 H100, EP8 PP4, seq 4096) and the 5,640 tokens/s per GPU derived from it as reported "
+               "in moe_ep issue #22/#23, source not confirmed here",
+        note="TP1 there: its 16 data-parallel ranks (distributed optimizer) are dp_shard 16 here; global batch "
+             "256 x 4096, 2 virtual stages per rank and aux-loss routing (steady imbalance 1.2) assumed, and "
+             "recomputation left to the planner: the source gives none of them",
+    ),
+    Anchor(
+        "AutoModel Qwen3-30B-A3B", "qwen3-30b-a3b", nodes=1, pp=1, dp_replicate=1, dp_shard=8, ep=8,
+        microbatch_size=4, global_batch=512, seq_len=4096, schedule=NO_PIPELINE, virtual_stages=None,
+        checkpointing=True, balanced_routing=True, published=12040, unit=TOKENS_PER_GPU,
+        source=f"{_AUTOMODEL_SUMMARY}, row 'Qwen3 MoE 30B' (8 GPUs, GBS 512, MBS 4, GA 16, seq 4096, EP 8, "
+               f"FSDP 8, TE + DeepEP, 21.773 s per step, 277 TFLOP/s, 12,040 tokens/s per GPU)",
+        note=f"full recomputation as moe_ep issue #22 states (the table has no recompute column); "
+             f"{_AUTOMODEL_BALANCED}; the planner charges the LM head's full logits and their fp32 gradient "
+             f"as backward scratch (4 x 4096 tokens over a 151,936-token vocabulary): moe_ep's chunked loss, "
+             f"which never holds them, is not modelled",
+    ),
+    Anchor(
+        "AutoModel DeepSeek-V3", "deepseek-v3", nodes=32, pp=4, dp_replicate=1, dp_shard=64, ep=64,
+        microbatch_size=1, global_batch=512, seq_len=4096, schedule=INTERLEAVED, virtual_stages=8,
+        checkpointing=None, balanced_routing=True, published=1002, unit=TOKENS_PER_GPU,
+        source=f"{_AUTOMODEL_SUMMARY}, row 'DeepSeek V3 671B' with 256 GPUs (GBS 512, MBS 1, LBS 8, seq 4096, "
+               f"PP 4, EP 64, VP 8, FSDP 64, TE + DeepEP, 8.18 s per step, 250 TFLOP/s, 1,002 tokens/s per GPU)",
+        note=f"recomputation not published: the planner chooses; the multi-token-prediction layer is not modelled; "
+             f"{_AUTOMODEL_BALANCED}",
+    ),
+    Anchor(
+        "Megatron Qwen3-235B-A22B", "qwen3-235b-a22b", nodes=32, pp=8, dp_replicate=1, dp_shard=32, ep=32,
+        microbatch_size=1, global_batch=2048, seq_len=4096, schedule=INTERLEAVED, virtual_stages=4,
+        checkpointing=False, balanced_routing=True, published=17.6, unit=STEP_SECONDS,
+        source="layout: Megatron-Bridge's recipe qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config, "
+               "https://docs.nvidia.com/nemo/megatron-bridge/nightly/apidocs/bridge/"
+               "bridge.perf_recipes.qwen.h100.qwen3_moe.html (256 H100, BF16, TP 2 PP 8 VP 4 EP 32; its source: "
+               "MBS 1, seq 4096, no recompute, moe_router_force_load_balancing, all-to-all overlap); the 17.6 s "
+               "per step as reported in moe_ep issue #22/#23, source not confirmed here",
+        note="TP2 x DP16 become dp_shard 32, so each GPU keeps the activations that TP2 with sequence "
+             "parallelism splits over two; global batch 2048 x 4096 assumed: the recipe's GBS 8192 in 17.6 s "
+             "would be 7,450 tokens/s per GPU, beyond an H100's dense peak for 22 B active parameters; moe_ep "
+             "does not overlap the all-to-all with compute as the recipe does",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class AnchorRow:
+    """An anchor and its planned candidate, or why it could not be planned."""
+
+    anchor: Anchor
+    candidate: Candidate | None
+    why: str | None = None  # why there is no candidate
+
+    @property
+    def step_s(self) -> float:
+        return self.candidate.time.total
+
+    @property
+    def tokens_per_gpu(self) -> float:
+        return self.anchor.global_batch_tokens / self.step_s / self.candidate.layout.world_size
+
+    @property
+    def planned(self) -> float:
+        """The planned figure in the published figure's unit."""
+        return self.tokens_per_gpu if self.anchor.unit == TOKENS_PER_GPU else self.step_s
+
+    @property
+    def ratio(self) -> float:
+        """Planned over published throughput: above 1, moe_ep plans the run faster than published."""
+        published = self.anchor.published
+        return self.planned / published if self.anchor.unit == TOKENS_PER_GPU else published / self.planned
+
+    @property
+    def all_to_all_share(self) -> float:
+        return self.candidate.time.all_to_all / self.step_s
+
+    def status(self) -> str:
+        if self.candidate is None:
+            return f"not planned: {self.why}"
+        memory = self.candidate.memory
+        if memory.fits:
+            return f"fits: {format_bytes(memory.total)} per GPU, {format_bytes(memory.headroom)} free"
+        return _why_not_fitting(self.candidate)
+
+
+@dataclass(frozen=True)
+class AnchorReport:
+    rows: tuple[AnchorRow, ...]
+    cluster: Cluster  # the first anchor's, resolved: the efficiencies all rows share
+    calibration: str | None
+
+    def format(self) -> str:
+        return format_anchors(self)
+
+    def to_dict(self) -> dict:
+        return anchors_to_dict(self)
+
+
+def plan_anchor(anchor: Anchor, calibration: str | Path | None = None) -> AnchorRow:
+    """Cost ``anchor``'s published layout; where checkpointing is open, the headroom rule picks
+    among the fitting choices (the smallest footprint when none fits)."""
+    spec = ModelSpec.resolve(anchor.model)
+    cluster, _ = _resolve_cluster(anchor.nodes, anchor.cluster, calibration, {}, {})
+    info = SCHEDULES.get(anchor.schedule)
+    problem = info.check_microbatches(anchor.pp, anchor.microbatches) if info is not None else None
+    if problem is not None:
+        return AnchorRow(anchor, None, f"{anchor.schedule}: {problem}")
+    assumptions = Assumptions(1.0, 1.0) if anchor.balanced_routing else Assumptions()
+    candidates, reasons = [], []
+    for layout in anchor.layouts():
+        try:
+            candidates.append(evaluate(spec, cluster, layout, anchor.seq_len, assumptions))
+        except InfeasiblePartition as err:
+            reasons.append(f"{layout.short()}: {err}")
+    if not candidates:
+        return AnchorRow(anchor, None, "; ".join(reasons))
+    fitting = [c for c in candidates if c.fits]
+    best = (choose(fitting, DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN)[0] if fitting
+            else min(candidates, key=lambda c: c.memory.total))
+    return AnchorRow(anchor, best)
+
+
+def anchor_report(calibration: str | Path | None = None, anchors: tuple[Anchor, ...] = ANCHORS) -> AnchorReport:
+    """Plan every anchor on its published layout. ``calibration``: a result file of the kernels
+    bench (or of scripts/gpu_check.sh) from an H100, whose measured efficiencies replace the
+    defaults, as ``plan(calibration=)`` takes it."""
+    if not anchors:
+        raise ValueError("anchors must name at least one published run")
+    if len({a.cluster for a in anchors}) > 1:
+        # The report states one set of efficiencies for all rows.
+        raise ValueError(f"anchors must share one cluster preset, got {sorted({a.cluster for a in anchors})}")
+    cluster, _ = _resolve_cluster(anchors[0].nodes, anchors[0].cluster, calibration, {}, {})
+    rows = tuple(plan_anchor(a, calibration) for a in anchors)
+    return AnchorReport(rows, cluster, None if calibration is None else str(calibration))
+
+
+_WIDTH = 120
+_COLUMNS = ("#", "anchor", "GPUs", "layout", "tok/s/GPU", "step s", "GiB/GPU", "fits", "a2a", "published", "ratio")
+_FORMAT = "{:<2} {:<26} {:>4} {:<30} {:>9} {:>7} {:>7} {:<4} {:>4} {:>12} {:>5}"
+
+
+def _layout_text(layout: Layout) -> str:
+    parts = [f"pp{layout.pp}"] if layout.pp > 1 else []
+    parts.append(f"ep{layout.ep}")
+    parts.append(f"fsdp{layout.dp_shard}" + (f"x{layout.dp_replicate}" if layout.dp_replicate > 1 else ""))
+    if layout.virtual_stages is not None:
+        parts.append(f"v{layout.virtual_stages}")
+    parts.append(f"mb{layout.microbatch_size}x{layout.microbatches}")
+    if layout.checkpointing:
+        parts.append("ckpt")
+    return " ".join(parts)
+
+
+def _published_text(anchor: Anchor) -> str:
+    value = f"{anchor.published:,.0f}" if anchor.unit == TOKENS_PER_GPU else f"{anchor.published:g}"
+    return f"{value} {'tok/s' if anchor.unit == TOKENS_PER_GPU else 's/step'}"
+
+
+def _row_line(i: int, row: AnchorRow) -> str:
+    a = row.anchor
+    if row.candidate is None:
+        return _FORMAT.format(i, a.name, a.world_size, *("-",) * 6, _published_text(a), "-")
+    c = row.candidate
+    return _FORMAT.format(
+        i, a.name, c.layout.world_size, _layout_text(c.layout), f"{row.tokens_per_gpu:,.0f}", f"{row.step_s:.2f}",
+        f"{c.memory.total / 2**30:.1f}", "yes" if c.fits else "NO", f"{row.all_to_all_share:.0%}",
+        _published_text(a), f"{row.ratio:.2f}",
+    )
+
+
+def _wrap(text: str, indent: str = "    ") -> list[str]:
+    # URLs stay whole: no breaks at their hyphens.
+    return textwrap.wrap(text, _WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_on_hyphens=False, break_long_words=False)
+
+
+def format_anchors(report: AnchorReport) -> str:
+    c = report.cluster
+    how = (f"measured efficiencies from {report.calibration}" if report.calibration
+           else "the default H100 efficiencies")
+    lines = [
+        f"moe-ep plan --anchors: published MoE training runs planned with their published layouts on {c.preset}",
+        f"({c.gpu}, {c.gpu_memory_gib:g} GiB), planned (estimated, not measured) with",
+        *_wrap(f"{how}:", indent=""),
+    ]
+    for line in _efficiency_lines(c):
+        lines += _wrap(line.strip())
+    lines += [
+        "tok/s/GPU and step s: planned; GiB/GPU: planned memory of the fullest rank (fits: within the GPU's memory",
+        "less the 10% reserve); a2a: the expert all-to-all's share of the planned step; ratio: planned over published",
+        "throughput (for a published step time, published over planned seconds): above 1, moe_ep plans it faster.",
+        "",
+        _FORMAT.format(*_COLUMNS),
+        "-" * len(_FORMAT.format(*_COLUMNS)),
+    ]
+    lines += [_row_line(i, row) for i, row in enumerate(report.rows, 1)]
+    lines += ["", "notes and sources"]
+    for i, row in enumerate(report.rows, 1):
+        a = row.anchor
+        lines += _wrap(f"[{i}] {a.name}: {row.status()}.", indent="  ")
+        lines += _wrap(f"note: {a.note}.")
+        lines += _wrap(f"source: {a.source}.")
+    return "\n".join(lines)
+
+
+def anchors_to_dict(report: AnchorReport) -> dict:
+    from .presets import Efficiencies
+
+    c = report.cluster
+    rows = []
+    for row in report.rows:
+        a, cand = row.anchor, row.candidate
+        entry = {
+            "name": a.name, "model": a.model, "cluster": a.cluster, "nodes": a.nodes, "world_size": a.world_size,
+            "seq_len": a.seq_len, "global_batch_sequences": a.global_batch,
+            "balanced_routing": a.balanced_routing,
+            "published": {"value": a.published, "unit": a.unit, "source": a.source},
+            "note": a.note, "status": row.status(),
+        }
+        if cand is None:
+            entry["planned"] = None
+        else:
+            entry["layout"] = cand.layout.short()
+            entry["planned"] = {
+                "tokens_per_s_per_gpu": row.tokens_per_gpu, "step_time_s": row.step_s,
+                "memory_bytes_per_gpu": cand.memory.total, "fits": cand.fits,
+                "all_to_all_share": row.all_to_all_share, "in_published_unit": row.planned,
+                "ratio_planned_over_published_throughput": row.ratio,
+                "step_time_rows_s": dict(cand.time.rows()),
+            }
+        rows.append(entry)
+    return {
+        "estimated": True,
+        "calibration": report.calibration,
+        "efficiencies": {k: {"value": getattr(c.efficiencies, k), "source": c.efficiencies.source(k)}
+                         for k in Efficiencies.KINDS},
+        "anchors": rows,
+    }

@@ -1,0 +1,142 @@
+"""The planner against published runs (moe_ep.planner.anchors, moe-ep plan --anchors): every
+anchor is planned on its published layout or says why not, the table keeps its columns and width,
+each row cites a source, and the CLI flag prints the table and JSON."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_ep.cli import main
+from moe_ep.planner import MODEL_NAMES, plan
+from moe_ep.planner.anchors import ANCHORS, STEP_SECONDS, TOKENS_PER_GPU, Anchor, anchor_report, plan_anchor
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+GPU_CHECK = RESULTS / "gpu_check_nvidia-h100-80gb-hbm3_2026-11-25.json"
+
+
+@pytest.fixture(scope="module")
+def report():
+    return anchor_report()
+
+
+def test_every_anchor_is_planned_on_its_published_layout(report):
+    assert len(report.rows) == len(ANCHORS) >= 4
+    for row in report.rows:
+        a = row.anchor
+        assert a.model in MODEL_NAMES
+        if row.candidate is None:  # not plannable: the row says why
+            assert row.why and row.status().startswith("not planned: ")
+            continue
+        lay = row.candidate.layout
+        assert (lay.pp, lay.dp_replicate, lay.dp_shard, lay.ep, lay.microbatch_size, lay.virtual_stages) == (
+            a.pp, a.dp_replicate, a.dp_shard, a.ep, a.microbatch_size, a.virtual_stages)
+        assert lay.world_size == a.nodes * 8 and lay.microbatches * lay.microbatch_size * lay.dp == a.global_batch
+        assert a.checkpointing in (None, lay.checkpointing)
+        assert row.step_s > 0 and 0 <= row.all_to_all_share < 1
+        assert row.tokens_per_gpu == pytest.approx(a.global_batch_tokens / row.step_s / lay.world_size)
+        assert row.status().startswith("fits" if row.candidate.fits else "does not fit")
+        expected = row.tokens_per_gpu / a.published if a.unit == TOKENS_PER_GPU else a.published / row.step_s
+        assert row.ratio == pytest.approx(expected)
+
+
+def test_a_fitting_anchor_matches_plan_with_the_same_fixed_arguments():
+    # An anchor's figures are plan()'s for the same forced layout: Qwen3-30B-A3B's anchor on two
+    # nodes with micro-batches of one sequence, which fits the planner's memory model.
+    qwen = next(a for a in ANCHORS if a.model == "qwen3-30b-a3b")
+    a = dataclasses.replace(qwen, nodes=2, dp_shard=16, ep=8, microbatch_size=1)
+    row = plan_anchor(a)
+    assert row.candidate.fits
+    p = plan(a.model, nodes=a.nodes, cluster=a.cluster, seq_len=a.seq_len, global_batch_tokens=a.global_batch_tokens,
+             pp=a.pp, dp_replicate=a.dp_replicate, dp_shard=a.dp_shard, ep=a.ep, microbatch_size=a.microbatch_size,
+             checkpointing=a.checkpointing, imbalance=1.0, startup_imbalance=1.0, num_alternatives=0)
+    assert p.layout == row.candidate.layout
+    assert p.best.time.total == pytest.approx(row.step_s)
+    assert p.best.memory.total == pytest.approx(row.candidate.memory.total)
+
+
+def test_report_columns_width_and_sources(report):
+    text = report.format()
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("#  anchor"))
+    for column in ("anchor", "GPUs", "layout", "tok/s/GPU", "step s", "GiB/GPU", "fits", "a2a", "published", "ratio"):
+        assert column in header
+    assert max(map(len, lines)) <= 120
+    assert "planned (estimated, not measured) with" in text
+    sources = text[text.index("notes and sources"):]
+    for i, a in enumerate(ANCHORS, 1):
+        assert f"[{i}] {a.name}:" in sources
+        assert a.source and ("https://" in a.source or "source not confirmed here" in a.source)
+    assert sources.count("\n    source: ") == len(ANCHORS)
+
+
+def test_anchor_definitions_are_checked():
+    a = ANCHORS[1]
+    with pytest.raises(ValueError, match="model must be one of"):
+        dataclasses.replace(a, model="llama")
+    with pytest.raises(ValueError, match="unit must be one of"):
+        dataclasses.replace(a, unit="TFLOP/s")
+    with pytest.raises(ValueError, match="source must say"):
+        dataclasses.replace(a, source="")
+    with pytest.raises(ValueError, match="global_batch=500 is not a whole number of micro-batches"):
+        dataclasses.replace(a, global_batch=500)
+    with pytest.raises(ValueError, match=r"pp x dp_replicate x dp_shard must be the world of 16 GPUs"):
+        dataclasses.replace(a, nodes=2)
+    with pytest.raises(ValueError, match="anchors must share one cluster preset"):
+        anchor_report(anchors=(a, dataclasses.replace(a, cluster="p5")))
+    assert {x.unit for x in ANCHORS} <= {TOKENS_PER_GPU, STEP_SECONDS}
+
+
+def test_an_unplannable_layout_says_why_instead_of_failing():
+    # Interleaved 1F1B needs a multiple of pp micro-batches: 6 on pp=4 is refused on the row.
+    a = dataclasses.replace(ANCHORS[0], global_batch=96)
+    row = plan_anchor(a)
+    assert row.candidate is None and "interleaved-1f1b" in row.why
+    assert row.status().startswith("not planned: ")
+
+
+def test_calibration_from_the_committed_gpu_check(report):
+    calibrated = anchor_report(GPU_CHECK, anchors=ANCHORS[1:2])
+    eff = calibrated.cluster.efficiencies
+    assert "measured: gpu_check_nvidia-h100-80gb-hbm3_2026-11-25.json" in eff.source("grouped_gemm")
+    assert eff.grouped_gemm != report.cluster.efficiencies.grouped_gemm
+    assert GPU_CHECK.name in calibrated.format()
+
+
+def test_cli_anchors_table_and_json(capsys):
+    assert main(["plan", "--anchors"]) == 0
+    out = capsys.readouterr().out
+    assert "moe-ep plan --anchors" in out and all(a.name in out for a in ANCHORS)
+    assert main(["plan", "--anchors", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["estimated"] is True and len(payload["anchors"]) == len(ANCHORS)
+    assert all(row["published"]["source"] for row in payload["anchors"])
+
+
+def test_cli_anchors_refuses_other_flags_and_plan_still_needs_model(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--anchors", "--nodes", "2"])
+    assert "--anchors plans the published layouts and takes only --calibration and --json, got --nodes" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--cluster", "dgx-h100"])
+    assert "--model and --nodes are required (or give --anchors)" in capsys.readouterr().err
+
+
+def test_anchor_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ANCHORS[0].nodes = 1  # type: ignore[misc]
+    assert isinstance(ANCHORS[0], Anchor)
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9), ("qwen3-235b-a22b", 235e9, 22e9), ("deepseek-v3", 671e9, 37e9),
+])
+def test_the_anchor_models_have_their_published_sizes(name, total, active):
+    # The sizes the model cards state (DeepSeek-V3: 671 B without its multi-token-prediction module).
+    from moe_ep.planner import ModelSpec
+
+    spec = ModelSpec.resolve(name)
+    assert spec.total_params == pytest.approx(total, rel=0.01)
+    assert spec.active_params == pytest.approx(active, rel=0.03)
