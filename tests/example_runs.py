@@ -7,7 +7,6 @@ own modules (``data``, ``export``, ``train``) by name; the run machinery is ``mo
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -132,9 +131,11 @@ def train_in_process(argv) -> int:
 
 
 def losses(out: Path) -> dict[int, float]:
-    """Step -> loss; a step logged twice (re-run after a resume) keeps its last value."""
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records}
+    """Step -> loss, as moe_ep.runs.read_metrics reads the log (a step run again after a resume, its
+    last value)."""
+    from moe_ep.runs import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")}
 
 
 def export_of(out: Path) -> Path:

@@ -8,7 +8,6 @@ way), their checkpoints resumed bit for bit, under the planner's layout, and exp
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from example_runs import (
     wait_until,
 )
 from numerics import TOLERANCE, rel_err
+
+from moe_ep.runs import read_metrics
 
 # Launches the example with accelerate and torchrun: not in the quick subset (bash scripts/test.sh --quick).
 pytestmark = pytest.mark.slow
@@ -184,7 +185,7 @@ def pipeline_cmd(out: Path, *extra: str, layout=PIPELINE) -> list[str]:
 
 
 def records(out: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
 
 
 @pytest.fixture(scope="module")

@@ -45,11 +45,13 @@ from moe_ep.runs import (
     mark,
     marker_kind,
     peak_flops,
+    read_trainer_state,
     remove_incomplete,
     resume_target,
     run_reported,
     said_by_every_rank,
     save_checkpoint,
+    set_aside_later_checkpoints,
     summary_lines,
     verified_resume,
 )
@@ -310,12 +312,16 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
     target, module, total_params, active_params, bytes_read = prepare_model(args, source, layout, device, mp_dtype)
     optimizer = make_optimizer(module, args)
 
-    start_step, tokens_seen = 0, 0
+    start_step, tokens_seen, branch_points = 0, 0, []
     if is_main:
         if args.overwrite:
             clear_run(output_dir)
         removed = remove_incomplete(ckpt_root)
     barrier()
+    # Resumed from an older checkpoint than the newest: the later ones are an abandoned branch,
+    # set aside, and the checkpoint resumed is kept from pruning.
+    set_aside = None if resume is None else set_aside_later_checkpoints(
+        ckpt_root, read_trainer_state(resume)["step"], resume, rank=rank)
     reporter = Reporter(output_dir, enabled=is_main, total_steps=args.steps, progress=not args.no_progress,
                         tensorboard=args.tensorboard)
     if is_main and removed:
@@ -324,6 +330,8 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
     if resume is not None:
         saved = load_checkpoint(resume, module, optimizer, rank=rank, world_size=world_size)
         start_step, tokens_seen = saved["step"], saved["tokens_seen"]
+        branch_points = saved.get("branch_points", []) + ([start_step] if set_aside is not None else [])
+        reporter.resumed(start_step, resume, set_aside)
         reporter.info(f"resumed from {resume} at step {start_step}"
                       + ("" if saved["world_size"] == world_size else
                          f" (saved by {saved['world_size']} ranks: per-rank RNG states not restored)"))
@@ -408,7 +416,8 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
                     )
                 if checkpoint_due(done, every=args.checkpoint_every, last=args.steps):
                     trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
-                                     "layout": asdict(layout), "model": source.name, "data": identity}
+                                     "layout": asdict(layout), "model": source.name, "data": identity,
+                                     "branch_points": branch_points}
                     last_ckpt = save_checkpoint(ckpt_root, done, module, optimizer, trainer_state, rank=rank,
                                                 barrier=barrier, keep=args.keep_checkpoints, config=module.config)
                     reporter.info(f"checkpoint {last_ckpt}")

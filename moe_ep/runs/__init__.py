@@ -24,12 +24,22 @@ from .checkpoint import (
     resume_candidates,
     resume_target,
     save_checkpoint,
+    set_aside_later_checkpoints,
     step_folders,
     verified_resume,
 )
 from .errors import RunError, UsageError, lost_peer, report_failure, run_reported, said_by_every_rank, write_failure
 from .integrity import digest, local_problems, verify, write_manifest
-from .metrics import ExpertLoad, Reporter, StepLog, Throughput, flops_per_token, peak_flops, summary_lines
+from .metrics import (
+    ExpertLoad,
+    Reporter,
+    StepLog,
+    Throughput,
+    flops_per_token,
+    peak_flops,
+    read_metrics,
+    summary_lines,
+)
 from .ownership import (
     MARKER,
     METRICS,
@@ -59,7 +69,9 @@ __all__ = [
     # checkpoints and resume
     "check_resume_data", "checkpoint_due", "complete_checkpoints", "damage_report", "is_complete",
     "latest_checkpoint", "load_checkpoint", "quiet_single_process", "read_trainer_state", "remove_incomplete",
-    "resume_candidates", "resume_target", "save_checkpoint", "step_folders", "verified_resume",
+    "resume_candidates", "resume_target", "save_checkpoint", "set_aside_later_checkpoints", "step_folders",
+    "verified_resume",
     # metrics
-    "ExpertLoad", "Reporter", "StepLog", "Throughput", "flops_per_token", "peak_flops", "summary_lines",
+    "ExpertLoad", "Reporter", "StepLog", "Throughput", "flops_per_token", "peak_flops", "read_metrics",
+    "summary_lines",
 ]

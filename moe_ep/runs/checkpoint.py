@@ -10,7 +10,13 @@ so a folder with the final name is always complete, and a run killed mid-write l
 reverse: a checkpoint that is replaced or pruned is first renamed to ``.trash-step_XXXXXXXX``,
 then deleted, so a run killed mid-delete never leaves a partly deleted folder under a final name.
 Older checkpoints are pruned only once the new one is complete, its manifest made from the files
-read back; weights or optimizer state that are not finite are never written. The output folder
+read back; weights or optimizer state that are not finite are never written.
+
+Rolling back is a branch: a run resumed from a checkpoint older than the newest sets the later ones
+aside, whole, in ``checkpoints/abandoned-<time>-from-step-<N>/`` (set_aside_later_checkpoints; never
+deleted, never listed as a checkpoint, so ``--resume auto`` never continues the abandoned branch and
+a new checkpoint of the same step replaces nothing of it). The step it branched from is kept in the
+trainer state's ``branch_points``, which pruning never counts nor deletes. The output folder
 must be shared by all nodes; ``checkpoints/`` carries the run's marker (ownership.py), and nothing
 outside a folder so marked is ever deleted.
 
@@ -47,10 +53,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from .errors import RunError, UsageError, write_failure
 from .integrity import MANIFEST, gather, local_problems, shared_digests, verify, write_manifest
-from .ownership import TRASH_PREFIX, delete_atomically, fsync_dir, make_managed_dir, ours
+from .ownership import TRASH_PREFIX, delete_atomically, fsync_dir, make_managed_dir, mark, ours
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 TMP_PREFIX = ".tmp-"
+ABANDONED_PREFIX = "abandoned-"
 TRAINER_STATE = "trainer_state.json"
 SHARD_SUFFIX = ".distcp"
 PAUSE_HOOK = "MOE_EP_TEST_PAUSE_IN_CHECKPOINT"  # see the module's docstring
@@ -192,7 +199,8 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
     """Collective: every rank calls it with what it trains (the model, or its pipeline stages
     under the model's names, layout.rank_view). Returns the final folder. Raises RunError, on every
     rank where the failure is known to all (``agreed``), with nothing of the previous checkpoints
-    touched."""
+    touched. ``keep``: the newest checkpoints kept, this one included; the steps listed in
+    ``trainer_state["branch_points"]`` (where a rolled-back run resumed) are kept besides them."""
     final, tmp = step_dir(root, step), root / f"{TMP_PREFIX}step_{step:08d}"
     previous = latest_checkpoint(root)
     kept = f"{previous} is intact" if previous is not None else "no earlier checkpoint exists"
@@ -253,8 +261,10 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
         fsync_dir(root)
         if trash is not None:
             shutil.rmtree(trash)
-        # The new checkpoint is complete: only now may older ones go, never the new one.
-        others = [p for p in complete_checkpoints(root) if p != final]
+        # The new checkpoint is complete: only now may older ones go, never the new one nor a
+        # branch point.
+        branch_points = set(trainer_state.get("branch_points", ()))
+        others = [p for p in complete_checkpoints(root) if p != final and step_of(p) not in branch_points]
         for old in others[:max(0, len(others) - (keep - 1))]:
             delete_atomically(old)
     barrier()
@@ -375,3 +385,40 @@ def checkpoint_due(step: int, *, every: int, last: int) -> bool:
     """Whether optimizer step ``step`` (1-based) ends with a checkpoint: every ``every`` steps (0:
     none) and at the schedule's ``last`` step."""
     return step == last or (every > 0 and step % every == 0)
+
+
+def set_aside_later_checkpoints(root: Path, step: int, resumed: Path, *, rank: int) -> Path | None:
+    """Collective, once the checkpoint ``resumed`` of optimizer step ``step`` is chosen: rank 0 moves
+    every checkpoint folder of ``root`` later than ``step`` (complete or damaged), whole, into a new
+    marked folder ``root/abandoned-<time>-from-step-<step>/``, which every rank gets back (None where
+    nothing is later): the abandoned branch stays on disk for the user, out of reach of ``--resume
+    auto``, of pruning and of the resumed run's checkpoints of the same steps. A failure to move
+    raises RunError on every rank, nothing deleted."""
+    outcome = None
+    if rank == 0:
+        try:
+            outcome = str(_set_aside(root, step, resumed) or "")
+        except OSError as err:
+            outcome = RunError(f"cannot set aside the checkpoints after step {step} in {root}: "
+                               f"{err.strerror or err}; nothing was deleted", agreed=True)
+    outcome = gather(outcome)[0]
+    if isinstance(outcome, RunError):
+        raise outcome
+    return Path(outcome) if outcome else None
+
+
+def _set_aside(root: Path, step: int, resumed: Path) -> Path | None:
+    later = [p for p in step_folders(root) if step_of(p) > step and p.resolve() != resumed.resolve()]
+    if not later:
+        return None
+    name = f"{ABANDONED_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-from-step-{step}"
+    aside, n = root / name, 1
+    while aside.exists():
+        aside, n = root / f"{name}.{n}", n + 1
+    aside.mkdir()
+    mark(aside, "abandoned", from_step=step)
+    for path in later:
+        os.rename(path, aside / path.name)
+    fsync_dir(aside)
+    fsync_dir(root)
+    return aside

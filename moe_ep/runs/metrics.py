@@ -130,6 +130,19 @@ class Reporter:
 
             self.tb = SummaryWriter(str(make_managed_dir(output_dir / "tensorboard", "tensorboard")))
 
+    def resumed(self, step: int, checkpoint: Path, set_aside: Path | None) -> None:
+        """A resume at ``step``: a record that supersedes the log's earlier records of later steps
+        (read_metrics), which the resumed run trains again or which belong to an abandoned branch,
+        and one line."""
+        if not self.enabled:
+            return
+        self._write({"resumed_from_step": step, "checkpoint": str(checkpoint),
+                     "set_aside": None if set_aside is None else str(set_aside)})
+        if set_aside is not None:
+            later = ", ".join(sorted(p.name for p in set_aside.iterdir() if p.is_dir()))
+            self.info(f"rolled back to step {step}: the later checkpoints ({later}) are set aside, not deleted, in "
+                      f"{set_aside}; this run goes on from {checkpoint}")
+
     def info(self, message: str) -> None:
         if not self.enabled:
             return
@@ -204,6 +217,28 @@ class Reporter:
             self.tb.close()
         if self.jsonl is not None:
             self.jsonl.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The step records of a ``metrics.jsonl`` as the run's history stands: a resume record
+    (``resumed_from_step: N``) drops the records of steps after N written before it, steps run again
+    after a crash or an abandoned branch's, so that no step is counted twice. A last line cut short
+    (a run killed mid-write) is ignored; any other line that is not JSON raises ValueError naming
+    it."""
+    lines = path.read_text().splitlines()
+    records: list[dict] = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}: line {number} is not a JSON record: {line[:80]!r}") from None
+        if "resumed_from_step" in record:
+            records = [r for r in records if r["step"] <= record["resumed_from_step"]]
+        elif "step" in record:
+            records.append(record)
+    return records
 
 
 class Throughput:

@@ -34,7 +34,7 @@ from example_runs import (
 # The example's own module (example_runs put its folder on the path).
 import export  # noqa: E402
 from moe_ep.runs import checkpoint as ckpt  # noqa: E402
-from moe_ep.runs import integrity, ownership  # noqa: E402
+from moe_ep.runs import integrity, ownership, read_metrics  # noqa: E402
 
 # Trains the example's model again and again (about a minute in all): not in the quick subset
 # (bash scripts/test.sh --quick).
@@ -393,7 +393,7 @@ def test_poisoned_steps_are_skipped_logged_and_never_applied(tmp_path, capsys, m
         line = next(l for l in printed.splitlines() if l.startswith(f"step {step:>6} | skipped: loss "))
         assert line.endswith(f", grad_norm nan (not finite on some rank); nothing applied | {in_a_row} in a row "
                              f"(the run stops at 20), {in_a_row} in all"), line
-    records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    records = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
     assert [s for s, r in records.items() if r.get("skipped")] == [3, 4]
     assert records[3]["grad_norm"] is None and records[4]["loss"] > 0 and records[6]["steps_skipped"] == 2
     assert "steps skipped (non-finite loss or gradient norm): 2" in printed
