@@ -232,7 +232,8 @@ def validate(args) -> Checked:
     mp_dtype = mixed_precision_dtype()
     output_dir = Path(args.output_dir)
     check_output_folders(output_dir, None if args.export_dir is None else Path(args.export_dir),
-                         count_parameters(build_model(source, seed=args.seed, meta=True))[0])
+                         count_parameters(build_model(source, seed=args.seed, meta=True))[0],
+                         keep=args.keep_checkpoints)
     candidates, warnings = resume_target(args.resume, output_dir / "checkpoints", overwrite=args.overwrite)
     # Last: the only checks that read the whole corpus (or its token cache).
     token_cache = token_cache_file(data_spec, tokenizer, output_dir / "token_cache", args.max_corpus_tokens)

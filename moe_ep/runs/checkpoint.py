@@ -51,12 +51,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from .errors import RunError, UsageError, write_failure
+from .errors import RunError, UsageError, failure_cause, write_failure
 from .integrity import MANIFEST, gather, local_problems, shared_digests, verify, write_manifest
-from .ownership import TRASH_PREFIX, delete_atomically, fsync_dir, make_managed_dir, mark, ours
+from .ownership import (
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    delete_atomically,
+    fsync_dir,
+    make_managed_dir,
+    mark,
+    ours,
+    refuse_link,
+)
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
-TMP_PREFIX = ".tmp-"
 ABANDONED_PREFIX = "abandoned-"
 TRAINER_STATE = "trainer_state.json"
 SHARD_SUFFIX = ".distcp"
@@ -116,11 +124,12 @@ def quick_problems(path: Path) -> list[str]:
 
 def remove_incomplete(root: Path) -> list[Path]:
     """Delete the leftovers of interrupted writes and deletions (rank 0 only), in a checkpoints
-    folder that is the run's own. Returns what it removed."""
+    folder that is the run's own, never through a link. Returns what it removed."""
     if not root.is_dir() or not ours(root, "checkpoints"):
         return []
     stale = sorted(p for p in root.iterdir() if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
     for path in stale:
+        refuse_link(path)
         shutil.rmtree(path)
     return stale
 
@@ -170,11 +179,13 @@ def first_non_finite(model, optimizer) -> str | None:
     return next((n for (n, _), b in zip(named, bad) if b), None)
 
 
-def dcp_failure(action: str, folder: Path, err: CheckpointException) -> str:
-    """One line for DCP's error, which carries every failing rank's exception."""
+def dcp_failure(action: str, folder: Path, err: CheckpointException, *, writing: bool) -> str:
+    """One line for DCP's error, which carries every failing rank's exception (while ``writing``, a
+    full disk said as one, failure_cause)."""
     causes = []
     for rank, (exc, _trace) in sorted(err.failures.items()):
-        cause = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+        cause = failure_cause(folder, exc) if writing else (
+            getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0])
         causes.append(f"rank {rank}: {cause}")
     return f"cannot {action} {folder}: {'; '.join(causes)}"
 
@@ -211,6 +222,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
     if rank == 0:
         make_managed_dir(root, "checkpoints")
         try:
+            refuse_link(tmp)
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
@@ -223,7 +235,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
         with quiet_single_process():
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     except CheckpointException as err:
-        raise RunError(f"{dcp_failure('write the checkpoint', tmp, err)}; {kept}", agreed=True) from None
+        raise RunError(f"{dcp_failure('write the checkpoint', tmp, err, writing=True)}; {kept}", agreed=True) from None
     buffer = io.BytesIO()
     torch.save(rng_state(), buffer)
     write_file(rng_file(tmp, rank), buffer.getvalue())
@@ -254,6 +266,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
             # A checkpoint of this step exists (a resumed run re-saving it): moved aside whole,
             # and deleted only once the new one holds the name.
             trash = root / f"{TRASH_PREFIX}{final.name}"
+            refuse_link(trash)
             if trash.exists():
                 shutil.rmtree(trash)
             os.rename(final, trash)
@@ -297,7 +310,7 @@ def load_checkpoint(path: Path, model, optimizer, *, rank: int, world_size: int)
         with quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))
     except CheckpointException as err:
-        raise RunError(dcp_failure("load the checkpoint", path, err), agreed=True) from None
+        raise RunError(dcp_failure("load the checkpoint", path, err, writing=False), agreed=True) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=STATE_DICT_OPTIONS)
     if trainer_state["world_size"] == world_size:

@@ -35,20 +35,31 @@ def said_by_every_rank():
         raise
 
 
-def write_failure(path, err: BaseException) -> str:
-    """``cannot write PATH: CAUSE`` for an error raised while writing ``path``. torch.save reports a
-    full disk as ``unexpected pos N vs M``, so the free space is looked up when the cause is not an
-    errno."""
+# Below this many free bytes, a write that failed without an errno failed for lack of space.
+FULL_DISK_BYTES = 1 << 20
+
+
+def failure_cause(path, err: BaseException) -> str:
+    """Why writing ``path`` failed, in a few words: the errno's text (``No space left on device``),
+    or, where the error carries none, its first line, said to be a full disk when the file system
+    of ``path`` is (torch.save reports a full disk as ``unexpected pos N vs M``)."""
     cause = getattr(err, "strerror", None)
-    if not cause:
-        cause = str(err).splitlines()[0] if str(err) else type(err).__name__
-        try:
-            free = shutil.disk_usage(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))).free
-        except OSError:
-            free = None
-        if free is not None and free < 1 << 20:
-            cause = f"the file system is full ({free:,} bytes free; {cause})"
-    return f"cannot write {path}: {cause}"
+    if cause:
+        return cause
+    cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return cause
+    if free < FULL_DISK_BYTES:
+        return f"No space left on device ({free:,} bytes free on the file system of {folder}; {cause})"
+    return cause
+
+
+def write_failure(path, err: BaseException) -> str:
+    """``cannot write PATH: CAUSE`` for an error raised while writing ``path`` (failure_cause)."""
+    return f"cannot write {path}: {failure_cause(path, err)}"
 
 
 def lost_peer(err: BaseException) -> bool:

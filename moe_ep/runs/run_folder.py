@@ -18,6 +18,7 @@ from .ownership import (
     LOCK_FILE,
     MARKER,
     check_free_space,
+    check_odd_entries,
     check_writable,
     make_managed_dir,
     mark,
@@ -49,6 +50,7 @@ class RunFolder:
         writable and has room for a checkpoint and the final model."""
         if self.path.exists() and not self.path.is_dir():
             raise UsageError(f"--output-dir: {self.path} exists and is not a folder")
+        check_odd_entries(self.path)
         if self.path.exists() and marker_kind(self.path) != self.kind and not self._holds_nothing():
             raise UsageError(not_ours_message(self.path, "--output-dir"))
         for name in self.managed:
