@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -42,12 +41,22 @@ def test_a_checkpoint_is_due_every_n_steps_and_at_the_last(step, every, last, du
 def test_a_second_job_is_refused_the_held_folder_and_it_is_let_go_after(tmp_path):
     with hold_output_dir(tmp_path, rank=0) as previous:
         assert previous is None
-        # Another process's lockf conflicts; this process's own second fd would not, so the second
-        # job is a child process.
-        code = ("import sys; from pathlib import Path; from moe_ep.runs import OutputLock, UsageError\n"
-                "try:\n    OutputLock(Path(sys.argv[1])).acquire()\nexcept UsageError as e:\n    print(e)")
-        said = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
-                              check=True).stdout
+        # Another process's lockf conflicts, this process's own second fd would not: a forked child
+        # (no interpreter start) tries the folder.
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                OutputLock(tmp_path).acquire()
+                said = "acquired"
+            except UsageError as err:
+                said = str(err)
+            os.write(write_end, said.encode())
+            os._exit(0)
+        os.close(write_end)
+        said = os.read(read_end, 1 << 16).decode()
+        os.waitpid(pid, 0)
+        os.close(read_end)
         assert "is in use by another job" in said and "pid" in said
     with hold_output_dir(tmp_path, rank=0) as previous:
         assert previous is None  # let go cleanly: no record of a dead holder
