@@ -27,8 +27,8 @@ from moe_ep.runs import (
     set_aside_later_checkpoints,
     step_folders,
 )
-from moe_ep.runs.errors import failure_cause
 from moe_ep.runs.checkpoint import step_dir
+from moe_ep.runs.errors import failure_cause
 
 
 @pytest.mark.parametrize(("step", "every", "last", "due"), [
