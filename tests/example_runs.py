@@ -3,11 +3,10 @@
 reading a run's losses and checkpoints, and copying a run to damage. Shared by
 test_example_launch.py and the fault-injection modules of tests/faults/ (no test module imports
 another). Importing it puts the example's folder on ``sys.path``, so tests import the example's
-own modules (``checkpoint``, ``integrity``, ``ownership``, ``train``) by name."""
+own modules (``data``, ``export``, ``train``) by name; the run machinery is ``moe_ep.runs``."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -89,7 +88,7 @@ def wait_until(condition, proc: subprocess.Popen, message: str, timeout: float =
 
 
 def paused_files(tmp_checkpoint: Path, ranks: int) -> list[Path]:
-    """What checkpoint.py's pause hook touches in the ``.tmp-`` folder, one per rank."""
+    """What moe_ep.runs.checkpoint's pause hook touches in the ``.tmp-`` folder, one per rank."""
     return [tmp_checkpoint / f"paused-rank{r:05d}" for r in range(ranks)]
 
 
@@ -132,9 +131,11 @@ def train_in_process(argv) -> int:
 
 
 def losses(out: Path) -> dict[int, float]:
-    """Step -> loss; a step logged twice (re-run after a resume) keeps its last value."""
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records}
+    """Step -> loss, as moe_ep.runs.read_metrics reads the log (a step run again after a resume, its
+    last value)."""
+    from moe_ep.runs import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")}
 
 
 def export_of(out: Path) -> Path:
@@ -169,7 +170,7 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 def copy_run(base: Path, dest: Path) -> Path:
     """A copy of the base run to damage: the large DCP shards are hard links (a damaged one is
     written anew by ``rewrite``, never changed in place), everything else real copies."""
-    from checkpoint import SHARD_SUFFIX
+    from moe_ep.runs.checkpoint import SHARD_SUFFIX
 
     def link_shards(src, dst):
         return os.link(src, dst) if src.endswith(SHARD_SUFFIX) else shutil.copy2(src, dst)

@@ -8,7 +8,6 @@ way), their checkpoints resumed bit for bit, under the planner's layout, and exp
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from example_runs import (
     wait_until,
 )
 from numerics import TOLERANCE, rel_err
+
+from moe_ep.runs import read_metrics
 
 # Launches the example with accelerate and torchrun: not in the quick subset (bash scripts/test.sh --quick).
 pytestmark = pytest.mark.slow
@@ -73,9 +74,9 @@ def test_two_process_launch_trains_and_matches_one_process(reference, tmp_path):
 
 def test_killed_run_resumes_onto_the_same_losses_bit_for_bit(reference, tmp_path):
     out = tmp_path / "killed"
-    # checkpoint.py's test hook: both ranks stop inside the step-4 save, their shards and RNG
+    # moe_ep.runs.checkpoint's test hook: both ranks stop inside the step-4 save, their shards and RNG
     # states written into the .tmp- folder, the folder not yet renamed; the run is killed there.
-    proc = launch(accelerate_cmd(out), out.with_name("killed.log"), MIXTRAL_EXAMPLE_TEST_PAUSE_IN_CHECKPOINT="4")
+    proc = launch(accelerate_cmd(out), out.with_name("killed.log"), MOE_EP_TEST_PAUSE_IN_CHECKPOINT="4")
     partial = out / "checkpoints" / ".tmp-step_00000004"
     try:
         wait_until(lambda: all(p.exists() for p in paused_files(partial, 2)), proc,
@@ -184,7 +185,7 @@ def pipeline_cmd(out: Path, *extra: str, layout=PIPELINE) -> list[str]:
 
 
 def records(out: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
 
 
 @pytest.fixture(scope="module")

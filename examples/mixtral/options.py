@@ -8,7 +8,7 @@ import importlib.util
 import math
 from pathlib import Path
 
-from errors import UsageError
+from moe_ep.runs import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:

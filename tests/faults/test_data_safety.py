@@ -31,11 +31,10 @@ from example_runs import (
     trained_model,
 )
 
-# The example's own modules (example_runs put its folder on the path).
-import checkpoint as ckpt  # noqa: E402
+# The example's own module (example_runs put its folder on the path).
 import export  # noqa: E402
-import integrity  # noqa: E402
-import ownership  # noqa: E402
+from moe_ep.runs import checkpoint as ckpt  # noqa: E402
+from moe_ep.runs import integrity, ownership, read_metrics  # noqa: E402
 
 # Trains the example's model again and again (about a minute in all): not in the quick subset
 # (bash scripts/test.sh --quick).
@@ -239,15 +238,64 @@ def test_too_little_free_space_stops_before_any_work(tmp_path, capsys, monkeypat
     monkeypatch.setattr(ownership.shutil, "disk_usage", fake_disk_usage(10 << 20))
     out = tmp_path / "run"
     code, err = train_cli([*COMMON, "--output-dir", str(out)], capsys)
-    # The tiny model: 3.4M parameters x 12 bytes.
+    # The tiny model: 3.4M parameters x 12 bytes, 6 times (--keep-checkpoints 5, and the next one).
     assert code == 2 and "--output-dir: 0.01 GiB free on the file system of" in err, err
-    assert "but one checkpoint (weights and AdamW state) take about 0.04 GiB" in err
+    assert ("but 6 more checkpoints (weights and AdamW state; --keep-checkpoints 5 and one more while a save is "
+            "written) take about 0.23 GiB") in err
     assert not out.exists()
+
+
+def test_a_full_disk_reported_as_a_torn_write_says_no_space_left(base, tmp_path, capsys, monkeypatch):
+    """torch's writer reports a full disk inside a DCP shard as ``unexpected pos N vs M``: said as
+    no space left, naming the folder, step 2 intact; once space is freed the same command removes
+    the leftover and resumes onto the undisturbed losses."""
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    write_item = dcp_files._write_item
+
+    def full_in_step_4(transforms, stream, *args, **kwargs):
+        if ".tmp-step_00000004" in str(getattr(stream, "name", "")):
+            monkeypatch.setattr(ownership.shutil, "disk_usage", fake_disk_usage(0))
+            raise RuntimeError("unexpected pos 704 vs 598")
+        return write_item(transforms, stream, *args, **kwargs)
+
+    monkeypatch.setattr(dcp_files, "_write_item", full_in_step_4)
+    out = tmp_path / "run"
+    code, err = train_cli([*COMMON, "--output-dir", str(out)], capsys)
+    tmp, step2 = out / "checkpoints" / ".tmp-step_00000004", out / "checkpoints" / "step_00000002"
+    assert code == 1
+    assert err.strip() == (f"error: cannot write the checkpoint {tmp}: rank 0: No space left on device (0 bytes free "
+                           f"on the file system of {tmp}; unexpected pos 704 vs 598); {step2} is intact")
+    monkeypatch.undo()
+    code, err = train_cli([*COMMON, "--output-dir", str(out)], capsys)
+    assert code == 0, err
+    assert losses(out) == losses(base) and not tmp.exists()
+
+
+@pytest.mark.parametrize("case", ["metrics.jsonl is a folder", "a checkpoint is a link"])
+def test_odd_files_stop_the_run_before_any_work_naming_them(case, base, tmp_path, capsys):
+    """A folder where the run keeps a file, a link where it keeps a checkpoint (whose pruning would
+    otherwise crash every later start): one line naming it, exit status 2, nothing touched."""
+    out = copy_run(base, tmp_path / "run")
+    if case == "metrics.jsonl is a folder":
+        (out / "metrics.jsonl").unlink()
+        (out / "metrics.jsonl").mkdir()
+        named = f"{out / 'metrics.jsonl'} is a folder where the run keeps its file metrics.jsonl"
+    else:
+        step2 = out / "checkpoints" / "step_00000002"
+        step2.rename(tmp_path / "elsewhere")
+        step2.symlink_to(tmp_path / "elsewhere")
+        named = f"{step2} is a link (to {tmp_path / 'elsewhere'}) among the run's checkpoints"
+    before, kept = snapshot(out), snapshot(tmp_path / "elsewhere") if case != "metrics.jsonl is a folder" else {}
+    code, err = train_cli([*COMMON, "--steps", "8", "--keep-checkpoints", "1", "--output-dir", str(out)], capsys)
+    assert code == 2 and err.strip().startswith(f"error: --output-dir: {named}"), err
+    assert len(err.strip().splitlines()) == 1
+    assert snapshot(out) == before and (not kept or snapshot(tmp_path / "elsewhere") == kept)
 
 
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_resumes_bit_for_bit(base, tmp_path, capsys,
                                                                                        monkeypatch):
-    """A full disk inside the step-4 save (checkpoint.py's hook: the rank's DCP shard is a link to
+    """A full disk inside the step-4 save (moe_ep.runs.checkpoint's hook: the rank's DCP shard is a link to
     /dev/full, whose writes fail with ENOSPC): one line naming the folder and the cause, step 2
     intact; the same command then resumes from step 2 onto the undisturbed losses."""
     out = tmp_path / "run"
@@ -394,7 +442,7 @@ def test_poisoned_steps_are_skipped_logged_and_never_applied(tmp_path, capsys, m
         line = next(l for l in printed.splitlines() if l.startswith(f"step {step:>6} | skipped: loss "))
         assert line.endswith(f", grad_norm nan (not finite on some rank); nothing applied | {in_a_row} in a row "
                              f"(the run stops at 20), {in_a_row} in all"), line
-    records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    records = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
     assert [s for s, r in records.items() if r.get("skipped")] == [3, 4]
     assert records[3]["grad_norm"] is None and records[4]["loss"] > 0 and records[6]["steps_skipped"] == 2
     assert "steps skipped (non-finite loss or gradient norm): 2" in printed

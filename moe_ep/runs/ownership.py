@@ -1,6 +1,6 @@
 """What a run may write and delete, and the one job that may do it.
 
-Markers: every folder this example creates for itself carries a small file, ``.moe_ep-owner``,
+Markers: every folder a run creates for itself carries a small file, ``.moe_ep-owner``,
 naming what made it (``run``: the output folder; ``checkpoints``, ``tensorboard``, ``token_cache``:
 its managed subfolders; ``export``: a Hugging Face folder written by ``export.py``). A folder
 without the marker is the user's: it is never deleted, never replaced and never written into,
@@ -31,15 +31,19 @@ import shutil
 import socket
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-from errors import UsageError
+from .errors import RunError, UsageError
 
 MARKER = ".moe_ep-owner"
 LOCK_FILE = ".moe_ep-lock"
 MANAGED = ("checkpoints", "tensorboard", "token_cache")
 METRICS = "metrics.jsonl"
 TRASH_PREFIX = ".trash-"
+TMP_PREFIX = ".tmp-"
+# What a run keeps as a file in its output folder.
+RUN_FILES = (METRICS, LOCK_FILE, MARKER)
 
 
 def marker_kind(folder: Path) -> str | None:
@@ -53,7 +57,7 @@ def marker_kind(folder: Path) -> str | None:
 def mark(folder: Path, kind: str, **info) -> None:
     # A name of this process's own: the local first processes of several nodes may mark one folder.
     tmp = folder / f"{MARKER}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"kind": kind, "by": "moe_ep examples/mixtral", **info}))
+    tmp.write_text(json.dumps({"kind": kind, "by": "moe_ep", **info}))
     os.replace(tmp, folder / MARKER)
 
 
@@ -63,13 +67,13 @@ def is_empty_dir(path: Path) -> bool:
 
 
 def ours(path: Path, kind: str) -> bool:
-    """Whether the example may delete or replace ``path``: a folder carrying ``kind``'s marker, or
+    """Whether a run may delete or replace ``path``: a folder carrying ``kind``'s marker, or
     an empty folder."""
     return path.is_dir() and (marker_kind(path) == kind or is_empty_dir(path))
 
 
 def not_ours_message(path: Path, flag: str) -> str:
-    return (f"{flag}: {path} was not made by this example (it has no {MARKER} marker); moe_ep never writes "
+    return (f"{flag}: {path} was not made by moe_ep (it has no {MARKER} marker); moe_ep never writes "
             f"into or deletes a folder it did not make: move it away or choose another {flag}")
 
 
@@ -84,24 +88,71 @@ def make_managed_dir(path: Path, kind: str) -> Path:
     return path
 
 
+def link_or_folder(path: Path) -> str | None:
+    """``"a link"``, ``"a folder"`` or None: what ``path`` is where a file is expected."""
+    return "a link" if path.is_symlink() else "a folder" if path.is_dir() else None
+
+
+def check_odd_entries(output_dir: Path, flag: str = "--output-dir") -> None:
+    """Before any work: an output folder that is a dangling link, a folder or a link where the run
+    keeps a file (``metrics.jsonl``, the lock, a marker) and a link where it keeps a folder (its
+    managed subfolders, anything in ``checkpoints/``) are refused by name: a run writes, and
+    ``--overwrite`` or pruning delete, nothing through a link."""
+    if output_dir.is_symlink() and not output_dir.exists():
+        raise UsageError(f"{flag}: {output_dir} is a link to {os.readlink(output_dir)}, which does not exist; "
+                         f"point it at a folder or choose another {flag}")
+    if not output_dir.is_dir():
+        return
+    files = [output_dir / name for name in RUN_FILES]
+    for name in MANAGED:
+        folder = output_dir / name
+        if folder.is_symlink():
+            raise UsageError(f"{flag}: {folder} is a link (to {os.readlink(folder)}) where the run keeps its folder "
+                             f"{name}; moe_ep never writes or deletes through a link: make it a folder or move it away")
+        if folder.is_dir():
+            files.append(folder / MARKER)
+    for path in files:
+        if (what := link_or_folder(path)) is not None:
+            raise UsageError(f"{flag}: {path} is {what} where the run keeps its file {path.name}; moe_ep never writes "
+                             "through a link or over a folder: move it away")
+    checkpoints = output_dir / "checkpoints"
+    if checkpoints.is_dir():
+        for entry in sorted(checkpoints.iterdir()):
+            if entry.is_symlink():
+                raise UsageError(f"{flag}: {entry} is a link (to {os.readlink(entry)}) among the run's checkpoints; "
+                                 "moe_ep never reads, prunes or deletes a checkpoint through a link: move it away")
+
+
+def refuse_link(path: Path) -> None:
+    """Raise RunError where ``path``, about to be deleted, is a link: nothing is deleted through one
+    (check_odd_entries refused any before the run; this holds for what appeared since)."""
+    if path.is_symlink():
+        raise RunError(f"{path} is a link (to {os.readlink(path)}); moe_ep never deletes through a link: move it away")
+
+
 def check_run_folder(output_dir: Path) -> None:
-    """Before any work: every managed name that exists in ``output_dir`` must be the run's own,
-    since runs write into them and ``--overwrite`` deletes them."""
+    """Before any work: nothing odd where the run keeps its files and folders (check_odd_entries),
+    and every managed name that exists in ``output_dir`` is the run's own, since runs write into
+    them and ``--overwrite`` deletes them."""
+    check_odd_entries(output_dir)
     for name in MANAGED:
         path = output_dir / name
         if path.exists() and not ours(path, name):
             raise UsageError(not_ours_message(path, "--output-dir"))
     metrics = output_dir / METRICS
     if metrics.exists() and marker_kind(output_dir) != "run":
-        raise UsageError(f"--output-dir: {metrics} was not written by this example (the folder has no {MARKER} "
+        raise UsageError(f"--output-dir: {metrics} was not written by moe_ep (the folder has no {MARKER} "
                          "marker); moe_ep never appends to or deletes a file it did not make: move it away or "
                          "choose another --output-dir")
 
 
 def delete_atomically(path: Path) -> None:
     """Rename ``path`` to a ``.trash-`` name beside it (atomic), then delete it: whenever the
-    deletion stops, nothing is left under the old name. Only for folders that are ours."""
+    deletion stops, nothing is left under the old name. Only for folders that are ours; never
+    through a link."""
     trash = path.with_name(TRASH_PREFIX + path.name)
+    refuse_link(path)
+    refuse_link(trash)
     if trash.exists():  # left by an earlier interrupted deletion
         shutil.rmtree(trash)
     os.rename(path, trash)
@@ -119,6 +170,7 @@ def clear_run(output_dir: Path) -> None:
             delete_atomically(path)
     for name in ("checkpoints", "tensorboard"):
         leftover = output_dir / (TRASH_PREFIX + name)
+        refuse_link(leftover)
         if leftover.exists() and ours(leftover, name):
             shutil.rmtree(leftover)
     if marker_kind(output_dir) == "run":
@@ -192,12 +244,33 @@ def check_writable(path: Path, flag: str) -> None:
         raise UsageError(f"{flag}: cannot write in {folder}: {err.strerror or err}") from None
 
 
-def check_free_space(path: Path, needed: int, what: str, flag: str) -> None:
+def check_free_space(path: Path, needed: int, what: str, flag: str, *, reclaimable: int = 0) -> None:
+    """``needed`` bytes free on the file system of ``path``, counting ``reclaimable`` bytes (the run's
+    own leftovers, which it removes before it writes) as free."""
     folder = existing_ancestor(path)
     free = shutil.disk_usage(folder).free
-    if free < needed:
-        raise UsageError(f"{flag}: {free / 2**30:,.2f} GiB free on the file system of {folder}, but {what} "
-                         f"take about {needed / 2**30:,.2f} GiB; free some space or choose another {flag}")
+    if free + reclaimable < needed:
+        leftovers = (f" (and {reclaimable / 2**30:,.2f} GiB in leftovers of interrupted saves, removed at start)"
+                     if reclaimable else "")
+        raise UsageError(f"{flag}: {free / 2**30:,.2f} GiB free on the file system of {folder}{leftovers}, but "
+                         f"{what} take about {needed / 2**30:,.2f} GiB; free some space or choose another {flag}")
+
+
+def leftover_bytes(checkpoints: Path) -> int:
+    """Bytes held by the ``.tmp-`` and ``.trash-`` folders of a checkpoints folder that is the run's:
+    interrupted saves and deletions, which the run removes at start."""
+    if not ours(checkpoints, "checkpoints"):
+        return 0
+    return sum(f.stat().st_size for entry in checkpoints.iterdir() if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX))
+               and entry.is_dir() and not entry.is_symlink() for f in entry.rglob("*") if f.is_file())
+
+
+def checkpoints_to_come(checkpoints: Path, keep: int) -> int:
+    """How many more checkpoints the disk must hold: a save writes the new one before it prunes, so
+    a run holds ``keep + 1`` at its peak, of which those already on disk are paid for (at least one
+    more, whatever is there)."""
+    existing = sum(1 for p in checkpoints.iterdir() if p.name.startswith("step_")) if checkpoints.is_dir() else 0
+    return max(1, keep + 1 - existing)
 
 
 # ------------------------------------------------------------------------------------ the lock
@@ -223,7 +296,14 @@ class OutputLock:
         that died holding it, if any."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Never deleted: a lock file unlinked and re-created would let two jobs lock two inodes.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Never through a link (the record would overwrite its target).
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            if (what := link_or_folder(self.path)) is None:
+                raise
+            raise UsageError(f"--output-dir: {self.path} is {what} where the run keeps its lock file; move it "
+                             "away") from err
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -268,6 +348,20 @@ class OutputLock:
         self._fd = None
 
 
+@contextmanager
+def hold_output_dir(folder: Path, *, rank: int):
+    """The job's hold on ``folder``: global rank 0 takes the lock (or raises UsageError naming its
+    holder) and lets go on exit; the other ranks join the job through the process group, which
+    forms only once rank 0 holds the lock. Yields the record of a job that died holding it (rank 0;
+    None elsewhere), for a warning."""
+    lock = OutputLock(folder)
+    previous = lock.acquire() if rank == 0 else None
+    try:
+        yield previous
+    finally:
+        lock.release()
+
+
 def describe_holder(record: dict) -> str:
     if "unreadable" in record:
         return f"lock record {record['unreadable']!r}"
@@ -279,16 +373,19 @@ CHECKPOINT_BYTES_PER_PARAMETER = 12
 EXPORT_BYTES_PER_PARAMETER = 4
 
 
-def check_output_folders(output_dir: Path, export_dir: Path | None, parameters: int) -> None:
-    """Before any work: the run folder holds nothing of the user's under the run's names, every
-    folder the run writes to is writable and has room for one checkpoint (and the export), and the
-    export goes where it deletes nothing of the user's."""
+def check_output_folders(output_dir: Path, export_dir: Path | None, parameters: int, *, keep: int) -> None:
+    """Before any work: the run folder holds nothing of the user's under the run's names and
+    nothing odd (check_odd_entries), every folder the run writes to is writable and has room for
+    the checkpoints to come (``keep`` kept, one more while a save is written; the run's own leftovers
+    counted as free) and the export, and the export goes where it deletes nothing of the user's."""
     check_run_folder(output_dir)
     for folder in (output_dir, *(output_dir / name for name in MANAGED if (output_dir / name).is_dir())):
         check_writable(folder, "--output-dir")
-    needed = {existing_ancestor(output_dir).stat().st_dev: [CHECKPOINT_BYTES_PER_PARAMETER * parameters,
-                                                             "one checkpoint (weights and AdamW state)", output_dir,
-                                                             "--output-dir"]}
+    count = checkpoints_to_come(output_dir / "checkpoints", keep)
+    what = (f"{count} more checkpoint{'s' if count > 1 else ''} (weights and AdamW state; --keep-checkpoints {keep} "
+            "and one more while a save is written)")
+    needed = {existing_ancestor(output_dir).stat().st_dev: [count * CHECKPOINT_BYTES_PER_PARAMETER * parameters,
+                                                             what, output_dir, "--output-dir"]}
     if export_dir is not None:
         check_export_target(export_dir, {"the run folder (--output-dir)": output_dir}, "--export-dir")
         check_writable(export_dir.parent, "--export-dir")
@@ -298,5 +395,6 @@ def check_output_folders(output_dir: Path, export_dir: Path | None, parameters: 
             needed[device][1] += " and the export"
         else:
             needed[device] = [EXPORT_BYTES_PER_PARAMETER * parameters, "the export", export_dir, "--export-dir"]
+    reclaimable = leftover_bytes(output_dir / "checkpoints")
     for size, what, folder, flag in needed.values():
-        check_free_space(folder, size, what, flag)
+        check_free_space(folder, size, what, flag, reclaimable=reclaimable if folder == output_dir else 0)

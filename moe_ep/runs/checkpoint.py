@@ -10,7 +10,13 @@ so a folder with the final name is always complete, and a run killed mid-write l
 reverse: a checkpoint that is replaced or pruned is first renamed to ``.trash-step_XXXXXXXX``,
 then deleted, so a run killed mid-delete never leaves a partly deleted folder under a final name.
 Older checkpoints are pruned only once the new one is complete, its manifest made from the files
-read back; weights or optimizer state that are not finite are never written. The output folder
+read back; weights or optimizer state that are not finite are never written.
+
+Rolling back is a branch: a run resumed from a checkpoint older than the newest sets the later ones
+aside, whole, in ``checkpoints/abandoned-<time>-from-step-<N>/`` (set_aside_later_checkpoints; never
+deleted, never listed as a checkpoint, so ``--resume auto`` never continues the abandoned branch and
+a new checkpoint of the same step replaces nothing of it). The step it branched from is kept in the
+trainer state's ``branch_points``, which pruning never counts nor deletes. The output folder
 must be shared by all nodes; ``checkpoints/`` carries the run's marker (ownership.py), and nothing
 outside a folder so marked is ever deleted.
 
@@ -19,10 +25,10 @@ files' sizes and the checksums of the small files (quick_problems); after start-
 verify the shards' checksums together and agree on the verdict (integrity.verify).
 
 Test hooks (environment variables):
-``MIXTRAL_EXAMPLE_TEST_PAUSE_IN_CHECKPOINT=N``: every rank stops inside the save of step N once its
+``MOE_EP_TEST_PAUSE_IN_CHECKPOINT=N``: every rank stops inside the save of step N once its
 shards and RNG state are in the ``.tmp-`` folder, touches ``paused-rankR`` there and waits until
 that file is deleted, so that a test can kill the run mid-write, or let it go on, deterministically.
-``MIXTRAL_EXAMPLE_TEST_DISK_FULL=N:R``: in the save of step N, rank R's DCP shard file is a link to
+``MOE_EP_TEST_DISK_FULL=N:R``: in the save of step N, rank R's DCP shard file is a link to
 ``/dev/full``, so its write fails as on a full disk (ENOSPC from the kernel).
 """
 
@@ -45,16 +51,25 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from errors import RunError, UsageError, write_failure
-from integrity import MANIFEST, gather, local_problems, shared_digests, verify, write_manifest
-from ownership import TRASH_PREFIX, delete_atomically, fsync_dir, make_managed_dir, ours
+from .errors import RunError, UsageError, failure_cause, write_failure
+from .integrity import MANIFEST, gather, local_problems, shared_digests, verify, write_manifest
+from .ownership import (
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    delete_atomically,
+    fsync_dir,
+    make_managed_dir,
+    mark,
+    ours,
+    refuse_link,
+)
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
-TMP_PREFIX = ".tmp-"
+ABANDONED_PREFIX = "abandoned-"
 TRAINER_STATE = "trainer_state.json"
 SHARD_SUFFIX = ".distcp"
-PAUSE_HOOK = "MIXTRAL_EXAMPLE_TEST_PAUSE_IN_CHECKPOINT"  # see the module's docstring
-DISK_FULL_HOOK = "MIXTRAL_EXAMPLE_TEST_DISK_FULL"
+PAUSE_HOOK = "MOE_EP_TEST_PAUSE_IN_CHECKPOINT"  # see the module's docstring
+DISK_FULL_HOOK = "MOE_EP_TEST_DISK_FULL"
 # Optimizer state and hyper-parameters keyed by parameter name (state.<fqn>.exp_avg,
 # param_groups.<fqn>.lr), not by position in the param groups: the ranks of different pipeline
 # stages hold different groups, and a checkpoint then loads under any other layout.
@@ -109,11 +124,12 @@ def quick_problems(path: Path) -> list[str]:
 
 def remove_incomplete(root: Path) -> list[Path]:
     """Delete the leftovers of interrupted writes and deletions (rank 0 only), in a checkpoints
-    folder that is the run's own. Returns what it removed."""
+    folder that is the run's own, never through a link. Returns what it removed."""
     if not root.is_dir() or not ours(root, "checkpoints"):
         return []
     stale = sorted(p for p in root.iterdir() if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
     for path in stale:
+        refuse_link(path)
         shutil.rmtree(path)
     return stale
 
@@ -163,11 +179,13 @@ def first_non_finite(model, optimizer) -> str | None:
     return next((n for (n, _), b in zip(named, bad) if b), None)
 
 
-def dcp_failure(action: str, folder: Path, err: CheckpointException) -> str:
-    """One line for DCP's error, which carries every failing rank's exception."""
+def dcp_failure(action: str, folder: Path, err: CheckpointException, *, writing: bool) -> str:
+    """One line for DCP's error, which carries every failing rank's exception (while ``writing``, a
+    full disk said as one, failure_cause)."""
     causes = []
     for rank, (exc, _trace) in sorted(err.failures.items()):
-        cause = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+        cause = failure_cause(folder, exc) if writing else (
+            getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0])
         causes.append(f"rank {rank}: {cause}")
     return f"cannot {action} {folder}: {'; '.join(causes)}"
 
@@ -192,7 +210,8 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
     """Collective: every rank calls it with what it trains (the model, or its pipeline stages
     under the model's names, layout.rank_view). Returns the final folder. Raises RunError, on every
     rank where the failure is known to all (``agreed``), with nothing of the previous checkpoints
-    touched."""
+    touched. ``keep``: the newest checkpoints kept, this one included; the steps listed in
+    ``trainer_state["branch_points"]`` (where a rolled-back run resumed) are kept besides them."""
     final, tmp = step_dir(root, step), root / f"{TMP_PREFIX}step_{step:08d}"
     previous = latest_checkpoint(root)
     kept = f"{previous} is intact" if previous is not None else "no earlier checkpoint exists"
@@ -203,6 +222,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
     if rank == 0:
         make_managed_dir(root, "checkpoints")
         try:
+            refuse_link(tmp)
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
@@ -215,7 +235,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
         with quiet_single_process():
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     except CheckpointException as err:
-        raise RunError(f"{dcp_failure('write the checkpoint', tmp, err)}; {kept}", agreed=True) from None
+        raise RunError(f"{dcp_failure('write the checkpoint', tmp, err, writing=True)}; {kept}", agreed=True) from None
     buffer = io.BytesIO()
     torch.save(rng_state(), buffer)
     write_file(rng_file(tmp, rank), buffer.getvalue())
@@ -246,6 +266,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
             # A checkpoint of this step exists (a resumed run re-saving it): moved aside whole,
             # and deleted only once the new one holds the name.
             trash = root / f"{TRASH_PREFIX}{final.name}"
+            refuse_link(trash)
             if trash.exists():
                 shutil.rmtree(trash)
             os.rename(final, trash)
@@ -253,8 +274,10 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
         fsync_dir(root)
         if trash is not None:
             shutil.rmtree(trash)
-        # The new checkpoint is complete: only now may older ones go, never the new one.
-        others = [p for p in complete_checkpoints(root) if p != final]
+        # The new checkpoint is complete: only now may older ones go, never the new one nor a
+        # branch point.
+        branch_points = set(trainer_state.get("branch_points", ()))
+        others = [p for p in complete_checkpoints(root) if p != final and step_of(p) not in branch_points]
         for old in others[:max(0, len(others) - (keep - 1))]:
             delete_atomically(old)
     barrier()
@@ -267,7 +290,7 @@ def read_trainer_state(path: Path) -> dict:
     except (OSError, ValueError) as err:
         raise UsageError(f"--resume: {path / TRAINER_STATE} is unreadable ({err}); the checkpoint is damaged") from None
     if not isinstance(state, dict) or not {"step", "world_size", "data"} <= set(state):
-        raise UsageError(f"--resume: {path / TRAINER_STATE} is not a trainer state of this example")
+        raise UsageError(f"--resume: {path / TRAINER_STATE} is not a moe_ep trainer state")
     return state
 
 
@@ -287,7 +310,7 @@ def load_checkpoint(path: Path, model, optimizer, *, rank: int, world_size: int)
         with quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))
     except CheckpointException as err:
-        raise RunError(dcp_failure("load the checkpoint", path, err), agreed=True) from None
+        raise RunError(dcp_failure("load the checkpoint", path, err, writing=False), agreed=True) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=STATE_DICT_OPTIONS)
     if trainer_state["world_size"] == world_size:
@@ -337,3 +360,78 @@ def verified_resume(candidates: list[Path], *, explicit: bool, warn) -> Path | N
         raise UsageError(f"--resume auto: every checkpoint in {candidates[0].parent} is damaged; start afresh with "
                          "--overwrite (which deletes them) or choose another --output-dir", agreed=True)
     return None
+
+
+def resume_target(resume: str, root: Path, *, overwrite: bool) -> tuple[list[Path], list[str]]:
+    """Before start-up: the checkpoints to try resuming, newest first, and warnings for those
+    skipped (resume_candidates); none to start afresh. ``resume``: ``auto``, ``never`` (refused
+    where checkpoints exist, which a new run would write over) or a checkpoint folder;
+    ``overwrite``: the run starts afresh, its checkpoints deleted."""
+    if overwrite:
+        return [], []
+    if resume == "never":
+        found = step_folders(root)
+        if found:
+            raise UsageError(f"--resume never, but {root} holds checkpoints up to {found[-1].name}; pass --overwrite to "
+                             "delete them, or choose another --output-dir")
+        return [], []
+    return resume_candidates(resume, root)
+
+
+def check_resume_data(resume: Path, identity: dict) -> None:
+    """Refuse to continue a checkpoint on other data: ``identity`` (what a resumed run must share
+    with the saved one: the token stream, the packing, the global batch, the seed) against the
+    trainer state's ``data``; entries that are None are not known yet and are compared once they
+    are."""
+    saved = read_trainer_state(resume)["data"]
+    differ = [f"{key}: {saved.get(key)!r} then, {value!r} now" for key, value in identity.items()
+              if value is not None and saved.get(key) != value]
+    if differ:
+        raise UsageError(
+            f"--resume {resume}: the checkpoint was trained on other data or another global batch "
+            f"({'; '.join(differ)}); resuming would not continue that run: pass --overwrite to start afresh, "
+            "or choose another --output-dir"
+        )
+
+
+def checkpoint_due(step: int, *, every: int, last: int) -> bool:
+    """Whether optimizer step ``step`` (1-based) ends with a checkpoint: every ``every`` steps (0:
+    none) and at the schedule's ``last`` step."""
+    return step == last or (every > 0 and step % every == 0)
+
+
+def set_aside_later_checkpoints(root: Path, step: int, resumed: Path, *, rank: int) -> Path | None:
+    """Collective, once the checkpoint ``resumed`` of optimizer step ``step`` is chosen: rank 0 moves
+    every checkpoint folder of ``root`` later than ``step`` (complete or damaged), whole, into a new
+    marked folder ``root/abandoned-<time>-from-step-<step>/``, which every rank gets back (None where
+    nothing is later): the abandoned branch stays on disk for the user, out of reach of ``--resume
+    auto``, of pruning and of the resumed run's checkpoints of the same steps. A failure to move
+    raises RunError on every rank, nothing deleted."""
+    outcome = None
+    if rank == 0:
+        try:
+            outcome = str(_set_aside(root, step, resumed) or "")
+        except OSError as err:
+            outcome = RunError(f"cannot set aside the checkpoints after step {step} in {root}: "
+                               f"{err.strerror or err}; nothing was deleted", agreed=True)
+    outcome = gather(outcome)[0]
+    if isinstance(outcome, RunError):
+        raise outcome
+    return Path(outcome) if outcome else None
+
+
+def _set_aside(root: Path, step: int, resumed: Path) -> Path | None:
+    later = [p for p in step_folders(root) if step_of(p) > step and p.resolve() != resumed.resolve()]
+    if not later:
+        return None
+    name = f"{ABANDONED_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-from-step-{step}"
+    aside, n = root / name, 1
+    while aside.exists():
+        aside, n = root / f"{name}.{n}", n + 1
+    aside.mkdir()
+    mark(aside, "abandoned", from_step=step)
+    for path in later:
+        os.rename(path, aside / path.name)
+    fsync_dir(aside)
+    fsync_dir(root)
+    return aside

@@ -1,4 +1,4 @@
-"""The errors of the example that train.py reports in one line, without a traceback.
+"""The errors a run reports in one line, without a traceback (``run_reported``).
 
 ``UsageError``: the user's to fix (a flag, a file, a layout, a folder); exit status 2, before any
 work where it can be found then. ``RunError``: the run could not go on (an I/O error such as a full
@@ -9,6 +9,7 @@ verdict), so it is said once, by rank 0."""
 import os
 import shutil
 import sys
+from contextlib import contextmanager
 
 
 class UsageError(Exception):
@@ -23,20 +24,42 @@ class RunError(Exception):
         self.agreed = agreed
 
 
-def write_failure(path, err: BaseException) -> str:
-    """``cannot write PATH: CAUSE`` for an error raised while writing ``path``. torch.save reports a
-    full disk as ``unexpected pos N vs M``, so the free space is looked up when the cause is not an
-    errno."""
+@contextmanager
+def said_by_every_rank():
+    """Errors raised inside are raised identically on every rank (the same files, the same
+    collective verdicts): rank 0 says them, once."""
+    try:
+        yield
+    except (UsageError, RunError) as err:
+        err.agreed = True
+        raise
+
+
+# Below this many free bytes, a write that failed without an errno failed for lack of space.
+FULL_DISK_BYTES = 1 << 20
+
+
+def failure_cause(path, err: BaseException) -> str:
+    """Why writing ``path`` failed, in a few words: the errno's text (``No space left on device``),
+    or, where the error carries none, its first line, said to be a full disk when the file system
+    of ``path`` is (torch.save reports a full disk as ``unexpected pos N vs M``)."""
     cause = getattr(err, "strerror", None)
-    if not cause:
-        cause = str(err).splitlines()[0] if str(err) else type(err).__name__
-        try:
-            free = shutil.disk_usage(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))).free
-        except OSError:
-            free = None
-        if free is not None and free < 1 << 20:
-            cause = f"the file system is full ({free:,} bytes free; {cause})"
-    return f"cannot write {path}: {cause}"
+    if cause:
+        return cause
+    cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return cause
+    if free < FULL_DISK_BYTES:
+        return f"No space left on device ({free:,} bytes free on the file system of {folder}; {cause})"
+    return cause
+
+
+def write_failure(path, err: BaseException) -> str:
+    """``cannot write PATH: CAUSE`` for an error raised while writing ``path`` (failure_cause)."""
+    return f"cannot write {path}: {failure_cause(path, err)}"
 
 
 def lost_peer(err: BaseException) -> bool:
@@ -51,7 +74,7 @@ def report_failure(err: BaseException, *, rank: int, world_size: int) -> int | N
     traceback is the report). An ``agreed`` error (every check before start-up is one) is said by
     rank 0, any other by the rank that raised it; a rank that stopped only because a peer failed
     (moe_ep's fail_fast) leaves the saying to that peer, rank 0 naming it."""
-    from moe_ep import PeerFailure
+    from ..parallel import PeerFailure
 
     own = err.__cause__ if isinstance(err, PeerFailure) and err.__cause__ is not None else err
     if isinstance(own, KeyboardInterrupt):

@@ -1,0 +1,220 @@
+"""moe_ep.runs in one process, without a model: the job's hold on its folder, the checkpoint cadence,
+the resume resolution, a rollback's checkpoints set aside, the metrics log read back, odd files
+and links refused by name, the free space a run needs and a full disk said as one (the example's runs exercise the rest:
+test_example_units.py, test_example_launch.py, tests/faults/)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+from moe_ep.runs import (
+    OutputLock,
+    RunError,
+    UsageError,
+    check_output_folders,
+    checkpoint_due,
+    hold_output_dir,
+    ownership,
+    read_metrics,
+    remove_incomplete,
+    resume_target,
+    set_aside_later_checkpoints,
+    step_folders,
+)
+from moe_ep.runs.checkpoint import step_dir
+from moe_ep.runs.errors import failure_cause
+
+
+@pytest.mark.parametrize(("step", "every", "last", "due"), [
+    (2, 2, 6, True), (3, 2, 6, False), (6, 4, 6, True), (5, 0, 6, False), (6, 0, 6, True), (4, 4, 6, True),
+])
+def test_a_checkpoint_is_due_every_n_steps_and_at_the_last(step, every, last, due):
+    assert checkpoint_due(step, every=every, last=last) is due
+
+
+def test_a_second_job_is_refused_the_held_folder_and_it_is_let_go_after(tmp_path):
+    with hold_output_dir(tmp_path, rank=0) as previous:
+        assert previous is None
+        # Another process's lockf conflicts, this process's own second fd would not: a forked child
+        # (no interpreter start) tries the folder.
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                OutputLock(tmp_path).acquire()
+                said = "acquired"
+            except UsageError as err:
+                said = str(err)
+            os.write(write_end, said.encode())
+            os._exit(0)
+        os.close(write_end)
+        said = os.read(read_end, 1 << 16).decode()
+        os.waitpid(pid, 0)
+        os.close(read_end)
+        assert "is in use by another job" in said and "pid" in said
+    with hold_output_dir(tmp_path, rank=0) as previous:
+        assert previous is None  # let go cleanly: no record of a dead holder
+    with hold_output_dir(tmp_path / "not-made", rank=1) as previous:
+        assert previous is None and not (tmp_path / "not-made").exists()  # only rank 0 locks
+
+
+def test_resume_resolution(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert resume_target("never", root, overwrite=False) == ([], [])
+    assert resume_target("auto", root, overwrite=False) == ([], [])
+    step_dir(root, 2).mkdir(parents=True)
+    with pytest.raises(UsageError, match="--resume never, but .* holds checkpoints up to step_00000002"):
+        resume_target("never", root, overwrite=False)
+    assert resume_target("never", root, overwrite=True) == ([], [])
+    with pytest.raises(UsageError, match="every checkpoint in .* is damaged"):
+        resume_target("auto", root, overwrite=False)  # step_00000002 has no manifest
+
+
+def test_metrics_after_a_resume_count_each_step_once(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 3, "loss": 1.0}, {"step": 4, "loss": 0.5},
+             {"resumed_from_step": 2, "checkpoint": "c/step_00000002", "set_aside": None},
+             {"step": 3, "loss": 1.5}, {"step": 4, "loss": 1.25, "skipped": True}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 5, "lo')  # cut short by a kill
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 3.0), (2, 2.0), (3, 1.5), (4, 1.25)]
+    path.write_text('{"step": 1, "loss": 3.0}\nnot json\n{"step": 2, "loss": 2.0}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl: line 2 is not a JSON record: 'not json'"):
+        read_metrics(path)
+
+
+def test_checkpoints_after_the_one_resumed_are_set_aside_whole_and_marked(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        (step_dir(root, step) / "shard").parent.mkdir(parents=True)
+        (step_dir(root, step) / "shard").write_text(str(step))
+    (root / ".tmp-step_00000008").mkdir()
+    assert set_aside_later_checkpoints(root, 6, step_dir(root, 6), rank=0) is None
+    aside = set_aside_later_checkpoints(root, 2, step_dir(root, 2), rank=0)
+    assert aside.parent == root and re.fullmatch(r"abandoned-\d{8}-\d{6}-from-step-2", aside.name)
+    assert ownership.marker_kind(aside) == "abandoned"
+    assert [p.name for p in step_folders(root)] == ["step_00000002"]
+    assert {p.name: (p / "shard").read_text() for p in aside.iterdir() if p.is_dir()} == {
+        "step_00000004": "4", "step_00000006": "6"}
+    assert (root / ".tmp-step_00000008").is_dir()  # not a checkpoint: the next run's clean-up removes it
+    # A second rollback in the same second gets a name of its own.
+    step_dir(root, 3).mkdir()
+    again = set_aside_later_checkpoints(root, 2, step_dir(root, 2), rank=0)
+    assert again != aside and (again / "step_00000003").is_dir() and (aside / "step_00000004").is_dir()
+
+
+# ------------------------------------------------------------------------------ odd files, full disk
+
+
+def odd_run_folder(tmp_path, case: str):
+    """A run folder with one odd entry; returns (the folder, the name the refusal must say, the
+    user's file or folder that must come through untouched)."""
+    out, user = tmp_path / "run", tmp_path / "users"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    if case == "output folder is a dangling link":
+        out.symlink_to(tmp_path / "gone")
+        return out, f"{out} is a link to {tmp_path / 'gone'}, which does not exist", user
+    out.mkdir()
+    if case == "marker is a folder":
+        (out / ownership.MARKER).mkdir()
+        return out, f"{out / ownership.MARKER} is a folder where the run keeps its file", user
+    ownership.mark(out, "run")
+    if case in ("metrics.jsonl is a folder", "lock is a folder"):
+        name = ownership.METRICS if case.startswith("metrics") else ownership.LOCK_FILE
+        (out / name).mkdir()
+        return out, f"{out / name} is a folder where the run keeps its file {name}", user
+    if case == "metrics.jsonl is a link":
+        (out / ownership.METRICS).symlink_to(user / "notes.txt")
+        return out, f"{out / ownership.METRICS} is a link where the run keeps its file", user
+    if case == "checkpoints/ is a link":
+        (out / "checkpoints").symlink_to(user)
+        return out, f"{out / 'checkpoints'} is a link (to {user}) where the run keeps its folder checkpoints", user
+    root = ownership.make_managed_dir(out / "checkpoints", "checkpoints")
+    name = {"a checkpoint is a link": "step_00000002", "a leftover .tmp- is a link": ".tmp-step_00000004"}[case]
+    (root / name).symlink_to(user)
+    return out, f"{root / name} is a link (to {user}) among the run's checkpoints", user
+
+
+ODD = ["output folder is a dangling link", "marker is a folder", "metrics.jsonl is a folder", "lock is a folder",
+       "metrics.jsonl is a link", "checkpoints/ is a link", "a checkpoint is a link", "a leftover .tmp- is a link"]
+
+
+@pytest.mark.parametrize("case", ODD)
+def test_folders_and_links_where_they_do_not_belong_are_refused_by_name(case, tmp_path):
+    out, named, user = odd_run_folder(tmp_path, case)
+    with pytest.raises(UsageError) as refused:
+        check_output_folders(out, None, 1000, keep=2)
+    assert named in str(refused.value) and str(refused.value).startswith("--output-dir: "), str(refused.value)
+    assert [p.name for p in user.iterdir()] == ["notes.txt"] and (user / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("what", ["a link", "a folder"])
+def test_the_lock_is_never_taken_through_a_link_or_on_a_folder(what, tmp_path):
+    target = tmp_path / "users-file"
+    target.write_text("mine")
+    (tmp_path / "run").mkdir()
+    lock = tmp_path / "run" / ownership.LOCK_FILE
+    lock.symlink_to(target) if what == "a link" else lock.mkdir()
+    with pytest.raises(UsageError, match=f"{lock} is {what} where the run keeps its lock file"):
+        OutputLock(tmp_path / "run").acquire()
+    assert target.read_text() == "mine"
+
+
+def test_nothing_is_deleted_through_a_link(tmp_path):
+    user = tmp_path / "users"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    root = ownership.make_managed_dir(tmp_path / "run" / "checkpoints", "checkpoints")
+    (root / "step_00000002").symlink_to(user)
+    (root / ".tmp-step_00000004").symlink_to(user)
+    with pytest.raises(RunError, match="step_00000002 is a link .* never deletes through a link"):
+        ownership.delete_atomically(root / "step_00000002")
+    with pytest.raises(RunError, match=r"\.tmp-step_00000004 is a link .* never deletes through a link"):
+        remove_incomplete(root)
+    assert (user / "notes.txt").read_text() == "mine"
+
+
+def fake_disk(monkeypatch, free: int) -> None:
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: shutil._ntuple_diskusage(1 << 40, (1 << 40) - free, free))
+
+
+def test_free_space_counts_keep_plus_one_checkpoints_and_the_runs_own_leftovers(tmp_path, monkeypatch):
+    out, parameters = tmp_path / "run", 1 << 20  # 12 MiB a checkpoint
+    one = ownership.CHECKPOINT_BYTES_PER_PARAMETER * parameters
+    fake_disk(monkeypatch, 2 * one)
+    # A fresh run with --keep-checkpoints 2 holds 3 at a save's peak.
+    with pytest.raises(UsageError, match=r"0\.02 GiB free .* but 3 more checkpoints \(weights and AdamW state; "
+                                         r"--keep-checkpoints 2 and one more while a save is written\) take about 0\.04"):
+        check_output_folders(out, None, parameters, keep=2)
+    check_output_folders(out, None, parameters, keep=1)
+    # Two on disk already: one more is needed.
+    root = ownership.make_managed_dir(out / "checkpoints", "checkpoints")
+    for step in (2, 4):
+        step_dir(root, step).mkdir()
+    fake_disk(monkeypatch, one // 2)
+    with pytest.raises(UsageError, match=r"but 1 more checkpoint \(weights"):
+        check_output_folders(out, None, parameters, keep=2)
+    # An interrupted save's leftover holds the rest: the run removes it at start, so it counts as free.
+    (root / ".tmp-step_00000006").mkdir()
+    (root / ".tmp-step_00000006" / "__0_0.distcp").write_bytes(bytes(one // 2))
+    check_output_folders(out, None, parameters, keep=2)
+    fake_disk(monkeypatch, one // 4)
+    with pytest.raises(UsageError, match=r"\(and 0\.01 GiB in leftovers of interrupted saves, removed at start\)"):
+        check_output_folders(out, None, parameters, keep=2)
+
+
+def test_a_full_disk_is_said_as_one_whatever_the_writer_said(tmp_path, monkeypatch):
+    path = tmp_path / "shard.distcp"
+    assert failure_cause(path, OSError(errno.ENOSPC, "No space left on device")) == "No space left on device"
+    torn = RuntimeError("unexpected pos 704 vs 598")
+    fake_disk(monkeypatch, 1 << 30)
+    assert failure_cause(path, torn) == "unexpected pos 704 vs 598"
+    fake_disk(monkeypatch, 0)
+    assert failure_cause(path, torn) == (f"No space left on device (0 bytes free on the file system of {tmp_path}; "
+                                         "unexpected pos 704 vs 598)")
