@@ -294,7 +294,10 @@ def test_expert_parallel_degree_must_divide(tmp_path, capsys):
 
 
 def test_bad_model_and_values(tmp_path, capsys):
-    assert "neither a named config (tiny, mixtral-8x7b, mixtral-8x22b)" in run_main(["--model", "huge"], tmp_path, capsys)
+    from moe_ep.planner import MODEL_NAMES
+
+    named = ", ".join(("tiny", *MODEL_NAMES))
+    assert f"neither a named config ({named})" in run_main(["--model", "huge"], tmp_path, capsys)
     (tmp_path / "empty").mkdir()
     assert "has no config.json" in run_main(["--model", str(tmp_path / "empty")], tmp_path, capsys)
     assert "--micro-batch-size must be >= 1, got 0" in run_main(["--micro-batch-size", "0"], tmp_path, capsys)
