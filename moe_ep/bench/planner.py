@@ -131,7 +131,7 @@ def _causal_lm(config, *, meta: bool = False):
 
 def _enable_checkpointing(model, checkpointing: bool) -> None:
     if checkpointing:
-        from ..parallel.parallelize import enable_activation_checkpointing
+        from ..parallel.recompute import enable_activation_checkpointing
 
         enable_activation_checkpointing(model)
 
