@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..planner.activations import MicroBatch, Routed
+from ..planner.recompute import recompute_policy
 from ..planner.spec import ModelSpec
 from .report import Column, Report, environment
 
@@ -58,17 +59,38 @@ class SavedBytes:
         return sum(self.by_unit.values())
 
 
+def _kept_outputs_recorder(record, recording: list[bool]):
+    """A dispatch mode that records the outputs the ``"selective"`` policy keeps (PyTorch's
+    selective checkpoint holds them until the backward) while ``recording[0]``: inside a
+    checkpointed layer's forward. It sits below the checkpoint's own caching mode, which calls
+    each op through it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ..parallel.recompute import keeps_output
+
+    class _Kept(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if recording[0] and keeps_output(func):
+                torch.utils._pytree.tree_map(record, out)
+            return out
+
+    return _Kept()
+
+
 @contextlib.contextmanager
-def count_saved_bytes(model: torch.nn.Module):
+def count_saved_bytes(model: torch.nn.Module, policy: str = "none"):
     """Count what ``model``'s forward (and a loss computed inside the block) saves for the
-    backward. Under activation checkpointing the tensors a checkpointed layer keeps for its
-    recompute are its call's tensor arguments: they are counted too (checkpointing's own saved
-    tensors hooks hide the rest, which is not kept)."""
+    backward, under the recompute ``policy`` its layers were given. A checkpointed region keeps
+    its call's tensor arguments for the recompute (counted; the checkpoint's own saved tensors
+    hooks hide the rest, which is not kept); under ``"selective"`` it also keeps the outputs of
+    the ops the policy saves (counted as they are made)."""
     base = model.model
     names = _unit_names(len(base.layers))
     params = {_storage_key(p) for p in model.parameters()}
     seen: dict[int, tuple[str, int]] = {}
     unit = [names[0]]
+    inside = [False]
 
     def record(t):
         if isinstance(t, torch.Tensor):
@@ -76,6 +98,9 @@ def count_saved_bytes(model: torch.nn.Module):
             if key not in params and key not in seen:
                 seen[key] = (unit[0], t.untyped_storage().nbytes())
         return t
+
+    def record_call(args, kwargs):
+        torch.utils._pytree.tree_map(record, (list(args), dict(kwargs)))
 
     def enter(name):
         def hook(module, args):
@@ -85,20 +110,27 @@ def count_saved_bytes(model: torch.nn.Module):
 
     handles = [layer.register_forward_pre_hook(enter(name)) for layer, name in zip(base.layers, names)]
     handles.append(base.norm.register_forward_pre_hook(enter(names[-1])))
+    if policy == "attention":
+        handles += [layer.self_attn.register_forward_pre_hook(lambda m, a, k: record_call(a, k), with_kwargs=True)
+                    for layer in base.layers]
     wrapped = []
     for layer in base.layers:
         inner = getattr(layer, "_gradient_checkpointing_func", None)
         if getattr(layer, "gradient_checkpointing", False) and inner is not None:
             def keeping(fn, *args, _inner=inner, **kwargs):
-                kept = list(args) + list(getattr(fn, "keywords", {}).values())
-                torch.utils._pytree.tree_map(record, kept)
-                return _inner(fn, *args, **kwargs)
+                record_call(args, getattr(fn, "keywords", {}))
+                inside[0] = True
+                try:
+                    return _inner(fn, *args, **kwargs)
+                finally:
+                    inside[0] = False
 
             layer._gradient_checkpointing_func = keeping
             wrapped.append((layer, inner))
+    kept = _kept_outputs_recorder(record, inside) if policy == "selective" else contextlib.nullcontext()
     result = SavedBytes({name: 0.0 for name in names})
     try:
-        with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t), kept:
             yield result
     finally:
         for handle in handles:
@@ -129,44 +161,45 @@ def _causal_lm(config, *, meta: bool = False):
     return model.to(torch.bfloat16).train()
 
 
-def _enable_checkpointing(model, checkpointing: bool) -> None:
-    if checkpointing:
-        from ..parallel.recompute import enable_activation_checkpointing
+def _enable_checkpointing(model, policy: str) -> None:
+    from ..parallel.recompute import enable_activation_checkpointing
 
-        enable_activation_checkpointing(model)
+    enable_activation_checkpointing(model, policy)
 
 
-def _forward_with_loss(model, batch: int, seq: int) -> SavedBytes:
+def _forward_with_loss(model, batch: int, seq: int, policy: str = "none") -> SavedBytes:
     """What a training forward (TrainStep's loss included) saves; labels are their own tensor,
     as a data loader hands them over."""
     from ..training import CausalLMLoss
 
     ids = torch.randint(3, 1000, (batch, seq))
-    with count_saved_bytes(model) as saved:
+    with count_saved_bytes(model, policy) as saved:
         logits = model(ids).logits
         CausalLMLoss()(logits, ids.clone())
     return saved
 
 
-def _modelled(config, batch, seq, *, backend, checkpointing, ep=1, routed=None) -> dict[str, float]:
+def _modelled(config, batch, seq, *, backend, policy, ep=1, routed=None) -> dict[str, float]:
     from ..planner.activations import chain_saved
 
     return chain_saved(ModelSpec.from_config(config), MicroBatch(batch, seq), backend=backend,
-                       checkpointing=checkpointing, ep=ep, routed=routed)
+                       checkpointing=policy, ep=ep, routed=routed)
 
 
-def small_model_saved(name: str, batch: int, seq: int, checkpointing: bool) -> tuple[dict, dict]:
+def small_model_saved(name: str, batch: int, seq: int, checkpointing: str | bool) -> tuple[dict, dict]:
     """(measured, modelled) saved bytes per unit of a small real model of ``moe_ep.bench.model``
-    on the CPU, patched with moe_ep's router and experts (torch backend)."""
+    on the CPU, patched with moe_ep's router and experts (torch backend), under the recompute
+    policy ``checkpointing`` (a bool: ``"full"`` or ``"none"``)."""
+    policy = recompute_policy("checkpointing", checkpointing)
     from ..hf import patch
     from .model import MODELS
 
     config = _config(MODELS[name])
     model = _causal_lm(config)
     patch(model, backend="torch")
-    _enable_checkpointing(model, checkpointing)
-    saved = _forward_with_loss(model, batch, seq)
-    return saved.by_unit, _modelled(config, batch, seq, backend="torch", checkpointing=checkpointing)
+    _enable_checkpointing(model, policy)
+    saved = _forward_with_loss(model, batch, seq, policy)
+    return saved.by_unit, _modelled(config, batch, seq, backend="torch", policy=policy)
 
 
 @contextlib.contextmanager
@@ -253,10 +286,11 @@ class CollectiveRecorder:
         self.bytes[key] = self.bytes.get(key, 0.0) + nbytes
 
 
-def ep_saved(name: str, ep: int, batch: int, seq: int, checkpointing: bool) -> tuple[dict, dict]:
+def ep_saved(name: str, ep: int, batch: int, seq: int, checkpointing: str | bool) -> tuple[dict, dict]:
     """(measured, modelled) saved bytes per unit of a small model whose experts are spread over
     ``ep`` ranks of the fake process group (this process is rank 0) through moe_ep's dispatcher,
     its all-to-alls mirrored; modelled at the dispatcher's counts for the routing it got."""
+    policy = recompute_policy("checkpointing", checkpointing)
     from torch.distributed.device_mesh import init_device_mesh
 
     from ..dispatch.wire_bytes import wire_bytes
@@ -272,13 +306,13 @@ def ep_saved(name: str, ep: int, batch: int, seq: int, checkpointing: bool) -> t
         model = _causal_lm(config)
         patch(model, backend="torch")
         shard_experts(model, init_device_mesh("cpu", (ep,)))
-        _enable_checkpointing(model, checkpointing)
+        _enable_checkpointing(model, policy)
         routing = []
         hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: routing.append(out[2]))
                  for layer in model.model.layers]
         try:
             with CollectiveRecorder(mirror=True):
-                saved = _forward_with_loss(model, batch, seq)
+                saved = _forward_with_loss(model, batch, seq, policy)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -288,8 +322,7 @@ def ep_saved(name: str, ep: int, batch: int, seq: int, checkpointing: bool) -> t
         multi = wire.moe_ep_metadata / (8 * min(spec.top_k, L))
         # Mirrored: the rank receives the rows it sends and computes all of its tokens' pairs.
         routed.append(Routed(wire.moe_ep_rows, multi, wire.moe_ep_rows, multi, idx_TK.numel()))
-    return saved.by_unit, _modelled(config, batch, seq, backend="torch", checkpointing=checkpointing, ep=ep,
-                                    routed=routed)
+    return saved.by_unit, _modelled(config, batch, seq, backend="torch", policy=policy, ep=ep, routed=routed)
 
 
 @contextlib.contextmanager
@@ -310,10 +343,11 @@ def _values_unread():
         experts.check_experts_args, masking.find_packed_sequence_indices = saved
 
 
-def full_shape_saved(backend: str, batch: int, seq: int, checkpointing: bool) -> tuple[dict, dict]:
+def full_shape_saved(backend: str, batch: int, seq: int, checkpointing: str | bool) -> tuple[dict, dict]:
     """(measured, modelled) saved bytes of a 2-layer model with Mixtral-8x7B's shapes under
     ``FakeTensorMode`` (shapes and dtypes, no storage): ``backend`` "triton" runs the Triton ops'
     fake implementations, so their autograd bookkeeping is the GPU's."""
+    policy = recompute_policy("checkpointing", checkpointing)
     import os
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -327,16 +361,16 @@ def full_shape_saved(backend: str, batch: int, seq: int, checkpointing: bool) ->
     os.environ["TRITON_INTERPRET"] = "1"  # lets the Triton backend take CPU tensors; fake ones run no kernel
     try:
         patch(model, backend=backend)
-        _enable_checkpointing(model, checkpointing)
+        _enable_checkpointing(model, policy)
         with _values_unread(), FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
-            saved = _forward_with_loss(model, batch, seq)
+            saved = _forward_with_loss(model, batch, seq, policy)
     finally:
         if interpret is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = interpret
-    return saved.by_unit, _modelled(config, batch, seq, backend=backend, checkpointing=checkpointing)
+    return saved.by_unit, _modelled(config, batch, seq, backend=backend, policy=policy)
 
 
 # ---------------------------------------------------------------- collectives at world size 128
