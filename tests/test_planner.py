@@ -80,14 +80,21 @@ def test_compute_rows_follow_the_stated_efficiencies(mixtral_plan):
     assert lay.pp == 1
     eff, peak = c.efficiencies, 312e12
     dense, expert, attention, head = _layer_flops_by_kind(lay)
-    again = 1 if lay.checkpointing else 0
+    # The recompute policy's forward again: everything ("full"), the attention block's projections
+    # (q, k, v, o) and kernel ("attention"), no GEMM ("selective": memory-bound kernels only).
+    projections = 2 * (H * (H + 2 * 1024) + H * H) * lay.microbatch_size * 4096
+    again_dense = {"full": dense, "attention": projections}.get(lay.checkpointing, 0)
+    again_expert = expert if lay.checkpointing == "full" else 0
+    again_attention = attention if lay.checkpointing in ("full", "attention") else 0
     load = 1.2 if lay.ep > 1 else 1.0
     rows = dict(best.time.rows())
     m = lay.microbatches
-    assert rows["dense GEMMs"] == pytest.approx(m * ((3 + again) * L * dense + 3 * head) / (peak * eff.dense_gemm), rel=1e-9)
+    assert rows["dense GEMMs"] == pytest.approx(
+        m * (L * (3 * dense + again_dense) + 3 * head) / (peak * eff.dense_gemm), rel=1e-9)
     assert rows["grouped GEMMs (experts, busiest rank)"] == pytest.approx(
-        m * (3 + again) * L * load * expert / (peak * eff.grouped_gemm), rel=1e-9)
-    assert rows["attention"] == pytest.approx(m * (3.5 + again) * L * attention / (peak * eff.attention), rel=1e-9)
+        m * L * load * (3 * expert + again_expert) / (peak * eff.grouped_gemm), rel=1e-9)
+    assert rows["attention"] == pytest.approx(
+        m * L * (3.5 * attention + again_attention) / (peak * eff.attention), rel=1e-9)
     assert rows["total"] == pytest.approx(sum(v for k, v in rows.items() if k != "total"), rel=1e-12)
     assert rows["memory-bound kernels (incl. optimizer)"] > 0.02 * rows["total"]
 

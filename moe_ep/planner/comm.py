@@ -16,8 +16,8 @@ Expert all-to-all (``moe_ep.dispatch``): per MoE layer and micro-batch, forward:
 exchange (``L`` int32 per peer, ``L + 2`` when rows can carry several experts), the rows (a token
 goes once to each rank holding one of its experts), the multi rows' routing columns (float32
 weight and int32 id per expert) and the combine's rows back; backward: the combine's and the
-dispatch's rows again and the routing weights' float32 gradients; a checkpointed layer repeats the
-forward. Bytes are those sent to other ranks; the busiest rank receives ``load`` times the mean.
+dispatch's rows again and the routing weights' float32 gradients; a layer recomputed by a policy
+that runs the dispatcher again (``"full"``, ``"selective"``) repeats the forward. Bytes are those sent to other ranks; the busiest rank receives ``load`` times the mean.
 
 Pipeline: each stage sends its output forward and its input's gradient back, per micro-batch, to
 a stage on another rank (two stages of one rank pass them in memory)."""
@@ -31,6 +31,7 @@ from .partition import Partition
 from .activations import I32, rank_shares
 from .cluster import Cluster
 from .layout import Layout
+from .recompute import RERUN_DISPATCH
 from .spec import BF16, FP32, ModelSpec
 
 
@@ -142,7 +143,7 @@ def all_to_all_collective(spec: ModelSpec, layout: Layout, seq_len: int, layer_p
     forward_calls = 3 + (k_max > 1)
     forward = I32 * columns * (ep - 1) + 2 * BF16 * H * rows + 2 * FP32 * k_max * multi
     backward = 2 * BF16 * H * rows + FP32 * k_max * multi
-    passes = 2 if layout.checkpointing else 1
+    passes = 2 if layout.checkpointing in RERUN_DISPATCH else 1
     per_layer = passes * forward + backward
     calls = passes * forward_calls + 2 + (k_max > 1)
     return Collective("all-to-all", "ep", ep, 1, layer_passes * calls, layer_passes * per_layer)

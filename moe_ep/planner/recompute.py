@@ -30,3 +30,13 @@ def recompute_policy(name: str, value) -> str:
     if value not in RECOMPUTE_POLICIES:
         raise ValueError(f"{name} must be a bool or one of {RECOMPUTE_POLICIES}, got {value!r}")
     return value
+
+# The policies whose recompute runs the expert-parallel dispatcher (and its all-to-alls) again.
+RERUN_DISPATCH = ("full", "selective")
+
+DESCRIPTIONS = {
+    "none": "none",
+    "full": "full (every decoder layer)",
+    "selective": "selective (norms, rotary, gated activations, casts; GEMM and expert outputs kept)",
+    "attention": "attention (each layer's attention block)",
+}
