@@ -151,7 +151,8 @@ def test_report_states_cluster_layout_memory_time_efficiencies_and_alternatives(
                    "pp=", "dp_replicate=", "dp_shard=", "ep=", "micro-batches", "schedule", "checkpointing",
                    "parameters (fp32 master shards)", "gradients (fp32 shards)", "optimizer state (AdamW, 2 x fp32)",
                    "activations kept for backward", "backward scratch", "FSDP2 working set", "expert all-to-all buffers",
-                   "reserved (CUDA context, NCCL, fragmentation)", "headroom", "start-up imbalance", "headroom rule",
+                   "reserved (CUDA context, NCCL, fragmentation)", "headroom",
+                   "start-up imbalance" if mixtral_plan.layout.ep > 1 else "expert side local", "headroom rule",
                    "estimated step time", "grouped GEMMs (experts, busiest rank)", "attention", "memory-bound kernels",
                    "pipeline bubble", "MFU, as a consequence of the stated efficiencies", "FlashAttention-2",
                    "16 bytes per sharded parameter", "alternatives"):
