@@ -138,14 +138,11 @@ def _build(family: str, *, dtype, experts_implementation: str, routing: str, ep:
     return model
 
 
-def _reference(family, routing, ep, overrides, batch, steps, activation_checkpointing=False, capacity_hook=None):
-    """One process, whole batch, float64, transformers' eager experts."""
-    from moe_ep.parallel.parallelize import enable_activation_checkpointing
-
+def _reference(family, routing, ep, overrides, batch, steps, capacity_hook=None):
+    """One process, whole batch, float64, transformers' eager experts, nothing recomputed (so a
+    parallel run under a recompute policy is compared with the path that keeps everything)."""
     model = _build(family, dtype=torch.float64, experts_implementation="eager", routing=routing, ep=ep,
                    overrides=overrides, capacity_hook=capacity_hook)
-    if activation_checkpointing:
-        enable_activation_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms, grads = [], [], None
     for step in range(steps):
@@ -173,7 +170,7 @@ class Parity:
     overrides: tuple[tuple[str, object], ...] = ()
     steps: int = STEPS
     bf16: bool = False  # compute in bf16 (FSDP mixed precision), reduce in fp32
-    activation_checkpointing: bool = False
+    activation_checkpointing: str | bool = "none"  # a recompute policy
     capacity_factor: float | None = None
     experts_implementation: str = "moe_ep"  # what the model is built with, before parallelize
 
@@ -205,6 +202,9 @@ PARITY_2 = {
     "mixtral_ep2_rank1_gets_nothing": Parity("mixtral", ep=2, routing="first_rank_only"),
     "qwen3_ep2_one_expert_gets_all": Parity("qwen3_moe", ep=2, routing="one_expert_all"),
     "qwen3_ep2_activation_checkpointing": Parity("qwen3_moe", ep=2, steps=1, activation_checkpointing=True),
+    "mixtral_ep2_selective_recompute": Parity("mixtral", ep=2, steps=2, activation_checkpointing="selective"),
+    "qwen3_ep2_attention_recompute": Parity("qwen3_moe", ep=2, steps=1, activation_checkpointing="attention"),
+    "mixtral_ep1_selective_recompute": Parity("mixtral", ep=1, steps=1, activation_checkpointing="selective"),
     "mixtral_ep1_fsdp_only": Parity("mixtral", ep=1, steps=2),
     "mixtral_ep2_eager_experts_patched_by_parallelize": Parity("mixtral", ep=2, steps=2,
                                                                experts_implementation="eager"),
@@ -284,8 +284,7 @@ def _parity(rank, world, run: Parity) -> dict | None:
         return None
     dropped = []
     hook = None if capacity_factor is None else _drop_as_recorded(capacity_factor, routed_by_rank, dropped)
-    ref_losses, ref_norms, ref_grads = _reference(family, routing, ep, overrides, batch, steps, activation_checkpointing,
-                                                  hook)
+    ref_losses, ref_norms, ref_grads = _reference(family, routing, ep, overrides, batch, steps, hook)
     return {
         "loss": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
         "norm": [abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)],

@@ -168,17 +168,21 @@ def reference_global_aux_z(reference):
 
 class FamilyRun(NamedTuple):
     """A run through moe_ep.parallelize (pp=2) on the 2-rank world: the family, its config
-    overrides, the schedule."""
+    overrides, the schedule, the recompute policy (compared with the reference, which keeps
+    everything)."""
 
     family: str
     overrides: tuple[tuple[str, object], ...]
     schedule: str
+    checkpointing: str = "none"
 
 
 FAMILY_RUNS = {
     "mixtral_tied_head_zbv": FamilyRun("mixtral", (("tie_word_embeddings", True),), "zbv"),
     "qwen2_moe_shared_expert_1f1b": FamilyRun("qwen2_moe", (), "1f1b"),
     "deepseek_v3_dense_first_layer_gpipe": FamilyRun("deepseek_v3", (), "gpipe"),
+    "qwen2_moe_selective_recompute_1f1b": FamilyRun("qwen2_moe", (), "1f1b", "selective"),
+    "mixtral_attention_recompute_gpipe": FamilyRun("mixtral", (), "gpipe", "attention"),
 }
 
 
@@ -235,7 +239,8 @@ def _pp_alone(rank, world, batch, schedules, families):
         # Through parallelize: FSDP2 on every stage (over one rank here), where a tied head could
         # come apart from its embedding.
         model = _model(torch.float32, "moe_ep", run.family, **dict(run.overrides))
-        stages = moe_ep.parallelize(model, pp=2, schedule=run.schedule, microbatches=MICRO)
+        stages = moe_ep.parallelize(model, pp=2, schedule=run.schedule, microbatches=MICRO,
+                                    activation_checkpointing=run.checkpointing)
         step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR))
         losses = [step(batch).item() for _ in range(STEPS)]
         out[name] = (losses, [list(m.layer_ids) for m in stages.modules], stages.stage_ids, stages.tied_stages)
@@ -309,7 +314,7 @@ class Composed(NamedTuple):
     ep: int = 1
     dp_replicate: int = 1
     schedule: str = "1f1b"
-    checkpointing: bool = False
+    checkpointing: str | bool = "none"
     aux: float = 0.0
     global_aux: bool = False
     z: float = 0.0
