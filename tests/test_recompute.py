@@ -26,9 +26,9 @@ def _loss_and_grads(family: str, policy: str, backend: str):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, backend", [
-    ("mixtral", "torch"), ("qwen2_moe", "torch"), ("deepseek_v3", "torch"),
-    pytest.param("olmoe", "triton", marks=pytest.mark.slow),
+    ("mixtral", "torch"), ("qwen2_moe", "torch"), ("deepseek_v3", "torch"), ("olmoe", "triton"),
 ])
 def test_every_policy_gives_the_gradients_of_no_recompute(family, backend):
     tol = TOLERANCE[torch.float32]

@@ -93,9 +93,15 @@ def _without_cache(module: nn.Module, args: tuple, kwargs: dict):
     given = [name for name in _CACHE_KWARGS if kwargs.get(name) is not None]
     if not given:
         return None
-    logger.warning("activation_checkpointing='attention': %s runs without its KV cache in training (%s=None), "
-                   "as transformers runs checkpointed layers", type(module).__name__, given[0])
+    _warn_without_cache(type(module).__name__, given[0])
     return args, {**kwargs, **{name: None for name in given}}
+
+
+@functools.cache
+def _warn_without_cache(module_class: str, name: str) -> None:
+    # Once per class: every layer's attention block would say it on every forward.
+    logger.warning("activation_checkpointing='attention': %s runs without its KV cache in training (%s=None), "
+                   "as transformers runs checkpointed layers", module_class, name)
 
 
 def check_recompute_support(model: nn.Module, policy: str) -> None:
