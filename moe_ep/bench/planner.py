@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..planner.activations import MicroBatch, Routed
-from ..planner.recompute import recompute_policy
+from ..planner.recompute import RERUN_DISPATCH, recompute_policy
 from ..planner.spec import ModelSpec
 from .report import Column, Report, environment
 
@@ -571,7 +571,7 @@ def fake_step_checks(best, ranks: list[int], *, world_size: int = 128, seq_len: 
 
 def dispatcher_checks(layout, *, seq_len: int = 4096, world_size: int = 128, seed: int = 0) -> list[Check]:
     """The all-to-alls of one MoE layer of Mixtral-8x7B (H=4096, E=8, top-2) through moe_ep's
-    dispatcher, forward and backward (recomputed under checkpointing), on rank 0 of the fake
+    dispatcher, forward and backward (run again by a policy that recomputes it), on rank 0 of the fake
     group with the layout's ep group, its exchanges mirrored (each rank receives what it sends);
     the experts are an identity (they move no bytes). Routing: ``route_topk`` of random
     activations through a random router. Against the planner's bytes for one layer-pass,
@@ -583,6 +583,8 @@ def dispatcher_checks(layout, *, seq_len: int = 4096, world_size: int = 128, see
     from ..planner.comm import all_to_all_collective
     from ..ops import route_topk
 
+    if layout.ep == 1:
+        return []  # the experts are local: no dispatcher
     spec = ModelSpec.resolve("mixtral-8x7b")
     ep, H = layout.ep, spec.hidden_size
     tokens = layout.microbatch_size * seq_len
@@ -600,7 +602,7 @@ def dispatcher_checks(layout, *, seq_len: int = 4096, world_size: int = 128, see
     with fake_rank(0, world_size):
         group = dist.new_group(list(range(ep)))
         with CollectiveRecorder(mirror=True) as recorder:
-            if layout.checkpointing:
+            if layout.checkpointing in RERUN_DISPATCH:
                 y_TH = torch.utils.checkpoint.checkpoint(layer, x_TH, w_TK, use_reentrant=False)
             else:
                 y_TH = layer(x_TH, w_TK)
