@@ -101,3 +101,35 @@ def test_bad_policy_names_are_refused_wherever_a_policy_is_taken():
     # The bools keep their meaning: True recomputes whole layers.
     assert ParallelConfig(activation_checkpointing=True).activation_checkpointing == "full"
     assert ParallelConfig().activation_checkpointing == "none"
+
+
+def test_selective_recompute_runs_no_kept_op_again():
+    # The backward of a selectively checkpointed model runs no GEMM forward, attention kernel or
+    # moe_ep forward op again (only the backward's own GEMMs), where full recompute runs them all.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe_ep.hf import patch
+    from moe_ep.parallel.recompute import enable_activation_checkpointing
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls[str(func)] = self.calls.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    forward_ops = ("moe_ep.experts_torch_fwd.default", "aten._scaled_dot_product_flash_attention_for_cpu.default")
+    counted = {}
+    for policy in ("full", "selective"):
+        model = patch(tiny_model("mixtral"), backend="torch").train()
+        model.config._attn_implementation = "sdpa"
+        enable_activation_checkpointing(model, policy)
+        loss = model(**tiny_batch(model.config)).loss
+        with Count() as count:
+            loss.backward()
+        counted[policy] = {op: count.calls.get(op, 0) for op in forward_ops}
+    layers = model.config.num_hidden_layers
+    assert counted["full"] == {op: layers for op in forward_ops}
+    assert counted["selective"] == {op: 0 for op in forward_ops}

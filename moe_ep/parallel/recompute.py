@@ -2,10 +2,16 @@
 (``moe_ep.planner.recompute`` says what each policy keeps and runs again):
 
 - ``"full"``: transformers' own checkpointing of every decoder layer, non-reentrant.
-- ``"selective"``: the same checkpoint of every decoder layer with PyTorch's selective activation
-  checkpoint (``create_selective_checkpoint_contexts``): :func:`selective_policy` keeps the
-  outputs of the GEMMs, the attention kernels and moe_ep's custom ops, and recomputes everything
-  else.
+- ``"selective"``: the same checkpoint of every decoder layer, selective: its ``context_fn``
+  (:func:`selective_contexts`) gives the forward a dispatch mode that keeps the outputs of the ops
+  :func:`selective_policy` saves (the GEMMs, the attention kernels, moe_ep's custom ops) and the
+  recompute one that hands them back instead of running those ops again; everything else runs
+  again. This is PyTorch's selective activation checkpoint (the policy answers in its
+  ``CheckpointPolicy``) with one difference: only the kept ops are counted and matched between
+  the forward and the recompute. ``create_selective_checkpoint_contexts`` matches every op, and
+  the FSDP2 unit of the experts inside a layer legitimately runs different runtime ops (profiler
+  ranges, all-gather copies) in the recompute than in the forward (with pipeline stages, whose
+  weights stay gathered), which it refuses (pytorch/torchtitan#3427).
 - ``"attention"``: torch's composable (hook-based) non-reentrant checkpoint of every decoder
   layer's ``self_attn``, so the parameter names stay the model's.
 
@@ -18,10 +24,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import defaultdict, deque
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from ..planner.recompute import recompute_policy
 from .pipeline.stage import decoder_parts
@@ -50,9 +59,74 @@ def keeps_output(func) -> bool:
 
 
 def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """The ``"selective"`` policy of PyTorch's selective activation checkpoint: ``MUST_SAVE`` for
-    what :func:`keeps_output` names, ``PREFER_RECOMPUTE`` for the rest."""
+    """The ``"selective"`` policy, in the form of PyTorch's selective activation checkpoint
+    (usable with ``create_selective_checkpoint_contexts`` too): ``MUST_SAVE`` for what
+    :func:`keeps_output` names, ``PREFER_RECOMPUTE`` for the rest."""
     return CheckpointPolicy.MUST_SAVE if keeps_output(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+
+class _Kept:
+    """An output kept from the forward, detached, with the version it had: one modified in place
+    since would hand the backward other values than the forward computed."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.version = tensor.detach(), tensor._version
+
+    def value(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError("activation_checkpointing='selective': an output kept for the recompute was modified "
+                               "in place after the forward")
+        return self.tensor
+
+
+class _KeepOutputs(TorchDispatchMode):
+    """The forward of a checkpointed layer: the outputs of the ops the policy saves, kept in call
+    order per op."""
+
+    def __init__(self, policy, kept: dict):
+        super().__init__()
+        self.policy, self.kept = policy, kept
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.policy(SelectiveCheckpointContext(is_recompute=False), func, *args, **kwargs) in _SAVE:
+            self.kept[func].append(tree_map_only(torch.Tensor, _Kept, out))
+        return out
+
+
+class _ReplayOutputs(TorchDispatchMode):
+    """The recompute: the kept outputs handed back in the same order, every other op run."""
+
+    def __init__(self, policy, kept: dict):
+        super().__init__()
+        self.policy, self.kept = policy, kept
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.policy(SelectiveCheckpointContext(is_recompute=True), func, *args, **kwargs) not in _SAVE:
+            return func(*args, **kwargs)
+        queue = self.kept.get(func)
+        if not queue:
+            raise RuntimeError(
+                f"activation_checkpointing='selective': {func} ran more often in the recompute than in the forward "
+                "(a layer's forward must run the same GEMMs, attention kernels and moe_ep ops each time), or the "
+                "layer's backward ran twice"
+            )
+        return tree_map_only(_Kept, _Kept.value, queue.popleft())
+
+
+def selective_contexts(policy=None) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """The ``context_fn`` of a selectively checkpointed layer (``policy``: default
+    :func:`selective_policy`): the forward's mode and the recompute's, sharing what is kept."""
+    kept: dict = defaultdict(deque)
+    policy = policy or selective_policy
+    return _KeepOutputs(policy, kept), _ReplayOutputs(policy, kept)
 
 
 def enable_activation_checkpointing(model: nn.Module, policy: str | bool = "full") -> None:
@@ -72,7 +146,7 @@ def enable_activation_checkpointing(model: nn.Module, policy: str | bool = "full
         return
     kwargs = {"use_reentrant": False}
     if policy == "selective":
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+        kwargs["context_fn"] = selective_contexts
     # transformers renamed the method in 5.2x (``gradient_checkpointing_enable`` remains as a
     # deprecated alias until v6).
     if hasattr(model, "activation_checkpointing_enable"):
