@@ -86,7 +86,7 @@ def parallelize(
     - ``mixed_precision``: an FSDP2 ``MixedPrecisionPolicy`` for every unit, or None (no casting).
     - ``activation_checkpointing``: what the backward recomputes of each decoder layer instead of
       keeping it, a policy of ``moe_ep.planner.recompute``: ``"none"`` (False), ``"full"`` (True:
-      whole layers, transformers' non-reentrant checkpointing), ``"selective"`` (PyTorch's
+      whole layers, transformers' non-reentrant checkpointing), ``"selective"`` (a
       selective checkpoint: GEMM, attention-kernel and moe_ep-op outputs kept, norms, rotary,
       gated activations and casts recomputed) or ``"attention"`` (the attention block only).
       Under ``"full"`` and ``"selective"`` the dispatcher's collectives run again in the same
