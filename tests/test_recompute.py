@@ -103,6 +103,7 @@ def test_bad_policy_names_are_refused_wherever_a_policy_is_taken():
     assert ParallelConfig().activation_checkpointing == "none"
 
 
+@pytest.mark.slow
 def test_selective_recompute_runs_no_kept_op_again():
     # The backward of a selectively checkpointed model runs no GEMM forward, attention kernel or
     # moe_ep forward op again (only the backward's own GEMMs), where full recompute runs them all.
