@@ -185,7 +185,8 @@ def check_recompute_support(model: nn.Module, policy: str) -> None:
                          "checkpointing")
     if policy == "attention":
         base, _ = decoder_parts(model)
-        missing = [i for i, layer in enumerate(base.layers) if not isinstance(getattr(layer, "self_attn", None), nn.Module)]
+        missing = [i for i, layer in enumerate(base.layers)
+                   if not isinstance(getattr(layer, "self_attn", None), nn.Module)]
         if missing:
             raise ValueError(f"activation_checkpointing='attention': decoder layers {missing} of "
                              f"{type(model).__name__} have no self_attn module")

@@ -17,7 +17,8 @@ exchange (``L`` int32 per peer, ``L + 2`` when rows can carry several experts), 
 goes once to each rank holding one of its experts), the multi rows' routing columns (float32
 weight and int32 id per expert) and the combine's rows back; backward: the combine's and the
 dispatch's rows again and the routing weights' float32 gradients; a layer recomputed by a policy
-that runs the dispatcher again (``"full"``, ``"selective"``) repeats the forward. Bytes are those sent to other ranks; the busiest rank receives ``load`` times the mean.
+that runs the dispatcher again (``"full"``, ``"selective"``) repeats the forward. Bytes are those
+sent to other ranks; the busiest rank receives ``load`` times the mean.
 
 Pipeline: each stage sends its output forward and its input's gradient back, per micro-batch, to
 a stage on another rank (two stages of one rank pass them in memory)."""

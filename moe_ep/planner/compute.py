@@ -75,7 +75,8 @@ class Work:
                                     self.attention_flops / eff.attention)
         again = self.recompute
         return {
-            "memory-bound kernels": self._seconds(cluster, 0, 0, self.memory_fwd + again.memory + self.memory_bwd).total,
+            "memory-bound kernels":
+                self._seconds(cluster, 0, 0, self.memory_fwd + again.memory + self.memory_bwd).total,
             "recompute (checkpointing)": (again.dense_flops / eff.dense_gemm
                                           + self.expert_load * again.expert_flops / eff.grouped_gemm
                                           + again.attention_flops / eff.attention) / peak,

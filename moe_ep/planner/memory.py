@@ -128,8 +128,8 @@ def build_units(
         moe = spec.is_moe_layer(i)
         dense, expert, attention = T * spec.layer_dense_flops(i), T * spec.layer_expert_flops(i), T * spec.attention_flops(seq_len)
         traffic = layer_traffic(spec, i, mb, ep, steady)
-        work = Work(dense, expert, attention, traffic, MEMORY_BACKWARD * traffic, recomputed(spec, i, mb, policy, traffic),
-                    expert_load)
+        work = Work(dense, expert, attention, traffic, MEMORY_BACKWARD * traffic,
+                    recomputed(spec, i, mb, policy, traffic), expert_load)
         full = layer_saved(spec, i, mb, backend, ep, startup)
         saved = policy_layer_saved(spec, i, mb, backend, policy, ep, startup)
         # The recompute makes again what the layer did not keep (its input it kept).
