@@ -133,6 +133,33 @@ def test_the_busiest_ranks_expert_load_costs_compute():
     assert rows[1]["expert all-to-all"] > rows[0]["expert all-to-all"]
 
 
+@pytest.mark.slow
+def test_recompute_policies_trade_memory_for_work_as_modelled():
+    # One layout under each policy: what is kept falls none > attention > selective > full; the
+    # GEMMs run again only under "full" (all of them) and "attention" (its projections and
+    # kernel); "selective" adds memory-bound work only; the dispatcher's all-to-alls run again
+    # under "full" and "selective" alone. The search costs every policy.
+    spec = ModelSpec.resolve("mixtral-8x7b")
+    cluster = Cluster.from_preset(CLUSTERS["dgx-a100-80gb"], 16)
+    results = {policy: evaluate(spec, cluster, Layout(1, 1, 128, 8, 1, 8, "none", policy), 4096)
+               for policy in ("none", "attention", "selective", "full")}
+    act = {p: c.memory.activations for p, c in results.items()}
+    assert act["none"] > act["attention"] > act["selective"] > act["full"]
+    rows = {p: dict(c.time.rows()) for p, c in results.items()}
+    grouped, dense, a2a = "grouped GEMMs (experts, busiest rank)", "dense GEMMs", "expert all-to-all"
+    assert rows["none"][grouped] == rows["attention"][grouped] == rows["selective"][grouped] < rows["full"][grouped]
+    assert rows["none"][dense] == rows["selective"][dense] < rows["attention"][dense] < rows["full"][dense]
+    assert rows["none"][a2a] == rows["attention"][a2a] < rows["selective"][a2a] == rows["full"][a2a]
+    memory_bound = "memory-bound kernels (incl. optimizer)"
+    assert rows["none"][memory_bound] < rows["attention"][memory_bound] < rows["selective"][memory_bound]
+    assert rows["selective"][memory_bound] == pytest.approx(rows["full"][memory_bound], rel=1e-12)
+    from moe_ep.planner.search import _layouts
+
+    fixed = dict.fromkeys(("pp", "dp_replicate", "dp_shard", "ep", "microbatch_size", "schedule", "checkpointing"))
+    policies = {lay.checkpointing for lay in _layouts(spec, cluster, 4096, 4 * 2**20, fixed)}
+    assert policies == {"none", "full", "selective", "attention"}
+
+
 def test_memory_bound_work_is_charged_at_hbm_bandwidth():
     lay = Layout(1, 1, 128, 8, 1, 8, "none", False)
     spec = ModelSpec.resolve("mixtral-8x7b")
