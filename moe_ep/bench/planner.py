@@ -624,12 +624,21 @@ COLUMNS = [
     Column("status", "status"),
 ]
 
+# The recompute policy of each case: False and True are "none" and "full".
 SMALL_CASES = [
     ("tiny-mixtral", False, 1, 256), ("tiny-mixtral", True, 2, 128), ("tiny-qwen2-moe", False, 2, 128),
-    ("tiny-qwen3-moe", True, 1, 256), ("tiny-olmoe", False, 4, 64),
+    ("tiny-qwen3-moe", True, 1, 256), ("tiny-olmoe", False, 4, 64), ("tiny-mixtral", "selective", 2, 128),
+    ("tiny-qwen2-moe", "attention", 1, 256),
 ]
-EP_CASES = [("tiny-mixtral", 8, False, 2, 128), ("tiny-mixtral", 4, False, 2, 128), ("tiny-qwen2-moe", 4, True, 1, 256)]
-FULL_CASES = [("triton", False, 1, 4096), ("triton", True, 1, 4096), ("triton", False, 2, 4096), ("torch", False, 1, 8192)]
+EP_CASES = [("tiny-mixtral", 8, False, 2, 128), ("tiny-mixtral", 4, False, 2, 128), ("tiny-qwen2-moe", 4, True, 1, 256),
+            ("tiny-mixtral", 4, "selective", 2, 128)]
+FULL_CASES = [("triton", False, 1, 4096), ("triton", True, 1, 4096), ("triton", False, 2, 4096), ("torch", False, 1, 8192),
+              ("triton", "selective", 1, 4096), ("triton", "attention", 1, 4096)]
+
+
+def _label(checkpointing) -> str:
+    policy = recompute_policy("checkpointing", checkpointing)
+    return {"none": "", "full": " ckpt"}.get(policy, f" {policy}")
 
 
 def _activation_checks() -> list[Check]:
@@ -641,14 +650,14 @@ def _activation_checks() -> list[Check]:
 
     for name, ckpt, batch, seq in SMALL_CASES:
         print(f"[planner] activations: {name} B={batch} S={seq} checkpointing={ckpt}", flush=True)
-        add(f"{name} B={batch} S={seq}{' ckpt' if ckpt else ''}", *small_model_saved(name, batch, seq, ckpt))
+        add(f"{name} B={batch} S={seq}{_label(ckpt)}", *small_model_saved(name, batch, seq, ckpt))
     for name, ep, ckpt, batch, seq in EP_CASES:
         print(f"[planner] activations: {name} ep={ep} B={batch} S={seq} checkpointing={ckpt}", flush=True)
-        add(f"{name} ep={ep} B={batch} S={seq}{' ckpt' if ckpt else ''}", *ep_saved(name, ep, batch, seq, ckpt))
+        add(f"{name} ep={ep} B={batch} S={seq}{_label(ckpt)}", *ep_saved(name, ep, batch, seq, ckpt))
     for backend, ckpt, batch, seq in FULL_CASES:
         print(f"[planner] activations: Mixtral-8x7B shapes, {backend}, B={batch} S={seq} checkpointing={ckpt}",
               flush=True)
-        add(f"Mixtral-8x7B shapes (fake) {backend} B={batch} S={seq}{' ckpt' if ckpt else ''}",
+        add(f"Mixtral-8x7B shapes (fake) {backend} B={batch} S={seq}{_label(ckpt)}",
             *full_shape_saved(backend, batch, seq, ckpt))
     return checks
 
