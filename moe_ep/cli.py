@@ -38,6 +38,7 @@ def _bounded(name: str):
 def _add_plan_parser(sub) -> argparse.ArgumentParser:
     from .planner import CLUSTERS
     from .planner.presets import DEFAULT_CLUSTER, efficiencies_for
+    from .planner.recompute import RECOMPUTE_POLICIES
 
     # Without --cluster the planner takes DEFAULT_CLUSTER's figures for everything not given; each
     # option's help names the figure it would get, so the help says what the plan will assume.
@@ -104,7 +105,8 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=_bounded(name.replace("-", "_")), default=None, help="fix this choice")
     p.add_argument("--microbatch-size", type=_bounded("microbatch_size"), default=None, help="fix this choice")
     p.add_argument("--schedule", default=None, help="fix the schedule: none, gpipe, 1f1b, interleaved-1f1b, zbv")
-    p.add_argument("--checkpointing", choices=("on", "off"), default=None, help="fix activation checkpointing")
+    p.add_argument("--checkpointing", choices=("on", "off", *RECOMPUTE_POLICIES), default=None,
+                   help="fix the recompute policy (on: full, off: none)")
     p.add_argument("--virtual-stages", type=_bounded("virtual_stages"), default=None,
                    help="fix interleaved 1F1B's stages per pipeline rank (implies --schedule interleaved-1f1b)")
     p.add_argument("--alternatives", type=_bounded("num_alternatives"), default=5,
@@ -152,7 +154,7 @@ def _run_plan(args) -> int:
         ep=args.ep,
         microbatch_size=args.microbatch_size,
         schedule=args.schedule,
-        checkpointing=None if args.checkpointing is None else args.checkpointing == "on",
+        checkpointing={"on": "full", "off": "none"}.get(args.checkpointing, args.checkpointing),
         virtual_stages=args.virtual_stages,
         num_alternatives=args.alternatives,
         **{k: v for k, v in given.items() if v is not None},

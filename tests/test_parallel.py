@@ -139,14 +139,11 @@ def _build(family: str, *, dtype, experts_implementation: str, routing: str, ep:
     return model
 
 
-def _reference(family, routing, ep, overrides, batch, steps, activation_checkpointing=False, capacity_hook=None):
-    """One process, whole batch, float64, transformers' eager experts."""
-    from moe_ep.parallel.parallelize import enable_activation_checkpointing
-
+def _reference(family, routing, ep, overrides, batch, steps, capacity_hook=None):
+    """One process, whole batch, float64, transformers' eager experts, nothing recomputed (so a
+    parallel run under a recompute policy is compared with the path that keeps everything)."""
     model = _build(family, dtype=torch.float64, experts_implementation="eager", routing=routing, ep=ep,
                    overrides=overrides, capacity_hook=capacity_hook)
-    if activation_checkpointing:
-        enable_activation_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms, grads = [], [], None
     for step in range(steps):
@@ -174,7 +171,7 @@ class Parity:
     overrides: tuple[tuple[str, object], ...] = ()
     steps: int = STEPS
     bf16: bool = False  # compute in bf16 (FSDP mixed precision), reduce in fp32
-    activation_checkpointing: bool = False
+    activation_checkpointing: str | bool = "none"  # a recompute policy
     capacity_factor: float | None = None
     experts_implementation: str = "moe_ep"  # what the model is built with, before parallelize
     dispatch_mode: str = "auto"
@@ -209,6 +206,9 @@ PARITY_2 = {
     "mixtral_ep2_rank1_gets_nothing": Parity("mixtral", ep=2, routing="first_rank_only"),
     "qwen3_ep2_one_expert_gets_all": Parity("qwen3_moe", ep=2, routing="one_expert_all"),
     "qwen3_ep2_activation_checkpointing": Parity("qwen3_moe", ep=2, steps=1, activation_checkpointing=True),
+    "mixtral_ep2_selective_recompute": Parity("mixtral", ep=2, steps=2, activation_checkpointing="selective"),
+    "qwen3_ep2_attention_recompute": Parity("qwen3_moe", ep=2, steps=1, activation_checkpointing="attention"),
+    "mixtral_ep1_selective_recompute": Parity("mixtral", ep=1, steps=1, activation_checkpointing="selective"),
     "mixtral_ep1_fsdp_only": Parity("mixtral", ep=1, steps=2),
     "mixtral_ep2_eager_experts_patched_by_parallelize": Parity("mixtral", ep=2, steps=2,
                                                                experts_implementation="eager"),
@@ -310,8 +310,7 @@ def _parity(rank, world, run: Parity) -> dict | None:
     nodes = getattr(binding_of(experts_modules(model)[0][1]).dispatcher, "node_groups", None)
     dropped = []
     hook = None if capacity_factor is None else _drop_as_recorded(capacity_factor, routed_by_rank, dropped)
-    ref_losses, ref_norms, ref_grads = _reference(family, routing, ep, overrides, batch, steps, activation_checkpointing,
-                                                  hook)
+    ref_losses, ref_norms, ref_grads = _reference(family, routing, ep, overrides, batch, steps, hook)
     return {
         "loss": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
         "norm": [abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)],
@@ -932,7 +931,9 @@ def _divide_by_rank_minus_one(rank, world):
         (dict(ep=2, capacity_factor=-1), ValueError, r"capacity_factor must be a finite number > 0 or None"),
         (dict(ep=2, capacity_factor=float("inf")), ValueError, r"capacity_factor must be a finite number > 0 or None, got inf"),
         (dict(experts_backend="cuda"), ValueError, r"experts_backend must be one of \('auto', 'triton', 'torch'\) or None"),
-        (dict(activation_checkpointing=1), TypeError, r"activation_checkpointing must be a bool, got int"),
+        (dict(activation_checkpointing=1), TypeError, r"activation_checkpointing must be a bool or one of .*, got int"),
+        (dict(activation_checkpointing="layers"), ValueError,
+         r"activation_checkpointing must be a bool or one of \(.none., .full., .selective., .attention.\), got .layers."),
         (dict(reshard_after_forward="no"), TypeError, r"reshard_after_forward must be a bool or None, got str"),
         (dict(mixed_precision=torch.bfloat16), TypeError, r"mixed_precision must be a torch.distributed.fsdp"),
         (dict(dp_shard=0), ValueError, r"dp_shard must be a positive int, got 0"),

@@ -168,11 +168,13 @@ def reference_global_aux_z(reference):
 
 class FamilyRun(NamedTuple):
     """A run through moe_ep.parallelize (pp=2) on the 2-rank world: the family, its config
-    overrides, the schedule."""
+    overrides, the schedule, the recompute policy (compared with the reference, which keeps
+    everything)."""
 
     family: str
     overrides: tuple[tuple[str, object], ...]
     schedule: str
+    checkpointing: str = "none"
     virtual_stages: int | None = None
 
     @property
@@ -184,8 +186,11 @@ FAMILY_RUNS = {
     "mixtral_tied_head_zbv": FamilyRun("mixtral", (("tie_word_embeddings", True),), "zbv"),
     "qwen2_moe_shared_expert_1f1b": FamilyRun("qwen2_moe", (), "1f1b"),
     "deepseek_v3_dense_first_layer_gpipe": FamilyRun("deepseek_v3", (), "gpipe"),
+    "qwen2_moe_selective_recompute_1f1b": FamilyRun("qwen2_moe", (), "1f1b", "selective"),
+    "mixtral_attention_recompute_gpipe": FamilyRun("mixtral", (), "gpipe", "attention"),
     # 8 layers, 4 virtual stages on each of the 2 ranks: stage s on rank s % 2.
-    "mixtral_interleaved_4_virtual_stages": FamilyRun("mixtral", (("num_hidden_layers", 8),), "interleaved-1f1b", 4),
+    "mixtral_interleaved_4_virtual_stages": FamilyRun("mixtral", (("num_hidden_layers", 8),), "interleaved-1f1b",
+                                                      virtual_stages=4),
 }
 
 
@@ -243,7 +248,7 @@ def _pp_alone(rank, world, batch, schedules, families):
         # come apart from its embedding.
         model = _model(torch.float32, "moe_ep", run.family, **dict(run.overrides))
         stages = moe_ep.parallelize(model, pp=2, schedule=run.schedule, microbatches=MICRO,
-                                    virtual_stages=run.virtual_stages)
+                                    activation_checkpointing=run.checkpointing, virtual_stages=run.virtual_stages)
         step = TrainStep(stages, torch.optim.AdamW(stages.parameters(), lr=LR))
         losses = [step(batch).item() for _ in range(STEPS)]
         out[name] = (losses, [list(m.layer_ids) for m in stages.modules], stages.stage_ids, stages.tied_stages)
@@ -320,7 +325,7 @@ class Composed(NamedTuple):
     ep: int = 1
     dp_replicate: int = 1
     schedule: str = "1f1b"
-    checkpointing: bool = False
+    checkpointing: str | bool = "none"
     aux: float = 0.0
     global_aux: bool = False
     z: float = 0.0

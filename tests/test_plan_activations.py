@@ -59,6 +59,59 @@ def test_saved_bytes_at_mixtral_8x7b_shapes(backend, checkpointing, batch, seq):
         assert modelled["embed+layers.0"] > 190 * 2**10 * batch * seq
 
 
+# Each recompute policy keeps what the planner says it keeps, within 2%: "selective" the layer's
+# input and the outputs PyTorch's selective checkpoint caches (counted as they are made),
+# "attention" the attention block's input; on four families, through the dispatcher, and at full
+# Mixtral-8x7B shapes with the Triton ops' fake implementations.
+POLICY_TOLERANCE = 0.02
+
+
+def _assert_within(measured: dict, modelled: dict, what: str, tolerance: float):
+    assert measured.keys() == modelled.keys()
+    for unit, want in modelled.items():
+        got = measured[unit]
+        assert abs(got - want) <= tolerance * want, f"{what}, {unit}: measured {got:.0f} B, planner {want:.0f} B"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, policy, batch, seq", [
+    ("tiny-mixtral", "selective", 1, 64), ("tiny-mixtral", "attention", 2, 64),
+    ("tiny-qwen2-moe", "selective", 2, 64), ("tiny-qwen2-moe", "attention", 1, 128),
+    ("tiny-qwen3-moe", "selective", 1, 64), ("tiny-olmoe", "attention", 2, 64),
+])
+def test_saved_bytes_of_each_recompute_policy(name, policy, batch, seq):
+    measured, modelled = small_model_saved(name, batch, seq, policy)
+    _assert_within(measured, modelled, f"{name} B={batch} S={seq} {policy}", POLICY_TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, ep, policy, batch, seq", [
+    ("tiny-mixtral", 4, "selective", 2, 64), ("tiny-qwen2-moe", 2, "attention", 1, 64),
+    ("tiny-olmoe", 2, "selective", 1, 64),
+])
+def test_saved_bytes_of_each_recompute_policy_through_the_dispatcher(name, ep, policy, batch, seq):
+    measured, modelled = ep_saved(name, ep, batch, seq, policy)
+    _assert_within(measured, modelled, f"{name} ep={ep} B={batch} S={seq} {policy}", POLICY_TOLERANCE)
+
+
+@pytest.mark.parametrize("backend, policy", [
+    pytest.param("triton", "selective", marks=pytest.mark.slow), ("torch", "selective"), ("triton", "attention"),
+])
+def test_saved_bytes_of_each_recompute_policy_at_mixtral_8x7b_shapes(backend, policy):
+    measured, modelled = full_shape_saved(backend, 1, 4096, policy)
+    _assert_within(measured, modelled, f"Mixtral-8x7B shapes, {backend}, {policy}", POLICY_TOLERANCE)
+
+
+def test_recompute_policies_order_the_saved_bytes():
+    # At Mixtral-8x7B's shapes: recomputing the attention block frees less than recomputing the
+    # norms, activations and casts, which frees less than recomputing whole layers.
+    spec = ModelSpec.resolve("mixtral-8x7b")
+    mb = MicroBatch(1, 4096)
+    saved = {policy: chain_saved(spec, mb, backend="triton", checkpointing=policy)["layers.5"]
+             for policy in ("none", "attention", "selective", "full")}
+    assert saved["none"] > saved["attention"] > saved["selective"] > saved["full"] == 2 * 4096 * 4096
+
+
 def test_expected_dispatch_counts_match_enumeration():
     # Rows a token sends (ranks holding >= 1 of its experts) and multi rows (>= 2), over every
     # top-2 choice of 8 experts, for each ep.

@@ -99,9 +99,11 @@ def test_pipelined_plan_matches_bytes_held_and_collectives_on_every_stage(schedu
 
 
 def test_dispatcher_all_to_all_bytes(chosen):
-    # The chosen layout, and ep=4 with checkpointing: rows carrying two experts (with their routing
-    # columns) and the recompute's second forward.
-    for layout in (chosen.layout, Layout(1, 1, 128, 4, 1, 8, "none", True)):
+    # The chosen layout (none when its experts are local), and ep=4 under each recompute policy:
+    # rows carrying two experts (with their routing columns) and, under "full" and "selective",
+    # the recompute's second forward ("attention" never runs the dispatcher again).
+    for layout in (chosen.layout, *(Layout(1, 1, 128, 4, 1, 8, "none", policy)
+                                    for policy in ("full", "selective", "attention"))):
         for c in dispatcher_checks(layout, world_size=WORLD):
             assert c.ok, f"{c.case}: measured {c.measured / 2**30:.3f} GiB, planner {c.modelled / 2**30:.3f} GiB"
 

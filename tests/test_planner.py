@@ -80,14 +80,21 @@ def test_compute_rows_follow_the_stated_efficiencies(mixtral_plan):
     assert lay.pp == 1
     eff, peak = c.efficiencies, 312e12
     dense, expert, attention, head = _layer_flops_by_kind(lay)
-    again = 1 if lay.checkpointing else 0
+    # The recompute policy's forward again: everything ("full"), the attention block's projections
+    # (q, k, v, o) and kernel ("attention"), no GEMM ("selective": memory-bound kernels only).
+    projections = 2 * (H * (H + 2 * 1024) + H * H) * lay.microbatch_size * 4096
+    again_dense = {"full": dense, "attention": projections}.get(lay.checkpointing, 0)
+    again_expert = expert if lay.checkpointing == "full" else 0
+    again_attention = attention if lay.checkpointing in ("full", "attention") else 0
     load = 1.2 if lay.ep > 1 else 1.0
     rows = dict(best.time.rows())
     m = lay.microbatches
-    assert rows["dense GEMMs"] == pytest.approx(m * ((3 + again) * L * dense + 3 * head) / (peak * eff.dense_gemm), rel=1e-9)
+    assert rows["dense GEMMs"] == pytest.approx(
+        m * (L * (3 * dense + again_dense) + 3 * head) / (peak * eff.dense_gemm), rel=1e-9)
     assert rows["grouped GEMMs (experts, busiest rank)"] == pytest.approx(
-        m * (3 + again) * L * load * expert / (peak * eff.grouped_gemm), rel=1e-9)
-    assert rows["attention"] == pytest.approx(m * (3.5 + again) * L * attention / (peak * eff.attention), rel=1e-9)
+        m * L * load * (3 * expert + again_expert) / (peak * eff.grouped_gemm), rel=1e-9)
+    assert rows["attention"] == pytest.approx(
+        m * L * (3.5 * attention + again_attention) / (peak * eff.attention), rel=1e-9)
     assert rows["total"] == pytest.approx(sum(v for k, v in rows.items() if k != "total"), rel=1e-12)
     assert rows["memory-bound kernels (incl. optimizer)"] > 0.02 * rows["total"]
 
@@ -126,6 +133,33 @@ def test_the_busiest_ranks_expert_load_costs_compute():
     assert rows[1]["expert all-to-all"] > rows[0]["expert all-to-all"]
 
 
+@pytest.mark.slow
+def test_recompute_policies_trade_memory_for_work_as_modelled():
+    # One layout under each policy: what is kept falls none > attention > selective > full; the
+    # GEMMs run again only under "full" (all of them) and "attention" (its projections and
+    # kernel); "selective" adds memory-bound work only; the dispatcher's all-to-alls run again
+    # under "full" and "selective" alone. The search costs every policy.
+    spec = ModelSpec.resolve("mixtral-8x7b")
+    cluster = Cluster.from_preset(CLUSTERS["dgx-a100-80gb"], 16)
+    results = {policy: evaluate(spec, cluster, Layout(1, 1, 128, 8, 1, 8, "none", policy), 4096)
+               for policy in ("none", "attention", "selective", "full")}
+    act = {p: c.memory.activations for p, c in results.items()}
+    assert act["none"] > act["attention"] > act["selective"] > act["full"]
+    rows = {p: dict(c.time.rows()) for p, c in results.items()}
+    grouped, dense, a2a = "grouped GEMMs (experts, busiest rank)", "dense GEMMs", "expert all-to-all"
+    assert rows["none"][grouped] == rows["attention"][grouped] == rows["selective"][grouped] < rows["full"][grouped]
+    assert rows["none"][dense] == rows["selective"][dense] < rows["attention"][dense] < rows["full"][dense]
+    assert rows["none"][a2a] == rows["attention"][a2a] < rows["selective"][a2a] == rows["full"][a2a]
+    memory_bound = "memory-bound kernels (incl. optimizer)"
+    assert rows["none"][memory_bound] < rows["attention"][memory_bound] < rows["selective"][memory_bound]
+    assert rows["selective"][memory_bound] == pytest.approx(rows["full"][memory_bound], rel=1e-12)
+    from moe_ep.planner.search import _layouts
+
+    fixed = dict.fromkeys(("pp", "dp_replicate", "dp_shard", "ep", "microbatch_size", "schedule", "checkpointing"))
+    policies = {lay.checkpointing for lay in _layouts(spec, cluster, 4096, 4 * 2**20, fixed)}
+    assert policies == {"none", "full", "selective", "attention"}
+
+
 def test_memory_bound_work_is_charged_at_hbm_bandwidth():
     lay = Layout(1, 1, 128, 8, 1, 8, "none", False)
     spec = ModelSpec.resolve("mixtral-8x7b")
@@ -144,7 +178,8 @@ def test_report_states_cluster_layout_memory_time_efficiencies_and_alternatives(
                    "pp=", "dp_replicate=", "dp_shard=", "ep=", "micro-batches", "schedule", "checkpointing",
                    "parameters (fp32 master shards)", "gradients (fp32 shards)", "optimizer state (AdamW, 2 x fp32)",
                    "activations kept for backward", "backward scratch", "FSDP2 working set", "expert all-to-all buffers",
-                   "reserved (CUDA context, NCCL, fragmentation)", "headroom", "start-up imbalance", "headroom rule",
+                   "reserved (CUDA context, NCCL, fragmentation)", "headroom",
+                   "start-up imbalance" if mixtral_plan.layout.ep > 1 else "expert side local", "headroom rule",
                    "estimated step time", "grouped GEMMs (experts, busiest rank)", "attention", "memory-bound kernels",
                    "pipeline bubble", "MFU, as a consequence of the stated efficiencies", "FlashAttention-2",
                    "16 bytes per sharded parameter", "alternatives"):

@@ -41,11 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--schedule", default=None,
                      help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zbv (default with --pp > 1: 1f1b)")
     lay.add_argument("--plan", action="store_true",
-                     help="take ep/dp/pp, micro-batches, schedule and activation checkpointing from moe_ep.plan")
+                     help="take ep/dp/pp, micro-batches, schedule and the recompute policy from moe_ep.plan")
     lay.add_argument("--gpu-memory-gib", type=float, default=None, help="for --plan: memory per GPU (default: queried)")
     lay.add_argument("--global-batch-tokens", type=int, default=None,
                      help="for --plan: tokens per optimizer step over all ranks (default: the planner's)")
-    lay.add_argument("--activation-checkpointing", action="store_true")
+    lay.add_argument("--activation-checkpointing", nargs="?", const="full", default="none",
+                     choices=("none", "full", "selective", "attention"), metavar="POLICY",
+                     help="what the backward recomputes of each decoder layer: full (the flag alone), selective "
+                          "(norms, activations, casts) or attention (the attention block); default none")
 
     d = p.add_argument_group("data")
     d.add_argument("--data", nargs="+", default=["stdlib"],

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..planner.activations import MicroBatch, Routed
+from ..planner.recompute import RERUN_DISPATCH, recompute_policy
 from ..planner.spec import ModelSpec
 from .report import Column, Report, environment
 
@@ -58,17 +59,38 @@ class SavedBytes:
         return sum(self.by_unit.values())
 
 
+def _kept_outputs_recorder(record, recording: list[bool]):
+    """A dispatch mode that records the outputs the ``"selective"`` policy keeps (PyTorch's
+    selective checkpoint holds them until the backward) while ``recording[0]``: inside a
+    checkpointed layer's forward. It sits below the checkpoint's own caching mode, which calls
+    each op through it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ..parallel.recompute import keeps_output
+
+    class _Kept(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if recording[0] and keeps_output(func):
+                torch.utils._pytree.tree_map(record, out)
+            return out
+
+    return _Kept()
+
+
 @contextlib.contextmanager
-def count_saved_bytes(model: torch.nn.Module):
+def count_saved_bytes(model: torch.nn.Module, policy: str = "none"):
     """Count what ``model``'s forward (and a loss computed inside the block) saves for the
-    backward. Under activation checkpointing the tensors a checkpointed layer keeps for its
-    recompute are its call's tensor arguments: they are counted too (checkpointing's own saved
-    tensors hooks hide the rest, which is not kept)."""
+    backward, under the recompute ``policy`` its layers were given. A checkpointed region keeps
+    its call's tensor arguments for the recompute (counted; the checkpoint's own saved tensors
+    hooks hide the rest, which is not kept); under ``"selective"`` it also keeps the outputs of
+    the ops the policy saves (counted as they are made)."""
     base = model.model
     names = _unit_names(len(base.layers))
     params = {_storage_key(p) for p in model.parameters()}
     seen: dict[int, tuple[str, int]] = {}
     unit = [names[0]]
+    inside = [False]
 
     def record(t):
         if isinstance(t, torch.Tensor):
@@ -76,6 +98,9 @@ def count_saved_bytes(model: torch.nn.Module):
             if key not in params and key not in seen:
                 seen[key] = (unit[0], t.untyped_storage().nbytes())
         return t
+
+    def record_call(args, kwargs):
+        torch.utils._pytree.tree_map(record, (list(args), dict(kwargs)))
 
     def enter(name):
         def hook(module, args):
@@ -85,20 +110,27 @@ def count_saved_bytes(model: torch.nn.Module):
 
     handles = [layer.register_forward_pre_hook(enter(name)) for layer, name in zip(base.layers, names)]
     handles.append(base.norm.register_forward_pre_hook(enter(names[-1])))
+    if policy == "attention":
+        handles += [layer.self_attn.register_forward_pre_hook(lambda m, a, k: record_call(a, k), with_kwargs=True)
+                    for layer in base.layers]
     wrapped = []
     for layer in base.layers:
         inner = getattr(layer, "_gradient_checkpointing_func", None)
         if getattr(layer, "gradient_checkpointing", False) and inner is not None:
             def keeping(fn, *args, _inner=inner, **kwargs):
-                kept = list(args) + list(getattr(fn, "keywords", {}).values())
-                torch.utils._pytree.tree_map(record, kept)
-                return _inner(fn, *args, **kwargs)
+                record_call(args, getattr(fn, "keywords", {}))
+                inside[0] = True
+                try:
+                    return _inner(fn, *args, **kwargs)
+                finally:
+                    inside[0] = False
 
             layer._gradient_checkpointing_func = keeping
             wrapped.append((layer, inner))
+    kept = _kept_outputs_recorder(record, inside) if policy == "selective" else contextlib.nullcontext()
     result = SavedBytes({name: 0.0 for name in names})
     try:
-        with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t), kept:
             yield result
     finally:
         for handle in handles:
@@ -129,44 +161,45 @@ def _causal_lm(config, *, meta: bool = False):
     return model.to(torch.bfloat16).train()
 
 
-def _enable_checkpointing(model, checkpointing: bool) -> None:
-    if checkpointing:
-        from ..parallel.parallelize import enable_activation_checkpointing
+def _enable_checkpointing(model, policy: str) -> None:
+    from ..parallel.recompute import enable_activation_checkpointing
 
-        enable_activation_checkpointing(model)
+    enable_activation_checkpointing(model, policy)
 
 
-def _forward_with_loss(model, batch: int, seq: int) -> SavedBytes:
+def _forward_with_loss(model, batch: int, seq: int, policy: str = "none") -> SavedBytes:
     """What a training forward (TrainStep's loss included) saves; labels are their own tensor,
     as a data loader hands them over."""
     from ..training import CausalLMLoss
 
     ids = torch.randint(3, 1000, (batch, seq))
-    with count_saved_bytes(model) as saved:
+    with count_saved_bytes(model, policy) as saved:
         logits = model(ids).logits
         CausalLMLoss()(logits, ids.clone())
     return saved
 
 
-def _modelled(config, batch, seq, *, backend, checkpointing, ep=1, routed=None) -> dict[str, float]:
+def _modelled(config, batch, seq, *, backend, policy, ep=1, routed=None) -> dict[str, float]:
     from ..planner.activations import chain_saved
 
     return chain_saved(ModelSpec.from_config(config), MicroBatch(batch, seq), backend=backend,
-                       checkpointing=checkpointing, ep=ep, routed=routed)
+                       checkpointing=policy, ep=ep, routed=routed)
 
 
-def small_model_saved(name: str, batch: int, seq: int, checkpointing: bool) -> tuple[dict, dict]:
+def small_model_saved(name: str, batch: int, seq: int, checkpointing: str | bool) -> tuple[dict, dict]:
     """(measured, modelled) saved bytes per unit of a small real model of ``moe_ep.bench.model``
-    on the CPU, patched with moe_ep's router and experts (torch backend)."""
+    on the CPU, patched with moe_ep's router and experts (torch backend), under the recompute
+    policy ``checkpointing`` (a bool: ``"full"`` or ``"none"``)."""
+    policy = recompute_policy("checkpointing", checkpointing)
     from ..hf import patch
     from .model import MODELS
 
     config = _config(MODELS[name])
     model = _causal_lm(config)
     patch(model, backend="torch")
-    _enable_checkpointing(model, checkpointing)
-    saved = _forward_with_loss(model, batch, seq)
-    return saved.by_unit, _modelled(config, batch, seq, backend="torch", checkpointing=checkpointing)
+    _enable_checkpointing(model, policy)
+    saved = _forward_with_loss(model, batch, seq, policy)
+    return saved.by_unit, _modelled(config, batch, seq, backend="torch", policy=policy)
 
 
 @contextlib.contextmanager
@@ -258,10 +291,11 @@ class CollectiveRecorder:
             self.group_bytes[named] = self.group_bytes.get(named, 0.0) + nbytes
 
 
-def ep_saved(name: str, ep: int, batch: int, seq: int, checkpointing: bool) -> tuple[dict, dict]:
+def ep_saved(name: str, ep: int, batch: int, seq: int, checkpointing: str | bool) -> tuple[dict, dict]:
     """(measured, modelled) saved bytes per unit of a small model whose experts are spread over
     ``ep`` ranks of the fake process group (this process is rank 0) through moe_ep's dispatcher,
     its all-to-alls mirrored; modelled at the dispatcher's counts for the routing it got."""
+    policy = recompute_policy("checkpointing", checkpointing)
     from torch.distributed.device_mesh import init_device_mesh
 
     from ..dispatch.wire_bytes import wire_bytes
@@ -277,13 +311,13 @@ def ep_saved(name: str, ep: int, batch: int, seq: int, checkpointing: bool) -> t
         model = _causal_lm(config)
         patch(model, backend="torch")
         shard_experts(model, init_device_mesh("cpu", (ep,)))
-        _enable_checkpointing(model, checkpointing)
+        _enable_checkpointing(model, policy)
         routing = []
         hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: routing.append(out[2]))
                  for layer in model.model.layers]
         try:
             with CollectiveRecorder(mirror=True):
-                saved = _forward_with_loss(model, batch, seq)
+                saved = _forward_with_loss(model, batch, seq, policy)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -293,8 +327,7 @@ def ep_saved(name: str, ep: int, batch: int, seq: int, checkpointing: bool) -> t
         multi = wire.moe_ep_metadata / (8 * min(spec.top_k, L))
         # Mirrored: the rank receives the rows it sends and computes all of its tokens' pairs.
         routed.append(Routed(wire.moe_ep_rows, multi, wire.moe_ep_rows, multi, idx_TK.numel()))
-    return saved.by_unit, _modelled(config, batch, seq, backend="torch", checkpointing=checkpointing, ep=ep,
-                                    routed=routed)
+    return saved.by_unit, _modelled(config, batch, seq, backend="torch", policy=policy, ep=ep, routed=routed)
 
 
 @contextlib.contextmanager
@@ -315,10 +348,11 @@ def _values_unread():
         experts.check_experts_args, masking.find_packed_sequence_indices = saved
 
 
-def full_shape_saved(backend: str, batch: int, seq: int, checkpointing: bool) -> tuple[dict, dict]:
+def full_shape_saved(backend: str, batch: int, seq: int, checkpointing: str | bool) -> tuple[dict, dict]:
     """(measured, modelled) saved bytes of a 2-layer model with Mixtral-8x7B's shapes under
     ``FakeTensorMode`` (shapes and dtypes, no storage): ``backend`` "triton" runs the Triton ops'
     fake implementations, so their autograd bookkeeping is the GPU's."""
+    policy = recompute_policy("checkpointing", checkpointing)
     import os
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -332,16 +366,16 @@ def full_shape_saved(backend: str, batch: int, seq: int, checkpointing: bool) ->
     os.environ["TRITON_INTERPRET"] = "1"  # lets the Triton backend take CPU tensors; fake ones run no kernel
     try:
         patch(model, backend=backend)
-        _enable_checkpointing(model, checkpointing)
+        _enable_checkpointing(model, policy)
         with _values_unread(), FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
-            saved = _forward_with_loss(model, batch, seq)
+            saved = _forward_with_loss(model, batch, seq, policy)
     finally:
         if interpret is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = interpret
-    return saved.by_unit, _modelled(config, batch, seq, backend=backend, checkpointing=checkpointing)
+    return saved.by_unit, _modelled(config, batch, seq, backend=backend, policy=policy)
 
 
 # ---------------------------------------------------------------- collectives at world size 128
@@ -542,7 +576,7 @@ def fake_step_checks(best, ranks: list[int], *, world_size: int = 128, seq_len: 
 
 def dispatcher_checks(layout, *, seq_len: int = 4096, world_size: int = 128, seed: int = 0) -> list[Check]:
     """The all-to-alls of one MoE layer of Mixtral-8x7B (H=4096, E=8, top-2) through moe_ep's
-    dispatcher, forward and backward (recomputed under checkpointing), on rank 0 of the fake
+    dispatcher, forward and backward (run again by a policy that recomputes it), on rank 0 of the fake
     group with the layout's ep group, its exchanges mirrored (each rank receives what it sends);
     the experts are an identity (they move no bytes). Routing: ``route_topk`` of random
     activations through a random router. Against the planner's bytes for one layer-pass,
@@ -554,6 +588,8 @@ def dispatcher_checks(layout, *, seq_len: int = 4096, world_size: int = 128, see
     from ..planner.comm import all_to_all_collective
     from ..ops import route_topk
 
+    if layout.ep == 1:
+        return []  # the experts are local: no dispatcher
     spec = ModelSpec.resolve("mixtral-8x7b")
     ep, H = layout.ep, spec.hidden_size
     tokens = layout.microbatch_size * seq_len
@@ -571,7 +607,7 @@ def dispatcher_checks(layout, *, seq_len: int = 4096, world_size: int = 128, see
     with fake_rank(0, world_size):
         group = dist.new_group(list(range(ep)))
         with CollectiveRecorder(mirror=True) as recorder:
-            if layout.checkpointing:
+            if layout.checkpointing in RERUN_DISPATCH:
                 y_TH = torch.utils.checkpoint.checkpoint(layer, x_TH, w_TK, use_reentrant=False)
             else:
                 y_TH = layer(x_TH, w_TK)
@@ -662,12 +698,21 @@ COLUMNS = [
     Column("status", "status"),
 ]
 
+# The recompute policy of each case: False and True are "none" and "full".
 SMALL_CASES = [
     ("tiny-mixtral", False, 1, 256), ("tiny-mixtral", True, 2, 128), ("tiny-qwen2-moe", False, 2, 128),
-    ("tiny-qwen3-moe", True, 1, 256), ("tiny-olmoe", False, 4, 64),
+    ("tiny-qwen3-moe", True, 1, 256), ("tiny-olmoe", False, 4, 64), ("tiny-mixtral", "selective", 2, 128),
+    ("tiny-qwen2-moe", "attention", 1, 256),
 ]
-EP_CASES = [("tiny-mixtral", 8, False, 2, 128), ("tiny-mixtral", 4, False, 2, 128), ("tiny-qwen2-moe", 4, True, 1, 256)]
-FULL_CASES = [("triton", False, 1, 4096), ("triton", True, 1, 4096), ("triton", False, 2, 4096), ("torch", False, 1, 8192)]
+EP_CASES = [("tiny-mixtral", 8, False, 2, 128), ("tiny-mixtral", 4, False, 2, 128), ("tiny-qwen2-moe", 4, True, 1, 256),
+            ("tiny-mixtral", 4, "selective", 2, 128)]
+FULL_CASES = [("triton", False, 1, 4096), ("triton", True, 1, 4096), ("triton", False, 2, 4096), ("torch", False, 1, 8192),
+              ("triton", "selective", 1, 4096), ("triton", "attention", 1, 4096)]
+
+
+def _label(checkpointing) -> str:
+    policy = recompute_policy("checkpointing", checkpointing)
+    return {"none": "", "full": " ckpt"}.get(policy, f" {policy}")
 
 
 def _activation_checks() -> list[Check]:
@@ -679,14 +724,14 @@ def _activation_checks() -> list[Check]:
 
     for name, ckpt, batch, seq in SMALL_CASES:
         print(f"[planner] activations: {name} B={batch} S={seq} checkpointing={ckpt}", flush=True)
-        add(f"{name} B={batch} S={seq}{' ckpt' if ckpt else ''}", *small_model_saved(name, batch, seq, ckpt))
+        add(f"{name} B={batch} S={seq}{_label(ckpt)}", *small_model_saved(name, batch, seq, ckpt))
     for name, ep, ckpt, batch, seq in EP_CASES:
         print(f"[planner] activations: {name} ep={ep} B={batch} S={seq} checkpointing={ckpt}", flush=True)
-        add(f"{name} ep={ep} B={batch} S={seq}{' ckpt' if ckpt else ''}", *ep_saved(name, ep, batch, seq, ckpt))
+        add(f"{name} ep={ep} B={batch} S={seq}{_label(ckpt)}", *ep_saved(name, ep, batch, seq, ckpt))
     for backend, ckpt, batch, seq in FULL_CASES:
         print(f"[planner] activations: Mixtral-8x7B shapes, {backend}, B={batch} S={seq} checkpointing={ckpt}",
               flush=True)
-        add(f"Mixtral-8x7B shapes (fake) {backend} B={batch} S={seq}{' ckpt' if ckpt else ''}",
+        add(f"Mixtral-8x7B shapes (fake) {backend} B={batch} S={seq}{_label(ckpt)}",
             *full_shape_saved(backend, batch, seq, ckpt))
     return checks
 

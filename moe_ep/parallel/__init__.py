@@ -10,7 +10,8 @@ from .config import DEFAULT_SCHEDULE, ParallelConfig, PipelineConfig
 from .context import ParallelContext, meshes_of, parallel_context
 from .failure import PeerFailure, fail_fast
 from .mesh import MoEMeshes, ParallelDims, build_meshes, resolve_dims
-from .parallelize import enable_activation_checkpointing, parallelize, parallelize_with
+from .parallelize import parallelize, parallelize_with
+from .recompute import enable_activation_checkpointing
 from .pipeline import CausalLMStage, PipelineStages, build_pipeline
 from .state_dict import full_state_dict, load_full_state_dict
 

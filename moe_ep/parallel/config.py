@@ -13,6 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ..dispatch.capacity import check_capacity_factor
 from ..dispatch.nodes import check_dispatch_mode, check_node_size
 from ..ops.backend import BACKENDS
+from ..planner.recompute import recompute_policy
 from ..planner.schedules import ScheduleInfo, schedule_info
 from .mesh import check_degree
 
@@ -86,7 +87,9 @@ class ParallelConfig:
 
     ``pipeline`` is given exactly when ``pp > 1``. ``reshard_after_forward`` None means FSDP2's
     resharding after forward without a pipeline and none with one (``fsdp_reshard_after_forward``).
-    Build it from ``parallelize``'s flat keywords with ``ParallelConfig.from_arguments``."""
+    ``activation_checkpointing`` is a policy name of ``moe_ep.planner.recompute.RECOMPUTE_POLICIES``
+    once built (True and False are given as ``"full"`` and ``"none"``). Build it from
+    ``parallelize``'s flat keywords with ``ParallelConfig.from_arguments``."""
 
     ep: int = 1
     dp_replicate: int = 1
@@ -94,7 +97,7 @@ class ParallelConfig:
     pp: int = 1
     pipeline: PipelineConfig | None = None
     mixed_precision: MixedPrecisionPolicy | None = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: str | bool = "none"
     capacity_factor: float | None = None
     reshard_after_forward: bool | None = None
     experts_backend: str | None = None
@@ -115,10 +118,9 @@ class ParallelConfig:
                 f"mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got "
                 f"{type(self.mixed_precision).__name__}"
             )
-        if not isinstance(self.activation_checkpointing, bool):
-            raise TypeError(
-                f"activation_checkpointing must be a bool, got {type(self.activation_checkpointing).__name__}"
-            )
+        # Kept as the policy's name: True and False are "full" and "none".
+        object.__setattr__(self, "activation_checkpointing",
+                           recompute_policy("activation_checkpointing", self.activation_checkpointing))
         if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
             raise TypeError(
                 f"reshard_after_forward must be a bool or None, got {type(self.reshard_after_forward).__name__}"

@@ -23,6 +23,7 @@ from .fsdp import apply_fsdp
 from .mesh import MoEMeshes, ParallelDims, build_meshes, resolve_dims
 from .pipeline import PipelineStages, build_stages, plan_stages
 from .pipeline.tied import shard_tied_stages
+from .recompute import check_recompute_support, enable_activation_checkpointing
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def parallelize(
     microbatch_size: int | None = None,
     virtual_stages: int | None = None,
     mixed_precision: MixedPrecisionPolicy | None = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: str | bool = "none",
     capacity_factor: float | None = None,
     reshard_after_forward: bool | None = None,
     experts_backend: str | None = None,
@@ -88,9 +89,13 @@ def parallelize(
     Options:
 
     - ``mixed_precision``: an FSDP2 ``MixedPrecisionPolicy`` for every unit, or None (no casting).
-    - ``activation_checkpointing``: recompute each transformer block in backward (transformers'
-      gradient checkpointing, non-reentrant); the dispatcher's collectives are re-run in the
-      same order on every rank.
+    - ``activation_checkpointing``: what the backward recomputes of each decoder layer instead of
+      keeping it, a policy of ``moe_ep.planner.recompute``: ``"none"`` (False), ``"full"`` (True:
+      whole layers, transformers' non-reentrant checkpointing), ``"selective"`` (a
+      selective checkpoint: GEMM, attention-kernel and moe_ep-op outputs kept, norms, rotary,
+      gated activations and casts recomputed) or ``"attention"`` (the attention block only).
+      Under ``"full"`` and ``"selective"`` the dispatcher's collectives run again in the same
+      order on every rank.
     - ``capacity_factor``: None = dropless dispatch, else capacity mode (no host sync); needs
       ``ep > 1``.
     - ``reshard_after_forward``: FSDP2's; None means True without a pipeline and False with one
@@ -140,8 +145,7 @@ def _parallelize(model: nn.Module, arguments: dict, make_config: Callable[[], Pa
         _switch_to_moe_ep_experts(model, config)
     device = next(model.parameters()).device
     meshes = build_meshes(dims, _mesh_device(device))
-    if config.activation_checkpointing:
-        enable_activation_checkpointing(model)
+    enable_activation_checkpointing(model, config.activation_checkpointing)
     if cut is None:
         _shard(model, meshes, config)
         record_context(model, ParallelContext(config, meshes))
@@ -203,8 +207,7 @@ def _check(model: nn.Module, config: ParallelConfig) -> tuple[ParallelDims, Part
         ep_node_size=node_size_for(config.dispatch_mode, config.ep, config.node_size, config.capacity_factor)
         if config.ep > 1 else None,
     )
-    if config.activation_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"activation_checkpointing=True: {type(model).__name__} does not support gradient checkpointing")
+    check_recompute_support(model, config.activation_checkpointing)
     if config.pp == 1:
         return dims, None
     cut = plan_stages(model, dims.pp, config.pipeline, dp_shard=dims.dp_shard, ep=dims.ep,
@@ -238,13 +241,3 @@ def _shard_stages(stages: list[nn.Module], meshes: MoEMeshes, config: ParallelCo
     """``_shard`` on each of this rank's stage modules, a parameter tied between two of them (ZB-V
     with a tied LM head) kept one FSDP parameter. Returns the tied (owner, user) stage indices."""
     return shard_tied_stages(stages, lambda stage: _shard(stage, meshes, config))
-
-
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """transformers' non-reentrant checkpointing of every block; the method was renamed in 5.2x
-    (``gradient_checkpointing_enable`` remains as a deprecated alias until v6)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

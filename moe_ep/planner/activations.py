@@ -25,8 +25,14 @@ counts the saved tensors of real models, on the CPU and at full Mixtral-8x7B sha
 - dense MLP and shared expert: the input, the gate and up outputs, the activation and the product.
 - head: the final norm, lm_head's input and the loss of ``moe_ep.training.CausalLMLoss``: the float32
   log-softmax of the ``B (S - 1)`` predicted positions and their int64 targets.
-- a checkpointed decoder layer keeps only its input (non-reentrant checkpointing); its full set
-  exists again while its backward runs.
+- recompute (``moe_ep.planner.recompute``): under ``"full"`` a decoder layer keeps only its input
+  (non-reentrant checkpointing); under ``"selective"`` its input and the outputs of the ops
+  PyTorch's selective checkpoint keeps: the projections' GEMMs, the attention kernel's output and
+  log-sum-exp, the router's logits (torch backend: its float32 GEMM; Triton: the op's three
+  outputs), the dense MLP's or shared expert's three GEMMs (and the shared expert's gate) and the
+  expert op's output with what it saves; under ``"attention"`` the attention block keeps only its
+  input (the first norm's output), the rest of the layer what it saves. Whatever is recomputed
+  exists again while the layer's backward runs.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .recompute import recompute_policy
 from .spec import BF16, FP32, ModelSpec
 
 I32 = 4
@@ -223,9 +230,67 @@ def checkpointed_layer_saved(spec: ModelSpec, mb: MicroBatch) -> float:
     return BF16 * mb.tokens * spec.hidden_size
 
 
+def _attention_gemm_outputs(spec: ModelSpec, mb: MicroBatch) -> float:
+    """The outputs of the attention block's GEMMs and attention kernel: the projections (latent
+    attention: down- and up-projections), the kernel's float32 log-sum-exp and output, o_proj's."""
+    T, H, nh = mb.tokens, spec.hidden_size, spec.num_heads
+    qk, v = spec.head_dim, spec.value_head_dim
+    if spec.kv_lora_rank:
+        queries = spec.q_lora_rank + nh * qk if spec.q_lora_rank else nh * qk
+        latents = spec.kv_lora_rank + spec.qk_rope_head_dim + nh * (qk - spec.qk_rope_head_dim + v)
+        projections = queries + latents
+    else:
+        projections = nh * qk + spec.num_kv_heads * (qk + v)
+    return T * (BF16 * projections + FP32 * nh + BF16 * nh * v + BF16 * H)
+
+
+def _mlp_kept_outputs(spec: ModelSpec, layer: int, tokens: int, backend: str, ep: int, routed: Routed | None) -> float:
+    """What ``"selective"`` keeps of the MLP: its GEMMs' outputs and moe_ep's ops' outputs (the
+    expert op's output rows and what it saves)."""
+    H, T = spec.hidden_size, tokens
+    if not spec.is_moe_layer(layer):
+        width = spec.dense_intermediate_size if spec.num_experts else spec.intermediate_size
+        return BF16 * T * (2 * width + H)
+    E, K = spec.num_experts, spec.top_k
+    kept = FP32 * T * E + ((FP32 + I64) * T * K if backend == "triton" else 0.0)
+    if spec.shared_intermediate_size:
+        kept += BF16 * T * (2 * spec.shared_intermediate_size + H) + (BF16 * T if spec.shared_expert_gate else 0.0)
+    pairs, experts = (T * K, E) if ep == 1 else (routed.pairs, E // ep)
+    # Locally the op's output is one row per token; through the dispatcher one per pair.
+    rows = T if ep == 1 else pairs
+    return kept + BF16 * H * rows + experts_op_saved(spec, pairs, experts, backend)
+
+
+def selective_layer_saved(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep: int = 1,
+                          routed: Routed | None = None) -> float:
+    """Under ``"selective"``: the layer's input and the outputs the policy keeps."""
+    return (checkpointed_layer_saved(spec, mb) + _attention_gemm_outputs(spec, mb)
+            + _mlp_kept_outputs(spec, layer, mb.tokens, backend, ep, routed))
+
+
+def attention_recomputed_layer_saved(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep: int = 1,
+                                     routed: Routed | None = None) -> float:
+    """Under ``"attention"``: the layer's saved tensors, of the attention block only its input."""
+    return (layer_saved(spec, layer, mb, backend, ep, routed) - attention_saved(spec, mb)
+            + BF16 * mb.tokens * spec.hidden_size)
+
+
+def policy_layer_saved(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, policy: str, ep: int = 1,
+                       routed: Routed | None = None) -> float:
+    """Saved bytes of decoder layer ``layer`` under the recompute ``policy``."""
+    if policy == "full":
+        return checkpointed_layer_saved(spec, mb)
+    if policy == "selective":
+        return selective_layer_saved(spec, layer, mb, backend, ep, routed)
+    if policy == "attention":
+        return attention_recomputed_layer_saved(spec, layer, mb, backend, ep, routed)
+    return layer_saved(spec, layer, mb, backend, ep, routed)
+
+
 def checkpoint_shared(mb: MicroBatch) -> float:
-    """What every checkpointed layer's call also holds, once per micro-batch: the int64 position
-    ids (one row), beside the rotary tables the embedding's figure already counts."""
+    """What every checkpointed layer's (or attention block's) call also holds, once per
+    micro-batch: the int64 position ids (one row), beside the rotary tables the embedding's figure
+    already counts."""
     return I64 * mb.seq_len
 
 
@@ -268,20 +333,19 @@ def head_scratch(spec: ModelSpec, mb: MicroBatch) -> float:
     return BF16 * spec.vocab_size * mb.tokens + (FP32 + BF16) * spec.vocab_size * mb.predicted
 
 
-def chain_saved(spec: ModelSpec, mb: MicroBatch, *, backend: str, checkpointing: bool, ep: int = 1,
+def chain_saved(spec: ModelSpec, mb: MicroBatch, *, backend: str, checkpointing: str | bool, ep: int = 1,
                 routed: list[Routed | None] | None = None) -> dict[str, float]:
     """Saved bytes of one micro-batch per unit of the planner's chain (``embed+layers.0``, ...,
-    ``layers.L-1+head``); ``routed[i]``: the dispatcher's counts in layer ``i`` when ``ep > 1``."""
+    ``layers.L-1+head``) under the recompute policy ``checkpointing`` (a bool: ``"full"`` or
+    ``"none"``); ``routed[i]``: the dispatcher's counts in layer ``i`` when ``ep > 1``."""
+    policy = recompute_policy("checkpointing", checkpointing)
     L = spec.num_layers
     out = {}
     for i in range(L):
-        if checkpointing:
-            saved = checkpointed_layer_saved(spec, mb)
-        else:
-            saved = layer_saved(spec, i, mb, backend, ep, routed[i] if routed else None)
+        saved = policy_layer_saved(spec, i, mb, backend, policy, ep, routed[i] if routed else None)
         name = f"layers.{i}"
         if i == 0:
-            saved += embed_saved(spec, mb) + (checkpoint_shared(mb) if checkpointing else 0.0)
+            saved += embed_saved(spec, mb) + (checkpoint_shared(mb) if policy != "none" else 0.0)
             name = "embed+" + name
         if i == L - 1:
             saved, name = saved + head_saved(spec, mb), name + "+head"

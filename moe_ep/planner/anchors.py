@@ -27,6 +27,7 @@ from .search import (
     DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN, Assumptions, Candidate, _resolve_cluster, choose, evaluate,
 )
 from .presets import cluster_preset
+from .recompute import RECOMPUTE_POLICIES
 from .spec import MODEL_NAMES, ModelSpec
 
 TOKENS_PER_GPU = "tokens/s/GPU"
@@ -58,7 +59,7 @@ class Anchor:
     seq_len: int
     schedule: str
     virtual_stages: int | None
-    checkpointing: bool | None
+    checkpointing: bool | str | None  # a recompute policy (True: full, False: none)
     balanced_routing: bool
     published: float
     unit: str
@@ -96,8 +97,8 @@ class Anchor:
         return self.global_batch * self.seq_len
 
     def layouts(self) -> list[Layout]:
-        """The published layout, once per checkpointing choice the source leaves open."""
-        choices = (False, True) if self.checkpointing is None else (self.checkpointing,)
+        """The published layout, once per recompute policy where the source leaves it open."""
+        choices = RECOMPUTE_POLICIES if self.checkpointing is None else (self.checkpointing,)
         return [Layout(self.pp, self.dp_replicate, self.dp_shard, self.ep, self.microbatch_size, self.microbatches,
                        self.schedule, ckpt, self.virtual_stages) for ckpt in choices]
 
@@ -255,8 +256,8 @@ def _layout_text(layout: Layout) -> str:
     if layout.virtual_stages is not None:
         parts.append(f"v{layout.virtual_stages}")
     parts.append(f"mb{layout.microbatch_size}x{layout.microbatches}")
-    if layout.checkpointing:
-        parts.append("ckpt")
+    if layout.checkpointing != "none":
+        parts.append(f"recompute={layout.checkpointing}")
     return " ".join(parts)
 
 

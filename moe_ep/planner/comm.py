@@ -16,8 +16,9 @@ Expert all-to-all (``moe_ep.dispatch``): per MoE layer and micro-batch, forward:
 exchange (``L`` int32 per peer, ``L + 2`` when rows can carry several experts), the rows (a token
 goes once to each rank holding one of its experts), the multi rows' routing columns (float32
 weight and int32 id per expert) and the combine's rows back; backward: the combine's and the
-dispatch's rows again and the routing weights' float32 gradients; a checkpointed layer repeats the
-forward. Bytes are those sent to other ranks; the busiest rank receives ``load`` times the mean.
+dispatch's rows again and the routing weights' float32 gradients; a layer recomputed by a policy
+that runs the dispatcher again (``"full"``, ``"selective"``) repeats the forward. Bytes are those
+sent to other ranks; the busiest rank receives ``load`` times the mean.
 With the node-aware dispatch (``moe_ep.dispatch.nodes``: an ep group over several whole nodes,
 dropless) the same exchanges run twice, over the inter-node group (``ep-inter``: one row per
 token and destination node, each node standing for a rank holding ``node_size L`` experts) and
@@ -36,6 +37,7 @@ from .partition import Partition
 from .activations import I32, rank_shares
 from .cluster import Cluster
 from .layout import Layout
+from .recompute import RERUN_DISPATCH
 from .spec import BF16, FP32, ModelSpec
 
 
@@ -122,7 +124,7 @@ def fsdp_collectives(spec: ModelSpec, layout: Layout, unit_names: list[str]) -> 
 
 
 def _exchange_collective(group: str, size: int, stride: int, experts_per_rank: int, top_k: int, hidden: int,
-                         rows: float, multi: float, layer_passes: int, checkpointing: bool,
+                         rows: float, multi: float, layer_passes: int, checkpointing: str,
                          columns_extra: int = 0) -> Collective:
     """The exchanges of one dispatch stage over ``layer_passes`` layer runs: ``rows`` hidden rows and
     ``multi`` rows carrying several experts sent to other ranks per forward (their combine
@@ -132,7 +134,7 @@ def _exchange_collective(group: str, size: int, stride: int, experts_per_rank: i
     forward_calls = 3 + (k_max > 1)
     forward = I32 * columns * (size - 1) + 2 * BF16 * hidden * rows + 2 * FP32 * k_max * multi
     backward = 2 * BF16 * hidden * rows + FP32 * k_max * multi
-    passes = 2 if checkpointing else 1
+    passes = 2 if checkpointing in RERUN_DISPATCH else 1  # the recompute runs the dispatcher again
     per_layer = passes * forward + backward
     calls = passes * forward_calls + 2 + (k_max > 1)
     return Collective("all-to-all", group, size, stride, layer_passes * calls, layer_passes * per_layer)

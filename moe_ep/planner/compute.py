@@ -1,7 +1,9 @@
 """Compute time of one unit for one micro-batch on one rank, by kind of kernel.
 
-- GEMMs: FLOPs at the dense or grouped GEMM efficiency of the bf16 peak; backward = 2 x forward, a
-  checkpointed layer runs its forward twice. The routed experts' FLOPs are the busiest rank's: its
+- GEMMs: FLOPs at the dense or grouped GEMM efficiency of the bf16 peak; backward = 2 x forward;
+  recompute runs again what its policy recomputes (:func:`recomputed`): a whole layer's forward
+  (``"full"``), its memory-bound kernels (``"selective"``) or its attention block
+  (``"attention"``). The routed experts' FLOPs are the busiest rank's: its
   experts get ``load`` x the mean rows (``imbalance`` under expert parallelism; padded rows count
   in capacity mode).
 - attention: flash attention's FLOPs at the attention efficiency; its backward recomputes the
@@ -28,17 +30,31 @@ MEMORY_BACKWARD = 2.0  # backward bytes of an elementwise op over its forward's
 
 
 @dataclass(frozen=True)
+class Recomputed:
+    """What a unit's backward runs again of its forward: FLOPs by kind (the experts' at the mean
+    load) and memory-bound bytes."""
+
+    dense_flops: float = 0.0
+    expert_flops: float = 0.0
+    attention_flops: float = 0.0
+    memory: float = 0.0
+
+
+NOTHING = Recomputed()
+
+
+@dataclass(frozen=True)
 class Work:
     """One unit's work for one micro-batch on one rank: forward FLOPs by kind (the experts' at the
     mean load, run at ``expert_load`` times it), forward and backward memory-bound bytes, and
-    whether the forward runs twice."""
+    what its backward recomputes."""
 
     dense_flops: float = 0.0
     expert_flops: float = 0.0
     attention_flops: float = 0.0
     memory_fwd: float = 0.0
     memory_bwd: float = 0.0
-    recompute: bool = False
+    recompute: Recomputed = NOTHING
     expert_load: float = 1.0
 
     @property
@@ -57,16 +73,19 @@ class Work:
         eff, peak = cluster.efficiencies, cluster.peak_flops
         dense, expert, attention = (self.dense_flops / eff.dense_gemm, self.expert_flops / eff.grouped_gemm,
                                     self.attention_flops / eff.attention)
-        again = 1.0 if self.recompute else 0.0
+        again = self.recompute
         return {
-            "memory-bound kernels": self._seconds(cluster, 0, 0, self.memory_fwd * (1 + again) + self.memory_bwd).total,
-            "recompute (checkpointing)": again * (dense + self.expert_load * expert + attention) / peak,
+            "memory-bound kernels":
+                self._seconds(cluster, 0, 0, self.memory_fwd + again.memory + self.memory_bwd).total,
+            "recompute (checkpointing)": (again.dense_flops / eff.dense_gemm
+                                          + self.expert_load * again.expert_flops / eff.grouped_gemm
+                                          + again.attention_flops / eff.attention) / peak,
             "busiest rank's extra expert load": GEMM_PASSES * (self.expert_load - 1) * expert / peak,
             "flash attention's backward recompute": (ATTENTION_PASSES - GEMM_PASSES) * attention / peak,
         }
 
     def seconds(self, cluster: Cluster) -> "Seconds":
-        """Forward, backward and (checkpointed) recompute."""
+        """Forward, backward and recompute."""
         return _work_seconds(self, cluster)
 
     def forward_seconds(self, cluster: Cluster) -> "Seconds":
@@ -85,9 +104,10 @@ class Work:
 @functools.lru_cache(maxsize=4096)
 def _work_seconds(work: Work, cluster: Cluster) -> "Seconds":
     # The search asks for the same units' seconds for every layout that shares them.
-    again = 1.0 if work.recompute else 0.0
-    return work._seconds(cluster, GEMM_PASSES + again, ATTENTION_PASSES + again,
-                         work.memory_fwd * (1 + again) + work.memory_bwd)
+    again = work.recompute
+    recompute = Work(again.dense_flops, again.expert_flops, again.attention_flops, expert_load=work.expert_load)
+    return (work._seconds(cluster, GEMM_PASSES, ATTENTION_PASSES, work.memory_fwd + work.memory_bwd)
+            + recompute._seconds(cluster, 1.0, 1.0, again.memory))
 
 
 @dataclass(frozen=True)
@@ -141,6 +161,24 @@ def layer_traffic(spec: ModelSpec, layer: int, mb: MicroBatch, ep: int, routed: 
     # several); the source sums the returned rows per token in float32 and casts back.
     rows, pairs = routed.sent, routed.pairs
     return traffic + BF16 * H * (2 * rows + pairs + routed.received) + (BF16 + FP32) * H * (rows + T) + 2 * FP32 * H * T
+
+
+def recomputed(spec: ModelSpec, layer: int, mb: MicroBatch, policy: str, traffic: float) -> Recomputed:
+    """What the backward of decoder layer ``layer`` runs again under the recompute ``policy``
+    (``traffic``: its memory-bound forward bytes, :func:`layer_traffic`): ``"full"`` the whole
+    forward; ``"selective"`` the memory-bound kernels (the dispatcher's row movements included);
+    ``"attention"`` the attention block's projections, kernel, rotary embedding and q/k norms."""
+    T = mb.tokens
+    attention = T * spec.attention_flops(mb.seq_len)
+    if policy == "full":
+        return Recomputed(T * spec.layer_dense_flops(layer), T * spec.layer_expert_flops(layer), attention, traffic)
+    if policy == "selective":
+        return Recomputed(memory=traffic)
+    if policy == "attention":
+        width = spec.num_heads * spec.head_dim + spec.num_kv_heads * spec.head_dim
+        memory = T * (ROTARY + (NORM if spec.qk_norm else 0)) * width
+        return Recomputed(dense_flops=T * 2.0 * spec.attn_params, attention_flops=attention, memory=memory)
+    return NOTHING
 
 
 def head_traffic(spec: ModelSpec, mb: MicroBatch) -> tuple[float, float]:

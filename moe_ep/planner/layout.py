@@ -1,5 +1,5 @@
 """A parallel layout: the degrees of the device mesh, the micro-batching, the pipeline schedule
-and activation checkpointing.
+and activation recomputation (``moe_ep.planner.recompute``).
 
 Ranks are numbered ``(pp, dp_replicate, dp_shard)`` row-major, as ``moe_ep.parallel`` builds its
 mesh; expert parallelism splits ``dp_shard`` into ``(edp, ep)`` with ``ep`` innermost, so an
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .recompute import recompute_policy
 from .schedules import NO_PIPELINE, SCHEDULES, ScheduleInfo, schedule_info
 
 
@@ -21,10 +22,11 @@ class Layout:
     microbatch_size: int  # sequences per micro-batch
     microbatches: int  # micro-batches per optimizer step on one data-parallel replica
     schedule: str  # NO_PIPELINE when pp == 1
-    checkpointing: bool
+    checkpointing: str  # a recompute policy; True and False are given as "full" and "none"
     virtual_stages: int | None = None  # interleaved 1F1B's stages per rank (None: the schedule's 2)
 
     def __post_init__(self):
+        object.__setattr__(self, "checkpointing", recompute_policy("checkpointing", self.checkpointing))
         for name in ("pp", "dp_replicate", "dp_shard", "ep", "microbatch_size", "microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -89,5 +91,5 @@ class Layout:
         sched = f" {self.schedule}" if self.pp > 1 else ""
         if self.virtual_stages is not None:
             sched += f" v={self.virtual_stages}"
-        ckpt = " ckpt" if self.checkpointing else ""
+        ckpt = {"none": "", "full": " ckpt"}.get(self.checkpointing, f" ckpt={self.checkpointing}")
         return f"{self.degrees()} mb={self.microbatch_size}x{self.microbatches}{sched}{ckpt}"

@@ -6,7 +6,7 @@ Rows of the table (printed with every plan):
   gradient shards, AdamW's two float32 moments: 16 bytes per sharded parameter;
 - activations kept for the backward: ``moe_ep.planner.activations`` (checked against autograd's
   saved tensors), times the micro-batches each stage keeps in flight;
-- backward scratch: the running unit's transient memory, its recompute set when checkpointed, its
+- backward scratch: the running unit's transient memory, what its recompute makes again, its
   backward's intermediates and, for the head, the logits and their float32 gradient;
 - FSDP2 working set: without pipeline stages, the root's gathered embedding and head (kept from the
   forward to the end of the backward) and the head's bf16 gradient, then per running layer its bf16
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from ..dispatch.capacity import expert_capacity
 from .activations import (
     MicroBatch, Routed, checkpoint_shared, checkpointed_layer_saved, embed_saved, expected_routed, head_saved,
-    head_scratch, layer_saved, layer_scratch, rank_shares,
+    head_scratch, layer_saved, layer_scratch, policy_layer_saved, rank_shares,
 )
 from .cluster import Cluster
 from .comm import Collective, all_to_all_collective, node_all_to_all_collectives
-from .compute import Work, embed_traffic, head_traffic, layer_traffic, MEMORY_BACKWARD
+from .compute import Work, embed_traffic, head_traffic, layer_traffic, recomputed, MEMORY_BACKWARD
 from .partition import Partition, UnitCost
 from .layout import Layout
 from .spec import BF16, FP32, ModelSpec
@@ -100,7 +100,7 @@ def build_units(
     """The chain's units; ``node_size``: the node-aware dispatch's nodes (None: single-stage)."""
     mb = MicroBatch(layout.microbatch_size, seq_len)
     T, H, ep, ds = mb.tokens, spec.hidden_size, layout.ep, layout.dp_shard
-    ckpt = layout.checkpointing
+    policy = layout.checkpointing
     expert_parallel = ep > 1 and spec.num_experts > 0
     steady = routed_counts(spec, layout, T, imbalance, capacity_factor) if expert_parallel else None
     startup = routed_counts(spec, layout, T, startup_imbalance, capacity_factor) if expert_parallel else None
@@ -124,14 +124,18 @@ def build_units(
     tied = ("model.embed_tokens.weight",) if spec.tie_word_embeddings else ()
     fwd, bwd = embed_traffic(spec, mb)
     units = [unit("embed", spec.embed_params, 0, Work(memory_fwd=fwd, memory_bwd=bwd),
-                  embed_saved(spec, mb) + (checkpoint_shared(mb) if ckpt else 0.0), shared=tied)]
+                  embed_saved(spec, mb) + (checkpoint_shared(mb) if policy != "none" else 0.0), shared=tied)]
     for i in range(spec.num_layers):
         moe = spec.is_moe_layer(i)
         dense, expert, attention = T * spec.layer_dense_flops(i), T * spec.layer_expert_flops(i), T * spec.attention_flops(seq_len)
         traffic = layer_traffic(spec, i, mb, ep, steady)
-        work = Work(dense, expert, attention, traffic, MEMORY_BACKWARD * traffic, ckpt, expert_load)
+        work = Work(dense, expert, attention, traffic, MEMORY_BACKWARD * traffic,
+                    recomputed(spec, i, mb, policy, traffic), expert_load)
         full = layer_saved(spec, i, mb, backend, ep, startup)
-        scratch = layer_scratch(spec, i, mb, backend, ep, startup) + (full if ckpt else 0.0)
+        saved = policy_layer_saved(spec, i, mb, backend, policy, ep, startup)
+        # The recompute makes again what the layer did not keep (its input it kept).
+        again = max(0.0, full - saved + checkpointed_layer_saved(spec, mb)) if policy != "none" else 0.0
+        scratch = layer_scratch(spec, i, mb, backend, ep, startup) + again
         a2a, buffers = (), 0.0
         if expert_parallel and moe:
             buffers = BF16 * H * (startup.sent + startup.received)
@@ -143,7 +147,7 @@ def build_units(
                 node_rows = rank_shares(spec, ep // node_size)[0] * T
                 buffers += BF16 * H * node_rows * (1 + startup_imbalance)
         units.append(unit(f"layers.{i}", spec.layer_dense_params(i), spec.layer_expert_params(i), work,
-                          checkpointed_layer_saved(spec, mb) if ckpt else full, scratch, moe, a2a, buffers))
+                          saved, scratch, moe, a2a, buffers))
     fwd, bwd = head_traffic(spec, mb)
     head = T * spec.head_flops
     units.append(unit("head", spec.head_params, 0, Work(dense_flops=head, memory_fwd=fwd, memory_bwd=bwd),

@@ -7,13 +7,15 @@ from __future__ import annotations
 from .memory import layer_ids, max_load
 from .partition import format_bytes
 from .presets import CLUSTERS, DEFAULT_CLUSTER, Efficiencies
+from .recompute import DESCRIPTIONS as RECOMPUTE_DESCRIPTIONS
 
 ASSUMPTIONS = (
     "mixed precision as FSDP2 does it: fp32 master weights, bf16 compute, fp32 gradient reduction",
     "AdamW with two fp32 moments: 16 bytes per sharded parameter (weights 4, gradients 4, moments 8)",
     "dense weights sharded over dp_shard, experts over ep then edp = dp_shard/ep, replicated over dp_replicate",
     "activations: what autograd saves with transformers' modeling code and moe_ep's Triton router and experts "
-    "(checked against saved_tensors_hooks); full checkpointing keeps each layer's input",
+    "(checked against saved_tensors_hooks); full checkpointing keeps each layer's input, selective its input "
+    "and its GEMM, attention-kernel and moe_ep-op outputs, attention recompute the attention block's input",
     "without pipeline: FSDP gathers each layer in forward and again in backward and reduce-scatters every "
     "micro-batch; the first all-gather and the last reduce-scatter are exposed, the rest overlaps compute "
     "(and the all-to-all when they use different links)",
@@ -129,7 +131,7 @@ def format_plan(plan) -> str:
         f"({lay.microbatch_size * plan.seq_len} tokens) per data-parallel rank",
         f"  schedule           {lay.schedule}"
         + (f" ({lay.info.description}, bubble {lay.bubble():.2f} micro-batch times)" if lay.pp > 1 else ""),
-        f"  checkpointing      {'full (every decoder layer)' if lay.checkpointing else 'none'}",
+        f"  checkpointing      {RECOMPUTE_DESCRIPTIONS[lay.checkpointing]}",
     ]
     if lay.pp > 1:
         lines.append(f"  stages             {_stages_line(best)}")

@@ -1,6 +1,7 @@
 """Search over layouts: every (pp, dp_replicate, dp_shard, ep) that divides the world, every
-micro-batch size that divides a replica's batch, with and without activation checkpointing,
-every pipeline schedule that applies; each is partitioned (moe_ep.planner.partition) and costed
+micro-batch size that divides a replica's batch, every recompute policy
+(``moe_ep.planner.recompute``: none, full, selective, attention), every pipeline schedule that
+applies; each is partitioned (moe_ep.planner.partition) and costed
 (memory, timing). Of the layouts that fit, the fastest wins unless it leaves less than
 ``min_headroom`` of GPU memory free while another within ``speed_margin`` of its step time keeps
 that much (see :func:`choose`)."""
@@ -22,6 +23,7 @@ from .memory import (
     DEFAULT_IMBALANCE, DEFAULT_STARTUP_IMBALANCE, MemoryTable, Unit, build_units, layer_ids, p2p_bytes, rank_memory,
     unit_costs, unit_seconds,
 )
+from .recompute import RECOMPUTE_POLICIES, recompute_policy
 from .presets import DEFAULT_CLUSTER, CLUSTERS, Efficiencies, cluster_preset
 from .schedules import INTERLEAVED, NO_PIPELINE, SCHEDULES, schedule_info
 from .spec import ModelSpec
@@ -239,10 +241,10 @@ def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_token
         per_replica = sequences // mesh.dp
         for schedule in _schedules(spec, mesh.pp, fixed):
             for mbs, m in _microbatchings(mesh.pp, per_replica, schedule, fixed):
-                for ckpt in (False, True):
-                    if fixed["checkpointing"] in (None, ckpt):
+                for policy in RECOMPUTE_POLICIES:
+                    if fixed["checkpointing"] in (None, policy):
                         for v in _virtual_stages(spec, mesh.pp, schedule, fixed):
-                            yield Layout(*mesh, mbs, m, schedule, ckpt, v)
+                            yield Layout(*mesh, mbs, m, schedule, policy, v)
 
 
 def _units(spec: ModelSpec, layout: Layout, seq_len: int, assumptions: Assumptions, cluster: Cluster) -> list[Unit]:
@@ -456,7 +458,7 @@ def plan(
     ep: int | None = None,
     microbatch_size: int | None = None,
     schedule: str | None = None,
-    checkpointing: bool | None = None,
+    checkpointing: str | bool | None = None,
     virtual_stages: int | None = None,
     num_alternatives: int = 5,
 ) -> Plan:
@@ -485,7 +487,9 @@ def plan(
         capacity_factor: the dispatcher's capacity mode (padded fixed buffers); None: dropless.
         min_headroom, speed_margin: the headroom rule (fractions of GPU memory and of step time).
         pp, dp_replicate, dp_shard, ep, microbatch_size, schedule, checkpointing: fix any of
-            them; None lets the search choose.
+            them; None lets the search choose. ``checkpointing`` is a recompute policy of
+            ``moe_ep.planner.recompute.RECOMPUTE_POLICIES`` (True: ``"full"``, False: ``"none"``),
+            what ``moe_ep.parallelize(activation_checkpointing=...)`` takes.
         virtual_stages: interleaved 1F1B's stages per rank (implies that schedule); None lets the
             search try 2 and every V whose pp x V stages split the layers evenly.
         num_alternatives: how many rejected layouts the plan explains.
@@ -514,8 +518,8 @@ def plan(
     check("capacity_factor", capacity_factor, optional=True)
     if capacity_factor is not None and ep == 1:
         raise ValueError(f"capacity_factor={capacity_factor} applies to the expert-parallel dispatcher; ep=1 has none")
-    if checkpointing is not None and not isinstance(checkpointing, bool):
-        raise TypeError(f"checkpointing must be a bool or None, got {type(checkpointing).__name__}")
+    if checkpointing is not None:
+        checkpointing = recompute_policy("checkpointing", checkpointing)
     resolved, overrides = _resolve_cluster(nodes, cluster, calibration, figures, efficiency)
     resolved = resolved.replace(reserve_fraction=reserve_fraction)
     assumptions = Assumptions(imbalance, startup_imbalance, capacity_factor)

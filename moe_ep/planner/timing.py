@@ -27,6 +27,7 @@ from .comm import Collective, fsdp_units, p2p_collective
 from .compute import FSDP_GATHER_COPY, FSDP_REDUCE_COPY, OPTIMIZER_BYTES_PER_PARAM, Seconds
 from .layout import Layout
 from .memory import Unit, stage_units
+from .recompute import RERUN_DISPATCH
 from .spec import BF16, FP32, ModelSpec
 
 
@@ -103,7 +104,7 @@ def _contends(layout: Layout, cluster: Cluster) -> bool:
 def _fsdp_without_pipeline(spec, layout, units, cluster) -> tuple[float, float]:
     """(exposed, total) FSDP seconds of one micro-batch without pipeline stages."""
     contends = _contends(layout, cluster)
-    passes = 2 if layout.checkpointing else 1
+    passes = 2 if layout.checkpointing in RERUN_DISPATCH else 1
     root_gather = root_reduce = head_backward = 0.0
     layers = []  # (all-gather, reductions, forward window, backward window) per decoder layer
     for u in units:

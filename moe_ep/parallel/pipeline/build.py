@@ -24,7 +24,8 @@ from .stages import PipelineStages
 
 
 def plan_stages(
-    model: nn.Module, pp: int, pipeline: PipelineConfig, *, dp_shard: int = 1, ep: int = 1, checkpointing: bool = False,
+    model: nn.Module, pp: int, pipeline: PipelineConfig, *, dp_shard: int = 1, ep: int = 1,
+    checkpointing: str | bool = "none",
 ) -> Partition:
     """The cut of ``model`` into ``pipeline``'s stages over ``pp`` ranks; ``dp_shard``, ``ep`` and
     ``checkpointing`` are what the cost model assumes. Reads the model, changes nothing."""
@@ -85,7 +86,7 @@ def build_pipeline(
     virtual_stages: int | None = None,
     dp_shard: int = 1,
     ep: int = 1,
-    checkpointing: bool = False,
+    checkpointing: str | bool = "none",
     stage_transform: Callable[[list[nn.Module]], None] | None = None,
     device: torch.device | str | None = None,
 ) -> PipelineStages:
@@ -98,8 +99,8 @@ def build_pipeline(
             pipeline, as ``moe_ep.parallel.PipelineConfig`` documents them; ``split_points``
             without ``memory_cap`` needs no cost model (any decoder-only family).
         dp_shard, ep: the sharding the cost model assumes.
-        checkpointing: whether layers will be recomputed (costs and memory only; enabling it is
-            the caller's, e.g. ``enable_activation_checkpointing``).
+        checkpointing: the recompute policy the layers will run under (costs and memory only;
+            applying it is the caller's, e.g. ``enable_activation_checkpointing``).
         stage_transform: called once with this rank's stage modules (in stage order) before they
             are wrapped (expert sharding, FSDP).
         device: where the stages compute; defaults to the model's parameters' device (cpu for meta).

@@ -17,13 +17,13 @@ DEFAULT_COST_SEQ_LEN = 4096
 
 def pipeline_unit_costs(
     model: nn.Module, pp: int, pipeline: PipelineConfig, *, dp_shard: int = 1, ep: int = 1,
-    checkpointing: bool = False,
+    checkpointing: str | bool = "none",
 ) -> list[UnitCost]:
     """Per-unit costs of ``model`` for one micro-batch of ``pipeline``'s shape, one unit per
     decoder layer (embedding and head ride with the first and last), from the planner's cost
     model, so that the automatic cut and the planner agree. ``pipeline.seq_len`` defaults to the
     model's context, at most ``DEFAULT_COST_SEQ_LEN``; ``dp_shard``, ``ep`` and ``checkpointing``
-    are the sharding and recompute the costs assume."""
+    are the sharding and recompute policy the costs assume."""
     spec = ModelSpec.from_config(model.config)
     context = getattr(model.config, "max_position_embeddings", DEFAULT_COST_SEQ_LEN)
     seq = pipeline.seq_len or min(DEFAULT_COST_SEQ_LEN, context)
