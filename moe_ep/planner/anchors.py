@@ -59,7 +59,7 @@ class Anchor:
     seq_len: int
     schedule: str
     virtual_stages: int | None
-    checkpointing: bool | str | None  # a recompute policy (True: full, False: none)
+    checkpointing: str | None  # a recompute policy of RECOMPUTE_POLICIES
     balanced_routing: bool
     published: float
     unit: str
@@ -119,7 +119,7 @@ ANCHORS = (
     Anchor(
         "AutoModel Qwen3-30B-A3B", "qwen3-30b-a3b", nodes=1, pp=1, dp_replicate=1, dp_shard=8, ep=8,
         microbatch_size=4, global_batch=512, seq_len=4096, schedule=NO_PIPELINE, virtual_stages=None,
-        checkpointing=True, balanced_routing=True, published=12040, unit=TOKENS_PER_GPU,
+        checkpointing="full", balanced_routing=True, published=12040, unit=TOKENS_PER_GPU,
         source=f"{_AUTOMODEL_SUMMARY}, row 'Qwen3 MoE 30B' (8 GPUs, GBS 512, MBS 4, GA 16, seq 4096, EP 8, "
                f"FSDP 8, TE + DeepEP, 21.773 s per step, 277 TFLOP/s, 12,040 tokens/s per GPU)",
         note=f"full recomputation as moe_ep issue #22 states (the table has no recompute column); "
@@ -139,7 +139,7 @@ ANCHORS = (
     Anchor(
         "Megatron Qwen3-235B-A22B", "qwen3-235b-a22b", nodes=32, pp=8, dp_replicate=1, dp_shard=32, ep=32,
         microbatch_size=1, global_batch=2048, seq_len=4096, schedule=INTERLEAVED, virtual_stages=4,
-        checkpointing=False, balanced_routing=True, published=17.6, unit=STEP_SECONDS,
+        checkpointing="none", balanced_routing=True, published=17.6, unit=STEP_SECONDS,
         source="layout: Megatron-Bridge's recipe qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config, "
                "https://docs.nvidia.com/nemo/megatron-bridge/nightly/apidocs/bridge/"
                "bridge.perf_recipes.qwen.h100.qwen3_moe.html (256 H100, BF16, TP 2 PP 8 VP 4 EP 32; its source: "
@@ -256,9 +256,9 @@ def _layout_text(layout: Layout) -> str:
     if layout.virtual_stages is not None:
         parts.append(f"v{layout.virtual_stages}")
     parts.append(f"mb{layout.microbatch_size}x{layout.microbatches}")
-    if layout.checkpointing != "none":
-        parts.append(f"recompute={layout.checkpointing}")
-    return " ".join(parts)
+    # Short names: the table fits 120 columns.
+    parts.append({"none": "", "full": "ckpt", "selective": "ckpt:sel", "attention": "ckpt:attn"}[layout.checkpointing])
+    return " ".join(p for p in parts if p)
 
 
 def _published_text(anchor: Anchor) -> str:
