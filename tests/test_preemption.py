@@ -14,6 +14,15 @@ from dist_utils import run_ranks
 from moe_ep.runs.preemption import PREEMPTED_EXIT_STATUS, Preempted, Preemption, parse_signal
 
 
+@pytest.fixture(autouse=True)
+def handlers_restored():
+    """The tests signal this process: every handler they may change is put back."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
 @pytest.mark.parametrize("given, expected", [
     ("SIGTERM", signal.SIGTERM), ("usr1", signal.SIGUSR1), ("SigUsr2", signal.SIGUSR2),
     (str(int(signal.SIGUSR1)), signal.SIGUSR1), (int(signal.SIGHUP), signal.SIGHUP), (signal.SIGINT, signal.SIGINT),
@@ -63,37 +72,32 @@ def test_a_signal_is_recorded_and_the_step_boundary_says_stop():
         assert preemption.stop_requested() and preemption.signal is signal.SIGUSR1
         os.kill(os.getpid(), signal.SIGTERM)  # a second signal: recorded as nothing new, the process lives
         assert preemption.received is signal.SIGUSR1 and preemption.stop_requested()
+    # On its way out after the stop: a launcher's late SIGTERM must not turn the exit into a kill.
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN and signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
 
 
-def test_previous_handlers_are_chained_and_restored():
+def test_previous_handlers_are_chained_and_restored_when_no_stop_was_agreed():
     calls = []
 
     def users_handler(signum, frame):
         calls.append(signum)
 
-    before = signal.signal(signal.SIGUSR1, users_handler)
+    signal.signal(signal.SIGUSR1, users_handler)
     sigint_before = signal.getsignal(signal.SIGINT)
-    try:
-        with Preemption(signals=(signal.SIGUSR1, signal.SIGINT)) as preemption:
-            os.kill(os.getpid(), signal.SIGUSR1)
-            # Python's default SIGINT handler raises KeyboardInterrupt: replaced, not chained.
-            os.kill(os.getpid(), signal.SIGINT)
-            assert preemption.stop_requested() and preemption.received is signal.SIGUSR1
-        assert calls == [signal.SIGUSR1]
-        assert signal.getsignal(signal.SIGUSR1) is users_handler
-        assert signal.getsignal(signal.SIGINT) is sigint_before
-    finally:
-        signal.signal(signal.SIGUSR1, before)
+    with Preemption(signals=(signal.SIGUSR1, signal.SIGINT)) as preemption:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        # Python's default SIGINT handler raises KeyboardInterrupt: replaced, not chained.
+        os.kill(os.getpid(), signal.SIGINT)
+        assert preemption.received is signal.SIGUSR1
+    assert calls == [signal.SIGUSR1]
+    assert signal.getsignal(signal.SIGUSR1) is users_handler
+    assert signal.getsignal(signal.SIGINT) is sigint_before
 
 
 def test_a_handler_installed_after_ours_is_left_in_place():
-    before = signal.getsignal(signal.SIGUSR2)
-    try:
-        with Preemption(signals=(signal.SIGUSR2,)):
-            signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-        assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGUSR2, before)
+    with Preemption(signals=(signal.SIGUSR2,)):
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
 
 
 def test_only_the_main_thread_can_install_handlers():

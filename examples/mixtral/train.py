@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import NonFiniteStepsError, PeerFailure, TrainStep, experts_modules, fail_fast, num_experts_of
+from moe_ep.runs.preemption import Preempted, Preemption
 
 from checkpoint import (
     load_checkpoint,
@@ -287,12 +289,14 @@ def train(args) -> None:
     # group, which forms only once rank 0 holds the lock (a refused rank 0 exits before it).
     previous_holder = lock.acquire() if checked.rank == 0 else None
     try:
-        run(args, checked, wall0, previous_holder)
+        # Before the run writes anything: a signal during start-up stops it after its first step.
+        with Preemption(signals=(signal.SIGTERM, args.preempt_signal)) as preemption:
+            run(args, checked, wall0, previous_holder, preemption)
     finally:
         lock.release()
 
 
-def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> None:
+def run(args, checked: Checked, wall0: float, previous_holder: dict | None, preemption: Preemption) -> None:
     (world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype, resume, fallbacks, token_cache,
      token_cache_intact, identity, warnings) = checked
 
@@ -440,12 +444,16 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
                          "steps_skipped": train_step.steps_skipped},
                         expert_load.collect(),
                     )
-                if done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
+                # Every rank asks at every step boundary but the last (the run ends there anyway).
+                preempted = done < args.steps and preemption.stop_requested()
+                if preempted or done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
                     trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
                                      "layout": asdict(layout), "model": source.name, "data": identity}
                     last_ckpt = save_checkpoint(ckpt_root, done, module, optimizer, trainer_state, rank=rank,
                                                 barrier=barrier, keep=args.keep_checkpoints, config=module.config)
                     reporter.info(f"checkpoint {last_ckpt}")
+            if preempted:
+                raise Preempted(preemption.signal, done, last_ckpt)
         except RuntimeError as err:
             if isinstance(err, PeerFailure) or not lost_peer(err):
                 raise

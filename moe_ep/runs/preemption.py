@@ -14,7 +14,9 @@ The handler only records the signal; the step in progress finishes (a handler th
 from inside a collective would leave the ranks at different points). ``stop_requested`` is the
 agreement: one all-reduce (MAX) of the signal number this rank received, 0 for none, over
 ``group``, so a signal that reached one rank, or reached the ranks between two boundaries, stops
-them all after the same step, and every rank learns which signal it was.
+them all after the same step, and every rank learns which signal it was. Leaving the context
+restores the previous handlers, or, after an agreed stop, ignores the signals for the rest of the
+process (see below).
 
 Cost: one all-reduce of one int32 and one host read of it per call. On a group whose backend
 serves CPU tensors (gloo, or ``"cpu:gloo,cuda:nccl"``) the flag is a CPU tensor: no CUDA
@@ -138,7 +140,10 @@ class Preemption:
         for sig, previous in self._previous.items():
             # A handler installed after ours (and chaining to it, or not) is left in place.
             if signal.getsignal(sig) == self._handle:
-                signal.signal(sig, previous)
+                # After an agreed stop the process is on its way out, and a launcher signals the
+                # ranks still exiting once the first has exited (torchrun: SIGTERM): ignored, so
+                # that a rank's status stays the preempted one instead of a kill.
+                signal.signal(sig, signal.SIG_IGN if self.signal is not None else previous)
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
