@@ -758,7 +758,7 @@ def sbatch_argv(tmp_path, *extra: str) -> list[str]:
     stubs = {
         "scontrol": "echo node-a; echo node-b",
         "srun": 'while [[ $1 == --* ]]; do shift; done\nSLURM_NODEID=1 exec "$@"',
-        "accelerate": 'printf "%s\\0" "$@" > "$ARGV_FILE"',
+        "accelerate": 'printf "%s\\0" "$@" > "$ARGV_FILE"; printf "%s\\n" "$PET_SIGNALS_TO_HANDLE" > "$ARGV_FILE.signals"',
     }
     for name, body in stubs.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
@@ -780,6 +780,10 @@ def test_slurm_script_forwards_extra_arguments_intact(tmp_path):
                      "--num_processes": "16", "--main_process_ip": "node-a", "--main_process_port": "29500"}
     assert argv[13] == str(EXAMPLE / "train.py")
     assert argv[-6:] == ["--output-dir", str(tmp_path / "run out"), *extra]
+    # SLURM's --signal=USR1@300: the launcher forwards USR1 (instead of dying of it), the ranks act on it.
+    assert argv[-8:-6] == ["--preempt-signal", "USR1"]
+    assert (tmp_path / "argv.signals").read_text().split() == ["SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+    assert "#SBATCH --signal=USR1@300\n" in (EXAMPLE / "slurm.sbatch").read_text()
 
 
 def shutil_usage(free: int):

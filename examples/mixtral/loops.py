@@ -18,6 +18,7 @@ model goes to ``OUTPUT_DIR/final``, marked as an export, replaced only when it i
 from __future__ import annotations
 
 import argparse
+import signal
 import json
 import math
 import os
@@ -28,8 +29,11 @@ import numpy as np
 import torch
 
 from data import ByteTokenizer, PackedSequences, resolve_data, tokenize_corpus
+from moe_ep.runs.preemption import Preempted, Preemption
+
 from errors import UsageError
 from models import tiny_config
+from options import add_preempt_signal
 from ownership import (
     CHECKPOINT_BYTES_PER_PARAMETER,
     EXPORT_BYTES_PER_PARAMETER,
@@ -47,6 +51,9 @@ from ownership import (
 
 FINAL = "final"
 METRICS = "metrics.jsonl"
+# Left in the run folder by a run stopped by a preemption signal: the same command continues it
+# (as if given --resume) until the run reaches --steps, so a requeued job needs no other command.
+PREEMPTED = "preempted"
 NUM_EXPERTS = 8  # models.tiny_config's
 
 
@@ -74,7 +81,9 @@ def build_parser(description: str, default_output: str) -> argparse.ArgumentPars
     p.add_argument("--max-corpus-tokens", type=int, default=400_000, help="cap on the tokens read from the stdlib")
     p.add_argument("--output-dir", default=default_output)
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (0: none)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --output-dir (implied after a preemption)")
+    add_preempt_signal(p)
     return p
 
 
@@ -234,9 +243,11 @@ class RunFolder:
             make_managed_dir(self.path / name, name)
 
     def saved_final(self, log: StepLog, is_main: bool) -> None:
-        """After the final model is written: mark it as an export (rank 0) and say where it is."""
+        """After the final model is written: mark it as an export (rank 0) and say where it is; a
+        preempted run is complete now."""
         if is_main:
             mark(self.final, "export")
+            (self.path / PREEMPTED).unlink(missing_ok=True)
         log.info(f"saved the model to {self.final} (loads with plain from_pretrained)")
 
 
@@ -271,6 +282,7 @@ def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] 
     check_args(args, world_size)
     data = make_data(args, world_size)
     run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed)
+    args.resume = args.resume or (run.path / PREEMPTED).is_file()
     run.check(resume=args.resume, parameters=count_parameters(args))
     if rank == 0:
         run.lock.acquire()
@@ -280,12 +292,25 @@ def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] 
         run.lock.release()
 
 
+def preempted(run: RunFolder, preemption: Preemption, step: int, checkpoint: Path, *, is_main: bool) -> Preempted:
+    """What every rank raises after the checkpoint of a preempted run; rank 0 notes in the run
+    folder that the same command continues it."""
+    if is_main:
+        (run.path / PREEMPTED).write_text(f"{checkpoint}\n")
+    return Preempted(preemption.signal, step, checkpoint)
+
+
 def finished(log: StepLog, step: int, args) -> bool:
     """Whether the run reached --steps; says how to continue when --stop-after stopped it."""
     if step < args.steps:
         log.info(f"stopped after step {step}; continue with --resume")
         return False
     return True
+
+
+def preemption(args) -> Preemption:
+    """SIGTERM and --preempt-signal recorded while the run trains (moe_ep.runs.preemption)."""
+    return Preemption(signals=(signal.SIGTERM, args.preempt_signal))
 
 
 def script_main(train, description: str, default_output: str, argv=None) -> int:

@@ -106,3 +106,21 @@ def test_train_py_preempted_checkpoints_once_and_resumes_bit_for_bit(undisturbed
     log = run(cmd)
     assert f"resumed from {checkpoint} at step {step}" in log
     assert losses(out) == undisturbed  # exact, every step
+
+
+@pytest.mark.parametrize("script", ["trainer.py", "accelerate_loop.py"])
+def test_a_preempted_loop_continues_with_the_same_command_bit_for_bit(tmp_path, script):
+    """SIGTERM to every rank of trainer.py (transformers' Trainer: its own ``checkpoint-N``) or
+    accelerate_loop.py (accelerate's ``save_state``) after step 2: the same command, without
+    --resume, continues from the preemption's checkpoint onto the undisturbed losses."""
+    undisturbed = tmp_path / "undisturbed"
+    run(accelerate_script_cmd(script, *LOOP_FLAGS, "--output-dir", str(undisturbed)))
+    out = tmp_path / "run"
+    cmd = accelerate_script_cmd(script, *LOOP_FLAGS, "--output-dir", str(out))
+    text = preempt(cmd, out, tmp_path / "preempted.log", to_ranks(signal.SIGTERM), script=script)
+    sig, step, checkpoint = stopped_at(text)
+    assert sig == "SIGTERM" and checkpoint.is_dir()
+    assert checkpoint.name == (f"checkpoint-{step}" if script == "trainer.py" else f"step_{step:08d}")
+    run(cmd)
+    assert losses(out) == losses(undisturbed)  # exact, every step
+    assert not (out / "preempted").exists()
