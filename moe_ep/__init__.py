@@ -32,6 +32,18 @@ if TYPE_CHECKING:
         parallelize,
     )
     from .planner import MODEL_NAMES, NO_PIPELINE, Layout, config_from_name, plan, schedule_info
+    from .runs import (
+        OutputLock,
+        Preempted,
+        Preemption,
+        Reporter,
+        RunError,
+        UsageError,
+        latest_checkpoint,
+        load_checkpoint,
+        run_reported,
+        save_checkpoint,
+    )
     from .training import (
         ExpertParallelTrainer,
         ExpertParallelTrainerMixin,
@@ -42,7 +54,8 @@ if TYPE_CHECKING:
 
 # Public name -> the module that defines it, imported on first access. By layer: the ops, the
 # Hugging Face integration, the layout over ranks, the planner, the training step (moe_ep's own, and
-# transformers' Trainer and accelerate's Accelerator on a parallelized model).
+# transformers' Trainer and accelerate's Accelerator on a parallelized model), the run around any loop
+# (its folder and lock, checkpoints, metrics, errors; the rest of that layer is moe_ep.runs').
 _PUBLIC = {
     "moe_experts": "moe_ep.ops",
     "route_topk": "moe_ep.ops",
@@ -70,8 +83,18 @@ _PUBLIC = {
     "ExpertParallelTrainer": "moe_ep.training",
     "ExpertParallelTrainerMixin": "moe_ep.training",
     "configure_accelerator": "moe_ep.training",
+    "OutputLock": "moe_ep.runs",
+    "save_checkpoint": "moe_ep.runs",
+    "load_checkpoint": "moe_ep.runs",
+    "latest_checkpoint": "moe_ep.runs",
+    "Reporter": "moe_ep.runs",
+    "UsageError": "moe_ep.runs",
+    "RunError": "moe_ep.runs",
+    "run_reported": "moe_ep.runs",
+    "Preemption": "moe_ep.runs",
+    "Preempted": "moe_ep.runs",
 }
-_SUBPACKAGES = ("bench", "dispatch", "hf", "kernels", "ops", "parallel", "planner", "training")
+_SUBPACKAGES = ("bench", "dispatch", "hf", "kernels", "ops", "parallel", "planner", "runs", "training")
 
 __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"

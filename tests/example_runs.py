@@ -3,7 +3,7 @@
 reading a run's losses and checkpoints, and copying a run to damage. Shared by
 test_example_launch.py and the fault-injection modules of tests/faults/ (no test module imports
 another). Importing it puts the example's folder on ``sys.path``, so tests import the example's
-own modules (``checkpoint``, ``integrity``, ``ownership``, ``train``) by name."""
+own modules (``data``, ``export``, ``train``) by name; the run machinery is ``moe_ep.runs``."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def wait_until(condition, proc: subprocess.Popen, message: str, timeout: float =
 
 
 def paused_files(tmp_checkpoint: Path, ranks: int) -> list[Path]:
-    """What checkpoint.py's pause hook touches in the ``.tmp-`` folder, one per rank."""
+    """What moe_ep.runs.checkpoint's pause hook touches in the ``.tmp-`` folder, one per rank."""
     return [tmp_checkpoint / f"paused-rank{r:05d}" for r in range(ranks)]
 
 
@@ -173,7 +173,7 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 def copy_run(base: Path, dest: Path) -> Path:
     """A copy of the base run to damage: the large DCP shards are hard links (a damaged one is
     written anew by ``rewrite``, never changed in place), everything else real copies."""
-    from checkpoint import SHARD_SUFFIX
+    from moe_ep.runs.checkpoint import SHARD_SUFFIX
 
     def link_shards(src, dst):
         return os.link(src, dst) if src.endswith(SHARD_SUFFIX) else shutil.copy2(src, dst)

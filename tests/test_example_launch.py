@@ -73,9 +73,9 @@ def test_two_process_launch_trains_and_matches_one_process(reference, tmp_path):
 
 def test_killed_run_resumes_onto_the_same_losses_bit_for_bit(reference, tmp_path):
     out = tmp_path / "killed"
-    # checkpoint.py's test hook: both ranks stop inside the step-4 save, their shards and RNG
+    # moe_ep.runs.checkpoint's test hook: both ranks stop inside the step-4 save, their shards and RNG
     # states written into the .tmp- folder, the folder not yet renamed; the run is killed there.
-    proc = launch(accelerate_cmd(out), out.with_name("killed.log"), MIXTRAL_EXAMPLE_TEST_PAUSE_IN_CHECKPOINT="4")
+    proc = launch(accelerate_cmd(out), out.with_name("killed.log"), MOE_EP_TEST_PAUSE_IN_CHECKPOINT="4")
     partial = out / "checkpoints" / ".tmp-step_00000004"
     try:
         wait_until(lambda: all(p.exists() for p in paused_files(partial, 2)), proc,

@@ -17,12 +17,12 @@ import torch
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mixtral"
 sys.path.insert(0, str(EXAMPLE))
 
-import checkpoint as ckpt  # noqa: E402
 import data  # noqa: E402
-import ownership  # noqa: E402
 import train  # noqa: E402
-from errors import UsageError  # noqa: E402
 from models import tiny_config  # noqa: E402
+
+from moe_ep.runs import UsageError, ownership  # noqa: E402
+from moe_ep.runs import checkpoint as ckpt  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -317,7 +317,7 @@ def test_tensorboard_logs_the_step_and_the_expert_load(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    import metrics
+    from moe_ep.runs import metrics
 
     reporter = metrics.Reporter(tmp_path, enabled=True, total_steps=2, progress=False, tensorboard=True)
     for step, loss in ((1, 2.5), (2, 2.25)):
@@ -619,7 +619,7 @@ def test_weights_that_do_not_match_their_config_are_refused_before_any_read(tiny
     size): every mismatched tensor named with its file and both shapes, nothing allocated or read."""
     import shutil
 
-    from errors import UsageError
+    from moe_ep.runs import UsageError
     from models import build_model, resolve_model
     from pretrained import load_pretrained
     from transformers import AutoConfig
@@ -651,7 +651,7 @@ def test_weights_that_do_not_match_their_config_are_refused_before_any_read(tiny
 def test_a_missing_tensor_is_named(tiny_checkpoints, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from errors import UsageError
+    from moe_ep.runs import UsageError
     from models import build_model, resolve_model
     from pretrained import load_pretrained
 
@@ -845,7 +845,7 @@ def test_hf_dataset_needs_the_network_and_the_package(monkeypatch):
 
 
 def test_expert_load_counts_every_routed_slot_and_flops_follow_the_active_parameters():
-    import metrics
+    from moe_ep.runs import metrics
     from models import build_model, count_parameters, resolve_model
 
     model, _ = tiny_model_and_optimizer()

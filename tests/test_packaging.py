@@ -127,18 +127,21 @@ print(json.dumps({"experts": ALL_EXPERTS_FUNCTIONS.get("moe_ep") is moe_ep.hf.mo
 
 
 def test_the_example_and_the_readme_use_public_names_only():
-    """The example imports only from ``moe_ep`` itself, and every ``moe_ep.<name>`` that it or the
-    README's Python code uses is in ``moe_ep.__all__``."""
+    """The example imports only from ``moe_ep`` itself and from its run layer ``moe_ep.runs``, and
+    every ``moe_ep.<name>`` that it or the README's Python code uses is in ``moe_ep.__all__``, every
+    name it takes from ``moe_ep.runs`` in ``moe_ep.runs.__all__``."""
     import re
 
     import moe_ep
+    import moe_ep.runs
 
-    used = {}
+    used, from_runs = {}, {}
     for path in sorted((REPO / "examples" / "mixtral").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "moe_ep":
-                assert node.module == "moe_ep", f"{path.name} imports from {node.module}"
-                used.update({alias.name: path.name for alias in node.names})
+                assert node.module in ("moe_ep", "moe_ep.runs"), f"{path.name} imports from {node.module}"
+                names = {alias.name: path.name for alias in node.names}
+                (used if node.module == "moe_ep" else from_runs).update(names)
             elif isinstance(node, ast.Import):
                 assert not [a.name for a in node.names if a.name.startswith("moe_ep.")], path.name
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "moe_ep":
@@ -147,12 +150,14 @@ def test_the_example_and_the_readme_use_public_names_only():
         used.update({name: "README.md" for name in re.findall(r"\bmoe_ep\.(\w+)", block)})
     assert used, "found no use of moe_ep"
     assert {name: where for name, where in used.items() if name not in moe_ep.__all__} == {}
+    assert from_runs, "the example uses no name of moe_ep.runs"
+    assert {name: where for name, where in from_runs.items() if name not in moe_ep.runs.__all__} == {}
 
 
 # ARCHITECTURE.md's layers, bottom up; a layer may import only layers of a lower rank (hf and the
 # planner know nothing of each other). moe_ep/__init__.py is the top.
 LAYER_RANK = {"kernels": 0, "_on_import": 0, "ops": 1, "dispatch": 2, "hf": 3, "planner": 3, "parallel": 4,
-              "training": 5, "bench": 6, "cli": 6, "": 7}
+              "training": 5, "runs": 6, "bench": 6, "cli": 6, "": 7}
 
 
 def _moe_ep_imports() -> dict[str, set[str]]:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from moe_ep.runs import RunFolder, StepLog, delete_atomically
+
 from loops import (
-    RunFolder,
-    StepLog,
     checked_run,
     configuration_errors,
     finished,
@@ -30,7 +30,6 @@ from loops import (
     preemption,
     script_main,
 )
-from ownership import delete_atomically
 
 CHECKPOINTS = "checkpoints"
 

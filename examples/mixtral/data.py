@@ -25,9 +25,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from errors import RunError, UsageError, write_failure
-from integrity import digest, local_problems, write_manifest
-from ownership import make_managed_dir
+from moe_ep.runs import RunError, UsageError, digest, local_problems, make_managed_dir, write_failure, write_manifest
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
 JSONL_SUFFIXES = (".jsonl",)

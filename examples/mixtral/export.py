@@ -8,7 +8,7 @@ The written config names no moe_ep implementation: the folder needs nothing but 
 
 The checkpoint is verified against its manifest first (every file's size and checksum). The output
 goes to a new folder, an empty one, or one a previous export made (it carries the export's
-marker, ownership.py); never to the checkpoint, the run folder that holds it, a folder around or
+marker, moe_ep.runs' ownership.py); never to the checkpoint, the run folder that holds it, a folder around or
 inside them, or any other folder with files in it. The folder is never seen partly written: it is
 written under ``.tmp-NAME`` (marked first), an earlier export of the same name is renamed aside to
 ``.trash-NAME``, the new one renamed into place, and only then the old one deleted (a kill between
@@ -26,10 +26,18 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from checkpoint import damage_report, is_complete, quiet_single_process
-from errors import RunError, UsageError, write_failure
-from integrity import local_problems
-from ownership import TRASH_PREFIX, check_export_target, mark
+from moe_ep.runs import (
+    TRASH_PREFIX,
+    RunError,
+    UsageError,
+    check_export_target,
+    damage_report,
+    is_complete,
+    local_problems,
+    mark,
+    quiet_single_process,
+    write_failure,
+)
 
 CONFIG = "config.json"
 

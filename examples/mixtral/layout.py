@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from moe_ep import DEFAULT_SCHEDULE, NO_PIPELINE, Layout
+from moe_ep.runs import UsageError
 
-from errors import UsageError
 from models import num_experts_in
 
 

@@ -9,17 +9,14 @@ Data: the Python standard library's sources as bytes (nothing is downloaded), pa
 ``s`` of any layout, on any number of processes, trains on the same global batch (data-parallel
 rank ``r`` takes micro-batches ``r, r + world, ...`` of it, as accelerate shards a loader).
 
-The run folder (``--output-dir``) follows ownership.py: it is created and marked by the script, or
-must be one the same script marked (an empty folder is taken over); a folder holding anything else
-is refused before any work, as is a run folder that holds checkpoints when ``--resume`` is not
-given (a new run would write over them). Rank 0 holds the folder's lock for the job. The final
-model goes to ``OUTPUT_DIR/final``, marked as an export, replaced only when it is one."""
+The run folder (``--output-dir``) is moe_ep.runs' RunFolder: created and marked by the script, or
+one the same script marked; anything of the user's in it refused before any work; held by rank 0's
+lock for the job."""
 
 from __future__ import annotations
 
 import argparse
 import signal
-import json
 import math
 import os
 from contextlib import contextmanager
@@ -28,32 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data import ByteTokenizer, PackedSequences, resolve_data, tokenize_corpus
-from moe_ep.runs.preemption import Preempted, Preemption
+from moe_ep.runs import Preempted, Preemption, RunFolder, StepLog, UsageError, hold_output_dir, run_reported
 
-from errors import UsageError
+from data import ByteTokenizer, PackedSequences, resolve_data, tokenize_corpus
 from models import tiny_config
 from options import add_preempt_signal
-from ownership import (
-    CHECKPOINT_BYTES_PER_PARAMETER,
-    EXPORT_BYTES_PER_PARAMETER,
-    LOCK_FILE,
-    MARKER,
-    OutputLock,
-    check_free_space,
-    check_writable,
-    make_managed_dir,
-    mark,
-    marker_kind,
-    not_ours_message,
-    ours,
-)
 
-FINAL = "final"
-METRICS = "metrics.jsonl"
-# Left in the run folder by a run stopped by a preemption signal: the same command continues it
-# (as if given --resume) until the run reaches --steps, so a requeued job needs no other command.
-PREEMPTED = "preempted"
 NUM_EXPERTS = 8  # models.tiny_config's
 
 
@@ -191,88 +168,6 @@ def count_parameters(args) -> int:
         return sum(p.numel() for p in MixtralForCausalLM(model_config(args)).parameters())
 
 
-class RunFolder:
-    """``--output-dir`` and what the script may do in it (module docstring)."""
-
-    def __init__(self, path: Path, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = ()):
-        self.path = path
-        self.kind = kind
-        self.checkpoint_glob = checkpoint_glob
-        self.managed = managed  # subfolders the script makes (with their own markers)
-        self.final = path / FINAL
-        self.lock = OutputLock(path)
-
-    def checkpoints(self) -> list[Path]:
-        """This run's complete checkpoints, oldest first."""
-        found = [p for p in self.path.glob(self.checkpoint_glob) if p.is_dir()]
-        return sorted(found, key=lambda p: int(p.name.rpartition("-")[2].rpartition("_")[2]))
-
-    def check(self, *, resume: bool, parameters: int) -> None:
-        """Before any work, on every rank: nothing of the user's is in the way, the folder is
-        writable and has room for a checkpoint and the final model."""
-        if self.path.exists() and not self.path.is_dir():
-            raise UsageError(f"--output-dir: {self.path} exists and is not a folder")
-        if self.path.exists() and marker_kind(self.path) != self.kind and not self._holds_nothing():
-            raise UsageError(not_ours_message(self.path, "--output-dir"))
-        for name in self.managed:
-            if (self.path / name).exists() and not ours(self.path / name, name):
-                raise UsageError(not_ours_message(self.path / name, "--output-dir"))
-        found = self.checkpoints() if self.path.exists() else []
-        if found and not resume:
-            raise UsageError(f"--output-dir {self.path} holds checkpoints of an earlier run (up to {found[-1].name}); "
-                             "pass --resume to continue it, or choose a new --output-dir")
-        if resume and not found:
-            raise UsageError(f"--resume: {self.path} holds no checkpoint of this script")
-        if self.final.exists() and not ours(self.final, "export"):
-            raise UsageError(not_ours_message(self.final, "--output-dir"))
-        check_writable(self.path, "--output-dir")
-        check_free_space(self.path, (CHECKPOINT_BYTES_PER_PARAMETER + EXPORT_BYTES_PER_PARAMETER) * parameters,
-                         "one checkpoint and the final model", "--output-dir")
-
-    def _holds_nothing(self) -> bool:
-        """Empty but for a marker or the lock, which rank 0 may be creating while its peers check."""
-        return self.path.is_dir() and all(p.name.startswith(MARKER) or p.name == LOCK_FILE
-                                          for p in self.path.iterdir())
-
-    def claim(self) -> None:
-        """Rank 0, after ``check`` and with the lock held: create and mark the folder."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        if marker_kind(self.path) != self.kind:
-            mark(self.path, self.kind)
-        for name in self.managed:
-            make_managed_dir(self.path / name, name)
-
-    def saved_final(self, log: StepLog, is_main: bool) -> None:
-        """After the final model is written: mark it as an export (rank 0) and say where it is; a
-        preempted run is complete now."""
-        if is_main:
-            mark(self.final, "export")
-            (self.path / PREEMPTED).unlink(missing_ok=True)
-        log.info(f"saved the model to {self.final} (loads with plain from_pretrained)")
-
-
-class StepLog:
-    """One line per optimizer step on rank 0, and the same figures in ``metrics.jsonl`` (appended
-    to by a resumed run)."""
-
-    def __init__(self, folder: Path, enabled: bool):
-        self.path = folder / METRICS
-        self.enabled = enabled
-
-    def step(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        grad_norm = record.get("grad_norm")
-        print(f"step {record['step']:5d} | loss {record['loss']:.6f} | grad_norm "
-              f"{'-' if grad_norm is None else f'{grad_norm:.4f}'} | lr {record['lr']:.2e}", flush=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def info(self, message: str) -> None:
-        if self.enabled:
-            print(message, flush=True)
-
-
 @contextmanager
 def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = ()):
     """Every check before any work, on every rank (flags, layout, data, run folder), then the job:
@@ -282,21 +177,17 @@ def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] 
     check_args(args, world_size)
     data = make_data(args, world_size)
     run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed)
-    args.resume = args.resume or (run.path / PREEMPTED).is_file()
+    args.resume = args.resume or run.preempted()
     run.check(resume=args.resume, parameters=count_parameters(args))
-    if rank == 0:
-        run.lock.acquire()
-    try:
+    with hold_output_dir(run.path, rank=rank):
         yield data, run, world_size, rank
-    finally:
-        run.lock.release()
 
 
 def preempted(run: RunFolder, preemption: Preemption, step: int, checkpoint: Path, *, is_main: bool) -> Preempted:
     """What every rank raises after the checkpoint of a preempted run; rank 0 notes in the run
     folder that the same command continues it."""
     if is_main:
-        (run.path / PREEMPTED).write_text(f"{checkpoint}\n")
+        run.note_preempted(checkpoint)
     return Preempted(preemption.signal, step, checkpoint)
 
 
@@ -314,8 +205,6 @@ def preemption(args) -> Preemption:
 
 
 def script_main(train, description: str, default_output: str, argv=None) -> int:
-    from errors import run_reported
-
     return run_reported(train, build_parser(description, default_output).parse_args(argv))
 
 

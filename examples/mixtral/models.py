@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from errors import UsageError
+from moe_ep.runs import UsageError
 
 
 def tiny_config():

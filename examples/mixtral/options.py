@@ -9,9 +9,7 @@ import math
 import signal
 from pathlib import Path
 
-from moe_ep.runs.preemption import parse_signal
-
-from errors import UsageError
+from moe_ep.runs import UsageError, parse_signal
 
 
 def build_parser() -> argparse.ArgumentParser:

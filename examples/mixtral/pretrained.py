@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from errors import UsageError
+from moe_ep.runs import UsageError
+
 from models import local_chunk
 
 # Per-expert names of a legacy checkpoint: (gate, up, down) given the layer prefix and expert id.

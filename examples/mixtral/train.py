@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
@@ -28,17 +28,35 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import NonFiniteStepsError, PeerFailure, TrainStep, experts_modules, fail_fast, num_experts_of
-from moe_ep.runs.preemption import Preempted, Preemption
-
-from checkpoint import (
+from moe_ep.runs import (
+    ExpertLoad,
+    Preempted,
+    Preemption,
+    Reporter,
+    RunError,
+    Throughput,
+    UsageError,
+    check_output_folders,
+    check_resume_data,
+    checkpoint_due,
+    clear_run,
+    describe_holder,
+    flops_per_token,
+    hold_output_dir,
     load_checkpoint,
-    read_trainer_state,
+    lost_peer,
+    mark,
+    marker_kind,
+    peak_flops,
     remove_incomplete,
-    resume_candidates,
+    resume_target,
+    run_reported,
+    said_by_every_rank,
     save_checkpoint,
-    step_folders,
+    summary_lines,
     verified_resume,
 )
+
 from data import (
     BatchSchedule,
     ByteTokenizer,
@@ -54,9 +72,7 @@ from data import (
     token_cache_file,
     token_cache_problems,
 )
-from errors import RunError, UsageError, lost_peer, run_reported
 from layout import RunLayout, apply_layout, layout_from_flags, layout_from_plan, rank_view
-from metrics import ExpertLoad, Reporter, Throughput, flops_per_token, peak_flops, summary_lines
 from models import (
     ModelSource,
     build_model,
@@ -67,7 +83,6 @@ from models import (
     seed_everything,
 )
 from options import balancing, build_parser, check_against_model, check_flag_values
-from ownership import OutputLock, check_output_folders, clear_run, describe_holder, mark, marker_kind
 
 
 def lr_at(step: int, args) -> float:
@@ -168,22 +183,6 @@ def mixed_precision_dtype() -> torch.dtype | None:
     raise UsageError(f"mixed precision {mode!r} is not supported; use bf16 (accelerate config mixed_precision)")
 
 
-def resume_target(args, ckpt_root: Path) -> tuple[list[Path], list[str]]:
-    """The checkpoints to try resuming, newest first, and warnings for those skipped
-    (checkpoint.resume_candidates); none to start afresh."""
-    if args.overwrite:
-        return [], []
-    if args.resume == "never":
-        found = step_folders(ckpt_root)
-        if found:
-            raise UsageError(
-                f"--resume never, but {ckpt_root} holds checkpoints up to {found[-1].name}; pass --overwrite to delete "
-                "them, or choose another --output-dir"
-            )
-        return [], []
-    return resume_candidates(args.resume, ckpt_root)
-
-
 def data_identity(args, layout, tokenizer, stats: dict[str, int] | None) -> dict:
     """What a resumed run must share with the saved one to continue it: the token stream
     (``data.corpus_stats``; None where unknown before tokenizing), the packing, the global batch
@@ -191,20 +190,6 @@ def data_identity(args, layout, tokenizer, stats: dict[str, int] | None) -> dict
     stats = stats or {"corpus_tokens": None, "token_sum": None}
     return {**stats, "seq_len": args.seq_len, "global_batch": layout.global_batch, "seed": args.seed,
             "tokenizer": tokenizer.name}
-
-
-def check_resume_data(resume: Path, identity: dict) -> None:
-    """Refuse to continue a checkpoint on other data; entries of ``identity`` that are None are
-    not known yet and are compared once they are."""
-    saved = read_trainer_state(resume)["data"]
-    differ = [f"{key}: {saved.get(key)!r} then, {value!r} now" for key, value in identity.items()
-              if value is not None and saved.get(key) != value]
-    if differ:
-        raise UsageError(
-            f"--resume {resume}: the checkpoint was trained on other data or another global batch "
-            f"({'; '.join(differ)}); resuming would not continue that run: pass --overwrite to start afresh, "
-            "or choose another --output-dir"
-        )
 
 
 class Checked(NamedTuple):
@@ -249,7 +234,7 @@ def validate(args) -> Checked:
     output_dir = Path(args.output_dir)
     check_output_folders(output_dir, None if args.export_dir is None else Path(args.export_dir),
                          count_parameters(build_model(source, seed=args.seed, meta=True))[0])
-    candidates, warnings = resume_target(args, output_dir / "checkpoints")
+    candidates, warnings = resume_target(args.resume, output_dir / "checkpoints", overwrite=args.overwrite)
     # Last: the only checks that read the whole corpus (or its token cache).
     token_cache = token_cache_file(data_spec, tokenizer, output_dir / "token_cache", args.max_corpus_tokens)
     cache_problems = token_cache_problems(token_cache) if token_cache.exists() else None
@@ -268,32 +253,14 @@ def validate(args) -> Checked:
                    tuple(warnings))
 
 
-@contextmanager
-def said_by_every_rank():
-    """Errors raised inside are raised identically on every rank (the same files, the same
-    collective verdicts): rank 0 says them, once."""
-    try:
-        yield
-    except (UsageError, RunError) as err:
-        err.agreed = True
-        raise
-
-
 def train(args) -> None:
     wall0 = time.perf_counter()
     with said_by_every_rank():
         checked = validate(args)
-    output_dir = Path(args.output_dir)
-    lock = OutputLock(output_dir)
-    # Rank 0 holds the folder for the job; the other ranks join that job through the process
-    # group, which forms only once rank 0 holds the lock (a refused rank 0 exits before it).
-    previous_holder = lock.acquire() if checked.rank == 0 else None
-    try:
-        # Before the run writes anything: a signal during start-up stops it after its first step.
-        with Preemption(signals=(signal.SIGTERM, args.preempt_signal)) as preemption:
-            run(args, checked, wall0, previous_holder, preemption)
-    finally:
-        lock.release()
+    # Before the run writes anything: a signal during start-up stops it after its first step.
+    with (hold_output_dir(Path(args.output_dir), rank=checked.rank) as previous_holder,
+          Preemption(signals=(signal.SIGTERM, args.preempt_signal)) as preemption):
+        run(args, checked, wall0, previous_holder, preemption)
 
 
 def run(args, checked: Checked, wall0: float, previous_holder: dict | None, preemption: Preemption) -> None:
@@ -446,7 +413,7 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None, pree
                     )
                 # Every rank asks at every step boundary but the last (the run ends there anyway).
                 preempted = done < args.steps and preemption.stop_requested()
-                if preempted or done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
+                if preempted or checkpoint_due(done, every=args.checkpoint_every, last=args.steps):
                     trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
                                      "layout": asdict(layout), "model": source.name, "data": identity}
                     last_ckpt = save_checkpoint(ckpt_root, done, module, optimizer, trainer_state, rank=rank,

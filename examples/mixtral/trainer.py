@@ -15,9 +15,9 @@ import sys
 
 import torch
 
+from moe_ep.runs import RunFolder, StepLog
+
 from loops import (
-    RunFolder,
-    StepLog,
     checked_run,
     configuration_errors,
     finished,

@@ -31,11 +31,10 @@ from example_runs import (
     trained_model,
 )
 
-# The example's own modules (example_runs put its folder on the path).
-import checkpoint as ckpt  # noqa: E402
+# The example's own module (example_runs put its folder on the path).
 import export  # noqa: E402
-import integrity  # noqa: E402
-import ownership  # noqa: E402
+from moe_ep.runs import checkpoint as ckpt  # noqa: E402
+from moe_ep.runs import integrity, ownership  # noqa: E402
 
 # Trains the example's model again and again (about a minute in all): not in the quick subset
 # (bash scripts/test.sh --quick).
@@ -247,7 +246,7 @@ def test_too_little_free_space_stops_before_any_work(tmp_path, capsys, monkeypat
 
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_resumes_bit_for_bit(base, tmp_path, capsys,
                                                                                        monkeypatch):
-    """A full disk inside the step-4 save (checkpoint.py's hook: the rank's DCP shard is a link to
+    """A full disk inside the step-4 save (moe_ep.runs.checkpoint's hook: the rank's DCP shard is a link to
     /dev/full, whose writes fail with ENOSPC): one line naming the folder and the cause, step 2
     intact; the same command then resumes from step 2 onto the undisturbed losses."""
     out = tmp_path / "run"

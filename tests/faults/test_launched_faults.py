@@ -34,10 +34,8 @@ from example_runs import (
     wait_until,
 )
 
-# The example's own modules (example_runs put its folder on the path).
-import checkpoint as ckpt  # noqa: E402
-import integrity  # noqa: E402
-import ownership  # noqa: E402
+from moe_ep.runs import checkpoint as ckpt  # noqa: E402
+from moe_ep.runs import integrity, ownership  # noqa: E402
 
 # Launches the example and injects faults into it: not in the quick subset (bash scripts/test.sh --quick).
 pytestmark = pytest.mark.slow
@@ -68,7 +66,7 @@ def seconds_to_end(fault, process) -> float:
 
 @pytest.fixture(scope="module")
 def held_run(tmp_path_factory):
-    """A 2-rank run held inside its step-2 save (checkpoint.py's pause hook) while a second job,
+    """A 2-rank run held inside its step-2 save (moe_ep.runs.checkpoint's pause hook) while a second job,
     with --overwrite, tries its folder; then let go to finish undisturbed. Returns (its folder,
     its log, the second job's exit status, stderr and seconds, the first job's rank-0 pid, whether
     the folder was untouched by the second job)."""
@@ -170,7 +168,7 @@ def test_ctrl_c_inside_a_save_leaves_no_partial_checkpoint_and_lets_go_of_the_fo
 
 
 def test_full_disk_on_one_rank_stops_every_rank_with_one_line(tmp_path):
-    """Rank 1's shard of the step-4 save hits a full disk (checkpoint.py's hook: a link to
+    """Rank 1's shard of the step-4 save hits a full disk (moe_ep.runs.checkpoint's hook: a link to
     /dev/full): DCP's failure reaches every rank, rank 0 says it once, naming the folder, the
     rank and the cause; step 2 stays intact."""
     out = tmp_path / "run"

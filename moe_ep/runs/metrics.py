@@ -1,5 +1,7 @@
 """What the user sees: per-step loss, auxiliary loss, gradient norm, tokens/s, estimated MFU and the
-per-layer expert load; a progress bar, a JSON-lines log, optional TensorBoard, and a final summary."""
+per-layer expert load; a progress bar, a JSON-lines log (``metrics.jsonl``), optional TensorBoard, and
+a final summary (Reporter). StepLog is the same log, one line per step, for loops whose own library
+reports the rest (transformers' Trainer, accelerate)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from errors import RunError, write_failure
-from ownership import make_managed_dir
+from .errors import RunError, write_failure
+from .ownership import METRICS, make_managed_dir
 
 # Peak dense bf16 tensor-core TFLOP/s by device name (vendor data sheets, without sparsity).
 PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800": 312.0, "L40S": 362.0,
@@ -113,7 +115,7 @@ class Reporter:
         self.jsonl = None
         if not enabled:
             return
-        self.jsonl_path = output_dir / "metrics.jsonl"
+        self.jsonl_path = output_dir / METRICS
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
             self.jsonl = open(self.jsonl_path, "a", buffering=1)
@@ -258,3 +260,25 @@ def summary_lines(*, losses: list[tuple[int, float]], throughput: Throughput, wa
         lines.append(f"peak GPU memory (rank 0): {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     lines += [f"{k}: {v}" for k, v in extra.items()]
     return lines
+
+
+class StepLog:
+    """One line per optimizer step on rank 0, and the same figures in ``metrics.jsonl`` (appended
+    to by a resumed run)."""
+
+    def __init__(self, folder: Path, enabled: bool):
+        self.path = folder / METRICS
+        self.enabled = enabled
+
+    def step(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        grad_norm = record.get("grad_norm")
+        print(f"step {record['step']:5d} | loss {record['loss']:.6f} | grad_norm "
+              f"{'-' if grad_norm is None else f'{grad_norm:.4f}'} | lr {record['lr']:.2e}", flush=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)

@@ -19,10 +19,10 @@ files' sizes and the checksums of the small files (quick_problems); after start-
 verify the shards' checksums together and agree on the verdict (integrity.verify).
 
 Test hooks (environment variables):
-``MIXTRAL_EXAMPLE_TEST_PAUSE_IN_CHECKPOINT=N``: every rank stops inside the save of step N once its
+``MOE_EP_TEST_PAUSE_IN_CHECKPOINT=N``: every rank stops inside the save of step N once its
 shards and RNG state are in the ``.tmp-`` folder, touches ``paused-rankR`` there and waits until
 that file is deleted, so that a test can kill the run mid-write, or let it go on, deterministically.
-``MIXTRAL_EXAMPLE_TEST_DISK_FULL=N:R``: in the save of step N, rank R's DCP shard file is a link to
+``MOE_EP_TEST_DISK_FULL=N:R``: in the save of step N, rank R's DCP shard file is a link to
 ``/dev/full``, so its write fails as on a full disk (ENOSPC from the kernel).
 """
 
@@ -45,16 +45,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from errors import RunError, UsageError, write_failure
-from integrity import MANIFEST, gather, local_problems, shared_digests, verify, write_manifest
-from ownership import TRASH_PREFIX, delete_atomically, fsync_dir, make_managed_dir, ours
+from .errors import RunError, UsageError, write_failure
+from .integrity import MANIFEST, gather, local_problems, shared_digests, verify, write_manifest
+from .ownership import TRASH_PREFIX, delete_atomically, fsync_dir, make_managed_dir, ours
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 TMP_PREFIX = ".tmp-"
 TRAINER_STATE = "trainer_state.json"
 SHARD_SUFFIX = ".distcp"
-PAUSE_HOOK = "MIXTRAL_EXAMPLE_TEST_PAUSE_IN_CHECKPOINT"  # see the module's docstring
-DISK_FULL_HOOK = "MIXTRAL_EXAMPLE_TEST_DISK_FULL"
+PAUSE_HOOK = "MOE_EP_TEST_PAUSE_IN_CHECKPOINT"  # see the module's docstring
+DISK_FULL_HOOK = "MOE_EP_TEST_DISK_FULL"
 # Optimizer state and hyper-parameters keyed by parameter name (state.<fqn>.exp_avg,
 # param_groups.<fqn>.lr), not by position in the param groups: the ranks of different pipeline
 # stages hold different groups, and a checkpoint then loads under any other layout.
@@ -267,7 +267,7 @@ def read_trainer_state(path: Path) -> dict:
     except (OSError, ValueError) as err:
         raise UsageError(f"--resume: {path / TRAINER_STATE} is unreadable ({err}); the checkpoint is damaged") from None
     if not isinstance(state, dict) or not {"step", "world_size", "data"} <= set(state):
-        raise UsageError(f"--resume: {path / TRAINER_STATE} is not a trainer state of this example")
+        raise UsageError(f"--resume: {path / TRAINER_STATE} is not a moe_ep trainer state")
     return state
 
 
@@ -337,3 +337,41 @@ def verified_resume(candidates: list[Path], *, explicit: bool, warn) -> Path | N
         raise UsageError(f"--resume auto: every checkpoint in {candidates[0].parent} is damaged; start afresh with "
                          "--overwrite (which deletes them) or choose another --output-dir", agreed=True)
     return None
+
+
+def resume_target(resume: str, root: Path, *, overwrite: bool) -> tuple[list[Path], list[str]]:
+    """Before start-up: the checkpoints to try resuming, newest first, and warnings for those
+    skipped (resume_candidates); none to start afresh. ``resume``: ``auto``, ``never`` (refused
+    where checkpoints exist, which a new run would write over) or a checkpoint folder;
+    ``overwrite``: the run starts afresh, its checkpoints deleted."""
+    if overwrite:
+        return [], []
+    if resume == "never":
+        found = step_folders(root)
+        if found:
+            raise UsageError(f"--resume never, but {root} holds checkpoints up to {found[-1].name}; pass --overwrite to "
+                             "delete them, or choose another --output-dir")
+        return [], []
+    return resume_candidates(resume, root)
+
+
+def check_resume_data(resume: Path, identity: dict) -> None:
+    """Refuse to continue a checkpoint on other data: ``identity`` (what a resumed run must share
+    with the saved one: the token stream, the packing, the global batch, the seed) against the
+    trainer state's ``data``; entries that are None are not known yet and are compared once they
+    are."""
+    saved = read_trainer_state(resume)["data"]
+    differ = [f"{key}: {saved.get(key)!r} then, {value!r} now" for key, value in identity.items()
+              if value is not None and saved.get(key) != value]
+    if differ:
+        raise UsageError(
+            f"--resume {resume}: the checkpoint was trained on other data or another global batch "
+            f"({'; '.join(differ)}); resuming would not continue that run: pass --overwrite to start afresh, "
+            "or choose another --output-dir"
+        )
+
+
+def checkpoint_due(step: int, *, every: int, last: int) -> bool:
+    """Whether optimizer step ``step`` (1-based) ends with a checkpoint: every ``every`` steps (0:
+    none) and at the schedule's ``last`` step."""
+    return step == last or (every > 0 and step % every == 0)

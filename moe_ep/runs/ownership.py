@@ -1,6 +1,6 @@
 """What a run may write and delete, and the one job that may do it.
 
-Markers: every folder this example creates for itself carries a small file, ``.moe_ep-owner``,
+Markers: every folder a run creates for itself carries a small file, ``.moe_ep-owner``,
 naming what made it (``run``: the output folder; ``checkpoints``, ``tensorboard``, ``token_cache``:
 its managed subfolders; ``export``: a Hugging Face folder written by ``export.py``). A folder
 without the marker is the user's: it is never deleted, never replaced and never written into,
@@ -31,9 +31,10 @@ import shutil
 import socket
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-from errors import UsageError
+from .errors import UsageError
 
 MARKER = ".moe_ep-owner"
 LOCK_FILE = ".moe_ep-lock"
@@ -53,7 +54,7 @@ def marker_kind(folder: Path) -> str | None:
 def mark(folder: Path, kind: str, **info) -> None:
     # A name of this process's own: the local first processes of several nodes may mark one folder.
     tmp = folder / f"{MARKER}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"kind": kind, "by": "moe_ep examples/mixtral", **info}))
+    tmp.write_text(json.dumps({"kind": kind, "by": "moe_ep", **info}))
     os.replace(tmp, folder / MARKER)
 
 
@@ -63,13 +64,13 @@ def is_empty_dir(path: Path) -> bool:
 
 
 def ours(path: Path, kind: str) -> bool:
-    """Whether the example may delete or replace ``path``: a folder carrying ``kind``'s marker, or
+    """Whether a run may delete or replace ``path``: a folder carrying ``kind``'s marker, or
     an empty folder."""
     return path.is_dir() and (marker_kind(path) == kind or is_empty_dir(path))
 
 
 def not_ours_message(path: Path, flag: str) -> str:
-    return (f"{flag}: {path} was not made by this example (it has no {MARKER} marker); moe_ep never writes "
+    return (f"{flag}: {path} was not made by moe_ep (it has no {MARKER} marker); moe_ep never writes "
             f"into or deletes a folder it did not make: move it away or choose another {flag}")
 
 
@@ -93,7 +94,7 @@ def check_run_folder(output_dir: Path) -> None:
             raise UsageError(not_ours_message(path, "--output-dir"))
     metrics = output_dir / METRICS
     if metrics.exists() and marker_kind(output_dir) != "run":
-        raise UsageError(f"--output-dir: {metrics} was not written by this example (the folder has no {MARKER} "
+        raise UsageError(f"--output-dir: {metrics} was not written by moe_ep (the folder has no {MARKER} "
                          "marker); moe_ep never appends to or deletes a file it did not make: move it away or "
                          "choose another --output-dir")
 
@@ -266,6 +267,20 @@ class OutputLock:
         os.ftruncate(self._fd, 0)
         os.close(self._fd)  # closing releases the lock
         self._fd = None
+
+
+@contextmanager
+def hold_output_dir(folder: Path, *, rank: int):
+    """The job's hold on ``folder``: global rank 0 takes the lock (or raises UsageError naming its
+    holder) and lets go on exit; the other ranks join the job through the process group, which
+    forms only once rank 0 holds the lock. Yields the record of a job that died holding it (rank 0;
+    None elsewhere), for a warning."""
+    lock = OutputLock(folder)
+    previous = lock.acquire() if rank == 0 else None
+    try:
+        yield previous
+    finally:
+        lock.release()
 
 
 def describe_holder(record: dict) -> str:

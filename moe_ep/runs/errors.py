@@ -1,4 +1,4 @@
-"""The errors of the example that train.py reports in one line, without a traceback.
+"""The errors a run reports in one line, without a traceback (``run_reported``).
 
 ``UsageError``: the user's to fix (a flag, a file, a layout, a folder); exit status 2, before any
 work where it can be found then. ``RunError``: the run could not go on (an I/O error such as a full
@@ -9,6 +9,9 @@ verdict), so it is said once, by rank 0."""
 import os
 import shutil
 import sys
+from contextlib import contextmanager
+
+from .preemption import PREEMPTED_EXIT_STATUS, Preempted
 
 
 class UsageError(Exception):
@@ -21,6 +24,17 @@ class RunError(Exception):
     def __init__(self, message: str, *, agreed: bool = False):
         super().__init__(message)
         self.agreed = agreed
+
+
+@contextmanager
+def said_by_every_rank():
+    """Errors raised inside are raised identically on every rank (the same files, the same
+    collective verdicts): rank 0 says them, once."""
+    try:
+        yield
+    except (UsageError, RunError) as err:
+        err.agreed = True
+        raise
 
 
 def write_failure(path, err: BaseException) -> str:
@@ -52,8 +66,7 @@ def report_failure(err: BaseException, *, rank: int, world_size: int) -> int | N
     traceback is the report). An ``agreed`` error (every check before start-up is one) is said by
     rank 0, any other by the rank that raised it; a rank that stopped only because a peer failed
     (moe_ep's fail_fast) leaves the saying to that peer, rank 0 naming it."""
-    from moe_ep import PeerFailure
-    from moe_ep.runs.preemption import PREEMPTED_EXIT_STATUS, Preempted
+    from ..parallel import PeerFailure
 
     own = err.__cause__ if isinstance(err, PeerFailure) and err.__cause__ is not None else err
     if isinstance(own, Preempted):

@@ -1,0 +1,70 @@
+"""Runs a cluster user can trust, for any training loop: the output folder held by one job
+(``OutputLock``, ``hold_output_dir``) and never written into where it is the user's (ownership
+markers), atomic sharded checkpoints with manifests and checksums (``save_checkpoint``,
+``load_checkpoint``, ``latest_checkpoint``), resume resolution that skips damaged checkpoints
+(``resume_target``, ``verified_resume``), the metrics log (``Reporter``, ``StepLog``), errors
+said in one line with an exit status (``UsageError``, ``RunError``, ``run_reported``), and a stop
+on a preemption signal that the ranks agree on at a step boundary (``Preemption``, ``Preempted``,
+exit status ``PREEMPTED_EXIT_STATUS``).
+
+The top of the package, beside ``training``: it may use every layer below and nothing imports it.
+examples/mixtral's train.py (moe_ep's TrainStep), trainer.py (transformers' Trainer) and
+accelerate_loop.py (accelerate) are built on it; ``RunFolder`` is the output folder of a loop
+whose checkpoints its own library writes."""
+
+from .checkpoint import (
+    check_resume_data,
+    checkpoint_due,
+    complete_checkpoints,
+    damage_report,
+    is_complete,
+    latest_checkpoint,
+    load_checkpoint,
+    quiet_single_process,
+    read_trainer_state,
+    remove_incomplete,
+    resume_candidates,
+    resume_target,
+    save_checkpoint,
+    step_folders,
+    verified_resume,
+)
+from .errors import RunError, UsageError, lost_peer, report_failure, run_reported, said_by_every_rank, write_failure
+from .integrity import digest, local_problems, verify, write_manifest
+from .metrics import ExpertLoad, Reporter, StepLog, Throughput, flops_per_token, peak_flops, summary_lines
+from .ownership import (
+    MARKER,
+    METRICS,
+    TRASH_PREFIX,
+    OutputLock,
+    check_export_target,
+    check_output_folders,
+    clear_run,
+    delete_atomically,
+    describe_holder,
+    hold_output_dir,
+    make_managed_dir,
+    mark,
+    marker_kind,
+)
+from .preemption import PREEMPTED_EXIT_STATUS, Preempted, Preemption, parse_signal
+from .run_folder import FINAL, PREEMPTED, RunFolder
+
+__all__ = [
+    # errors
+    "RunError", "UsageError", "lost_peer", "report_failure", "run_reported", "said_by_every_rank", "write_failure",
+    # the output folder: ownership and the lock
+    "FINAL", "MARKER", "METRICS", "PREEMPTED", "TRASH_PREFIX", "OutputLock", "RunFolder", "check_export_target",
+    "check_output_folders", "clear_run", "delete_atomically", "describe_holder", "hold_output_dir",
+    "make_managed_dir", "mark", "marker_kind",
+    # integrity
+    "digest", "local_problems", "verify", "write_manifest",
+    # checkpoints and resume
+    "check_resume_data", "checkpoint_due", "complete_checkpoints", "damage_report", "is_complete",
+    "latest_checkpoint", "load_checkpoint", "quiet_single_process", "read_trainer_state", "remove_incomplete",
+    "resume_candidates", "resume_target", "save_checkpoint", "step_folders", "verified_resume",
+    # preemption
+    "PREEMPTED_EXIT_STATUS", "Preempted", "Preemption", "parse_signal",
+    # metrics
+    "ExpertLoad", "Reporter", "StepLog", "Throughput", "flops_per_token", "peak_flops", "summary_lines",
+]
