@@ -160,3 +160,36 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step():
     assert outcomes == [(3, signal.SIGUSR1, None, 1), (3, signal.SIGUSR1, signal.SIGUSR1, 1)]
     outcomes = run_ranks(_stop_step, 2, {0: (5, signal.SIGTERM), 1: (2, signal.SIGUSR1)}, 1, timeout=120)
     assert [o[:2] for o in outcomes] == [(2, signal.SIGUSR1)] * 2
+
+
+def test_run_reported_says_a_preemption_once_and_exits_with_its_status(capsys, monkeypatch):
+    from moe_ep.runs import run_reported
+
+    def preempted_run(args):
+        raise Preempted(signal.SIGTERM, 3, "/runs/a/checkpoint-3")
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert run_reported(preempted_run, None) == PREEMPTED_EXIT_STATUS
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert run_reported(preempted_run, None) == PREEMPTED_EXIT_STATUS
+    assert capsys.readouterr().err == (
+        "preempted (SIGTERM) after step 3: /runs/a/checkpoint-3 written; run the same command to resume\n")
+
+
+def test_a_preempted_run_folder_is_continued_until_its_run_completes(tmp_path):
+    """RunFolder's note: left by a preempted loop, it makes the same command resume; the final
+    model removes it."""
+    from moe_ep.runs import RunFolder, StepLog
+
+    run = RunFolder(tmp_path / "run", "trainer", "checkpoint-*")
+    run.claim()
+    (run.path / "checkpoint-3").mkdir()
+    assert not run.preempted()
+    run.note_preempted(run.path / "checkpoint-3")
+    assert run.preempted()
+    run.check(resume=run.preempted(), parameters=10)
+    run.final.mkdir()
+    run.saved_final(StepLog(run.path, enabled=False), is_main=True)
+    assert not run.preempted()
