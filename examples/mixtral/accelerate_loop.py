@@ -22,6 +22,7 @@ from moe_ep.runs import RunFolder, StepLog, delete_atomically
 
 from loops import (
     checked_run,
+    claim_run,
     configuration_errors,
     finished,
     lr_at,
@@ -75,8 +76,7 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int, stop) -> None
     import moe_ep
 
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, cpu=not torch.cuda.is_available())
-    if rank == 0:
-        run.claim()
+    claim_run(args, data, run, rank)
     log = StepLog(run.path, enabled=accelerator.is_main_process)
     with configuration_errors():
         model = make_model(args, accelerator.device)

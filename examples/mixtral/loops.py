@@ -25,7 +25,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_ep.runs import Preempted, Preemption, RunFolder, StepLog, UsageError, hold_output_dir, run_reported
+from moe_ep.runs import (
+    Preempted,
+    Preemption,
+    RunFolder,
+    StepLog,
+    UsageError,
+    agree_on_arguments,
+    hold_output_dir,
+    run_reported,
+)
 
 from data import ByteTokenizer, PackedSequences, resolve_data, tokenize_corpus
 from models import tiny_config
@@ -181,6 +190,16 @@ def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] 
     run.check(resume=args.resume, parameters=count_parameters(args))
     with hold_output_dir(run.path, rank=rank):
         yield data, run, world_size, rank
+
+
+def claim_run(args, data: Sequences, run: RunFolder, rank: int) -> None:
+    """Once the process group exists and before anything is written: every rank was launched with
+    the same command and sees the same folder, checkpoints and data (one line naming a difference,
+    on every rank); then rank 0 creates and marks the folder."""
+    agree_on_arguments(run.kind, {**vars(args), "output folder": run.path.resolve(),
+                                  "checkpoints": [p.name for p in run.checkpoints()], "sequences": len(data)})
+    if rank == 0:
+        run.claim()
 
 
 def preempted(run: RunFolder, preemption: Preemption, step: int, checkpoint: Path, *, is_main: bool) -> Preempted:

@@ -32,6 +32,7 @@ from moe_ep.runs import (
     ExpertLoad,
     Preempted,
     Preemption,
+    agree_on_arguments,
     Reporter,
     RunError,
     Throughput,
@@ -276,6 +277,10 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None, pree
     is_main = rank == 0
     output_dir = Path(args.output_dir)
     ckpt_root = output_dir / "checkpoints"
+    # Before anything is written: every rank was launched with the same command and sees the same
+    # folder, checkpoints and data.
+    agree_on_arguments("train.py", {**vars(args), "output folder": output_dir.resolve(), "checkpoint to resume": resume,
+                                    "fallback checkpoints": fallbacks, "data identity": identity})
     seed_everything(args.seed)
 
     def warn(message: str) -> None:

@@ -19,6 +19,7 @@ from moe_ep.runs import RunFolder, StepLog
 
 from loops import (
     checked_run,
+    claim_run,
     configuration_errors,
     finished,
     make_model,
@@ -81,8 +82,7 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int, stop) -> None
     import moe_ep
 
     state = PartialState(cpu=not torch.cuda.is_available())  # the process group, which parallelize needs
-    if rank == 0:
-        run.claim()
+    claim_run(args, data, run, rank)
     log = StepLog(run.path, enabled=rank == 0)
     resume = run.checkpoints()[-1] if args.resume else None
     training_args = TrainingArguments(
