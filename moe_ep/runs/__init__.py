@@ -50,6 +50,7 @@ from .ownership import (
 from .preemption import PREEMPTED_EXIT_STATUS, Preempted, Preemption, parse_signal
 from .run_folder import FINAL, PREEMPTED, RunFolder
 from .same_arguments import agree_on_arguments
+from .startup import StartupWatchdog
 
 __all__ = [
     # errors
@@ -64,8 +65,8 @@ __all__ = [
     "check_resume_data", "checkpoint_due", "complete_checkpoints", "damage_report", "is_complete",
     "latest_checkpoint", "load_checkpoint", "quiet_single_process", "read_trainer_state", "remove_incomplete",
     "resume_candidates", "resume_target", "save_checkpoint", "step_folders", "verified_resume",
-    # the ranks' agreement on a run's arguments
-    "agree_on_arguments",
+    # the ranks' agreement on a run's arguments, the start-up watchdog
+    "StartupWatchdog", "agree_on_arguments",
     # preemption
     "PREEMPTED_EXIT_STATUS", "Preempted", "Preemption", "parse_signal",
     # metrics
