@@ -138,7 +138,8 @@ def test_expert_bias_rate_needs_a_bias_balanced_model(tmp_path, capsys):
 
 @pytest.mark.parametrize("flag, value", [("--z-loss-coef", "nan"), ("--aux-loss-coef", "inf"), ("--lr", "nan"),
                                          ("--max-grad-norm", "nan"), ("--weight-decay", "inf"),
-                                         ("--step-timeout", "inf"), ("--max-consecutive-skips", "-1")])
+                                         ("--step-timeout", "inf"), ("--startup-timeout", "-1.5"),
+                                         ("--max-consecutive-skips", "-1")])
 def test_non_finite_or_negative_flag_values_are_refused(flag, value, tmp_path, capsys):
     err = run_main([flag, value], tmp_path, capsys)
     assert f"{flag} must be a finite number" in err and err.rstrip().endswith(f"got {value}"), err

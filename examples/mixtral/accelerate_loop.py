@@ -30,6 +30,7 @@ from loops import (
     preempted,
     preemption,
     script_main,
+    startup_watchdog,
 )
 
 CHECKPOINTS = "checkpoints"
@@ -66,18 +67,19 @@ def save_checkpoint(accelerator, run: RunFolder, step: int) -> Path:
 
 def train(args) -> None:
     with checked_run(args, "accelerate_loop", f"{CHECKPOINTS}/step_*", managed=(CHECKPOINTS,)) as (
-            data, run, world_size, rank), preemption(args) as stop:
-        _train(args, data, run, world_size, rank, stop)
+            data, run, world_size, rank), preemption(args) as stop, startup_watchdog(args) as startup:
+        _train(args, data, run, world_size, rank, stop, startup)
 
 
-def _train(args, data, run: RunFolder, world_size: int, rank: int, stop) -> None:
+def _train(args, data, run: RunFolder, world_size: int, rank: int, stop, startup) -> None:
     from accelerate import Accelerator
 
     import moe_ep
 
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, cpu=not torch.cuda.is_available())
-    claim_run(args, data, run, rank)
+    claim_run(args, data, run, rank, startup)
     log = StepLog(run.path, enabled=accelerator.is_main_process)
+    startup.phase("building the model")
     with configuration_errors():
         model = make_model(args, accelerator.device)
         if not args.baseline:
@@ -96,6 +98,7 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int, stop) -> None
     batches = iter(accelerator.skip_first_batches(loader, progress.step * args.grad_accum))
     last = args.stop_after or args.steps
     model.train()
+    startup.reached()
     while progress.step < last:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(progress.step, args)

@@ -29,6 +29,7 @@ from moe_ep.runs import (
     Preempted,
     Preemption,
     RunFolder,
+    StartupWatchdog,
     StepLog,
     UsageError,
     agree_on_arguments,
@@ -69,6 +70,9 @@ def build_parser(description: str, default_output: str) -> argparse.ArgumentPars
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (0: none)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --output-dir (implied after a preemption)")
+    p.add_argument("--startup-timeout", type=float, default=1800.0,
+                   help="seconds from the process group to the first step before a rank that has not got there is "
+                        "reported and every rank still starting exits")
     add_preempt_signal(p)
     return p
 
@@ -78,7 +82,7 @@ def check_args(args, world_size: int) -> None:
     for name in ("ep", "dp_replicate", "steps", "seq_len", "micro_batch_size", "grad_accum", "max_corpus_tokens"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("lr", "max_grad_norm"):
+    for name in ("lr", "max_grad_norm", "startup_timeout"):
         if not 0 < getattr(args, name) < math.inf:
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(args, name)}")
     if not 0 <= args.aux_loss_coef < math.inf:
@@ -192,10 +196,12 @@ def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] 
         yield data, run, world_size, rank
 
 
-def claim_run(args, data: Sequences, run: RunFolder, rank: int) -> None:
+def claim_run(args, data: Sequences, run: RunFolder, rank: int, startup: StartupWatchdog) -> None:
     """Once the process group exists and before anything is written: every rank was launched with
     the same command and sees the same folder, checkpoints and data (one line naming a difference,
-    on every rank); then rank 0 creates and marks the folder."""
+    on every rank); then rank 0 creates and marks the folder. From here to the step loop a rank
+    that hangs is reported within --startup-timeout."""
+    startup.phase("agreeing on the arguments")
     agree_on_arguments(run.kind, {**vars(args), "output folder": run.path.resolve(),
                                   "checkpoints": [p.name for p in run.checkpoints()], "sequences": len(data)})
     if rank == 0:
@@ -216,6 +222,10 @@ def finished(log: StepLog, step: int, args) -> bool:
         log.info(f"stopped after step {step}; continue with --resume")
         return False
     return True
+
+
+def startup_watchdog(args) -> StartupWatchdog:
+    return StartupWatchdog(args.startup_timeout)
 
 
 def preemption(args) -> Preemption:

@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "folder, or an earlier export (replaced), outside --output-dir")
     out.add_argument("--step-timeout", type=float, default=1800.0,
                      help="seconds one step (with its checkpoint) may take before every rank stops with an error")
+    out.add_argument("--startup-timeout", type=float, default=1800.0,
+                     help="seconds from the process group to the first step (tokenizing, reading checkpoints and "
+                          "weights) before a rank that has not got there is reported and every rank still starting "
+                          "exits")
     add_preempt_signal(out)
     out.add_argument("--log-every", type=int, default=1)
     out.add_argument("--tensorboard", action="store_true", help="also log to OUTPUT_DIR/tensorboard")
@@ -155,7 +159,7 @@ def check_flag_values(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name in ("step_timeout", "lr"):
+    for name in ("step_timeout", "startup_timeout", "lr"):
         if not 0 < getattr(args, name) < math.inf:
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(args, name)}")
     if not 0 <= args.min_lr_ratio <= 1:

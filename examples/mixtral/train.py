@@ -32,6 +32,7 @@ from moe_ep.runs import (
     ExpertLoad,
     Preempted,
     Preemption,
+    StartupWatchdog,
     agree_on_arguments,
     Reporter,
     RunError,
@@ -260,11 +261,13 @@ def train(args) -> None:
         checked = validate(args)
     # Before the run writes anything: a signal during start-up stops it after its first step.
     with (hold_output_dir(Path(args.output_dir), rank=checked.rank) as previous_holder,
-          Preemption(signals=(signal.SIGTERM, args.preempt_signal)) as preemption):
-        run(args, checked, wall0, previous_holder, preemption)
+          Preemption(signals=(signal.SIGTERM, args.preempt_signal)) as preemption,
+          StartupWatchdog(args.startup_timeout) as startup):
+        run(args, checked, wall0, previous_holder, preemption, startup)
 
 
-def run(args, checked: Checked, wall0: float, previous_holder: dict | None, preemption: Preemption) -> None:
+def run(args, checked: Checked, wall0: float, previous_holder: dict | None, preemption: Preemption,
+        startup: StartupWatchdog) -> None:
     (world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype, resume, fallbacks, token_cache,
      token_cache_intact, identity, warnings) = checked
 
@@ -277,6 +280,8 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None, pree
     is_main = rank == 0
     output_dir = Path(args.output_dir)
     ckpt_root = output_dir / "checkpoints"
+    # From here to the step loop, a rank that hangs is reported within --startup-timeout.
+    startup.phase("agreeing on the arguments")
     # Before anything is written: every rank was launched with the same command and sees the same
     # folder, checkpoints and data.
     agree_on_arguments("train.py", {**vars(args), "output folder": output_dir.resolve(), "checkpoint to resume": resume,
@@ -294,6 +299,7 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None, pree
              "this job holds it now")
     if is_main and marker_kind(output_dir) != "run":
         mark(output_dir, "run")
+    startup.phase("verifying the checkpoint to resume")
     with said_by_every_rank():
         if resume is not None:
             # Every shard's checksum, the ranks sharing the reading; damage found by any rank is
@@ -303,6 +309,7 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None, pree
                 check_resume_data(resume, identity)
 
     # Data: tokenized once per node, then every rank maps the same cache.
+    startup.phase("tokenizing the data (or reading its cache)")
     tokens = cached_tokens(data_spec, tokenizer, token_cache, is_local_main=state.is_local_main_process,
                            barrier=barrier, intact=token_cache_intact, max_tokens=args.max_corpus_tokens)
     if identity != (known := data_identity(args, layout, tokenizer, corpus_stats(tokens))):
@@ -317,6 +324,7 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None, pree
     global_batch = layout.global_batch
     schedule = BatchSchedule(packed.num_sequences, global_batch, layout.dp_rank(rank), layout.dp, args.seed)
 
+    startup.phase("building the model")
     target, module, total_params, active_params, bytes_read = prepare_model(args, source, layout, device, mp_dtype)
     optimizer = make_optimizer(module, args)
 
@@ -331,6 +339,7 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None, pree
     if is_main and removed:
         reporter.info(f"removed {len(removed)} incomplete checkpoint(s) left by an interrupted write or deletion: "
                       + ", ".join(p.name for p in removed))
+    startup.phase("loading the checkpoint")
     if resume is not None:
         saved = load_checkpoint(resume, module, optimizer, rank=rank, world_size=world_size)
         start_step, tokens_seen = saved["step"], saved["tokens_seen"]
@@ -374,6 +383,7 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None, pree
     step_guard = (lambda: fail_fast(timeout=args.step_timeout)) if dist.is_initialized() else nullcontext
     train_step = make_step(target, optimizer, args, layout, aux_coef=aux_coef, bias_rate=bias_rate,
                            autocast_dtype=autocast_dtype)
+    startup.reached()
     for step in range(start_step, args.steps):
         try:
             with step_guard():

@@ -26,6 +26,7 @@ from loops import (
     preempted,
     preemption,
     script_main,
+    startup_watchdog,
 )
 
 
@@ -54,6 +55,18 @@ def stop_callback(stop_after: int):
     return StopAfter()
 
 
+def startup_callback(startup):
+    from transformers import TrainerCallback
+
+    class StepLoopReached(TrainerCallback):
+        """The Trainer has built its optimizer and loaded its checkpoint: the start-up is over."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            startup.reached()
+
+    return StepLoopReached()
+
+
 def preemption_callback(stop):
     from transformers import TrainerCallback
 
@@ -71,18 +84,19 @@ def preemption_callback(stop):
 
 
 def train(args) -> None:
-    with checked_run(args, "trainer", "checkpoint-*") as (data, run, world_size, rank), preemption(args) as stop:
-        _train(args, data, run, world_size, rank, stop)
+    with (checked_run(args, "trainer", "checkpoint-*") as (data, run, world_size, rank), preemption(args) as stop,
+          startup_watchdog(args) as startup):
+        _train(args, data, run, world_size, rank, stop, startup)
 
 
-def _train(args, data, run: RunFolder, world_size: int, rank: int, stop) -> None:
+def _train(args, data, run: RunFolder, world_size: int, rank: int, stop, startup) -> None:
     from accelerate import PartialState
     from transformers import PrinterCallback, Trainer, TrainingArguments
 
     import moe_ep
 
     state = PartialState(cpu=not torch.cuda.is_available())  # the process group, which parallelize needs
-    claim_run(args, data, run, rank)
+    claim_run(args, data, run, rank, startup)
     log = StepLog(run.path, enabled=rank == 0)
     resume = run.checkpoints()[-1] if args.resume else None
     training_args = TrainingArguments(
@@ -96,8 +110,9 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int, stop) -> None
         train_sampling_strategy="sequential", dataloader_drop_last=True, use_cpu=not torch.cuda.is_available(),
     )
     trainer_class = Trainer if args.baseline else moe_ep.ExpertParallelTrainer
-    callbacks = [log_callback(log), preemption_callback(stop)] + (
+    callbacks = [log_callback(log), startup_callback(startup), preemption_callback(stop)] + (
         [stop_callback(args.stop_after)] if args.stop_after else [])
+    startup.phase("building the model and the Trainer")
     with configuration_errors():
         trainer = trainer_class(model=make_model(args, state.device), args=training_args, train_dataset=data,
                                 callbacks=callbacks)
