@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from .planner import MODEL_NAMES, NO_PIPELINE, Layout, config_from_name, plan, schedule_info
     from .runs import (
         OutputLock,
+        Preempted,
+        Preemption,
         Reporter,
         RunError,
         UsageError,
@@ -91,6 +93,8 @@ _PUBLIC = {
     "UsageError": "moe_ep.runs",
     "RunError": "moe_ep.runs",
     "run_reported": "moe_ep.runs",
+    "Preemption": "moe_ep.runs",
+    "Preempted": "moe_ep.runs",
 }
 _SUBPACKAGES = ("bench", "dispatch", "hf", "kernels", "ops", "parallel", "planner", "runs", "training")
 

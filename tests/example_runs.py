@@ -50,10 +50,14 @@ def free_port() -> int:
 
 
 def accelerate_cmd(out: Path, *extra: str, processes: int = 2, layout=LAYOUT) -> list[str]:
+    return accelerate_script_cmd("train.py", *COMMON, *layout, "--output-dir", str(out), *extra, processes=processes)
+
+
+def accelerate_script_cmd(script: str, *flags: str, processes: int = 2) -> list[str]:
+    """``accelerate launch`` of any of the example's scripts with exactly ``flags``."""
     return [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(EXAMPLE / "configs" / "cpu.yaml"),
-        "--num_processes", str(processes), "--main_process_port", str(free_port()), str(EXAMPLE / "train.py"),
-        *COMMON, *layout, "--output-dir", str(out), *extra,
+        "--num_processes", str(processes), "--main_process_port", str(free_port()), str(EXAMPLE / script), *flags,
     ]
 
 
@@ -92,12 +96,12 @@ def paused_files(tmp_checkpoint: Path, ranks: int) -> list[Path]:
     return [tmp_checkpoint / f"paused-rank{r:05d}" for r in range(ranks)]
 
 
-def rank_processes(proc: subprocess.Popen) -> dict[int, psutil.Process]:
-    """The launch's ranks by their RANK."""
+def rank_processes(proc: subprocess.Popen, script: str = "train.py") -> dict[int, psutil.Process]:
+    """The launch's ranks (processes running the example's ``script``) by their RANK."""
     found = {}
     for p in psutil.Process(proc.pid).children(recursive=True):
         try:
-            if "train.py" in " ".join(p.cmdline()) and "RANK" in (environ := p.environ()):
+            if script in " ".join(p.cmdline()) and "RANK" in (environ := p.environ()):
                 found[int(environ["RANK"])] = p
         except psutil.NoSuchProcess:
             continue

@@ -138,7 +138,8 @@ def test_expert_bias_rate_needs_a_bias_balanced_model(tmp_path, capsys):
 
 @pytest.mark.parametrize("flag, value", [("--z-loss-coef", "nan"), ("--aux-loss-coef", "inf"), ("--lr", "nan"),
                                          ("--max-grad-norm", "nan"), ("--weight-decay", "inf"),
-                                         ("--step-timeout", "inf"), ("--max-consecutive-skips", "-1")])
+                                         ("--step-timeout", "inf"), ("--startup-timeout", "-1.5"),
+                                         ("--max-consecutive-skips", "-1")])
 def test_non_finite_or_negative_flag_values_are_refused(flag, value, tmp_path, capsys):
     err = run_main([flag, value], tmp_path, capsys)
     assert f"{flag} must be a finite number" in err and err.rstrip().endswith(f"got {value}"), err
@@ -761,7 +762,7 @@ def sbatch_argv(tmp_path, *extra: str) -> list[str]:
     stubs = {
         "scontrol": "echo node-a; echo node-b",
         "srun": 'while [[ $1 == --* ]]; do shift; done\nSLURM_NODEID=1 exec "$@"',
-        "accelerate": 'printf "%s\\0" "$@" > "$ARGV_FILE"',
+        "accelerate": 'printf "%s\\0" "$@" > "$ARGV_FILE"; printf "%s\\n" "$PET_SIGNALS_TO_HANDLE" > "$ARGV_FILE.signals"',
     }
     for name, body in stubs.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
@@ -783,6 +784,10 @@ def test_slurm_script_forwards_extra_arguments_intact(tmp_path):
                      "--num_processes": "16", "--main_process_ip": "node-a", "--main_process_port": "29500"}
     assert argv[13] == str(EXAMPLE / "train.py")
     assert argv[-6:] == ["--output-dir", str(tmp_path / "run out"), *extra]
+    # SLURM's --signal=USR1@300: the launcher forwards USR1 (instead of dying of it), the ranks act on it.
+    assert argv[-8:-6] == ["--preempt-signal", "USR1"]
+    assert (tmp_path / "argv.signals").read_text().split() == ["SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+    assert "#SBATCH --signal=USR1@300\n" in (EXAMPLE / "slurm.sbatch").read_text()
 
 
 def shutil_usage(free: int):

@@ -22,11 +22,15 @@ from moe_ep.runs import RunFolder, StepLog, delete_atomically
 
 from loops import (
     checked_run,
+    claim_run,
     configuration_errors,
     finished,
     lr_at,
     make_model,
+    preempted,
+    preemption,
     script_main,
+    startup_watchdog,
 )
 
 CHECKPOINTS = "checkpoints"
@@ -63,19 +67,19 @@ def save_checkpoint(accelerator, run: RunFolder, step: int) -> Path:
 
 def train(args) -> None:
     with checked_run(args, "accelerate_loop", f"{CHECKPOINTS}/step_*", managed=(CHECKPOINTS,)) as (
-            data, run, world_size, rank):
-        _train(args, data, run, world_size, rank)
+            data, run, world_size, rank), preemption(args) as stop, startup_watchdog(args) as startup:
+        _train(args, data, run, world_size, rank, stop, startup)
 
 
-def _train(args, data, run: RunFolder, world_size: int, rank: int) -> None:
+def _train(args, data, run: RunFolder, world_size: int, rank: int, stop, startup) -> None:
     from accelerate import Accelerator
 
     import moe_ep
 
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, cpu=not torch.cuda.is_available())
-    if rank == 0:
-        run.claim()
+    claim_run(args, data, run, rank, startup)
     log = StepLog(run.path, enabled=accelerator.is_main_process)
+    startup.phase("building the model")
     with configuration_errors():
         model = make_model(args, accelerator.device)
         if not args.baseline:
@@ -92,9 +96,10 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int) -> None:
     log.info(f"{'baseline (transformers experts, DDP)' if args.baseline else f'moe_ep ep={args.ep}'} on "
              f"{world_size} process(es), mixed precision {accelerator.mixed_precision}")
     batches = iter(accelerator.skip_first_batches(loader, progress.step * args.grad_accum))
-    stop = args.stop_after or args.steps
+    last = args.stop_after or args.steps
     model.train()
-    while progress.step < stop:
+    startup.reached()
+    while progress.step < last:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(progress.step, args)
         micro_losses = []
@@ -111,8 +116,13 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int) -> None:
         # host sync: once per step, for the log.
         log.step({"step": progress.step, "loss": torch.cat(micro_losses).mean().item(),
                   "grad_norm": float(grad_norm), "lr": optimizer.param_groups[0]["lr"]})
-        if args.checkpoint_every and progress.step % args.checkpoint_every == 0:
-            log.info(f"checkpoint {save_checkpoint(accelerator, run, progress.step)}")
+        # Every rank asks at every step boundary but the last (the run ends there anyway).
+        preempt = progress.step < last and stop.stop_requested()
+        if preempt or (args.checkpoint_every and progress.step % args.checkpoint_every == 0):
+            checkpoint = save_checkpoint(accelerator, run, progress.step)
+            log.info(f"checkpoint {checkpoint}")
+        if preempt:
+            raise preempted(run, stop, progress.step, checkpoint, is_main=accelerator.is_main_process)
     if not finished(log, progress.step, args):
         return
     state_dict = accelerator.get_state_dict(model)  # every rank: gathers the full weights on rank 0

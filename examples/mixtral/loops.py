@@ -16,6 +16,7 @@ lock for the job."""
 from __future__ import annotations
 
 import argparse
+import signal
 import math
 import os
 from contextlib import contextmanager
@@ -24,10 +25,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_ep.runs import RunFolder, StepLog, UsageError, hold_output_dir, run_reported
+from moe_ep.runs import (
+    Preempted,
+    Preemption,
+    RunFolder,
+    StartupWatchdog,
+    StepLog,
+    UsageError,
+    agree_on_arguments,
+    hold_output_dir,
+    run_reported,
+)
 
 from data import ByteTokenizer, PackedSequences, resolve_data, tokenize_corpus
 from models import tiny_config
+from options import add_preempt_signal
 
 NUM_EXPERTS = 8  # models.tiny_config's
 
@@ -56,7 +68,12 @@ def build_parser(description: str, default_output: str) -> argparse.ArgumentPars
     p.add_argument("--max-corpus-tokens", type=int, default=400_000, help="cap on the tokens read from the stdlib")
     p.add_argument("--output-dir", default=default_output)
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (0: none)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --output-dir (implied after a preemption)")
+    p.add_argument("--startup-timeout", type=float, default=1800.0,
+                   help="seconds from the process group to the first step before a rank that has not got there is "
+                        "reported and every rank still starting exits")
+    add_preempt_signal(p)
     return p
 
 
@@ -65,7 +82,7 @@ def check_args(args, world_size: int) -> None:
     for name in ("ep", "dp_replicate", "steps", "seq_len", "micro_batch_size", "grad_accum", "max_corpus_tokens"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("lr", "max_grad_norm"):
+    for name in ("lr", "max_grad_norm", "startup_timeout"):
         if not 0 < getattr(args, name) < math.inf:
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(args, name)}")
     if not 0 <= args.aux_loss_coef < math.inf:
@@ -173,9 +190,30 @@ def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] 
     check_args(args, world_size)
     data = make_data(args, world_size)
     run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed)
+    args.resume = args.resume or run.preempted()
     run.check(resume=args.resume, parameters=count_parameters(args))
     with hold_output_dir(run.path, rank=rank):
         yield data, run, world_size, rank
+
+
+def claim_run(args, data: Sequences, run: RunFolder, rank: int, startup: StartupWatchdog) -> None:
+    """Once the process group exists and before anything is written: every rank was launched with
+    the same command and sees the same folder, checkpoints and data (one line naming a difference,
+    on every rank); then rank 0 creates and marks the folder. From here to the step loop a rank
+    that hangs is reported within --startup-timeout."""
+    startup.phase("agreeing on the arguments")
+    agree_on_arguments(run.kind, {**vars(args), "output folder": run.path.resolve(),
+                                  "checkpoints": [p.name for p in run.checkpoints()], "sequences": len(data)})
+    if rank == 0:
+        run.claim()
+
+
+def preempted(run: RunFolder, preemption: Preemption, step: int, checkpoint: Path, *, is_main: bool) -> Preempted:
+    """What every rank raises after the checkpoint of a preempted run; rank 0 notes in the run
+    folder that the same command continues it."""
+    if is_main:
+        run.note_preempted(checkpoint)
+    return Preempted(preemption.signal, step, checkpoint)
 
 
 def finished(log: StepLog, step: int, args) -> bool:
@@ -184,6 +222,15 @@ def finished(log: StepLog, step: int, args) -> bool:
         log.info(f"stopped after step {step}; continue with --resume")
         return False
     return True
+
+
+def startup_watchdog(args) -> StartupWatchdog:
+    return StartupWatchdog(args.startup_timeout)
+
+
+def preemption(args) -> Preemption:
+    """SIGTERM and --preempt-signal recorded while the run trains (moe_ep.runs.preemption)."""
+    return Preemption(signals=(signal.SIGTERM, args.preempt_signal))
 
 
 def script_main(train, description: str, default_output: str, argv=None) -> int:

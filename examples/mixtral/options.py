@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import signal
 from pathlib import Path
 
-from moe_ep.runs import UsageError
+from moe_ep.runs import UsageError, parse_signal
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,12 +100,32 @@ def build_parser() -> argparse.ArgumentParser:
                           "folder, or an earlier export (replaced), outside --output-dir")
     out.add_argument("--step-timeout", type=float, default=1800.0,
                      help="seconds one step (with its checkpoint) may take before every rank stops with an error")
+    out.add_argument("--startup-timeout", type=float, default=1800.0,
+                     help="seconds from the process group to the first step (tokenizing, reading checkpoints and "
+                          "weights) before a rank that has not got there is reported and every rank still starting "
+                          "exits")
+    add_preempt_signal(out)
     out.add_argument("--log-every", type=int, default=1)
     out.add_argument("--tensorboard", action="store_true", help="also log to OUTPUT_DIR/tensorboard")
     out.add_argument("--peak-tflops", type=float, default=None,
                      help="peak dense TFLOP/s of one device for the MFU estimate (default: known GPUs only)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def add_preempt_signal(parser) -> None:
+    """``--preempt-signal``, the same flag in every script of the example."""
+
+    def read(value: str) -> signal.Signals:
+        try:
+            return parse_signal(value)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parser.add_argument("--preempt-signal", type=read, default=signal.SIGTERM, metavar="SIGNAL",
+                        help="a signal that, like SIGTERM (always handled), makes every rank finish its step, write "
+                             "one checkpoint and exit with status 75; the same command resumes (SLURM: "
+                             "--signal=USR1@120 and USR1 here, README)")
 
 
 POSITIVE = ("ep", "dp_replicate", "pp", "seq_len", "micro_batch_size", "grad_accum", "steps", "log_every",
@@ -141,7 +162,7 @@ def check_flag_values(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name in ("step_timeout", "lr"):
+    for name in ("step_timeout", "startup_timeout", "lr"):
         if not 0 < getattr(args, name) < math.inf:
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(args, name)}")
     if not 0 <= args.min_lr_ratio <= 1:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -29,10 +30,14 @@ import torch.distributed as dist
 from moe_ep import NonFiniteStepsError, PeerFailure, TrainStep, experts_modules, fail_fast, num_experts_of
 from moe_ep.runs import (
     ExpertLoad,
+    Preempted,
+    Preemption,
     Reporter,
     RunError,
+    StartupWatchdog,
     Throughput,
     UsageError,
+    agree_on_arguments,
     check_output_folders,
     check_resume_data,
     checkpoint_due,
@@ -257,11 +262,15 @@ def train(args) -> None:
     wall0 = time.perf_counter()
     with said_by_every_rank():
         checked = validate(args)
-    with hold_output_dir(Path(args.output_dir), rank=checked.rank) as previous_holder:
-        run(args, checked, wall0, previous_holder)
+    # Before the run writes anything: a signal during start-up stops it after its first step.
+    with (hold_output_dir(Path(args.output_dir), rank=checked.rank) as previous_holder,
+          Preemption(signals=(signal.SIGTERM, args.preempt_signal)) as preemption,
+          StartupWatchdog(args.startup_timeout) as startup):
+        run(args, checked, wall0, previous_holder, preemption, startup)
 
 
-def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> None:
+def run(args, checked: Checked, wall0: float, previous_holder: dict | None, preemption: Preemption,
+        startup: StartupWatchdog) -> None:
     (world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype, resume, fallbacks, token_cache,
      token_cache_intact, identity, warnings) = checked
 
@@ -274,6 +283,12 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
     is_main = rank == 0
     output_dir = Path(args.output_dir)
     ckpt_root = output_dir / "checkpoints"
+    # From here to the step loop, a rank that hangs is reported within --startup-timeout.
+    startup.phase("agreeing on the arguments")
+    # Before anything is written: every rank was launched with the same command and sees the same
+    # folder, checkpoints and data.
+    agree_on_arguments("train.py", {**vars(args), "output folder": output_dir.resolve(), "checkpoint to resume": resume,
+                                    "fallback checkpoints": fallbacks, "data identity": identity})
     seed_everything(args.seed)
 
     def warn(message: str) -> None:
@@ -287,6 +302,7 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
              "this job holds it now")
     if is_main and marker_kind(output_dir) != "run":
         mark(output_dir, "run")
+    startup.phase("verifying the checkpoint to resume")
     with said_by_every_rank():
         if resume is not None:
             # Every shard's checksum, the ranks sharing the reading; damage found by any rank is
@@ -296,6 +312,7 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
                 check_resume_data(resume, identity)
 
     # Data: tokenized once per node, then every rank maps the same cache.
+    startup.phase("tokenizing the data (or reading its cache)")
     tokens = cached_tokens(data_spec, tokenizer, token_cache, is_local_main=state.is_local_main_process,
                            barrier=barrier, intact=token_cache_intact, max_tokens=args.max_corpus_tokens)
     if identity != (known := data_identity(args, layout, tokenizer, corpus_stats(tokens))):
@@ -310,6 +327,7 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
     global_batch = layout.global_batch
     schedule = BatchSchedule(packed.num_sequences, global_batch, layout.dp_rank(rank), layout.dp, args.seed)
 
+    startup.phase("building the model")
     target, module, total_params, active_params, bytes_read = prepare_model(args, source, layout, device, mp_dtype)
     optimizer = make_optimizer(module, args)
 
@@ -328,6 +346,7 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
     if is_main and removed:
         reporter.info(f"removed {len(removed)} incomplete checkpoint(s) left by an interrupted write or deletion: "
                       + ", ".join(p.name for p in removed))
+    startup.phase("loading the checkpoint")
     if resume is not None:
         saved = load_checkpoint(resume, module, optimizer, rank=rank, world_size=world_size)
         start_step, tokens_seen = saved["step"], saved["tokens_seen"]
@@ -373,6 +392,7 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
     step_guard = (lambda: fail_fast(timeout=args.step_timeout)) if dist.is_initialized() else nullcontext
     train_step = make_step(target, optimizer, args, layout, aux_coef=aux_coef, bias_rate=bias_rate,
                            autocast_dtype=autocast_dtype)
+    startup.reached()
     for step in range(start_step, args.steps):
         try:
             with step_guard():
@@ -415,13 +435,17 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None) -> N
                          "steps_skipped": train_step.steps_skipped},
                         expert_load.collect(),
                     )
-                if checkpoint_due(done, every=args.checkpoint_every, last=args.steps):
+                # Every rank asks at every step boundary but the last (the run ends there anyway).
+                preempted = done < args.steps and preemption.stop_requested()
+                if preempted or checkpoint_due(done, every=args.checkpoint_every, last=args.steps):
                     trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
                                      "layout": asdict(layout), "model": source.name, "data": identity,
                                      "branch_points": branch_points}
                     last_ckpt = save_checkpoint(ckpt_root, done, module, optimizer, trainer_state, rank=rank,
                                                 barrier=barrier, keep=args.keep_checkpoints, config=module.config)
                     reporter.info(f"checkpoint {last_ckpt}")
+            if preempted:
+                raise Preempted(preemption.signal, done, last_ckpt)
         except RuntimeError as err:
             if isinstance(err, PeerFailure) or not lost_peer(err):
                 raise

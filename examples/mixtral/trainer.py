@@ -19,10 +19,14 @@ from moe_ep.runs import RunFolder, StepLog
 
 from loops import (
     checked_run,
+    claim_run,
     configuration_errors,
     finished,
     make_model,
+    preempted,
+    preemption,
     script_main,
+    startup_watchdog,
 )
 
 
@@ -51,20 +55,48 @@ def stop_callback(stop_after: int):
     return StopAfter()
 
 
+def startup_callback(startup):
+    from transformers import TrainerCallback
+
+    class StepLoopReached(TrainerCallback):
+        """The Trainer has built its optimizer and loaded its checkpoint: the start-up is over."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            startup.reached()
+
+    return StepLoopReached()
+
+
+def preemption_callback(stop):
+    from transformers import TrainerCallback
+
+    class SaveAndStopOnPreemption(TrainerCallback):
+        """On the step the ranks agree on (every rank asks at every step end but the last), the
+        Trainer's own checkpoint (``checkpoint-N``: model and optimizer shards, scheduler, RNG
+        states, trainer state, as ``save_steps`` writes it) and the end of ``train()``."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step < state.max_steps and stop.stop_requested():
+                control.should_save = True
+                control.should_training_stop = True
+
+    return SaveAndStopOnPreemption()
+
+
 def train(args) -> None:
-    with checked_run(args, "trainer", "checkpoint-*") as (data, run, world_size, rank):
-        _train(args, data, run, world_size, rank)
+    with (checked_run(args, "trainer", "checkpoint-*") as (data, run, world_size, rank), preemption(args) as stop,
+          startup_watchdog(args) as startup):
+        _train(args, data, run, world_size, rank, stop, startup)
 
 
-def _train(args, data, run: RunFolder, world_size: int, rank: int) -> None:
+def _train(args, data, run: RunFolder, world_size: int, rank: int, stop, startup) -> None:
     from accelerate import PartialState
     from transformers import PrinterCallback, Trainer, TrainingArguments
 
     import moe_ep
 
     state = PartialState(cpu=not torch.cuda.is_available())  # the process group, which parallelize needs
-    if rank == 0:
-        run.claim()
+    claim_run(args, data, run, rank, startup)
     log = StepLog(run.path, enabled=rank == 0)
     resume = run.checkpoints()[-1] if args.resume else None
     training_args = TrainingArguments(
@@ -78,7 +110,9 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int) -> None:
         train_sampling_strategy="sequential", dataloader_drop_last=True, use_cpu=not torch.cuda.is_available(),
     )
     trainer_class = Trainer if args.baseline else moe_ep.ExpertParallelTrainer
-    callbacks = [log_callback(log)] + ([stop_callback(args.stop_after)] if args.stop_after else [])
+    callbacks = [log_callback(log), startup_callback(startup), preemption_callback(stop)] + (
+        [stop_callback(args.stop_after)] if args.stop_after else [])
+    startup.phase("building the model and the Trainer")
     with configuration_errors():
         trainer = trainer_class(model=make_model(args, state.device), args=training_args, train_dataset=data,
                                 callbacks=callbacks)
@@ -87,6 +121,9 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int) -> None:
              f"{world_size} process(es), mixed precision {training_args.mixed_precision}"
              + (f", resuming from {resume}" if resume else ""))
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    if stop.signal is not None:
+        step = trainer.state.global_step
+        raise preempted(run, stop, step, run.path / f"checkpoint-{step}", is_main=rank == 0)
     if not finished(log, trainer.state.global_step, args):
         return
     trainer.save_model(str(run.final))

@@ -2,8 +2,10 @@
 (``OutputLock``, ``hold_output_dir``) and never written into where it is the user's (ownership
 markers), atomic sharded checkpoints with manifests and checksums (``save_checkpoint``,
 ``load_checkpoint``, ``latest_checkpoint``), resume resolution that skips damaged checkpoints
-(``resume_target``, ``verified_resume``), the metrics log (``Reporter``, ``StepLog``), and errors
-said in one line with an exit status (``UsageError``, ``RunError``, ``run_reported``).
+(``resume_target``, ``verified_resume``), the metrics log (``Reporter``, ``StepLog``), errors
+said in one line with an exit status (``UsageError``, ``RunError``, ``run_reported``), and a stop
+on a preemption signal that the ranks agree on at a step boundary (``Preemption``, ``Preempted``,
+exit status ``PREEMPTED_EXIT_STATUS``).
 
 The top of the package, beside ``training``: it may use every layer below and nothing imports it.
 examples/mixtral's train.py (moe_ep's TrainStep), trainer.py (transformers' Trainer) and
@@ -55,13 +57,16 @@ from .ownership import (
     mark,
     marker_kind,
 )
-from .run_folder import FINAL, RunFolder
+from .preemption import PREEMPTED_EXIT_STATUS, Preempted, Preemption, parse_signal
+from .run_folder import FINAL, PREEMPTED, RunFolder
+from .same_arguments import agree_on_arguments
+from .startup import StartupWatchdog
 
 __all__ = [
     # errors
     "RunError", "UsageError", "lost_peer", "report_failure", "run_reported", "said_by_every_rank", "write_failure",
     # the output folder: ownership and the lock
-    "FINAL", "MARKER", "METRICS", "TRASH_PREFIX", "OutputLock", "RunFolder", "check_export_target",
+    "FINAL", "MARKER", "METRICS", "PREEMPTED", "TRASH_PREFIX", "OutputLock", "RunFolder", "check_export_target",
     "check_output_folders", "clear_run", "delete_atomically", "describe_holder", "hold_output_dir",
     "make_managed_dir", "mark", "marker_kind",
     # integrity
@@ -71,6 +76,10 @@ __all__ = [
     "latest_checkpoint", "load_checkpoint", "quiet_single_process", "read_trainer_state", "remove_incomplete",
     "resume_candidates", "resume_target", "save_checkpoint", "set_aside_later_checkpoints", "step_folders",
     "verified_resume",
+    # the ranks' agreement on a run's arguments, the start-up watchdog
+    "StartupWatchdog", "agree_on_arguments",
+    # preemption
+    "PREEMPTED_EXIT_STATUS", "Preempted", "Preemption", "parse_signal",
     # metrics
     "ExpertLoad", "Reporter", "StepLog", "Throughput", "flops_per_token", "peak_flops", "read_metrics",
     "summary_lines",

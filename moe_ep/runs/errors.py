@@ -11,6 +11,8 @@ import shutil
 import sys
 from contextlib import contextmanager
 
+from .preemption import PREEMPTED_EXIT_STATUS, Preempted
+
 
 class UsageError(Exception):
     def __init__(self, message: str, *, agreed: bool = False):
@@ -70,13 +72,19 @@ def lost_peer(err: BaseException) -> bool:
 
 def report_failure(err: BaseException, *, rank: int, world_size: int) -> int | None:
     """Say why the run stopped, in one line, and return the exit status: 2 for a UsageError, 1 for
-    a RunError or a peer's failure, 130 for an interrupt. None for anything else (a bug, whose
+    a RunError or a peer's failure, 130 for an interrupt, 75 (``PREEMPTED_EXIT_STATUS``) for a run
+    stopped by a preemption signal after its checkpoint. None for anything else (a bug, whose
     traceback is the report). An ``agreed`` error (every check before start-up is one) is said by
     rank 0, any other by the rank that raised it; a rank that stopped only because a peer failed
     (moe_ep's fail_fast) leaves the saying to that peer, rank 0 naming it."""
     from ..parallel import PeerFailure
 
     own = err.__cause__ if isinstance(err, PeerFailure) and err.__cause__ is not None else err
+    if isinstance(own, Preempted):
+        # Raised alike on every rank after their agreement: said once.
+        if rank == 0:
+            print(own, file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_STATUS
     if isinstance(own, KeyboardInterrupt):
         if rank == 0:
             print("interrupted: the last complete checkpoint is kept; run the same command to resume from it",

@@ -4,7 +4,7 @@ Trainer, accelerate's ``save_state``), under ownership.py's rules.
 The folder is created and marked (``kind``: which script's run it is) by global rank 0, or must be
 one the same kind of run marked (an empty folder is taken over); a folder holding anything else is
 refused before any work, as is a run folder that holds checkpoints when no resume is asked for (a
-new run would write over them). Rank 0 holds the folder's lock for the job. The final model goes to
+new run would write over them), unless a preemption stopped its run (``note_preempted``). Rank 0 holds the folder's lock for the job. The final model goes to
 ``OUTPUT_DIR/final``, marked as an export, replaced only when it is one."""
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from .ownership import (
 )
 
 FINAL = "final"
+# Left in the run folder by a run stopped by a preemption signal: the same command continues it (as
+# if told to resume) until the run completes, so a requeued job needs no other command.
+PREEMPTED = "preempted"
 
 
 class RunFolder:
@@ -81,8 +84,18 @@ class RunFolder:
         for name in self.managed:
             make_managed_dir(self.path / name, name)
 
+    def preempted(self) -> bool:
+        """Whether the run in this folder was stopped by a preemption and not completed since."""
+        return (self.path / PREEMPTED).is_file()
+
+    def note_preempted(self, checkpoint: Path) -> None:
+        """Rank 0, after the checkpoint of a preempted run: the same command continues it."""
+        (self.path / PREEMPTED).write_text(f"{checkpoint}\n")
+
     def saved_final(self, log, is_main: bool) -> None:
-        """After the final model is written: mark it as an export (rank 0) and say where it is."""
+        """After the final model is written: mark it as an export (rank 0) and say where it is; a
+        preempted run is complete now."""
         if is_main:
             mark(self.final, "export")
+            (self.path / PREEMPTED).unlink(missing_ok=True)
         log.info(f"saved the model to {self.final} (loads with plain from_pretrained)")

@@ -1,0 +1,126 @@
+"""Preemption of launched 2-rank runs of each example script: a signal in the middle of the run
+(SIGTERM to every rank, SIGTERM to the launcher only, SLURM's SIGUSR1 to the launcher and every
+rank), then the same command. Each case asserts: the ranks stop with the distinct exit status
+after one checkpoint, one line says so (the last of the program's own), no traceback of ours, and
+the same command resumes onto the undisturbed run's losses bit for bit (the Trainer: from its own
+``checkpoint-N``, its semantics)."""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from example_runs import (
+    accelerate_cmd,
+    accelerate_script_cmd,
+    kill_launch,
+    launch,
+    losses,
+    rank_processes,
+    run,
+    torchrun_cmd,
+    wait_until,
+)
+
+from moe_ep.runs.preemption import PREEMPTED_EXIT_STATUS
+
+# Launches the examples and signals them: not in the quick subset (bash scripts/test.sh --quick).
+pytestmark = pytest.mark.slow
+
+PREEMPTED = re.compile(r"^preempted \((SIG\w+)\) after step (\d+): (.+) written; run the same command to resume$",
+                       re.MULTILINE)
+# The loops' flags: the tiny Mixtral on 32-token sequences, 8 steps, a checkpoint every 4.
+LOOP_FLAGS = ("--steps", "8", "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum", "2",
+              "--checkpoint-every", "4", "--max-corpus-tokens", "40000", "--seed", "3", "--ep", "2")
+
+
+def reached_step(out: Path, step: int):
+    return lambda: (out / "metrics.jsonl").exists() and max(losses(out), default=0) >= step
+
+
+def preempt(cmd, out: Path, log: Path, send, *, script: str = "train.py", after: int = 2, **extra_env) -> str:
+    """Launch ``cmd``, call ``send(launcher, ranks)`` once step ``after`` is logged, wait for the
+    launch to end; returns its output after checking that it failed, each rank with the distinct
+    status, said in one line, with no traceback of the example's."""
+    proc = launch(cmd, log, **extra_env)
+    try:
+        wait_until(reached_step(out, after), proc, f"the run did not reach step {after}")
+        send(proc, rank_processes(proc, script))
+        assert proc.wait(timeout=240) != 0
+    finally:
+        kill_launch(proc)
+    text = log.read_text()
+    assert len(PREEMPTED.findall(text)) == 1, text[-4000:]
+    # torchrun's failure summary lists the ranks that had exited when it looked (with the signal at
+    # the launcher, it shows its own SignalException instead).
+    exits = re.findall(r"exitcode  : (-?\d+)", text)
+    assert set(exits) <= {str(PREEMPTED_EXIT_STATUS)}, text[-4000:]
+    assert not re.search(r'File ".*examples/mixtral/', text), text[-4000:]
+    return text
+
+
+def stopped_at(text: str) -> tuple[str, int, Path]:
+    sig, step, checkpoint = PREEMPTED.search(text).groups()
+    return sig, int(step), Path(checkpoint)
+
+
+def to_ranks(sig):
+    return lambda launcher, ranks: [p.send_signal(sig) for p in ranks.values()]
+
+
+def to_launcher(sig):
+    return lambda launcher, ranks: launcher.send_signal(sig)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("undisturbed") / "run"
+    run(torchrun_cmd(out))
+    return losses(out)
+
+
+@pytest.mark.parametrize("case", ["SIGTERM to every rank", "SIGTERM to the launcher", "SIGUSR1 to all (SLURM)"])
+def test_train_py_preempted_checkpoints_once_and_resumes_bit_for_bit(undisturbed, tmp_path, case):
+    out = tmp_path / "run"
+    if case == "SIGTERM to every rank":
+        cmd, send, env = torchrun_cmd(out), to_ranks(signal.SIGTERM), {}
+    elif case == "SIGTERM to the launcher":
+        cmd, send, env = accelerate_cmd(out), to_launcher(signal.SIGTERM), {}
+    else:
+        # SLURM's --signal=USR1@N reaches the launcher and the ranks; the launcher must handle it.
+        cmd = torchrun_cmd(out, "--preempt-signal", "USR1")
+
+        def send(launcher, ranks):
+            launcher.send_signal(signal.SIGUSR1)
+            to_ranks(signal.SIGUSR1)(launcher, ranks)
+
+        env = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
+    text = preempt(cmd, out, tmp_path / "preempted.log", send, **env)
+    sig, step, checkpoint = stopped_at(text)
+    assert sig == ("SIGUSR1" if "USR1" in case else "SIGTERM")
+    assert checkpoint == out / "checkpoints" / f"step_{step:08d}" and checkpoint.is_dir()
+    assert sorted(losses(out)) == list(range(1, step + 1))
+    log = run(cmd)
+    assert f"resumed from {checkpoint} at step {step}" in log
+    assert losses(out) == undisturbed  # exact, every step
+
+
+@pytest.mark.parametrize("script", ["trainer.py", "accelerate_loop.py"])
+def test_a_preempted_loop_continues_with_the_same_command_bit_for_bit(tmp_path, script):
+    """SIGTERM to every rank of trainer.py (transformers' Trainer: its own ``checkpoint-N``) or
+    accelerate_loop.py (accelerate's ``save_state``) after step 2: the same command, without
+    --resume, continues from the preemption's checkpoint onto the undisturbed losses."""
+    undisturbed = tmp_path / "undisturbed"
+    run(accelerate_script_cmd(script, *LOOP_FLAGS, "--output-dir", str(undisturbed)))
+    out = tmp_path / "run"
+    cmd = accelerate_script_cmd(script, *LOOP_FLAGS, "--output-dir", str(out))
+    text = preempt(cmd, out, tmp_path / "preempted.log", to_ranks(signal.SIGTERM), script=script)
+    sig, step, checkpoint = stopped_at(text)
+    assert sig == "SIGTERM" and checkpoint.is_dir()
+    assert checkpoint.name == (f"checkpoint-{step}" if script == "trainer.py" else f"step_{step:08d}")
+    run(cmd)
+    assert losses(out) == losses(undisturbed)  # exact, every step
+    assert not (out / "preempted").exists()
