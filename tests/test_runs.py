@@ -218,3 +218,16 @@ def test_a_full_disk_is_said_as_one_whatever_the_writer_said(tmp_path, monkeypat
     fake_disk(monkeypatch, 0)
     assert failure_cause(path, torn) == (f"No space left on device (0 bytes free on the file system of {tmp_path}; "
                                          "unexpected pos 704 vs 598)")
+
+
+def test_a_rank_that_lost_its_peer_outside_the_step_loop_says_nothing(capsys):
+    """The peer that failed says why (or the launcher reports its death): the survivors exit 1
+    without a traceback or a line that would come after the peer's."""
+    from moe_ep.runs import report_failure
+
+    gone = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                        "[127.0.0.1]:29500")
+    for rank in (0, 1):
+        assert report_failure(gone, rank=rank, world_size=2) == 1
+    assert capsys.readouterr().err == ""
+    assert report_failure(RuntimeError("CUDA error: an illegal memory access"), rank=0, world_size=2) is None

@@ -73,8 +73,9 @@ def lost_peer(err: BaseException) -> bool:
 def report_failure(err: BaseException, *, rank: int, world_size: int) -> int | None:
     """Say why the run stopped, in one line, and return the exit status: 2 for a UsageError, 1 for
     a RunError or a peer's failure, 130 for an interrupt, 75 (``PREEMPTED_EXIT_STATUS``) for a run
-    stopped by a preemption signal after its checkpoint. None for anything else (a bug, whose
-    traceback is the report). An ``agreed`` error (every check before start-up is one) is said by
+    stopped by a preemption signal after its checkpoint, 1 and nothing said for a collective that
+    lost its peer (which says why, or whose death the launcher reports). None for anything else (a
+    bug, whose traceback is the report). An ``agreed`` error (every check before start-up is one) is said by
     rank 0, any other by the rank that raised it; a rank that stopped only because a peer failed
     (moe_ep's fail_fast) leaves the saying to that peer, rank 0 naming it."""
     from ..parallel import PeerFailure
@@ -99,6 +100,11 @@ def report_failure(err: BaseException, *, rank: int, world_size: int) -> int | N
     if isinstance(err, PeerFailure):
         if rank == 0:
             print(f"error (rank 0): {err}", file=sys.stderr, flush=True)
+        return 1
+    if isinstance(own, RuntimeError) and lost_peer(own):
+        # A collective outside the step loop (start-up, the final save) found a peer gone: the
+        # peer's own line, or the launcher's summary of how it died, is the report; a traceback
+        # here would only bury it.
         return 1
     return None
 
