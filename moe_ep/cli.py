@@ -93,6 +93,8 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
                    help="busiest expert rank's load over the mean in steady training (1.2)")
     p.add_argument("--startup-imbalance", type=_bounded("startup_imbalance"), default=None,
                    help="the same early in dropless training, which expert buffers are sized for (2.0)")
+    p.add_argument("--max-nodes", type=_bounded("max_nodes"), default=None,
+                   help="node-limited routing: each token's experts on at most this many nodes (DeepSeek-V3: 4)")
     p.add_argument("--balanced-routing", action="store_true",
                    help="routing forced to balance, as benchmarks that force it: --imbalance 1 --startup-imbalance 1")
     p.add_argument("--capacity-factor", type=_bounded("capacity_factor"), default=None,
@@ -156,6 +158,7 @@ def _run_plan(args) -> int:
         schedule=args.schedule,
         checkpointing={"on": "full", "off": "none"}.get(args.checkpointing, args.checkpointing),
         virtual_stages=args.virtual_stages,
+        max_nodes=args.max_nodes,
         num_alternatives=args.alternatives,
         **{k: v for k, v in given.items() if v is not None},
     )

@@ -112,3 +112,82 @@ def test_limit_routing_to_nodes_on_a_patched_model(family, nodes, max_nodes):
     with pytest.raises(ValueError, match=r"node-limited routing runs in moe_ep's fused routers, but the router of "
                                          r".*: call moe_ep.patch\(model\) \(fused_router=True\) first"):
         limit_routing_to_nodes(unfused, nodes, 1)
+
+
+def _limited_on_four_ranks(rank, world, batch):
+    """parallelize(ep=4) over 2 simulated nodes of 2 with max_nodes=1; every rank the same batch."""
+    import moe_ep
+
+    model = moe_ep.patch(tiny_model("mixtral", experts_implementation="moe_ep", num_local_experts=8), backend="torch")
+    refusals = []
+    for kwargs in (dict(ep=4, node_size=4, max_nodes=1),  # ep inside one node: no node-aware dispatch
+                   dict(ep=4, node_size=2, dispatch_mode="flat", max_nodes=1)):
+        try:
+            moe_ep.parallelize(tiny_model("mixtral", experts_implementation="moe_ep", num_local_experts=8), **kwargs)
+        except ValueError as err:
+            refusals.append(str(err))
+    model = moe_ep.parallelize(model, ep=4, node_size=2, max_nodes=1)
+    with torch.no_grad():
+        return model(**batch).loss.item(), refusals
+
+
+@pytest.mark.slow
+def test_parallelize_max_nodes_equals_one_process_with_the_same_limit():
+    import moe_ep
+    from dist_utils import run_ranks
+    from moe_ep.hf import limit_routing_to_nodes
+
+    model = moe_ep.patch(tiny_model("mixtral", experts_implementation="moe_ep", num_local_experts=8), backend="torch")
+    batch = tiny_batch(model.config, batch=2, seq=9)
+    with torch.no_grad():
+        free = model(**batch).loss.item()
+        want = limit_routing_to_nodes(model, 2, 1)(**batch).loss.item()
+    assert want != free  # the limit binds on this batch
+    results = run_ranks(_limited_on_four_ranks, 4, batch, timeout=300)
+    for loss, refusals in results:
+        assert abs(loss - want) <= 1e-5 * abs(want), (loss, want)
+        assert len(refusals) == 2 and all("max_nodes=1 bounds the nodes a token reaches, which needs the node-aware "
+                                          "dispatch" in r for r in refusals), refusals
+
+
+def test_parallel_config_checks_max_nodes():
+    from moe_ep.parallel import ParallelConfig
+
+    with pytest.raises(ValueError, match="max_nodes must be a positive int or None, got 0"):
+        ParallelConfig(ep=2, max_nodes=0)
+    with pytest.raises(ValueError, match="max_nodes=1 limits the nodes a token's experts are on; ep=1"):
+        ParallelConfig(ep=1, max_nodes=1)
+    assert ParallelConfig(ep=4, max_nodes=2).arguments()["max_nodes"] == 2
+
+
+def test_the_planner_counts_the_copies_node_limited_routing_leaves():
+    """DeepSeek-V3 (top-8 of 256) at EP64 over nodes of 8: a token's experts lie on about 5.3 of
+    the 8 nodes unrestricted (4.6 of them other nodes: network copies), on at most 4 with
+    max_nodes=4 (issue #23's target; 3.6 when its 8 experts fall uniformly among the 4 nodes'),
+    on 1 with max_nodes=1."""
+    from moe_ep.planner.comm import node_shares
+    from moe_ep.planner.spec import ModelSpec
+
+    spec = ModelSpec.resolve("deepseek-v3")
+    free = node_shares(spec, 64, 8)[0]
+    four = node_shares(spec, 64, 8, max_nodes=4)[0]
+    assert 5.0 < free < 6.0 and 3.5 < four <= 4.0 and node_shares(spec, 64, 8, max_nodes=1)[0] == pytest.approx(1.0)
+    assert node_shares(spec, 64, 8, max_nodes=8) == node_shares(spec, 64, 8)
+
+
+def test_the_planner_times_fewer_network_bytes_under_node_limited_routing():
+    """The DeepSeek-V3 layout of the anchors (256 H100, PP4 EP64 over nodes of 8, balanced load):
+    the node-aware all-to-all takes less time with max_nodes=4 (the copies counted above), and so
+    does the step."""
+    from moe_ep.planner import Layout
+    from moe_ep.planner.search import Assumptions, _resolve_cluster, evaluate
+    from moe_ep.planner.spec import ModelSpec
+
+    spec = ModelSpec.resolve("deepseek-v3")
+    cluster, _ = _resolve_cluster(32, "dgx-h100", None, {}, {})
+    layout = Layout(4, 1, 64, 64, 1, 8, "interleaved-1f1b", "full", 8)
+
+    free = evaluate(spec, cluster, layout, 4096, Assumptions(1.0, 1.0))
+    limited = evaluate(spec, cluster, layout, 4096, Assumptions(1.0, 1.0, max_nodes=4))
+    assert 0 < limited.time.all_to_all < free.time.all_to_all
+    assert limited.time.total < free.time.total

@@ -155,8 +155,18 @@ def limit_routing_to_nodes(model: torch.nn.Module, nodes: int, max_nodes: int | 
     token may reach, so it is the model's routing from then on (as it is DeepSeek-V3's in
     training). Needs ``patch(model)``'s fused routers. A DeepSeek-V3 config whose ``n_group`` is
     the node count keeps its groups (``topk_group`` already bounds the nodes; ``max_nodes`` lowers
-    it); other group layouts are refused. Returns ``model``."""
-    for name, module in experts_modules(model):
+    it); other group layouts are refused, before any router changes. Returns ``model``."""
+    routers = check_node_limit(model, nodes, max_nodes)
+    for router in routers:
+        bind(router, node_limit=None if max_nodes is None else (nodes, max_nodes))
+    return model
+
+
+def check_node_limit(model: torch.nn.Module, nodes: int, max_nodes: int | None) -> list[torch.nn.Module]:
+    """The fused routers ``limit_routing_to_nodes`` would bind, or a ValueError naming the router
+    and what it cannot do; changes nothing."""
+    routers = []
+    for name, _ in experts_modules(model):
         router_name, router = _router_of(model, name)
         if router is None or _installed_forward(router) not in FUSED_ROUTER_FORWARDS.values():
             raise ValueError(
@@ -172,8 +182,8 @@ def limit_routing_to_nodes(model: torch.nn.Module, nodes: int, max_nodes: int | 
         if max_nodes is not None and router.top_k > max_nodes * (num_experts // nodes):
             raise ValueError(f"{router_name}: top_k={router.top_k} experts do not fit on max_nodes={max_nodes} nodes "
                              f"of {num_experts // nodes} experts each (nodes={nodes})")
-        bind(router, node_limit=None if max_nodes is None else (nodes, max_nodes))
-    return model
+        routers.append(router)
+    return routers
 
 
 def is_patched(model: torch.nn.Module) -> bool:

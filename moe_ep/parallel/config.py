@@ -103,6 +103,7 @@ class ParallelConfig:
     experts_backend: str | None = None
     dispatch_mode: str = "auto"
     node_size: int | None = None
+    max_nodes: int | None = None
 
     def __post_init__(self):
         for name in ("pp", "ep", "dp_replicate"):
@@ -134,6 +135,12 @@ class ParallelConfig:
         check_node_size(self.node_size)
         if self.dispatch_mode == "node" and self.ep == 1:
             raise ValueError("dispatch_mode='node' applies to the expert-parallel dispatcher; ep=1 has none")
+        if self.max_nodes is not None:
+            if isinstance(self.max_nodes, bool) or not isinstance(self.max_nodes, int) or self.max_nodes < 1:
+                raise ValueError(f"max_nodes must be a positive int or None, got {self.max_nodes!r}")
+            if self.ep == 1:
+                raise ValueError(f"max_nodes={self.max_nodes} limits the nodes a token's experts are on; ep=1 keeps "
+                                 "every expert on every rank")
         if self.experts_backend is not None and self.experts_backend not in BACKENDS:
             raise ValueError(f"experts_backend must be one of {BACKENDS} or None, got {self.experts_backend!r}")
 
@@ -164,7 +171,8 @@ class ParallelConfig:
         return dict(ep=self.ep, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, pp=self.pp, **pipeline,
                     mixed_precision=self.mixed_precision, activation_checkpointing=self.activation_checkpointing,
                     capacity_factor=self.capacity_factor, reshard_after_forward=self.reshard_after_forward,
-                    experts_backend=self.experts_backend, dispatch_mode=self.dispatch_mode, node_size=self.node_size)
+                    experts_backend=self.experts_backend, dispatch_mode=self.dispatch_mode, node_size=self.node_size,
+                    max_nodes=self.max_nodes)
 
     @property
     def fsdp_reshard_after_forward(self) -> bool:

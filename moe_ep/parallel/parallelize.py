@@ -13,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..dispatch.nodes import node_size_for
 from ..hf.layout import experts_modules, num_experts_of
-from ..hf.patch import fused_routers, is_patched, patch
+from ..hf.patch import check_node_limit, fused_routers, is_patched, limit_routing_to_nodes, patch
 from ..planner.partition import Partition
 from .agreement import Description, parameter_fields, ranks_agree, shown
 from .config import ParallelConfig
@@ -49,6 +49,7 @@ def parallelize(
     experts_backend: str | None = None,
     dispatch_mode: str = "auto",
     node_size: int | None = None,
+    max_nodes: int | None = None,
 ) -> nn.Module | PipelineStages:
     """Spread ``model`` over the default process group; returns what ``moe_ep.TrainStep`` takes,
     so the training loop is the same for every layout::
@@ -108,6 +109,10 @@ def parallelize(
       ``"node"`` pins the node-aware dispatch (refused where it cannot apply), ``"flat"`` the
       single-stage one. ``node_size``: ranks per node (None: the launcher's ``LOCAL_WORLD_SIZE``;
       ranks are numbered node by node).
+    - ``max_nodes``: node-limited routing (DeepSeek-V3's): every token goes to experts on at most
+      this many of the ep group's nodes, so it crosses the network at most ``max_nodes`` times
+      (``moe_ep.hf.limit_routing_to_nodes``). It changes the model's routing; it needs the
+      node-aware dispatch and the fused routers of ``moe_ep.patch`` (checked before any change).
 
     Every rank must call it (collective), with the same arguments and the same model (parameter
     names, shapes and dtypes, expert counts, routing): one all-gather of fingerprints confirms it
@@ -121,7 +126,7 @@ def parallelize(
         split_points=split_points, memory_cap=memory_cap, seq_len=seq_len, microbatch_size=microbatch_size,
         virtual_stages=virtual_stages, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
         capacity_factor=capacity_factor, reshard_after_forward=reshard_after_forward, experts_backend=experts_backend,
-        dispatch_mode=dispatch_mode, node_size=node_size,
+        dispatch_mode=dispatch_mode, node_size=node_size, max_nodes=max_nodes,
     )
     return _parallelize(model, arguments, lambda: ParallelConfig.from_arguments(**arguments))
 
@@ -145,6 +150,8 @@ def _parallelize(model: nn.Module, arguments: dict, make_config: Callable[[], Pa
         _switch_to_moe_ep_experts(model, config)
     device = next(model.parameters()).device
     meshes = build_meshes(dims, _mesh_device(device))
+    if config.max_nodes is not None:
+        limit_routing_to_nodes(model, *_node_limit(dims, config))
     enable_activation_checkpointing(model, config.activation_checkpointing)
     if cut is None:
         _shard(model, meshes, config)
@@ -208,11 +215,24 @@ def _check(model: nn.Module, config: ParallelConfig) -> tuple[ParallelDims, Part
         if config.ep > 1 else None,
     )
     check_recompute_support(model, config.activation_checkpointing)
+    if config.max_nodes is not None:
+        check_node_limit(model, *_node_limit(dims, config))
     if config.pp == 1:
         return dims, None
     cut = plan_stages(model, dims.pp, config.pipeline, dp_shard=dims.dp_shard, ep=dims.ep,
                       checkpointing=config.activation_checkpointing)
     return dims, cut
+
+
+def _node_limit(dims: ParallelDims, config: ParallelConfig) -> tuple[int, int]:
+    """``(nodes, max_nodes)`` of node-limited routing: the nodes of the node-aware dispatch."""
+    if dims.ep_node_size is None:
+        raise ValueError(
+            f"max_nodes={config.max_nodes} bounds the nodes a token reaches, which needs the node-aware dispatch: an "
+            f"ep group over several whole nodes (ep={dims.ep} a multiple of the node size, larger than it; "
+            f"dispatch_mode 'auto' or 'node', not {config.dispatch_mode!r} here or no such node size)"
+        )
+    return dims.ep // dims.ep_node_size, config.max_nodes
 
 
 def _switch_to_moe_ep_experts(model: nn.Module, config: ParallelConfig) -> None:

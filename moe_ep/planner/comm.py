@@ -30,7 +30,7 @@ a stage on another rank (two stages of one rank pass them in memory)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..dispatch.capacity import expert_capacity
 from .partition import Partition
@@ -165,24 +165,38 @@ def all_to_all_collective(spec: ModelSpec, layout: Layout, seq_len: int, layer_p
                                 columns_extra=int(capacity_factor is not None))
 
 
+def node_shares(spec: ModelSpec, ep: int, node_size: int, max_nodes: int | None = None) -> tuple[float, float]:
+    """``rank_shares`` over the nodes of an ep group (a token's destination nodes, and those that
+    hold two or more of its experts), under node-limited routing when ``max_nodes`` is given: the
+    token's experts then lie, uniformly, among the experts of ``max_nodes`` nodes."""
+    nodes = ep // node_size
+    if max_nodes is None or max_nodes >= nodes:
+        return rank_shares(spec, nodes)
+    return rank_shares(replace(spec, num_experts=max_nodes * (spec.num_experts // nodes)), max_nodes)
+
+
 def node_all_to_all_collectives(spec: ModelSpec, layout: Layout, seq_len: int, layer_passes: int, node_size: int,
-                                load: float = 1.0) -> list[Collective]:
+                                load: float = 1.0, max_nodes: int | None = None) -> list[Collective]:
     """The node-aware dispatch's all-to-alls (inter-node, then intra-node) of ``layer_passes`` runs
     of a MoE layer over a micro-batch, its ep group split into nodes of ``node_size`` ranks; the
-    forwarding rank of a node receives ``load`` times the mean rows."""
+    forwarding rank of a node receives ``load`` times the mean rows. ``max_nodes``: node-limited
+    routing (fewer destination nodes per token; the ranks inside them as before)."""
     ep = layout.ep
     if ep == 1 or not layer_passes:
         return []
     E, K, H = spec.num_experts, spec.top_k, spec.hidden_size
     nodes, T = ep // node_size, layout.microbatch_size * seq_len
     # Stage 1: the nodes are the "ranks" (node_size L experts each), one row per destination node.
-    node_rows, node_multi = rank_shares(spec, nodes)
+    node_rows, node_multi = node_shares(spec, ep, node_size, max_nodes)
     share = (nodes - 1) / nodes
     inter = _exchange_collective("ep-inter", nodes, node_size, E // nodes, K, H, load * T * node_rows * share,
                                  load * T * node_multi * share, layer_passes, layout.checkpointing)
     # Stage 2: a forwarding rank holds one row per (token, node) and sends one per (token, rank):
     # over the node's ranks, as many as the single-stage dispatch, a share (G - 1) / G of them away.
-    rank_rows, rank_multi = rank_shares(spec, ep)
+    if max_nodes is None or max_nodes >= nodes:
+        rank_rows, rank_multi = rank_shares(spec, ep)
+    else:  # the token's experts among max_nodes nodes' ranks
+        rank_rows, rank_multi = rank_shares(replace(spec, num_experts=max_nodes * (E // nodes)), max_nodes * node_size)
     share = (node_size - 1) / node_size
     intra = _exchange_collective("ep-intra", node_size, 1, E // ep, min(K, E // nodes), H,
                                  load * T * rank_rows * share, load * T * rank_multi * share, layer_passes,

@@ -60,6 +60,7 @@ BOUNDS = {
     "dp_shard": Bound(int, 1, MAX_WORLD),
     "ep": Bound(int, 1, MAX_WORLD),
     "virtual_stages": Bound(int, 2, 1024),
+    "max_nodes": Bound(int, 1, MAX_WORLD),
 }
 
 

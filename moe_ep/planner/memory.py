@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from ..dispatch.capacity import expert_capacity
 from .activations import (
     MicroBatch, Routed, checkpoint_shared, checkpointed_layer_saved, embed_saved, expected_routed, head_saved,
-    head_scratch, layer_saved, layer_scratch, policy_layer_saved, rank_shares,
+    head_scratch, layer_saved, layer_scratch, policy_layer_saved,
 )
 from .cluster import Cluster
-from .comm import Collective, all_to_all_collective, node_all_to_all_collectives
+from .comm import Collective, all_to_all_collective, node_all_to_all_collectives, node_shares
 from .compute import Work, embed_traffic, head_traffic, layer_traffic, recomputed, MEMORY_BACKWARD
 from .partition import Partition, UnitCost
 from .layout import Layout
@@ -95,9 +95,10 @@ class Unit:
 def build_units(
     spec: ModelSpec, layout: Layout, seq_len: int, imbalance: float = DEFAULT_IMBALANCE, *,
     startup_imbalance: float = DEFAULT_STARTUP_IMBALANCE, capacity_factor: float | None = None,
-    backend: str = "triton", node_size: int | None = None,
+    backend: str = "triton", node_size: int | None = None, max_nodes: int | None = None,
 ) -> list[Unit]:
-    """The chain's units; ``node_size``: the node-aware dispatch's nodes (None: single-stage)."""
+    """The chain's units; ``node_size``: the node-aware dispatch's nodes (None: single-stage);
+    ``max_nodes``: node-limited routing's bound on a token's destination nodes (None: none)."""
     mb = MicroBatch(layout.microbatch_size, seq_len)
     T, H, ep, ds = mb.tokens, spec.hidden_size, layout.ep, layout.dp_shard
     policy = layout.checkpointing
@@ -142,9 +143,9 @@ def build_units(
             if node_size is None:
                 a2a = (all_to_all_collective(spec, layout, seq_len, 1, imbalance, capacity_factor),)
             else:
-                a2a = tuple(node_all_to_all_collectives(spec, layout, seq_len, 1, node_size, imbalance))
+                a2a = tuple(node_all_to_all_collectives(spec, layout, seq_len, 1, node_size, imbalance, max_nodes))
                 # Stage 1's rows too: one per (token, node), sent and received.
-                node_rows = rank_shares(spec, ep // node_size)[0] * T
+                node_rows = node_shares(spec, ep, node_size, max_nodes)[0] * T
                 buffers += BF16 * H * node_rows * (1 + startup_imbalance)
         units.append(unit(f"layers.{i}", spec.layer_dense_params(i), spec.layer_expert_params(i), work,
                           saved, scratch, moe, a2a, buffers))

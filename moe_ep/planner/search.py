@@ -47,11 +47,13 @@ class PlanError(ValueError):
 class Assumptions:
     """What the cost model assumes of the training run, beyond the layout: the busiest expert
     rank's load over the mean in steady training (step time) and at start-up (memory), and the
-    capacity factor of the dispatcher (None: dropless)."""
+    capacity factor of the dispatcher (None: dropless), and node-limited routing's bound on the
+    nodes a token reaches (None: no bound)."""
 
     imbalance: float = DEFAULT_IMBALANCE
     startup_imbalance: float = DEFAULT_STARTUP_IMBALANCE
     capacity_factor: float | None = None
+    max_nodes: int | None = None
 
 
 def _shape(lay: Layout) -> tuple:
@@ -251,7 +253,8 @@ def _units(spec: ModelSpec, layout: Layout, seq_len: int, assumptions: Assumptio
     # The dispatch parallelize's "auto" picks on this cluster: node-aware over whole nodes.
     node_size = node_size_for("auto", layout.ep, cluster.gpus_per_node, assumptions.capacity_factor)
     return build_units(spec, layout, seq_len, assumptions.imbalance, startup_imbalance=assumptions.startup_imbalance,
-                       capacity_factor=assumptions.capacity_factor, backend=BACKEND, node_size=node_size)
+                       capacity_factor=assumptions.capacity_factor, backend=BACKEND, node_size=node_size,
+                       max_nodes=assumptions.max_nodes)
 
 
 def evaluate(
@@ -460,6 +463,7 @@ def plan(
     schedule: str | None = None,
     checkpointing: str | bool | None = None,
     virtual_stages: int | None = None,
+    max_nodes: int | None = None,
     num_alternatives: int = 5,
 ) -> Plan:
     """Choose the fastest layout of ``model`` that fits the cluster, by the headroom rule.
@@ -485,6 +489,8 @@ def plan(
         startup_imbalance: the same early in dropless training (memory: expert activations and
             buffers), at most what the routing allows.
         capacity_factor: the dispatcher's capacity mode (padded fixed buffers); None: dropless.
+        max_nodes: node-limited routing (``parallelize(max_nodes=...)``): each token's experts on at
+            most this many nodes of its ep group, which bounds the node-aware dispatch's copies.
         min_headroom, speed_margin: the headroom rule (fractions of GPU memory and of step time).
         pp, dp_replicate, dp_shard, ep, microbatch_size, schedule, checkpointing: fix any of
             them; None lets the search choose. ``checkpointing`` is a recompute policy of
@@ -522,7 +528,8 @@ def plan(
         checkpointing = recompute_policy("checkpointing", checkpointing)
     resolved, overrides = _resolve_cluster(nodes, cluster, calibration, figures, efficiency)
     resolved = resolved.replace(reserve_fraction=reserve_fraction)
-    assumptions = Assumptions(imbalance, startup_imbalance, capacity_factor)
+    check("max_nodes", max_nodes, optional=True)
+    assumptions = Assumptions(imbalance, startup_imbalance, capacity_factor, max_nodes)
     if virtual_stages is not None:
         schedule_info(schedule or INTERLEAVED, virtual_stages)  # names the argument when wrong
         schedule = INTERLEAVED
