@@ -85,7 +85,7 @@ class ExpertParallelTrainerMixin:
             if kwargs.get("compute_loss_func") is not None:
                 raise ValueError("chunked_loss=True computes the training loss itself: pass compute_loss_func=None "
                                  "or chunked_loss=False")
-            chunked_loss_parts(kwargs["model"] if "model" in kwargs else args[0])  # refused before any work
+            chunked_loss_parts(kwargs.get("model", args[0] if args else None))  # refused before any work
         self.chunked_loss = chunked_loss
         super().__init__(*args, **kwargs)
 
