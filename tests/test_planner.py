@@ -155,7 +155,8 @@ def test_recompute_policies_trade_memory_for_work_as_modelled():
     assert rows["selective"][memory_bound] == pytest.approx(rows["full"][memory_bound], rel=1e-12)
     from moe_ep.planner.search import _layouts
 
-    fixed = dict.fromkeys(("pp", "dp_replicate", "dp_shard", "ep", "microbatch_size", "schedule", "checkpointing"))
+    fixed = dict.fromkeys(("pp", "dp_replicate", "dp_shard", "ep", "microbatch_size", "schedule", "checkpointing",
+                           "virtual_stages"))
     policies = {lay.checkpointing for lay in _layouts(spec, cluster, 4096, 4 * 2**20, fixed)}
     assert policies == {"none", "full", "selective", "attention"}
 
