@@ -93,13 +93,15 @@ class Problem:
 
 MIXTRAL = Problem()
 # The expert shapes of the fine-grained models people train (their configs' hidden_size,
-# moe_intermediate_size, num_experts, num_experts_per_tok); DeepSeek-V3 at 4096 tokens, whose 256
-# experts' weights and gradients alone take 45 GB. pad_m as routing_block gives it.
+# moe_intermediate_size, num_experts, num_experts_per_tok). DeepSeek-V3 as one rank of EP8 sees it:
+# 32 of its 256 experts, and 4096 tokens a rank each routing 8 ways, about 1024 rows per expert. (All
+# 256 experts in one process do not fit beside their float64 checks: weights and gradients alone
+# take 45 GB, and no one trains them that way.) pad_m as routing_block gives it.
 PROBLEMS = {
     "mixtral-8x7b": MIXTRAL,
     "qwen3-30b-a3b": Problem(T=16384, K=8, H=2048, I=768, E=128),
     "olmoe-1b-7b": Problem(T=16384, K=8, H=2048, I=1024, E=64),
-    "deepseek-v3": Problem(T=4096, K=8, H=7168, I=2048, E=256, pad_m=64),
+    "deepseek-v3-ep8": Problem(T=4096, K=8, H=7168, I=2048, E=32),
 }
 
 

@@ -238,3 +238,17 @@ def test_results_go_to_a_git_ignored_folder_by_default():
     assert str(parser.parse_args(["kernels"]).out_dir) == "bench-results"
     assert str(parser.parse_args(["gpu"]).out_dir) == "benchmarks/results"  # the gate's results are committed
     assert "/bench-results/" in open(".gitignore").read().split()
+
+
+def test_relative_error_in_chunks_equals_the_whole_float64_norm():
+    """The kernel benchmark's error check sums float64 squares over row chunks (a whole float64
+    copy of DeepSeek-V3's weight gradient would not fit): the same number as the direct formula,
+    for chunks that split rows unevenly, and the absolute error where the reference is zero."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(7, 5, 3, generator=g).to(torch.bfloat16)
+    out = (ref.double() + 1e-2 * torch.randn(7, 5, 3, generator=g, dtype=torch.float64)).to(torch.bfloat16)
+    direct = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    for chunk in (1, 15, 16, 1 << 26):
+        assert kernels.relative_error(out, ref, chunk_elems=chunk) == pytest.approx(direct, rel=1e-12)
+    zero = torch.zeros(4, 2)
+    assert kernels.relative_error(zero + 3.0, zero, chunk_elems=3) == pytest.approx(3.0 * 8**0.5)

@@ -17,7 +17,7 @@ says so:
 3. ``kernels``: the kernel benchmark at Mixtral-8x7B shapes (T=16384, uniform and skewed) against
    transformers' ``grouped_mm`` and ``eager`` experts and dense cuBLAS over the same FLOPs, each
    Triton kernel's time beside the AOT check's roofline bound and expected time; then the whole op
-   at the fine-grained shapes (Qwen3-30B-A3B and OLMoE at T=16384, DeepSeek-V3 at T=4096:
+   at the fine-grained shapes (Qwen3-30B-A3B and OLMoE at T=16384, DeepSeek-V3 as one EP8 rank sees it:
    ``kernels.cost.PROBLEMS``).
 4. ``model``: the two-layer Mixtral-8x7B and Qwen3-30B-A3B model benchmarks at 4096 and 16384
    tokens (forward+backward tokens/s, peak memory).
@@ -303,7 +303,7 @@ def _bench_args(args, **extra) -> argparse.Namespace:
 
 # The kernels step's problems, first the one whose every kernel is timed and compared with the AOT
 # check's estimates: Mixtral-8x7B, then the fine-grained experts people train (kernels.cost.PROBLEMS:
-# Qwen3-30B-A3B, OLMoE, DeepSeek-V3 at a token count that fits), the whole op only. On the CPU,
+# Qwen3-30B-A3B, OLMoE, DeepSeek-V3 as one EP8 rank sees it), the whole op only. On the CPU,
 # small stand-ins of the two kinds.
 CPU_KERNEL_PROBLEMS = {"small": cost.Problem(T=64, K=2, H=32, I=64, E=8),
                        "small-fine-grained": cost.Problem(T=32, K=4, H=32, I=16, E=16)}

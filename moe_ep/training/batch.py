@@ -37,7 +37,7 @@ def screened(ids: torch.Tensor, labels: torch.Tensor | None, vocab_size: int):
         flags[1] = bad.any()
         ids = torch.where(bad, 0, ids)
     else:
-        flags[0] = 1.0
+        flags[0].fill_(1.0)  # not flags[0] = 1.0: on CUDA that copies a host scalar (a sync)
         ids = torch.zeros(ids.shape, dtype=torch.int64, device=ids.device)
     if labels is None:
         return ids, ids.to(torch.int64), flags
@@ -46,7 +46,7 @@ def screened(ids: torch.Tensor, labels: torch.Tensor | None, vocab_size: int):
         flags[3] = bad.any()
         labels = torch.where(bad, IGNORE_INDEX, labels).to(torch.int64)
     else:
-        flags[2] = 1.0
+        flags[2].fill_(1.0)
         labels = torch.full(labels.shape, IGNORE_INDEX, dtype=torch.int64, device=labels.device)
     return ids, labels, flags
 
