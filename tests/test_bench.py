@@ -89,7 +89,8 @@ def test_kernels_mode_on_cuda(tmp_path):
 
 @pytest.mark.slow
 def test_model_mode_smoke(tmp_path):
-    """Every family's tiny model (the CPU default), each variant on the eager model's loss."""
+    """Every family's tiny model (the CPU default), each variant on the eager model's loss (the
+    chunked loss too)."""
     main(["model", "--device", "cpu", "--seq", "8", "--batch", "1", "--out-dir", str(tmp_path), *TINY])
     results = written(tmp_path, "model")["rows"]
     assert {r["model"] for r in results} == set(model_bench.TINY_MODELS)
@@ -97,7 +98,7 @@ def test_model_mode_smoke(tmp_path):
         rows = {r["variant"]: r for r in results if r["model"] == name}
         assert rows["eager"]["status"] == rows["grouped_mm"]["status"] == "ok"
         assert rows["grouped_mm"]["tokens_per_s"] > 0
-        for variant in ("moe_ep", "moe_ep+fused_router"):
+        for variant in ("moe_ep", "moe_ep+fused_router", "moe_ep+fused_router+chunked_loss"):
             assert rows[variant]["status"] == "ok" and rows[variant]["tokens_per_s"] > 0, (name, variant)
             assert rows[variant]["loss_diff"] <= 1e-5 * abs(rows["eager"]["loss"]), (name, variant)
 

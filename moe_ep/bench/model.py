@@ -7,7 +7,8 @@ Qwen3-MoE, OLMoE, DeepSeek-V3 with its group-limited sigmoid router); on CUDA al
 model with Mixtral-8x7B layer shapes (H=4096, I=14336, 32 heads, 8 KV heads, E=8, k=2) in
 bfloat16. The variants share one model object, switched with ``set_experts_implementation``, so
 their weights are identical by construction; the patched variant runs last because patching
-replaces the router's computation."""
+replaces the router's computation, and the patched model once more with the chunked loss
+(``moe_ep.chunked_causal_lm_loss``: the float32 logits of the whole batch never exist)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..hf import patch
+from ..training.loss import chunked_causal_lm_loss
 from .report import Column, Report, close_figure, environment, new_figure
 from .timing import measure_many, peak_memory_bytes
 
@@ -71,7 +73,8 @@ TINY_MODELS = tuple(name for name in MODELS if name.startswith("tiny"))
 # take turns; the patched variant, which also replaces the router's computation, is timed after them.
 SWITCHABLE = ("eager", "grouped_mm", "moe_ep")
 PATCHED = "moe_ep+fused_router"
-VARIANTS = SWITCHABLE + (PATCHED,)
+CHUNKED_LOSS = "moe_ep+fused_router+chunked_loss"
+VARIANTS = SWITCHABLE + (PATCHED, CHUNKED_LOSS)
 
 COLUMNS = [
     Column("model", "model"),
@@ -99,7 +102,7 @@ def build_model(setup: ModelSetup, device: torch.device, seed: int):
 
 
 def select_variant(model, variant: str) -> None:
-    if variant == PATCHED:
+    if variant in (PATCHED, CHUNKED_LOSS):
         patch(model, fused_router=True)
     else:
         model.set_experts_implementation(variant)
@@ -113,6 +116,11 @@ def bench_model(name: str, setup: ModelSetup, device: torch.device, args) -> lis
 
     def step():
         loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    def chunked_loss_step():
+        loss, _ = chunked_causal_lm_loss(model, ids, input_ids=ids)
         loss.backward()
         return loss
 
@@ -133,22 +141,23 @@ def bench_model(name: str, setup: ModelSetup, device: torch.device, args) -> lis
 
     rows = {}
 
-    def first_step(variant):
+    def first_step(variant, variant_step=step):
         select_variant(model, variant)
         fresh_grads()
-        loss = step().item()  # host sync: once per variant, outside the timed region
+        loss = variant_step().item()  # host sync: once per variant, outside the timed region
         fresh_grads()
-        peak = peak_memory_bytes(step, device)
+        peak = peak_memory_bytes(variant_step, device)
         rows[variant] = dict(model=name, variant=variant, tokens=n_tokens, loss=loss,
                              peak_mib=None if peak is None else peak / 2**20, status="ok")
 
     # The registry variants switch back and forth, so they are timed in turns (see measure_many);
-    # the patched variant comes after them, on its own.
+    # the patched model comes after them, with either loss.
     for variant in SWITCHABLE:
         first_step(variant)
     timings = time_in_turns({variant: (step, switch_to(variant)) for variant in SWITCHABLE})
     first_step(PATCHED)
-    timings.update(time_in_turns({PATCHED: (step, fresh_grads)}))
+    first_step(CHUNKED_LOSS, chunked_loss_step)
+    timings.update(time_in_turns({PATCHED: (step, fresh_grads), CHUNKED_LOSS: (chunked_loss_step, fresh_grads)}))
     for variant, t in timings.items():
         rows[variant].update(ms=t.median_s * 1e3, min_ms=t.min_s * 1e3, tokens_per_s=n_tokens / t.median_s)
     model.zero_grad(set_to_none=True)
