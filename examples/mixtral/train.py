@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
@@ -27,14 +26,14 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from moe_ep import NonFiniteStepsError, PeerFailure, TrainStep, experts_modules, fail_fast, num_experts_of
+from moe_ep import TrainStep, experts_modules, num_experts_of
 from moe_ep.runs import (
     ExpertLoad,
     Preempted,
     Preemption,
     Reporter,
-    RunError,
     StartupWatchdog,
+    StepGuard,
     Throughput,
     UsageError,
     agree_on_arguments,
@@ -46,7 +45,6 @@ from moe_ep.runs import (
     flops_per_token,
     hold_output_dir,
     load_checkpoint,
-    lost_peer,
     mark,
     marker_kind,
     peak_flops,
@@ -57,6 +55,7 @@ from moe_ep.runs import (
     said_by_every_rank,
     save_checkpoint,
     set_aside_later_checkpoints,
+    step_metrics,
     summary_lines,
     verified_resume,
 )
@@ -384,82 +383,55 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None, pree
         reporter.info(f"nothing to train: the run in {output_dir} is already at step {start_step} >= --steps {args.steps}")
 
     losses: list[tuple[int, float]] = []
-    last_ckpt = resume
     # Parallelized models cast through FSDP's policy; a lone process uses autocast instead.
     autocast_dtype = mp_dtype if not dist.is_initialized() else None
-    # A rank that fails mid-step (or hangs past --step-timeout) stops every rank at once, naming
-    # itself, instead of leaving the others blocked in a collective until the NCCL/gloo timeout.
-    step_guard = (lambda: fail_fast(timeout=args.step_timeout)) if dist.is_initialized() else nullcontext
+    guard = StepGuard(step_timeout=args.step_timeout, last_checkpoint=resume, timeout_name="--step-timeout")
     train_step = make_step(target, optimizer, args, layout, aux_coef=aux_coef, bias_rate=bias_rate,
                            autocast_dtype=autocast_dtype)
     startup.reached()
     for step in range(start_step, args.steps):
-        try:
-            with step_guard():
-                lr = lr_at(step, args)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                throughput.start()
-                batch = local_batch(packed, schedule, step).to(device)
-                try:
-                    train_step({"input_ids": batch})
-                except NonFiniteStepsError as err:
-                    # Raised on every rank at the same step (their loss and norm are the global ones).
-                    raise RunError(f"step {step + 1}: {err}; stopped; "
-                                   + (f"the last complete checkpoint, {last_ckpt}, holds finite weights" if last_ckpt
-                                      else "no checkpoint was written yet"), agreed=True) from None
-                tokens_seen += global_batch * args.seq_len
-                # The LM loss, then (with a load-balancing or z loss) the aux and z losses: means over
-                # the global batch, the same on every rank.
-                measured = [train_step.last_grad_norm, train_step.last_lm_loss]
-                if train_step.last_aux_loss is not None:
-                    measured += [train_step.last_aux_loss, train_step.last_z_loss]
-                # host sync: once per step, for the log.
-                grad_norm, loss, *aux_z = torch.stack([t.to(device, torch.float32) for t in measured]).tolist()
-                aux_loss, z_loss = aux_z if aux_z else (None, None)
-                throughput.stop(global_batch * args.seq_len)
-                done = step + 1
-                if train_step.last_step_skipped:
-                    # Nothing was applied; said at once, whatever --log-every.
-                    reporter.skipped({"step": done, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                                      "consecutive_skips": train_step.consecutive_skips,
-                                      "steps_skipped": train_step.steps_skipped}, args.max_consecutive_skips)
-                else:
-                    losses.append((done, loss))
-                if not train_step.last_step_skipped and (done % args.log_every == 0 or done == args.steps):
-                    tps, mfu = throughput.report()
-                    reporter.step(
-                        {"step": done, "loss": loss, "aux_loss": aux_loss if aux_coef else None,
-                         "z_loss": z_loss if args.z_loss_coef else None, "grad_norm": grad_norm, "lr": lr,
-                         "tokens_per_s": tps, "mfu": mfu, "tokens": tokens_seen, "epoch": schedule.epoch(done),
-                         "steps_skipped": train_step.steps_skipped},
-                        expert_load.collect(),
-                    )
-                # Every rank asks at every step boundary but the last (the run ends there anyway).
-                preempted = done < args.steps and preemption.stop_requested()
-                if preempted or checkpoint_due(done, every=args.checkpoint_every, last=args.steps):
-                    trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
-                                     "layout": asdict(layout), "model": source.name, "data": identity,
-                                     "branch_points": branch_points}
-                    last_ckpt = save_checkpoint(ckpt_root, done, module, optimizer, trainer_state, rank=rank,
-                                                barrier=barrier, keep=args.keep_checkpoints, config=module.config)
-                    reporter.info(f"checkpoint {last_ckpt}")
-            if preempted:
-                raise Preempted(preemption.signal, done, last_ckpt)
-        except RuntimeError as err:
-            if isinstance(err, PeerFailure) or not lost_peer(err):
-                raise
-            raise RunError(f"step {step + 1}: lost contact with another rank ({str(err).splitlines()[0]}); it stopped "
-                           "or died (the launcher's report names it); "
-                           + (f"the last complete checkpoint is {last_ckpt}" if last_ckpt else
-                              "no checkpoint was written yet")) from err
-        except TimeoutError as err:
-            # fail_fast's: this rank waited past the bound (its peers stop with PeerFailure).
-            raise RunError(f"step {step + 1} did not finish within --step-timeout {args.step_timeout:g} s (a rank hung, "
-                           "was stopped or is swapping); every rank stops; "
-                           + (f"the last complete checkpoint is {last_ckpt}" if last_ckpt else
-                              "no checkpoint was written yet")) from err
+        done = step + 1
+        with guard.step(done):
+            lr = lr_at(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            throughput.start()
+            batch = local_batch(packed, schedule, step).to(device)
+            train_step({"input_ids": batch})
+            tokens_seen += global_batch * args.seq_len
+            # host sync: once per step, for the log.
+            grad_norm, loss, aux_loss, z_loss = step_metrics(train_step, device)
+            throughput.stop(global_batch * args.seq_len)
+            if train_step.last_step_skipped:
+                # Nothing was applied; said at once, whatever --log-every.
+                reporter.skipped({"step": done, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                                  "consecutive_skips": train_step.consecutive_skips,
+                                  "steps_skipped": train_step.steps_skipped}, args.max_consecutive_skips)
+            else:
+                losses.append((done, loss))
+            if not train_step.last_step_skipped and (done % args.log_every == 0 or done == args.steps):
+                tps, mfu = throughput.report()
+                reporter.step(
+                    {"step": done, "loss": loss, "aux_loss": aux_loss if aux_coef else None,
+                     "z_loss": z_loss if args.z_loss_coef else None, "grad_norm": grad_norm, "lr": lr,
+                     "tokens_per_s": tps, "mfu": mfu, "tokens": tokens_seen, "epoch": schedule.epoch(done),
+                     "steps_skipped": train_step.steps_skipped},
+                    expert_load.collect(),
+                )
+            # Every rank asks at every step boundary but the last (the run ends there anyway).
+            preempted = done < args.steps and preemption.stop_requested()
+            if preempted or checkpoint_due(done, every=args.checkpoint_every, last=args.steps):
+                trainer_state = {"step": done, "tokens_seen": tokens_seen, "world_size": world_size,
+                                 "layout": asdict(layout), "model": source.name, "data": identity,
+                                 "branch_points": branch_points}
+                guard.last_checkpoint = save_checkpoint(ckpt_root, done, module, optimizer, trainer_state, rank=rank,
+                                                        barrier=barrier, keep=args.keep_checkpoints,
+                                                        config=module.config)
+                reporter.info(f"checkpoint {guard.last_checkpoint}")
+        if preempted:
+            raise Preempted(preemption.signal, done, guard.last_checkpoint)
 
+    last_ckpt = guard.last_checkpoint
     extra = {"checkpoint": last_ckpt, "metrics": output_dir / "metrics.jsonl"}
     if train_step.steps_skipped:
         extra["steps skipped (non-finite loss or gradient norm)"] = train_step.steps_skipped

@@ -5,7 +5,9 @@ markers), atomic sharded checkpoints with manifests and checksums (``save_checkp
 (``resume_target``, ``verified_resume``), the metrics log (``Reporter``, ``StepLog``), errors
 said in one line with an exit status (``UsageError``, ``RunError``, ``run_reported``), and a stop
 on a preemption signal that the ranks agree on at a step boundary (``Preemption``, ``Preempted``,
-exit status ``PREEMPTED_EXIT_STATUS``).
+exit status ``PREEMPTED_EXIT_STATUS``), and each step of a ``TrainStep`` loop guarded so that a
+failing, hanging or non-finite step stops every rank with one line naming the last checkpoint
+(``StepGuard``, ``step_metrics``).
 
 The top of the package, beside ``training``: it may use every layer below and nothing imports it.
 examples/mixtral's train.py (moe_ep's TrainStep), trainer.py (transformers' Trainer) and
@@ -61,6 +63,7 @@ from .preemption import PREEMPTED_EXIT_STATUS, Preempted, Preemption, parse_sign
 from .run_folder import FINAL, PREEMPTED, RunFolder
 from .same_arguments import agree_on_arguments
 from .startup import StartupWatchdog
+from .step_loop import StepGuard, step_metrics
 
 __all__ = [
     # errors
@@ -78,6 +81,8 @@ __all__ = [
     "verified_resume",
     # the ranks' agreement on a run's arguments, the start-up watchdog
     "StartupWatchdog", "agree_on_arguments",
+    # each step of a TrainStep loop
+    "StepGuard", "step_metrics",
     # preemption
     "PREEMPTED_EXIT_STATUS", "Preempted", "Preemption", "parse_signal",
     # metrics
