@@ -302,7 +302,8 @@ def test_bad_model_and_values(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert "has no config.json" in run_main(["--model", str(tmp_path / "empty")], tmp_path, capsys)
     assert "--micro-batch-size must be >= 1, got 0" in run_main(["--micro-batch-size", "0"], tmp_path, capsys)
-    assert "--warmup-steps (20) must be smaller than --steps (5)" in run_main(["--steps", "5"], tmp_path, capsys)
+    assert "--warmup-steps (20) must be smaller than --steps (5)" in run_main(["--steps", "5", "--warmup-steps", "20"],
+                                                                              tmp_path, capsys)
     assert "is not a checkpoint folder" in run_main(["--resume", str(tmp_path / "none")], tmp_path, capsys)
     assert "--plan chooses the layout itself; do not also give --ep" in run_main(["--plan", "--ep", "2"], tmp_path, capsys)
 
@@ -879,3 +880,16 @@ def test_hub_model_that_cannot_be_fetched(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     err = run_main(["--model", "nobody/no-such-moe"], tmp_path, capsys)
     assert "--model nobody/no-such-moe: not in the local cache and the Hub cannot be reached" in err
+
+
+@pytest.mark.parametrize("steps, warmup", [(1, 0), (5, 0), (10, 1), (200, 20), (5000, 20)])
+def test_default_warmup_is_a_tenth_of_the_steps_at_most_20(steps, warmup):
+    """A short trial run (--steps 5) needs no --warmup-steps; the documented default run keeps 20."""
+    from options import build_parser, check_flag_values
+
+    args = build_parser().parse_args(["--steps", str(steps)])
+    check_flag_values(args)
+    assert args.warmup_steps == warmup
+    explicit = build_parser().parse_args(["--steps", str(steps), "--warmup-steps", "0"])
+    check_flag_values(explicit)
+    assert explicit.warmup_steps == 0

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--steps", type=int, default=200, help="optimizer steps in total (a resumed run counts from 0)")
     o.add_argument("--lr", type=float, default=3e-3)
     o.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at lr * this")
-    o.add_argument("--warmup-steps", type=int, default=20)
+    o.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warmup steps (default: a tenth of --steps, at most 20)")
     o.add_argument("--weight-decay", type=float, default=0.1)
     o.add_argument("--beta1", type=float, default=0.9)
     o.add_argument("--beta2", type=float, default=0.95)
@@ -149,10 +150,13 @@ def balancing(args: argparse.Namespace, config) -> tuple[float, float]:
 
 
 def check_flag_values(args: argparse.Namespace) -> None:
-    """Ranges of single flags, independent of the model and the world."""
+    """Ranges of single flags, independent of the model and the world; the default warmup
+    resolved from --steps (so that a short trial run such as --steps 5 needs no other flag)."""
     for name in POSITIVE:
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup_steps is None:
+        args.warmup_steps = min(20, args.steps // 10)
     # `not value >= 0` also refuses NaN, which every comparison calls false.
     for name in (*NON_NEGATIVE, "aux_loss_coef", "expert_bias_rate"):
         value = getattr(args, name)
