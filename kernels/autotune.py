@@ -133,8 +133,11 @@ def _time(launch: Callable[[], object], device: torch.device) -> float:
         return time.perf_counter() - start
     import triton.testing
 
-    # host sync: timing waits for the GPU; only inside a tuning session.
-    return triton.testing.do_bench(launch, warmup=5, rep=20) / 1e3
+    # host sync: timing waits for the GPU; only inside a tuning session. do_bench repeats for `rep`
+    # ms: 100 gives a 12 ms launch (Mixtral's gate/up at 16384 tokens) 8 samples where 20 gave it
+    # one, and the median keeps one slow sample from deciding between configurations a few percent
+    # apart (the H200's sweep, 2026-11-27).
+    return triton.testing.do_bench(launch, warmup=5, rep=100, return_mode="median") / 1e3
 
 
 @functools.lru_cache(maxsize=None)
