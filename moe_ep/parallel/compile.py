@@ -27,6 +27,21 @@ from .fsdp import transformer_blocks
 # in the dense path is an error).
 COMPILE_OPTIONS = ("backend", "mode", "options", "dynamic")
 
+# The recompute policies that compiled dense blocks cannot run under, and why.
+_UNCOMPILABLE_RECOMPUTE = {
+    "selective": "its checkpoint runs each layer under a TorchDispatchMode, under which torch.compile does not trace "
+                 "(a compiled region would find no frame to compile)",
+    "attention": "its hook-based checkpoint of self_attn would run inside the compiled attention region",
+}
+
+
+def check_compilable_recompute(name: str, policy: str) -> None:
+    """Refuse compiled dense blocks (asked for by ``name``) under the recompute ``policy`` (a name
+    of ``moe_ep.planner.recompute``) when they cannot run together."""
+    if policy in _UNCOMPILABLE_RECOMPUTE:
+        raise ValueError(f"{name} with activation_checkpointing={policy!r}: {_UNCOMPILABLE_RECOMPUTE[policy]}; "
+                         "compiled dense blocks run with 'full' or 'none'")
+
 
 def compile_options(name: str, value) -> dict | None:
     """``value`` (False, True or a dict of torch.compile keywords) as the keywords to compile with,

@@ -15,21 +15,13 @@ from ..dispatch.nodes import check_dispatch_mode, check_node_size
 from ..ops.backend import BACKENDS
 from ..planner.recompute import recompute_policy
 from ..planner.schedules import ScheduleInfo, schedule_info
-from .compile import compile_options
+from .compile import check_compilable_recompute, compile_options
 from .mesh import check_degree
 
 DEFAULT_SCHEDULE = "1f1b"
 # parallelize's arguments that describe the pipeline, in the order its errors name them.
 PIPELINE_ARGUMENTS = ("schedule", "microbatches", "split_points", "memory_cap", "seq_len", "microbatch_size",
                       "virtual_stages")
-
-# Recompute policies that compiled dense blocks cannot run under, and why.
-_UNCOMPILABLE_RECOMPUTE = {
-    "selective": "its checkpoint runs each layer under a TorchDispatchMode, under which torch.compile does not trace "
-                 "(the compiled regions would find no frame to compile)",
-    "attention": "its hook-based checkpoint of self_attn would run inside the compiled attention region",
-}
-
 
 def _check_optional_positive_int(name: str, value) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -156,11 +148,8 @@ class ParallelConfig:
         options = self.compile_options
         if not isinstance(self.compile_blocks, bool):
             object.__setattr__(self, "compile_blocks", options)  # a copy: the caller's dict may change later
-        if options is not None and self.activation_checkpointing in _UNCOMPILABLE_RECOMPUTE:
-            raise ValueError(
-                f"compile_blocks with activation_checkpointing={self.activation_checkpointing!r}: "
-                f"{_UNCOMPILABLE_RECOMPUTE[self.activation_checkpointing]}; use 'full' or 'none' with compile_blocks"
-            )
+        if options is not None:
+            check_compilable_recompute("compile_blocks", self.activation_checkpointing)
 
     @classmethod
     def from_arguments(cls, **arguments) -> ParallelConfig:
