@@ -88,6 +88,34 @@ def test_compiled_blocks_give_the_eager_losses_without_a_graph_break(one_rank, g
     assert dict(graph_breaks) == {}
 
 
+# The regions of one decoder layer per family beyond Mixtral: Qwen2-MoE's bare nn.Linear shared
+# expert gate is left eager (torch's own module), DeepSeek-V3's dense first layer keeps its MLP
+# whole, and a shared expert is a region of its own.
+FAMILY_REGIONS = {
+    "qwen2_moe": [["self_attn", "mlp.gate", "mlp.shared_expert", "input_layernorm", "post_attention_layernorm"]] * 2,
+    "deepseek_v3": [["self_attn", "mlp", "input_layernorm", "post_attention_layernorm"],
+                    ["self_attn", "mlp.gate", "mlp.shared_experts", "input_layernorm", "post_attention_layernorm"]],
+}
+
+
+# DeepSeek-V3's attention takes about half a minute to compile on a CPU.
+@pytest.mark.parametrize("family", ["qwen2_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+def test_other_families_compile_their_dense_regions_and_give_the_eager_losses(one_rank, graph_breaks, family):
+    import moe_ep
+    from moe_ep.hf import patch
+    from moe_ep.parallel.compile import compiled_regions
+
+    def model():
+        return patch(tiny_model(family), fused_router=True).train()
+
+    batch = tiny_batch(model().config, batch=2, seq=7)
+    compiled = moe_ep.parallelize(model(), compile_blocks=AOT_EAGER)
+    assert compiled_regions(compiled) == [f"model.layers.{i}.{part}" for i, parts in enumerate(FAMILY_REGIONS[family])
+                                          for part in parts]
+    _assert_close(_losses(compiled, batch), _losses(model(), batch))
+    assert dict(graph_breaks) == {}
+
+
 @pytest.mark.slow
 def test_inductor_compiled_blocks_give_the_eager_losses(one_rank, graph_breaks):
     import moe_ep

@@ -72,12 +72,14 @@ def compile_options(name: str, value) -> dict | None:
 
 
 def dense_regions(layer: nn.Module, experts: set[nn.Module]) -> list[nn.Module]:
-    """The largest submodules of ``layer`` that hold none of ``experts``, in module order."""
+    """The largest submodules of ``layer`` that hold none of ``experts``, in module order. torch's
+    own modules (a bare ``nn.Linear`` gate, a ``ModuleList``) are entered instead: dynamo does not
+    trace them as a compiled call of their own, and one GEMM alone gains nothing."""
     regions = []
     for child in layer.children():
         if child in experts:
             continue
-        if any(m in experts for m in child.modules()):
+        if type(child).__module__.startswith("torch.") or any(m in experts for m in child.modules()):
             regions.extend(dense_regions(child, experts))
         else:
             regions.append(child)

@@ -119,10 +119,10 @@ def parallelize(
       stages with ``pp > 1``), in place, so names and state-dict keys stay: False (default), True
       (torch.compile's defaults: inductor) or a dict of its keywords ``backend``, ``mode``,
       ``options``, ``dynamic``. Each submodule of a layer that holds no experts module (attention,
-      norms, router, shared experts) is compiled with ``fullgraph=True``, so a graph break in the
-      dense path is an error; the experts module, its FSDP2 hooks and the dispatcher's all-to-alls
-      stay eager (``moe_ep.parallel.compile``). With ``activation_checkpointing`` ``"none"`` or
-      ``"full"``.
+      norms, router, shared experts; torch's own modules are entered instead) is compiled with
+      ``fullgraph=True``, so a graph break in the dense path is an error; the experts module, its
+      FSDP2 hooks and the dispatcher's all-to-alls stay eager (``moe_ep.parallel.compile``). With
+      ``activation_checkpointing`` ``"none"`` or ``"full"``.
 
     Every rank must call it (collective), with the same arguments and the same model (parameter
     names, shapes and dtypes, expert counts, routing): one all-gather of fingerprints confirms it
