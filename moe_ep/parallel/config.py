@@ -23,6 +23,7 @@ DEFAULT_SCHEDULE = "1f1b"
 PIPELINE_ARGUMENTS = ("schedule", "microbatches", "split_points", "memory_cap", "seq_len", "microbatch_size",
                       "virtual_stages")
 
+
 def _check_optional_positive_int(name: str, value) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
