@@ -71,6 +71,7 @@ def _configurations(rank: int, world: int, out: str) -> dict:
     ep_model = _model(ep=2)
     fp16_model = _model(ep=2, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.float16))
     stages = _model(pp=2, microbatches=2)
+    compiled_model = _model(ep=2, compile_blocks=True)
 
     def trainer(model, **arguments):
         args = TrainingArguments(output_dir=os.path.join(out, f"rank{rank}"), report_to=[], use_cpu=True, **arguments)
@@ -87,7 +88,7 @@ def _configurations(rank: int, world: int, out: str) -> dict:
             "version": 2, "transformer_layer_cls_to_wrap": ["MixtralDecoderLayer"]})),
         "trainer_parallelism_config": _refusal(lambda: trainer(ep_model, parallelism_config=ParallelismConfig(
             dp_replicate_size=2, dp_shard_size=1))),
-        "trainer_torch_compile": _refusal(lambda: trainer(ep_model, torch_compile=True)),
+        "trainer_torch_compile": _refusal(lambda: trainer(compiled_model, torch_compile=True)),
         "trainer_gradient_checkpointing": _refusal(lambda: trainer(ep_model, gradient_checkpointing=True)),
         "trainer_mixed_precision": _refusal(lambda: trainer(fp16_model, bf16=True)),
         "mixed_precision": _refusal(lambda: moe_ep.configure_accelerator(Accelerator(mixed_precision="bf16"),
@@ -277,13 +278,15 @@ EXPECTED = {
     "trainer_parallelism_config": "ParallelismConfig(dp_replicate_size=2, dp_shard_size=1, tp_size=1, cp_size=1, "
                                   "sp_size=1) disagrees with moe_ep.parallelize's layout (dp_replicate=1, dp_shard=2, "
                                   "ep=2): set dp_replicate_size=1, dp_shard_size=2",
-    "trainer_torch_compile": "TrainingArguments(torch_compile=True) is not supported",
+    "trainer_torch_compile": "TrainingArguments(torch_compile=True): moe_ep.parallelize(compile_blocks=...) compiled "
+                             "the model's dense blocks already; leave torch_compile False",
     "trainer_gradient_checkpointing": "gradient_checkpointing=True) would change a model moe_ep.parallelize sharded "
                                       "already: pass activation_checkpointing=True to moe_ep.parallelize instead",
     "trainer_mixed_precision": "mixed_precision='bf16' disagrees with moe_ep.parallelize's "
                                "MixedPrecisionPolicy(param_dtype=torch.float16)",
     "mixed_precision": "mixed_precision='bf16' disagrees with moe_ep.parallelize's",
-    "compile": "dynamo_backend=INDUCTOR (torch.compile) is not supported",
+    "compile": "dynamo_backend=INDUCTOR (torch.compile) is not supported with a model moe_ep.parallelize prepared: "
+               "leave it out and compile the dense blocks with moe_ep.parallelize(compile_blocks=...)",
 }
 
 

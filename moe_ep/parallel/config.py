@@ -15,6 +15,7 @@ from ..dispatch.nodes import check_dispatch_mode, check_node_size
 from ..ops.backend import BACKENDS
 from ..planner.recompute import recompute_policy
 from ..planner.schedules import ScheduleInfo, schedule_info
+from .compile import check_compilable_recompute, compile_options
 from .mesh import check_degree
 
 DEFAULT_SCHEDULE = "1f1b"
@@ -88,7 +89,8 @@ class ParallelConfig:
     ``pipeline`` is given exactly when ``pp > 1``. ``reshard_after_forward`` None means FSDP2's
     resharding after forward without a pipeline and none with one (``fsdp_reshard_after_forward``).
     ``activation_checkpointing`` is a policy name of ``moe_ep.planner.recompute.RECOMPUTE_POLICIES``
-    once built (True and False are given as ``"full"`` and ``"none"``). Build it from
+    once built (True and False are given as ``"full"`` and ``"none"``). ``compile_blocks`` is False,
+    True or a dict of torch.compile keywords (``compile_options`` says which). Build it from
     ``parallelize``'s flat keywords with ``ParallelConfig.from_arguments``."""
 
     ep: int = 1
@@ -104,6 +106,7 @@ class ParallelConfig:
     dispatch_mode: str = "auto"
     node_size: int | None = None
     max_nodes: int | None = None
+    compile_blocks: bool | dict = False
 
     def __post_init__(self):
         for name in ("pp", "ep", "dp_replicate"):
@@ -143,6 +146,11 @@ class ParallelConfig:
                                  "every expert on every rank")
         if self.experts_backend is not None and self.experts_backend not in BACKENDS:
             raise ValueError(f"experts_backend must be one of {BACKENDS} or None, got {self.experts_backend!r}")
+        options = self.compile_options
+        if not isinstance(self.compile_blocks, bool):
+            object.__setattr__(self, "compile_blocks", options)  # a copy: the caller's dict may change later
+        if options is not None:
+            check_compilable_recompute("compile_blocks", self.activation_checkpointing)
 
     @classmethod
     def from_arguments(cls, **arguments) -> ParallelConfig:
@@ -172,7 +180,12 @@ class ParallelConfig:
                     mixed_precision=self.mixed_precision, activation_checkpointing=self.activation_checkpointing,
                     capacity_factor=self.capacity_factor, reshard_after_forward=self.reshard_after_forward,
                     experts_backend=self.experts_backend, dispatch_mode=self.dispatch_mode, node_size=self.node_size,
-                    max_nodes=self.max_nodes)
+                    max_nodes=self.max_nodes, compile_blocks=self.compile_blocks)
+
+    @property
+    def compile_options(self) -> dict | None:
+        """torch.compile's keywords for the dense blocks (``compile_blocks``), None when not compiled."""
+        return compile_options("compile_blocks", self.compile_blocks)
 
     @property
     def fsdp_reshard_after_forward(self) -> bool:

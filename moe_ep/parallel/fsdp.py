@@ -44,9 +44,10 @@ def _configure_reduction(module: FSDPModule, mesh, divide_factor: int) -> None:
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of a transformers model: instances of the classes its
-    ``_no_split_modules`` names (the decoder layers)."""
+    ``_no_split_modules`` names (the decoder layers), found by their bases too, since
+    ``fully_shard`` gives a sharded block a subclass (``FSDPMixtralDecoderLayer``)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    blocks = [m for m in model.modules() if any(cls.__name__ in names for cls in type(m).__mro__)]
     if not blocks:
         raise ValueError(
             f"{type(model).__name__} names no transformer block class in _no_split_modules "

@@ -16,6 +16,7 @@ from ..hf.layout import experts_modules, num_experts_of
 from ..hf.patch import check_node_limit, fused_routers, is_patched, limit_routing_to_nodes, patch
 from ..planner.partition import Partition
 from .agreement import Description, parameter_fields, ranks_agree, shown
+from .compile import check_not_compiled, compile_dense_blocks
 from .config import ParallelConfig
 from .context import ParallelContext, parallel_context, record_context
 from .expert_sharding import shard_experts
@@ -50,6 +51,7 @@ def parallelize(
     dispatch_mode: str = "auto",
     node_size: int | None = None,
     max_nodes: int | None = None,
+    compile_blocks: bool | dict = False,
 ) -> nn.Module | PipelineStages:
     """Spread ``model`` over the default process group; returns what ``moe_ep.TrainStep`` takes,
     so the training loop is the same for every layout::
@@ -113,6 +115,14 @@ def parallelize(
       this many of the ep group's nodes, so it crosses the network at most ``max_nodes`` times
       (``moe_ep.hf.limit_routing_to_nodes``). It changes the model's routing; it needs the
       node-aware dispatch and the fused routers of ``moe_ep.patch`` (checked before any change).
+    - ``compile_blocks``: ``torch.compile`` the dense parts of every decoder layer (of this rank's
+      stages with ``pp > 1``), in place, so names and state-dict keys stay: False (default), True
+      (torch.compile's defaults: inductor) or a dict of its keywords ``backend``, ``mode``,
+      ``options``, ``dynamic``. Each submodule of a layer that holds no experts module (attention,
+      norms, router, shared experts; torch's own modules are entered instead) is compiled with
+      ``fullgraph=True``, so a graph break in the dense path is an error; the experts module, its
+      FSDP2 hooks and the dispatcher's all-to-alls stay eager (``moe_ep.parallel.compile``). With
+      ``activation_checkpointing`` ``"none"`` or ``"full"``.
 
     Every rank must call it (collective), with the same arguments and the same model (parameter
     names, shapes and dtypes, expert counts, routing): one all-gather of fingerprints confirms it
@@ -126,7 +136,7 @@ def parallelize(
         split_points=split_points, memory_cap=memory_cap, seq_len=seq_len, microbatch_size=microbatch_size,
         virtual_stages=virtual_stages, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
         capacity_factor=capacity_factor, reshard_after_forward=reshard_after_forward, experts_backend=experts_backend,
-        dispatch_mode=dispatch_mode, node_size=node_size, max_nodes=max_nodes,
+        dispatch_mode=dispatch_mode, node_size=node_size, max_nodes=max_nodes, compile_blocks=compile_blocks,
     )
     return _parallelize(model, arguments, lambda: ParallelConfig.from_arguments(**arguments))
 
@@ -215,6 +225,8 @@ def _check(model: nn.Module, config: ParallelConfig) -> tuple[ParallelDims, Part
         if config.ep > 1 else None,
     )
     check_recompute_support(model, config.activation_checkpointing)
+    if config.compile_options is not None:
+        check_not_compiled(model)
     if config.max_nodes is not None:
         check_node_limit(model, *_node_limit(dims, config))
     if config.pp == 1:
@@ -248,7 +260,10 @@ def _switch_to_moe_ep_experts(model: nn.Module, config: ParallelConfig) -> None:
 
 
 def _shard(module: nn.Module, meshes: MoEMeshes, config: ParallelConfig) -> None:
-    """The experts over ``ep`` (with their dispatcher), then FSDP2 over the dense and expert meshes."""
+    """The dense blocks compiled (after the recompute policy, before FSDP2, torchtitan's order),
+    the experts over ``ep`` (with their dispatcher), then FSDP2 over the dense and expert meshes."""
+    if config.compile_options is not None:
+        compile_dense_blocks(module, config.compile_options)
     experts = [m for _, m in experts_modules(module)]
     if meshes.dims.ep > 1:
         shard_experts(module, meshes.ep, capacity_factor=config.capacity_factor, backend=config.experts_backend,

@@ -30,7 +30,12 @@ What accelerate's configuration must say (each disagreement stops with one line,
   ``parallelize(mixed_precision=MixedPrecisionPolicy(param_dtype=...))`` the same dtype or
   ``"no"``. bf16/fp16 compute under autocast with float32 weights, as accelerate runs any model
   it does not shard; parallelize's policy is FSDP's casting instead.
-- no ``torch.compile`` through accelerate (``dynamo_backend``), no DeepSpeed, Megatron-LM or XLA.
+- no ``torch.compile`` through accelerate (``dynamo_backend``): ``prepare`` compiles the whole model
+  whenever its dynamo plugin names a backend (regional compilation too compiles whole decoder
+  layers, around the experts' FSDP2 hooks and the dispatcher's host syncs), and only rewriting its
+  state's plugin would stop it; ``parallelize(compile_blocks=...)`` compiles the dense blocks
+  instead (the Trainer's ``torch_compile`` does it too: the Trainer builds its Accelerator, so
+  moe_ep hands it a plugin without a backend). No DeepSpeed, Megatron-LM or XLA.
 - ``pp == 1``: pipeline stages run only under ``moe_ep.TrainStep``'s schedule.
 
 Private accelerate state. accelerate 1.15 enters FSDP mode only for GPU-like distributed types:
@@ -178,7 +183,9 @@ def _check_accelerator(accelerator, plugin, context: ParallelContext) -> None:
                          "FSDP2: launch with a multi-GPU (or FSDP2) accelerate config, or on the CPU")
     if accelerator.state.dynamo_plugin.backend.name != "NO":
         raise ValueError(f"accelerate's dynamo_backend={accelerator.state.dynamo_plugin.backend.name} (torch.compile) "
-                         "is not supported with a model moe_ep.parallelize prepared: leave it out")
+                         "is not supported with a model moe_ep.parallelize prepared: leave it out and compile the "
+                         "dense blocks with moe_ep.parallelize(compile_blocks=...) (accelerate's prepare compiles the "
+                         "whole model, FSDP2's hooks and the dispatcher included)")
     if plugin is not None:
         check_fsdp_plugin(plugin, context)
     check_parallelism_config(accelerator.parallelism_config, context)

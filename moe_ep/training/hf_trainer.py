@@ -28,7 +28,13 @@ transformers computes it.
 scaling as the Trainer's own, the model's load-balancing loss included); evaluation computes the
 logits as usual, since ``compute_metrics`` and ``predict`` need them.
 
-Arguments refused before any work, each in one line: ``torch_compile``, ``gradient_checkpointing``
+``TrainingArguments(torch_compile=True)`` compiles the dense parts of each decoder layer in place
+with ``torch_compile_backend`` and ``torch_compile_mode``, as ``parallelize(compile_blocks=...)``
+does (``moe_ep.parallel.compile``), and keeps accelerate from compiling the whole model; refused
+where parallelize compiled them already or under the ``"selective"`` and ``"attention"`` recompute
+policies.
+
+Arguments refused before any work, each in one line: ``gradient_checkpointing``
 (give ``parallelize(activation_checkpointing=True)``), a ``parallelism_config`` or FSDP
 configuration that disagrees with parallelize, and a model cut into pipeline stages (``pp > 1``:
 Trainer drives one module; pipeline stages train under ``moe_ep.TrainStep``)."""
@@ -40,6 +46,7 @@ import os
 
 from transformers import Trainer
 
+from ..parallel.compile import check_compilable_recompute, check_not_compiled, compile_dense_blocks, compile_options
 from .hf_accelerate import (
     check_fsdp_plugin,
     check_parallelism_config,
@@ -50,11 +57,22 @@ from .hf_accelerate import (
 from .loss import chunked_causal_lm_loss, chunked_loss_parts
 
 
+def block_compile_options(args, context) -> dict | None:
+    """``TrainingArguments(torch_compile=True)`` as torch.compile's keywords for the dense blocks
+    (``moe_ep.parallel.compile``), checked against what parallelize did; None without it."""
+    if not args.torch_compile:
+        return None
+    if context.config.compile_options is not None:
+        raise ValueError("TrainingArguments(torch_compile=True): moe_ep.parallelize(compile_blocks=...) compiled the "
+                         "model's dense blocks already; leave torch_compile False")
+    name = "TrainingArguments(torch_compile=True)"
+    check_compilable_recompute(name, context.config.activation_checkpointing)
+    return compile_options(f"{name}'s torch_compile_backend and torch_compile_mode",
+                           {"backend": args.torch_compile_backend, "mode": args.torch_compile_mode})
+
+
 def check_training_arguments(args, context) -> None:
     """The ``TrainingArguments`` that cannot apply to a model parallelize already prepared."""
-    if args.torch_compile:
-        raise ValueError("TrainingArguments(torch_compile=True) is not supported with a model moe_ep.parallelize "
-                         "prepared: leave it False")
     for name in ("gradient_checkpointing", "activation_checkpointing"):
         if getattr(args, name, False):
             raise ValueError(f"TrainingArguments({name}=True) would change a model moe_ep.parallelize sharded "
@@ -105,6 +123,9 @@ class ExpertParallelTrainerMixin:
     def _build_accelerator_args(self, **kwargs):
         context = expert_parallel_context(self.model)
         check_training_arguments(self.args, context)
+        self._moe_ep_block_compile = block_compile_options(self.args, context)
+        if self._moe_ep_block_compile is not None:
+            check_not_compiled(self.model)
         plugin = kwargs.get("fsdp_plugin")  # from TrainingArguments' fsdp and fsdp_config
         if plugin is not None:
             check_fsdp_plugin(plugin, context)
@@ -115,11 +136,20 @@ class ExpertParallelTrainerMixin:
         # On GPUs accelerate enters FSDP2 mode with it by itself; on the CPU it drops it, and
         # configure_accelerator switches with it.
         self._moe_ep_fsdp_plugin = kwargs["fsdp_plugin"] = plugin
-        return super()._build_accelerator_args(**kwargs)
+        arguments = super()._build_accelerator_args(**kwargs)
+        if self._moe_ep_block_compile is not None:
+            from accelerate.utils import TorchDynamoPlugin
+
+            # The dense blocks are compiled instead (create_accelerator_and_postprocess): accelerate
+            # would compile the whole model, FSDP2's hooks and the dispatcher's host syncs included.
+            arguments["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
+        return arguments
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         configure_accelerator(self.accelerator, self.model, fsdp_plugin=self._moe_ep_fsdp_plugin)
+        if self._moe_ep_block_compile is not None:
+            compile_dense_blocks(self.model, self._moe_ep_block_compile)
         # Set by Trainer from accelerate's state before configure_accelerator could change it.
         self.is_fsdp_enabled = True
 

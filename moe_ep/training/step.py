@@ -75,6 +75,8 @@ class TrainStep:
         model_or_stages: what ``moe_ep.parallelize`` returns: a transformers causal LM
             (parallelized or not) or ``PipelineStages`` (also from ``build_pipeline``); with stages
             the micro-batch count is theirs and ``microbatches`` must be None or equal to it.
+            How the model runs (recompute, compiled dense blocks: ``compile_blocks``) is
+            parallelize's to set; the step calls the model or stages as they are.
         optimizer: over ``model.parameters()`` or ``stages.parameters()``, built after
             ``parallelize`` (which replaces the parameters with sharded ones): every parameter of
             this rank's model or stages that requires grad must be one of the optimizer's, by
