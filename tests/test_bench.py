@@ -253,3 +253,15 @@ def test_relative_error_in_chunks_equals_the_whole_float64_norm():
         assert kernels.relative_error(out, ref, chunk_elems=chunk) == pytest.approx(direct, rel=1e-12)
     zero = torch.zeros(4, 2)
     assert kernels.relative_error(zero + 3.0, zero, chunk_elems=3) == pytest.approx(3.0 * 8**0.5)
+
+
+def test_model_mode_times_compiled_dense_blocks_last(tmp_path):
+    """--compile-blocks (aot_eager here: inductor's C++ build takes minutes on the CPU) adds the
+    patched model with its dense blocks compiled, on the eager model's loss."""
+    main(["model", "--device", "cpu", "--models", "tiny-mixtral", "--seq", "8", "--batch", "1",
+          "--compile-blocks", "aot_eager", "--out-dir", str(tmp_path), *TINY])
+    rows = {r["variant"]: r for r in written(tmp_path, "model")["rows"]}
+    assert list(rows) == list(model_bench.VARIANTS)
+    compiled = rows["moe_ep+fused_router+compiled_blocks"]
+    assert compiled["status"] == "ok" and compiled["tokens_per_s"] > 0
+    assert compiled["loss_diff"] <= 1e-5 * abs(rows["eager"]["loss"])

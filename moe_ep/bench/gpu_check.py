@@ -351,7 +351,8 @@ def step_model(device: torch.device, args) -> dict:
     result = dict(meta={}, notes=[], rows=[], parts={})
     for name, seq in MODEL_RUNS[device.type]:
         _run_part(args, result, f"{name} seq {seq}",
-                  lambda: model_bench.run(_bench_args(args, models=[name], seq=seq, batch=batch), device))
+                  lambda: model_bench.run(_bench_args(args, models=[name], seq=seq, batch=batch, compile_blocks=None),
+                                          device))
     return result
 
 

@@ -8,7 +8,10 @@ model with Mixtral-8x7B layer shapes (H=4096, I=14336, 32 heads, 8 KV heads, E=8
 bfloat16. The variants share one model object, switched with ``set_experts_implementation``, so
 their weights are identical by construction; the patched variant runs last because patching
 replaces the router's computation, and the patched model once more with the chunked loss
-(``moe_ep.chunked_causal_lm_loss``: the float32 logits of the whole batch never exist)."""
+(``moe_ep.chunked_causal_lm_loss``: the float32 logits of the whole batch never exist). With
+``--compile-blocks``, last, the patched model with its dense blocks compiled
+(``moe_ep.parallelize(compile_blocks=...)``'s regions: attention, norms, the router; the experts
+stay moe_ep's op), which stays compiled, so it runs after the others."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..hf import patch
+from ..parallel.compile import compile_dense_blocks
 from ..training.loss import chunked_causal_lm_loss
 from .report import Column, Report, close_figure, environment, new_figure
 from .timing import measure_many, peak_memory_bytes
@@ -74,7 +78,8 @@ TINY_MODELS = tuple(name for name in MODELS if name.startswith("tiny"))
 SWITCHABLE = ("eager", "grouped_mm", "moe_ep")
 PATCHED = "moe_ep+fused_router"
 CHUNKED_LOSS = "moe_ep+fused_router+chunked_loss"
-VARIANTS = SWITCHABLE + (PATCHED, CHUNKED_LOSS)
+COMPILED = "moe_ep+fused_router+compiled_blocks"
+VARIANTS = SWITCHABLE + (PATCHED, CHUNKED_LOSS, COMPILED)
 
 COLUMNS = [
     Column("model", "model"),
@@ -102,7 +107,7 @@ def build_model(setup: ModelSetup, device: torch.device, seed: int):
 
 
 def select_variant(model, variant: str) -> None:
-    if variant in (PATCHED, CHUNKED_LOSS):
+    if variant in (PATCHED, CHUNKED_LOSS, COMPILED):
         patch(model, fused_router=True)
     else:
         model.set_experts_implementation(variant)
@@ -158,6 +163,10 @@ def bench_model(name: str, setup: ModelSetup, device: torch.device, args) -> lis
     first_step(PATCHED)
     first_step(CHUNKED_LOSS, chunked_loss_step)
     timings.update(time_in_turns({PATCHED: (step, fresh_grads), CHUNKED_LOSS: (chunked_loss_step, fresh_grads)}))
+    if args.compile_blocks:
+        compile_dense_blocks(model, {"backend": args.compile_blocks})
+        first_step(COMPILED)  # compiles (the warm-up calls are not enough for that)
+        timings.update(time_in_turns({COMPILED: (step, fresh_grads)}))
     for variant, t in timings.items():
         rows[variant].update(ms=t.median_s * 1e3, min_ms=t.min_s * 1e3, tokens_per_s=n_tokens / t.median_s)
     model.zero_grad(set_to_none=True)
@@ -188,6 +197,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Qwen3-30B-A3B on CUDA")
     parser.add_argument("--seq", type=int, help="override every model's sequence length")
     parser.add_argument("--batch", type=int, help="override every model's batch size")
+    parser.add_argument("--compile-blocks", nargs="?", const="inductor", metavar="BACKEND",
+                        help="also time the patched model with its dense blocks compiled by torch.compile "
+                             "(default backend inductor), last")
 
 
 def run(args, device: torch.device) -> Report:
