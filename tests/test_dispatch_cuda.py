@@ -64,8 +64,8 @@ def _in_package(filename: str) -> str | None:
 
 
 def _sync_audit(rank: int, world: int, nodes) -> dict:
-    """One forward+backward after a warm-up one: the host reads the CPU recorder attributes to
-    moe_ep, and the files of moe_ep's frames that CUDA's detector warned in."""
+    """After a warm-up forward+backward, one under the CPU recorder (the host reads it attributes
+    to moe_ep) and one under CUDA's detector (the files of moe_ep's frames it warned in)."""
     from moe_ep.dispatch import moe_experts_ep
 
     case = Case("audit", T=64, E=8, K=2, H=64, I=32)
@@ -82,10 +82,14 @@ def _sync_audit(rank: int, world: int, nodes) -> dict:
         torch.autograd.backward(y, dy)
 
     step()  # warm-up: autotuning and the backend choice time kernels (with syncs) once
+    with HostSyncRecorder() as recorder:
+        step()
+    # Apart from the recorder: under its dispatch mode a copy to the host runs from the mode's own
+    # frame, which the detector names instead of moe_ep's (seen on an H200, 2026-11-27).
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings(record=True) as caught, HostSyncRecorder() as recorder:
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             step()
             torch.cuda.synchronize()

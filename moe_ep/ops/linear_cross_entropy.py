@@ -14,12 +14,15 @@ weight's float32 gradient ([V, H]) lives from forward to backward. Sums run in a
 (chunk after chunk), so two runs give the same bits. Differentiable once: the stored gradients
 are constants to autograd, so double backward raises.
 
+The GEMMs run in the head's compute dtype (autocast's, else the inputs' common one: bfloat16
+under mixed precision, as transformers' lm_head), the logits, the softmax and the sums over
+chunks (the weight's gradient included) in float32.
+
 Liger-Kernel's Triton version is not called on CUDA: its forward reads the count of non-ignored
-targets back to the host (``.item()``, a host sync per call on the step path), computes the
-logits in the input's dtype and, unless asked otherwise (``accum_dtype``, a recent argument),
-accumulates the weight's gradient in the weight's dtype (bf16 under mixed precision); and with no
-GPU and no Liger installed here it could not be checked against this path. This path runs
-there as on the CPU, its GEMMs on cuBLAS."""
+targets back to the host (``.item()``, a host sync per call on the step path) and, unless asked
+otherwise (``accum_dtype``, a recent argument), accumulates the weight's gradient in the weight's
+dtype (bf16 under mixed precision); and with no Liger installed here it could not be checked
+against this path. This path runs there as on the CPU, its GEMMs on cuBLAS."""
 
 from __future__ import annotations
 
@@ -60,8 +63,9 @@ def linear_cross_entropy(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, targe
     caller's division (TrainStep divides by the global batch's predicted tokens).
 
     ``hidden_TH`` and ``weight_VH`` (float32, float16 or bfloat16; they may differ, as under
-    autocast) are computed in float32 and their gradients accumulated in float32, returned in
-    their own dtypes; ``target_T`` is int64 or int32 in ``[0, V)`` or ``ignore_index`` (labels
+    autocast) are multiplied in autocast's dtype where it is on, else in their common dtype (as
+    ``F.linear`` would), the logits taken in float32 and the gradients summed in float32, returned
+    in the inputs' own dtypes; ``target_T`` is int64 or int32 in ``[0, V)`` or ``ignore_index`` (labels
     shifted already: ``shift_labels``); ``chunk_tokens`` tokens per chunk (default:
     ``default_chunk_tokens``). A tied head passes the embedding's weight: its gradient goes to
     that tensor like any other input's."""
@@ -100,9 +104,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_TH, weight_VH, bias_V, target_T, ignore_index, z_loss_coef, chunk):
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
-        # The head's logits are float32 whatever the compute dtype; autocast would make them half.
-        with torch.autocast(hidden_TH.device.type, enabled=False):
-            w32_VH = weight_VH.float()
+        device_type = hidden_TH.device.type
+        # The GEMMs in the head's compute dtype, as transformers' lm_head runs them (autocast's
+        # dtype, else the inputs' common one): float32 GEMMs of a half-precision model ran the
+        # two-layer Mixtral step at 2.5x its time on an H200 (2026-11-27).
+        mm_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                    else torch.promote_types(hidden_TH.dtype, weight_VH.dtype))
+        # The logits, the softmax and every sum in float32; autocast would make them half.
+        with torch.autocast(device_type, enabled=False):
+            w_VH = weight_VH.to(mm_dtype)
             b32_V = None if bias_V is None else bias_V.float()
             loss = torch.zeros((), dtype=torch.float32, device=hidden_TH.device)
             z_sum = torch.zeros((), dtype=torch.float32, device=hidden_TH.device)
@@ -110,9 +120,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dw32_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_dw else None
             db32_V = torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if need_db else None
             for start in range(0, hidden_TH.shape[0], chunk):
-                h32_CH = hidden_TH[start:start + chunk].float()
+                h_CH = hidden_TH[start:start + chunk].to(mm_dtype)
                 tgt_C = target_T[start:start + chunk]
-                logits_CV = h32_CH @ w32_VH.T if b32_V is None else torch.addmm(b32_V, h32_CH, w32_VH.T)
+                logits_CV = (h_CH @ w_VH.T).float()
+                if b32_V is not None:
+                    logits_CV += b32_V
                 lse_C = torch.logsumexp(logits_CV, dim=1)
                 valid_C = (tgt_C != ignore_index).float()
                 # Ignored tokens read column 0 and are multiplied by 0: no host check, no branch.
@@ -128,12 +140,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g_CV = logits_CV.sub_(lse_C.unsqueeze(1)).exp_()
                 g_CV.mul_((valid_C * (1 + 2 * z_loss_coef * lse_C)).unsqueeze(1))
                 g_CV.scatter_add_(1, safe_C1, -valid_C.unsqueeze(1))
-                if need_dh:
-                    dh_TH[start:start + chunk] = g_CV @ w32_VH
-                if need_dw:
-                    dw32_VH.addmm_(g_CV.T, h32_CH)
                 if need_db:
                     db32_V += g_CV.sum(0)
+                g_CV = g_CV.to(mm_dtype)
+                if need_dh:
+                    dh_TH[start:start + chunk] = g_CV @ w_VH
+                if need_dw:
+                    # Each chunk's product in the compute dtype, summed over the chunks in float32.
+                    dw32_VH += g_CV.T @ h_CH
         ctx.dtypes = (weight_VH.dtype, None if bias_V is None else bias_V.dtype)
         ctx.save_for_backward(dh_TH, dw32_VH, db32_V)
         ctx.mark_non_differentiable(z_sum)
