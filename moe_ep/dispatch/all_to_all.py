@@ -66,3 +66,79 @@ class AllToAllRouting(torch.autograd.Function):
     def backward(ctx, grad_weights, _grad_ids):
         out_splits, in_splits = ctx.splits
         return _exchange(grad_weights, in_splits, out_splits, ctx.group), None, None, None, None
+
+
+class PendingExchange:
+    """One all-to-all issued with ``async_op=True`` whose result is not waited for yet, forward
+    and backward: ``start_exchange`` issues it and ``finish_exchange`` waits, and their backwards
+    do the same in reverse (the finish's backward issues the gradient's exchange, the start's
+    waits for it), so whatever autograd runs between the two overlaps the exchange both ways."""
+
+    def __init__(self, splits: tuple[Splits, Splits], group, grad_columns: int | None):
+        self.splits = splits  # (out_splits, in_splits) of the forward exchange
+        self.group = group
+        self.grad_columns = grad_columns  # leading columns that carry a gradient (None: all)
+        self.work = None
+        self.sent = None  # the send buffer, alive until the exchange is done
+        self.grad_work = None
+        self.grad = None  # the backward exchange's receive buffer
+
+
+def _issue(rows: torch.Tensor, out_splits: Splits, in_splits: Splits, group):
+    rows = rows.contiguous()
+    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+    work = dist.all_to_all_single(out, rows, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits),
+                                  group=group, async_op=True)
+    return out, work, rows
+
+
+class _StartExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, passenger, pending: PendingExchange):
+        ctx.pending = pending
+        out_splits, in_splits = pending.splits
+        # One collective for both: all_to_all copies bytes, so a bit-cast passenger arrives exactly.
+        packed = rows if passenger is None else torch.cat([rows, passenger.view(rows.dtype)], dim=1)
+        out, pending.work, pending.sent = _issue(packed, out_splits, in_splits, pending.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, _grad_placeholder):
+        pending = ctx.pending
+        pending.grad_work.wait()
+        grad, pending.grad = pending.grad, None
+        return grad, None, None
+
+
+class _FinishExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, received, pending: PendingExchange):
+        ctx.pending = pending
+        pending.work.wait()
+        pending.work = pending.sent = None
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx, grad_received):
+        pending = ctx.pending
+        out_splits, in_splits = pending.splits
+        grad = grad_received if pending.grad_columns is None else grad_received[:, : pending.grad_columns]
+        pending.grad, pending.grad_work, _ = _issue(grad, in_splits, out_splits, pending.group)
+        # The gradient travels in ``pending``: the start's backward waits for it and hands it on.
+        return grad_received, None
+
+
+def start_exchange(rows: torch.Tensor, out_splits: tuple[int, ...], in_splits: tuple[int, ...], group,
+                   passenger: torch.Tensor | None = None) -> tuple[torch.Tensor, PendingExchange]:
+    """Issues ``AllToAllRows``' exchange of ``rows`` without waiting; returns its receive buffer
+    (to read only after ``finish_exchange``) and the pending exchange. ``passenger``: columns of
+    the same element size sent in the same collective, bit-cast, without a gradient (the multi
+    rows' int32 expert ids beside their float32 weights); the gradient's exchange carries only
+    ``rows``' columns. Dropless split sizes only."""
+    pending = PendingExchange((out_splits, in_splits), group, None if passenger is None else rows.shape[1])
+    return _StartExchange.apply(rows, passenger, pending), pending
+
+
+def finish_exchange(received: torch.Tensor, pending: PendingExchange) -> torch.Tensor:
+    """Waits for ``pending`` and returns ``received``, now filled (differentiable)."""
+    return _FinishExchange.apply(received, pending)
