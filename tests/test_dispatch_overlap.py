@@ -160,11 +160,55 @@ def _errors(rank: int, world: int) -> dict:
     return messages
 
 
+MODEL_STEPS = 3
+MODEL_RUNS = {  # name: (overlap_chunks, activation_checkpointing)
+    "plain": (1, "none"),
+    "overlap": (2, "none"),
+    "overlap_full_recompute": (2, "full"),  # the recompute runs the chunks' collectives again
+}
+
+
+def _train(rank: int, world: int, overlap_chunks: int, activation_checkpointing: str) -> dict:
+    """A tiny Mixtral parallelized with ep=world: the losses of a few AdamW steps and the first
+    step's gradients, gathered."""
+    from hf_models import tiny_batch, tiny_model
+    from moe_ep.hf import binding_of, experts_modules, register
+    from moe_ep.parallel import parallelize
+
+    register()
+    model = tiny_model("mixtral", experts_implementation="moe_ep").train()
+    batch = tiny_batch(model.config, batch=2 * world, seq=7)
+    mine = {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
+    parallelize(model, ep=world, overlap_chunks=overlap_chunks, activation_checkpointing=activation_checkpointing)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], None
+    for step in range(MODEL_STEPS):
+        loss = model(**mine).loss
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "grads": grads,
+            "dispatcher": repr(binding_of(experts_modules(model)[0][1]).dispatcher)}
+
+
+def _model_parity(rank: int, world: int) -> dict:
+    runs = {name: _train(rank, world, *options) for name, options in MODEL_RUNS.items()}
+    plain = runs.pop("plain")
+    return {name: {"loss": max(abs(a - b) / abs(b) for a, b in zip(run["losses"], plain["losses"])),
+                   "grad": max(rel_err(run["grads"][n], g) for n, g in plain["grads"].items()),
+                   "dispatcher": run["dispatcher"]}
+            for name, run in runs.items()}
+
+
 def _world(rank: int, world: int, scenarios: list[Scenario], checks: bool) -> dict:
     results = {"cases": {s.name: _check(s, rank, world) for s in scenarios}}
     if checks:
         results["audit"] = _audit(rank, world)
         results["errors"] = _errors(rank, world)
+        results["model"] = _model_parity(rank, world)
     return results
 
 
@@ -230,6 +274,47 @@ def test_overlap_keeps_the_one_count_exchange_sync(world2):
 def test_errors_name_the_argument(world2, name, pattern):
     for result in world2:
         assert re.search(pattern, result["errors"][name]), result["errors"][name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name in MODEL_RUNS if name != "plain"])
+def test_parallelized_model_trains_alike_with_and_without_overlap(world2, name):
+    for rank, result in enumerate(world2):
+        run = result["model"][name]
+        assert "overlap_chunks=2" in run["dispatcher"], run["dispatcher"]
+        assert run["loss"] <= CHUNKED_TOL and run["grad"] <= CHUNKED_TOL, (rank, name, run)
+
+
+# ---------------------------------------------------------------------------------------------
+# parallelize's option, checked when its configuration is built, and the scheme "auto" picks.
+
+
+@pytest.mark.parametrize(
+    "arguments, pattern",
+    [
+        (dict(ep=2, overlap_chunks=0), r"overlap_chunks must be a positive int .*got 0"),
+        (dict(ep=2, overlap_chunks="2"), r"overlap_chunks must be a positive int .*got '2'"),
+        (dict(overlap_chunks=2), r"overlap_chunks=2 applies to the expert-parallel dispatcher; ep=1 has none"),
+        (dict(ep=2, overlap_chunks=2, capacity_factor=1.0),
+         r"overlap_chunks=2 needs the dropless dispatch, got capacity_factor=1.0"),
+        (dict(ep=4, overlap_chunks=2, dispatch_mode="node", node_size=2),
+         r"dispatch_mode='node' does not overlap its exchanges, so overlap_chunks must be 1, got 2"),
+    ],
+)
+def test_parallel_config_checks_overlap_chunks(arguments, pattern):
+    from moe_ep.parallel import ParallelConfig
+
+    with pytest.raises(ValueError, match=pattern):
+        ParallelConfig.from_arguments(**arguments)
+
+
+def test_auto_dispatches_single_stage_when_overlapping():
+    from moe_ep.dispatch.nodes import node_size_for
+    from moe_ep.parallel import ParallelConfig
+
+    assert node_size_for("auto", 16, 8, None) == 8
+    assert node_size_for("auto", 16, 8, None, overlap_chunks=2) is None
+    assert ParallelConfig(ep=2, overlap_chunks=2).arguments()["overlap_chunks"] == 2
 
 
 # ---------------------------------------------------------------------------------------------

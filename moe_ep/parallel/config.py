@@ -12,6 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..dispatch.capacity import check_capacity_factor
 from ..dispatch.nodes import check_dispatch_mode, check_node_size
+from ..dispatch.overlap import check_overlap_chunks
 from ..ops.backend import BACKENDS
 from ..planner.recompute import recompute_policy
 from ..planner.schedules import ScheduleInfo, schedule_info
@@ -104,6 +105,7 @@ class ParallelConfig:
     dispatch_mode: str = "auto"
     node_size: int | None = None
     max_nodes: int | None = None
+    overlap_chunks: int = 1
 
     def __post_init__(self):
         for name in ("pp", "ep", "dp_replicate"):
@@ -131,7 +133,11 @@ class ParallelConfig:
             raise ValueError(
                 f"capacity_factor={self.capacity_factor} applies to the expert-parallel dispatcher; ep=1 has none"
             )
-        check_dispatch_mode(self.dispatch_mode, self.capacity_factor)
+        check_overlap_chunks(self.overlap_chunks, self.capacity_factor, None)
+        if self.overlap_chunks > 1 and self.ep == 1:
+            raise ValueError(
+                f"overlap_chunks={self.overlap_chunks} applies to the expert-parallel dispatcher; ep=1 has none")
+        check_dispatch_mode(self.dispatch_mode, self.capacity_factor, self.overlap_chunks)
         check_node_size(self.node_size)
         if self.dispatch_mode == "node" and self.ep == 1:
             raise ValueError("dispatch_mode='node' applies to the expert-parallel dispatcher; ep=1 has none")
@@ -172,7 +178,7 @@ class ParallelConfig:
                     mixed_precision=self.mixed_precision, activation_checkpointing=self.activation_checkpointing,
                     capacity_factor=self.capacity_factor, reshard_after_forward=self.reshard_after_forward,
                     experts_backend=self.experts_backend, dispatch_mode=self.dispatch_mode, node_size=self.node_size,
-                    max_nodes=self.max_nodes)
+                    max_nodes=self.max_nodes, overlap_chunks=self.overlap_chunks)
 
     @property
     def fsdp_reshard_after_forward(self) -> bool:

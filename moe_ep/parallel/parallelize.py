@@ -50,6 +50,7 @@ def parallelize(
     dispatch_mode: str = "auto",
     node_size: int | None = None,
     max_nodes: int | None = None,
+    overlap_chunks: int = 1,
 ) -> nn.Module | PipelineStages:
     """Spread ``model`` over the default process group; returns what ``moe_ep.TrainStep`` takes,
     so the training loop is the same for every layout::
@@ -113,6 +114,11 @@ def parallelize(
       this many of the ep group's nodes, so it crosses the network at most ``max_nodes`` times
       (``moe_ep.hf.limit_routing_to_nodes``). It changes the model's routing; it needs the
       node-aware dispatch and the fused routers of ``moe_ep.patch`` (checked before any change).
+    - ``overlap_chunks``: 1 (default) dispatches, computes and combines each MoE layer's tokens in
+      one go; ``n > 1`` cuts them into ``n`` chunks whose all-to-alls overlap the other chunks'
+      experts, forward and backward (``moe_ep.dispatch.overlap``; the same results, the same one
+      host sync per layer). Dropless single-stage only: refused with ``capacity_factor`` or
+      ``dispatch_mode="node"``; ``"auto"`` then dispatches single-stage.
 
     Every rank must call it (collective), with the same arguments and the same model (parameter
     names, shapes and dtypes, expert counts, routing): one all-gather of fingerprints confirms it
@@ -126,7 +132,7 @@ def parallelize(
         split_points=split_points, memory_cap=memory_cap, seq_len=seq_len, microbatch_size=microbatch_size,
         virtual_stages=virtual_stages, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
         capacity_factor=capacity_factor, reshard_after_forward=reshard_after_forward, experts_backend=experts_backend,
-        dispatch_mode=dispatch_mode, node_size=node_size, max_nodes=max_nodes,
+        dispatch_mode=dispatch_mode, node_size=node_size, max_nodes=max_nodes, overlap_chunks=overlap_chunks,
     )
     return _parallelize(model, arguments, lambda: ParallelConfig.from_arguments(**arguments))
 
@@ -211,7 +217,8 @@ def _check(model: nn.Module, config: ParallelConfig) -> tuple[ParallelDims, Part
     dims = resolve_dims(
         dist.get_world_size(), ep=config.ep, dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, pp=config.pp,
         num_experts=num_experts_of(experts) if experts else None,
-        ep_node_size=node_size_for(config.dispatch_mode, config.ep, config.node_size, config.capacity_factor)
+        ep_node_size=node_size_for(config.dispatch_mode, config.ep, config.node_size, config.capacity_factor,
+                                   config.overlap_chunks)
         if config.ep > 1 else None,
     )
     check_recompute_support(model, config.activation_checkpointing)
@@ -252,7 +259,7 @@ def _shard(module: nn.Module, meshes: MoEMeshes, config: ParallelConfig) -> None
     experts = [m for _, m in experts_modules(module)]
     if meshes.dims.ep > 1:
         shard_experts(module, meshes.ep, capacity_factor=config.capacity_factor, backend=config.experts_backend,
-                      node_groups=meshes.ep_nodes)
+                      node_groups=meshes.ep_nodes, overlap_chunks=config.overlap_chunks)
     apply_fsdp(module, meshes, experts, mixed_precision=config.mixed_precision,
                reshard_after_forward=config.fsdp_reshard_after_forward)
 
