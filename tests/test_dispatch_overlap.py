@@ -5,9 +5,11 @@ of ``overlap_chunks=1`` (within float32 rounding: the experts' GEMMs see other r
 their weight gradients are summed per chunk) and the float64 single-process reference; with
 experts that act on each row alone, bit for bit. Cases: random routing, a rank without tokens,
 every token to one rank, top-1, top-E, odd sizes, an empty chunk (one token on a rank) and three
-chunks. Plus the one host sync, the argument errors, and, on one rank, the order in which the
-collectives and the experts really run, forward and backward: each chunk's experts run while
-another chunk's exchange is in flight.
+chunks. A tiny Mixtral parallelized on 2 ranks trains alike with and without overlap (also under
+full and selective recompute). Plus the one host sync, the argument errors (moe_experts_ep and
+parallelize's configuration), and, on one rank, the order in which the collectives and the
+experts really run, forward and backward: each chunk's experts run while another chunk's exchange
+is in flight.
 
 Every distributed check of one world size runs inside ONE spawned process group; pytest tests
 read its results."""
@@ -165,6 +167,7 @@ MODEL_RUNS = {  # name: (overlap_chunks, activation_checkpointing)
     "plain": (1, "none"),
     "overlap": (2, "none"),
     "overlap_full_recompute": (2, "full"),  # the recompute runs the chunks' collectives again
+    "overlap_selective_recompute": (2, "selective"),
 }
 
 
