@@ -4,7 +4,11 @@
 The backward of an all-to-all is the all-to-all with the split sizes swapped. Every rank calls
 these functions in the same order in forward, so every rank also reaches their backward, in the
 reverse order, even when it sends or receives no rows: the empty tensors stay connected to the
-graph, and autograd calls a node's backward whatever the size of its tensors."""
+graph, and autograd calls a node's backward whatever the size of its tensors.
+
+``start_exchange`` / ``finish_exchange`` split ``AllToAllRows`` in two around an asynchronous
+all-to-all (``async_op=True``), so that the overlapped layer (``moe_ep.dispatch.overlap``) can
+compute between them, in the backward too."""
 
 from __future__ import annotations
 
@@ -14,20 +18,27 @@ import torch.distributed as dist
 Splits = tuple[int, ...] | None  # rows per peer; None = equal blocks (capacity mode)
 
 
-def _exchange(rows: torch.Tensor, out_splits: Splits, in_splits: Splits, group) -> torch.Tensor:
+def _all_to_all(rows: torch.Tensor, out_splits: Splits, in_splits: Splits, group, async_op: bool):
+    """The exchange's receive buffer, its ``Work`` (None unless ``async_op``) and the contiguous
+    send buffer, which must live until the exchange is done."""
     rows = rows.contiguous()
     if out_splits is None:
         out = torch.empty_like(rows)
     else:
         out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
-    dist.all_to_all_single(
+    work = dist.all_to_all_single(
         out,
         rows,
         output_split_sizes=None if out_splits is None else list(out_splits),
         input_split_sizes=None if in_splits is None else list(in_splits),
         group=group,
+        async_op=async_op,
     )
-    return out
+    return out, work, rows
+
+
+def _exchange(rows: torch.Tensor, out_splits: Splits, in_splits: Splits, group) -> torch.Tensor:
+    return _all_to_all(rows, out_splits, in_splits, group, async_op=False)[0]
 
 
 class AllToAllRows(torch.autograd.Function):
@@ -81,15 +92,8 @@ class PendingExchange:
         self.work = None
         self.sent = None  # the send buffer, alive until the exchange is done
         self.grad_work = None
+        self.grad_sent = None
         self.grad = None  # the backward exchange's receive buffer
-
-
-def _issue(rows: torch.Tensor, out_splits: Splits, in_splits: Splits, group):
-    rows = rows.contiguous()
-    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
-    work = dist.all_to_all_single(out, rows, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits),
-                                  group=group, async_op=True)
-    return out, work, rows
 
 
 class _StartExchange(torch.autograd.Function):
@@ -99,14 +103,15 @@ class _StartExchange(torch.autograd.Function):
         out_splits, in_splits = pending.splits
         # One collective for both: all_to_all copies bytes, so a bit-cast passenger arrives exactly.
         packed = rows if passenger is None else torch.cat([rows, passenger.view(rows.dtype)], dim=1)
-        out, pending.work, pending.sent = _issue(packed, out_splits, in_splits, pending.group)
+        out, pending.work, pending.sent = _all_to_all(packed, out_splits, in_splits, pending.group, async_op=True)
         return out
 
     @staticmethod
     def backward(ctx, _grad_placeholder):
         pending = ctx.pending
         pending.grad_work.wait()
-        grad, pending.grad = pending.grad, None
+        grad = pending.grad
+        pending.grad = pending.grad_work = pending.grad_sent = None
         return grad, None, None
 
 
@@ -123,7 +128,8 @@ class _FinishExchange(torch.autograd.Function):
         pending = ctx.pending
         out_splits, in_splits = pending.splits
         grad = grad_received if pending.grad_columns is None else grad_received[:, : pending.grad_columns]
-        pending.grad, pending.grad_work, _ = _issue(grad, in_splits, out_splits, pending.group)
+        pending.grad, pending.grad_work, pending.grad_sent = _all_to_all(grad, in_splits, out_splits, pending.group,
+                                                                         async_op=True)
         # The gradient travels in ``pending``: the start's backward waits for it and hands it on.
         return grad_received, None
 
