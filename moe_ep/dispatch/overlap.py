@@ -40,7 +40,7 @@ from .all_to_all import PendingExchange, finish_exchange, start_exchange
 from .dispatcher import join_checked
 from .layout import DispatchedTokens, DispatchLayout
 from .rank_exchange import (
-    PackedRows, RowPlan, ExchangeSizes, dispatched_tokens, exchange_counts, pack_rows, plan_rows, received_rows,
+    ExchangeSizes, PackedRows, RowPlan, dispatched_tokens, exchange_counts, pack_rows, plan_rows, received_rows,
     rows_of_pairs,
 )
 from .row_ops import sum_rows
@@ -69,7 +69,7 @@ def check_overlap_chunks(overlap_chunks, capacity_factor, node_groups) -> None:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class _InFlightDispatch:
     """One chunk's dispatch between its issue and its wait."""
 
