@@ -48,7 +48,8 @@ def shard_experts(
     overlap_chunks: int = 1,
 ) -> list[tuple[str, torch.nn.Module]]:
     """Shard every experts module over ``ep_mesh`` and install its dispatcher (node-aware with
-    ``node_groups``, ``moe_ep.dispatch.NodeGroups``; ``overlap_chunks`` as ``moe_experts_ep``'s). Checks every module before changing any.
+    ``node_groups``, ``moe_ep.dispatch.NodeGroups``; ``overlap_chunks`` as ``moe_experts_ep``'s).
+    Checks every module before changing any.
     Returns the experts modules."""
     modules = experts_modules(model)
     num_experts = num_experts_of(modules)
