@@ -16,12 +16,14 @@ Backward, autograd reaches the chunks in the reverse order of their forward sect
 same pairing holds: the backward of a wait issues the gradient's exchange and the backward of an
 issue waits for it, so chunk 1's combine gradient travels while chunk 2's experts run their
 backward, and chunk 2's dispatch gradient while chunk 1's do. Every rank builds the same graph
-of collectives, so every rank issues them in the same order.
+of collectives (autograd runs the ready node created last first), so every rank issues them in
+the same order.
 
-Exact: a token's output is the same fixed-order sum of the same rows, so the outputs and the
-gradients of the tokens and routing weights are those of one chunk; an expert's weight gradient
-is the sum of the chunks' (another summation order: equal within float32 rounding), as is any
-expert GEMM whose blocking depends on its number of rows.
+Exact: the dispatch and the combine move and sum the same rows in the same fixed order, so with
+experts that compute each row alone the outputs and the gradients of the tokens and routing
+weights are those of one chunk bit for bit. The expert GEMMs see fewer rows per call (their
+blocking, hence their rounding, may depend on it) and an expert's weight gradient is the sum of
+the chunks' (another summation order): equal within float32 rounding.
 
 Dropless and single-stage only: capacity mode's capacity and drops are over the whole layer's
 tokens (``capacity_keep_mask`` keeps each expert's heaviest pairs among all of them), so chunks
