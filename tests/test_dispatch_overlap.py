@@ -135,7 +135,7 @@ def _audit(rank: int, world: int) -> list[str]:
 
 
 def _errors(rank: int, world: int) -> dict:
-    from moe_ep.dispatch import moe_experts_ep, split_by_node
+    from moe_ep.dispatch import ExpertParallelDispatcher, moe_experts_ep, split_by_node
 
     nodes = split_by_node([list(range(world))], world // 2)
     x, idx, w = torch.randn(4, 8), torch.randint(0, 8, (4, 2)), torch.rand(4, 2)
@@ -151,6 +151,7 @@ def _errors(rank: int, world: int) -> dict:
         "float": call(overlap_chunks=2.0),
         "capacity": call(overlap_chunks=2, capacity_factor=1.0),
         "node_groups": call(overlap_chunks=2, node_groups=nodes),
+        "dispatcher": lambda: ExpertParallelDispatcher(dist.group.WORLD, 8, capacity_factor=1.0, overlap_chunks=2),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -272,6 +273,7 @@ def test_overlap_keeps_the_one_count_exchange_sync(world2):
         ("float", r"overlap_chunks must be a positive int .*got 2.0"),
         ("capacity", r"overlap_chunks=2 needs the dropless dispatch, got capacity_factor=1.0"),
         ("node_groups", r"overlap_chunks=2 needs the single-stage dispatch \(node_groups=None\)"),
+        ("dispatcher", r"overlap_chunks=2 needs the dropless dispatch, got capacity_factor=1.0"),
     ],
 )
 def test_errors_name_the_argument(world2, name, pattern):
