@@ -99,6 +99,9 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
                    help="routing forced to balance, as benchmarks that force it: --imbalance 1 --startup-imbalance 1")
     p.add_argument("--capacity-factor", type=_bounded("capacity_factor"), default=None,
                    help="plan for the dispatcher's capacity mode (default: dropless)")
+    p.add_argument("--overlap-chunks", type=_bounded("overlap_chunks"), default=1,
+                   help="plan for parallelize(overlap_chunks=N): each MoE layer's all-to-alls overlapped with the "
+                        "experts of its other chunks (default 1: none)")
     p.add_argument("--min-headroom", type=_bounded("min_headroom"), default=None,
                    help="fraction of GPU memory a winning layout keeps free unless it is faster by more than "
                         "--speed-margin (0.10)")
@@ -150,6 +153,7 @@ def _run_plan(args) -> int:
         calibration=args.calibration,
         reserve_fraction=args.reserve_fraction,
         capacity_factor=args.capacity_factor,
+        overlap_chunks=args.overlap_chunks,
         pp=args.pp,
         dp_replicate=args.dp_replicate,
         dp_shard=args.dp_shard,

@@ -877,3 +877,42 @@ def test_a_config_file_that_fails_to_load_is_named(tmp_path, capsys, name, given
     assert main(["plan", "--model", str(given), "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory", "80"]) != 0
     err = capsys.readouterr().err
     assert re.search(expected.replace("^", "^moe-ep plan: "), err.strip()) and "Traceback" not in err, err
+
+
+def test_exposed_exchange_follows_the_overlapped_layers_schedule():
+    from moe_ep.planner.timing import exposed_exchange_seconds
+
+    assert exposed_exchange_seconds(8.0, 5.0, 1) == 8.0  # nothing overlaps
+    # Two chunks behind slow experts: chunk 1's dispatch and chunk 2's combine, 2 s each.
+    assert exposed_exchange_seconds(8.0, 100.0, 2) == pytest.approx(4.0)
+    # Two chunks, no experts to hide behind: the link runs every exchange back to back.
+    assert exposed_exchange_seconds(8.0, 0.0, 2) == pytest.approx(8.0)
+    # Hand-simulated: dispatches end at 1 and 2; experts 1 at 1..2.5, combine 1 at 2.5..3.5;
+    # experts 2 at 2.5..4, combine 2 at 4..5: 5 - 3 s of experts.
+    assert exposed_exchange_seconds(4.0, 3.0, 2) == pytest.approx(2.0)
+    for chunks in (2, 3, 4):
+        for experts in (0.0, 1.0, 4.0, 50.0):
+            assert 0 <= exposed_exchange_seconds(8.0, experts, chunks) <= 8.0
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+def test_plan_with_overlap_chunks_counts_only_the_exposed_all_to_all(checkpointing):
+    fixed = dict(pp=1, dp_shard=128, ep=8, microbatch_size=1, checkpointing=checkpointing)
+    plain = plan("mixtral-8x7b", nodes=16, **DGX, **fixed)
+    overlapped = plan("mixtral-8x7b", nodes=16, **DGX, **fixed, overlap_chunks=2)
+    assert overlapped.layout == plain.layout
+    assert overlapped.best.time.compute == plain.best.time.compute
+    assert 0 < overlapped.best.time.all_to_all < plain.best.time.all_to_all
+    assert overlapped.best.time.total < plain.best.time.total
+    assert "overlapped with the experts in 2 chunks" in overlapped.report()
+    assert overlapped.to_dict()["assumptions"]["overlap_chunks"] == 2
+
+
+def test_plan_refuses_overlap_chunks_it_cannot_apply():
+    with pytest.raises(ValueError, match=r"overlap_chunks must be an int in \[1, 64\], got 0"):
+        plan("mixtral-8x7b", nodes=16, overlap_chunks=0, **A100)
+    with pytest.raises(ValueError, match="overlap_chunks=2 overlaps the dropless expert-parallel dispatcher's "
+                                         "exchanges; capacity_factor=1.25 is capacity mode"):
+        plan("mixtral-8x7b", nodes=16, overlap_chunks=2, capacity_factor=1.25, **A100)
+    with pytest.raises(ValueError, match="overlap_chunks=2 overlaps .*; ep=1 has none"):
+        plan("mixtral-8x7b", nodes=16, overlap_chunks=2, ep=1, **A100)

@@ -4,7 +4,11 @@
 The backward of an all-to-all is the all-to-all with the split sizes swapped. Every rank calls
 these functions in the same order in forward, so every rank also reaches their backward, in the
 reverse order, even when it sends or receives no rows: the empty tensors stay connected to the
-graph, and autograd calls a node's backward whatever the size of its tensors."""
+graph, and autograd calls a node's backward whatever the size of its tensors.
+
+``start_exchange`` / ``finish_exchange`` split ``AllToAllRows`` in two around an asynchronous
+all-to-all (``async_op=True``), so that the overlapped layer (``moe_ep.dispatch.overlap``) can
+compute between them, in the backward too."""
 
 from __future__ import annotations
 
@@ -14,20 +18,27 @@ import torch.distributed as dist
 Splits = tuple[int, ...] | None  # rows per peer; None = equal blocks (capacity mode)
 
 
-def _exchange(rows: torch.Tensor, out_splits: Splits, in_splits: Splits, group) -> torch.Tensor:
+def _all_to_all(rows: torch.Tensor, out_splits: Splits, in_splits: Splits, group, async_op: bool):
+    """The exchange's receive buffer, its ``Work`` (None unless ``async_op``) and the contiguous
+    send buffer, which must live until the exchange is done."""
     rows = rows.contiguous()
     if out_splits is None:
         out = torch.empty_like(rows)
     else:
         out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
-    dist.all_to_all_single(
+    work = dist.all_to_all_single(
         out,
         rows,
         output_split_sizes=None if out_splits is None else list(out_splits),
         input_split_sizes=None if in_splits is None else list(in_splits),
         group=group,
+        async_op=async_op,
     )
-    return out
+    return out, work, rows
+
+
+def _exchange(rows: torch.Tensor, out_splits: Splits, in_splits: Splits, group) -> torch.Tensor:
+    return _all_to_all(rows, out_splits, in_splits, group, async_op=False)[0]
 
 
 class AllToAllRows(torch.autograd.Function):
@@ -66,3 +77,74 @@ class AllToAllRouting(torch.autograd.Function):
     def backward(ctx, grad_weights, _grad_ids):
         out_splits, in_splits = ctx.splits
         return _exchange(grad_weights, in_splits, out_splits, ctx.group), None, None, None, None
+
+
+class PendingExchange:
+    """One all-to-all issued with ``async_op=True`` whose result is not waited for yet, forward
+    and backward: ``start_exchange`` issues it and ``finish_exchange`` waits, and their backwards
+    do the same in reverse (the finish's backward issues the gradient's exchange, the start's
+    waits for it), so whatever autograd runs between the two overlaps the exchange both ways."""
+
+    def __init__(self, splits: tuple[Splits, Splits], group, grad_columns: int | None):
+        self.splits = splits  # (out_splits, in_splits) of the forward exchange
+        self.group = group
+        self.grad_columns = grad_columns  # leading columns that carry a gradient (None: all)
+        self.work = None
+        self.sent = None  # the send buffer, alive until the exchange is done
+        self.grad_work = None
+        self.grad_sent = None
+        self.grad = None  # the backward exchange's receive buffer
+
+
+class _StartExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, passenger, pending: PendingExchange):
+        ctx.pending = pending
+        out_splits, in_splits = pending.splits
+        # One collective for both: all_to_all copies bytes, so a bit-cast passenger arrives exactly.
+        packed = rows if passenger is None else torch.cat([rows, passenger.view(rows.dtype)], dim=1)
+        out, pending.work, pending.sent = _all_to_all(packed, out_splits, in_splits, pending.group, async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, _grad_placeholder):
+        pending = ctx.pending
+        pending.grad_work.wait()
+        grad = pending.grad
+        pending.grad = pending.grad_work = pending.grad_sent = None
+        return grad, None, None
+
+
+class _FinishExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, received, pending: PendingExchange):
+        ctx.pending = pending
+        pending.work.wait()
+        pending.work = pending.sent = None
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx, grad_received):
+        pending = ctx.pending
+        out_splits, in_splits = pending.splits
+        grad = grad_received if pending.grad_columns is None else grad_received[:, : pending.grad_columns]
+        pending.grad, pending.grad_work, pending.grad_sent = _all_to_all(grad, in_splits, out_splits, pending.group,
+                                                                         async_op=True)
+        # The gradient travels in ``pending``: the start's backward waits for it and hands it on.
+        return grad_received, None
+
+
+def start_exchange(rows: torch.Tensor, out_splits: tuple[int, ...], in_splits: tuple[int, ...], group,
+                   passenger: torch.Tensor | None = None) -> tuple[torch.Tensor, PendingExchange]:
+    """Issues ``AllToAllRows``' exchange of ``rows`` without waiting; returns its receive buffer
+    (to read only after ``finish_exchange``) and the pending exchange. ``passenger``: columns of
+    the same element size sent in the same collective, bit-cast, without a gradient (the multi
+    rows' int32 expert ids beside their float32 weights); the gradient's exchange carries only
+    ``rows``' columns. Dropless split sizes only."""
+    pending = PendingExchange((out_splits, in_splits), group, None if passenger is None else rows.shape[1])
+    return _StartExchange.apply(rows, passenger, pending), pending
+
+
+def finish_exchange(received: torch.Tensor, pending: PendingExchange) -> torch.Tensor:
+    """Waits for ``pending`` and returns ``received``, now filled (differentiable)."""
+    return _FinishExchange.apply(received, pending)

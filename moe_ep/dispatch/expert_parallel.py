@@ -15,6 +15,7 @@ from ..ops.validate import check_tensor
 from .capacity import check_capacity_factor
 from .dispatcher import check_dispatch_args, check_num_experts, combine_checked, dispatch_checked, join_checked
 from .nodes import NodeGroups, check_node_groups
+from .overlap import check_overlap_chunks, moe_experts_overlapped
 
 
 def moe_experts_ep(
@@ -29,11 +30,19 @@ def moe_experts_ep(
     activation: str = "silu",
     backend: str | None = None,
     node_groups: NodeGroups | None = None,
+    overlap_chunks: int = 1,
 ) -> torch.Tensor:
     """``moe_experts`` with the ``E = L * ep`` experts spread over ``group``: this rank holds
     experts ``[rank L, (rank+1) L)`` as ``gate_up_local [L, 2I, H]`` and ``down_local [L, H, I]``.
     ``top_k_index`` holds global ids. Returns ``[T, H]`` for this rank's tokens. Collective.
     ``node_groups``: the node-aware dispatch (``moe_ep.dispatch.nodes``), None the single-stage.
+    ``overlap_chunks``: 1 runs dispatch, experts and combine one after another; ``n > 1`` cuts the
+    tokens into ``n`` chunks of consecutive tokens pipelined on asynchronous all-to-alls, so one
+    chunk's exchanges travel while another chunk's experts compute, forward and backward
+    (``moe_ep.dispatch.overlap``). The same outputs and gradients (the experts' weight gradients
+    summed over the chunks, within float32 rounding); the count exchange of all chunks is still
+    one collective and one host sync per layer; dropless single-stage only (ValueError with a
+    ``capacity_factor`` or ``node_groups``).
     Every argument is checked here, once: the dispatch, the local experts and the combine that
     follow take what this call validated and what the dispatch made."""
     check_tensor("gate_up_local", gate_up_local, ndim=3)
@@ -44,8 +53,13 @@ def moe_experts_ep(
     check_expert_weights(hidden_states, gate_up_local, down_local, names=("gate_up_local", "down_local"))
     check_capacity_factor(capacity_factor)
     check_node_groups(node_groups, group, capacity_factor)
+    check_overlap_chunks(overlap_chunks, capacity_factor, node_groups)
     check_activation(activation)
     backend = resolve_backend(backend, hidden_states.device)
+    if overlap_chunks > 1:
+        return moe_experts_overlapped(hidden_states, top_k_index, top_k_weights, gate_up_local, down_local,
+                                      group=group, num_experts=num_experts, activation=activation, backend=backend,
+                                      chunks=overlap_chunks)
     tokens = dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_experts, capacity_factor,
                               node_groups)
     out_QH = run_experts(tokens.hidden_states, tokens.expert_ids, tokens.weights, gate_up_local, down_local,
@@ -70,7 +84,9 @@ class ExpertParallelDispatcher:
     experts implementation; reads the module's ``gate_up_proj`` / ``down_proj`` (this rank's
     ``L = num_experts / ep`` experts, DTensor or plain) at call time, so FSDP's unsharding and
     resharding around the forward are respected. Holds no per-call state. ``node_groups``: the
-    node-aware dispatch (``moe_ep.dispatch.split_by_node`` of ``group``), None the single-stage."""
+    node-aware dispatch (``moe_ep.dispatch.split_by_node`` of ``group``), None the single-stage.
+    ``overlap_chunks``: ``moe_experts_ep``'s (n > 1: the exchanges of n chunks of the tokens
+    overlapped with the experts; dropless single-stage only)."""
 
     def __init__(
         self,
@@ -81,6 +97,7 @@ class ExpertParallelDispatcher:
         capacity_factor: float | None = None,
         backend: str | None = None,
         node_groups: NodeGroups | None = None,
+        overlap_chunks: int = 1,
     ):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
@@ -88,6 +105,7 @@ class ExpertParallelDispatcher:
         check_activation(activation)
         check_capacity_factor(capacity_factor)
         check_node_groups(node_groups, group, capacity_factor)
+        check_overlap_chunks(overlap_chunks, capacity_factor, node_groups)
         self.group = group
         self.num_experts = num_experts
         self.experts_per_rank = experts_per_rank
@@ -95,11 +113,14 @@ class ExpertParallelDispatcher:
         self.capacity_factor = capacity_factor
         self.backend = backend
         self.node_groups = node_groups
+        self.overlap_chunks = overlap_chunks
 
     def __repr__(self) -> str:
         mode = "dropless" if self.capacity_factor is None else f"capacity_factor={self.capacity_factor}"
         if self.node_groups is not None:
             mode += f", node-aware over {self.node_groups.num_nodes} nodes x {self.node_groups.node_size}"
+        if self.overlap_chunks > 1:
+            mode += f", overlap_chunks={self.overlap_chunks}"
         return (
             f"ExpertParallelDispatcher(ep={dist.get_world_size(self.group)}, num_experts={self.num_experts}, "
             f"{mode}, activation={self.activation!r})"
@@ -118,5 +139,6 @@ class ExpertParallelDispatcher:
             hidden_states, top_k_index, top_k_weights, gate_up, down,
             group=self.group, capacity_factor=self.capacity_factor,
             activation=self.activation, backend=self.backend, node_groups=self.node_groups,
+            overlap_chunks=self.overlap_chunks,
         )
         return y_TH.to(hidden_states.dtype)

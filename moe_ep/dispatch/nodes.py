@@ -89,13 +89,18 @@ def check_node_size(node_size) -> None:
             f"node_size must be a positive int or None (the launcher's {LOCAL_WORLD_SIZE}), got {node_size!r}")
 
 
-def check_dispatch_mode(dispatch_mode, capacity_factor) -> None:
+def check_dispatch_mode(dispatch_mode, capacity_factor, overlap_chunks: int = 1) -> None:
     if dispatch_mode not in DISPATCH_MODES:
         raise ValueError(f"dispatch_mode must be one of {DISPATCH_MODES}, got {dispatch_mode!r}")
     if dispatch_mode == "node" and capacity_factor is not None:
         raise ValueError(
             f"dispatch_mode='node' is dropless only, so capacity_factor must be None, got {capacity_factor!r} "
             "(dispatch_mode='auto' uses the single-stage dispatch in capacity mode)"
+        )
+    if dispatch_mode == "node" and overlap_chunks > 1:
+        raise ValueError(
+            f"dispatch_mode='node' does not overlap its exchanges, so overlap_chunks must be 1, got {overlap_chunks} "
+            "(dispatch_mode='auto' uses the single-stage dispatch with overlap_chunks > 1)"
         )
 
 
@@ -109,18 +114,20 @@ def launcher_node_size() -> int | None:
     return int(value)
 
 
-def node_size_for(dispatch_mode: str, ep: int, node_size: int | None, capacity_factor: float | None) -> int | None:
+def node_size_for(dispatch_mode: str, ep: int, node_size: int | None, capacity_factor: float | None,
+                  overlap_chunks: int = 1) -> int | None:
     """The node size the ep group is split by, or None for the single-stage dispatch: "auto" splits
-    a dropless ep group that spans several whole nodes; "node" needs one and says why not.
+    a dropless ep group that spans several whole nodes, unless its exchanges overlap the experts
+    (``overlap_chunks`` > 1, single-stage only); "node" needs one and says why not.
     ``node_size`` None: the launcher's."""
-    check_dispatch_mode(dispatch_mode, capacity_factor)
+    check_dispatch_mode(dispatch_mode, capacity_factor, overlap_chunks)
     check_node_size(node_size)
     if dispatch_mode == "flat":
         return None
     size = launcher_node_size() if node_size is None else node_size
     spans_nodes = size is not None and ep > size and ep % size == 0
     if dispatch_mode == "auto":
-        return size if spans_nodes and capacity_factor is None else None
+        return size if spans_nodes and capacity_factor is None and overlap_chunks == 1 else None
     if size is None:
         raise ValueError(
             f"dispatch_mode='node' needs the node size: pass node_size or launch with torchrun or accelerate "

@@ -14,7 +14,12 @@ Dropless mode exchanges the counts with one host sync (``all_to_all_single`` tak
 sizes). Capacity mode (``moe_ep.dispatch.capacity``) has fixed padded buffers and no host sync.
 ``send_rows`` is one exchange of rows; ``dispatch_to_ranks`` / ``combine_to_ranks`` are the
 whole single-stage dispatch and combine, and the node-aware scheme (``moe_ep.dispatch.nodes``)
-chains two exchanges. ARCHITECTURE.md draws the whole flow, forward and backward."""
+chains two exchanges. ``send_rows``' phases are public for the overlapped layer
+(``moe_ep.dispatch.overlap``), which runs them per chunk with other collectives in between:
+``plan_rows`` (what a source knows before the counts), ``exchange_counts`` (the counts of several
+exchanges in one collective and one host sync), ``pack_rows``, the exchange, ``received_rows``;
+then ``dispatched_tokens`` and, on the way back, ``rows_of_pairs``. ARCHITECTURE.md draws the
+whole flow, forward and backward."""
 
 from __future__ import annotations
 
@@ -110,7 +115,7 @@ def _exclusive_cumsum(n_R: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _Sizes:
+class ExchangeSizes:
     """Host-side sizes of one layer's exchanges: exact split sizes in dropless mode, fixed padded
     blocks (every split None) in capacity mode."""
 
@@ -126,10 +131,24 @@ class _Sizes:
     meta_per_rank: int | None = None
 
     @classmethod
-    def dropless(cls, send_RC: torch.Tensor, recv_RC: torch.Tensor, L: int, multi: bool) -> "_Sizes":
-        # host sync: one per exchange (per layer: one single-stage, two node-aware); all_to_all_single
-        # takes host split sizes.
-        send_host, recv_host = torch.stack([send_RC, recv_RC]).tolist()
+    def dropless(cls, plans: list["RowPlan"], recv_RCs: list[torch.Tensor]) -> list["ExchangeSizes"]:
+        """The sizes of each of several exchanges (``overlap_chunks``' chunks), read at once."""
+        # host sync: one per count exchange (per layer: one single-stage, with or without
+        # overlap_chunks, two node-aware); all_to_all_single takes host split sizes.
+        host = torch.cat([torch.cat([plan.send_RC, recv_RC], dim=1) for plan, recv_RC in zip(plans, recv_RCs)],
+                         dim=1).tolist()
+        sizes, column = [], 0
+        for plan in plans:
+            width = plan.send_RC.shape[1]
+            send_host = [row[column:column + width] for row in host]
+            recv_host = [row[column + width:column + 2 * width] for row in host]
+            sizes.append(cls._of_counts(send_host, recv_host, plan.experts_per_rank, plan.multi))
+            column += 2 * width
+        return sizes
+
+    @classmethod
+    def _of_counts(cls, send_host: list[list[int]], recv_host: list[list[int]], L: int, multi: bool
+                   ) -> "ExchangeSizes":
         send_splits = tuple(sum(c[: L + 1]) for c in send_host)
         recv_splits = tuple(sum(c[: L + 1]) for c in recv_host)
         meta_send_splits = tuple(c[L] for c in send_host) if multi else ()
@@ -141,7 +160,7 @@ class _Sizes:
         )
 
     @classmethod
-    def padded(cls, T: int, L: int, k_max: int, ep: int, capacity: int) -> "_Sizes":
+    def padded(cls, T: int, L: int, k_max: int, ep: int, capacity: int) -> "ExchangeSizes":
         # A row carries >= 1 kept pair (a multi row >= 2), of at most L * capacity per destination.
         rows_per_rank, meta_per_rank = min(T, L * capacity), min(T, L * capacity // 2)
         return cls(
@@ -163,7 +182,7 @@ class _Blocks:
     rows_R: torch.Tensor
 
     @classmethod
-    def of(cls, counts_RC: torch.Tensor, L: int, sizes: _Sizes) -> "_Blocks":
+    def of(cls, counts_RC: torch.Tensor, L: int, sizes: ExchangeSizes) -> "_Blocks":
         counts_RC = counts_RC.long()
         singles_R = counts_RC[:, :L].sum(1)
         multi_R = counts_RC[:, L] if counts_RC.shape[1] > L else torch.zeros_like(singles_R)
@@ -216,7 +235,7 @@ def _pack_routing(idx_TK, w_TK, dest_kept_TK, key_TR, meta_pos_RT, L: int, k_max
     return weights[:trash].view(num_meta, k_max), ids[:trash].view(num_meta, k_max)
 
 
-def _received_slots(recv_RC, blocks: _Blocks, sizes: _Sizes, w_meta, ids_meta, L: int, k_max: int):
+def _received_slots(recv_RC, blocks: _Blocks, sizes: ExchangeSizes, w_meta, ids_meta, L: int, k_max: int):
     """``[S, k_max]`` local expert ids (``L`` = empty) and weights of every received row: a single
     row's expert comes from the counts (weight 1: the source applies the routing weight), a multi
     row's columns from the routing exchange; capacity mode's padding rows are empty."""
@@ -308,10 +327,92 @@ class SentRows:
     x_recv_SH: torch.Tensor
     w_recv_SC: torch.Tensor
     ids_recv_SC: torch.Tensor
-    sizes: _Sizes
+    sizes: ExchangeSizes
     token_src: torch.Tensor
     source_reader: torch.Tensor
     source_weights: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """What a source knows of one exchange before the counts are exchanged: each (token, rank)
+    row's key and pair count, and the ``[ep, C]`` counts it sends."""
+
+    idx_TK: torch.Tensor  # int64 global expert ids
+    w_TK: torch.Tensor
+    dest_kept_TK: torch.Tensor  # the destination rank of each kept pair, ep = nowhere
+    slots_TR: torch.Tensor
+    key_TR: torch.Tensor
+    send_RC: torch.Tensor
+    experts_per_rank: int
+    # Rows can carry several experts: the same on every rank, so every rank enters the routing
+    # exchange or none.
+    multi: bool
+
+    @property
+    def k_max(self) -> int:
+        return min(self.idx_TK.shape[1], self.experts_per_rank)
+
+
+def plan_rows(idx_TK, w_TK, ep: int, num_experts: int, kept_TK=None) -> RowPlan:
+    """One row per (token, destination rank); pairs outside ``kept_TK`` go nowhere."""
+    L = num_experts // ep
+    idx_TK = idx_TK.long()
+    dest_TK = idx_TK // L
+    dest_kept_TK = dest_TK if kept_TK is None else torch.where(kept_TK, dest_TK, ep)  # ep = "nowhere"
+    slots_TR, key_TR = _row_keys(dest_kept_TK, idx_TK % L, ep, L)
+    multi = min(idx_TK.shape[1], L) > 1
+    send_RC = _count_columns(key_TR, slots_TR, L, multi)
+    return RowPlan(idx_TK, w_TK, dest_kept_TK, slots_TR, key_TR, send_RC, L, multi)
+
+
+def exchange_counts(plans: list[RowPlan], group) -> list[tuple[torch.Tensor, ExchangeSizes]]:
+    """Dropless: the counts of several exchanges over ``group`` in one collective, and for each its
+    received counts and exact sizes, read with one host sync for them all."""
+    widths = [plan.send_RC.shape[1] for plan in plans]
+    recv = _exchange_counts(torch.cat([plan.send_RC for plan in plans], dim=1), group)
+    recv_RCs = recv.split(widths, dim=1)
+    sizes = ExchangeSizes.dropless(plans, recv_RCs)
+    return list(zip(recv_RCs, sizes))
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """A source's send buffers of one exchange (rows, and the multi rows' routing columns) and
+    the tables that bring each token's rows back."""
+
+    x_send: torch.Tensor
+    w_send: torch.Tensor | None
+    ids_send: torch.Tensor | None
+    token_src: torch.Tensor
+    source_reader: torch.Tensor
+    source_weights: torch.Tensor
+
+
+def pack_rows(hidden_states, plan: RowPlan, sizes: ExchangeSizes, padded: bool) -> PackedRows:
+    """The send buffers of ``plan`` at the positions the exchanged counts give them."""
+    L, k_max = plan.experts_per_rank, plan.k_max
+    send_blocks = _Blocks.of(plan.send_RC, L, sizes)
+    row_pos_RT, meta_pos_RT = _row_positions(plan.key_TR, send_blocks, L)
+    r_max = min(plan.idx_TK.shape[1], plan.key_TR.shape[1])
+    token_src_TC, source_reader_S, source_weights_TC = _return_slots(
+        plan.slots_TR, row_pos_RT, plan.w_TK, plan.dest_kept_TK, r_max, sizes.num_send
+    )
+    x_send = _pack_rows(hidden_states, token_src_TC, source_reader_S, padded=padded)
+    w_send = ids_send = None
+    if plan.multi:
+        w_send, ids_send = _pack_routing(plan.idx_TK, plan.w_TK, plan.dest_kept_TK, plan.key_TR, meta_pos_RT, L,
+                                         k_max, sizes.num_meta_send)
+    return PackedRows(x_send, w_send, ids_send, token_src_TC, source_reader_S, source_weights_TC)
+
+
+def received_rows(plan: RowPlan, packed: PackedRows, recv_RC, sizes: ExchangeSizes, x_recv, w_meta, ids_meta
+                  ) -> SentRows:
+    """The exchange seen from both sides once the rows (and routing columns) arrived."""
+    L = plan.experts_per_rank
+    recv_blocks = _Blocks.of(recv_RC, L, sizes)
+    w_recv, ids_recv = _received_slots(recv_RC, recv_blocks, sizes, w_meta, ids_meta, L, plan.k_max)
+    return SentRows(x_recv, w_recv, ids_recv, sizes, packed.token_src, packed.source_reader, packed.source_weights)
 
 
 def send_rows(hidden_states, idx_TK, w_TK, group, num_experts: int, kept_TK=None, capacity: int | None = None
@@ -321,37 +422,19 @@ def send_rows(hidden_states, idx_TK, w_TK, group, num_experts: int, kept_TK=None
     forwarded row's empty columns); ``capacity``: capacity mode's fixed padded blocks, else exact
     sizes (the one host sync of the exchange)."""
     ep = dist.get_world_size(group)
-    T, K = idx_TK.shape
-    L = num_experts // ep
-    k_max, r_max = min(K, L), min(K, ep)
-    multi = k_max > 1  # the same on every rank, so every rank enters the routing exchange or none
-    idx_TK = idx_TK.long()
-    dest_TK = idx_TK // L
-    dest_kept_TK = dest_TK if kept_TK is None else torch.where(kept_TK, dest_TK, ep)  # ep = "nowhere"
-    slots_TR, key_TR = _row_keys(dest_kept_TK, idx_TK % L, ep, L)
-    send_RC = _count_columns(key_TR, slots_TR, L, multi)
+    plan = plan_rows(idx_TK, w_TK, ep, num_experts, kept_TK)
     if capacity is None:
-        recv_RC = _exchange_counts(send_RC, group)
-        sizes = _Sizes.dropless(send_RC, recv_RC, L, multi)
+        [(recv_RC, sizes)] = exchange_counts([plan], group)
     else:
-        recv_RC = _exchange_counts_checking_tokens(send_RC, T, group)
-        sizes = _Sizes.padded(T, L, k_max, ep, capacity)
-    send_blocks = _Blocks.of(send_RC, L, sizes)
-    recv_blocks = _Blocks.of(recv_RC, L, sizes)
-
-    row_pos_RT, meta_pos_RT = _row_positions(key_TR, send_blocks, L)
-    token_src_TC, source_reader_S, source_weights_TC = _return_slots(
-        slots_TR, row_pos_RT, w_TK, dest_kept_TK, r_max, sizes.num_send
-    )
-    x_send = _pack_rows(hidden_states, token_src_TC, source_reader_S, padded=capacity is not None)
-    x_recv = AllToAllRows.apply(x_send, sizes.recv_splits, sizes.send_splits, group)
+        recv_RC = _exchange_counts_checking_tokens(plan.send_RC, idx_TK.shape[0], group)
+        sizes = ExchangeSizes.padded(idx_TK.shape[0], plan.experts_per_rank, plan.k_max, ep, capacity)
+    packed = pack_rows(hidden_states, plan, sizes, padded=capacity is not None)
+    x_recv = AllToAllRows.apply(packed.x_send, sizes.recv_splits, sizes.send_splits, group)
     w_meta = ids_meta = None
-    if multi:
-        w_send, ids_send = _pack_routing(idx_TK, w_TK, dest_kept_TK, key_TR, meta_pos_RT, L, k_max, sizes.num_meta_send)
-        w_meta, ids_meta = AllToAllRouting.apply(w_send, ids_send, sizes.meta_recv_splits, sizes.meta_send_splits,
-                                                 group)
-    w_recv, ids_recv = _received_slots(recv_RC, recv_blocks, sizes, w_meta, ids_meta, L, k_max)
-    return SentRows(x_recv, w_recv, ids_recv, sizes, token_src_TC, source_reader_S, source_weights_TC)
+    if plan.multi:
+        w_meta, ids_meta = AllToAllRouting.apply(packed.w_send, packed.ids_send, sizes.meta_recv_splits,
+                                                 sizes.meta_send_splits, group)
+    return received_rows(plan, packed, recv_RC, sizes, x_recv, w_meta, ids_meta)
 
 
 def dispatch_to_ranks(hidden_states, top_k_index, top_k_weights, group, num_experts: int,
@@ -364,14 +447,20 @@ def dispatch_to_ranks(hidden_states, top_k_index, top_k_weights, group, num_expe
         capacity = expert_capacity(T, K, num_experts, capacity_factor)
         kept_TK = capacity_keep_mask(top_k_index.long(), top_k_weights, num_experts, capacity)
     sent = send_rows(hidden_states, top_k_index, top_k_weights, group, num_experts, kept_TK, capacity)
-    padded = capacity is not None
-    L = num_experts // dist.get_world_size(group)
+    return dispatched_tokens(sent, group, T, num_experts // dist.get_world_size(group),
+                             kept_TK if capacity is not None else None)
+
+
+def dispatched_tokens(sent: SentRows, group, num_tokens: int, L: int, capacity_kept_TK=None) -> DispatchedTokens:
+    """The (received row, local expert) pairs of an exchange and its layout; ``capacity_kept_TK``:
+    capacity mode's kept pairs, None in dropless mode."""
+    padded = capacity_kept_TK is not None
     hidden_QH, expert_Q1, weight_Q1, row_src_SC, pair_reader_Q = _expert_pairs(
         sent.x_recv_SH, sent.w_recv_SC, sent.ids_recv_SC, L, sent.sizes.num_pairs, padded=padded
     )
     layout = DispatchLayout(
         group=group,
-        num_tokens=T,
+        num_tokens=num_tokens,
         send_splits=sent.sizes.send_splits,
         recv_splits=sent.sizes.recv_splits,
         rows_per_rank=sent.sizes.rows_per_rank,
@@ -381,21 +470,24 @@ def dispatch_to_ranks(hidden_states, top_k_index, top_k_weights, group, num_expe
         row_src=row_src_SC,
         pair_reader=pair_reader_Q,
         num_pairs=sent.sizes.num_pairs,
-        kept_TK=kept_TK if padded else None,
+        kept_TK=capacity_kept_TK,
     )
     return DispatchedTokens(hidden_states=hidden_QH, expert_ids=expert_Q1, weights=weight_Q1, layout=layout)
 
 
 def combine_to_ranks(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
-    """The single-stage combine: sum each received row's pairs on the expert rank, then
-    ``return_rows``."""
+    """The single-stage combine: ``rows_of_pairs``, then ``return_rows``."""
+    return return_rows(rows_of_pairs(expert_output, layout), layout.group, layout.send_splits, layout.recv_splits,
+                       layout.token_src, layout.source_reader, layout.source_weights,
+                       padded=layout.rows_per_rank is not None)
+
+
+def rows_of_pairs(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
+    """Each received row's pairs summed on the expert rank: the rows that go back."""
     padded = layout.rows_per_rank is not None
     if _pairs_are_rows(layout.num_pairs, layout.row_src.shape[0], padded):
-        rows_SH = expert_output
-    else:
-        rows_SH = sum_rows(expert_output, layout.row_src, layout.pair_reader, padded=padded)
-    return return_rows(rows_SH, layout.group, layout.send_splits, layout.recv_splits, layout.token_src,
-                       layout.source_reader, layout.source_weights, padded=padded)
+        return expert_output
+    return sum_rows(expert_output, layout.row_src, layout.pair_reader, padded=padded)
 
 
 def return_rows(rows_SH, group, send_splits: Splits, recv_splits: Splits, token_src_TC, source_reader_S,

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..dispatch.capacity import check_capacity_factor
 from ..dispatch.nodes import check_dispatch_mode, check_node_size
+from ..dispatch.overlap import check_overlap_chunks
 from ..ops.backend import BACKENDS
 from ..planner.recompute import recompute_policy
 from ..planner.schedules import ScheduleInfo, schedule_info
@@ -107,6 +108,7 @@ class ParallelConfig:
     node_size: int | None = None
     max_nodes: int | None = None
     compile_blocks: bool | dict = False
+    overlap_chunks: int = 1
 
     def __post_init__(self):
         for name in ("pp", "ep", "dp_replicate"):
@@ -134,7 +136,11 @@ class ParallelConfig:
             raise ValueError(
                 f"capacity_factor={self.capacity_factor} applies to the expert-parallel dispatcher; ep=1 has none"
             )
-        check_dispatch_mode(self.dispatch_mode, self.capacity_factor)
+        check_overlap_chunks(self.overlap_chunks, self.capacity_factor, None)
+        if self.overlap_chunks > 1 and self.ep == 1:
+            raise ValueError(
+                f"overlap_chunks={self.overlap_chunks} applies to the expert-parallel dispatcher; ep=1 has none")
+        check_dispatch_mode(self.dispatch_mode, self.capacity_factor, self.overlap_chunks)
         check_node_size(self.node_size)
         if self.dispatch_mode == "node" and self.ep == 1:
             raise ValueError("dispatch_mode='node' applies to the expert-parallel dispatcher; ep=1 has none")
@@ -180,7 +186,8 @@ class ParallelConfig:
                     mixed_precision=self.mixed_precision, activation_checkpointing=self.activation_checkpointing,
                     capacity_factor=self.capacity_factor, reshard_after_forward=self.reshard_after_forward,
                     experts_backend=self.experts_backend, dispatch_mode=self.dispatch_mode, node_size=self.node_size,
-                    max_nodes=self.max_nodes, compile_blocks=self.compile_blocks)
+                    max_nodes=self.max_nodes, compile_blocks=self.compile_blocks,
+                    overlap_chunks=self.overlap_chunks)
 
     @property
     def compile_options(self) -> dict | None:

@@ -45,9 +45,11 @@ def shard_experts(
     capacity_factor: float | None = None,
     backend: str | None = None,
     node_groups=None,
+    overlap_chunks: int = 1,
 ) -> list[tuple[str, torch.nn.Module]]:
     """Shard every experts module over ``ep_mesh`` and install its dispatcher (node-aware with
-    ``node_groups``, ``moe_ep.dispatch.NodeGroups``). Checks every module before changing any.
+    ``node_groups``, ``moe_ep.dispatch.NodeGroups``; ``overlap_chunks`` as ``moe_experts_ep``'s).
+    Checks every module before changing any.
     Returns the experts modules."""
     modules = experts_modules(model)
     num_experts = num_experts_of(modules)
@@ -64,7 +66,7 @@ def shard_experts(
             setattr(module, weight, _shard(getattr(module, weight), ep_mesh))
         dispatcher = ExpertParallelDispatcher(
             group, num_experts, activation=activations[name], capacity_factor=capacity_factor, backend=backend,
-            node_groups=node_groups,
+            node_groups=node_groups, overlap_chunks=overlap_chunks,
         )
         bind(module, dispatcher=dispatcher)
     return modules

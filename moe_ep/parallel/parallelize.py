@@ -52,6 +52,7 @@ def parallelize(
     node_size: int | None = None,
     max_nodes: int | None = None,
     compile_blocks: bool | dict = False,
+    overlap_chunks: int = 1,
 ) -> nn.Module | PipelineStages:
     """Spread ``model`` over the default process group; returns what ``moe_ep.TrainStep`` takes,
     so the training loop is the same for every layout::
@@ -115,6 +116,11 @@ def parallelize(
       this many of the ep group's nodes, so it crosses the network at most ``max_nodes`` times
       (``moe_ep.hf.limit_routing_to_nodes``). It changes the model's routing; it needs the
       node-aware dispatch and the fused routers of ``moe_ep.patch`` (checked before any change).
+    - ``overlap_chunks``: 1 (default) dispatches, computes and combines each MoE layer's tokens in
+      one go; ``n > 1`` cuts them into ``n`` chunks whose all-to-alls overlap the other chunks'
+      experts, forward and backward (``moe_ep.dispatch.overlap``; the same results, the same one
+      host sync per layer). Dropless single-stage only: refused with ``capacity_factor`` or
+      ``dispatch_mode="node"``; ``"auto"`` then dispatches single-stage.
     - ``compile_blocks``: ``torch.compile`` the dense parts of every decoder layer (of this rank's
       stages with ``pp > 1``), in place, so names and state-dict keys stay: False (default), True
       (torch.compile's defaults: inductor) or a dict of its keywords ``backend``, ``mode``,
@@ -137,6 +143,7 @@ def parallelize(
         virtual_stages=virtual_stages, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
         capacity_factor=capacity_factor, reshard_after_forward=reshard_after_forward, experts_backend=experts_backend,
         dispatch_mode=dispatch_mode, node_size=node_size, max_nodes=max_nodes, compile_blocks=compile_blocks,
+        overlap_chunks=overlap_chunks,
     )
     return _parallelize(model, arguments, lambda: ParallelConfig.from_arguments(**arguments))
 
@@ -221,7 +228,8 @@ def _check(model: nn.Module, config: ParallelConfig) -> tuple[ParallelDims, Part
     dims = resolve_dims(
         dist.get_world_size(), ep=config.ep, dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, pp=config.pp,
         num_experts=num_experts_of(experts) if experts else None,
-        ep_node_size=node_size_for(config.dispatch_mode, config.ep, config.node_size, config.capacity_factor)
+        ep_node_size=node_size_for(config.dispatch_mode, config.ep, config.node_size, config.capacity_factor,
+                                   config.overlap_chunks)
         if config.ep > 1 else None,
     )
     check_recompute_support(model, config.activation_checkpointing)
@@ -267,7 +275,7 @@ def _shard(module: nn.Module, meshes: MoEMeshes, config: ParallelConfig) -> None
     experts = [m for _, m in experts_modules(module)]
     if meshes.dims.ep > 1:
         shard_experts(module, meshes.ep, capacity_factor=config.capacity_factor, backend=config.experts_backend,
-                      node_groups=meshes.ep_nodes)
+                      node_groups=meshes.ep_nodes, overlap_chunks=config.overlap_chunks)
     apply_fsdp(module, meshes, experts, mixed_precision=config.mixed_precision,
                reshard_after_forward=config.fsdp_reshard_after_forward)
 

@@ -61,6 +61,7 @@ BOUNDS = {
     "ep": Bound(int, 1, MAX_WORLD),
     "virtual_stages": Bound(int, 2, 1024),
     "max_nodes": Bound(int, 1, MAX_WORLD),
+    "overlap_chunks": Bound(int, 1, 64),
 }
 
 

@@ -76,8 +76,10 @@ def _imbalance_line(plan) -> str:
                 f"routing; step time at {a.imbalance:g}x the mean load")
     top = max_load(spec, lay.ep)
     startup = min(a.startup_imbalance, top)
+    overlap = (f"; all-to-alls overlapped with the experts in {a.overlap_chunks} chunks (only what they do not "
+               f"hide is counted)" if a.overlap_chunks > 1 else "")
     return (f"  expert side sized for a start-up imbalance of {startup:g}x the mean load (dropless routing allows "
-            f"at most {top:g}x at ep={lay.ep}; a capacity factor bounds it); step time at {a.imbalance:g}x")
+            f"at most {top:g}x at ep={lay.ep}; a capacity factor bounds it); step time at {a.imbalance:g}x{overlap}")
 
 
 def _rule_line(plan) -> str:
@@ -242,7 +244,8 @@ def plan_to_dict(plan) -> dict:
         "efficiencies": {k: {"value": getattr(c.efficiencies, k), "source": c.efficiencies.source(k)}
                          for k in Efficiencies.KINDS},
         "assumptions": {"imbalance": plan.assumptions.imbalance, "startup_imbalance": plan.assumptions.startup_imbalance,
-                        "capacity_factor": plan.assumptions.capacity_factor},
+                        "capacity_factor": plan.assumptions.capacity_factor,
+                        "overlap_chunks": plan.assumptions.overlap_chunks},
         "degrees": {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "ep": lay.ep},
         "microbatch_size": lay.microbatch_size,
         "microbatches": lay.microbatches,

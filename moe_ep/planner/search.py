@@ -21,13 +21,13 @@ from .inputs import check, check_world
 from .layout import Layout
 from .memory import (
     DEFAULT_IMBALANCE, DEFAULT_STARTUP_IMBALANCE, MemoryTable, Unit, build_units, layer_ids, p2p_bytes, rank_memory,
-    unit_costs, unit_seconds,
+    unit_costs,
 )
 from .recompute import RECOMPUTE_POLICIES, recompute_policy
 from .presets import DEFAULT_CLUSTER, CLUSTERS, Efficiencies, cluster_preset
 from .schedules import INTERLEAVED, NO_PIPELINE, SCHEDULES, schedule_info
 from .spec import ModelSpec
-from .timing import StepTime, step_time
+from .timing import StepTime, exchange_seconds, step_time
 
 DEFAULT_GLOBAL_BATCH_TOKENS = 4 * 2**20
 # The headroom rule: a layout within SPEED_MARGIN of the fastest one's step time that keeps
@@ -48,12 +48,14 @@ class Assumptions:
     """What the cost model assumes of the training run, beyond the layout: the busiest expert
     rank's load over the mean in steady training (step time) and at start-up (memory), and the
     capacity factor of the dispatcher (None: dropless), and node-limited routing's bound on the
-    nodes a token reaches (None: no bound)."""
+    nodes a token reaches (None: no bound), and the chunks whose exchanges overlap the experts
+    (``parallelize(overlap_chunks=...)``; 1: none)."""
 
     imbalance: float = DEFAULT_IMBALANCE
     startup_imbalance: float = DEFAULT_STARTUP_IMBALANCE
     capacity_factor: float | None = None
     max_nodes: int | None = None
+    overlap_chunks: int = 1
 
 
 def _shape(lay: Layout) -> tuple:
@@ -251,7 +253,8 @@ def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_token
 
 def _units(spec: ModelSpec, layout: Layout, seq_len: int, assumptions: Assumptions, cluster: Cluster) -> list[Unit]:
     # The dispatch parallelize's "auto" picks on this cluster: node-aware over whole nodes.
-    node_size = node_size_for("auto", layout.ep, cluster.gpus_per_node, assumptions.capacity_factor)
+    node_size = node_size_for("auto", layout.ep, cluster.gpus_per_node, assumptions.capacity_factor,
+                              assumptions.overlap_chunks)
     return build_units(spec, layout, seq_len, assumptions.imbalance, startup_imbalance=assumptions.startup_imbalance,
                        capacity_factor=assumptions.capacity_factor, backend=BACKEND, node_size=node_size,
                        max_nodes=assumptions.max_nodes)
@@ -286,7 +289,8 @@ def evaluate(
             capped = partition(costs, layout.num_stages, memory_cap=budget, **kwargs)
             if all_fit(tables(capped)):
                 part, per_rank = capped, tables(capped)
-    return Candidate(layout, part, per_rank, step_time(spec, cluster, layout, units, part, seq_len))
+    return Candidate(layout, part, per_rank,
+                     step_time(spec, cluster, layout, units, part, seq_len, assumptions.overlap_chunks))
 
 
 # The search costs in full every layout whose lower bound is within this factor of the best
@@ -334,11 +338,14 @@ class _UnitCache:
 
     def lower_bound(self, layout: Layout) -> float:
         """A step time no layout of these degrees can beat: the whole model's compute and
-        all-to-all split evenly over the pipeline ranks, everything else hidden. Lets the search
+        all-to-all (what the experts do not hide, with ``overlap_chunks``) split evenly over the
+        pipeline ranks, everything else hidden. Lets the search
         skip layouts that cannot win."""
         key = (layout.microbatch_size, layout.ep, layout.checkpointing)
         if key not in self.seconds:
-            self.seconds[key] = sum(unit_seconds(u, self.cluster) for u in self.get(layout))
+            self.seconds[key] = sum(u.work.seconds(self.cluster).total
+                                    + exchange_seconds(u, self.cluster, layout, self.assumptions.overlap_chunks)
+                                    for u in self.get(layout))
         return (layout.microbatches + layout.bubble()) * self.seconds[key] / layout.pp
 
 
@@ -464,6 +471,7 @@ def plan(
     checkpointing: str | bool | None = None,
     virtual_stages: int | None = None,
     max_nodes: int | None = None,
+    overlap_chunks: int = 1,
     num_alternatives: int = 5,
 ) -> Plan:
     """Choose the fastest layout of ``model`` that fits the cluster, by the headroom rule.
@@ -491,6 +499,10 @@ def plan(
         capacity_factor: the dispatcher's capacity mode (padded fixed buffers); None: dropless.
         max_nodes: node-limited routing (``parallelize(max_nodes=...)``): each token's experts on at
             most this many nodes of its ep group, which bounds the node-aware dispatch's copies.
+        overlap_chunks: plan for ``parallelize(overlap_chunks=...)``: each MoE layer in this many
+            chunks whose all-to-alls overlap the other chunks' experts, so only what the experts
+            do not hide counts (``moe_ep.planner.timing.exposed_exchange_seconds``); dropless and
+            single-stage (the node-aware dispatch is then not costed); 1: no overlap.
         min_headroom, speed_margin: the headroom rule (fractions of GPU memory and of step time).
         pp, dp_replicate, dp_shard, ep, microbatch_size, schedule, checkpointing: fix any of
             them; None lets the search choose. ``checkpointing`` is a recompute policy of
@@ -529,7 +541,13 @@ def plan(
     resolved, overrides = _resolve_cluster(nodes, cluster, calibration, figures, efficiency)
     resolved = resolved.replace(reserve_fraction=reserve_fraction)
     check("max_nodes", max_nodes, optional=True)
-    assumptions = Assumptions(imbalance, startup_imbalance, capacity_factor, max_nodes)
+    check("overlap_chunks", overlap_chunks)
+    if overlap_chunks > 1 and (capacity_factor is not None or ep == 1):
+        raise ValueError(
+            f"overlap_chunks={overlap_chunks} overlaps the dropless expert-parallel dispatcher's exchanges; "
+            + ("ep=1 has none" if ep == 1 else f"capacity_factor={capacity_factor} is capacity mode")
+        )
+    assumptions = Assumptions(imbalance, startup_imbalance, capacity_factor, max_nodes, overlap_chunks)
     if virtual_stages is not None:
         schedule_info(schedule or INTERLEAVED, virtual_stages)  # names the argument when wrong
         schedule = INTERLEAVED

@@ -3,7 +3,9 @@
 - Compute (``moe_ep.planner.compute``): GEMMs, attention and memory-bound kernels at the cluster's
   stated efficiencies, the routed experts at the busiest rank's load; the optimizer step and
   FSDP2's copies in and out of its collectives' buffers as memory-bound work.
-- Expert all-to-all (``moe_ep.planner.comm``): on the critical path, at the busiest rank's load.
+- Expert all-to-all (``moe_ep.planner.comm``): on the critical path, at the busiest rank's load;
+  with ``overlap_chunks`` > 1 (``parallelize(overlap_chunks=...)``) only what the chunks' experts
+  do not hide (``exposed_exchange_seconds``).
 - FSDP/HSDP without pipeline stages, every micro-batch: a unit's all-gather overlaps the previous
   unit's forward, and in the backward the previous unit's all-gather and this unit's
   reduce-scatter (and HSDP all-reduce) overlap its backward; the first all-gathers (the root's
@@ -29,6 +31,41 @@ from .layout import Layout
 from .memory import Unit, stage_units
 from .recompute import RERUN_DISPATCH
 from .spec import BF16, FP32, ModelSpec
+
+
+def exposed_exchange_seconds(exchange: float, experts: float, chunks: int) -> float:
+    """The seconds one pass of a MoE layer's exchanges adds to its ``experts`` seconds when the
+    layer runs in ``chunks`` pipelined chunks (``moe_ep.dispatch.overlap``): the dispatch and the
+    combine are each half of ``exchange``, a chunk a ``1 / chunks`` share of each and of the
+    experts; the links and the GPU each run one thing at a time, in the layer's order (every
+    chunk's dispatch, then per chunk its experts and its combine). One chunk: all of
+    ``exchange``; two, behind experts slower than the exchanges: only the first chunk's dispatch
+    and the last chunk's combine, a quarter of ``exchange`` each. The count exchange is counted in
+    ``exchange`` as if it could be hidden too (it cannot, but it is a few bytes per peer)."""
+    dispatch = combine = exchange / 2 / chunks
+    link = gpu = 0.0  # when each is next free
+    dispatched = []
+    for _ in range(chunks):
+        link += dispatch
+        dispatched.append(link)
+    for arrived in dispatched:
+        gpu = max(gpu, arrived) + experts / chunks
+        link = max(link, gpu) + combine
+    return max(link, gpu) - experts
+
+
+def exchange_seconds(unit: Unit, cluster: Cluster, layout: Layout, overlap_chunks: int = 1) -> float:
+    """A unit's all-to-all seconds over a micro-batch that its experts do not hide: its forward,
+    its backward (twice the experts' FLOPs) and, where the recompute policy runs the dispatcher
+    again, the forward again (with the experts' GEMMs under "full", without under "selective",
+    which keeps their outputs), each pass an equal share of the bytes."""
+    exchange = sum(c.seconds(cluster) for c in unit.a2a)
+    if overlap_chunks == 1 or not exchange:
+        return exchange
+    experts = unit.work.seconds(cluster).grouped
+    shares = {"full": (1, 1, 2), "selective": (1, 0, 2)}.get(layout.checkpointing, (1, 2))
+    return sum(exposed_exchange_seconds(exchange / len(shares), experts * share / sum(shares), overlap_chunks)
+               for share in shares)
 
 
 @dataclass(frozen=True)
@@ -168,6 +205,7 @@ def _losses(mine: list[Unit], cluster: Cluster, scale: float) -> dict[str, float
 
 def step_time(
     spec: ModelSpec, cluster: Cluster, layout: Layout, units: list[Unit], part: Partition, seq_len: int,
+    overlap_chunks: int = 1,
 ) -> StepTime:
     m = layout.microbatches
     model_flops = sum(u.work.model_flops for u in units) * m * layout.dp
@@ -179,7 +217,7 @@ def step_time(
         compute = Seconds()
         for u in mine:
             compute = compute + u.work.seconds(cluster)
-        a2a = sum(c.seconds(cluster) for u in mine for c in u.a2a)
+        a2a = sum(exchange_seconds(u, cluster, layout, overlap_chunks) for u in mine)
         return compute, a2a
 
     if layout.pp == 1:
