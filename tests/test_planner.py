@@ -327,6 +327,22 @@ def test_calibration_file_replaces_the_default_efficiencies(tmp_path):
     assert "measured: kernels_a100.json" in p.report()
 
 
+def test_calibration_from_a_gate_with_several_problems_reads_its_first(tmp_path):
+    """scripts/gpu_check.sh keeps one kernels result per problem (meta and rows keyed by problem,
+    Mixtral-8x7B first): the planner reads the first problem's rates, not a fine-grained one's."""
+    mixtral = json.loads(_gpu_results(tmp_path, grouped=150.0).read_text())
+    fine = json.loads(_gpu_results(tmp_path, grouped=60.0).read_text())
+    rows = ([dict(r, problem="mixtral-8x7b") for r in mixtral["rows"]]
+            + [dict(r, problem="qwen3-30b-a3b", T=(r.get("T") or 0) * 4) for r in fine["rows"]])
+    gate = {"mode": "gpu_check", "meta": {"device": mixtral["meta"]["device"], "results": {"kernels": {
+        "meta": {"mixtral-8x7b": mixtral["meta"], "qwen3-30b-a3b": fine["meta"]}, "rows": rows}}}}
+    path = tmp_path / "gpu_check_a100.json"
+    path.write_text(json.dumps(gate))
+    p = plan("mixtral-8x7b", nodes=16, cluster="dgx-a100-80gb", calibration=path, pp=1, ep=8, microbatch_size=1,
+             checkpointing=False)
+    assert p.cluster.efficiencies.grouped_gemm == pytest.approx(150 / 312)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(device="AMD EPYC (2 threads)"), r"was measured on 'AMD EPYC \(2 threads\)', not on a A100"),
     (dict(device="NVIDIA H100 80GB HBM3"), r"not on a A100"),
