@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import signal
+import sys
 import time
 from contextlib import redirect_stderr
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 
 from example_runs import (
     COMMON,
+    LAYOUT,
     STEPS,
     copy_run,
     flip_byte,
@@ -204,3 +206,27 @@ def test_one_ranks_damaged_shard_is_found_by_every_rank(held_run, tmp_path):
     assert log.count("warning: --resume auto: skipping the checkpoint") == 1
     assert f"resumed from {out / 'checkpoints' / 'step_00000004'} at step 4" in log
     assert losses(out) == losses(held_run[0])
+
+
+def test_a_rank_stuck_in_start_up_is_reported_within_the_start_up_timeout(tmp_path):
+    """Rank 1 never finishes building its model (tests/faults/hung_startup.py, train.py otherwise);
+    --startup-timeout 15: the job ends within the bound, with one line naming rank 1 and the phase
+    it is stuck in, instead of rank 0 waiting in a start-up collective for the process group's
+    timeout; the folder is let go of, so the same command (train.py itself) then runs."""
+    out = tmp_path / "run"
+    hung = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(Path(__file__).with_name("hung_startup.py")), *COMMON, *LAYOUT, "--output-dir", str(out),
+            "--startup-timeout", "15"]
+    proc = launch(hung, tmp_path / "hung.log")
+    try:
+        started = time.monotonic()
+        proc.wait(timeout=180)
+        ended_after = time.monotonic() - started
+    finally:
+        kill_launch(proc)
+    lines = error_lines(log_of(tmp_path / "hung.log"))
+    assert len(lines) == 1, lines
+    assert "start-up did not reach the step loop within 15 s: " in lines[0], lines
+    assert "rank 1 at 'building the model'" in lines[0], lines
+    assert proc.returncode != 0 and ended_after < 15 + 120, ended_after
+    assert "resumed from" not in run(torchrun_cmd(out))
