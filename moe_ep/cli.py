@@ -102,6 +102,8 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--overlap-chunks", type=_bounded("overlap_chunks"), default=1,
                    help="plan for parallelize(overlap_chunks=N): each MoE layer's all-to-alls overlapped with the "
                         "experts of its other chunks (default 1: none)")
+    p.add_argument("--chunked-loss", action="store_true",
+                   help="plan for moe_ep's chunked loss (TrainStep(chunked_loss=True)): no full logits in the head")
     p.add_argument("--min-headroom", type=_bounded("min_headroom"), default=None,
                    help="fraction of GPU memory a winning layout keeps free unless it is faster by more than "
                         "--speed-margin (0.10)")
@@ -154,6 +156,7 @@ def _run_plan(args) -> int:
         reserve_fraction=args.reserve_fraction,
         capacity_factor=args.capacity_factor,
         overlap_chunks=args.overlap_chunks,
+        chunked_loss=args.chunked_loss,
         pp=args.pp,
         dp_replicate=args.dp_replicate,
         dp_shard=args.dp_shard,

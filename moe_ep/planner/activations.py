@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..ops.linear_cross_entropy import default_chunk_tokens
 from .recompute import recompute_policy
 from .spec import BF16, FP32, ModelSpec
 
@@ -301,6 +302,30 @@ def head_saved(spec: ModelSpec, mb: MicroBatch) -> float:
     T, H = mb.tokens, spec.hidden_size
     targets = I64 * (T if mb.sequences == 1 else mb.predicted)
     return norm_saved(T, H) + BF16 * T * H + FP32 * spec.vocab_size * mb.predicted + targets + FP32
+
+
+def chunked_loss_saved(tokens: int, hidden: int, vocab: int) -> float:
+    """What moe_ep's chunked loss (``ops.linear_cross_entropy``) keeps from forward to backward
+    for bf16 hidden states: their gradient, computed in forward, and the head weight's float32
+    gradient [V, H], whatever the token count."""
+    return BF16 * tokens * hidden + FP32 * vocab * hidden
+
+
+def chunked_head_saved(spec: ModelSpec, mb: MicroBatch) -> float:
+    """The head under ``chunked_loss``: the final norm's saved tensors, what the loss keeps
+    (``chunked_loss_saved``), the int64 shifted targets and the loss's two float32 scalars; no
+    logits and no log-softmax."""
+    T, H = mb.tokens, spec.hidden_size
+    return norm_saved(T, H) + chunked_loss_saved(T, H, spec.vocab_size) + I64 * T + 2 * FP32
+
+
+def chunked_head_scratch(spec: ModelSpec, mb: MicroBatch) -> float:
+    """The head's transient memory under ``chunked_loss`` (estimated from the code): the larger
+    of the forward's chunk (its float32 logits and their bf16 copy, and the chunk's bf16 product
+    for the weight gradient) and the backward's scaled float32 weight gradient with its bf16 copy."""
+    V, H = spec.vocab_size, spec.hidden_size
+    chunk = default_chunk_tokens(mb.tokens, H, V)
+    return max((FP32 + BF16) * chunk * V + BF16 * V * H, (FP32 + BF16) * V * H)
 
 
 def layer_scratch(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep: int = 1,

@@ -123,9 +123,8 @@ ANCHORS = (
         source=f"{_AUTOMODEL_SUMMARY}, row 'Qwen3 MoE 30B' (8 GPUs, GBS 512, MBS 4, GA 16, seq 4096, EP 8, "
                f"FSDP 8, TE + DeepEP, 21.773 s per step, 277 TFLOP/s, 12,040 tokens/s per GPU)",
         note=f"full recomputation as moe_ep issue #22 states (the table has no recompute column); "
-             f"{_AUTOMODEL_BALANCED}; the planner charges the LM head's full logits and their fp32 gradient "
-             f"as backward scratch (4 x 4096 tokens over a 151,936-token vocabulary): moe_ep's chunked loss, "
-             f"which never holds them, is not modelled",
+             f"{_AUTOMODEL_BALANCED}; the full logits of 4 x 4096 tokens over a 151,936-token vocabulary and "
+             f"their fp32 gradient do not fit beside the rest: the layout fits with moe_ep's chunked loss only",
     ),
     Anchor(
         "AutoModel DeepSeek-V3", "deepseek-v3", nodes=32, pp=4, dp_replicate=1, dp_shard=64, ep=64,
@@ -160,6 +159,7 @@ class AnchorRow:
     anchor: Anchor
     candidate: Candidate | None
     why: str | None = None  # why there is no candidate
+    chunked_loss: bool = False  # the candidate is planned with moe_ep's chunked loss
 
     @property
     def step_s(self) -> float:
@@ -188,9 +188,10 @@ class AnchorRow:
         if self.candidate is None:
             return f"not planned: {self.why}"
         memory = self.candidate.memory
+        loss = "; with the chunked loss" if self.chunked_loss else ""
         if memory.fits:
-            return f"fits: {format_bytes(memory.total)} per GPU, {format_bytes(memory.headroom)} free"
-        return _why_not_fitting(self.candidate)
+            return f"fits: {format_bytes(memory.total)} per GPU, {format_bytes(memory.headroom)} free{loss}"
+        return _why_not_fitting(self.candidate) + loss
 
 
 @dataclass(frozen=True)
@@ -215,19 +216,26 @@ def plan_anchor(anchor: Anchor, calibration: str | Path | None = None) -> Anchor
     problem = info.check_microbatches(anchor.pp, anchor.microbatches) if info is not None else None
     if problem is not None:
         return AnchorRow(anchor, None, f"{anchor.schedule}: {problem}")
-    assumptions = Assumptions(1.0, 1.0) if anchor.balanced_routing else Assumptions()
-    candidates, reasons = [], []
-    for layout in anchor.layouts():
-        try:
-            candidates.append(evaluate(spec, cluster, layout, anchor.seq_len, assumptions))
-        except InfeasiblePartition as err:
-            reasons.append(f"{layout.short()}: {err}")
+    imbalance = dict(imbalance=1.0, startup_imbalance=1.0) if anchor.balanced_routing else {}
+    candidates, reasons, chunked = [], [], set()
+    # moe_ep's stack with or without its chunked loss (no full logits, but the head weight's
+    # float32 gradient reread once per chunk), as the headroom rule picks.
+    for chunked_loss in (False, True):
+        assumptions = Assumptions(**imbalance, chunked_loss=chunked_loss)
+        for layout in anchor.layouts():
+            try:
+                candidates.append(evaluate(spec, cluster, layout, anchor.seq_len, assumptions))
+            except InfeasiblePartition as err:
+                reasons.append(f"{layout.short()}: {err}")
+                continue
+            if chunked_loss:
+                chunked.add(id(candidates[-1]))
     if not candidates:
         return AnchorRow(anchor, None, "; ".join(reasons))
     fitting = [c for c in candidates if c.fits]
     best = (choose(fitting, DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN)[0] if fitting
             else min(candidates, key=lambda c: c.memory.total))
-    return AnchorRow(anchor, best)
+    return AnchorRow(anchor, best, chunked_loss=id(best) in chunked)
 
 
 def anchor_report(calibration: str | Path | None = None, anchors: tuple[Anchor, ...] = ANCHORS) -> AnchorReport:
@@ -331,6 +339,7 @@ def anchors_to_dict(report: AnchorReport) -> dict:
             entry["planned"] = None
         else:
             entry["layout"] = cand.layout.short()
+            entry["chunked_loss"] = row.chunked_loss
             entry["planned"] = {
                 "tokens_per_s_per_gpu": row.tokens_per_gpu, "step_time_s": row.step_s,
                 "memory_bytes_per_gpu": cand.memory.total, "fits": cand.fits,

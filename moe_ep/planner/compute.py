@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from ..ops.linear_cross_entropy import default_chunk_tokens
 from .activations import MicroBatch, Routed
 from .cluster import Cluster
 from .spec import BF16, FP32, ModelSpec
@@ -189,6 +190,18 @@ def head_traffic(spec: ModelSpec, mb: MicroBatch) -> tuple[float, float]:
     V, N = spec.vocab_size, mb.predicted
     norm = NORM * spec.hidden_size * mb.tokens
     return norm + 26 * V * N, MEMORY_BACKWARD * norm + 18 * V * N + 6 * V * mb.tokens
+
+
+def chunked_head_traffic(spec: ModelSpec, mb: MicroBatch) -> tuple[float, float]:
+    """(forward, backward) bytes of the final norm and moe_ep's chunked loss: per logit, the bf16
+    product and its float32 copy (2 + 2 + 4), log-sum-exp (4), the softmax gradient made in place
+    (4 + 4, then 4 + 4) and its bf16 copy for the GEMMs (4 + 2); per chunk, the weight gradient's
+    bf16 product added into its float32 sum (2 + 2 + 4 + 4 per weight); backward: the gradients
+    scaled by the incoming one (the hidden states' 2 + 2, the weight's 4 + 4 + 2 with its cast)."""
+    V, H, T = spec.vocab_size, spec.hidden_size, mb.tokens
+    chunks = -(-T // default_chunk_tokens(T, H, V))
+    norm = NORM * H * T
+    return norm + 34 * V * T + 12 * V * H * chunks, MEMORY_BACKWARD * norm + 4 * H * T + 10 * V * H
 
 
 def embed_traffic(spec: ModelSpec, mb: MicroBatch) -> tuple[float, float]:

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 from ..dispatch.capacity import expert_capacity
 from .activations import (
-    MicroBatch, Routed, checkpoint_shared, checkpointed_layer_saved, embed_saved, expected_routed, head_saved,
-    head_scratch, layer_saved, layer_scratch, policy_layer_saved,
+    MicroBatch, Routed, checkpoint_shared, checkpointed_layer_saved, chunked_head_saved, chunked_head_scratch,
+    embed_saved, expected_routed, head_saved, head_scratch, layer_saved, layer_scratch, policy_layer_saved,
 )
 from .cluster import Cluster
 from .comm import Collective, all_to_all_collective, node_all_to_all_collectives, node_shares
-from .compute import Work, embed_traffic, head_traffic, layer_traffic, recomputed, MEMORY_BACKWARD
+from .compute import Work, chunked_head_traffic, embed_traffic, head_traffic, layer_traffic, recomputed, MEMORY_BACKWARD
 from .partition import Partition, UnitCost
 from .layout import Layout
 from .spec import BF16, FP32, ModelSpec
@@ -96,9 +96,11 @@ def build_units(
     spec: ModelSpec, layout: Layout, seq_len: int, imbalance: float = DEFAULT_IMBALANCE, *,
     startup_imbalance: float = DEFAULT_STARTUP_IMBALANCE, capacity_factor: float | None = None,
     backend: str = "triton", node_size: int | None = None, max_nodes: int | None = None,
+    chunked_loss: bool = False,
 ) -> list[Unit]:
     """The chain's units; ``node_size``: the node-aware dispatch's nodes (None: single-stage);
-    ``max_nodes``: node-limited routing's bound on a token's destination nodes (None: none)."""
+    ``max_nodes``: node-limited routing's bound on a token's destination nodes (None: none);
+    ``chunked_loss``: the head's loss is moe_ep's chunked one (no full logits)."""
     mb = MicroBatch(layout.microbatch_size, seq_len)
     T, H, ep, ds = mb.tokens, spec.hidden_size, layout.ep, layout.dp_shard
     policy = layout.checkpointing
@@ -149,10 +151,11 @@ def build_units(
                 buffers += BF16 * H * node_rows * (1 + startup_imbalance)
         units.append(unit(f"layers.{i}", spec.layer_dense_params(i), spec.layer_expert_params(i), work,
                           saved, scratch, moe, a2a, buffers))
-    fwd, bwd = head_traffic(spec, mb)
+    fwd, bwd = (chunked_head_traffic if chunked_loss else head_traffic)(spec, mb)
     head = T * spec.head_flops
+    saved, scratch = ((chunked_head_saved, chunked_head_scratch) if chunked_loss else (head_saved, head_scratch))
     units.append(unit("head", spec.head_params, 0, Work(dense_flops=head, memory_fwd=fwd, memory_bwd=bwd),
-                      head_saved(spec, mb), head_scratch(spec, mb), shared=tied))
+                      saved(spec, mb), scratch(spec, mb), shared=tied))
     return units
 
 

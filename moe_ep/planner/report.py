@@ -139,7 +139,11 @@ def format_plan(plan) -> str:
         lines.append(f"  stages             {_stages_line(best)}")
     lines += ["", f"memory per GPU (fullest rank{'' if lay.pp == 1 else f', pipeline rank {best.memory.rank}'})"]
     lines += [f"  {name:<62} {format_bytes(value):>12}" for name, value in best.memory.rows()]
-    lines += [_imbalance_line(plan), _rule_line(plan), "", "estimated step time (slowest rank)"]
+    lines += [_imbalance_line(plan)]
+    if plan.assumptions.chunked_loss:
+        lines.append("  loss: moe_ep's chunked loss (no full logits; the head weight's float32 gradient kept from "
+                     "forward to backward)")
+    lines += [_rule_line(plan), "", "estimated step time (slowest rank)"]
     lines += [f"  {name:<62} {value:>10.2f} s" for name, value in t.rows()]
     lines += [
         f"  {'FSDP/HSDP traffic in all (hidden or not)':<62} {t.fsdp_traffic:>10.2f} s",
@@ -245,7 +249,8 @@ def plan_to_dict(plan) -> dict:
                          for k in Efficiencies.KINDS},
         "assumptions": {"imbalance": plan.assumptions.imbalance, "startup_imbalance": plan.assumptions.startup_imbalance,
                         "capacity_factor": plan.assumptions.capacity_factor,
-                        "overlap_chunks": plan.assumptions.overlap_chunks},
+                        "overlap_chunks": plan.assumptions.overlap_chunks,
+                        "chunked_loss": plan.assumptions.chunked_loss},
         "degrees": {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "ep": lay.ep},
         "microbatch_size": lay.microbatch_size,
         "microbatches": lay.microbatches,

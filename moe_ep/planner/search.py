@@ -49,13 +49,15 @@ class Assumptions:
     rank's load over the mean in steady training (step time) and at start-up (memory), and the
     capacity factor of the dispatcher (None: dropless), and node-limited routing's bound on the
     nodes a token reaches (None: no bound), and the chunks whose exchanges overlap the experts
-    (``parallelize(overlap_chunks=...)``; 1: none)."""
+    (``parallelize(overlap_chunks=...)``; 1: none), and whether the loss is moe_ep's chunked one
+    (no full logits)."""
 
     imbalance: float = DEFAULT_IMBALANCE
     startup_imbalance: float = DEFAULT_STARTUP_IMBALANCE
     capacity_factor: float | None = None
     max_nodes: int | None = None
     overlap_chunks: int = 1
+    chunked_loss: bool = False
 
 
 def _shape(lay: Layout) -> tuple:
@@ -257,7 +259,7 @@ def _units(spec: ModelSpec, layout: Layout, seq_len: int, assumptions: Assumptio
                               assumptions.overlap_chunks)
     return build_units(spec, layout, seq_len, assumptions.imbalance, startup_imbalance=assumptions.startup_imbalance,
                        capacity_factor=assumptions.capacity_factor, backend=BACKEND, node_size=node_size,
-                       max_nodes=assumptions.max_nodes)
+                       max_nodes=assumptions.max_nodes, chunked_loss=assumptions.chunked_loss)
 
 
 def evaluate(
@@ -472,6 +474,7 @@ def plan(
     virtual_stages: int | None = None,
     max_nodes: int | None = None,
     overlap_chunks: int = 1,
+    chunked_loss: bool = False,
     num_alternatives: int = 5,
 ) -> Plan:
     """Choose the fastest layout of ``model`` that fits the cluster, by the headroom rule.
@@ -503,6 +506,9 @@ def plan(
             chunks whose all-to-alls overlap the other chunks' experts, so only what the experts
             do not hide counts (``moe_ep.planner.timing.exposed_exchange_seconds``); dropless and
             single-stage (the node-aware dispatch is then not costed); 1: no overlap.
+        chunked_loss: the loss is moe_ep's chunked one (``TrainStep(chunked_loss=True)``,
+            ``moe_ep.chunked_causal_lm_loss``): the head keeps no logits but the head weight's
+            float32 gradient, and rereads that gradient once per chunk.
         min_headroom, speed_margin: the headroom rule (fractions of GPU memory and of step time).
         pp, dp_replicate, dp_shard, ep, microbatch_size, schedule, checkpointing: fix any of
             them; None lets the search choose. ``checkpointing`` is a recompute policy of
@@ -547,7 +553,9 @@ def plan(
             f"overlap_chunks={overlap_chunks} overlaps the dropless expert-parallel dispatcher's exchanges; "
             + ("ep=1 has none" if ep == 1 else f"capacity_factor={capacity_factor} is capacity mode")
         )
-    assumptions = Assumptions(imbalance, startup_imbalance, capacity_factor, max_nodes, overlap_chunks)
+    if not isinstance(chunked_loss, bool):
+        raise TypeError(f"chunked_loss must be True or False, got {chunked_loss!r}")
+    assumptions = Assumptions(imbalance, startup_imbalance, capacity_factor, max_nodes, overlap_chunks, chunked_loss)
     if virtual_stages is not None:
         schedule_info(schedule or INTERLEAVED, virtual_stages)  # names the argument when wrong
         schedule = INTERLEAVED
