@@ -21,9 +21,12 @@ Backward:  ``gather_rows``  dy rows in the padded layout -> dy_P
 
 Intermediates in the padded layout hold zeros in their padding rows (the kernels that write them
 store every live row), so the weight gradients can reduce over whole row blocks, through TMA on
-sm_90, without masking them. dx and the weight gradients are plain grouped GEMMs: where PyTorch's
-grouped GEMM is sync-free (``library``) it is one more candidate of their launches, timed beside
-the Triton configurations.
+sm_90, without masking them. Where PyTorch's grouped GEMM is sync-free (``library``) it is one more
+candidate of every GEMM launch, timed beside the Triton configurations: as it is for dx and the
+weight gradients, which are plain grouped GEMMs; for the fused ones completed by an element-wise
+pass (``gather_glu``: the rows copied by ``gather_rows`` first, the activation after;
+``rows_matmul`` with the routing weight: a scaling pass; ``glu_backward``: its epilogue as a pass
+over dh, written over dh's buffer).
 
 There are no atomics: every output element is written by exactly one program and reduced in a
 fixed order, so two runs give the same bits. Float32 operands use IEEE dot products (no TF32).
@@ -53,6 +56,11 @@ COMBINE_WARPS = 4
 GATHER_BLOCK_R = 32
 GATHER_BLOCK_H = 128
 GATHER_WARPS = 4
+# The element-wise passes that complete PyTorch's grouped GEMM where it stands in for a fused
+# kernel (``library``): row blocks divide every pad_m (64 or 128), so a live block is live whole.
+EPILOGUE_BLOCK_R = 32
+EPILOGUE_BLOCK_C = 64
+EPILOGUE_WARPS = 4
 GEMM_KERNELS = ("gather_glu", "rows_matmul", "glu_backward", "weight_grad")
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -438,10 +446,12 @@ def _rows_matmul_kernel(
 
 
 @triton.jit
-def _glu_backward_half(dh, rows, cols, weight, pre_ptr, dpre_ptr, hs_ptr, I,
+def _glu_backward_epilogue(dh, rows, cols, weight, pre_ptr, dpre_ptr, hs_ptr, I,
                        GELU: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The epilogue of ``_glu_backward_kernel`` on one half of the tile's columns: writes d pre and
-    hs there and returns the half's share of d w. Padding rows (weight 0, pre 0) write zeros."""
+    """The activation's backward on ``dh``, the float32 gradient of the unweighted expert output at
+    (``rows``, ``cols``): writes d pre and hs there and returns the columns' share of d w. Padding
+    rows (weight 0, pre 0) write zeros. ``_glu_backward_kernel``'s epilogue, one half of its tile's
+    columns at a time, and ``_glu_backward_rows_kernel``'s body."""
     col_ok = (cols < I)[None, :]
     offs = rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
     gate = tl.load(pre_ptr + offs, mask=col_ok, other=0.0).to(tl.float32)
@@ -510,8 +520,8 @@ def _glu_backward_kernel(
         weight = tl.load(scale_ptr + slot, mask=valid, other=0.0)
         acc_lo, acc_hi = _split_columns(acc, BLOCK_M, BLOCK_N)
         half = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-        dw = _glu_backward_half(acc_lo, rows, half, weight, pre_ptr, dpre_ptr, hs_ptr, I, GELU, INTERPRETED)
-        dw += _glu_backward_half(acc_hi, rows, half + BLOCK_N // 2, weight, pre_ptr, dpre_ptr, hs_ptr, I,
+        dw = _glu_backward_epilogue(acc_lo, rows, half, weight, pre_ptr, dpre_ptr, hs_ptr, I, GELU, INTERPRETED)
+        dw += _glu_backward_epilogue(acc_hi, rows, half + BLOCK_N // 2, weight, pre_ptr, dpre_ptr, hs_ptr, I,
                                  GELU, INTERPRETED)
         tl.store(dw_part_ptr + rows.to(tl.int64) * num_pid_n + pid_n, dw, mask=valid)
 
@@ -583,6 +593,70 @@ def _gather_rows_kernel(src_ptr, padded_offsets_ptr, sorted_slot_ptr, out_ptr, H
         src = src_ptr + tl.where(valid, slot // top_k, 0).to(tl.int64)[:, None] * H + hs[None, :]
         values = tl.load(src, mask=valid[:, None] & h_ok, other=0.0)
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + hs[None, :], values, mask=row_ok[:, None] & h_ok)
+
+
+@triton.jit(do_not_specialize=["num_rows", "I", "num_experts"])
+def _glu_rows_kernel(pre_ptr, h_ptr, padded_offsets_ptr, num_rows, I, num_experts,
+                     GELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
+    """h = act(gate) * up over the live rows of pre, a grouped GEMM's output in the padded layout;
+    pre's rows past the live end set to zero, as ``_gather_glu_kernel`` leaves them."""
+    I = _aligned(I, ALIGN)
+    live = tl.load(padded_offsets_ptr + num_experts)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = (cols < I)[None, :]
+    offs = rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
+    if tl.program_id(0) * BLOCK_R < live:
+        gate = tl.load(pre_ptr + offs, mask=col_ok, other=0.0).to(tl.float32)
+        up = tl.load(pre_ptr + offs + I, mask=col_ok, other=0.0).to(tl.float32)
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
+        tl.store(h_ptrs, _downcast(_act(gate, GELU) * up, h_ptr.dtype.element_ty, INTERPRETED), mask=col_ok)
+    else:
+        dead = col_ok & (rows < num_rows)[:, None]
+        zeros = tl.zeros((BLOCK_R, BLOCK_C), pre_ptr.dtype.element_ty)
+        tl.store(pre_ptr + offs, zeros, mask=dead)
+        tl.store(pre_ptr + offs + I, zeros, mask=dead)
+
+
+@triton.jit(do_not_specialize=["I", "num_experts"])
+def _glu_backward_rows_kernel(dh_ptr, pre_ptr, scale_ptr, padded_offsets_ptr, sorted_slot_ptr, dpre_ptr, hs_ptr,
+                              dw_part_ptr, I, num_experts,
+                              GELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                              ALIGN: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``_glu_backward_kernel``'s epilogue over its GEMM's output ``dh`` (a grouped GEMM's, in the
+    padded layout): d pre, hs and the partial d w per column block, for the live rows. ``hs_ptr``
+    may be ``dh_ptr``: each element's dh is read before its hs is written, by the same program."""
+    I = _aligned(I, ALIGN)
+    live = tl.load(padded_offsets_ptr + num_experts)
+    if tl.program_id(0) * BLOCK_R < live:
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        slot = tl.load(sorted_slot_ptr + rows)
+        valid = slot >= 0
+        weight = tl.load(scale_ptr + slot, mask=valid, other=0.0)
+        dh = tl.load(dh_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], mask=(cols < I)[None, :], other=0.0)
+        dw = _glu_backward_epilogue(dh.to(tl.float32), rows, cols, weight, pre_ptr, dpre_ptr, hs_ptr, I, GELU,
+                                    INTERPRETED)
+        tl.store(dw_part_ptr + rows.to(tl.int64) * tl.num_programs(1) + tl.program_id(1), dw, mask=valid)
+
+
+@triton.jit(do_not_specialize=["H", "num_experts"])
+def _scale_rows_kernel(rows_ptr, scale_ptr, padded_offsets_ptr, sorted_slot_ptr, H, num_experts,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr):
+    """rows[p] *= scale[slot(p)] in place over the live slots' rows, multiplied in float32."""
+    H = _aligned(H, ALIGN)
+    live = tl.load(padded_offsets_ptr + num_experts)
+    if tl.program_id(0) * BLOCK_R < live:
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        slot = tl.load(sorted_slot_ptr + rows)
+        valid = slot >= 0
+        mask = valid[:, None] & (cols < H)[None, :]
+        weight = tl.load(scale_ptr + slot, mask=valid, other=0.0)
+        ptrs = rows_ptr + rows[:, None].to(tl.int64) * H + cols[None, :]
+        values = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * weight[:, None]
+        tl.store(ptrs, _downcast(values, rows_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
 @triton.jit(do_not_specialize=["T", "H"], do_not_specialize_on_alignment=["top_k"])
@@ -709,19 +783,41 @@ def gather_glu(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, meta: RoutingMeta
     gate_up_E2IH = _check("gate_up_E2IH", gate_up_E2IH, (E, two_I, H), x_TH.dtype)
     _check_expert_size("gate_up_E2IH", gate_up_E2IH)
     P = meta.sorted_slot_P.numel()
-    h_PI = x_TH.new_empty(P, I)
-    pre_P2I = x_TH.new_empty(P, two_I)
     if P == 0:
-        return h_PI, pre_P2I
+        return x_TH.new_empty(P, I), x_TH.new_empty(P, two_I)
 
     def launch(c: Config):
+        h_PI, pre_P2I = x_TH.new_empty(P, I), x_TH.new_empty(P, two_I)
         _run(_gather_glu_kernel, c, _row_tiles(c, P, 2 * I), x_TH.device,
              x_TH, gate_up_E2IH, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P, h_PI, pre_P2I,
              P, H, I, E, top_k, meta.pad_m, GELU=gelu, GROUP_M=GROUP_M, ALIGN=align)
         return h_PI, pre_P2I
 
+    def library():
+        # The token rows copied into the padded order first (zero padding rows, so zero pre there),
+        # the activation a pass over pre after the GEMM.
+        pre_P2I = grouped_mm(gather_rows(x_TH, meta, top_k), gate_up_E2IH.transpose(1, 2),
+                             offs=meta.padded_offsets_E1[1:])
+        return _glu_rows(pre_P2I, meta, gelu, align), pre_P2I
+
     align = row_align(x_TH.dtype, H, I)
-    return _tuned("gather_glu", meta, x_TH.dtype, x_TH.device, (H, I, E, gelu), align, launch, gelu)
+    return _tuned("gather_glu", meta, x_TH.dtype, x_TH.device, (H, I, E, gelu), align, launch, gelu,
+                  library=library)
+
+
+def _epilogue_grid(num_rows: int, num_cols: int) -> tuple[int, int]:
+    return triton.cdiv(num_rows, EPILOGUE_BLOCK_R), triton.cdiv(num_cols, EPILOGUE_BLOCK_C)
+
+
+def _glu_rows(pre_P2I: torch.Tensor, meta: RoutingMetadata, gelu: bool, align: int) -> torch.Tensor:
+    """h_PI from ``pre_P2I`` (``_glu_rows_kernel``); zeros ``pre``'s rows past the live end."""
+    P, two_I = pre_P2I.shape
+    h_PI = pre_P2I.new_empty(P, two_I // 2)
+    _glu_rows_kernel[_epilogue_grid(P, two_I // 2)](
+        pre_P2I, h_PI, meta.padded_offsets_E1, P, two_I // 2, meta.counts_E.numel(), GELU=gelu,
+        BLOCK_R=EPILOGUE_BLOCK_R, BLOCK_C=EPILOGUE_BLOCK_C, ALIGN=align, INTERPRETED=interpreting(),
+        num_warps=EPILOGUE_WARPS)
+    return h_PI
 
 
 def rows_matmul(a_PD: torch.Tensor, w_E: torch.Tensor, meta: RoutingMetadata, *, w_layout: str,
@@ -753,15 +849,19 @@ def rows_matmul(a_PD: torch.Tensor, w_E: torch.Tensor, meta: RoutingMetadata, *,
         return out_PF
 
     def library():
-        # Rows past the last expert's end are not written, as by the kernel.
-        return grouped_mm(a_PD, w_E, offs=meta.padded_offsets_E1[1:])
+        # Rows past the last expert's end are not written, as by the kernel; the routing weight is
+        # a pass over the rows after the GEMM.
+        out_PF = grouped_mm(a_PD, w_E.transpose(1, 2) if w_layout == "nk" else w_E, offs=meta.padded_offsets_E1[1:])
+        if scale_N is not None:
+            _scale_rows_kernel[_epilogue_grid(P, n_out)](
+                out_PF, scale_N, meta.padded_offsets_E1, meta.sorted_slot_P, n_out, E,
+                BLOCK_R=EPILOGUE_BLOCK_R, BLOCK_C=EPILOGUE_BLOCK_C, ALIGN=align, INTERPRETED=interpreting(),
+                num_warps=EPILOGUE_WARPS)
+        return out_PF
 
     shapes = (n_out, k_red, E, w_layout, scale_N is not None)
     align = row_align(a_PD.dtype, n_out, k_red)
-    # The scaled form keeps the routing weight in its epilogue; PyTorch's would need a pass more.
-    plain_kn = w_layout == "kn" and scale_N is None
-    return _tuned("rows_matmul", meta, a_PD.dtype, a_PD.device, shapes, align, launch,
-                  library=library if plain_kn else None)
+    return _tuned("rows_matmul", meta, a_PD.dtype, a_PD.device, shapes, align, launch, library=library)
 
 
 def gather_rows(src_TH: torch.Tensor, meta: RoutingMetadata, top_k: int) -> torch.Tensor:
@@ -800,20 +900,33 @@ def glu_backward(dy_PH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Ten
     pre_P2I = _check("pre_P2I", pre_P2I, (P, 2 * I), dy_PH.dtype)
     w_N = _check("w_N", w_N, (N,), torch.float32)
     dpre_P2I = torch.empty_like(pre_P2I)
-    hs_PI = pre_P2I.new_empty(P, I)
     if P == 0:
-        return dpre_P2I, w_N.new_zeros(N), hs_PI
+        return dpre_P2I, w_N.new_zeros(N), pre_P2I.new_empty(P, I)
 
     def launch(c: Config):
+        hs_PI = pre_P2I.new_empty(P, I)
         # Each column tile writes its own partial sum of d w; summed below in a fixed order.
         dw_part = w_N.new_empty(P, triton.cdiv(I, c.BLOCK_N))
         _run(_glu_backward_kernel, c, _row_tiles(c, P, I), dy_PH.device,
              dy_PH, down_EHI, pre_P2I, w_N, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P,
              dpre_P2I, hs_PI, dw_part, P, H, I, E, meta.pad_m, GELU=gelu, GROUP_M=GROUP_M, ALIGN=align)
-        return dw_part
+        return hs_PI, dw_part
+
+    def library():
+        # dh lands in the buffer that then holds hs (the epilogue pass overwrites it element by
+        # element), so this path holds no more than the fused kernel.
+        hs_PI = grouped_mm(dy_PH, down_EHI, offs=meta.padded_offsets_E1[1:])
+        grid = _epilogue_grid(P, I)
+        dw_part = w_N.new_empty(P, grid[1])
+        _glu_backward_rows_kernel[grid](
+            hs_PI, pre_P2I, w_N, meta.padded_offsets_E1, meta.sorted_slot_P, dpre_P2I, hs_PI, dw_part, I, E,
+            GELU=gelu, BLOCK_R=EPILOGUE_BLOCK_R, BLOCK_C=EPILOGUE_BLOCK_C, ALIGN=align, INTERPRETED=interpreting(),
+            num_warps=EPILOGUE_WARPS)
+        return hs_PI, dw_part
 
     align = row_align(dy_PH.dtype, H, I)
-    dw_part = _tuned("glu_backward", meta, dy_PH.dtype, dy_PH.device, (H, I, E, gelu), align, launch, gelu)
+    hs_PI, dw_part = _tuned("glu_backward", meta, dy_PH.dtype, dy_PH.device, (H, I, E, gelu), align, launch, gelu,
+                            library=library)
     # Padding rows of dw_part are never written; only the slots' own rows are read.
     dw_N = dw_part.index_select(0, meta.slot_pos_N).sum(1)
     return dpre_P2I, dw_N, hs_PI
@@ -976,4 +1089,33 @@ def aot_specs() -> list[KernelSpec]:
                     constexprs={"BLOCK_R": GATHER_BLOCK_R, "BLOCK_H": GATHER_BLOCK_H, "ALIGN": row_align(dtype, H)},
                     num_warps=GATHER_WARPS,
                 ))
+    specs += _library_epilogue_specs()
+    return specs
+
+
+def _library_epilogue_specs() -> list[KernelSpec]:
+    """The passes that complete PyTorch's grouped GEMM where it stands in for a fused kernel: only
+    where it is sync-free (sm_90, the half types) and the rows aligned, so for those alone."""
+    specs = []
+    H, I = _SIZES["aligned"]
+    P = padded_rows(MIXTRAL.T * MIXTRAL.K, MIXTRAL.E, 128)
+    for dtype in _HALF:
+        ty = TRITON_TYPES[dtype]
+        x, i32, f32 = pointer(dtype), pointer(torch.int32), pointer(torch.float32)
+        flags = {"BLOCK_R": EPILOGUE_BLOCK_R, "BLOCK_C": EPILOGUE_BLOCK_C, "INTERPRETED": False}
+        for activation in ACTIVATIONS:
+            gelu = {"GELU": activation == "gelu"}
+            specs.append(KernelSpec(
+                name=f"glu_rows_{ty}_{activation}", fn=_glu_rows_kernel, args=(x, x, i32, P, I, MIXTRAL.E),
+                constexprs={**flags, **gelu, "ALIGN": row_align(dtype, I)}, num_warps=EPILOGUE_WARPS, archs=(90,),
+            ))
+            specs.append(KernelSpec(
+                name=f"glu_backward_rows_{ty}_{activation}", fn=_glu_backward_rows_kernel,
+                args=(x, x, f32, i32, i32, x, x, f32, I, MIXTRAL.E),
+                constexprs={**flags, **gelu, "ALIGN": row_align(dtype, H, I)}, num_warps=EPILOGUE_WARPS, archs=(90,),
+            ))
+        specs.append(KernelSpec(
+            name=f"scale_rows_{ty}", fn=_scale_rows_kernel, args=(x, f32, i32, i32, H, MIXTRAL.E),
+            constexprs={**flags, "ALIGN": row_align(dtype, H, I)}, num_warps=EPILOGUE_WARPS, archs=(90,),
+        ))
     return specs

@@ -1,6 +1,6 @@
 """PyTorch's grouped GEMM (``torch.nn.functional.grouped_mm``; CUTLASS on sm_90 and later), where it
 is sync-free: what the grouped-GEMM path of ``moe_experts`` runs on, and a candidate beside the
-Triton configurations of the launches that are plain grouped GEMMs (``grouped_gemm._tuned``)."""
+Triton configurations of every GEMM launch of the Triton path (``grouped_gemm._tuned``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""PyTorch's grouped GEMM as a candidate of the Triton path's plain grouped GEMMs (dx and the two
-weight gradients): offered only where it is sync-free (never on sm_80, never in float32 on a GPU),
-exact when chosen, and chosen per stage by the same timing, agreement and cache as the Triton
-configurations; the selector never times the grouped-GEMM path where it would sync, and pinning
-that path there warns. On the CPU the Triton kernels run under the interpreter and the architecture
-is mocked."""
+"""PyTorch's grouped GEMM as a candidate of every GEMM stage of the Triton path (gate/up and down
+forward, dH, dx and the two weight gradients; the fused stages completed by element-wise passes):
+offered only where it is sync-free (never on sm_80, never in float32 on a GPU), exact when chosen
+for any one stage or all of them, and chosen per stage by the same timing, agreement and cache as
+the Triton configurations; the selector never times the grouped-GEMM path where it would sync,
+and pinning that path there warns. On the CPU the Triton kernels run under the interpreter and the
+architecture is mocked."""
 
 import warnings
 
@@ -12,6 +13,7 @@ import torch
 
 from moe_ep.kernels import autotune
 from moe_ep.kernels import grouped_gemm as gg
+from moe_ep.kernels.grouped_gemm import GEMM_KERNELS
 from moe_ep.kernels.library import GROUPED_MM, Library, grouped_mm_sync_free
 from moe_ep.ops import experts, selector
 from moe_ep.ops.experts import moe_experts
@@ -66,18 +68,17 @@ def offered(monkeypatch, arch: str, dtype: torch.dtype) -> dict:
 def test_the_candidate_is_offered_only_where_it_is_sync_free(monkeypatch, arch, dtype, expected):
     seen = offered(monkeypatch, arch, dtype)
     with_library = {key for key, configs in seen.items() if GROUPED_MM in configs}
-    plain = {key for key in seen if key[0] == "weight_grad" or key[0] == "rows_matmul" and key[1][3:5] == ("kn", False)}
-    assert len(plain) == 3  # dx, d down, d gate_up
-    assert with_library == (plain if expected else set()), (arch, dtype, sorted(seen))
+    assert len(seen) == 6  # gate/up and down forward, dH, dx, d down, d gate_up
+    assert with_library == (set(seen) if expected else set()), (arch, dtype, sorted(seen))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", HARD, ids=lambda c: c.name)
 def test_stages_on_grouped_mm_match_float64_and_repeat_bitwise(monkeypatch, case, dtype):
-    """A tuning session on an (emulated) H100 that times PyTorch's grouped GEMM fastest puts dx and
-    both weight gradients on it: the results still match the float64 reference, and a second run
-    gives the same bits. The interpreter runs sm_90's own configuration space."""
+    """A tuning session on an (emulated) H100 that times PyTorch's grouped GEMM fastest puts every
+    stage on it: the results still match the float64 reference, and a second run gives the same
+    bits. The interpreter runs sm_90's own configuration space."""
     monkeypatch.setattr(autotune, "device_arch", lambda device: "sm_90")
     library_calls = []
     library = gg.grouped_mm
@@ -102,12 +103,55 @@ def test_stages_on_grouped_mm_match_float64_and_repeat_bitwise(monkeypatch, case
         assert rel_err(g, g_ref) <= TOLERANCE[dtype], name
     if case.T:
         chosen = {key[0]: c for key, c in autotune.chosen_configs().items() if isinstance(c, Library)}
-        assert set(chosen) == {"rows_matmul", "weight_grad"}, autotune.chosen_configs()
+        assert set(chosen) == set(GEMM_KERNELS), autotune.chosen_configs()
         table = next(iter(selector.decisions().values()))
         assert {(k, n) for k, _, _, n in table.configs if n == str(GROUPED_MM)} == {
-            ("rows_matmul", "grouped_mm"), ("weight_grad", "grouped_mm")}
+            (k, "grouped_mm") for k in GEMM_KERNELS}
     (y2, grads2), _ = run()  # a lookup now: the same stages, the same bits
     assert torch.equal(y, y2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+# The six GEMM stages, told apart by their launches' (kernel, shapes) as ``grouped_gemm._tuned``
+# keys them; the two weight gradients by their [F, D] ([H, I] for d down), so H != 2I below.
+STAGE_NAMES = ("gate_up_fwd", "down_fwd", "dh", "dx", "dw_down", "dw_gate_up")
+
+
+def _stage_of(kernel: str, shapes: tuple, case: Case) -> str:
+    if kernel == "weight_grad":
+        return "dw_down" if shapes[:2] == (case.H, case.I) else "dw_gate_up"
+    if kernel == "rows_matmul":
+        return "down_fwd" if shapes[3] == "nk" else "dx"
+    return {"gather_glu": "gate_up_fwd", "glu_backward": "dh"}[kernel]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("stage", STAGE_NAMES)
+def test_any_one_stage_on_grouped_mm_matches_float64(monkeypatch, stage, activation):
+    """One stage on PyTorch's grouped GEMM (its element-wise pass where the stage is fused), the
+    other five on their Triton kernels: the output and the four gradients still match the float64
+    reference, with an empty expert and 2I != H."""
+    case = Case("one_stage", T=23, H=16, I=24, E=6, K=2, routing="skip_last")
+    monkeypatch.setattr(autotune, "device_arch", lambda device: "sm_90")
+    choose = autotune.choose
+    stages = []
+
+    def pinned(kernel, configs, **kw):
+        on_library = _stage_of(kernel, kw["shapes"], case) == stage
+        stages.append((_stage_of(kernel, kw["shapes"], case), on_library))
+        kept = [c for c in configs if isinstance(c, Library) == on_library]
+        return choose(kernel, kept, **kw)
+
+    monkeypatch.setattr(autotune, "choose", pinned)
+    x, idx, w, gate_up, down = case.make(torch.bfloat16)
+    dy = torch.randn(case.T, case.H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y, grads = run_with_grads(lambda *a: moe_experts(*a, activation=activation, backend="triton"),
+                              x, idx, w, gate_up, down, dy)
+    y_ref, grads_ref = run_with_grads(lambda *a: moe_experts_ref(*a, activation=activation), x, idx, w, gate_up, down, dy)
+    assert set(stages) == {(s, s == stage) for s in STAGE_NAMES}
+    assert rel_err(y, y_ref) <= TOLERANCE[torch.bfloat16]
+    for name, g, g_ref in zip(GRAD_NAMES, grads, grads_ref):
+        assert rel_err(g, g_ref) <= TOLERANCE[torch.bfloat16], name
 
 
 @pytest.mark.parametrize("arch,dtype,timed", [("sm_80", torch.bfloat16, False), ("sm_90", torch.float32, False),

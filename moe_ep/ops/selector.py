@@ -3,9 +3,9 @@
 Two paths compute the op: the Triton kernels (``"triton"``: the gather, gated activation and
 routing weight fused into the grouped GEMMs) and the grouped-GEMM path (``"torch"``: moe_ep's one
 sort, its activation and weighted combine, the GEMMs on PyTorch's grouped GEMM, CUTLASS on sm_90).
-Inside the Triton path, the launches that are plain grouped GEMMs (dx and the two weight
-gradients) also time PyTorch's grouped GEMM as one more candidate configuration, so each of those
-stages runs on whichever is faster. Where PyTorch's grouped GEMM is not sync-free (sm_80, float32;
+Inside the Triton path, every GEMM stage (gate/up and down forward, dH, dx and the two weight
+gradients) also times PyTorch's grouped GEMM as one more candidate configuration (the fused stages
+completed by an element-wise pass), so each stage runs on whichever is faster. Where PyTorch's grouped GEMM is not sync-free (sm_80, float32;
 ``kernels.library.grouped_mm_sync_free``) neither the path nor the candidate is ever timed or run.
 With ``backend="auto"`` (the default on CUDA) the op runs whichever measured faster for its
 architecture, dtype, expert shapes, activation and token bucket, the way Inductor's max-autotune
