@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 
+from moe_ep.bench.kernels import chosen_config_notes
 from moe_ep.kernels import autotune
 from moe_ep.kernels import grouped_gemm as gg
 from moe_ep.kernels.grouped_gemm import GEMM_KERNELS
@@ -70,6 +71,13 @@ def test_the_candidate_is_offered_only_where_it_is_sync_free(monkeypatch, arch, 
     with_library = {key for key, configs in seen.items() if GROUPED_MM in configs}
     assert len(seen) == 6  # gate/up and down forward, dH, dx, d down, d gate_up
     assert with_library == (set(seen) if expected else set()), (arch, dtype, sorted(seen))
+
+
+def test_the_kernel_benchmark_names_each_stage_choice(monkeypatch):
+    """What the GPU gate prints after its timings: one line per GEMM stage launched, with its choice."""
+    offered(monkeypatch, "sm_90", torch.bfloat16)
+    notes = chosen_config_notes()
+    assert {n.split()[1] for n in notes} == set(GEMM_KERNELS) and len(notes) >= 6, notes
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from ..kernels import autotune
 from ..kernels.runtime import interpreting
 from ..ops.experts import moe_experts
 from ..ops.experts_torch import grouped_linear, routing_order
@@ -598,4 +599,13 @@ def run(args, device: torch.device) -> Report:
     for case, results in sync_checks.items():
         report.notes += [f"no host sync, {case}, {name}: {result}" for name, result in results.items()]
     report.meta["no_host_sync"] = sync_checks
+    if device.type == "cuda":
+        report.notes += chosen_config_notes()
     return report
+
+
+def chosen_config_notes() -> list[str]:
+    """What each GEMM stage of the Triton path launched with, per shapes and token bucket: the tile
+    configuration, or grouped_mm, that timing chose (or the default where nothing was timed)."""
+    return [f"chosen: {kernel} {shapes} bucket {bucket}: {config}"
+            for (kernel, shapes, _, _, bucket), config in sorted(autotune.chosen_configs().items(), key=str)]
