@@ -21,6 +21,10 @@ from numerics import TOLERANCE, rel_err
 # 4 layers: ZB-V cuts 2 ranks into 4 stages.
 TINY = dict(num_hidden_layers=4, num_local_experts=4, intermediate_size=24)
 STEPS = 3
+# Parameter updates over STEPS steps across layouts or summation orders, in float32: the rounding
+# of each order, carried through 4 layers onto the router's small gradients (the losses, and every
+# one-process comparison, stay within TOLERANCE).
+UPDATE_TOLERANCE = 5e-5
 
 
 class Case(NamedTuple):
@@ -298,12 +302,13 @@ def test_chunked_loss_on_two_ranks_equals_one_process():
     reduced like any other; as 2 pipeline ranks (1F1B, and ZB-V with a tied head) the last stage
     returns hidden states. Over 3 steps: the losses equal one process's full-logits run on the
     whole batch, and the parameter updates (of this rank's stages) the same layout's without the
-    switch. (Against one process the updates of this 4-layer model already differ by up to 2e-5
-    without the switch: FSDP's and the all-to-all's summation order alone, amplified through the
-    layers onto the small router gradients.)"""
+    switch, to ``UPDATE_TOLERANCE``. (Against one process the updates of this 4-layer model
+    already differ by up to 2e-5 without the switch: FSDP's and the all-to-all's summation order
+    alone, amplified through the layers onto the small router gradients; the head's chunking is
+    one more summation order: 2.5e-5 on layer 0's router with ep=2 and chunks of two thirds of H.)"""
     for result in run_ranks(_chunked_on_two_ranks, 2, LAYOUTS, timeout=300):
         for name, (losses, full_losses, ref_losses, max_error, complete) in result.items():
             for got in (losses, full_losses):
                 assert rel_err(torch.tensor(got), torch.tensor(ref_losses)) <= TOLERANCE[torch.float32], (
                     name, got, ref_losses)
-            assert complete and max_error <= TOLERANCE[torch.float32], (name, max_error)
+            assert complete and max_error <= UPDATE_TOLERANCE, (name, max_error)

@@ -46,9 +46,16 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 
 
 def default_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
-    """Liger-Kernel's rule: a chunk's float32 logits hold about as many numbers as the hidden
-    states, so the head's temporaries stay the size of an activation whatever the vocabulary."""
-    return max(1, math.ceil(tokens / math.ceil(vocab / hidden)))
+    """Tokens per chunk: Liger-Kernel's rule (a chunk's float32 logits hold about as many numbers
+    as the hidden states) or, where that is more, two thirds of the hidden size, and never more
+    than ``tokens``. Every chunk rereads and rewrites the weight's float32 gradient ([V, H], 12
+    bytes per weight with its half product), so Liger's ceil(V / H) chunks cost more traffic than
+    the head's GEMMs at a large vocabulary (Qwen3's 151,936 over H=2048: 75 chunks). Two thirds of
+    H tokens is the largest chunk whose forward temporaries (its float32 logits and their half
+    copy, 6 bytes per logit, beside the half product, 2 per weight) stay within what the backward
+    holds anyway (the scaled float32 weight gradient and its half copy, 6 per weight): at most
+    1.5 T / H chunks (13 there at 16k tokens) for no more peak memory."""
+    return max(1, min(tokens, max(math.ceil(tokens / math.ceil(vocab / hidden)), 2 * hidden // 3)))
 
 
 def linear_cross_entropy(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, target_T: torch.Tensor,
@@ -146,8 +153,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if need_dh:
                     dh_TH[start:start + chunk] = g_CV @ w_VH
                 if need_dw:
-                    # Each chunk's product in the compute dtype, summed over the chunks in float32.
-                    dw32_VH += g_CV.T @ h_CH
+                    # Each chunk's product in the compute dtype, summed over the chunks in float32;
+                    # in place where that is float32 itself, so no [V, H] temporary there.
+                    if mm_dtype == torch.float32:
+                        dw32_VH.addmm_(g_CV.T, h_CH)
+                    else:
+                        dw32_VH += g_CV.T @ h_CH
         ctx.dtypes = (weight_VH.dtype, None if bias_V is None else bias_V.dtype)
         ctx.save_for_backward(dh_TH, dw32_VH, db32_V)
         ctx.mark_non_differentiable(z_sum)
