@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from moe_ep import DEFAULT_SCHEDULE, NO_PIPELINE, Layout
+from moe_ep import DEFAULT_SCHEDULE, NO_PIPELINE, Layout, ParallelConfig
 from moe_ep.runs import UsageError
 
 from models import num_experts_in
@@ -139,11 +139,28 @@ def layout_from_plan(args, config, world_size: int, gpus_per_node: int):
     return RunLayout(**asdict(p), split_points=split_points), chosen
 
 
-def apply_layout(model: torch.nn.Module, layout: RunLayout, *, mixed_precision: torch.dtype | None):
-    """Shard the model in place with moe_ep.parallelize (collective). Returns the model, or with
-    ``pp > 1`` this rank's moe_ep.parallel.PipelineStages. One process without a process group
-    keeps the model as it is."""
+def check_compile_blocks(layout: RunLayout) -> None:
+    """--compile-blocks against the layout's recompute policy, as parallelize will check it, before
+    any work."""
+    try:
+        ParallelConfig(activation_checkpointing=layout.checkpointing, compile_blocks=True)
+    except ValueError as err:
+        raise UsageError(f"--compile-blocks: {err}") from err
+
+
+def apply_layout(model: torch.nn.Module, layout: RunLayout, *, mixed_precision: torch.dtype | None,
+                 compile_blocks: bool = False):
+    """Shard the model in place with moe_ep.parallelize (collective), recomputation and compiled
+    dense blocks as asked. Returns the model, or with ``pp > 1`` this rank's
+    moe_ep.parallel.PipelineStages. One process without a process group keeps the model as it is,
+    so it refuses what only parallelize would apply."""
     if layout.world_size == 1 and not torch.distributed.is_initialized():
+        asked = [flag for flag, on in (("--activation-checkpointing", layout.checkpointing != "none"),
+                                       ("--compile-blocks", compile_blocks)) if on]
+        if asked:
+            raise UsageError(f"{' and '.join(asked)} apply through moe_ep.parallelize, which one process without "
+                             "a launcher does not call: launch it with torchrun --nproc-per-node 1 (or accelerate "
+                             "launch)")
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -157,7 +174,8 @@ def apply_layout(model: torch.nn.Module, layout: RunLayout, *, mixed_precision: 
                     "split_points": None if layout.split_points is None else list(layout.split_points)}
     return parallelize(
         model, ep=layout.ep, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, pp=layout.pp,
-        mixed_precision=policy, activation_checkpointing=layout.checkpointing, **pipeline,
+        mixed_precision=policy, activation_checkpointing=layout.checkpointing, compile_blocks=compile_blocks,
+        **pipeline,
     )
 
 

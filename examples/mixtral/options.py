@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert kernels: moe_ep (needs moe_ep.hf) or one of transformers' own")
     m.add_argument("--backend", default=None, choices=["triton", "torch"],
                    help="moe_ep kernel backend (default: triton on CUDA, torch elsewhere)")
+    m.add_argument("--compile-blocks", action="store_true",
+                   help="torch.compile the dense parts of each decoder layer (attention, norms, router; "
+                        "moe_ep.parallelize(compile_blocks=True)); needs a launcher, even for one process")
 
     lay = p.add_argument_group("parallel layout (world size = pp * dp_replicate * dp_shard; ep divides dp_shard)")
     lay.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
@@ -83,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local: each rank balances its own tokens (transformers' loss); global: expert counts "
                         "summed over every data-parallel rank first (Megatron-Core's global aux loss)")
     o.add_argument("--z-loss-coef", type=float, default=0.0, help="router z-loss weight (ST-MoE)")
+    o.add_argument("--chunked-loss", action="store_true",
+                   help="compute the LM loss through the head in chunks of tokens, never holding the full logits "
+                        "(TrainStep(chunked_loss=True))")
     o.add_argument("--expert-bias-rate", type=float, default=None,
                    help="step of the aux-loss-free expert bias (DeepSeek-V3's e_score_correction_bias; default: "
                         f"{DEFAULT_EXPERT_BIAS_RATE} for models whose routers hold one, else 0)")

@@ -75,7 +75,7 @@ from data import (
     token_cache_file,
     token_cache_problems,
 )
-from layout import RunLayout, apply_layout, layout_from_flags, layout_from_plan, rank_view
+from layout import RunLayout, apply_layout, check_compile_blocks, layout_from_flags, layout_from_plan, rank_view
 from models import (
     ModelSource,
     build_model,
@@ -111,7 +111,8 @@ def make_step(target, optimizer, args, layout, *, aux_coef: float, bias_rate: fl
                      global_aux_loss=args.aux_loss == "global" and aux_coef > 0, z_loss_coef=args.z_loss_coef,
                      expert_bias_rate=bias_rate,
                      max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else math.inf,
-                     max_consecutive_skips=args.max_consecutive_skips or None, autocast_dtype=autocast_dtype)
+                     max_consecutive_skips=args.max_consecutive_skips or None, autocast_dtype=autocast_dtype,
+                     chunked_loss=args.chunked_loss)
 
 
 def prepare_model(args, source, layout, device, mp_dtype):
@@ -128,7 +129,7 @@ def prepare_model(args, source, layout, device, mp_dtype):
     total_params, active_params = count_parameters(model)
     if not meta and device.type != "cpu":
         model.to(device)
-    target = apply_layout(model, layout, mixed_precision=mp_dtype)
+    target = apply_layout(model, layout, mixed_precision=mp_dtype, compile_blocks=args.compile_blocks)
     module = model if layout.pp == 1 else rank_view(model, target.modules)
     bytes_read = None
     if source.pretrained_dir is not None:
@@ -232,6 +233,8 @@ def validate(args) -> Checked:
         layout, chosen_plan = layout_from_plan(args, source.config, world_size, env_int("LOCAL_WORLD_SIZE", world_size))
     else:
         layout = layout_from_flags(args, world_size, source.config)
+    if args.compile_blocks:
+        check_compile_blocks(layout)
     data_spec = resolve_data(args.data, args.text_field)
     mp_dtype = mixed_precision_dtype()
     output_dir = Path(args.output_dir)

@@ -1,0 +1,72 @@
+"""The example's switches for moe_ep's optional paths: ``--chunked-loss`` (TrainStep's chunked LM
+loss: the same losses as the full logits) and ``--compile-blocks`` (parallelize's compiled dense
+blocks: refused before any work under a recompute policy it cannot run with, and, like
+``--activation-checkpointing``, refused by one process without a launcher, where parallelize is
+never called, instead of being dropped without a word)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from example_runs import COMMON, EXAMPLE, losses, train_in_process
+
+sys.path.insert(0, str(EXAMPLE))
+
+import layout as example_layout  # noqa: E402
+import train  # noqa: E402
+
+from moe_ep import NO_PIPELINE  # noqa: E402
+from moe_ep.runs import UsageError  # noqa: E402
+from numerics import TOLERANCE, rel_err  # noqa: E402
+
+
+@pytest.mark.slow
+def test_chunked_loss_flag_trains_with_the_same_losses(tmp_path):
+    full, chunked = tmp_path / "full", tmp_path / "chunked"
+    for out, extra in ((full, []), (chunked, ["--chunked-loss"])):
+        assert train_in_process([*COMMON, "--steps", "3", "--checkpoint-every", "0", "--output-dir", str(out),
+                                 *extra]) == 0
+    full_losses, chunked_losses = losses(full), losses(chunked)
+    assert sorted(chunked_losses) == [1, 2, 3]
+    assert rel_err(torch.tensor(list(chunked_losses.values())),
+                   torch.tensor(list(full_losses.values()))) <= TOLERANCE[torch.float32], (chunked_losses, full_losses)
+
+
+@pytest.mark.parametrize("policy", ["selective", "attention"])
+def test_compile_blocks_under_a_recompute_policy_it_cannot_run_with_stops_before_any_work(policy, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = train.main(["--compile-blocks", "--activation-checkpointing", policy, "--output-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"--compile-blocks: compile_blocks with activation_checkpointing={policy!r}" in err
+    assert not out.exists()
+
+
+def _one_process_layout(checkpointing: str) -> example_layout.RunLayout:
+    return example_layout.RunLayout(pp=1, dp_replicate=1, dp_shard=1, ep=1, microbatch_size=2, microbatches=1,
+                                    schedule=NO_PIPELINE, checkpointing=checkpointing)
+
+
+@pytest.mark.parametrize("checkpointing, compile_blocks, named", [
+    ("full", False, "--activation-checkpointing apply"),
+    ("none", True, "--compile-blocks apply"),
+    ("selective", True, "--activation-checkpointing and --compile-blocks apply"),
+])
+def test_one_process_without_a_launcher_refuses_what_only_parallelize_applies(checkpointing, compile_blocks, named):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(UsageError, match=f"{named} through moe_ep.parallelize, .* torchrun --nproc-per-node 1"):
+        example_layout.apply_layout(model, _one_process_layout(checkpointing), mixed_precision=None,
+                                    compile_blocks=compile_blocks)
+    assert example_layout.apply_layout(model, _one_process_layout("none"), mixed_precision=None) is model
+
+
+def test_a_launched_run_passes_the_switches_to_parallelize(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr("moe_ep.parallelize", lambda model, **kw: seen.update(kw) or model)
+    example_layout.apply_layout(torch.nn.Linear(2, 2), _one_process_layout("full"), mixed_precision=None,
+                                compile_blocks=True)
+    assert seen["compile_blocks"] is True and seen["activation_checkpointing"] == "full"
