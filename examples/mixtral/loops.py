@@ -35,6 +35,7 @@ from moe_ep.runs import (
     agree_on_arguments,
     hold_output_dir,
     run_reported,
+    said_by_every_rank,
 )
 
 from data import ByteTokenizer, PackedSequences, resolve_data, tokenize_corpus
@@ -187,11 +188,13 @@ def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] 
     rank 0 holds the folder's lock while it runs (the other ranks join it through the process
     group). Yields (data, run folder, world size, rank)."""
     world_size, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
-    check_args(args, world_size)
-    data = make_data(args, world_size)
-    run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed)
-    args.resume = args.resume or run.preempted()
-    run.check(resume=args.resume, parameters=count_parameters(args))
+    # The same flags, files and folder on every rank, so the same verdict: rank 0 says it, once.
+    with said_by_every_rank():
+        check_args(args, world_size)
+        data = make_data(args, world_size)
+        run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed)
+        args.resume = args.resume or run.preempted()
+        run.check(resume=args.resume, parameters=count_parameters(args))
     with hold_output_dir(run.path, rank=rank):
         yield data, run, world_size, rank
 

@@ -1,0 +1,53 @@
+"""What a user sees when a launched example stops on a usage error (#21 item 8), through each
+documented launcher: one line of ours, ``error: ...`` naming the flag, said once although every
+rank found it, the last line of the program's own before the launcher's summary (torchrun's log
+lines and ``ChildFailedError`` table, accelerate's ``CalledProcessError``), and no traceback frame
+of moe_ep's or the example's code anywhere."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from example_runs import EXAMPLE, accelerate_script_cmd, env, free_port
+
+pytestmark = pytest.mark.slow
+
+# torchrun's own log lines: "W1128 02:45:56.981000 29868 torch/distributed/run.py:874] ...".
+LAUNCHER_LOG = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d")
+OUR_FRAME = re.compile(r'File "[^"]*(examples/mixtral/|/moe_ep/)')
+
+
+def torchrun_script_cmd(script: str, *flags: str, processes: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+            "--master-port", str(free_port()), str(EXAMPLE / script), *flags]
+
+
+CASES = {
+    "train.py, torchrun": (torchrun_script_cmd, "train.py", ["--steps", "0"], "error: --steps must be >= 1, got 0"),
+    "train.py, accelerate launch": (accelerate_script_cmd, "train.py", ["--lr", "nan"],
+                                    "error: --lr must be a finite number > 0, got nan"),
+    "trainer.py, accelerate launch": (accelerate_script_cmd, "trainer.py", ["--steps", "0"],
+                                      "error: --steps must be >= 1, got 0"),
+    "accelerate_loop.py, torchrun": (torchrun_script_cmd, "accelerate_loop.py", ["--warmup-steps", "60"],
+                                     "error: --warmup-steps must be in [0, --steps), got 60"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_usage_error_is_one_line_of_ours_above_the_launchers_summary(case, tmp_path):
+    make_cmd, script, flags, expected = CASES[case]
+    proc = subprocess.run(make_cmd(script, *flags, "--output-dir", str(tmp_path / "out")), capture_output=True,
+                          text=True, env=env(), timeout=240, cwd=tmp_path)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert proc.returncode != 0
+    ours = [i for i, line in enumerate(lines) if line.startswith("error")]
+    assert [lines[i] for i in ours] == [expected], lines[-40:]
+    after = lines[ours[0] + 1:]
+    traceback_at = next((j for j, line in enumerate(after) if line.startswith("Traceback")), len(after))
+    assert [line for line in after[:traceback_at] if line.strip() and not LAUNCHER_LOG.match(line)] == [], after
+    assert not [line for line in lines if OUR_FRAME.search(line)], lines
+    assert not (tmp_path / "out").exists(), "a usage error must stop the run before anything is written"
