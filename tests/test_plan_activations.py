@@ -1,8 +1,9 @@
 """The planner's activation memory against what autograd actually saves for the backward
 (``torch.autograd.graph.saved_tensors_hooks``, parameters excluded, each storage once), per unit of
-the planner's chain, within 5%: real small Hugging Face models with moe_ep's router and experts on
+the planner's chain, within 2%: real small Hugging Face models with moe_ep's router and experts on
 the CPU, with and without activation checkpointing, at several sequence lengths and micro-batch
-sizes; the same with the experts spread over ep ranks through moe_ep's dispatcher; and two layers
+sizes, held-out shapes that no figure of the planner was fitted to (within 2% there, and never
+below); the same with the experts spread over ep ranks through moe_ep's dispatcher; and two layers
 with Mixtral-8x7B's full shapes under FakeTensorMode, for both backends. The harness is
 ``moe_ep.bench.planner`` (``python -m moe_ep.bench planner`` prints the same figures)."""
 
@@ -33,6 +34,31 @@ def _assert_close(measured: dict, modelled: dict, what: str):
 def test_saved_bytes_of_small_models(name, checkpointing, batch, seq):
     measured, modelled = small_model_saved(name, batch, seq, checkpointing)
     _assert_close(measured, modelled, f"{name} B={batch} S={seq} checkpointing={checkpointing}")
+
+
+# The two bf16 Mixtral-family configurations #22 found off by 5.1% and 3.8%, and a third with odd
+# sizes (3 heads of 64, 1 KV head, 6 experts, top-3, 200 tokens).
+HELD_OUT = [
+    (dict(hidden_size=384, intermediate_size=256, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+          num_local_experts=16, num_experts_per_tok=4, vocab_size=3000), 4, 256),
+    (dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+          num_local_experts=8, num_experts_per_tok=2, vocab_size=1000), 2, 512),
+    (dict(hidden_size=192, intermediate_size=320, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
+          num_local_experts=6, num_experts_per_tok=3, vocab_size=5000), 3, 200),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("shape, batch, seq", HELD_OUT, ids=["h384_e16_k4", "h256_e8_k2", "h192_e6_k3"])
+def test_saved_bytes_of_held_out_shapes(shape, batch, seq, checkpointing):
+    from transformers import MixtralConfig
+
+    from moe_ep.bench.planner import config_saved
+
+    measured, modelled = config_saved(MixtralConfig(**shape), batch, seq, checkpointing)
+    _assert_close(measured, modelled, f"{shape} B={batch} S={seq} checkpointing={checkpointing}")
+    assert sum(modelled.values()) >= sum(measured.values()) * (1 - 1e-9), "the planner must not under-estimate"
 
 
 @pytest.mark.parametrize("name, ep, checkpointing, batch, seq", [
@@ -158,6 +184,6 @@ def test_bench_planner_mode_prints_and_saves_its_checks(tmp_path, monkeypatch, c
     report = main(["planner", "--skip-collectives", "--out-dir", str(tmp_path)])
     assert [r["status"] for r in report.rows] == ["ok", "ok"]
     out = capsys.readouterr().out
-    assert "measured / planner" in out and "2 of 2 figures within 5%" in out
+    assert "measured / planner" in out and "2 of 2 figures within 2%" in out
     saved = json.loads(next(tmp_path.glob("planner_cpu_*.json")).read_text())
     assert saved["mode"] == "planner" and saved["rows"][0]["ratio"] == 1.0

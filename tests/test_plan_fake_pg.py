@@ -3,7 +3,7 @@
 one rank at a time in this process; what each rank then holds and every collective it issues must
 match the planner's figures: parameter shards, the gradients FSDP2 reduce-scatters to it after a
 forward and backward, AdamW's state after a step (within 2%), and the bytes of its all-gathers,
-reduce-scatters, all-reduces, all-to-alls and pipeline sends over one step (within 5%).
+reduce-scatters, all-reduces, all-to-alls and pipeline sends over one step (within 2%).
 
 The layout is applied by moe_ep.parallel.parallelize
 to the model built on the meta device, with the mixed precision the planner assumes; the shards
