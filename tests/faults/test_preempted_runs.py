@@ -75,11 +75,10 @@ def to_launcher(sig):
     return lambda launcher, ranks: launcher.send_signal(sig)
 
 
-@pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("undisturbed") / "run"
-    run(torchrun_cmd(out))
-    return losses(out)
+@pytest.fixture
+def undisturbed(two_rank_run):
+    """The losses of conftest.py's undisturbed 2-rank run of train.py (the same flags)."""
+    return losses(two_rank_run[0])
 
 
 @pytest.mark.parametrize("case", ["SIGTERM to every rank", "SIGTERM to the launcher", "SIGUSR1 to all (SLURM)"])
