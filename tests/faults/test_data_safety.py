@@ -343,9 +343,10 @@ def test_read_only_output_folder_stops_before_any_work(base, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def exported(base, tmp_path_factory) -> Path:
+def exported(one_process_run, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("exported") / "hf"
-    assert export.main(["--checkpoint", str(base / "checkpoints" / f"step_{STEPS:08d}"), "--out", str(folder)]) == 0
+    step6 = one_process_run / "checkpoints" / f"step_{STEPS:08d}"
+    assert export.main(["--checkpoint", str(step6), "--out", str(folder)]) == 0
     return folder
 
 
