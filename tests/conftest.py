@@ -42,3 +42,14 @@ def two_rank_run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("two_rank_run") / "run"
     return out, run(accelerate_cmd(out, "--export-dir", str(export_of(out))))
+
+
+@pytest.fixture(scope="session")
+def two_rank_loops(tmp_path_factory):
+    """tests/hf_loops.py's runs of trainer.py and accelerate_loop.py on 2 ranks (expert parallel over
+    both): test_hf_loops.py's world, whose expert-parallel runs are also the undisturbed runs that
+    tests/faults/test_preempted_runs.py resumes onto (the same flags, launched alone: bit for bit the
+    same losses). Returns the folder of the runs."""
+    from hf_loops import launch_world
+
+    return launch_world(tmp_path_factory.mktemp("hf_loops_2"), 2, ("--ep", "2"), resume=True, bf16=True)
