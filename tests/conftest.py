@@ -17,3 +17,39 @@ def _no_tf32():
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     yield
+
+
+# examples/mixtral's undisturbed runs with the shared flags (tests/example_runs.py's COMMON), each
+# trained once per session for every module that compares with, resumes or damages it. A test that
+# changes one works on a copy (example_runs.copy_run), never on the run itself.
+
+
+@pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory):
+    """train.py in this process: checkpoints at steps 2, 4 and 6, its losses the reference."""
+    from example_runs import COMMON, train_in_process
+
+    out = tmp_path_factory.mktemp("one_process_run") / "run"
+    assert train_in_process([*COMMON, "--output-dir", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tmp_path_factory):
+    """train.py under ``accelerate launch`` on 2 gloo ranks (expert parallel over both), exported
+    beside its folder. Returns (its folder, its output)."""
+    from example_runs import accelerate_cmd, export_of, run
+
+    out = tmp_path_factory.mktemp("two_rank_run") / "run"
+    return out, run(accelerate_cmd(out, "--export-dir", str(export_of(out))))
+
+
+@pytest.fixture(scope="session")
+def two_rank_loops(tmp_path_factory):
+    """tests/hf_loops.py's runs of trainer.py and accelerate_loop.py on 2 ranks (expert parallel over
+    both): test_hf_loops.py's world, whose expert-parallel runs are also the undisturbed runs that
+    tests/faults/test_preempted_runs.py resumes onto (the same flags, launched alone: bit for bit the
+    same losses). Returns the folder of the runs."""
+    from hf_loops import launch_world
+
+    return launch_world(tmp_path_factory.mktemp("hf_loops_2"), 2, ("--ep", "2"), resume=True, bf16=True)

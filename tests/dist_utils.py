@@ -1,7 +1,9 @@
 """Run a function on N gloo ranks in child processes and bring back what each rank returns.
 
-Children come from a ``forkserver`` that imports torch and transformers once per test session,
-so a process group starts in well under a second instead of paying the imports per rank.
+Children come from a ``forkserver`` that imports torch, transformers and moe_ep's layers once per
+test session, so a process group starts in well under a second instead of paying the imports per
+rank (moe_ep's own: compiling its sources where no bytecode is cached, about a second per rank on
+busy cores).
 Ranks meet through a ``FileStore`` in a fresh temporary file (no ports to collide). A rank that
 raises is reported with its own traceback; ranks still running after ``timeout`` seconds are
 killed and reported, so a deadlocked collective fails the test instead of hanging it."""
@@ -23,6 +25,10 @@ _PRELOAD = [
     "transformers",
     "transformers.models.mixtral.modeling_mixtral",
     "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "moe_ep.dispatch",
+    "moe_ep.hf",
+    "moe_ep.parallel",
+    "moe_ep.training",
 ]
 
 _context = None

@@ -47,15 +47,8 @@ PLANNED = ["--plan", "--gpu-memory-gib", "1", "--global-batch-tokens", "512"]
 PIPELINE_BATCH = 8
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    log = run(accelerate_cmd(out, "--export-dir", str(export_of(out))))
-    return out, log
-
-
-def test_two_process_launch_trains_and_matches_one_process(reference, tmp_path):
-    out, log = reference
+def test_two_process_launch_trains_and_matches_one_process(two_rank_run, tmp_path):
+    out, log = two_rank_run
     assert "layout pp=1 dp_replicate=1 dp_shard=2 ep=2 mb=2x1 on 2 process(es), cpu, fp32 | experts moe_ep" in log
     assert "=== summary ===" in log
     assert "expert load max/mean per layer" in log
@@ -72,7 +65,7 @@ def test_two_process_launch_trains_and_matches_one_process(reference, tmp_path):
     assert rel_err(a, b) <= TOLERANCE[torch.float32], (a, b)
 
 
-def test_killed_run_resumes_onto_the_same_losses_bit_for_bit(reference, tmp_path):
+def test_killed_run_resumes_onto_the_same_losses_bit_for_bit(two_rank_run, tmp_path):
     out = tmp_path / "killed"
     # moe_ep.runs.checkpoint's test hook: both ranks stop inside the step-4 save, their shards and RNG
     # states written into the .tmp- folder, the folder not yet renamed; the run is killed there.
@@ -89,7 +82,7 @@ def test_killed_run_resumes_onto_the_same_losses_bit_for_bit(reference, tmp_path
     log = run(accelerate_cmd(out))
     assert f"resumed from {out / 'checkpoints' / 'step_00000002'} at step 2" in log
     assert "removed 1 incomplete checkpoint(s) left by an interrupted write or deletion: .tmp-step_00000004" in log
-    assert losses(out) == losses(reference[0])  # exact float equality, every step
+    assert losses(out) == losses(two_rank_run[0])  # exact float equality, every step
 
 
 EXPORT_CHECK = """
@@ -103,8 +96,8 @@ with torch.no_grad():
 """
 
 
-def test_export_loads_with_plain_transformers_and_gives_the_trained_logits(reference, tmp_path):
-    out, _ = reference
+def test_export_loads_with_plain_transformers_and_gives_the_trained_logits(two_rank_run, tmp_path):
+    out, _ = two_rank_run
     export = export_of(out)
     assert (export / "config.json").is_file() and "moe_ep" not in (export / "config.json").read_text()
     logits_file = tmp_path / "logits.pt"
@@ -119,13 +112,13 @@ def test_export_loads_with_plain_transformers_and_gives_the_trained_logits(refer
     assert rel_err(exported, trained) <= TOLERANCE[torch.float32]
 
 
-def test_pretrained_weights_read_by_slice_on_two_ranks_match_one_process(reference, tmp_path, capsys):
+def test_pretrained_weights_read_by_slice_on_two_ranks_match_one_process(two_rank_run, tmp_path, capsys):
     """Continue training the exported model, launched by torchrun: each of the 2 ranks reads only
     its experts and FSDP shards from the safetensors file; the losses must be those of one
     process reading it whole."""
     from safetensors.torch import load_file
 
-    export = export_of(reference[0])
+    export = export_of(two_rank_run[0])
     pretrained = ["--model", str(export), "--tokenizer", "byte", "--steps", "2", "--warmup-steps", "1",
                   "--checkpoint-every", "0"]
     log = run(torchrun_cmd(tmp_path / "two", *pretrained))
@@ -135,7 +128,7 @@ def test_pretrained_weights_read_by_slice_on_two_ranks_match_one_process(referen
     two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
     assert sorted(two) == sorted(one) == [1, 2]
     # The first loss is the exported model's own (the run it came from ended near it).
-    assert abs(two[1] - losses(reference[0])[STEPS]) < 0.5
+    assert abs(two[1] - losses(two_rank_run[0])[STEPS]) < 0.5
     a = torch.tensor([two[1], two[2]], dtype=torch.float64)
     b = torch.tensor([one[1], one[2]], dtype=torch.float64)
     assert rel_err(a, b) <= TOLERANCE[torch.float32], (a, b)
@@ -154,21 +147,21 @@ def test_pretrained_weights_read_by_slice_on_two_ranks_match_one_process(referen
             "bytes over all 1 rank(s)") in one_log
 
 
-def test_two_rank_checkpoint_resumes_in_one_process(reference, tmp_path):
+def test_two_rank_checkpoint_resumes_in_one_process(two_rank_run, tmp_path):
     """DCP reshards on load: the expert-parallel run's step-4 checkpoint continues in a single
     process (same global batch through 2 accumulation steps) onto the 2-rank losses."""
-    ckpt = reference[0] / "checkpoints" / "step_00000004"
+    ckpt = two_rank_run[0] / "checkpoints" / "step_00000004"
     out = tmp_path / "one"
     assert train_in_process([*COMMON, "--grad-accum", "2", "--resume", str(ckpt), "--output-dir", str(out)]) == 0
-    resumed, ref = losses(out), losses(reference[0])
+    resumed, ref = losses(out), losses(two_rank_run[0])
     assert sorted(resumed) == [5, 6]
     a = torch.tensor([resumed[5], resumed[6]], dtype=torch.float64)
     b = torch.tensor([ref[5], ref[6]], dtype=torch.float64)
     assert rel_err(a, b) <= TOLERANCE[torch.float32], (a, b)
 
 
-def test_resuming_with_other_data_is_refused(reference, tmp_path, capsys):
-    ckpt = reference[0] / "checkpoints" / "step_00000004"
+def test_resuming_with_other_data_is_refused(two_rank_run, tmp_path, capsys):
+    ckpt = two_rank_run[0] / "checkpoints" / "step_00000004"
     argv = [*COMMON, "--micro-batch-size", "3", "--resume", str(ckpt), "--output-dir", str(tmp_path / "other")]
     assert train_in_process(argv) == 2
     err = capsys.readouterr().err

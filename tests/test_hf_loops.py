@@ -21,7 +21,6 @@ from hf_loops import (
     max_abs_diff,
     max_rel_diff,
     step_records,
-    world_fixture,
 )
 from numerics import TOLERANCE
 
@@ -29,10 +28,12 @@ from numerics import TOLERANCE
 pytestmark = pytest.mark.slow
 
 PROCESSES = 2
-LAYOUT = ("--ep", "2")
 
 
-runs = world_fixture(PROCESSES, LAYOUT, resume=True, bf16=True)
+@pytest.fixture
+def runs(two_rank_loops):
+    """The world's folder: conftest.py's two_rank_loops (ep=2 on 2 processes), shared with tests/faults/."""
+    return two_rank_loops
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -48,12 +48,11 @@ def train_cli(argv, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """An undisturbed one-process run: checkpoints at steps 2, 4 and 6, its losses the reference."""
-    out = tmp_path_factory.mktemp("base") / "run"
-    assert train_in_process([*COMMON, "--output-dir", str(out)]) == 0
-    return out
+@pytest.fixture
+def base(one_process_run) -> Path:
+    """An undisturbed one-process run (conftest.py's, shared with test_rollback.py): checkpoints at
+    steps 2, 4 and 6, its losses the reference."""
+    return one_process_run
 
 
 def truncate(path: Path) -> None:
@@ -344,9 +343,10 @@ def test_read_only_output_folder_stops_before_any_work(base, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def exported(base, tmp_path_factory) -> Path:
+def exported(one_process_run, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("exported") / "hf"
-    assert export.main(["--checkpoint", str(base / "checkpoints" / f"step_{STEPS:08d}"), "--out", str(folder)]) == 0
+    step6 = one_process_run / "checkpoints" / f"step_{STEPS:08d}"
+    assert export.main(["--checkpoint", str(step6), "--out", str(folder)]) == 0
     return folder
 
 

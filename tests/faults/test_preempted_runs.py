@@ -24,6 +24,8 @@ from example_runs import (
     torchrun_cmd,
     wait_until,
 )
+from hf_loops import COMMON as LOOP_COMMON
+from hf_loops import GRAD_ACCUM
 
 from moe_ep.runs.preemption import PREEMPTED_EXIT_STATUS
 
@@ -32,9 +34,9 @@ pytestmark = pytest.mark.slow
 
 PREEMPTED = re.compile(r"^preempted \((SIG\w+)\) after step (\d+): (.+) written; run the same command to resume$",
                        re.MULTILINE)
-# The loops' flags: the tiny Mixtral on 32-token sequences, 8 steps, a checkpoint every 4.
-LOOP_FLAGS = ("--steps", "8", "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum", "2",
-              "--checkpoint-every", "4", "--max-corpus-tokens", "40000", "--seed", "3", "--ep", "2")
+# The loops' flags: those of tests/hf_loops.py's expert-parallel runs (the tiny Mixtral on 32-token
+# sequences, 6 steps, a checkpoint every 2), whose undisturbed losses conftest.py's two_rank_loops holds.
+LOOP_FLAGS = (*LOOP_COMMON, "--grad-accum", str(GRAD_ACCUM), "--ep", "2")
 
 
 def reached_step(out: Path, step: int):
@@ -75,11 +77,10 @@ def to_launcher(sig):
     return lambda launcher, ranks: launcher.send_signal(sig)
 
 
-@pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("undisturbed") / "run"
-    run(torchrun_cmd(out))
-    return losses(out)
+@pytest.fixture
+def undisturbed(two_rank_run):
+    """The losses of conftest.py's undisturbed 2-rank run of train.py (the same flags)."""
+    return losses(two_rank_run[0])
 
 
 @pytest.mark.parametrize("case", ["SIGTERM to every rank", "SIGTERM to the launcher", "SIGUSR1 to all (SLURM)"])
@@ -109,12 +110,12 @@ def test_train_py_preempted_checkpoints_once_and_resumes_bit_for_bit(undisturbed
 
 
 @pytest.mark.parametrize("script", ["trainer.py", "accelerate_loop.py"])
-def test_a_preempted_loop_continues_with_the_same_command_bit_for_bit(tmp_path, script):
+def test_a_preempted_loop_continues_with_the_same_command_bit_for_bit(two_rank_loops, tmp_path, script):
     """SIGTERM to every rank of trainer.py (transformers' Trainer: its own ``checkpoint-N``) or
     accelerate_loop.py (accelerate's ``save_state``) after step 2: the same command, without
-    --resume, continues from the preemption's checkpoint onto the undisturbed losses."""
-    undisturbed = tmp_path / "undisturbed"
-    run(accelerate_script_cmd(script, *LOOP_FLAGS, "--output-dir", str(undisturbed)))
+    --resume, continues from the preemption's checkpoint onto the undisturbed losses (the
+    script's expert-parallel run in two_rank_loops)."""
+    undisturbed = two_rank_loops / f"{Path(script).stem}_ep"
     out = tmp_path / "run"
     cmd = accelerate_script_cmd(script, *LOOP_FLAGS, "--output-dir", str(out))
     text = preempt(cmd, out, tmp_path / "preempted.log", to_ranks(signal.SIGTERM), script=script)

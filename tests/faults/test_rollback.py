@@ -19,12 +19,11 @@ from moe_ep.runs import checkpoint as ckpt
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """An undisturbed one-process run: checkpoints at steps 2, 4 and 6."""
-    out = tmp_path_factory.mktemp("base") / "run"
-    assert train_in_process([*COMMON, "--output-dir", str(out)]) == 0
-    return out
+@pytest.fixture
+def base(one_process_run) -> Path:
+    """An undisturbed one-process run (conftest.py's, shared with test_data_safety.py): checkpoints
+    at steps 2, 4 and 6."""
+    return one_process_run
 
 
 def abandoned(out: Path) -> list[Path]:
@@ -78,11 +77,11 @@ def test_resuming_the_newest_checkpoint_sets_nothing_aside(base, tmp_path, capsy
     assert json.loads((step_of(out, 8) / "trainer_state.json").read_text())["branch_points"] == []
 
 
-def test_a_rollback_on_two_ranks_branches_without_deleting(tmp_path):
-    """2 gloo ranks: the rollback to step 2 keeps it through --keep-checkpoints 1, sets steps 4 and 6
-    aside, and retrains onto the first run's losses bit for bit, each step logged once."""
-    out = tmp_path / "run"
-    run(accelerate_cmd(out))
+def test_a_rollback_on_two_ranks_branches_without_deleting(two_rank_run, tmp_path):
+    """2 gloo ranks: the rollback to step 2 of a copy of conftest.py's 2-rank run keeps it through
+    --keep-checkpoints 1, sets steps 4 and 6 aside, and retrains onto the first run's losses bit for
+    bit, each step logged once."""
+    out = copy_run(two_rank_run[0], tmp_path / "run")
     first = losses(out)
     later = {s: snapshot(step_of(out, s)) for s in (4, STEPS)}
     log = run(accelerate_cmd(out, "--resume", str(step_of(out, 2)), "--keep-checkpoints", "1"))
