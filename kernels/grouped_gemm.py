@@ -447,7 +447,7 @@ def _rows_matmul_kernel(
 
 @triton.jit
 def _glu_backward_epilogue(dh, rows, cols, weight, pre_ptr, dpre_ptr, hs_ptr, I,
-                       GELU: tl.constexpr, INTERPRETED: tl.constexpr):
+                           GELU: tl.constexpr, INTERPRETED: tl.constexpr):
     """The activation's backward on ``dh``, the float32 gradient of the unweighted expert output at
     (``rows``, ``cols``): writes d pre and hs there and returns the columns' share of d w. Padding
     rows (weight 0, pre 0) write zeros. ``_glu_backward_kernel``'s epilogue, one half of its tile's
@@ -522,7 +522,7 @@ def _glu_backward_kernel(
         half = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
         dw = _glu_backward_epilogue(acc_lo, rows, half, weight, pre_ptr, dpre_ptr, hs_ptr, I, GELU, INTERPRETED)
         dw += _glu_backward_epilogue(acc_hi, rows, half + BLOCK_N // 2, weight, pre_ptr, dpre_ptr, hs_ptr, I,
-                                 GELU, INTERPRETED)
+                                     GELU, INTERPRETED)
         tl.store(dw_part_ptr + rows.to(tl.int64) * num_pid_n + pid_n, dw, mask=valid)
 
 

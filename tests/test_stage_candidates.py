@@ -155,7 +155,8 @@ def test_any_one_stage_on_grouped_mm_matches_float64(monkeypatch, stage, activat
     dy = torch.randn(case.T, case.H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     y, grads = run_with_grads(lambda *a: moe_experts(*a, activation=activation, backend="triton"),
                               x, idx, w, gate_up, down, dy)
-    y_ref, grads_ref = run_with_grads(lambda *a: moe_experts_ref(*a, activation=activation), x, idx, w, gate_up, down, dy)
+    y_ref, grads_ref = run_with_grads(lambda *a: moe_experts_ref(*a, activation=activation),
+                                      x, idx, w, gate_up, down, dy)
     assert set(stages) == {(s, s == stage) for s in STAGE_NAMES}
     assert rel_err(y, y_ref) <= TOLERANCE[torch.bfloat16]
     for name, g, g_ref in zip(GRAD_NAMES, grads, grads_ref):
