@@ -619,6 +619,17 @@ def _glu_rows_kernel(pre_ptr, h_ptr, padded_offsets_ptr, num_rows, I, num_expert
         tl.store(pre_ptr + offs + I, zeros, mask=dead)
 
 
+@triton.jit
+def _weighted_block(scale_ptr, sorted_slot_ptr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(rows, cols, valid, weight) of this program's block of a live row block in the padded
+    layout: valid marks the slots' rows, weight their routing weight (0 on padding rows)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    slot = tl.load(sorted_slot_ptr + rows)
+    valid = slot >= 0
+    return rows, cols, valid, tl.load(scale_ptr + slot, mask=valid, other=0.0)
+
+
 @triton.jit(do_not_specialize=["I", "num_experts"])
 def _glu_backward_rows_kernel(dh_ptr, pre_ptr, scale_ptr, padded_offsets_ptr, sorted_slot_ptr, dpre_ptr, hs_ptr,
                               dw_part_ptr, I, num_experts,
@@ -628,13 +639,8 @@ def _glu_backward_rows_kernel(dh_ptr, pre_ptr, scale_ptr, padded_offsets_ptr, so
     padded layout): d pre, hs and the partial d w per column block, for the live rows. ``hs_ptr``
     may be ``dh_ptr``: each element's dh is read before its hs is written, by the same program."""
     I = _aligned(I, ALIGN)
-    live = tl.load(padded_offsets_ptr + num_experts)
-    if tl.program_id(0) * BLOCK_R < live:
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        slot = tl.load(sorted_slot_ptr + rows)
-        valid = slot >= 0
-        weight = tl.load(scale_ptr + slot, mask=valid, other=0.0)
+    if tl.program_id(0) * BLOCK_R < tl.load(padded_offsets_ptr + num_experts):
+        rows, cols, valid, weight = _weighted_block(scale_ptr, sorted_slot_ptr, BLOCK_R, BLOCK_C)
         dh = tl.load(dh_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], mask=(cols < I)[None, :], other=0.0)
         dw = _glu_backward_epilogue(dh.to(tl.float32), rows, cols, weight, pre_ptr, dpre_ptr, hs_ptr, I, GELU,
                                     INTERPRETED)
@@ -646,14 +652,9 @@ def _scale_rows_kernel(rows_ptr, scale_ptr, padded_offsets_ptr, sorted_slot_ptr,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr):
     """rows[p] *= scale[slot(p)] in place over the live slots' rows, multiplied in float32."""
     H = _aligned(H, ALIGN)
-    live = tl.load(padded_offsets_ptr + num_experts)
-    if tl.program_id(0) * BLOCK_R < live:
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        slot = tl.load(sorted_slot_ptr + rows)
-        valid = slot >= 0
+    if tl.program_id(0) * BLOCK_R < tl.load(padded_offsets_ptr + num_experts):
+        rows, cols, valid, weight = _weighted_block(scale_ptr, sorted_slot_ptr, BLOCK_R, BLOCK_C)
         mask = valid[:, None] & (cols < H)[None, :]
-        weight = tl.load(scale_ptr + slot, mask=valid, other=0.0)
         ptrs = rows_ptr + rows[:, None].to(tl.int64) * H + cols[None, :]
         values = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * weight[:, None]
         tl.store(ptrs, _downcast(values, rows_ptr.dtype.element_ty, INTERPRETED), mask=mask)
