@@ -231,3 +231,37 @@ def test_a_rank_that_lost_its_peer_outside_the_step_loop_says_nothing(capsys):
         assert report_failure(gone, rank=rank, world_size=2) == 1
     assert capsys.readouterr().err == ""
     assert report_failure(RuntimeError("CUDA error: an illegal memory access"), rank=0, world_size=2) is None
+
+
+def _stop_on_every_rank(rank, world_size, agreed, rank_0_delay_s):
+    """Every rank raises the same UsageError (rank 0 late); how long each rank took to return."""
+    import time
+
+    from moe_ep.runs import UsageError, run_reported
+
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+
+    def train(_):
+        if rank == 0:
+            time.sleep(rank_0_delay_s)
+        raise UsageError("--steps must be >= 1, got 0", agreed=agreed)
+
+    start = time.monotonic()
+    return run_reported(train, None), time.monotonic() - start
+
+
+@pytest.mark.parametrize("agreed", [True, False])
+def test_a_rank_leaving_the_report_to_rank_0_exits_only_after_rank_0_said_it(agreed):
+    """A launcher ends the job at the first rank that exits with an error: a rank that left an
+    agreed error's line to rank 0 and exited first would get rank 0 killed before it spoke (seen in
+    CI through torchrun). Such a rank waits for rank 0's line; a rank that says its own error does
+    not."""
+    from dist_utils import run_ranks
+
+    delay_s = 2.0
+    (code_0, _), (code_1, seconds_1) = run_ranks(_stop_on_every_rank, 2, agreed, delay_s)
+    assert code_0 == code_1 == 2
+    if agreed:
+        assert seconds_1 >= delay_s, seconds_1
+    else:
+        assert seconds_1 < delay_s, seconds_1

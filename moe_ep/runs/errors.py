@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 from contextlib import contextmanager
+from datetime import timedelta
 
 from .preemption import PREEMPTED_EXIT_STATUS, Preempted
 
@@ -70,43 +71,81 @@ def lost_peer(err: BaseException) -> bool:
     return any(words in str(err) for words in ("Connection closed by peer", "Connection reset by peer"))
 
 
+def own_error(err: BaseException) -> BaseException:
+    """The error a rank stopped for: a PeerFailure's cause where it has one (the peer's error
+    re-raised here), else ``err``."""
+    from ..parallel import PeerFailure
+
+    return err.__cause__ if isinstance(err, PeerFailure) and err.__cause__ is not None else err
+
+
+def said_by_rank_0(err: BaseException) -> bool:
+    """Whether ``err`` is reported by rank 0 alone: a preemption or an interrupt (raised alike on
+    every rank after their agreement), an ``agreed`` error, and a rank's stop because a peer failed
+    (moe_ep's fail_fast; the peer says why, rank 0 names it)."""
+    from ..parallel import PeerFailure
+
+    own = own_error(err)
+    if isinstance(own, (UsageError, RunError)):
+        return own.agreed
+    return isinstance(own, (Preempted, KeyboardInterrupt)) or isinstance(err, PeerFailure)
+
+
 def report_failure(err: BaseException, *, rank: int, world_size: int) -> int | None:
     """Say why the run stopped, in one line, and return the exit status: 2 for a UsageError, 1 for
     a RunError or a peer's failure, 130 for an interrupt, 75 (``PREEMPTED_EXIT_STATUS``) for a run
     stopped by a preemption signal after its checkpoint, 1 and nothing said for a collective that
     lost its peer (which says why, or whose death the launcher reports). None for anything else (a
-    bug, whose traceback is the report). An ``agreed`` error (every check before start-up is one) is said by
-    rank 0, any other by the rank that raised it; a rank that stopped only because a peer failed
-    (moe_ep's fail_fast) leaves the saying to that peer, rank 0 naming it."""
+    bug, whose traceback is the report). What ``said_by_rank_0`` names is said by rank 0 only, any
+    other error by the rank that raised it."""
     from ..parallel import PeerFailure
 
-    own = err.__cause__ if isinstance(err, PeerFailure) and err.__cause__ is not None else err
+    own = own_error(err)
     if isinstance(own, Preempted):
-        # Raised alike on every rank after their agreement: said once.
-        if rank == 0:
-            print(own, file=sys.stderr, flush=True)
-        return PREEMPTED_EXIT_STATUS
-    if isinstance(own, KeyboardInterrupt):
-        if rank == 0:
-            print("interrupted: the last complete checkpoint is kept; run the same command to resume from it",
-                  file=sys.stderr, flush=True)
-        return 130
-    if isinstance(own, (UsageError, RunError)):
-        if world_size > 1 and not own.agreed:
-            print(f"error (rank {rank}): {own}", file=sys.stderr, flush=True)
-        elif rank == 0:
-            print(f"error: {own}", file=sys.stderr, flush=True)
-        return 2 if isinstance(own, UsageError) else 1
-    if isinstance(err, PeerFailure):
-        if rank == 0:
-            print(f"error (rank 0): {err}", file=sys.stderr, flush=True)
-        return 1
-    if isinstance(own, RuntimeError) and lost_peer(own):
+        line, code = str(own), PREEMPTED_EXIT_STATUS
+    elif isinstance(own, KeyboardInterrupt):
+        line, code = "interrupted: the last complete checkpoint is kept; run the same command to resume from it", 130
+    elif isinstance(own, (UsageError, RunError)):
+        line = f"error (rank {rank}): {own}" if world_size > 1 and not own.agreed else f"error: {own}"
+        code = 2 if isinstance(own, UsageError) else 1
+    elif isinstance(err, PeerFailure):
+        line, code = f"error (rank 0): {err}", 1
+    elif isinstance(own, RuntimeError) and lost_peer(own):
         # A collective outside the step loop (start-up, the final save) found a peer gone: the
         # peer's own line, or the launcher's summary of how it died, is the report; a traceback
         # here would only bury it.
         return 1
-    return None
+    else:
+        return None
+    if rank == 0 or not said_by_rank_0(err):
+        print(line, file=sys.stderr, flush=True)
+    return code
+
+
+# A launcher ends the whole job as soon as one rank exits with an error, so a rank that leaves
+# the report to rank 0 and exits first can get rank 0 killed before its line is written: it waits
+# for rank 0 to mark the line written (in the job's store), at most this long.
+SAID_KEY = "moe_ep/runs/rank_0_has_said"
+RANK_0_REPORT_WAIT = timedelta(seconds=30)
+
+
+def wait_for_rank_0_report(err: BaseException, rank: int) -> None:
+    """Rank 0: mark its report written. Any other rank whose error rank 0 reports: wait for that
+    mark, bounded (a rank 0 that died or hangs never writes it)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    key = SAID_KEY + "/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if rank == 0:
+            store.set(key, "1")
+        elif said_by_rank_0(err):
+            store.wait([key], RANK_0_REPORT_WAIT)
+    except Exception:
+        # The store went with its host or the wait timed out: exit now, as without the wait.
+        pass
 
 
 def run_reported(train, args) -> int:
@@ -116,11 +155,13 @@ def run_reported(train, args) -> int:
     try:
         train(args)
     except BaseException as err:
-        code = report_failure(err, rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        rank = int(os.environ.get("RANK", 0))
+        code = report_failure(err, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", 1)))
         if code is None:
             raise
         import torch.distributed as dist
 
+        wait_for_rank_0_report(err, rank)
         if dist.is_initialized():
             dist.destroy_process_group()
         return code

@@ -39,16 +39,7 @@ CASES = {
 }
 
 
-# Found by this test in CI (2026-11-28, twice in the full suite, never alone): an agreed error is
-# said by rank 0 only, but rank 1 returns at once, and the launcher tears the job down on the first
-# failed rank, so rank 0 can be killed before it prints. Open in #21: a rank other than 0 should
-# wait for the launcher's teardown after an agreed error instead of exiting first.
-RACY = "accelerate_loop.py, torchrun"
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(
-    reason="rank 0's line can be lost to the launcher's teardown (see RACY)", strict=False)) if c == RACY else c
-    for c in CASES])
+@pytest.mark.parametrize("case", CASES)
 def test_a_usage_error_is_one_line_of_ours_above_the_launchers_summary(case, tmp_path):
     make_cmd, script, flags, expected = CASES[case]
     proc = subprocess.run(make_cmd(script, *flags, "--output-dir", str(tmp_path / "out")), capture_output=True,
