@@ -25,6 +25,8 @@ GRAD_ACCUM = 2
 # the aux loss is on (the scripts' default coefficient).
 COMMON = ("--steps", str(STEPS), "--seq-len", "32", "--micro-batch-size", "2", "--checkpoint-every", "2",
           "--max-corpus-tokens", "40000", "--seed", "3")
+# Each script's checkpoint of step 2 in its output folder ("{run}" in a run's flags).
+STEP_2 = {"trainer": "{run}/checkpoint-2", "accelerate_loop": "{run}/checkpoints/step_00000002"}
 
 
 class Run(NamedTuple):
@@ -40,7 +42,8 @@ class Run(NamedTuple):
 
 def world_runs(processes: int, layout: tuple[str, ...], *, resume: bool, bf16: bool) -> list[Run]:
     """Per script: moe_ep with ``layout``, the baseline on the same processes; with ``resume`` a
-    moe_ep run stopped after step 4 and then resumed; with ``bf16`` both again under accelerate's
+    moe_ep run stopped after step 4, resumed to the end, then rolled back to its checkpoint of step
+    2 and trained to the end again; with ``bf16`` both again under accelerate's
     ``mixed_precision=bf16`` (4 steps, no checkpoints)."""
     runs = []
     ga = ("--grad-accum", str(GRAD_ACCUM))
@@ -49,7 +52,8 @@ def world_runs(processes: int, layout: tuple[str, ...], *, resume: bool, bf16: b
                  Run(f"{script} baseline", script, (*COMMON, *ga, "--baseline"))]
         if resume:
             runs += [Run(f"{script} stopped", script, (*COMMON, *ga, *layout, "--stop-after", "4")),
-                     Run(f"{script} stopped", script, (*COMMON, *ga, *layout, "--resume"))]
+                     Run(f"{script} stopped", script, (*COMMON, *ga, *layout, "--resume")),
+                     Run(f"{script} stopped", script, (*COMMON, *ga, *layout, "--resume", STEP_2[script]))]
         if bf16:
             short = ("--steps", "4", "--checkpoint-every", "0")
             env = (("ACCELERATE_MIXED_PRECISION", "bf16"),)
@@ -74,7 +78,8 @@ def _free_port() -> int:
 def launch(runs: list[Run], processes: int, out: Path, *, timeout: float) -> str:
     """All ``runs`` in one ``accelerate launch`` of ``processes`` CPU processes, each writing into
     ``out / run.folder``; returns the launch's output and asserts every run ended with status 0."""
-    table = [[run.script, [*run.flags, "--output-dir", str(out / run.folder)], dict(run.env)] for run in runs]
+    table = [[run.script, [*(flag.replace("{run}", str(out / run.folder)) for flag in run.flags), "--output-dir",
+                           str(out / run.folder)], dict(run.env)] for run in runs]
     env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_MIXED_PRECISION"):
@@ -109,12 +114,19 @@ def world_fixture(processes: int, layout: tuple[str, ...], *, resume: bool, bf16
 
 
 def step_records(folder: Path) -> dict[int, dict]:
-    """Step -> the last record logged for it (a resumed run logs the steps after its checkpoint)."""
-    records = {}
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        records[record["step"]] = record
-    return records
+    """Step -> its record as the run's history stands (read_metrics: a resumed run logs the steps
+    after its checkpoint again)."""
+    from moe_ep.runs import read_metrics
+
+    return {record["step"]: record for record in read_metrics(folder / "metrics.jsonl")}
+
+
+def records_before_the_last_resume(folder: Path, tmp: Path) -> dict[int, dict]:
+    """step_records of the run's history as it stood before its last resume."""
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    last = max(i for i, line in enumerate(lines) if "resumed_from_step" in json.loads(line))
+    (tmp / "metrics.jsonl").write_text("\n".join(lines[:last]) + "\n")
+    return step_records(tmp)
 
 
 def max_rel_diff(a: dict[int, dict], b: dict[int, dict], key: str) -> float:

@@ -11,17 +11,22 @@ bf16 rounding, and stay within the bf16 tolerance of the baseline's in bf16)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from hf_loops import (
     SCRIPTS,
+    STEP_2,
     check_against_baseline_and_one_process,
     final_logits,
     max_abs_diff,
     max_rel_diff,
+    records_before_the_last_resume,
     step_records,
 )
+from moe_ep.runs import marker_kind
 from numerics import TOLERANCE
 
 # Launches the example loops with accelerate: not in the quick subset (bash scripts/test.sh --quick).
@@ -45,10 +50,31 @@ def test_expert_parallel_matches_data_parallel_and_one_process(runs, script):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_resumed_run_gives_the_uninterrupted_losses(runs, script):
-    resumed, uninterrupted = step_records(runs / f"{script}_stopped"), step_records(runs / f"{script}_ep")
+def test_a_resumed_run_gives_the_uninterrupted_losses(runs, script, tmp_path):
+    uninterrupted = step_records(runs / f"{script}_ep")
+    resumed = records_before_the_last_resume(runs / f"{script}_stopped", tmp_path)
+    assert sorted(resumed) == sorted(uninterrupted)
     assert max_abs_diff(resumed, uninterrupted, "loss") == 0.0
     assert max_abs_diff(resumed, uninterrupted, "grad_norm") == 0.0
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_rolled_back_run_keeps_its_branch_point_sets_the_later_checkpoints_aside_and_counts_each_step_once(
+        runs, script):
+    """``--resume`` of step 2's checkpoint after the run reached step 6: the checkpoints of steps 4
+    and 6 moved whole into one marked ``abandoned-`` folder, step 2's kept, the steps after 2
+    trained again onto the uninterrupted losses, each step once in the log's history."""
+    folder = runs / f"{script}_stopped"
+    step_2 = Path(STEP_2[script].format(run=folder))
+    assert step_2.is_dir()
+    [aside] = [p for p in step_2.parent.iterdir() if p.name.startswith("abandoned-")]
+    assert aside.name.endswith("-from-step-2") and marker_kind(aside) == "abandoned"
+    later = sorted(p.name for p in aside.iterdir() if p.is_dir())
+    assert later == ([f"checkpoint-{s}" for s in (4, 6)] if script == "trainer" else
+                     [f"step_{s:08d}" for s in (4, 6)])
+    rolled_back, uninterrupted = step_records(folder), step_records(runs / f"{script}_ep")
+    assert sorted(rolled_back) == sorted(uninterrupted)
+    assert max_abs_diff(rolled_back, uninterrupted, "loss") == 0.0
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

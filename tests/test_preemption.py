@@ -177,19 +177,3 @@ def test_run_reported_says_a_preemption_once_and_exits_with_its_status(capsys, m
     assert capsys.readouterr().err == (
         "preempted (SIGTERM) after step 3: /runs/a/checkpoint-3 written; run the same command to resume\n")
 
-
-def test_a_preempted_run_folder_is_continued_until_its_run_completes(tmp_path):
-    """RunFolder's note: left by a preempted loop, it makes the same command resume; the final
-    model removes it."""
-    from moe_ep.runs import RunFolder, StepLog
-
-    run = RunFolder(tmp_path / "run", "trainer", "checkpoint-*")
-    run.claim()
-    (run.path / "checkpoint-3").mkdir()
-    assert not run.preempted()
-    run.note_preempted(run.path / "checkpoint-3")
-    assert run.preempted()
-    run.check(resume=run.preempted(), parameters=10)
-    run.final.mkdir()
-    run.saved_final(StepLog(run.path, enabled=False), is_main=True)
-    assert not run.preempted()

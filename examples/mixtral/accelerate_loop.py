@@ -67,18 +67,18 @@ def save_checkpoint(accelerator, run: RunFolder, step: int) -> Path:
 
 def train(args) -> None:
     with checked_run(args, "accelerate_loop", f"{CHECKPOINTS}/step_*", managed=(CHECKPOINTS,)) as (
-            data, run, world_size, rank), preemption(args) as stop, startup_watchdog(args) as startup:
-        _train(args, data, run, world_size, rank, stop, startup)
+            data, run, resume, world_size, rank), preemption(args) as stop, startup_watchdog(args) as startup:
+        _train(args, data, run, resume, world_size, rank, stop, startup)
 
 
-def _train(args, data, run: RunFolder, world_size: int, rank: int, stop, startup) -> None:
+def _train(args, data, run: RunFolder, resume: Path | None, world_size: int, rank: int, stop, startup) -> None:
     from accelerate import Accelerator
 
     import moe_ep
 
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, cpu=not torch.cuda.is_available())
-    claim_run(args, data, run, rank, startup)
     log = StepLog(run.path, enabled=accelerator.is_main_process)
+    claim_run(args, data, run, resume, rank, log, startup)
     startup.phase("building the model")
     with configuration_errors():
         model = make_model(args, accelerator.device)
@@ -89,10 +89,8 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int, stop, startup
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
-    if args.resume:
-        resume = run.checkpoints()[-1]
+    if resume is not None:
         accelerator.load_state(str(resume))
-        log.info(f"resumed from {resume} at step {progress.step}")
     log.info(f"{'baseline (transformers experts, DDP)' if args.baseline else f'moe_ep ep={args.ep}'} on "
              f"{world_size} process(es), mixed precision {accelerator.mixed_precision}")
     batches = iter(accelerator.skip_first_batches(loader, progress.step * args.grad_accum))
@@ -122,7 +120,7 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int, stop, startup
             checkpoint = save_checkpoint(accelerator, run, progress.step)
             log.info(f"checkpoint {checkpoint}")
         if preempt:
-            raise preempted(run, stop, progress.step, checkpoint, is_main=accelerator.is_main_process)
+            raise preempted(stop, progress.step, checkpoint)
     if not finished(log, progress.step, args):
         return
     state_dict = accelerator.get_state_dict(model)  # every rank: gathers the full weights on rank 0

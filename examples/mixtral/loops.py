@@ -40,7 +40,7 @@ from moe_ep.runs import (
 
 from data import ByteTokenizer, PackedSequences, resolve_data, tokenize_corpus
 from models import tiny_config
-from options import add_preempt_signal
+from options import add_preempt_signal, add_run_folder_flags, check_run_folder_flags
 
 NUM_EXPERTS = 8  # models.tiny_config's
 
@@ -69,8 +69,7 @@ def build_parser(description: str, default_output: str) -> argparse.ArgumentPars
     p.add_argument("--max-corpus-tokens", type=int, default=400_000, help="cap on the tokens read from the stdlib")
     p.add_argument("--output-dir", default=default_output)
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (0: none)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --output-dir (implied after a preemption)")
+    add_run_folder_flags(p)
     p.add_argument("--startup-timeout", type=float, default=1800.0,
                    help="seconds from the process group to the first step before a rank that has not got there is "
                         "reported and every rank still starting exits")
@@ -92,6 +91,7 @@ def check_args(args, world_size: int) -> None:
         raise UsageError(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps}")
     if args.checkpoint_every < 0:
         raise UsageError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    check_run_folder_flags(args)
     if args.stop_after is not None:
         if not 1 <= args.stop_after <= args.steps:
             raise UsageError(f"--stop-after must be in [1, --steps], got {args.stop_after}")
@@ -184,45 +184,51 @@ def count_parameters(args) -> int:
 
 @contextmanager
 def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = ()):
-    """Every check before any work, on every rank (flags, layout, data, run folder), then the job:
-    rank 0 holds the folder's lock while it runs (the other ranks join it through the process
-    group). Yields (data, run folder, world size, rank)."""
+    """Every check before any work, on every rank (flags, layout, data, run folder, the checkpoint
+    to resume), then the job: rank 0 holds the folder's lock while it runs (the other ranks join it
+    through the process group). Yields (data, run folder, checkpoint to resume or None, world size,
+    rank)."""
     world_size, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
     # The same flags, files and folder on every rank, so the same verdict: rank 0 says it, once.
     with said_by_every_rank():
         check_args(args, world_size)
         data = make_data(args, world_size)
         run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed)
-        args.resume = args.resume or run.preempted()
-        run.check(resume=args.resume, parameters=count_parameters(args))
+        resume = run.check(resume=args.resume, overwrite=args.overwrite, parameters=count_parameters(args))
     with hold_output_dir(run.path, rank=rank):
-        yield data, run, world_size, rank
+        yield data, run, resume, world_size, rank
 
 
-def claim_run(args, data: Sequences, run: RunFolder, rank: int, startup: StartupWatchdog) -> None:
+def claim_run(args, data: Sequences, run: RunFolder, resume: Path | None, rank: int, log: StepLog,
+              startup: StartupWatchdog) -> None:
     """Once the process group exists and before anything is written: every rank was launched with
     the same command and sees the same folder, checkpoints and data (one line naming a difference,
-    on every rank); then rank 0 creates and marks the folder. From here to the step loop a rank
-    that hangs is reported within --startup-timeout."""
+    on every rank); then rank 0 creates and marks the folder and, for --overwrite, deletes the
+    run's checkpoints and log. A resume of an older checkpoint than the newest sets the later ones
+    aside (a branch, kept for the user, out of reach of --resume auto), and the log records the
+    resume so that no step is counted twice. From here to the step loop a rank that hangs is
+    reported within --startup-timeout."""
     startup.phase("agreeing on the arguments")
-    agree_on_arguments(run.kind, {**vars(args), "output folder": run.path.resolve(),
+    agree_on_arguments(run.kind, {**vars(args), "output folder": run.path.resolve(), "checkpoint to resume": resume,
                                   "checkpoints": [p.name for p in run.checkpoints()], "sequences": len(data)})
     if rank == 0:
         run.claim()
+        if args.overwrite:
+            run.clear()
+    if resume is not None:
+        log.resumed(run.step_of(resume), resume, run.set_aside_later(resume, rank=rank))
 
 
-def preempted(run: RunFolder, preemption: Preemption, step: int, checkpoint: Path, *, is_main: bool) -> Preempted:
-    """What every rank raises after the checkpoint of a preempted run; rank 0 notes in the run
-    folder that the same command continues it."""
-    if is_main:
-        run.note_preempted(checkpoint)
+def preempted(preemption: Preemption, step: int, checkpoint: Path) -> Preempted:
+    """What every rank raises after the checkpoint of a preempted run (the same command, resuming
+    the newest checkpoint by default, continues it)."""
     return Preempted(preemption.signal, step, checkpoint)
 
 
 def finished(log: StepLog, step: int, args) -> bool:
     """Whether the run reached --steps; says how to continue when --stop-after stopped it."""
     if step < args.steps:
-        log.info(f"stopped after step {step}; continue with --resume")
+        log.info(f"stopped after step {step}; run it again without --stop-after to continue")
         return False
     return True
 

@@ -97,11 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--output-dir", default="runs/mixtral-tiny", help="checkpoints, metrics.jsonl, token cache")
     out.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (0: only the last)")
     out.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept on disk")
-    out.add_argument("--resume", default="auto",
-                     help="auto (latest complete checkpoint in --output-dir, if any), never, or a checkpoint folder")
-    out.add_argument("--overwrite", action="store_true",
-                     help="start afresh: delete the run's checkpoints, metrics and TensorBoard logs in --output-dir "
-                          "(only what carries the run's marker; never while another job holds the folder)")
+    add_run_folder_flags(out)
     out.add_argument("--export-dir", default=None,
                      help="at the end, write a Hugging Face folder that plain transformers loads: a new or empty "
                           "folder, or an earlier export (replaced), outside --output-dir")
@@ -118,6 +114,24 @@ def build_parser() -> argparse.ArgumentParser:
                      help="peak dense TFLOP/s of one device for the MFU estimate (default: known GPUs only)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def add_run_folder_flags(parser) -> None:
+    """``--resume`` and ``--overwrite``, the same flags in every script of the example."""
+    parser.add_argument("--resume", nargs="?", const="auto", default="auto", metavar="auto|never|CHECKPOINT",
+                        help="auto (the newest complete checkpoint in --output-dir, if any; also a bare --resume), "
+                             "never, or a checkpoint folder: resuming an older one sets the later checkpoints aside, "
+                             "not deleted")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh: delete the run's checkpoints and logs in --output-dir (only what the "
+                             "script made and marked; never while another job holds the folder)")
+
+
+def check_run_folder_flags(args) -> None:
+    if args.overwrite and args.resume not in ("auto", "never"):
+        raise UsageError(f"--overwrite starts afresh; it cannot be combined with --resume {args.resume}")
+    if args.resume not in ("auto", "never") and not Path(args.resume).is_dir():
+        raise UsageError(f"--resume: {args.resume} is not a checkpoint folder (or use auto / never)")
 
 
 def add_preempt_signal(parser) -> None:
@@ -192,10 +206,7 @@ def check_flag_values(args: argparse.Namespace) -> None:
             raise UsageError(f"--plan chooses the layout itself; do not also give {flags}")
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UsageError("--tensorboard needs the `tensorboard` package (pip install tensorboard)")
-    if args.overwrite and args.resume not in ("auto", "never"):
-        raise UsageError(f"--overwrite starts afresh; it cannot be combined with --resume {args.resume}")
-    if args.resume not in ("auto", "never") and not Path(args.resume).is_dir():
-        raise UsageError(f"--resume: {args.resume} is not a checkpoint folder (or use auto / never)")
+    check_run_folder_flags(args)
     if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
         raise UsageError(f"--output-dir: {args.output_dir} exists and is not a folder")
 

@@ -12,6 +12,7 @@ Trainer's own. ``--baseline`` runs the same script without moe_ep. See README.md
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -84,21 +85,20 @@ def preemption_callback(stop):
 
 
 def train(args) -> None:
-    with (checked_run(args, "trainer", "checkpoint-*") as (data, run, world_size, rank), preemption(args) as stop,
-          startup_watchdog(args) as startup):
-        _train(args, data, run, world_size, rank, stop, startup)
+    with (checked_run(args, "trainer", "checkpoint-*") as (data, run, resume, world_size, rank),
+          preemption(args) as stop, startup_watchdog(args) as startup):
+        _train(args, data, run, resume, world_size, rank, stop, startup)
 
 
-def _train(args, data, run: RunFolder, world_size: int, rank: int, stop, startup) -> None:
+def _train(args, data, run: RunFolder, resume: Path | None, world_size: int, rank: int, stop, startup) -> None:
     from accelerate import PartialState
     from transformers import PrinterCallback, Trainer, TrainingArguments
 
     import moe_ep
 
     state = PartialState(cpu=not torch.cuda.is_available())  # the process group, which parallelize needs
-    claim_run(args, data, run, rank, startup)
     log = StepLog(run.path, enabled=rank == 0)
-    resume = run.checkpoints()[-1] if args.resume else None
+    claim_run(args, data, run, resume, rank, log, startup)
     training_args = TrainingArguments(
         output_dir=str(run.path), per_device_train_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
@@ -118,12 +118,11 @@ def _train(args, data, run: RunFolder, world_size: int, rank: int, stop, startup
                                 callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # StepLog says the same, once per step
     log.info(f"{'baseline (transformers experts, DDP)' if args.baseline else f'moe_ep ep={args.ep}'} on "
-             f"{world_size} process(es), mixed precision {training_args.mixed_precision}"
-             + (f", resuming from {resume}" if resume else ""))
+             f"{world_size} process(es), mixed precision {training_args.mixed_precision}")
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     if stop.signal is not None:
         step = trainer.state.global_step
-        raise preempted(run, stop, step, run.path / f"checkpoint-{step}", is_main=rank == 0)
+        raise preempted(stop, step, run.path / f"checkpoint-{step}")
     if not finished(log, trainer.state.global_step, args):
         return
     trainer.save_model(str(run.final))

@@ -60,7 +60,7 @@ from .ownership import (
     marker_kind,
 )
 from .preemption import PREEMPTED_EXIT_STATUS, Preempted, Preemption, parse_signal
-from .run_folder import FINAL, PREEMPTED, RunFolder
+from .run_folder import FINAL, RunFolder
 from .same_arguments import agree_on_arguments
 from .startup import StartupWatchdog
 from .step_loop import StepGuard, step_metrics
@@ -69,7 +69,7 @@ __all__ = [
     # errors
     "RunError", "UsageError", "lost_peer", "report_failure", "run_reported", "said_by_every_rank", "write_failure",
     # the output folder: ownership and the lock
-    "FINAL", "MARKER", "METRICS", "PREEMPTED", "TRASH_PREFIX", "OutputLock", "RunFolder", "check_export_target",
+    "FINAL", "MARKER", "METRICS", "TRASH_PREFIX", "OutputLock", "RunFolder", "check_export_target",
     "check_output_folders", "clear_run", "delete_atomically", "describe_holder", "hold_output_dir",
     "make_managed_dir", "mark", "marker_kind",
     # integrity

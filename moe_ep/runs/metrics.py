@@ -105,6 +105,19 @@ def balance(counts_LE: torch.Tensor) -> list[float | None]:
     return [ratio if moe else None for ratio, moe in zip(ratios.tolist(), routed.tolist())]
 
 
+def resume_record(step: int, checkpoint: Path, set_aside: Path | None) -> tuple[dict, str | None]:
+    """What a log says of a resume at ``step``: a record that supersedes its earlier records of
+    later steps (read_metrics), which the resumed run trains again or which belong to an abandoned
+    branch, and where checkpoints were set aside (rolled back), a line saying where they are."""
+    record = {"resumed_from_step": step, "checkpoint": str(checkpoint),
+              "set_aside": None if set_aside is None else str(set_aside)}
+    if set_aside is None:
+        return record, None
+    later = ", ".join(sorted(p.name for p in set_aside.iterdir() if p.is_dir()))
+    return record, (f"rolled back to step {step}: the later checkpoints ({later}) are set aside, not deleted, in "
+                    f"{set_aside}; this run goes on from {checkpoint}")
+
+
 class Reporter:
     """Rank 0 prints and writes; the other ranks only take part in collectives."""
 
@@ -131,17 +144,13 @@ class Reporter:
             self.tb = SummaryWriter(str(make_managed_dir(output_dir / "tensorboard", "tensorboard")))
 
     def resumed(self, step: int, checkpoint: Path, set_aside: Path | None) -> None:
-        """A resume at ``step``: a record that supersedes the log's earlier records of later steps
-        (read_metrics), which the resumed run trains again or which belong to an abandoned branch,
-        and one line."""
+        """A resume at ``step`` (resume_record)."""
         if not self.enabled:
             return
-        self._write({"resumed_from_step": step, "checkpoint": str(checkpoint),
-                     "set_aside": None if set_aside is None else str(set_aside)})
-        if set_aside is not None:
-            later = ", ".join(sorted(p.name for p in set_aside.iterdir() if p.is_dir()))
-            self.info(f"rolled back to step {step}: the later checkpoints ({later}) are set aside, not deleted, in "
-                      f"{set_aside}; this run goes on from {checkpoint}")
+        record, line = resume_record(step, checkpoint, set_aside)
+        self._write(record)
+        if line:
+            self.info(line)
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -305,14 +314,30 @@ class StepLog:
         self.path = folder / METRICS
         self.enabled = enabled
 
+    def resumed(self, step: int, checkpoint: Path, set_aside: Path | None) -> None:
+        """A resume at ``step`` (resume_record)."""
+        if not self.enabled:
+            return
+        record, line = resume_record(step, checkpoint, set_aside)
+        self._append(record)
+        self.info(f"resumed from {checkpoint} at step {step}")
+        if line:
+            self.info(line)
+
     def step(self, record: dict) -> None:
         if not self.enabled:
             return
         grad_norm = record.get("grad_norm")
         print(f"step {record['step']:5d} | loss {record['loss']:.6f} | grad_norm "
               f"{'-' if grad_norm is None else f'{grad_norm:.4f}'} | lr {record['lr']:.2e}", flush=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append(record)
+
+    def _append(self, record: dict) -> None:
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:
+            raise RunError(write_failure(self.path, err)) from None
 
     def info(self, message: str) -> None:
         if self.enabled:

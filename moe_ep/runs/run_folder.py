@@ -3,23 +3,30 @@ Trainer, accelerate's ``save_state``), under ownership.py's rules.
 
 The folder is created and marked (``kind``: which script's run it is) by global rank 0, or must be
 one the same kind of run marked (an empty folder is taken over); a folder holding anything else is
-refused before any work, as is a run folder that holds checkpoints when no resume is asked for (a
-new run would write over them), unless a preemption stopped its run (``note_preempted``). Rank 0 holds the folder's lock for the job. The final model goes to
-``OUTPUT_DIR/final``, marked as an export, replaced only when it is one."""
+refused before any work. Its checkpoints are resumed as ``--resume`` says (``resume_target``):
+``auto`` the newest, ``never`` none (refused where there are some, which a new run would write
+over), or a named one; resuming an older one than the newest sets the later ones aside as an
+abandoned branch (``set_aside_later``), and ``--overwrite`` deletes them (``clear``). Rank 0 holds
+the folder's lock for the job. The final model goes to ``OUTPUT_DIR/final``, marked as an export,
+replaced only when it is one."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from .checkpoint import ABANDONED_PREFIX, set_aside_later_checkpoints
 from .errors import UsageError
 from .ownership import (
     CHECKPOINT_BYTES_PER_PARAMETER,
     EXPORT_BYTES_PER_PARAMETER,
     LOCK_FILE,
     MARKER,
+    METRICS,
     check_free_space,
     check_odd_entries,
     check_writable,
+    delete_atomically,
     make_managed_dir,
     mark,
     marker_kind,
@@ -28,29 +35,58 @@ from .ownership import (
 )
 
 FINAL = "final"
-# Left in the run folder by a run stopped by a preemption signal: the same command continues it (as
-# if told to resume) until the run completes, so a requeued job needs no other command.
-PREEMPTED = "preempted"
 
 
 class RunFolder:
     """``--output-dir`` of a loop whose checkpoints its library writes (module docstring)."""
 
     def __init__(self, path: Path, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = ()):
+        """``checkpoint_glob``: where the library writes its checkpoints, relative to ``path``, a
+        ``*`` standing for the optimizer step (``checkpoint-*``, ``checkpoints/step_*``)."""
         self.path = path
         self.kind = kind
-        self.checkpoint_glob = checkpoint_glob
+        glob = Path(checkpoint_glob)
+        self.checkpoint_root = path / glob.parent
+        self._checkpoint_name = re.compile(re.escape(glob.name).replace(r"\*", r"(\d+)"))
         self.managed = managed  # subfolders the script makes (with their own markers)
         self.final = path / FINAL
 
     def checkpoints(self) -> list[Path]:
-        """This run's complete checkpoints, oldest first."""
-        found = [p for p in self.path.glob(self.checkpoint_glob) if p.is_dir()]
-        return sorted(found, key=lambda p: int(p.name.rpartition("-")[2].rpartition("_")[2]))
+        """This run's checkpoints, oldest first."""
+        if not self.checkpoint_root.is_dir():
+            return []
+        found = [p for p in self.checkpoint_root.iterdir() if p.is_dir() and self._checkpoint_name.fullmatch(p.name)]
+        return sorted(found, key=self.step_of)
 
-    def check(self, *, resume: bool, parameters: int) -> None:
+    def step_of(self, checkpoint: Path) -> int:
+        return int(self._checkpoint_name.fullmatch(checkpoint.name)[1])
+
+    def resume_target(self, resume: str, *, overwrite: bool) -> Path | None:
+        """The checkpoint to resume (None: start afresh). ``resume``: ``auto`` (the newest, if
+        any), ``never`` (refused where checkpoints exist: a new run would write over them) or one
+        of this run's checkpoints; ``overwrite``: start afresh, the checkpoints deleted."""
+        found = self.checkpoints() if self.path.is_dir() else []
+        if overwrite:
+            return None
+        if resume == "never":
+            if found:
+                raise UsageError(f"--resume never, but {self.path} holds checkpoints of an earlier run (up to "
+                                 f"{found[-1].name}); pass --resume auto to continue it, --overwrite to delete them, "
+                                 "or choose another --output-dir")
+            return None
+        if resume == "auto":
+            return found[-1] if found else None
+        named = Path(resume).resolve()
+        for checkpoint in found:
+            if checkpoint.resolve() == named:
+                return checkpoint
+        raise UsageError(f"--resume {resume}: not a checkpoint of this script's run in {self.path} (it holds "
+                         f"{', '.join(p.name for p in found) or 'none'})")
+
+    def check(self, *, resume: str, overwrite: bool, parameters: int) -> Path | None:
         """Before any work, on every rank: nothing of the user's is in the way, the folder is
-        writable and has room for a checkpoint and the final model."""
+        writable and has room for a checkpoint and the final model. Returns the checkpoint to
+        resume (resume_target)."""
         if self.path.exists() and not self.path.is_dir():
             raise UsageError(f"--output-dir: {self.path} exists and is not a folder")
         check_odd_entries(self.path)
@@ -59,17 +95,13 @@ class RunFolder:
         for name in self.managed:
             if (self.path / name).exists() and not ours(self.path / name, name):
                 raise UsageError(not_ours_message(self.path / name, "--output-dir"))
-        found = self.checkpoints() if self.path.exists() else []
-        if found and not resume:
-            raise UsageError(f"--output-dir {self.path} holds checkpoints of an earlier run (up to {found[-1].name}); "
-                             "pass --resume to continue it, or choose a new --output-dir")
-        if resume and not found:
-            raise UsageError(f"--resume: {self.path} holds no checkpoint of this script")
+        target = self.resume_target(resume, overwrite=overwrite)
         if self.final.exists() and not ours(self.final, "export"):
             raise UsageError(not_ours_message(self.final, "--output-dir"))
         check_writable(self.path, "--output-dir")
         check_free_space(self.path, (CHECKPOINT_BYTES_PER_PARAMETER + EXPORT_BYTES_PER_PARAMETER) * parameters,
                          "one checkpoint and the final model", "--output-dir")
+        return target
 
     def _holds_nothing(self) -> bool:
         """Empty but for a marker or the lock, which rank 0 may be creating while its peers check."""
@@ -84,18 +116,26 @@ class RunFolder:
         for name in self.managed:
             make_managed_dir(self.path / name, name)
 
-    def preempted(self) -> bool:
-        """Whether the run in this folder was stopped by a preemption and not completed since."""
-        return (self.path / PREEMPTED).is_file()
+    def clear(self) -> None:
+        """``--overwrite``, rank 0, after ``claim``: delete the run's checkpoints and abandoned
+        branches (each whole, atomically, never through a link) and its metrics."""
+        if not self.checkpoint_root.is_dir():
+            return
+        aside = [p for p in self.checkpoint_root.iterdir() if p.name.startswith(ABANDONED_PREFIX) and marker_kind(p) == "abandoned"]
+        for path in [*self.checkpoints(), *aside]:
+            delete_atomically(path)
+        (self.path / METRICS).unlink(missing_ok=True)
 
-    def note_preempted(self, checkpoint: Path) -> None:
-        """Rank 0, after the checkpoint of a preempted run: the same command continues it."""
-        (self.path / PREEMPTED).write_text(f"{checkpoint}\n")
+    def set_aside_later(self, resumed: Path, *, rank: int) -> Path | None:
+        """Collective, after ``claim``: the checkpoints later than ``resumed`` moved, whole, into a
+        marked ``abandoned-...`` folder beside them (set_aside_later_checkpoints), whose path every
+        rank gets back; None where nothing is later."""
+        step = self.step_of(resumed)
+        later = [p for p in self.checkpoints() if self.step_of(p) > step]
+        return set_aside_later_checkpoints(self.checkpoint_root, step, resumed, rank=rank, later=later)
 
     def saved_final(self, log, is_main: bool) -> None:
-        """After the final model is written: mark it as an export (rank 0) and say where it is; a
-        preempted run is complete now."""
+        """After the final model is written: mark it as an export (rank 0) and say where it is."""
         if is_main:
             mark(self.final, "export")
-            (self.path / PREEMPTED).unlink(missing_ok=True)
         log.info(f"saved the model to {self.final} (loads with plain from_pretrained)")

@@ -1,0 +1,96 @@
+"""RunFolder, the run folder of trainer.py and accelerate_loop.py (#21 items 2 and 9): which
+checkpoint ``--resume auto|never|CHECKPOINT`` and ``--overwrite`` choose, a rollback that sets the
+later checkpoints aside as a branch (never deleted), and an ``--overwrite`` that deletes only what
+the run made. One process: the collective steps run without a process group."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_ep.runs import METRICS, RunFolder, StepLog, UsageError, marker_kind, read_metrics
+
+# Where each library writes its checkpoints: transformers' Trainer beside its other files,
+# accelerate_loop.py's save_state in a managed subfolder.
+LAYOUTS = {"trainer": ("checkpoint-*", (), "checkpoint-{}"),
+           "accelerate_loop": ("checkpoints/step_*", ("checkpoints",), "checkpoints/step_{:08d}")}
+
+
+def make_run(tmp_path, layout: str, steps=(2, 4, 6)) -> tuple[RunFolder, dict[int, object]]:
+    glob, managed, name = LAYOUTS[layout]
+    run = RunFolder(tmp_path / "run", layout, glob, managed)
+    run.claim()
+    made = {}
+    for step in steps:
+        made[step] = run.path / name.format(step)
+        made[step].mkdir()
+        (made[step] / "weights.bin").write_bytes(b"w" * step)
+    return run, made
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_resume_chooses_the_newest_none_or_the_named_checkpoint(tmp_path, layout):
+    run, made = make_run(tmp_path, layout)
+    (made[2].parent / made[2].name.replace("2", "best")).mkdir()  # a name without a step: not a checkpoint
+    assert run.checkpoints() == [made[2], made[4], made[6]]
+    assert run.resume_target("auto", overwrite=False) == made[6]
+    assert run.resume_target(str(made[2]), overwrite=False) == made[2]
+    assert run.resume_target("never", overwrite=True) is None
+    assert run.resume_target("auto", overwrite=True) is None
+    with pytest.raises(UsageError, match=rf"--resume never, but .* holds checkpoints of an earlier run \(up to "
+                                         rf"{made[6].name}\); pass --resume auto to continue it, --overwrite"):
+        run.resume_target("never", overwrite=False)
+    elsewhere = tmp_path / "elsewhere" / made[2].name
+    elsewhere.mkdir(parents=True)
+    with pytest.raises(UsageError, match=rf"--resume {elsewhere}: not a checkpoint of this script's run in "
+                                         rf".* \(it holds {made[2].name}, {made[4].name}, {made[6].name}\)"):
+        run.resume_target(str(elsewhere), overwrite=False)
+    empty = RunFolder(tmp_path / "new", layout, LAYOUTS[layout][0], LAYOUTS[layout][1])
+    assert empty.resume_target("auto", overwrite=False) is None
+    assert empty.resume_target("never", overwrite=False) is None
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_rollback_sets_the_later_checkpoints_aside_and_keeps_the_branch_point(tmp_path, layout):
+    run, made = make_run(tmp_path, layout)
+    resumed = run.resume_target(str(made[2]), overwrite=False)
+    aside = run.set_aside_later(resumed, rank=0)
+    assert aside.parent == made[2].parent and aside.name.startswith("abandoned-") and "from-step-2" in aside.name
+    assert marker_kind(aside) == "abandoned"
+    assert sorted(p.name for p in aside.iterdir() if p.is_dir()) == [made[4].name, made[6].name]
+    assert (aside / made[6].name / "weights.bin").read_bytes() == b"w" * 6  # moved whole, not copied or cut
+    assert run.checkpoints() == [made[2]] and made[2].is_dir()  # the branch point stays
+    assert run.resume_target("auto", overwrite=False) == made[2]  # auto never continues the abandoned branch
+    assert run.set_aside_later(made[2], rank=0) is None  # nothing later: nothing moved
+
+
+def test_the_log_of_a_rolled_back_run_counts_each_step_once(tmp_path, capsys):
+    run, made = make_run(tmp_path, "trainer")
+    log = StepLog(run.path, enabled=True)
+    for step in range(1, 7):
+        log.step({"step": step, "loss": float(step), "grad_norm": None, "lr": 1e-3})
+    log.resumed(2, made[2], run.set_aside_later(made[2], rank=0))
+    for step in range(3, 5):
+        log.step({"step": step, "loss": 10.0 + step, "grad_norm": None, "lr": 1e-3})
+    assert [(r["step"], r["loss"]) for r in read_metrics(run.path / METRICS)] == [
+        (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+    out = capsys.readouterr().out
+    assert f"resumed from {made[2]} at step 2" in out
+    assert "rolled back to step 2: the later checkpoints (checkpoint-4, checkpoint-6) are set aside, not deleted" in out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_overwrite_deletes_the_runs_checkpoints_branches_and_log_and_nothing_else(tmp_path, layout):
+    run, made = make_run(tmp_path, layout)
+    aside = run.set_aside_later(made[4], rank=0)
+    (run.path / METRICS).write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    (run.path / "notes.txt").write_text("the user's")
+    users_branch = made[2].parent / "abandoned-by-hand"  # named like ours, not marked: the user's
+    users_branch.mkdir()
+    run.final.mkdir()
+    assert run.check(resume="auto", overwrite=True, parameters=10) is None
+    run.clear()
+    assert run.checkpoints() == [] and not aside.exists() and not (run.path / METRICS).exists()
+    assert (run.path / "notes.txt").read_text() == "the user's" and users_branch.is_dir() and run.final.is_dir()
+    assert not [p for p in made[2].parent.iterdir() if p.name.startswith(".trash-")]
