@@ -94,3 +94,33 @@ def test_overwrite_deletes_the_runs_checkpoints_branches_and_log_and_nothing_els
     assert run.checkpoints() == [] and not aside.exists() and not (run.path / METRICS).exists()
     assert (run.path / "notes.txt").read_text() == "the user's" and users_branch.is_dir() and run.final.is_dir()
     assert not [p for p in made[2].parent.iterdir() if p.name.startswith(".trash-")]
+
+
+def test_a_trainer_checkpoint_cut_short_is_never_resumed_nor_written_into(tmp_path):
+    """transformers' Trainer writes ``checkpoint-N`` under its final name, ``trainer_state.json``
+    last: a job killed mid-save leaves a folder without it, which ``--resume auto`` passes over
+    (the newest complete one is resumed) and which is set aside before the Trainer could write
+    into it again; named by ``--resume``, it is refused."""
+    run = RunFolder(tmp_path / "run", "trainer", "checkpoint-*", written_last="trainer_state.json")
+    run.claim()
+    for step in (2, 4):
+        (run.path / f"checkpoint-{step}").mkdir()
+        (run.path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    cut = run.path / "checkpoint-6"
+    cut.mkdir()
+    (cut / "model.safetensors").write_bytes(b"partial")
+    assert run.resume_target("auto", overwrite=False) == run.path / "checkpoint-4"
+    with pytest.raises(UsageError, match=rf"--resume {cut}: the checkpoint was cut short \(it has no "
+                                         r"trainer_state.json, which is written last\)"):
+        run.resume_target(str(cut), overwrite=False)
+    aside = run.set_aside_later(run.path / "checkpoint-4", rank=0)
+    assert [p.name for p in aside.iterdir() if p.is_dir()] == ["checkpoint-6"]
+    assert (aside / "checkpoint-6" / "model.safetensors").read_bytes() == b"partial"  # kept, not deleted
+
+    # Only checkpoints cut short: the run starts afresh, and they are set aside all the same.
+    again = RunFolder(tmp_path / "again", "trainer", "checkpoint-*", written_last="trainer_state.json")
+    again.claim()
+    (again.path / "checkpoint-2").mkdir()
+    assert again.resume_target("auto", overwrite=False) is None
+    aside = again.set_aside_later(None, rank=0)
+    assert aside.name.endswith("-from-step-0") and (aside / "checkpoint-2").is_dir() and again.checkpoints() == []

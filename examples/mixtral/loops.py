@@ -183,7 +183,7 @@ def count_parameters(args) -> int:
 
 
 @contextmanager
-def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = ()):
+def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = (), written_last: str | None = None):
     """Every check before any work, on every rank (flags, layout, data, run folder, the checkpoint
     to resume), then the job: rank 0 holds the folder's lock while it runs (the other ranks join it
     through the process group). Yields (data, run folder, checkpoint to resume or None, world size,
@@ -193,7 +193,7 @@ def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] 
     with said_by_every_rank():
         check_args(args, world_size)
         data = make_data(args, world_size)
-        run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed)
+        run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed, written_last)
         resume = run.check(resume=args.resume, overwrite=args.overwrite, parameters=count_parameters(args))
     with hold_output_dir(run.path, rank=rank):
         yield data, run, resume, world_size, rank
@@ -206,8 +206,9 @@ def claim_run(args, data: Sequences, run: RunFolder, resume: Path | None, rank: 
     on every rank); then rank 0 creates and marks the folder and, for --overwrite, deletes the
     run's checkpoints and log. A resume of an older checkpoint than the newest sets the later ones
     aside (a branch, kept for the user, out of reach of --resume auto), and the log records the
-    resume so that no step is counted twice. From here to the step loop a rank that hangs is
-    reported within --startup-timeout."""
+    resume so that no step is counted twice; checkpoints cut short by an interrupted save are set
+    aside the same way. From here to the step loop a rank that hangs is reported within
+    --startup-timeout."""
     startup.phase("agreeing on the arguments")
     agree_on_arguments(run.kind, {**vars(args), "output folder": run.path.resolve(), "checkpoint to resume": resume,
                                   "checkpoints": [p.name for p in run.checkpoints()], "sequences": len(data)})
@@ -215,8 +216,12 @@ def claim_run(args, data: Sequences, run: RunFolder, resume: Path | None, rank: 
         run.claim()
         if args.overwrite:
             run.clear()
+    set_aside = run.set_aside_later(resume, rank=rank)
     if resume is not None:
-        log.resumed(run.step_of(resume), resume, run.set_aside_later(resume, rank=rank))
+        log.resumed(run.step_of(resume), resume, set_aside)
+    elif set_aside is not None:
+        log.info(f"starting afresh: the checkpoints cut short by an interrupted save are set aside, not deleted, in "
+                 f"{set_aside}")
 
 
 def preempted(preemption: Preemption, step: int, checkpoint: Path) -> Preempted:

@@ -30,6 +30,10 @@ from loops import (
     startup_watchdog,
 )
 
+# transformers' TRAINER_STATE_NAME: what the Trainer writes last into a checkpoint (importing the
+# Trainer here would slow every start-up, usage errors included).
+TRAINER_STATE = "trainer_state.json"
+
 
 def log_callback(log: StepLog):
     from transformers import TrainerCallback
@@ -85,8 +89,8 @@ def preemption_callback(stop):
 
 
 def train(args) -> None:
-    with (checked_run(args, "trainer", "checkpoint-*") as (data, run, resume, world_size, rank),
-          preemption(args) as stop, startup_watchdog(args) as startup):
+    with (checked_run(args, "trainer", "checkpoint-*", written_last=TRAINER_STATE) as (
+            data, run, resume, world_size, rank), preemption(args) as stop, startup_watchdog(args) as startup):
         _train(args, data, run, resume, world_size, rank, stop, startup)
 
 

@@ -40,19 +40,24 @@ FINAL = "final"
 class RunFolder:
     """``--output-dir`` of a loop whose checkpoints its library writes (module docstring)."""
 
-    def __init__(self, path: Path, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = ()):
+    def __init__(self, path: Path, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = (),
+                 written_last: str | None = None):
         """``checkpoint_glob``: where the library writes its checkpoints, relative to ``path``, a
-        ``*`` standing for the optimizer step (``checkpoint-*``, ``checkpoints/step_*``)."""
+        ``*`` standing for the optimizer step (``checkpoint-*``, ``checkpoints/step_*``).
+        ``written_last``: the file the library writes last into a checkpoint, for a library that
+        writes under the final name (the Trainer's ``trainer_state.json``): a checkpoint without it
+        was cut short; None where a checkpoint appears under its name only once complete."""
         self.path = path
         self.kind = kind
         glob = Path(checkpoint_glob)
         self.checkpoint_root = path / glob.parent
         self._checkpoint_name = re.compile(re.escape(glob.name).replace(r"\*", r"(\d+)"))
         self.managed = managed  # subfolders the script makes (with their own markers)
+        self.written_last = written_last
         self.final = path / FINAL
 
     def checkpoints(self) -> list[Path]:
-        """This run's checkpoints, oldest first."""
+        """This run's checkpoints, complete or cut short, oldest first."""
         if not self.checkpoint_root.is_dir():
             return []
         found = [p for p in self.checkpoint_root.iterdir() if p.is_dir() and self._checkpoint_name.fullmatch(p.name)]
@@ -61,10 +66,14 @@ class RunFolder:
     def step_of(self, checkpoint: Path) -> int:
         return int(self._checkpoint_name.fullmatch(checkpoint.name)[1])
 
+    def is_complete(self, checkpoint: Path) -> bool:
+        return self.written_last is None or (checkpoint / self.written_last).is_file()
+
     def resume_target(self, resume: str, *, overwrite: bool) -> Path | None:
-        """The checkpoint to resume (None: start afresh). ``resume``: ``auto`` (the newest, if
-        any), ``never`` (refused where checkpoints exist: a new run would write over them) or one
-        of this run's checkpoints; ``overwrite``: start afresh, the checkpoints deleted."""
+        """The checkpoint to resume (None: start afresh). ``resume``: ``auto`` (the newest complete
+        one, if any), ``never`` (refused where checkpoints exist: a new run would write over them)
+        or one of this run's complete checkpoints; ``overwrite``: start afresh, the checkpoints
+        deleted."""
         found = self.checkpoints() if self.path.is_dir() else []
         if overwrite:
             return None
@@ -75,10 +84,14 @@ class RunFolder:
                                  "or choose another --output-dir")
             return None
         if resume == "auto":
-            return found[-1] if found else None
+            complete = [p for p in found if self.is_complete(p)]
+            return complete[-1] if complete else None
         named = Path(resume).resolve()
         for checkpoint in found:
             if checkpoint.resolve() == named:
+                if not self.is_complete(checkpoint):
+                    raise UsageError(f"--resume {resume}: the checkpoint was cut short (it has no {self.written_last}, "
+                                     "which is written last); resume another one, or auto for the newest complete one")
                 return checkpoint
         raise UsageError(f"--resume {resume}: not a checkpoint of this script's run in {self.path} (it holds "
                          f"{', '.join(p.name for p in found) or 'none'})")
@@ -121,16 +134,18 @@ class RunFolder:
         branches (each whole, atomically, never through a link) and its metrics."""
         if not self.checkpoint_root.is_dir():
             return
-        aside = [p for p in self.checkpoint_root.iterdir() if p.name.startswith(ABANDONED_PREFIX) and marker_kind(p) == "abandoned"]
+        aside = [p for p in self.checkpoint_root.iterdir()
+                 if p.name.startswith(ABANDONED_PREFIX) and marker_kind(p) == "abandoned"]
         for path in [*self.checkpoints(), *aside]:
             delete_atomically(path)
         (self.path / METRICS).unlink(missing_ok=True)
 
-    def set_aside_later(self, resumed: Path, *, rank: int) -> Path | None:
-        """Collective, after ``claim``: the checkpoints later than ``resumed`` moved, whole, into a
-        marked ``abandoned-...`` folder beside them (set_aside_later_checkpoints), whose path every
-        rank gets back; None where nothing is later."""
-        step = self.step_of(resumed)
+    def set_aside_later(self, resumed: Path | None, *, rank: int) -> Path | None:
+        """Collective, after ``claim``: the checkpoints later than ``resumed`` (every one where the
+        run starts afresh: those cut short), moved, whole, into a marked ``abandoned-...`` folder
+        beside them (set_aside_later_checkpoints), whose path every rank gets back; None where
+        nothing is later. The library then never writes into a checkpoint cut short."""
+        step = 0 if resumed is None else self.step_of(resumed)
         later = [p for p in self.checkpoints() if self.step_of(p) > step]
         return set_aside_later_checkpoints(self.checkpoint_root, step, resumed, rank=rank, later=later)
 
