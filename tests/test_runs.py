@@ -250,6 +250,7 @@ def _stop_on_every_rank(rank, world_size, agreed, rank_0_delay_s):
     return run_reported(train, None), time.monotonic() - start
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("agreed", [True, False])
 def test_a_rank_leaving_the_report_to_rank_0_exits_only_after_rank_0_said_it(agreed):
     """A launcher ends the job at the first rank that exits with an error: a rank that left an

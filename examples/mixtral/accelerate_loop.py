@@ -51,15 +51,16 @@ class Progress:
 
 def save_checkpoint(accelerator, run: RunFolder, step: int) -> Path:
     """accelerate's ``save_state`` into ``checkpoints/.tmp-step_N``, renamed to ``step_N`` by rank 0
-    once every rank wrote its shards: a checkpoint under its final name is always complete. A
-    ``step_N`` already there (this run's, from a run that went further before a resume) is replaced."""
+    once every rank wrote its shards: a checkpoint under its final name is always complete. No
+    ``step_N`` is there already: a resume set the later checkpoints aside (``claim_run``)."""
     root = run.path / CHECKPOINTS
     final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
+    if accelerator.is_main_process and tmp.exists():
+        delete_atomically(tmp)  # the run's own leftover of a save cut short: its files must not mix in
+    accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        if final.exists():
-            delete_atomically(final)
         os.rename(tmp, final)
     accelerator.wait_for_everyone()
     return final
