@@ -1,10 +1,11 @@
-"""The expert-parallel path on CUDA tensors, flat and node-aware: 4 gloo ranks sharing the one GPU
-(NCCL refuses two ranks on one device, and no machine here has two GPUs), the node-aware one as 2
-simulated nodes of 2. Each rank's output and gradients (tokens, routing weights, its experts)
+"""The expert-parallel path on CUDA tensors, flat and node-aware, the latter also with its
+exchanges overlapping two chunks' experts: 4 gloo ranks sharing the one GPU (NCCL refuses two
+ranks on one device, and no machine here has two GPUs), the node-aware one as 2 simulated nodes
+of 2. Each rank's output and gradients (tokens, routing weights, its experts)
 against the float64 single-process reference, with a rank that has no tokens and every token
 routed to one node, in float32 and bfloat16 on the default CUDA backend (the Triton kernels). Then
-the host syncs moe_ep itself causes in a step after warm-up: only the count exchange (one in the
-flat path, two in the node-aware one). Gloo stages CUDA tensors through the host, so its own
+the host syncs moe_ep itself causes in a step after warm-up: only the count exchange's one (both
+stages' counts in the node-aware path, both chunks' with overlap). Gloo stages CUDA tensors through the host, so its own
 syncs are not ours and are told apart by the Python frame CUDA's sync detector names.
 
 Runs where a GPU is lent (the CPU checks of the same path are tests/test_dispatch.py's and
@@ -34,10 +35,10 @@ CASES = [
 ]
 # bfloat16 rows must be 16-byte aligned for the aligned kernels; odd sizes take the unaligned ones.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-EXPECTED_COUNT_EXCHANGES = {"flat": 1, "node": 2}
+MODES = {"flat": 1, "node": 1, "node_overlap": 2}  # mode: overlap_chunks
 
 
-def _case_errors(case: Case, rank: int, world: int, nodes, dtype: torch.dtype) -> dict:
+def _case_errors(case: Case, rank: int, world: int, nodes, chunks: int, dtype: torch.dtype) -> dict:
     from moe_ep.dispatch import moe_experts_ep
 
     xs, idxs, ws, dys, gate_up, down = case.make(world)
@@ -46,7 +47,8 @@ def _case_errors(case: Case, rank: int, world: int, nodes, dtype: torch.dtype) -
     on_gpu = dict(device="cuda", dtype=dtype)
     x, gu, dn = (t.to(**on_gpu, copy=True).requires_grad_() for t in (xs[rank], gate_up[mine], down[mine]))
     w = ws[rank].to("cuda", copy=True).requires_grad_()
-    y = moe_experts_ep(x, idxs[rank].cuda(), w, gu, dn, group=dist.group.WORLD, node_groups=nodes)
+    y = moe_experts_ep(x, idxs[rank].cuda(), w, gu, dn, group=dist.group.WORLD, node_groups=nodes,
+                       overlap_chunks=chunks)
     torch.autograd.backward(y, dys[rank].to(**on_gpu))
     y64, dx64, dw64, dgu64, ddn64 = reference(xs, idxs, ws, dys, gate_up, down)
     rows = slice(sum(case.tokens(world)[:rank]), sum(case.tokens(world)[: rank + 1]))
@@ -63,7 +65,7 @@ def _in_package(filename: str) -> str | None:
     return None
 
 
-def _sync_audit(rank: int, world: int, nodes) -> dict:
+def _sync_audit(rank: int, world: int, nodes, chunks: int) -> dict:
     """After a warm-up forward+backward, one under the CPU recorder (the host reads it attributes
     to moe_ep) and one under CUDA's detector (the files of moe_ep's frames it warned in)."""
     from moe_ep.dispatch import moe_experts_ep
@@ -78,7 +80,7 @@ def _sync_audit(rank: int, world: int, nodes) -> dict:
     idx, dy = idxs[rank].cuda(), dys[rank].to(**bf16)
 
     def step():
-        y = moe_experts_ep(x, idx, w, gu, dn, group=dist.group.WORLD, node_groups=nodes)
+        y = moe_experts_ep(x, idx, w, gu, dn, group=dist.group.WORLD, node_groups=nodes, overlap_chunks=chunks)
         torch.autograd.backward(y, dy)
 
     step()  # warm-up: autotuning and the backend choice time kernels (with syncs) once
@@ -102,13 +104,13 @@ def _sync_audit(rank: int, world: int, nodes) -> dict:
 def _world(rank: int, world: int, mode: str) -> dict:
     from moe_ep.dispatch import split_by_node
 
-    nodes = split_by_node([list(range(world))], NODE_SIZE) if mode == "node" else None
-    errors = {(case.name, name): _case_errors(case, rank, world, nodes, dtype)
+    nodes = split_by_node([list(range(world))], NODE_SIZE) if mode.startswith("node") else None
+    errors = {(case.name, name): _case_errors(case, rank, world, nodes, MODES[mode], dtype)
               for case in CASES for name, dtype in DTYPES.items()}
-    return {"errors": errors, "audit": _sync_audit(rank, world, nodes)}
+    return {"errors": errors, "audit": _sync_audit(rank, world, nodes, MODES[mode])}
 
 
-@pytest.fixture(scope="module", params=["flat", "node"])
+@pytest.fixture(scope="module", params=list(MODES))
 def world(request):
     return request.param, run_ranks(_world, WORLD, request.param, timeout=400, pg_timeout=300)
 
@@ -126,8 +128,7 @@ def test_ep_on_cuda_tensors_matches_the_float64_reference(world):
 @requires_cuda
 def test_ep_on_cuda_syncs_only_for_the_count_exchange(world):
     mode, results = world
-    expected = ["tolist @ dispatch/rank_exchange.py:dropless"] * EXPECTED_COUNT_EXCHANGES[mode]
     for rank, result in enumerate(results):
-        assert result["audit"]["recorded"] == expected, (mode, rank, result["audit"])
-        assert set(result["audit"]["cuda"]) <= {"dispatch/rank_exchange.py"}, (mode, rank, result["audit"])
-        assert 1 <= len(result["audit"]["cuda"]) <= EXPECTED_COUNT_EXCHANGES[mode], (mode, rank, result["audit"])
+        assert result["audit"]["recorded"] == ["tolist @ dispatch/rank_exchange.py:dropless"], (mode, rank, result)
+        # Python's warning registry may fold repeats of one line: at least one, all in the count read.
+        assert set(result["audit"]["cuda"]) == {"dispatch/rank_exchange.py"}, (mode, rank, result["audit"])

@@ -5,7 +5,8 @@ of ``overlap_chunks=1`` (within float32 rounding: the experts' GEMMs see other r
 their weight gradients are summed per chunk) and the float64 single-process reference; with
 experts that act on each row alone, bit for bit. Cases: random routing, a rank without tokens,
 every token to one rank, top-1, top-E, odd sizes, an empty chunk (one token on a rank) and three
-chunks. A tiny Mixtral parallelized on 2 ranks trains alike with and without overlap (also under
+chunks; on 4 ranks also with the node-aware dispatch over 2 simulated nodes of 2 (every token to
+one node among them). A tiny Mixtral parallelized on 2 ranks trains alike with and without overlap (also under
 full and selective recompute). Plus the one host sync, the argument errors (moe_experts_ep and
 parallelize's configuration), and, on one rank, the order in which the collectives and the
 experts really run, forward and backward: each chunk's experts run while another chunk's exchange
@@ -37,10 +38,11 @@ CHUNKED_TOL = 1e-6  # overlap_chunks=n against overlap_chunks=1: float32 roundin
 class Scenario:
     case: Case
     chunks: int = 2
+    node_aware: bool = False  # the node-aware dispatch over the world's 2 simulated nodes
 
     @property
     def name(self) -> str:
-        return self.case.name
+        return self.case.name + ("_node_aware" if self.node_aware else "")
 
 
 SCENARIOS_2 = [
@@ -60,6 +62,14 @@ SCENARIOS_4 = [
     Scenario(Case("k_eq_e", T=3, E=4, K=4)),
     Scenario(Case("empty_chunk", T=(1, 4, 1, 3), E=8, K=3)),
     Scenario(Case("same_rank", T=8, E=8, K=2, routing="same_rank")),
+    Scenario(Case("random", T=7, E=8, K=2), node_aware=True),
+    Scenario(Case("odd_sizes_rank_without_tokens", T=(5, 0, 9, 3), E=12, K=3, H=12, I=10), node_aware=True),
+    Scenario(Case("all_to_first_node", T=6, E=8, K=3, routing="first_half"), node_aware=True),  # node 1: nothing
+    Scenario(Case("all_to_first_rank", T=6, E=8, K=2, routing="first_rank"), node_aware=True),
+    Scenario(Case("k1", T=6, E=4, K=1), node_aware=True),
+    Scenario(Case("k_eq_e", T=3, E=4, K=4), node_aware=True),
+    Scenario(Case("empty_chunk", T=(1, 4, 1, 3), E=8, K=3), node_aware=True),
+    Scenario(Case("three_chunks_one_expert_per_rank", T=(7, 4, 5, 6), E=4, K=3), chunks=3, node_aware=True),
 ]
 GRADS = ("y", "dx", "dw", "d_gate_up", "d_down")
 
@@ -83,7 +93,7 @@ def _experts_replaced_by(fn):
         expert_parallel.run_experts, overlap.run_experts = saved
 
 
-def _run(scenario: Scenario, rank: int, world: int, chunks: int):
+def _run(scenario: Scenario, rank: int, world: int, chunks: int, nodes):
     from moe_ep.dispatch import moe_experts_ep
 
     case = scenario.case
@@ -92,16 +102,17 @@ def _run(scenario: Scenario, rank: int, world: int, chunks: int):
     mine = slice(rank * L, (rank + 1) * L)
     x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
     gu, dn = gate_up[mine].clone().requires_grad_(), down[mine].clone().requires_grad_()
-    y = moe_experts_ep(x, idxs[rank], w, gu, dn, group=dist.group.WORLD, overlap_chunks=chunks)
+    y = moe_experts_ep(x, idxs[rank], w, gu, dn, group=dist.group.WORLD, overlap_chunks=chunks,
+                       node_groups=nodes if scenario.node_aware else None)
     (y * dys[rank]).sum().backward()
     zero = torch.zeros(())
     return dict(zip(GRADS, (y.detach(), x.grad, w.grad,
                             zero if gu.grad is None else gu.grad, zero if dn.grad is None else dn.grad)))
 
 
-def _check(scenario: Scenario, rank: int, world: int) -> dict:
+def _check(scenario: Scenario, rank: int, world: int, nodes) -> dict:
     case = scenario.case
-    plain, chunked = _run(scenario, rank, world, 1), _run(scenario, rank, world, scenario.chunks)
+    plain, chunked = _run(scenario, rank, world, 1, nodes), _run(scenario, rank, world, scenario.chunks, nodes)
     xs, idxs, ws, dys, gate_up, down = case.make(world)
     y64, dx64, dw64, dgu64, ddn64 = reference(xs, idxs, ws, dys, gate_up, down)
     L = case.E // world
@@ -109,7 +120,8 @@ def _check(scenario: Scenario, rank: int, world: int) -> dict:
     ref = dict(zip(GRADS, (y64[rows], dx64[rows], dw64[rows], dgu64[rank * L:(rank + 1) * L],
                            ddn64[rank * L:(rank + 1) * L])))
     with _experts_replaced_by(_row_wise_experts):
-        plain_rows, chunked_rows = _run(scenario, rank, world, 1), _run(scenario, rank, world, scenario.chunks)
+        plain_rows = _run(scenario, rank, world, 1, nodes)
+        chunked_rows = _run(scenario, rank, world, scenario.chunks, nodes)
     return {
         "tokens": case.tokens(world)[rank],
         "err_plain": {k: rel_err(plain[k], ref[k]) for k in GRADS},
@@ -119,7 +131,7 @@ def _check(scenario: Scenario, rank: int, world: int) -> dict:
     }
 
 
-def _audit(rank: int, world: int) -> list[str]:
+def _audit(rank: int, world: int, nodes=None) -> list[str]:
     from moe_ep.dispatch import moe_experts_ep
 
     case = Case("audit", T=8, E=8, K=2)
@@ -129,15 +141,14 @@ def _audit(rank: int, world: int) -> list[str]:
     gu = gate_up[rank * L:(rank + 1) * L].clone().requires_grad_()
     dn = down[rank * L:(rank + 1) * L].clone().requires_grad_()
     with HostSyncRecorder() as recorder:
-        y = moe_experts_ep(x, idxs[rank], w, gu, dn, group=dist.group.WORLD, overlap_chunks=2)
+        y = moe_experts_ep(x, idxs[rank], w, gu, dn, group=dist.group.WORLD, overlap_chunks=2, node_groups=nodes)
         torch.autograd.backward(y, dys[rank])
     return [s for s in recorder.sites if not any(check in s for check in CPU_ONLY_CHECKS)]
 
 
 def _errors(rank: int, world: int) -> dict:
-    from moe_ep.dispatch import ExpertParallelDispatcher, moe_experts_ep, split_by_node
+    from moe_ep.dispatch import ExpertParallelDispatcher, moe_experts_ep
 
-    nodes = split_by_node([list(range(world))], world // 2)
     x, idx, w = torch.randn(4, 8), torch.randint(0, 8, (4, 2)), torch.rand(4, 2)
     gu, dn = torch.randn(8 // world, 6, 8), torch.randn(8 // world, 8, 3)
 
@@ -150,7 +161,6 @@ def _errors(rank: int, world: int) -> dict:
         "bool": call(overlap_chunks=True),
         "float": call(overlap_chunks=2.0),
         "capacity": call(overlap_chunks=2, capacity_factor=1.0),
-        "node_groups": call(overlap_chunks=2, node_groups=nodes),
         "dispatcher": lambda: ExpertParallelDispatcher(dist.group.WORLD, 8, capacity_factor=1.0, overlap_chunks=2),
     }
     messages = {}
@@ -208,7 +218,12 @@ def _model_parity(rank: int, world: int) -> dict:
 
 
 def _world(rank: int, world: int, scenarios: list[Scenario], checks: bool) -> dict:
-    results = {"cases": {s.name: _check(s, rank, world) for s in scenarios}}
+    from moe_ep.dispatch import split_by_node
+
+    nodes = split_by_node([list(range(world))], world // 2) if world >= 4 else None
+    results = {"cases": {s.name: _check(s, rank, world, nodes) for s in scenarios}}
+    if nodes is not None:
+        results["node_audit"] = _audit(rank, world, nodes)
     if checks:
         results["audit"] = _audit(rank, world)
         results["errors"] = _errors(rank, world)
@@ -258,9 +273,11 @@ def test_hard_cases_are_what_they_claim(world2, world4):
 
 
 @pytest.mark.slow
-def test_overlap_keeps_the_one_count_exchange_sync(world2):
+def test_overlap_keeps_the_one_count_exchange_sync(world2, world4):
     for result in world2:
         assert result["audit"] == ["tolist @ dispatch/rank_exchange.py:dropless"]
+    for result in world4:  # node-aware: both stages' counts of both chunks, one sync
+        assert result["node_audit"] == ["tolist @ dispatch/rank_exchange.py:dropless"]
 
 
 @pytest.mark.slow
@@ -272,7 +289,6 @@ def test_overlap_keeps_the_one_count_exchange_sync(world2):
         ("bool", r"overlap_chunks must be a positive int .*got True"),
         ("float", r"overlap_chunks must be a positive int .*got 2.0"),
         ("capacity", r"overlap_chunks=2 needs the dropless dispatch, got capacity_factor=1.0"),
-        ("node_groups", r"overlap_chunks=2 needs the single-stage dispatch \(node_groups=None\)"),
         ("dispatcher", r"overlap_chunks=2 needs the dropless dispatch, got capacity_factor=1.0"),
     ],
 )
@@ -302,8 +318,6 @@ def test_parallelized_model_trains_alike_with_and_without_overlap(world2, name):
         (dict(overlap_chunks=2), r"overlap_chunks=2 applies to the expert-parallel dispatcher; ep=1 has none"),
         (dict(ep=2, overlap_chunks=2, capacity_factor=1.0),
          r"overlap_chunks=2 needs the dropless dispatch, got capacity_factor=1.0"),
-        (dict(ep=4, overlap_chunks=2, dispatch_mode="node", node_size=2),
-         r"dispatch_mode='node' does not overlap its exchanges, so overlap_chunks must be 1, got 2"),
     ],
 )
 def test_parallel_config_checks_overlap_chunks(arguments, pattern):
@@ -313,13 +327,12 @@ def test_parallel_config_checks_overlap_chunks(arguments, pattern):
         ParallelConfig.from_arguments(**arguments)
 
 
-def test_auto_dispatches_single_stage_when_overlapping():
-    from moe_ep.dispatch.nodes import node_size_for
+def test_overlap_composes_with_either_dispatch():
     from moe_ep.parallel import ParallelConfig
 
-    assert node_size_for("auto", 16, 8, None) == 8
-    assert node_size_for("auto", 16, 8, None, overlap_chunks=2) is None
     assert ParallelConfig(ep=2, overlap_chunks=2).arguments()["overlap_chunks"] == 2
+    node_aware = ParallelConfig(ep=4, overlap_chunks=2, dispatch_mode="node", node_size=2).arguments()
+    assert (node_aware["overlap_chunks"], node_aware["dispatch_mode"]) == (2, "node")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,20 +399,21 @@ def _spanning(events, begin, end) -> list[int]:
     return [e[1] for e in events if e[0] == "issue" and at[e] < at[begin] and at[("wait", e[1])] > at[end]]
 
 
-def _order(rank: int, world: int) -> dict:
+def _order(rank: int, world: int, node_aware: bool = False) -> dict:
     import moe_ep.dispatch.overlap as overlap
-    from moe_ep.dispatch import moe_experts_ep
+    from moe_ep.dispatch import moe_experts_ep, split_by_node
 
     case = Case("order", T=6, E=4, K=2)  # one rank holds all 4 experts: multi rows, so routing exchanges too
     xs, idxs, ws, dys, gate_up, down = case.make(world)
     x, w = xs[0].requires_grad_(), ws[0].requires_grad_()
     gu, dn = gate_up.requires_grad_(), down.requires_grad_()
+    nodes = split_by_node([[0]], 1) if node_aware else None  # one node of one rank: both stages run
     recorder = _Recorder()
     real_a2a, real_experts = dist.all_to_all_single, overlap.run_experts
     dist.all_to_all_single = recorder.all_to_all_single(real_a2a)
     overlap.run_experts = recorder.experts(real_experts)
     try:
-        y = moe_experts_ep(x, idxs[0], w, gu, dn, group=dist.group.WORLD, overlap_chunks=2)
+        y = moe_experts_ep(x, idxs[0], w, gu, dn, group=dist.group.WORLD, overlap_chunks=2, node_groups=nodes)
         forward = list(recorder.events)
         recorder.events.clear()
         torch.autograd.backward(y, dys[0])
@@ -447,3 +461,44 @@ def test_backward_exchanges_are_asynchronous_and_overlap_the_other_chunks_expert
     # Chunk 1's experts' backward runs while chunk 2's dispatch gradients travel; chunk 2's while
     # chunk 1's combine gradient does.
     assert order["backward_spans"] == [[9, 10], [8]]
+
+
+@pytest.fixture(scope="module")
+def node_order():
+    return run_ranks(_order, 1, True)[0]
+
+
+def test_node_aware_forward_hides_a_network_exchange_behind_each_chunks_experts(node_order):
+    # One node of one rank, so both stages run: S1 over the inter-node group, S2 inside the node;
+    # the combine's C2 inside the node, then C1 back over the network.
+    assert node_order["forward"] == [
+        ("sync",), ("sync",),  # both stages' counts of both chunks: one collective per group, one host sync
+        ("issue", 1), ("issue", 2), ("issue", 3), ("issue", 4),  # S1 of chunks 1 and 2 (rows, routing columns)
+        ("wait", 1), ("wait", 2), ("issue", 5), ("issue", 6), ("wait", 5), ("wait", 6),  # chunk 1: S1 -> S2
+        ("experts", 1), ("issue", 7),  # chunk 1's C2
+        ("wait", 3), ("wait", 4), ("issue", 8), ("issue", 9), ("wait", 8), ("wait", 9),  # chunk 2: S1 -> S2
+        ("wait", 7), ("issue", 10),  # chunk 1's C1, over the network during chunk 2's experts
+        ("experts", 2), ("issue", 11), ("wait", 11), ("issue", 12),  # chunk 2's C2, then its C1
+        ("wait", 10), ("wait", 12),
+    ]
+    # Chunk 1's experts run while chunk 2's S1 crosses the network; chunk 2's while chunk 1's C1 does.
+    assert node_order["forward_spans"] == [[3, 4], [10]]
+
+
+def test_node_aware_backward_hides_a_network_exchange_behind_each_chunks_experts(node_order):
+    # Numbered on from the forward's twelve.
+    assert node_order["backward"] == [
+        ("issue", 13), ("issue", 14),  # the C1 gradients, chunk 2's then chunk 1's
+        ("wait", 13), ("issue", 15), ("wait", 15),  # chunk 2's C2 gradient
+        ("experts backward begins", 2), ("experts backward ends", 2),
+        ("wait", 14), ("issue", 16),  # chunk 1's C2 gradient
+        ("issue", 17), ("issue", 18), ("wait", 17), ("wait", 18),  # chunk 2's S2 gradients
+        ("issue", 19), ("issue", 20),  # chunk 2's S1 gradients, over the network
+        ("wait", 16), ("experts backward begins", 1), ("experts backward ends", 1),
+        ("issue", 21), ("issue", 22), ("wait", 21), ("wait", 22),  # chunk 1's S2 gradients
+        ("issue", 23), ("issue", 24),  # chunk 1's S1 gradients
+        ("wait", 19), ("wait", 20), ("wait", 23), ("wait", 24),
+    ]
+    # Chunk 2's experts' backward runs while chunk 1's C1 gradient travels; chunk 1's while chunk
+    # 2's S1 gradients do.
+    assert node_order["backward_spans"] == [[19, 20], [14]]

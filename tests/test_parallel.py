@@ -61,8 +61,10 @@ def _record_routing(records: list):
 def _count_received_pairs(counts: list):
     """Wraps the local experts call of the expert-parallel dispatcher: appends, per call, how many
     (row, expert) pairs each of this rank's local experts received, i.e. what the dispatch
-    actually delivered here, not what the routing asked for."""
+    actually delivered here, not what the routing asked for (with ``overlap_chunks``, a call per
+    chunk)."""
     import moe_ep.dispatch.expert_parallel as expert_parallel
+    import moe_ep.dispatch.overlap as overlap
 
     original = expert_parallel.run_experts
 
@@ -70,11 +72,11 @@ def _count_received_pairs(counts: list):
         counts.append(torch.bincount(expert_ids.reshape(-1), minlength=gate_up_local.shape[0]).tolist())
         return original(hidden, expert_ids, weights, gate_up_local, *args, **kwargs)
 
-    expert_parallel.run_experts = counting
+    expert_parallel.run_experts = overlap.run_experts = counting
     try:
         yield
     finally:
-        expert_parallel.run_experts = original
+        expert_parallel.run_experts = overlap.run_experts = original
 
 
 def _assert_routing_claim(result: dict) -> None:
@@ -82,10 +84,12 @@ def _assert_routing_claim(result: dict) -> None:
     leaves every rank but the first of its expert group without a pair; ``one_expert_all`` gives
     the last expert every token of its expert group."""
     ep, tokens, routing = result["ep"], result["tokens_per_rank"], result["routing"]
+    chunks = result["overlap_chunks"]
     calls = [len(c) for c in result["received_pairs"]]
-    assert calls[0] > 0 and len(set(calls)) == 1, f"dispatches recorded per rank: {calls}"
-    for rank, per_call in enumerate(result["received_pairs"]):
+    assert calls[0] > 0 and len(set(calls)) == 1 and calls[0] % chunks == 0, f"expert calls recorded per rank: {calls}"
+    for rank, per_chunk in enumerate(result["received_pairs"]):
         coord = rank % ep  # ep varies fastest in the world mesh
+        per_call = [[sum(c) for c in zip(*per_chunk[i:i + chunks])] for i in range(0, len(per_chunk), chunks)]
         for counts in per_call:
             if routing == "first_rank_only":
                 want = 2 * tokens * ep if coord == 0 else 0  # top-2: two pairs per token
@@ -176,11 +180,12 @@ class Parity:
     experts_implementation: str = "moe_ep"  # what the model is built with, before parallelize
     dispatch_mode: str = "auto"
     node_size: int | None = None  # simulated nodes of this many ranks; None: the launcher's (unset here)
+    overlap_chunks: int = 1
 
     @property
     def layout(self) -> dict:
         return dict(ep=self.ep, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
-                    dispatch_mode=self.dispatch_mode, node_size=self.node_size)
+                    dispatch_mode=self.dispatch_mode, node_size=self.node_size, overlap_chunks=self.overlap_chunks)
 
 
 @dataclass(frozen=True)
@@ -243,13 +248,20 @@ PARITY_4 = {
                                                        node_size=2, routing="first_rank_only"),
     "mixtral_ep2_dp_shard4_two_nodes_auto_single_stage": Parity("mixtral", ep=2, dp_shard=4, overrides=MIXTRAL_8,
                                                                 steps=NODE_STEPS, node_size=2),  # ep inside a node
+    # The node-aware dispatch with its exchanges overlapping the experts of two chunks.
+    "mixtral_ep4_two_nodes_node_overlap": Parity("mixtral", ep=4, overrides=MIXTRAL_8, steps=NODE_STEPS,
+                                                 dispatch_mode="node", node_size=2, overlap_chunks=2),
+    "qwen3_ep4_two_nodes_auto_overlap_first_rank_only": Parity("qwen3_moe", ep=4, steps=NODE_STEPS, node_size=2,
+                                                               overlap_chunks=2, routing="first_rank_only"),
 }
 MIXTRAL_16 = (("num_local_experts", 16),)
-# 8 ranks as 2 simulated nodes of 4, each dispatch mode.
+# 8 ranks as 2 simulated nodes of 4, each dispatch mode, with and without overlap.
 PARITY_8 = {
-    f"mixtral_e16_ep8_two_nodes_{mode}_{routing}": Parity("mixtral", ep=8, overrides=MIXTRAL_16, steps=NODE_STEPS,
-                                                          dispatch_mode=mode, node_size=4, routing=routing)
-    for mode, routing in (("node", "natural"), ("node", "first_rank_only"), ("flat", "first_rank_only"))
+    f"mixtral_e16_ep8_two_nodes_{mode}_{routing}" + ("_overlap" if chunks > 1 else ""): Parity(
+        "mixtral", ep=8, overrides=MIXTRAL_16, steps=NODE_STEPS, dispatch_mode=mode, node_size=4, routing=routing,
+        overlap_chunks=chunks)
+    for mode, routing, chunks in (("node", "natural", 1), ("node", "first_rank_only", 1), ("flat", "first_rank_only", 1),
+                                  ("node", "natural", 2), ("node", "first_rank_only", 2))
 }
 ROUNDTRIPS_2 = {
     "ep2": Roundtrip("qwen3_moe", local_expert_rows=4, ep=2),  # 8 experts over ep=2
@@ -307,7 +319,8 @@ def _parity(rank, world, run: Parity) -> dict | None:
         return None
     from moe_ep.hf import binding_of, experts_modules
 
-    nodes = getattr(binding_of(experts_modules(model)[0][1]).dispatcher, "node_groups", None)
+    dispatcher = binding_of(experts_modules(model)[0][1]).dispatcher
+    nodes = getattr(dispatcher, "node_groups", None)
     dropped = []
     hook = None if capacity_factor is None else _drop_as_recorded(capacity_factor, routed_by_rank, dropped)
     ref_losses, ref_norms, ref_grads = _reference(family, routing, ep, overrides, batch, steps, hook)
@@ -324,6 +337,7 @@ def _parity(rank, world, run: Parity) -> dict | None:
         "ep": ep,
         "tokens_per_rank": mine["input_ids"].numel(),
         "node_groups": None if nodes is None else (nodes.num_nodes, nodes.node_size),
+        "overlap_chunks": getattr(dispatcher, "overlap_chunks", 1),
         "received_pairs": received_by_rank,
     }
 
@@ -610,6 +624,7 @@ def test_node_runs_use_the_dispatch_they_name(world4, world8):
             bound = world[0]["parity"][name]["node_groups"]
             node_aware = run.dispatch_mode == "node" or (run.dispatch_mode == "auto" and run.ep > run.node_size)
             assert bound == ((run.ep // run.node_size, run.node_size) if node_aware else None), (name, bound)
+            assert world[0]["parity"][name]["overlap_chunks"] == run.overlap_chunks, name
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ schemes:
 - single-stage (``moe_ep.dispatch.rank_exchange``): each token goes once to each rank that owns
   one of its chosen experts; one host sync per layer (dropless) or none (capacity mode);
 - node-aware (``moe_ep.dispatch.nodes``, dropless, with ``node_groups``): each token goes once to
-  each node that owns one of its experts and is forwarded inside it; two host syncs per layer.
+  each node that owns one of its experts and is forwarded inside it; one host sync per layer too.
 
 Capacity mode needs the same number of tokens on every rank (see ``dispatch``). ARCHITECTURE.md
 draws the whole flow, forward and backward."""

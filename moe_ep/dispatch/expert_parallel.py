@@ -41,8 +41,8 @@ def moe_experts_ep(
     chunk's exchanges travel while another chunk's experts compute, forward and backward
     (``moe_ep.dispatch.overlap``). The same outputs and gradients (the experts' weight gradients
     summed over the chunks, within float32 rounding); the count exchange of all chunks is still
-    one collective and one host sync per layer; dropless single-stage only (ValueError with a
-    ``capacity_factor`` or ``node_groups``).
+    one collective per group and one host sync per layer; dropless only (ValueError with a
+    ``capacity_factor``), single-stage or node-aware.
     Every argument is checked here, once: the dispatch, the local experts and the combine that
     follow take what this call validated and what the dispatch made."""
     check_tensor("gate_up_local", gate_up_local, ndim=3)
@@ -53,13 +53,13 @@ def moe_experts_ep(
     check_expert_weights(hidden_states, gate_up_local, down_local, names=("gate_up_local", "down_local"))
     check_capacity_factor(capacity_factor)
     check_node_groups(node_groups, group, capacity_factor)
-    check_overlap_chunks(overlap_chunks, capacity_factor, node_groups)
+    check_overlap_chunks(overlap_chunks, capacity_factor)
     check_activation(activation)
     backend = resolve_backend(backend, hidden_states.device)
     if overlap_chunks > 1:
         return moe_experts_overlapped(hidden_states, top_k_index, top_k_weights, gate_up_local, down_local,
                                       group=group, num_experts=num_experts, activation=activation, backend=backend,
-                                      chunks=overlap_chunks)
+                                      chunks=overlap_chunks, node_groups=node_groups)
     tokens = dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_experts, capacity_factor,
                               node_groups)
     out_QH = run_experts(tokens.hidden_states, tokens.expert_ids, tokens.weights, gate_up_local, down_local,
@@ -86,7 +86,7 @@ class ExpertParallelDispatcher:
     resharding around the forward are respected. Holds no per-call state. ``node_groups``: the
     node-aware dispatch (``moe_ep.dispatch.split_by_node`` of ``group``), None the single-stage.
     ``overlap_chunks``: ``moe_experts_ep``'s (n > 1: the exchanges of n chunks of the tokens
-    overlapped with the experts; dropless single-stage only)."""
+    overlapped with the experts; dropless only)."""
 
     def __init__(
         self,
@@ -105,7 +105,7 @@ class ExpertParallelDispatcher:
         check_activation(activation)
         check_capacity_factor(capacity_factor)
         check_node_groups(node_groups, group, capacity_factor)
-        check_overlap_chunks(overlap_chunks, capacity_factor, node_groups)
+        check_overlap_chunks(overlap_chunks, capacity_factor)
         self.group = group
         self.num_experts = num_experts
         self.experts_per_rank = experts_per_rank

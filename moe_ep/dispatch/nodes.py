@@ -8,21 +8,28 @@ The ``ep`` group of ``nodes x node_size`` ranks, numbered node by node, is split
 ``[n G L, (n+1) G L)`` (``G = node_size``).
 
 - Dispatch, stage 1 (``inter``): one row per (token, destination node) to the rank with this
-  rank's local index there, through the single-stage exchange (``rank_exchange.send_rows``)
+  rank's local index there, through the single-stage exchange (``rank_exchange``'s phases)
   with the node as the "rank" and its ``G L`` experts as the "local" ones: a row carrying
   several of the node's experts carries their node-local ids and weights.
-- Stage 2 (``intra``): the forwarding rank dispatches each received row to the ranks of its
-  node that own one of the row's experts (``rank_exchange.dispatch_to_ranks``, the empty
-  columns of a row masked), so a row reaches each expert rank once.
+- Stage 2 (``intra``): the forwarding rank dispatches each received row, through the same
+  exchange, to the ranks of its node that own one of the row's experts (``plan_forwarding``,
+  the empty columns of a row masked), so a row reaches each expert rank once.
 - Combine, reversed: the expert ranks weight and sum as in the single-stage combine, and the
   forwarding rank sums the outputs of the node's ranks for each row (float32, fixed order)
   before the one copy goes back over the network; the source applies a single row's routing
   weight and sums its tokens' rows.
 
-Dropless only; two host syncs per layer (each stage's count exchange gives its split sizes).
-Selection: ``dispatch_mode`` "auto" uses this scheme when the ep group spans several whole nodes
-(node size from the launcher's ``LOCAL_WORLD_SIZE``, or given) and the dispatch is dropless;
-"node" pins it, "flat" the single-stage scheme."""
+Counts (DeepEP's notify step): a forwarding rank's stage-2 sends are known at the sources, since
+a forwarded row goes to the ranks of the node that the single-stage plan of its token names, with
+the same keys. So each source sends, in stage 1's count exchange, beside its rows' counts per
+node, what those rows add to each of that node's ranks (``plan_by_node``); the forwarding rank
+sums them and exchanges them over its node; then both stages' sizes are read with ONE host sync
+per layer (``exchange_node_counts``), as in the single-stage scheme, which also lets
+``overlap_chunks`` chunks share it (``moe_ep.dispatch.overlap``).
+
+Dropless only. Selection: ``dispatch_mode`` "auto" uses this scheme when the ep group spans
+several whole nodes (node size from the launcher's ``LOCAL_WORLD_SIZE``, or given) and the
+dispatch is dropless; "node" pins it, "flat" the single-stage scheme."""
 
 from __future__ import annotations
 
@@ -34,7 +41,10 @@ import torch
 import torch.distributed as dist
 
 from .layout import DispatchedTokens, NodeDispatchLayout
-from .rank_exchange import combine_to_ranks, dispatch_to_ranks, return_rows, send_rows
+from .rank_exchange import (
+    ExchangeSizes, RowPlan, SentRows, all_to_all_counts, combine_to_ranks, dispatched_tokens, plan_rows, return_rows,
+    send_planned_rows,
+)
 
 DISPATCH_MODES = ("auto", "flat", "node")
 LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"  # what torchrun and accelerate set: the processes of a node
@@ -89,18 +99,13 @@ def check_node_size(node_size) -> None:
             f"node_size must be a positive int or None (the launcher's {LOCAL_WORLD_SIZE}), got {node_size!r}")
 
 
-def check_dispatch_mode(dispatch_mode, capacity_factor, overlap_chunks: int = 1) -> None:
+def check_dispatch_mode(dispatch_mode, capacity_factor) -> None:
     if dispatch_mode not in DISPATCH_MODES:
         raise ValueError(f"dispatch_mode must be one of {DISPATCH_MODES}, got {dispatch_mode!r}")
     if dispatch_mode == "node" and capacity_factor is not None:
         raise ValueError(
             f"dispatch_mode='node' is dropless only, so capacity_factor must be None, got {capacity_factor!r} "
             "(dispatch_mode='auto' uses the single-stage dispatch in capacity mode)"
-        )
-    if dispatch_mode == "node" and overlap_chunks > 1:
-        raise ValueError(
-            f"dispatch_mode='node' does not overlap its exchanges, so overlap_chunks must be 1, got {overlap_chunks} "
-            "(dispatch_mode='auto' uses the single-stage dispatch with overlap_chunks > 1)"
         )
 
 
@@ -114,20 +119,18 @@ def launcher_node_size() -> int | None:
     return int(value)
 
 
-def node_size_for(dispatch_mode: str, ep: int, node_size: int | None, capacity_factor: float | None,
-                  overlap_chunks: int = 1) -> int | None:
+def node_size_for(dispatch_mode: str, ep: int, node_size: int | None, capacity_factor: float | None) -> int | None:
     """The node size the ep group is split by, or None for the single-stage dispatch: "auto" splits
-    a dropless ep group that spans several whole nodes, unless its exchanges overlap the experts
-    (``overlap_chunks`` > 1, single-stage only); "node" needs one and says why not.
+    a dropless ep group that spans several whole nodes; "node" needs one and says why not.
     ``node_size`` None: the launcher's."""
-    check_dispatch_mode(dispatch_mode, capacity_factor, overlap_chunks)
+    check_dispatch_mode(dispatch_mode, capacity_factor)
     check_node_size(node_size)
     if dispatch_mode == "flat":
         return None
     size = launcher_node_size() if node_size is None else node_size
     spans_nodes = size is not None and ep > size and ep % size == 0
     if dispatch_mode == "auto":
-        return size if spans_nodes and capacity_factor is None and overlap_chunks == 1 else None
+        return size if spans_nodes and capacity_factor is None else None
     if size is None:
         raise ValueError(
             f"dispatch_mode='node' needs the node size: pass node_size or launch with torchrun or accelerate "
@@ -166,18 +169,76 @@ def split_by_node(ep_groups: Sequence[Sequence[int]], node_size: int) -> NodeGro
     return NodeGroups(inter=mine["inter"], intra=mine["intra"])
 
 
-def dispatch_by_node(hidden_states, top_k_index, top_k_weights, nodes: NodeGroups, num_experts: int
-                     ) -> DispatchedTokens:
-    """The two-stage dispatch (module docstring) on arguments ``dispatch`` validated."""
+@dataclass(frozen=True)
+class NodePlan:
+    """What a source knows of both stages of one dispatch before the counts: its stage-1 rows
+    (one per token and destination node), and for each destination node the ``[node_size, C]``
+    counts those rows add to the stage-2 sends of the rank forwarding them there, flattened."""
+
+    first: RowPlan
+    forwarded_NC: torch.Tensor  # [nodes, node_size * C] int32
+    rank_experts: int  # L, the experts of one rank
+    rank_multi: bool  # stage-2 rows can carry several experts
+
+
+def plan_by_node(top_k_index, top_k_weights, nodes: NodeGroups, num_experts: int) -> NodePlan:
+    """``NodePlan`` of this rank's tokens. A forwarded row's columns are its token's experts on
+    that node, so its stage-2 rows are the single-stage plan's rows of the token to that node's
+    ranks, with the same keys: their counts, grouped by node, are what each forwarding rank sends."""
+    ep = nodes.num_nodes * nodes.node_size
+    first = plan_rows(top_k_index, top_k_weights, nodes.num_nodes, num_experts)
+    ranks = plan_rows(top_k_index, top_k_weights, ep, num_experts)
+    return NodePlan(first, ranks.send_RC.reshape(nodes.num_nodes, -1), ranks.experts_per_rank, ranks.multi)
+
+
+@dataclass(frozen=True)
+class NodeCounts:
+    """Both stages' received counts and sizes of one dispatch (``exchange_node_counts``)."""
+
+    first_recv_RC: torch.Tensor
+    first: ExchangeSizes
+    second_recv_RC: torch.Tensor
+    second: ExchangeSizes
+
+
+def exchange_node_counts(plans: list[NodePlan], nodes: NodeGroups) -> list[NodeCounts]:
+    """Both stages' counts of several dispatches (``overlap_chunks``' chunks): one collective over
+    each group, and ONE host sync for them all."""
+    widths = [plan.first.send_RC.shape[1] + plan.forwarded_NC.shape[1] for plan in plans]
+    sent = torch.cat([torch.cat([plan.first.send_RC, plan.forwarded_NC], dim=1) for plan in plans], dim=1)
+    firsts, seconds = [], []
+    for plan, block in zip(plans, all_to_all_counts(sent, nodes.inter).split(widths, dim=1)):
+        first_columns = plan.first.send_RC.shape[1]
+        firsts.append(block[:, :first_columns])
+        # What every node's sources route through this rank to each rank of its node.
+        seconds.append(block[:, first_columns:].sum(0, dtype=torch.int32).view(nodes.node_size, -1))
+    second_recv = all_to_all_counts(torch.cat(seconds, dim=1), nodes.intra).split([s.shape[1] for s in seconds],
+                                                                                    dim=1)
+    counts = []
+    for plan, first_recv_RC, second_send_RC, second_recv_RC in zip(plans, firsts, seconds, second_recv):
+        counts += [(plan.first.send_RC, first_recv_RC, plan.first.experts_per_rank, plan.first.multi),
+                   (second_send_RC, second_recv_RC, plan.rank_experts, plan.rank_multi)]
+    sizes = ExchangeSizes.dropless(counts)
+    return [NodeCounts(first_recv_RC, first, second_recv_RC, second)
+            for first_recv_RC, second_recv_RC, first, second in zip(firsts, second_recv, sizes[::2], sizes[1::2])]
+
+
+def plan_forwarding(first: SentRows, nodes: NodeGroups, num_experts: int) -> RowPlan:
+    """Stage 2's plan on the forwarding rank: each received row to the ranks of its node that own
+    one of its experts; a row's empty columns (id ``node_size L``) go nowhere."""
     node_experts = num_experts // nodes.num_nodes
-    first = send_rows(hidden_states, top_k_index, top_k_weights, nodes.inter, num_experts)
-    # A received row's columns: its node-local experts, node_experts where it has fewer.
-    forwarded = dispatch_to_ranks(first.x_recv_SH, first.ids_recv_SC, first.w_recv_SC, nodes.intra, node_experts,
-                                  None, kept_TK=first.ids_recv_SC < node_experts)
+    return plan_rows(first.ids_recv_SC, first.w_recv_SC, nodes.node_size, node_experts,
+                     kept_TK=first.ids_recv_SC < node_experts)
+
+
+def node_dispatched_tokens(first: SentRows, second: SentRows, nodes: NodeGroups, num_tokens: int,
+                           rank_experts: int) -> DispatchedTokens:
+    """The pairs this rank's experts compute, and the layout of both stages for the way back."""
+    forwarded = dispatched_tokens(second, nodes.intra, first.x_recv_SH.shape[0], rank_experts)
     layout = NodeDispatchLayout(
         intra=forwarded.layout,
         inter_group=nodes.inter,
-        num_tokens=top_k_index.shape[0],
+        num_tokens=num_tokens,
         send_splits=first.sizes.send_splits,
         recv_splits=first.sizes.recv_splits,
         token_src=first.token_src,
@@ -186,6 +247,18 @@ def dispatch_by_node(hidden_states, top_k_index, top_k_weights, nodes: NodeGroup
     )
     return DispatchedTokens(hidden_states=forwarded.hidden_states, expert_ids=forwarded.expert_ids,
                             weights=forwarded.weights, layout=layout)
+
+
+def dispatch_by_node(hidden_states, top_k_index, top_k_weights, nodes: NodeGroups, num_experts: int
+                     ) -> DispatchedTokens:
+    """The two-stage dispatch (module docstring) on arguments ``dispatch`` validated."""
+    plan = plan_by_node(top_k_index, top_k_weights, nodes, num_experts)
+    [counts] = exchange_node_counts([plan], nodes)
+    first = send_planned_rows(hidden_states, plan.first, counts.first_recv_RC, counts.first, nodes.inter,
+                              padded=False)
+    second = send_planned_rows(first.x_recv_SH, plan_forwarding(first, nodes, num_experts), counts.second_recv_RC,
+                               counts.second, nodes.intra, padded=False)
+    return node_dispatched_tokens(first, second, nodes, top_k_index.shape[0], plan.rank_experts)
 
 
 def combine_by_node(expert_output: torch.Tensor, layout: NodeDispatchLayout) -> torch.Tensor:

@@ -14,12 +14,13 @@ Dropless mode exchanges the counts with one host sync (``all_to_all_single`` tak
 sizes). Capacity mode (``moe_ep.dispatch.capacity``) has fixed padded buffers and no host sync.
 ``send_rows`` is one exchange of rows; ``dispatch_to_ranks`` / ``combine_to_ranks`` are the
 whole single-stage dispatch and combine, and the node-aware scheme (``moe_ep.dispatch.nodes``)
-chains two exchanges. ``send_rows``' phases are public for the overlapped layer
-(``moe_ep.dispatch.overlap``), which runs them per chunk with other collectives in between:
+chains two exchanges. ``send_rows``' phases are public for that scheme and for the overlapped
+layer (``moe_ep.dispatch.overlap``), which run them with other collectives in between:
 ``plan_rows`` (what a source knows before the counts), ``exchange_counts`` (the counts of several
-exchanges in one collective and one host sync), ``pack_rows``, the exchange, ``received_rows``;
-then ``dispatched_tokens`` and, on the way back, ``rows_of_pairs``. ARCHITECTURE.md draws the
-whole flow, forward and backward."""
+exchanges in one collective) and ``ExchangeSizes.dropless`` (their sizes, read with one host sync
+for them all), ``pack_rows``, the exchange, ``received_rows`` (or ``send_planned_rows`` for the
+three); then ``dispatched_tokens`` and, on the way back, ``rows_of_pairs``. ARCHITECTURE.md draws
+the whole flow, forward and backward."""
 
 from __future__ import annotations
 
@@ -87,7 +88,9 @@ def _count_columns(key_TR: torch.Tensor, slots_TR: torch.Tensor, L: int, multi: 
     return torch.cat([counts_RC[:, : L + 1], multi_pairs_R[:, None]], dim=1).to(torch.int32)
 
 
-def _exchange_counts(send_RC: torch.Tensor, group) -> torch.Tensor:
+def all_to_all_counts(send_RC: torch.Tensor, group) -> torch.Tensor:
+    """Row ``j`` of ``send_RC`` to rank ``j`` of ``group``; returns what each rank sent this one.
+    On the device: no host sync (the split sizes are equal)."""
     recv_RC = torch.empty_like(send_RC)
     dist.all_to_all_single(recv_RC, send_RC, group=group)
     return recv_RC
@@ -100,7 +103,7 @@ def _exchange_counts_checking_tokens(send_RC: torch.Tensor, T: int, group) -> to
     on every rank, before the rows move; on CUDA it is queued on the device and fires only at the
     next synchronisation, after the mismatched row exchange was launched (see ``dispatch``)."""
     tokens = torch.full((send_RC.shape[0], 1), T, dtype=send_RC.dtype, device=send_RC.device)
-    recv = _exchange_counts(torch.cat([send_RC, tokens], dim=1), group)
+    recv = all_to_all_counts(torch.cat([send_RC, tokens], dim=1), group)
     check_on_device(
         (recv[:, -1] == T).all(),
         f"capacity mode needs the same number of tokens on every rank of the expert-parallel group "
@@ -131,19 +134,20 @@ class ExchangeSizes:
     meta_per_rank: int | None = None
 
     @classmethod
-    def dropless(cls, plans: list["RowPlan"], recv_RCs: list[torch.Tensor]) -> list["ExchangeSizes"]:
-        """The sizes of each of several exchanges (``overlap_chunks``' chunks), read at once."""
-        # host sync: one per count exchange (per layer: one single-stage, with or without
-        # overlap_chunks, two node-aware); all_to_all_single takes host split sizes.
-        host = torch.cat([torch.cat([plan.send_RC, recv_RC], dim=1) for plan, recv_RC in zip(plans, recv_RCs)],
-                         dim=1).tolist()
-        sizes, column = [], 0
-        for plan in plans:
-            width = plan.send_RC.shape[1]
-            send_host = [row[column:column + width] for row in host]
-            recv_host = [row[column + width:column + 2 * width] for row in host]
-            sizes.append(cls._of_counts(send_host, recv_host, plan.experts_per_rank, plan.multi))
-            column += 2 * width
+    def dropless(cls, counts: list[tuple[torch.Tensor, torch.Tensor, int, bool]]) -> list["ExchangeSizes"]:
+        """The sizes of each of several exchanges (``overlap_chunks``' chunks, the node-aware
+        scheme's two stages), read at once; ``counts``: each exchange's ``(send_RC, recv_RC,
+        experts_per_rank, multi)``."""
+        # host sync: the one of a dropless layer (single-stage or node-aware, with or without
+        # overlap_chunks); all_to_all_single takes host split sizes.
+        tables = [table for send_RC, recv_RC, _, _ in counts for table in (send_RC, recv_RC)]
+        host = torch.cat([table.reshape(-1) for table in tables]).tolist()
+        sizes, start = [], 0
+        for send_RC, _, L, multi in counts:
+            peers, width = send_RC.shape
+            block = [host[start + p * width:start + (p + 1) * width] for p in range(2 * peers)]
+            sizes.append(cls._of_counts(block[:peers], block[peers:], L, multi))
+            start += 2 * peers * width
         return sizes
 
     @classmethod
@@ -370,9 +374,10 @@ def exchange_counts(plans: list[RowPlan], group) -> list[tuple[torch.Tensor, Exc
     """Dropless: the counts of several exchanges over ``group`` in one collective, and for each its
     received counts and exact sizes, read with one host sync for them all."""
     widths = [plan.send_RC.shape[1] for plan in plans]
-    recv = _exchange_counts(torch.cat([plan.send_RC for plan in plans], dim=1), group)
+    recv = all_to_all_counts(torch.cat([plan.send_RC for plan in plans], dim=1), group)
     recv_RCs = recv.split(widths, dim=1)
-    sizes = ExchangeSizes.dropless(plans, recv_RCs)
+    sizes = ExchangeSizes.dropless([(plan.send_RC, recv_RC, plan.experts_per_rank, plan.multi)
+                                    for plan, recv_RC in zip(plans, recv_RCs)])
     return list(zip(recv_RCs, sizes))
 
 
@@ -428,7 +433,14 @@ def send_rows(hidden_states, idx_TK, w_TK, group, num_experts: int, kept_TK=None
     else:
         recv_RC = _exchange_counts_checking_tokens(plan.send_RC, idx_TK.shape[0], group)
         sizes = ExchangeSizes.padded(idx_TK.shape[0], plan.experts_per_rank, plan.k_max, ep, capacity)
-    packed = pack_rows(hidden_states, plan, sizes, padded=capacity is not None)
+    return send_planned_rows(hidden_states, plan, recv_RC, sizes, group, padded=capacity is not None)
+
+
+def send_planned_rows(hidden_states, plan: RowPlan, recv_RC, sizes: ExchangeSizes, group, *, padded: bool
+                      ) -> SentRows:
+    """``send_rows`` once the counts are exchanged: the rows (and routing columns) packed, sent
+    and seen from both sides."""
+    packed = pack_rows(hidden_states, plan, sizes, padded=padded)
     x_recv = AllToAllRows.apply(packed.x_send, sizes.recv_splits, sizes.send_splits, group)
     w_meta = ids_meta = None
     if plan.multi:

@@ -90,11 +90,17 @@ class CountExchangeBytes:
     transformers_bytes: int
 
 
+def count_columns(experts_per_rank: int, top_k: int) -> int:
+    """The int32 counts a dropless exchange sends each peer: single rows per local expert, then,
+    when a row can carry several experts, the multi rows and the pairs they carry."""
+    return experts_per_rank + 2 if min(top_k, experts_per_rank) > 1 else experts_per_rank
+
+
 def count_exchange_bytes(num_experts: int, ep: int, top_k: int) -> CountExchangeBytes:
     """Both schemes' count exchange of one layer, which does not grow with the tokens."""
     _check_positive(num_experts=num_experts, ep=ep, top_k=top_k)
     L = num_experts // ep
-    ours_per_peer = 4 * (L + 2 if min(top_k, L) > 1 else L)
+    ours_per_peer = 4 * count_columns(L, top_k)
     return CountExchangeBytes(moe_ep_bytes=(ep - 1) * ours_per_peer, transformers_bytes=(ep - 1) * 8 * L)
 
 
@@ -174,9 +180,11 @@ def node_count_exchange_bytes(num_experts: int, ep: int, top_k: int, node_size: 
     """What one rank sends in the node-aware dispatch's two count exchanges of one layer: (over
     the inter-node group, over the intra-node group); each is the single-stage exchange of its
     stage (the node's ``node_size L`` experts for stage 1, a forwarded row's ``min(K, node_size
-    L)`` columns for stage 2)."""
+    L)`` columns for stage 2), and stage 1's also carries, per node, the stage-2 counts of each of
+    its ``node_size`` ranks (``moe_ep.dispatch.nodes.plan_by_node``)."""
     _check_positive(num_experts=num_experts, ep=ep, top_k=top_k, node_size=node_size)
     nodes = ep // node_size
-    inter = count_exchange_bytes(num_experts, nodes, top_k).moe_ep_bytes
+    forwarded = (nodes - 1) * 4 * node_size * count_columns(num_experts // ep, top_k)
+    inter = count_exchange_bytes(num_experts, nodes, top_k).moe_ep_bytes + forwarded
     intra = count_exchange_bytes(num_experts // nodes, node_size, min(top_k, num_experts // nodes)).moe_ep_bytes
     return inter, intra

@@ -136,11 +136,11 @@ class ParallelConfig:
             raise ValueError(
                 f"capacity_factor={self.capacity_factor} applies to the expert-parallel dispatcher; ep=1 has none"
             )
-        check_overlap_chunks(self.overlap_chunks, self.capacity_factor, None)
+        check_overlap_chunks(self.overlap_chunks, self.capacity_factor)
         if self.overlap_chunks > 1 and self.ep == 1:
             raise ValueError(
                 f"overlap_chunks={self.overlap_chunks} applies to the expert-parallel dispatcher; ep=1 has none")
-        check_dispatch_mode(self.dispatch_mode, self.capacity_factor, self.overlap_chunks)
+        check_dispatch_mode(self.dispatch_mode, self.capacity_factor)
         check_node_size(self.node_size)
         if self.dispatch_mode == "node" and self.ep == 1:
             raise ValueError("dispatch_mode='node' applies to the expert-parallel dispatcher; ep=1 has none")

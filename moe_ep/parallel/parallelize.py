@@ -119,8 +119,8 @@ def parallelize(
     - ``overlap_chunks``: 1 (default) dispatches, computes and combines each MoE layer's tokens in
       one go; ``n > 1`` cuts them into ``n`` chunks whose all-to-alls overlap the other chunks'
       experts, forward and backward (``moe_ep.dispatch.overlap``; the same results, the same one
-      host sync per layer). Dropless single-stage only: refused with ``capacity_factor`` or
-      ``dispatch_mode="node"``; ``"auto"`` then dispatches single-stage.
+      host sync per layer), single-stage or node-aware. Dropless only: refused with
+      ``capacity_factor``.
     - ``compile_blocks``: ``torch.compile`` the dense parts of every decoder layer (of this rank's
       stages with ``pp > 1``), in place, so names and state-dict keys stay: False (default), True
       (torch.compile's defaults: inductor) or a dict of its keywords ``backend``, ``mode``,
@@ -228,8 +228,7 @@ def _check(model: nn.Module, config: ParallelConfig) -> tuple[ParallelDims, Part
     dims = resolve_dims(
         dist.get_world_size(), ep=config.ep, dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, pp=config.pp,
         num_experts=num_experts_of(experts) if experts else None,
-        ep_node_size=node_size_for(config.dispatch_mode, config.ep, config.node_size, config.capacity_factor,
-                                   config.overlap_chunks)
+        ep_node_size=node_size_for(config.dispatch_mode, config.ep, config.node_size, config.capacity_factor)
         if config.ep > 1 else None,
     )
     check_recompute_support(model, config.activation_checkpointing)

@@ -23,7 +23,8 @@ With the node-aware dispatch (``moe_ep.dispatch.nodes``: an ep group over severa
 dropless) the same exchanges run twice, over the inter-node group (``ep-inter``: one row per
 token and destination node, each node standing for a rank holding ``node_size L`` experts) and
 over the node (``ep-intra``: one row per token and destination rank, as the single-stage
-dispatch, its routing columns ``min(K, L)``).
+dispatch, its routing columns ``min(K, L)``); the inter-node count exchange also carries each
+node's ranks' stage-2 counts (``node_size`` times the intra-node columns per peer node).
 
 Pipeline: each stage sends its output forward and its input's gradient back, per micro-batch, to
 a stage on another rank (two stages of one rank pass them in memory)."""
@@ -33,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..dispatch.capacity import expert_capacity
+from ..dispatch.wire_bytes import count_columns
 from .partition import Partition
 from .activations import I32, rank_shares
 from .cluster import Cluster
@@ -130,7 +132,7 @@ def _exchange_collective(group: str, size: int, stride: int, experts_per_rank: i
     ``multi`` rows carrying several experts sent to other ranks per forward (their combine
     returns as many), ``experts_per_rank`` experts per destination, ``top_k`` columns per row."""
     k_max = min(top_k, experts_per_rank)
-    columns = (experts_per_rank + 2 if k_max > 1 else experts_per_rank) + columns_extra
+    columns = count_columns(experts_per_rank, top_k) + columns_extra
     forward_calls = 3 + (k_max > 1)
     forward = I32 * columns * (size - 1) + 2 * BF16 * hidden * rows + 2 * FP32 * k_max * multi
     backward = 2 * BF16 * hidden * rows + FP32 * k_max * multi
@@ -189,8 +191,11 @@ def node_all_to_all_collectives(spec: ModelSpec, layout: Layout, seq_len: int, l
     # Stage 1: the nodes are the "ranks" (node_size L experts each), one row per destination node.
     node_rows, node_multi = node_shares(spec, ep, node_size, max_nodes)
     share = (nodes - 1) / nodes
+    # Stage 1's counts carry, per node, what its forwarding rank will send to each rank of it.
+    rank_columns = count_columns(E // ep, K)
     inter = _exchange_collective("ep-inter", nodes, node_size, E // nodes, K, H, load * T * node_rows * share,
-                                 load * T * node_multi * share, layer_passes, layout.checkpointing)
+                                 load * T * node_multi * share, layer_passes, layout.checkpointing,
+                                 columns_extra=node_size * rank_columns)
     # Stage 2: a forwarding rank holds one row per (token, node) and sends one per (token, rank):
     # over the node's ranks, as many as the single-stage dispatch, a share (G - 1) / G of them away.
     if max_nodes is None or max_nodes >= nodes:

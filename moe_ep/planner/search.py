@@ -255,8 +255,7 @@ def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_token
 
 def _units(spec: ModelSpec, layout: Layout, seq_len: int, assumptions: Assumptions, cluster: Cluster) -> list[Unit]:
     # The dispatch parallelize's "auto" picks on this cluster: node-aware over whole nodes.
-    node_size = node_size_for("auto", layout.ep, cluster.gpus_per_node, assumptions.capacity_factor,
-                              assumptions.overlap_chunks)
+    node_size = node_size_for("auto", layout.ep, cluster.gpus_per_node, assumptions.capacity_factor)
     return build_units(spec, layout, seq_len, assumptions.imbalance, startup_imbalance=assumptions.startup_imbalance,
                        capacity_factor=assumptions.capacity_factor, backend=BACKEND, node_size=node_size,
                        max_nodes=assumptions.max_nodes, chunked_loss=assumptions.chunked_loss)
@@ -504,8 +503,8 @@ def plan(
             most this many nodes of its ep group, which bounds the node-aware dispatch's copies.
         overlap_chunks: plan for ``parallelize(overlap_chunks=...)``: each MoE layer in this many
             chunks whose all-to-alls overlap the other chunks' experts, so only what the experts
-            do not hide counts (``moe_ep.planner.timing.exposed_exchange_seconds``); dropless and
-            single-stage (the node-aware dispatch is then not costed); 1: no overlap.
+            do not hide counts (``moe_ep.planner.timing.exposed_exchange_seconds``); dropless,
+            single-stage or node-aware; 1: no overlap.
         chunked_loss: the loss is moe_ep's chunked one (``TrainStep(chunked_loss=True)``,
             ``moe_ep.chunked_causal_lm_loss``): the head keeps no logits but the head weight's
             float32 gradient, and rereads that gradient once per chunk.

@@ -41,7 +41,9 @@ def exposed_exchange_seconds(exchange: float, experts: float, chunks: int) -> fl
     chunk's dispatch, then per chunk its experts and its combine). One chunk: all of
     ``exchange``; two, behind experts slower than the exchanges: only the first chunk's dispatch
     and the last chunk's combine, a quarter of ``exchange`` each. The count exchange is counted in
-    ``exchange`` as if it could be hidden too (it cannot, but it is a few bytes per peer)."""
+    ``exchange`` as if it could be hidden too (it cannot, but it is a few bytes per peer). The
+    node-aware dispatch's two stages count as one link: an upper bound, since the hops inside the
+    node run beside the network ones."""
     dispatch = combine = exchange / 2 / chunks
     link = gpu = 0.0  # when each is next free
     dispatched = []
