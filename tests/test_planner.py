@@ -924,6 +924,23 @@ def test_plan_with_overlap_chunks_counts_only_the_exposed_all_to_all(checkpointi
     assert overlapped.to_dict()["assumptions"]["overlap_chunks"] == 2
 
 
+def test_overlap_chunks_keep_the_node_aware_dispatch_across_nodes():
+    # Qwen3-30B-A3B at ep=16 over 8-GPU nodes: parallelize's "auto" dispatches node-aware with or
+    # without overlap, so the planner costs the two stages and hides part of them.
+    from moe_ep.planner.search import Assumptions, _units
+
+    spec = ModelSpec.resolve("qwen3-30b-a3b")
+    layout = Layout(1, 1, 16, 16, 1, 1, "none", False)
+    cluster = Cluster.from_preset(CLUSTERS["dgx-h100"], nodes=2)
+    for chunks in (1, 2):
+        moe = next(u for u in _units(spec, layout, 4096, Assumptions(overlap_chunks=chunks), cluster) if u.moe)
+        assert [c.group for c in moe.a2a] == ["ep-inter", "ep-intra"], chunks
+    fixed = dict(pp=1, dp_shard=16, ep=16, microbatch_size=1, checkpointing="full")
+    plain = plan("qwen3-30b-a3b", nodes=2, cluster="dgx-h100", **fixed)
+    overlapped = plan("qwen3-30b-a3b", nodes=2, cluster="dgx-h100", **fixed, overlap_chunks=2)
+    assert 0 < overlapped.best.time.all_to_all < plain.best.time.all_to_all
+
+
 def test_plan_refuses_overlap_chunks_it_cannot_apply():
     with pytest.raises(ValueError, match=r"overlap_chunks must be an int in \[1, 64\], got 0"):
         plan("mixtral-8x7b", nodes=16, overlap_chunks=0, **A100)

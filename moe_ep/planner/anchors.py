@@ -147,7 +147,8 @@ ANCHORS = (
         note="TP2 x DP16 become dp_shard 32, so each GPU keeps the activations that TP2 with sequence "
              "parallelism splits over two; global batch 2048 x 4096 assumed: the recipe's GBS 8192 in 17.6 s "
              "would be 7,450 tokens/s per GPU, beyond an H100's dense peak for 22 B active parameters; moe_ep "
-             "does not overlap the all-to-all with compute as the recipe does",
+             "overlaps the all-to-all with the experts of another chunk of the same layer (overlap_chunks), not "
+             "with another micro-batch's compute as the recipe's 1F1B does",
     ),
 )
 
@@ -160,6 +161,7 @@ class AnchorRow:
     candidate: Candidate | None
     why: str | None = None  # why there is no candidate
     chunked_loss: bool = False  # the candidate is planned with moe_ep's chunked loss
+    overlap_chunks: int = 1  # its MoE layers' exchanges overlap the experts of this many chunks
 
     @property
     def step_s(self) -> float:
@@ -188,10 +190,12 @@ class AnchorRow:
         if self.candidate is None:
             return f"not planned: {self.why}"
         memory = self.candidate.memory
-        loss = "; with the chunked loss" if self.chunked_loss else ""
+        options = "; with the chunked loss" if self.chunked_loss else ""
+        if self.overlap_chunks > 1:
+            options += f"; the all-to-alls overlapped with the experts of {self.overlap_chunks} chunks"
         if memory.fits:
-            return f"fits: {format_bytes(memory.total)} per GPU, {format_bytes(memory.headroom)} free{loss}"
-        return _why_not_fitting(self.candidate) + loss
+            return f"fits: {format_bytes(memory.total)} per GPU, {format_bytes(memory.headroom)} free{options}"
+        return _why_not_fitting(self.candidate) + options
 
 
 @dataclass(frozen=True)
@@ -217,25 +221,26 @@ def plan_anchor(anchor: Anchor, calibration: str | Path | None = None) -> Anchor
     if problem is not None:
         return AnchorRow(anchor, None, f"{anchor.schedule}: {problem}")
     imbalance = dict(imbalance=1.0, startup_imbalance=1.0) if anchor.balanced_routing else {}
-    candidates, reasons, chunked = [], [], set()
+    candidates, reasons, options = [], [], {}
     # moe_ep's stack with or without its chunked loss (no full logits, but the head weight's
-    # float32 gradient reread once per chunk), as the headroom rule picks.
+    # float32 gradient reread once per chunk) and the exchanges of two chunks overlapped with the
+    # experts (expert parallelism only), as the headroom rule picks.
     for chunked_loss in (False, True):
-        assumptions = Assumptions(**imbalance, chunked_loss=chunked_loss)
-        for layout in anchor.layouts():
-            try:
-                candidates.append(evaluate(spec, cluster, layout, anchor.seq_len, assumptions))
-            except InfeasiblePartition as err:
-                reasons.append(f"{layout.short()}: {err}")
-                continue
-            if chunked_loss:
-                chunked.add(id(candidates[-1]))
+        for overlap_chunks in (1, 2) if anchor.ep > 1 else (1,):
+            assumptions = Assumptions(**imbalance, chunked_loss=chunked_loss, overlap_chunks=overlap_chunks)
+            for layout in anchor.layouts():
+                try:
+                    candidates.append(evaluate(spec, cluster, layout, anchor.seq_len, assumptions))
+                except InfeasiblePartition as err:
+                    reasons.append(f"{layout.short()}: {err}")
+                    continue
+                options[id(candidates[-1])] = dict(chunked_loss=chunked_loss, overlap_chunks=overlap_chunks)
     if not candidates:
-        return AnchorRow(anchor, None, "; ".join(reasons))
+        return AnchorRow(anchor, None, "; ".join(dict.fromkeys(reasons)))
     fitting = [c for c in candidates if c.fits]
     best = (choose(fitting, DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN)[0] if fitting
-            else min(candidates, key=lambda c: c.memory.total))
-    return AnchorRow(anchor, best, chunked_loss=id(best) in chunked)
+            else min(candidates, key=lambda c: (c.memory.total, c.time.total)))
+    return AnchorRow(anchor, best, **options[id(best)])
 
 
 def anchor_report(calibration: str | Path | None = None, anchors: tuple[Anchor, ...] = ANCHORS) -> AnchorReport:
@@ -340,6 +345,7 @@ def anchors_to_dict(report: AnchorReport) -> dict:
         else:
             entry["layout"] = cand.layout.short()
             entry["chunked_loss"] = row.chunked_loss
+            entry["overlap_chunks"] = row.overlap_chunks
             entry["planned"] = {
                 "tokens_per_s_per_gpu": row.tokens_per_gpu, "step_time_s": row.step_s,
                 "memory_bytes_per_gpu": cand.memory.total, "fits": cand.fits,
