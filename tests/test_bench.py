@@ -109,15 +109,24 @@ def test_dispatch_mode_bytes_only(tmp_path):
     rows = written(tmp_path, "dispatch")["rows"]
     assert {(r["model"], r["ep"]) for r in rows} == {(m, ep) for m in ("mixtral", "fine-grained") for ep in (2, 4, 8)}
     assert all(r["status"] == "bytes only" for r in rows)
+    # The node-aware rows where ep spans several simulated nodes of 2 ranks (the default).
+    for model in ("mixtral", "fine-grained"):
+        for ep in (2, 4, 8):
+            impls = {r["impl"]: r for r in rows if (r["model"], r["ep"]) == (model, ep)}
+            assert set(impls) == {"hf_all_to_all", "moe_ep"} | ({"moe_ep_node"} if ep > 2 else set()), (model, ep)
+            if ep > 2:
+                network = [impls[i]["network_bytes_per_token"] for i in ("moe_ep_node", "moe_ep", "hf_all_to_all")]
+                assert 0 < network[0] <= network[1] <= network[2], (model, ep, network)
 
 
 @pytest.mark.slow
 @requires_ep_registry  # transformers' AllToAllEP is the baseline
 def test_dispatch_mode_spawns_ranks(tmp_path):
-    main(["dispatch", "--device", "cpu", "--ep", "2", "--models", "mixtral", "fine-grained", "--tokens", "16",
-          "--hidden", "8", "--out-dir", str(tmp_path), *TINY])
+    # Two nodes of one rank: the node-aware dispatch runs too, its intra-node stage empty.
+    main(["dispatch", "--device", "cpu", "--ep", "2", "--node-size", "1", "--models", "mixtral", "fine-grained",
+          "--tokens", "16", "--hidden", "8", "--out-dir", str(tmp_path), *TINY])
     rows = written(tmp_path, "dispatch")["rows"]
-    assert {r["impl"] for r in rows} == {"hf_all_to_all", "moe_ep"}
+    assert {r["impl"] for r in rows} == {"hf_all_to_all", "moe_ep", "moe_ep_node"}
     for row in rows:
         assert row["status"] == "ok" and row["ms_fwd_bwd"] > 0
         # The accounting is exactly what the implementation's collectives sent.
@@ -148,7 +157,7 @@ def _per_token_count(idx_TK, E, ep, rank):
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
 def test_reported_rows_match_a_per_token_count(ep, routing):
     s = dispatch.Settings(tokens=29, hidden=8, dtype="bfloat16", models=("fine-grained",), routings=(routing,),
-                          seed=1, warmup=0, reps=1)
+                          seed=1, warmup=0, reps=1, node_size=2)
     counted = dispatch.computed_bytes(s, "fine-grained", routing, ep)
     per_rank = [_per_token_count(dispatch.rank_routing(s, "fine-grained", routing, r)[0], 64, ep, r)
                 for r in range(ep)]
@@ -157,6 +166,17 @@ def test_reported_rows_match_a_per_token_count(ep, routing):
     # transformers' bytes: rows of H bf16 values both ways, plus one int64 per expert of each peer.
     assert counted["hf_all_to_all"].bytes == counted["hf_all_to_all"].rows * 16 + ep * (ep - 1) * (64 // ep) * 8
     assert counted["moe_ep"].rows <= counted["hf_all_to_all"].rows
+    # Over nodes of 2 ranks: one row per (token, other node) and per (token, other rank) both ways.
+    row_bytes = 8 * 2
+    network = {"moe_ep": 0, "hf_all_to_all": 0, "moe_ep_node": 0}
+    for r in range(ep):
+        for experts in dispatch.rank_routing(s, "fine-grained", routing, r)[0].tolist():
+            away = [e // (64 // ep) for e in experts if e // (64 // ep) // 2 != r // 2]
+            network["hf_all_to_all"] += 2 * len(away) * row_bytes
+            network["moe_ep"] += 2 * len(set(away)) * row_bytes
+            network["moe_ep_node"] += 2 * len({rank // 2 for rank in away}) * row_bytes
+    assert {impl: t.network_bytes for impl, t in counted.items()} == (
+        network if ep > 2 else {k: v for k, v in network.items() if k != "moe_ep_node"})
 
 
 def test_routing_cases():

@@ -81,7 +81,7 @@ def _check_case(case: Case, rank: int, world: int) -> dict:
         distinct = sum(len(set(row.tolist())) for row in dest)
         result["rows_sent"], result["rows_expected"] = sum(routed.layout.send_splits), distinct
         result["rows_received"] = sum(routed.layout.recv_splits)
-    with count_sent_bytes(dist, rank) as sent:
+    with count_sent_bytes(dist) as sent:
         y = moe_experts_ep(x, idxs[rank], w, gu, dn, group=group, capacity_factor=case.capacity_factor)
     if case.capacity_factor is None:
         # Combine sends back other ranks' tokens, so the accounting holds for the sum over ranks.

@@ -253,6 +253,10 @@ PARITY_4 = {
                                                  dispatch_mode="node", node_size=2, overlap_chunks=2),
     "qwen3_ep4_two_nodes_auto_overlap_first_rank_only": Parity("qwen3_moe", ep=4, steps=NODE_STEPS, node_size=2,
                                                                overlap_chunks=2, routing="first_rank_only"),
+    # The recompute runs the chunks' two-stage collectives again.
+    "mixtral_ep4_two_nodes_node_overlap_selective_recompute": Parity(
+        "mixtral", ep=4, overrides=MIXTRAL_8, steps=2, dispatch_mode="node", node_size=2, overlap_chunks=2,
+        activation_checkpointing="selective"),
 }
 MIXTRAL_16 = (("num_local_experts", 16),)
 # 8 ranks as 2 simulated nodes of 4, each dispatch mode, with and without overlap.

@@ -1,6 +1,8 @@
 """Dispatch benchmark: dispatch+combine time and bytes sent per token, our all-to-all dispatcher
-against transformers' own all-to-all expert parallelism (``AllToAllEP``) on the identical
-routing, for Mixtral (E=8, k=2) and a fine-grained model (E=64, k=6) at ep = 2, 4, 8.
+(single-stage, and node-aware over simulated nodes of ``--node-size`` ranks where ep spans
+several) against transformers' own all-to-all expert parallelism (``AllToAllEP``) on the identical
+routing, for Mixtral (E=8, k=2) and a fine-grained model (E=64, k=6) at ep = 2, 4, 8. The
+network column counts what crosses between those nodes: the node-aware dispatch's point.
 
 Bytes come from ``moe_ep.dispatch.wire_bytes`` (computed from each rank's routing, both schemes)
 plus each scheme's per-layer count exchange; they are also counted on the wire by wrapping each
@@ -26,7 +28,9 @@ from pathlib import Path
 
 import torch
 
-from ..dispatch import combine, count_exchange_bytes, dispatch, wire_bytes
+from ..dispatch import (
+    combine, count_exchange_bytes, dispatch, node_count_exchange_bytes, node_wire_bytes, split_by_node, wire_bytes,
+)
 from .optional import Lookup, optional_attr
 from .report import Column, Report, close_figure, environment, new_figure
 from .routing_cases import ROUTINGS, make_routing
@@ -46,6 +50,7 @@ COLUMNS = [
     Column("bytes_per_token", "bytes/token", "{:,.0f}"),
     Column("measured_bytes_per_token", "measured", "{:,.0f}"),
     Column("bytes_vs_hf", "bytes vs hf", "{:.3f}"),
+    Column("network_bytes_per_token", "network/token", "{:,.0f}"),
     Column("ms_fwd", "ms fwd", "{:.2f}"),
     Column("ms_fwd_bwd", "ms fwd+bwd", "{:.2f}"),
     Column("max_abs_err", "err", "{:.0e}"),
@@ -64,6 +69,7 @@ class Settings:
     seed: int
     warmup: int
     reps: int
+    node_size: int  # ranks per simulated node of the node-aware rows
 
     @property
     def element_size(self) -> int:
@@ -79,23 +85,53 @@ def rank_routing(s: Settings, model: str, routing: str, rank: int) -> tuple[torc
 class Traffic:
     rows: int  # token rows sent to other ranks, dispatch + combine
     bytes: int  # rows, their routing columns and the count exchange
+    network_bytes: int  # the part between simulated nodes (count exchanges apart)
+
+
+def spans_nodes(ep: int, node_size: int) -> bool:
+    """Whether an ep group of ``ep`` ranks covers several whole simulated nodes."""
+    return ep > node_size and ep % node_size == 0
+
+
+def _network_bytes(idx_TK: torch.Tensor, L: int, rank: int, node_size: int, row_bytes: int,
+                   rows_per_destination) -> int:
+    """A single-stage scheme's forward bytes (rows both ways, no routing columns) to ranks on other
+    nodes; ``rows_per_destination``: the rows a token sends to a rank holding n of its experts."""
+    dest_TK = idx_TK.long().cpu() // L
+    other_node = dest_TK // node_size != rank // node_size
+    experts_TR = torch.zeros(idx_TK.shape[0], int(dest_TK.max()) + 1 if dest_TK.numel() else 1, dtype=torch.long)
+    experts_TR.scatter_add_(1, torch.where(other_node, dest_TK, 0), other_node.long())
+    return 2 * row_bytes * int(rows_per_destination(experts_TR).sum())
 
 
 def computed_bytes(s: Settings, model: str, routing: str, ep: int) -> dict[str, Traffic]:
-    """Both schemes' forward traffic, summed over all ranks."""
+    """Each scheme's forward traffic, summed over all ranks (the node-aware one only where ep
+    spans several simulated nodes)."""
     E, K = MODELS[model]
-    totals = {"hf_all_to_all": Traffic(0, 0), "moe_ep": Traffic(0, 0)}
-    element_size = s.element_size
+    L, G, row_bytes = E // ep, s.node_size, s.hidden * s.element_size
+    totals = {"hf_all_to_all": Traffic(0, 0, 0), "moe_ep": Traffic(0, 0, 0)}
     exchanged = count_exchange_bytes(E, ep, K)
     counts = {"hf_all_to_all": exchanged.transformers_bytes, "moe_ep": exchanged.moe_ep_bytes}
-    for rank in range(ep):
-        idx_TK = rank_routing(s, model, routing, rank)[0]
-        counted = wire_bytes(idx_TK, E // ep, s.hidden, element_size=element_size, source_rank=rank)
-        per_impl = {"hf_all_to_all": (2 * counted.transformers_rows, counted.transformers_bytes),
-                    "moe_ep": (2 * counted.moe_ep_rows, counted.moe_ep_bytes)}
-        for impl, (rows, bytes_) in per_impl.items():
+    idx_by_rank = [rank_routing(s, model, routing, rank)[0] for rank in range(ep)]
+    for rank, idx_TK in enumerate(idx_by_rank):
+        counted = wire_bytes(idx_TK, L, s.hidden, element_size=s.element_size, source_rank=rank)
+        per_impl = {
+            "hf_all_to_all": (2 * counted.transformers_rows, counted.transformers_bytes,
+                              _network_bytes(idx_TK, L, rank, G, row_bytes, lambda n: n)),
+            "moe_ep": (2 * counted.moe_ep_rows, counted.moe_ep_bytes,
+                       _network_bytes(idx_TK, L, rank, G, row_bytes, lambda n: n > 0)),
+        }
+        for impl, (rows, bytes_, network) in per_impl.items():
             t = totals[impl]
-            totals[impl] = Traffic(t.rows + rows, t.bytes + bytes_ + counts[impl])
+            totals[impl] = Traffic(t.rows + rows, t.bytes + bytes_ + counts[impl], t.network_bytes + network)
+    if spans_nodes(ep, G):
+        inter_counts, intra_counts = node_count_exchange_bytes(E, ep, K, G)
+        counted = node_wire_bytes(idx_by_rank, L, s.hidden, G, element_size=s.element_size)
+        totals["moe_ep_node"] = Traffic(
+            rows=sum(c.inter_rows + c.intra_rows for c in counted),
+            bytes=sum(c.inter_bytes + c.intra_bytes for c in counted) + ep * (inter_counts + intra_counts),
+            network_bytes=sum(c.inter_rows for c in counted) * row_bytes,
+        )
     return totals
 
 
@@ -121,20 +157,20 @@ SEND_SIGNATURES = {
 
 
 @contextlib.contextmanager
-def count_sent_bytes(module, group_rank: int):
+def count_sent_bytes(module):
     """Wrap the collectives ``module`` calls (those of SEND_SIGNATURES it has) so that the bytes
-    each call sends to other ranks are added up in the yielded one-element list."""
+    each call sends to other ranks of its group are added up in the yielded one-element list."""
     sent = [0]
     originals = {name: getattr(module, name) for name in SEND_SIGNATURES if hasattr(module, name)}
 
     def counting(name, original):
         def wrapper(*args, **kwargs):
             bound = dict(zip(SEND_SIGNATURES[name], args), **kwargs)
-            tensor, splits = bound["input"], bound.get("input_split_sizes")
-            world = torch.distributed.get_world_size(bound.get("group"))
+            tensor, splits, group = bound["input"], bound.get("input_split_sizes"), bound.get("group")
+            world, me = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
             splits = splits or [tensor.shape[0] // world] * world
             row = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
-            sent[0] += sum(n for r, n in enumerate(splits) if r != group_rank) * row
+            sent[0] += sum(n for r, n in enumerate(splits) if r != me) * row
             return original(*args, **kwargs)
 
         return wrapper
@@ -154,7 +190,7 @@ class Exchange:
     collectives: object  # the module whose collectives it calls by attribute, for count_sent_bytes
 
 
-def _hf_exchange(ep_mesh, tp_mesh, num_experts: int) -> Lookup:
+def _hf_exchange(ep_mesh, tp_mesh, nodes, num_experts: int) -> Lookup:
     cls = optional_attr(HF_EP_MODULE, "AllToAllEP")
     if not cls.available:
         return cls
@@ -162,18 +198,26 @@ def _hf_exchange(ep_mesh, tp_mesh, num_experts: int) -> Lookup:
     return Lookup(Exchange(impl, importlib.import_module(HF_EP_MODULE)), None)
 
 
-def _moe_ep_exchange(ep_mesh, tp_mesh, num_experts: int) -> Lookup:
+def _moe_ep_exchange(ep_mesh, tp_mesh, nodes, num_experts: int) -> Lookup:
     group = ep_mesh.get_group()
 
     def exchange(x_TH, idx_TK, w_TK):
-        routed = dispatch(x_TH, idx_TK, w_TK, group=group, num_experts=num_experts)
+        routed = dispatch(x_TH, idx_TK, w_TK, group=group, num_experts=num_experts, node_groups=nodes)
         # Identity experts: the weighted output of pair p is weights[p] * hidden_states[p].
         return combine(routed.hidden_states * routed.weights.to(x_TH.dtype), routed.layout)
 
     return Lookup(Exchange(exchange, torch.distributed), None)
 
 
-EXCHANGES = {"hf_all_to_all": _hf_exchange, "moe_ep": _moe_ep_exchange}
+def _moe_ep_node_exchange(ep_mesh, tp_mesh, nodes, num_experts: int) -> Lookup:
+    if nodes is None:
+        return Lookup(None, "ep within one simulated node")
+    return _moe_ep_exchange(ep_mesh, tp_mesh, nodes, num_experts)
+
+
+# name -> (builder, whether it takes the node groups)
+EXCHANGES = {"hf_all_to_all": (_hf_exchange, False), "moe_ep": (_moe_ep_exchange, False),
+             "moe_ep_node": (_moe_ep_node_exchange, True)}
 
 
 def _time_rank(s: Settings, impl, x_TH, idx_TK, w_TK, device) -> tuple[float, float]:
@@ -216,6 +260,7 @@ def _worker(rank: int, ep: int, port: int, backend: str, threads: int, settings:
     try:
         # transformers' scheme takes a tensor-parallel mesh too; size 1 here: every rank has its own batch.
         mesh = init_device_mesh(device.type, (1, ep), mesh_dim_names=("tp", "ep"))
+        nodes = split_by_node([list(range(ep))], s.node_size) if spans_nodes(ep, s.node_size) else None
         results = []
         for model in s.models:
             E, _ = MODELS[model]
@@ -227,14 +272,14 @@ def _worker(rank: int, ep: int, port: int, backend: str, threads: int, settings:
                 w_TK = w_TK.to(device).requires_grad_()
                 idx_TK = idx_TK.to(device)
                 reference = x_TH.detach() * w_TK.detach().sum(1, keepdim=True).to(x_TH.dtype)
-                for impl_name, build in EXCHANGES.items():
-                    found = build(mesh["ep"], mesh["tp"], E)
+                for impl_name, (build, node_aware) in EXCHANGES.items():
+                    found = build(mesh["ep"], mesh["tp"], nodes if node_aware else None, E)
                     result = dict(model=model, routing=routing, impl=impl_name)
                     if not found.available:
                         results.append(dict(result, status=found.reason))
                         continue
                     exchange = found.value
-                    with count_sent_bytes(exchange.collectives, rank) as sent:
+                    with count_sent_bytes(exchange.collectives) as sent:
                         y_TH = exchange.fn(x_TH, idx_TK, w_TK)
                     # Both exchanges with identity experts give sum_k w_k x_t: a check that they ran right.
                     stats = torch.tensor([sent[0], (y_TH.detach() - reference).abs().max().item() if s.tokens else 0.0],
@@ -278,10 +323,12 @@ def plot(report: Report, path: Path) -> None:
         for i, (col, label) in enumerate((("bytes_per_token", "bytes sent per token"),
                                           ("ms_fwd_bwd", "ms dispatch+combine fwd+bwd"))):
             ax = axes[i][j]
+            width = 0.8 / len(EXCHANGES)
             for k, impl in enumerate(EXCHANGES):
                 mine = [r for r in rows if (r["model"], r["routing"], r["impl"]) == (model, routing, impl)
                         and r.get(col) is not None]
-                ax.bar([m["ep"] + (k - 0.5) * 0.35 for m in mine], [m[col] for m in mine], 0.35, label=impl)
+                offset = (k - (len(EXCHANGES) - 1) / 2) * width
+                ax.bar([m["ep"] + offset for m in mine], [m[col] for m in mine], width, label=impl)
             ax.set_xlabel("ep")
             ax.set_ylabel(label)
             ax.set_title(f"{model} (E={MODELS[model][0]}, k={MODELS[model][1]}), {routing}")
@@ -297,6 +344,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, help="tokens per rank (default 1024 on CPU, 4096 on CUDA)")
     parser.add_argument("--hidden", type=int, help="H (default 1024 on CPU, 4096 on CUDA)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--node-size", type=int, default=2,
+                        help="ranks per simulated node: the node-aware rows run where ep spans several (default 2)")
     parser.add_argument("--no-timing", action="store_true", help="byte counts only, spawn no processes")
 
 
@@ -314,8 +363,10 @@ def run(args, device: torch.device) -> Report:
     s = Settings(
         tokens=args.tokens or defaults["tokens"], hidden=args.hidden or defaults["hidden"],
         dtype=args.dtype or defaults["dtype"], models=tuple(args.models), routings=tuple(args.routing),
-        seed=args.seed, warmup=args.warmup, reps=args.reps,
+        seed=args.seed, warmup=args.warmup, reps=args.reps, node_size=args.node_size,
     )
+    if isinstance(s.node_size, bool) or not isinstance(s.node_size, int) or s.node_size < 1:
+        raise ValueError(f"--node-size must be a positive int, got {s.node_size!r}")
     for model in s.models:
         E = MODELS[model][0]
         bad = [ep for ep in args.ep if ep < 1 or E % ep]
@@ -325,6 +376,9 @@ def run(args, device: torch.device) -> Report:
     report.meta = dict(environment(device), **asdict(s), ep=list(args.ep))
     report.notes.append("bytes/token: sent to other ranks in one forward dispatch+combine, averaged over all "
                         "ranks' tokens; 'measured' counts what each implementation's collectives actually sent")
+    report.notes.append(f"network/token: the rows' bytes of that between simulated nodes of {s.node_size} ranks "
+                        f"(ranks numbered node by node); moe_ep_node: the node-aware dispatch, where ep spans "
+                        f"several nodes")
     report.notes.append("torch threads per rank: " + ", ".join(f"ep={ep}: {threads_per_rank(ep)}" for ep in args.ep))
     for ep in args.ep:
         backend, note = pick_backend(device, ep)
@@ -339,10 +393,13 @@ def run(args, device: torch.device) -> Report:
                 counted = computed_bytes(s, model, routing, ep)
                 n_tokens = s.tokens * ep
                 for impl in EXCHANGES:
+                    if impl not in counted:
+                        continue  # node-aware, ep within one node
                     row = dict(model=model, ep=ep, routing=routing, impl=impl,
                                rows_per_token=counted[impl].rows / n_tokens,
                                bytes_per_token=counted[impl].bytes / n_tokens,
                                bytes_vs_hf=counted[impl].bytes / counted["hf_all_to_all"].bytes,
+                               network_bytes_per_token=counted[impl].network_bytes / n_tokens,
                                backend=None if args.no_timing else backend,
                                status="bytes only" if args.no_timing else None)
                     result = timed.get((model, routing, impl), {})
