@@ -13,7 +13,9 @@ the micro-batches, so a loss normalised per micro-batch instead of per step woul
 - 4 ranks, through ``moe_ep.parallelize(pp=2, ...)``: pp=2 x ep=2 and pp=2 x dp_shard=2 (FSDP2)
   under GPipe, 1F1B, interleaved 1F1B and ZB-V; pp=2 x dp_replicate=2 (HSDP); pp=2 x ep=2 with
   activation checkpointing and the aux loss, and with dynamic loss scaling; a tied head under
-  ZB-V with its one parameter FSDP-sharded over dp_shard=2; one process group.
+  ZB-V with its one parameter FSDP-sharded over dp_shard=2; pp=2 x ep=2 with the exchanges
+  overlapped over two chunks (``overlap_chunks=2``), single-stage under 1F1B and node-aware (2
+  nodes of one rank) under ZB-V with checkpointing; one process group.
   Also a batch whose data-parallel shards hold very different numbers of targets, with and
   without pipeline stages (the same loop): the loss is the global token mean.
 - 1 process: TrainStep with gradient accumulation and no stages; loss scaling; on torch's fake
@@ -319,7 +321,8 @@ def test_tied_head_and_shared_expert_families_track_single_process_losses(world2
 class Composed(NamedTuple):
     """One 4-rank run: pp=2 (by default) composed with the other degrees (dp = 4 / pp ranks of
     data); ``unbalanced``: the batch whose data-parallel shards hold different numbers of targets;
-    ``tied``: the model's LM head tied to its embedding."""
+    ``tied``: the model's LM head tied to its embedding; ``overlap_chunks``, ``dispatch_mode`` and
+    ``node_size``: parallelize's (the ep pair as 2 nodes of one rank for the node-aware dispatch)."""
 
     pp: int = 2
     ep: int = 1
@@ -332,6 +335,9 @@ class Composed(NamedTuple):
     loss_scale: str | None = None
     unbalanced: bool = False
     tied: bool = False
+    overlap_chunks: int = 1
+    dispatch_mode: str = "auto"
+    node_size: int | None = None
 
 
 # Each data-parallel half runs 2 micro-batches: the reference's 4 micro-batches of the whole batch.
@@ -355,6 +361,10 @@ COMPOSED = {
     # ZB-V keeps the tied embedding and head on rank 0 of each pipeline: one parameter,
     # FSDP-sharded over dp_shard=2.
     "fsdp2_zbv_tied_head": Composed(schedule="zbv", tied=True),
+    # The experts' exchanges overlapped over two chunks inside each stage, single-stage and node-aware.
+    "ep2_1f1b_overlap": Composed(ep=2, overlap_chunks=2),
+    "ep2_zbv_node_aware_overlap_checkpointing": Composed(ep=2, schedule="zbv", checkpointing=True, overlap_chunks=2,
+                                                         dispatch_mode="node", node_size=1),
 }
 
 
@@ -370,7 +380,9 @@ def _composed(rank, world, batches, runs):
         model = patch(_model(torch.float32, "eager", tie_word_embeddings=run.tied), fused_router=False)
         # dp_shard takes what pp and dp_replicate leave: ep=2 borrows both of its ranks from it.
         target = moe_ep.parallelize(model, pp=run.pp, ep=run.ep, dp_replicate=run.dp_replicate, schedule=run.schedule,
-                                    microbatches=2 if run.pp > 1 else None, activation_checkpointing=run.checkpointing)
+                                    microbatches=2 if run.pp > 1 else None, activation_checkpointing=run.checkpointing,
+                                    overlap_chunks=run.overlap_chunks, dispatch_mode=run.dispatch_mode,
+                                    node_size=run.node_size)
         meshes = target.meshes if run.pp > 1 else meshes_of(target)
         # Each data-parallel rank trains on its share of the batch; every stage of a pipeline
         # sees the same share.
