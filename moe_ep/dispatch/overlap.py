@@ -155,17 +155,22 @@ def moe_experts_overlapped(hidden_states, top_k_index, top_k_weights, gate_up_lo
     experts = functools.partial(_experts, gate_up_local=gate_up_local, down_local=down_local, activation=activation,
                                 backend=backend, group=group)
     if node_groups is None:
-        ep = dist.get_world_size(group)
-        plans = [plan_rows(idx, w, ep, num_experts) for idx, w in zip(idx_chunks, w_chunks)]
-        in_flight = [_issue_rows(x, plan, recv_RC, sizes, group)
-                     for x, plan, (recv_RC, sizes) in zip(x_chunks, plans, exchange_counts(plans, group))]
-        returning = []
-        for x, exchange in zip(x_chunks, in_flight):
-            tokens = dispatched_tokens(_wait_rows(exchange), group, x.shape[0], num_experts // ep)
-            way_back = _Return.of(tokens.layout, group)
-            returning.append((way_back, way_back.issue(experts(tokens, tokens.layout))))
-        return torch.cat([way_back.wait(exchange) for way_back, exchange in returning])
+        return _overlapped_single_stage(x_chunks, idx_chunks, w_chunks, group, num_experts, experts)
     return _overlapped_by_node(x_chunks, idx_chunks, w_chunks, node_groups, num_experts, experts)
+
+
+def _overlapped_single_stage(x_chunks, idx_chunks, w_chunks, group, num_experts: int, experts):
+    """The single-stage layer's schedule of the module docstring."""
+    ep = dist.get_world_size(group)
+    plans = [plan_rows(idx, w, ep, num_experts) for idx, w in zip(idx_chunks, w_chunks)]
+    in_flight = [_issue_rows(x, plan, recv_RC, sizes, group)
+                 for x, plan, (recv_RC, sizes) in zip(x_chunks, plans, exchange_counts(plans, group))]
+    returning = []
+    for x, exchange in zip(x_chunks, in_flight):
+        tokens = dispatched_tokens(_wait_rows(exchange), group, x.shape[0], num_experts // ep)
+        way_back = _Return.of(tokens.layout, group)
+        returning.append((way_back, way_back.issue(experts(tokens, tokens.layout))))
+    return torch.cat([way_back.wait(exchange) for way_back, exchange in returning])
 
 
 def _overlapped_by_node(x_chunks, idx_chunks, w_chunks, nodes: NodeGroups, num_experts: int, experts):
