@@ -2,7 +2,10 @@
 loss: the same losses as the full logits) and ``--compile-blocks`` (parallelize's compiled dense
 blocks: refused before any work under a recompute policy it cannot run with, and, like
 ``--activation-checkpointing``, refused by one process without a launcher, where parallelize is
-never called, instead of being dropped without a word)."""
+never called, instead of being dropped without a word); and the dispatcher's ``--overlap-chunks``,
+``--dispatch-mode`` and ``--node-size``: checked against the layout before any work, passed to
+parallelize, and a 2-rank run as 2 nodes of one rank with overlapped exchanges training like the
+plain one."""
 
 from __future__ import annotations
 
@@ -70,3 +73,51 @@ def test_a_launched_run_passes_the_switches_to_parallelize(monkeypatch):
     example_layout.apply_layout(torch.nn.Linear(2, 2), _one_process_layout("full"), mixed_precision=None,
                                 compile_blocks=True)
     assert seen["compile_blocks"] is True and seen["activation_checkpointing"] == "full"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--overlap-chunks", "2"], "--overlap-chunks: overlap_chunks=2 applies to the expert-parallel dispatcher; "
+                                "ep=1 has none"),
+    (["--overlap-chunks", "0"], "--overlap-chunks: overlap_chunks must be a positive int"),
+    (["--dispatch-mode", "node"], "--dispatch-mode: dispatch_mode='node' applies to the expert-parallel dispatcher"),
+    (["--node-size", "0"], "--node-size: node_size must be a positive int or None"),
+])
+def test_dispatcher_flags_it_cannot_apply_stop_before_any_work(flags, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = train.main([*flags, "--output-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert not out.exists()
+
+
+def test_dispatcher_flags_are_checked_against_the_layout_and_reach_parallelize(monkeypatch):
+    layout = example_layout.RunLayout(pp=1, dp_replicate=1, dp_shard=4, ep=4, microbatch_size=2, microbatches=1,
+                                      schedule=NO_PIPELINE, checkpointing="none")
+    flags = train.build_parser().parse_args(["--ep", "4", "--overlap-chunks", "2", "--dispatch-mode", "node", "--node-size", "2"])
+    options = example_layout.dispatcher_options(flags, layout)
+    assert options == {"overlap_chunks": 2, "dispatch_mode": "node", "node_size": 2}
+    assert example_layout.describe_dispatcher(options, 4) == (
+        "node-aware over 2 nodes x 2, exchanges overlapped over 2 chunks")
+    # A node as large as the ep group: "node" cannot split it, said in terms of the flags.
+    whole = train.build_parser().parse_args(["--ep", "4", "--dispatch-mode", "node", "--node-size", "4"])
+    with pytest.raises(UsageError, match="--dispatch-mode and --node-size: dispatch_mode='node' needs an ep group"):
+        example_layout.dispatcher_options(whole, layout)
+    seen = {}
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr("moe_ep.parallelize", lambda model, **kw: seen.update(kw) or model)
+    example_layout.apply_layout(torch.nn.Linear(2, 2), layout, mixed_precision=None, dispatcher=options)
+    assert {k: seen[k] for k in options} == options
+
+
+@pytest.mark.slow
+def test_node_aware_overlapped_dispatch_trains_like_the_plain_two_rank_run(two_rank_run, tmp_path):
+    # The session's 2-rank run (--ep 2), again as 2 nodes of one rank with the exchanges overlapped.
+    from example_runs import run, torchrun_cmd
+
+    out = tmp_path / "node_overlap"
+    log = run(torchrun_cmd(out, "--overlap-chunks", "2", "--dispatch-mode", "node", "--node-size", "1"))
+    assert "dispatch node-aware over 2 nodes x 1, exchanges overlapped over 2 chunks" in log, log[-2000:]
+    plain, overlapped = losses(two_rank_run[0]), losses(out)
+    assert sorted(overlapped) == sorted(plain)
+    assert rel_err(torch.tensor(list(overlapped.values())),
+                   torch.tensor(list(plain.values()))) <= TOLERANCE[torch.float32], (overlapped, plain)

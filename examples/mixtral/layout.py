@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from moe_ep import DEFAULT_SCHEDULE, NO_PIPELINE, Layout, ParallelConfig
+from moe_ep.dispatch.nodes import node_size_for
 from moe_ep.runs import UsageError
 
 from models import num_experts_in
@@ -122,7 +123,7 @@ def layout_from_plan(args, config, world_size: int, gpus_per_node: int):
         if not torch.cuda.is_available():
             raise UsageError("--plan on a machine without CUDA needs --gpu-memory-gib (the memory of the GPUs to plan for)")
         memory = torch.cuda.get_device_properties(0).total_memory / 2**30
-    options = {"seq_len": args.seq_len}
+    options = {"seq_len": args.seq_len, "overlap_chunks": args.overlap_chunks}
     if args.global_batch_tokens is not None:
         options["global_batch_tokens"] = args.global_batch_tokens
     if args.peak_tflops is not None:
@@ -148,12 +149,40 @@ def check_compile_blocks(layout: RunLayout) -> None:
         raise UsageError(f"--compile-blocks: {err}") from err
 
 
+# parallelize's dispatcher arguments: (flag, default).
+DISPATCHER_FLAGS = {"overlap_chunks": ("--overlap-chunks", 1), "dispatch_mode": ("--dispatch-mode", "auto"),
+                    "node_size": ("--node-size", None)}
+
+
+def dispatcher_options(args, layout: RunLayout) -> dict:
+    """--overlap-chunks, --dispatch-mode and --node-size as parallelize takes them, checked against
+    the layout as parallelize will check them (the node size: the launcher's where not given), so
+    that a refusal names the flags and comes before any work."""
+    options = {name: getattr(args, name) for name in DISPATCHER_FLAGS}
+    given = [flag for name, (flag, default) in DISPATCHER_FLAGS.items() if options[name] != default]
+    try:
+        ParallelConfig(ep=layout.ep, **options)
+        if layout.ep > 1:
+            node_size_for(options["dispatch_mode"], layout.ep, options["node_size"], None)
+    except ValueError as err:
+        raise UsageError(f"{' and '.join(given) or '--dispatch-mode'}: {err}") from None
+    return options
+
+
+def describe_dispatcher(options: dict, ep: int) -> str:
+    """The dispatch parallelize binds for ``dispatcher_options`` at ``ep``, in words."""
+    size = node_size_for(options["dispatch_mode"], ep, options["node_size"], None)
+    text = f"node-aware over {ep // size} nodes x {size}" if size else "single-stage"
+    return text + (f", exchanges overlapped over {options['overlap_chunks']} chunks"
+                   if options["overlap_chunks"] > 1 else "")
+
+
 def apply_layout(model: torch.nn.Module, layout: RunLayout, *, mixed_precision: torch.dtype | None,
-                 compile_blocks: bool = False):
-    """Shard the model in place with moe_ep.parallelize (collective), recomputation and compiled
-    dense blocks as asked. Returns the model, or with ``pp > 1`` this rank's
-    moe_ep.parallel.PipelineStages. One process without a process group keeps the model as it is,
-    so it refuses what only parallelize would apply."""
+                 compile_blocks: bool = False, dispatcher: dict | None = None):
+    """Shard the model in place with moe_ep.parallelize (collective), recomputation, compiled
+    dense blocks and the dispatcher (``dispatcher_options``) as asked. Returns the model, or with
+    ``pp > 1`` this rank's moe_ep.parallel.PipelineStages. One process without a process group
+    keeps the model as it is, so it refuses what only parallelize would apply."""
     if layout.world_size == 1 and not torch.distributed.is_initialized():
         asked = [flag for flag, on in (("--activation-checkpointing", layout.checkpointing != "none"),
                                        ("--compile-blocks", compile_blocks)) if on]
@@ -175,7 +204,7 @@ def apply_layout(model: torch.nn.Module, layout: RunLayout, *, mixed_precision: 
     return parallelize(
         model, ep=layout.ep, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, pp=layout.pp,
         mixed_precision=policy, activation_checkpointing=layout.checkpointing, compile_blocks=compile_blocks,
-        **pipeline,
+        **pipeline, **(dispatcher or {}),
     )
 
 

@@ -49,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--gpu-memory-gib", type=float, default=None, help="for --plan: memory per GPU (default: queried)")
     lay.add_argument("--global-batch-tokens", type=int, default=None,
                      help="for --plan: tokens per optimizer step over all ranks (default: the planner's)")
+    lay.add_argument("--overlap-chunks", type=int, default=1, metavar="N",
+                     help="cut each MoE layer's tokens into N chunks whose all-to-alls overlap the other chunks' "
+                          "experts (moe_ep.parallelize(overlap_chunks=N); needs --ep > 1); default 1: no overlap")
+    lay.add_argument("--dispatch-mode", default="auto", choices=("auto", "flat", "node"),
+                     help="the expert-parallel dispatch: node-aware (each token once per destination node) when ep "
+                          "spans several whole nodes (auto, the default), pinned (node), or one copy per rank (flat)")
+    lay.add_argument("--node-size", type=int, default=None,
+                     help="ranks per node for the node-aware dispatch (default: the launcher's LOCAL_WORLD_SIZE)")
     lay.add_argument("--activation-checkpointing", nargs="?", const="full", default="none",
                      choices=("none", "full", "selective", "attention"), metavar="POLICY",
                      help="what the backward recomputes of each decoder layer: full (the flag alone), selective "

@@ -75,7 +75,10 @@ from data import (
     token_cache_file,
     token_cache_problems,
 )
-from layout import RunLayout, apply_layout, check_compile_blocks, layout_from_flags, layout_from_plan, rank_view
+from layout import (
+    RunLayout, apply_layout, check_compile_blocks, describe_dispatcher, dispatcher_options, layout_from_flags,
+    layout_from_plan, rank_view,
+)
 from models import (
     ModelSource,
     build_model,
@@ -129,7 +132,8 @@ def prepare_model(args, source, layout, device, mp_dtype):
     total_params, active_params = count_parameters(model)
     if not meta and device.type != "cpu":
         model.to(device)
-    target = apply_layout(model, layout, mixed_precision=mp_dtype, compile_blocks=args.compile_blocks)
+    target = apply_layout(model, layout, mixed_precision=mp_dtype, compile_blocks=args.compile_blocks,
+                          dispatcher=dispatcher_options(args, layout))
     module = model if layout.pp == 1 else rank_view(model, target.modules)
     bytes_read = None
     if source.pretrained_dir is not None:
@@ -235,6 +239,7 @@ def validate(args) -> Checked:
         layout = layout_from_flags(args, world_size, source.config)
     if args.compile_blocks:
         check_compile_blocks(layout)
+    dispatcher_options(args, layout)
     data_spec = resolve_data(args.data, args.text_field)
     mp_dtype = mixed_precision_dtype()
     output_dir = Path(args.output_dir)
@@ -377,6 +382,7 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None, pree
         f"model {source.name}: {total_params / 1e6:,.1f}M parameters, {active_params / 1e6:,.1f}M active per token | "
         f"layout {layout.describe()} on {world_size} process(es), {device.type}, "
         f"{'bf16 compute' if mp_dtype is not None else 'fp32'} | experts {args.experts_implementation}"
+        + (f", dispatch {describe_dispatcher(dispatcher_options(args, layout), layout.ep)}" if layout.ep > 1 else "")
     )
     reporter.info(
         f"data {data_spec.describe()}: {tokens.size:,} tokens -> {packed.num_sequences:,} sequences of {args.seq_len}; "
