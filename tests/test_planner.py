@@ -911,6 +911,25 @@ def test_exposed_exchange_follows_the_overlapped_layers_schedule():
             assert 0 <= exposed_exchange_seconds(8.0, experts, chunks) <= 8.0
 
 
+def test_exposed_node_aware_exchange_follows_its_two_links():
+    from moe_ep.planner.timing import exposed_exchange_seconds, exposed_node_exchange_seconds
+
+    # Nothing inside the node: the single-stage schedule on the network alone.
+    for network, experts, chunks in ((8.0, 100.0, 2), (8.0, 0.0, 2), (4.0, 3.0, 2), (6.0, 2.0, 3)):
+        assert exposed_node_exchange_seconds(network, 0.0, experts, chunks) == pytest.approx(
+            exposed_exchange_seconds(network, experts, chunks))
+    # Hand-simulated, 2 chunks behind slow experts, network 8 s and node 2 s (each stage 2 s and
+    # 0.5 s per chunk and direction): chunk 1's S1 and S2 before any expert; between the chunks'
+    # experts, chunk 1's C2 and chunk 2's S2 on the node link; after them chunk 2's C2 and C1;
+    # chunk 2's S1 and chunk 1's C1 hide behind the experts.
+    assert exposed_node_exchange_seconds(8.0, 2.0, 100.0, 2) == pytest.approx(2 + 0.5 + 1.0 + 0.5 + 2)
+    # One chunk: nothing overlaps, the stages one after another.
+    assert exposed_node_exchange_seconds(8.0, 2.0, 100.0, 1) == pytest.approx(10.0)
+    for chunks in (2, 3, 4):
+        for experts in (0.0, 1.0, 4.0, 50.0):
+            assert 0 <= exposed_node_exchange_seconds(8.0, 2.0, experts, chunks) <= 10.0
+
+
 @pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 def test_plan_with_overlap_chunks_counts_only_the_exposed_all_to_all(checkpointing):
     fixed = dict(pp=1, dp_shard=128, ep=8, microbatch_size=1, checkpointing=checkpointing)

@@ -42,8 +42,7 @@ def exposed_exchange_seconds(exchange: float, experts: float, chunks: int) -> fl
     ``exchange``; two, behind experts slower than the exchanges: only the first chunk's dispatch
     and the last chunk's combine, a quarter of ``exchange`` each. The count exchange is counted in
     ``exchange`` as if it could be hidden too (it cannot, but it is a few bytes per peer). The
-    node-aware dispatch's two stages count as one link: an upper bound, since the hops inside the
-    node run beside the network ones."""
+    node-aware layer's two links: ``exposed_node_exchange_seconds``."""
     dispatch = combine = exchange / 2 / chunks
     link = gpu = 0.0  # when each is next free
     dispatched = []
@@ -56,6 +55,35 @@ def exposed_exchange_seconds(exchange: float, experts: float, chunks: int) -> fl
     return max(link, gpu) - experts
 
 
+def exposed_node_exchange_seconds(network: float, node: float, experts: float, chunks: int) -> float:
+    """``exposed_exchange_seconds`` for the node-aware layer, whose exchanges run on two links:
+    ``network`` seconds over the inter-node group (stage 1 and its return), ``node`` inside the
+    node (stage 2 and its return), each half dispatch and half combine, in the order
+    ``moe_ep.dispatch.overlap`` issues them: every chunk's stage 1 at once; a chunk's stage 2
+    once its stage 1 arrived and the previous chunk's experts ended; its experts once its stage 2
+    arrived and the previous chunk's in-node return did (whose network return is issued then);
+    its in-node return when they end; the last chunk's network return after its in-node one."""
+    s1 = c1 = network / 2 / chunks
+    s2 = c2 = node / 2 / chunks
+    net = link = gpu = 0.0  # when the network, the in-node link and the GPU are next free
+    arrived = []
+    for _ in range(chunks):
+        net += s1
+        arrived.append(net)
+    in_node_done = None  # the previous chunk's in-node return
+    for i in range(chunks):
+        link = max(link, arrived[i], gpu if i else 0.0) + s2
+        start = link
+        if in_node_done is not None:
+            start = max(start, in_node_done)
+            net = max(net, in_node_done) + c1
+        gpu = max(gpu, start) + experts / chunks
+        link = max(link, gpu) + c2
+        in_node_done = link
+    net = max(net, in_node_done) + c1
+    return max(net, link, gpu) - experts
+
+
 def exchange_seconds(unit: Unit, cluster: Cluster, layout: Layout, overlap_chunks: int = 1) -> float:
     """A unit's all-to-all seconds over a micro-batch that its experts do not hide: its forward,
     its backward (twice the experts' FLOPs) and, where the recompute policy runs the dispatcher
@@ -66,6 +94,11 @@ def exchange_seconds(unit: Unit, cluster: Cluster, layout: Layout, overlap_chunk
         return exchange
     experts = unit.work.seconds(cluster).grouped
     shares = {"full": (1, 1, 2), "selective": (1, 0, 2)}.get(layout.checkpointing, (1, 2))
+    network = sum(c.seconds(cluster) for c in unit.a2a if c.group == "ep-inter")
+    if network:  # node-aware
+        node = exchange - network
+        return sum(exposed_node_exchange_seconds(network / len(shares), node / len(shares),
+                                                 experts * share / sum(shares), overlap_chunks) for share in shares)
     return sum(exposed_exchange_seconds(exchange / len(shares), experts * share / sum(shares), overlap_chunks)
                for share in shares)
 
