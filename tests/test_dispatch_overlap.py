@@ -333,6 +333,11 @@ def test_overlap_composes_with_either_dispatch():
     assert ParallelConfig(ep=2, overlap_chunks=2).arguments()["overlap_chunks"] == 2
     node_aware = ParallelConfig(ep=4, overlap_chunks=2, dispatch_mode="node", node_size=2).arguments()
     assert (node_aware["overlap_chunks"], node_aware["dispatch_mode"]) == (2, "node")
+    assert ParallelConfig(ep=4, overlap_chunks=2, dispatch_mode="node", node_size=2).ep_node_size == 2
+    assert ParallelConfig(ep=4, overlap_chunks=2, node_size=2).ep_node_size == 2  # "auto" over 2 nodes
+    assert ParallelConfig(ep=4, overlap_chunks=2, dispatch_mode="flat", node_size=2).ep_node_size is None
+    with pytest.raises(ValueError, match="dispatch_mode='node' needs an ep group over several whole nodes"):
+        ParallelConfig(ep=4, dispatch_mode="node", node_size=4).ep_node_size
 
 
 # ---------------------------------------------------------------------------------------------

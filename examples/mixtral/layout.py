@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from moe_ep import DEFAULT_SCHEDULE, NO_PIPELINE, Layout, ParallelConfig
-from moe_ep.dispatch.nodes import node_size_for
 from moe_ep.runs import UsageError
 
 from models import num_experts_in
@@ -161,9 +160,7 @@ def dispatcher_options(args, layout: RunLayout) -> dict:
     options = {name: getattr(args, name) for name in DISPATCHER_FLAGS}
     given = [flag for name, (flag, default) in DISPATCHER_FLAGS.items() if options[name] != default]
     try:
-        ParallelConfig(ep=layout.ep, **options)
-        if layout.ep > 1:
-            node_size_for(options["dispatch_mode"], layout.ep, options["node_size"], None)
+        ParallelConfig(ep=layout.ep, **options).ep_node_size  # raises where dispatch_mode="node" cannot apply
     except ValueError as err:
         raise UsageError(f"{' and '.join(given) or '--dispatch-mode'}: {err}") from None
     return options
@@ -171,7 +168,7 @@ def dispatcher_options(args, layout: RunLayout) -> dict:
 
 def describe_dispatcher(options: dict, ep: int) -> str:
     """The dispatch parallelize binds for ``dispatcher_options`` at ``ep``, in words."""
-    size = node_size_for(options["dispatch_mode"], ep, options["node_size"], None)
+    size = ParallelConfig(ep=ep, **options).ep_node_size
     text = f"node-aware over {ep // size} nodes x {size}" if size else "single-stage"
     return text + (f", exchanges overlapped over {options['overlap_chunks']} chunks"
                    if options["overlap_chunks"] > 1 else "")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..dispatch.capacity import check_capacity_factor
-from ..dispatch.nodes import check_dispatch_mode, check_node_size
+from ..dispatch.nodes import check_dispatch_mode, check_node_size, node_size_for
 from ..dispatch.overlap import check_overlap_chunks
 from ..ops.backend import BACKENDS
 from ..planner.recompute import recompute_policy
@@ -188,6 +188,15 @@ class ParallelConfig:
                     experts_backend=self.experts_backend, dispatch_mode=self.dispatch_mode, node_size=self.node_size,
                     max_nodes=self.max_nodes, compile_blocks=self.compile_blocks,
                     overlap_chunks=self.overlap_chunks)
+
+    @property
+    def ep_node_size(self) -> int | None:
+        """The node size the expert-parallel dispatch splits the ep group by (node-aware), None
+        for the single-stage dispatch (or no ep); ``node_size`` None: the launcher's
+        ``LOCAL_WORLD_SIZE``. ValueError where ``dispatch_mode="node"`` cannot apply."""
+        if self.ep == 1:
+            return None
+        return node_size_for(self.dispatch_mode, self.ep, self.node_size, self.capacity_factor)
 
     @property
     def compile_options(self) -> dict | None:

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..dispatch.nodes import node_size_for
 from ..hf.layout import experts_modules, num_experts_of
 from ..hf.patch import check_node_limit, fused_routers, is_patched, limit_routing_to_nodes, patch
 from ..planner.partition import Partition
@@ -228,8 +227,7 @@ def _check(model: nn.Module, config: ParallelConfig) -> tuple[ParallelDims, Part
     dims = resolve_dims(
         dist.get_world_size(), ep=config.ep, dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, pp=config.pp,
         num_experts=num_experts_of(experts) if experts else None,
-        ep_node_size=node_size_for(config.dispatch_mode, config.ep, config.node_size, config.capacity_factor)
-        if config.ep > 1 else None,
+        ep_node_size=config.ep_node_size,
     )
     check_recompute_support(model, config.activation_checkpointing)
     if config.compile_options is not None:
