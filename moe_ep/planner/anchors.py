@@ -138,14 +138,15 @@ ANCHORS = (
     Anchor(
         "Megatron Qwen3-235B-A22B", "qwen3-235b-a22b", nodes=32, pp=8, dp_replicate=1, dp_shard=32, ep=32,
         microbatch_size=1, global_batch=2048, seq_len=4096, schedule=INTERLEAVED, virtual_stages=4,
-        checkpointing="none", balanced_routing=True, published=17.6, unit=STEP_SECONDS,
+        checkpointing=None, balanced_routing=True, published=17.6, unit=STEP_SECONDS,
         source="layout: Megatron-Bridge's recipe qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config, "
                "https://docs.nvidia.com/nemo/megatron-bridge/nightly/apidocs/bridge/"
                "bridge.perf_recipes.qwen.h100.qwen3_moe.html (256 H100, BF16, TP 2 PP 8 VP 4 EP 32; its source: "
                "MBS 1, seq 4096, no recompute, moe_router_force_load_balancing, all-to-all overlap); the 17.6 s "
                "per step as reported in moe_ep issue #22/#23, source not confirmed here",
         note="TP2 x DP16 become dp_shard 32, so each GPU keeps the activations that TP2 with sequence "
-             "parallelism splits over two; global batch 2048 x 4096 assumed: the recipe's GBS 8192 in 17.6 s "
+             "parallelism splits over two: the recipe recomputes nothing, the planner chooses here (kept "
+             "whole, the activations alone would not fit in 80 GB); global batch 2048 x 4096 assumed: the recipe's GBS 8192 in 17.6 s "
              "would be 7,450 tokens/s per GPU, beyond an H100's dense peak for 22 B active parameters; moe_ep "
              "overlaps the all-to-all with the experts of another chunk of the same layer (overlap_chunks), not "
              "with another micro-batch's compute as the recipe's 1F1B does",
@@ -258,8 +259,11 @@ def anchor_report(calibration: str | Path | None = None, anchors: tuple[Anchor, 
 
 
 _WIDTH = 120
-_COLUMNS = ("#", "anchor", "GPUs", "layout", "tok/s/GPU", "step s", "GiB/GPU", "fits", "a2a", "published", "ratio")
-_FORMAT = "{:<2} {:<26} {:>4} {:<30} {:>9} {:>7} {:>7} {:<4} {:>4} {:>12} {:>5}"
+_COLUMNS = ("#", "anchor", "GPUs", "layout", "ckpt", "tok/s/GPU", "step s", "GiB/GPU", "fits", "a2a", "published",
+            "ratio")
+_FORMAT = "{:<2} {:<26} {:>4} {:<26} {:<4} {:>9} {:>6} {:>7} {:<4} {:>4} {:>12} {:>5}"
+# The recompute policy in 4 columns: the table fits 120.
+_CHECKPOINTING = {"none": "-", "full": "full", "selective": "sel", "attention": "attn"}
 
 
 def _layout_text(layout: Layout) -> str:
@@ -269,9 +273,7 @@ def _layout_text(layout: Layout) -> str:
     if layout.virtual_stages is not None:
         parts.append(f"v{layout.virtual_stages}")
     parts.append(f"mb{layout.microbatch_size}x{layout.microbatches}")
-    # Short names: the table fits 120 columns.
-    parts.append({"none": "", "full": "ckpt", "selective": "ckpt:sel", "attention": "ckpt:attn"}[layout.checkpointing])
-    return " ".join(p for p in parts if p)
+    return " ".join(parts)
 
 
 def _published_text(anchor: Anchor) -> str:
@@ -282,10 +284,11 @@ def _published_text(anchor: Anchor) -> str:
 def _row_line(i: int, row: AnchorRow) -> str:
     a = row.anchor
     if row.candidate is None:
-        return _FORMAT.format(i, a.name, a.world_size, *("-",) * 6, _published_text(a), "-")
+        return _FORMAT.format(i, a.name, a.world_size, *("-",) * 7, _published_text(a), "-")
     c = row.candidate
     return _FORMAT.format(
-        i, a.name, c.layout.world_size, _layout_text(c.layout), f"{row.tokens_per_gpu:,.0f}", f"{row.step_s:.2f}",
+        i, a.name, c.layout.world_size, _layout_text(c.layout), _CHECKPOINTING[c.layout.checkpointing],
+        f"{row.tokens_per_gpu:,.0f}", f"{row.step_s:.2f}",
         f"{c.memory.total / 2**30:.1f}", "yes" if c.fits else "NO", f"{row.all_to_all_share:.0%}",
         _published_text(a), f"{row.ratio:.2f}",
     )

@@ -3,7 +3,12 @@
 Rows of the table (printed with every plan):
 - parameters, gradients, optimizer state: mixed precision as FSDP2 does it, float32 master weights
   sharded over ``dp_shard`` (dense) or ``ep x edp`` (experts; the same count per rank), float32
-  gradient shards, AdamW's two float32 moments: 16 bytes per sharded parameter;
+  gradient shards, AdamW's two float32 moments: 16 bytes per sharded parameter. With pipeline
+  stages the gradient shards are not live at the peak: the step clears them (``set_to_none``),
+  FSDP2 accumulates each stage's gradients unsharded over its micro-batches (in its working set,
+  below) and makes the shards only when the schedule reduces the stage, after its last backward,
+  each stage's accumulation then giving way to its smaller shards
+  (``tests/test_pipeline.py`` checks this on the schedules it runs);
 - activations kept for the backward: ``moe_ep.planner.activations`` (checked against autograd's
   saved tensors), times the micro-batches each stage keeps in flight;
 - backward scratch: the running unit's transient memory, what its recompute makes again, its
@@ -80,7 +85,8 @@ class Unit:
     moe: bool  # a MoE layer: has an all-to-all when ep > 1
     work: Work  # compute of one micro-batch
     params: float  # bytes on one rank
-    grads: float
+    grads: float  # the float32 gradient shards once the step's backward is done
+    peak_grads: float  # of them, live at the peak (none with pipeline stages: see the module docstring)
     optim: float
     act: float  # kept for the backward, per micro-batch in flight
     scratch: float  # transient while its backward runs (recompute set included)
@@ -118,6 +124,7 @@ def build_units(
         return Unit(
             name=name, moe=moe, work=work,
             params=sharded * STATE_BYTES_PER_PARAM["params"], grads=sharded * STATE_BYTES_PER_PARAM["grads"],
+            peak_grads=0.0 if pipelined else sharded * STATE_BYTES_PER_PARAM["grads"],
             optim=sharded * STATE_BYTES_PER_PARAM["optim"], act=act, scratch=scratch, gathered=gathered,
             held=PP_HELD_BYTES * gathered if pipelined else 0.0,
             fsdp_work=(PP_REDUCE_BYTES if pipelined else FSDP_LAYER_BYTES) * gathered,
@@ -178,7 +185,7 @@ def unit_costs(units: list[Unit], cluster: Cluster | None = None) -> list[UnitCo
     cluster = cluster or Cluster(1, 8, 80)
     return layer_chain([
         UnitCost(
-            name=u.name, flops=unit_seconds(u, cluster), param_bytes=u.params, grad_bytes=u.grads,
+            name=u.name, flops=unit_seconds(u, cluster), param_bytes=u.params, grad_bytes=u.peak_grads,
             optim_bytes=u.optim + u.held, act_bytes=u.act, work_bytes=transient(u), shared=u.shared,
         )
         for u in units
@@ -216,7 +223,8 @@ class MemoryTable:
 
     rank: int  # pipeline rank it describes
     params: float
-    grads: float
+    grads: float  # the gradient shards once the backward is done
+    peak_grads: float  # of them, live at the peak
     optim: float
     activations: float
     scratch: float
@@ -230,7 +238,7 @@ class MemoryTable:
 
     @property
     def total(self) -> float:
-        return (self.params + self.grads + self.optim + self.activations + self.scratch + self.fsdp
+        return (self.params + self.peak_grads + self.optim + self.activations + self.scratch + self.fsdp
                 + self.all_to_all + self.p2p + self.reserved)
 
     @property
@@ -245,7 +253,8 @@ class MemoryTable:
         inflight = f"{self.inflight:g} micro-batch{'es' if self.inflight != 1 else ''} in flight"
         return [
             ("parameters (fp32 master shards)", self.params),
-            ("gradients (fp32 shards)", self.grads),
+            ("gradients (fp32 shards)" if self.peak_grads == self.grads
+             else "gradients (fp32 shards, made after the peak)", self.peak_grads),
             ("optimizer state (AdamW, 2 x fp32)", self.optim),
             (f"activations kept for backward ({inflight})", self.activations),
             (f"backward scratch ({self.scratch_unit})", self.scratch),
@@ -287,6 +296,7 @@ def rank_memory(units: list[Unit], part: Partition, rank: int, layout: Layout, p
         rank=rank,
         params=sum(u.params for _, u in mine),
         grads=sum(u.grads for _, u in mine),
+        peak_grads=sum(u.peak_grads for _, u in mine),
         optim=sum(u.optim for _, u in mine),
         activations=sum(part.inflight[s] * u.act for s, u in mine),
         scratch=running.scratch,

@@ -197,7 +197,7 @@ def _why_fitting_lost(cand, best, rule) -> str:
 def _why_not_fitting(cand) -> str:
     m = cand.memory
     terms = {
-        "parameters, gradients and optimizer state": m.params + m.grads + m.optim,
+        "parameters, gradients and optimizer state": m.params + m.peak_grads + m.optim,
         "activations": m.activations,
         "backward scratch": m.scratch,
         "FSDP2 working set": m.fsdp,

@@ -320,7 +320,7 @@ class _UnitCache:
             units = _units(self.spec, layout, self.seq_len, self.assumptions, self.cluster)
             self.units[key] = units
             self.costs[key] = unit_costs(units, self.cluster)
-            self.sums[key] = (sum(u.params + u.grads + u.optim + u.held for u in units), sum(u.act for u in units))
+            self.sums[key] = (sum(u.params + u.peak_grads + u.optim + u.held for u in units), sum(u.act for u in units))
         return self.units[key]
 
     def unit_costs(self, layout: Layout) -> list:
