@@ -104,6 +104,9 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
                         "experts of its other chunks (default 1: none)")
     p.add_argument("--chunked-loss", action="store_true",
                    help="plan for moe_ep's chunked loss (TrainStep(chunked_loss=True)): no full logits in the head")
+    p.add_argument("--bf16-moments", action="store_true",
+                   help="plan for AdamW with its moments in bf16 (moe_ep.training.AdamW): 12 bytes per sharded "
+                        "parameter instead of 16")
     p.add_argument("--min-headroom", type=_bounded("min_headroom"), default=None,
                    help="fraction of GPU memory a winning layout keeps free unless it is faster by more than "
                         "--speed-margin (0.10)")
@@ -157,6 +160,7 @@ def _run_plan(args) -> int:
         capacity_factor=args.capacity_factor,
         overlap_chunks=args.overlap_chunks,
         chunked_loss=args.chunked_loss,
+        bf16_moments=args.bf16_moments,
         pp=args.pp,
         dp_replicate=args.dp_replicate,
         dp_shard=args.dp_shard,

@@ -1010,3 +1010,38 @@ def test_chunked_loss_makes_the_published_qwen3_layout_fit():
     assert units[-1].act == chunked_head_saved(spec, mb)
     with pytest.raises(TypeError, match="chunked_loss must be True or False"):
         plan("qwen3-30b-a3b", chunked_loss="yes", **fixed)
+
+
+def test_bf16_moments_are_the_optimizer_state_moe_ep_adamw_holds():
+    """plan(bf16_moments=True): AdamW's moments as moe_ep.training.AdamW stores them, 2 bytes each
+    per sharded parameter (its state measured below), and nothing else of the table changes; its
+    unfused step moves more DRAM bytes than torch's AdamW, which the step time counts."""
+    import torch
+
+    from moe_ep.planner.compute import BF16_MOMENTS_OPTIMIZER_BYTES, OPTIMIZER_BYTES_PER_PARAM
+    from moe_ep.training import AdamW
+
+    fixed = dict(nodes=1, cluster="dgx-h100", pp=1, dp_replicate=1, dp_shard=8, ep=8, microbatch_size=4,
+                 checkpointing="full", global_batch_tokens=512 * 4096, imbalance=1.0, startup_imbalance=1.0,
+                 chunked_loss=True)
+    plans = [plan("qwen3-30b-a3b", bf16_moments=b, **fixed) for b in (False, True)]
+    fp32, bf16 = (p.best.memory for p in plans)
+    cluster = plans[0].cluster
+    extra = (BF16_MOMENTS_OPTIMIZER_BYTES - OPTIMIZER_BYTES_PER_PARAM) * fp32.params / 4
+    assert plans[1].best.time.compute.memory - plans[0].best.time.compute.memory == pytest.approx(
+        extra / (cluster.hbm_bytes_per_s * cluster.efficiencies.memory), rel=1e-9)
+    assert bf16.optim == fp32.optim / 2 == fp32.params
+    assert bf16.total == pytest.approx(fp32.total - fp32.optim / 2, rel=1e-12)
+    assert dict(bf16.rows())["optimizer state (AdamW, 2 x bf16)"] == bf16.optim
+    assert "optimizer: AdamW with its two moments in bf16" in plan("qwen3-30b-a3b", bf16_moments=True, **fixed).report()
+
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    optimizer = AdamW(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    held = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in (s["exp_avg"], s["exp_avg_sq"]))
+    fp32_master = sum(p.numel() * p.element_size() for p in params)
+    assert held / fp32_master == bf16.optim / bf16.params
+    with pytest.raises(TypeError, match="bf16_moments must be True or False"):
+        plan("qwen3-30b-a3b", bf16_moments="yes", **fixed)

@@ -214,6 +214,10 @@ def embed_traffic(spec: ModelSpec, mb: MicroBatch) -> tuple[float, float]:
 # Per step: AdamW over each sharded float32 parameter (read weight, gradient and both moments,
 # write weight and moments) and gradient clipping (read for the norm, read and write to scale).
 OPTIMIZER_BYTES_PER_PARAM = 7 * FP32 + 3 * FP32
+# The same with moe_ep.training.AdamW's bf16 moments, one unfused element-wise op at a time in its
+# order: each moment widened (2 + 4) and updated (12; 8 + 12), both stored back (4 + 2 each), the
+# root, the bias scale and eps (8 each), the decay (8) and the step (16); then the clipping.
+BF16_MOMENTS_OPTIMIZER_BYTES = 6 + 12 + 6 + 8 + 12 + 2 * 6 + 3 * 8 + 8 + 16 + 3 * FP32
 # Per gathered parameter and FSDP2 round: the all-gather's copy-out (2 + 2); per reduction: the
 # gradient's copy into the float32 reduce-scatter input (2 + 4).
 FSDP_GATHER_COPY = 2 * BF16

@@ -3,7 +3,8 @@
 Rows of the table (printed with every plan):
 - parameters, gradients, optimizer state: mixed precision as FSDP2 does it, float32 master weights
   sharded over ``dp_shard`` (dense) or ``ep x edp`` (experts; the same count per rank), float32
-  gradient shards, AdamW's two float32 moments: 16 bytes per sharded parameter. With pipeline
+  gradient shards, AdamW's two float32 moments: 16 bytes per sharded parameter (12 with the
+  moments in bf16: ``moe_ep.training.AdamW``, the planner's ``bf16_moments``). With pipeline
   stages the gradient shards are not live at the peak: the step clears them (``set_to_none``),
   FSDP2 accumulates each stage's gradients unsharded over its micro-batches (in its working set,
   below) and makes the shards only when the schedule reduces the stage, after its last backward,
@@ -39,7 +40,10 @@ from .activations import (
 )
 from .cluster import Cluster
 from .comm import Collective, all_to_all_collective, node_all_to_all_collectives, node_shares
-from .compute import Work, chunked_head_traffic, embed_traffic, head_traffic, layer_traffic, recomputed, MEMORY_BACKWARD
+from .compute import (
+    BF16_MOMENTS_OPTIMIZER_BYTES, MEMORY_BACKWARD, OPTIMIZER_BYTES_PER_PARAM, Work, chunked_head_traffic, embed_traffic,
+    head_traffic, layer_traffic, recomputed,
+)
 from .partition import Partition, UnitCost
 from .layout import Layout
 from .spec import BF16, FP32, ModelSpec
@@ -49,6 +53,7 @@ from .spec import BF16, FP32, ModelSpec
 DEFAULT_IMBALANCE = 1.2
 DEFAULT_STARTUP_IMBALANCE = 2.0
 STATE_BYTES_PER_PARAM = {"params": FP32, "grads": FP32, "optim": 2 * FP32}
+BF16_MOMENTS_BYTES = 2 * BF16  # AdamW's two moments in bf16 (moe_ep.training.AdamW)
 # Per gathered parameter of the running layer (no pipeline): its bf16 weights and the prefetched
 # next layer's, its bf16 gradient, its float32 reduce-scatter input, the previous one in flight.
 FSDP_LAYER_BYTES = 2 * BF16 + BF16 + FP32 + FP32
@@ -88,6 +93,7 @@ class Unit:
     grads: float  # the float32 gradient shards once the step's backward is done
     peak_grads: float  # of them, live at the peak (none with pipeline stages: see the module docstring)
     optim: float
+    optim_traffic: float  # DRAM bytes of the optimizer step (and clipping) over its shards
     act: float  # kept for the backward, per micro-batch in flight
     scratch: float  # transient while its backward runs (recompute set included)
     gathered: float  # parameters this rank gathers for it (the experts' E / ep share)
@@ -102,11 +108,12 @@ def build_units(
     spec: ModelSpec, layout: Layout, seq_len: int, imbalance: float = DEFAULT_IMBALANCE, *,
     startup_imbalance: float = DEFAULT_STARTUP_IMBALANCE, capacity_factor: float | None = None,
     backend: str = "triton", node_size: int | None = None, max_nodes: int | None = None,
-    chunked_loss: bool = False,
+    chunked_loss: bool = False, bf16_moments: bool = False,
 ) -> list[Unit]:
     """The chain's units; ``node_size``: the node-aware dispatch's nodes (None: single-stage);
     ``max_nodes``: node-limited routing's bound on a token's destination nodes (None: none);
-    ``chunked_loss``: the head's loss is moe_ep's chunked one (no full logits)."""
+    ``chunked_loss``: the head's loss is moe_ep's chunked one (no full logits); ``bf16_moments``:
+    AdamW keeps its moments in bf16."""
     mb = MicroBatch(layout.microbatch_size, seq_len)
     T, H, ep, ds = mb.tokens, spec.hidden_size, layout.ep, layout.dp_shard
     policy = layout.checkpointing
@@ -117,6 +124,8 @@ def build_units(
     expert_load = steady.pairs / (T * spec.top_k) if expert_parallel else 1.0
 
     pipelined = layout.pp > 1
+    optim_bytes = BF16_MOMENTS_BYTES if bf16_moments else STATE_BYTES_PER_PARAM["optim"]
+    optim_traffic = BF16_MOMENTS_OPTIMIZER_BYTES if bf16_moments else OPTIMIZER_BYTES_PER_PARAM
 
     def unit(name, dense, expert, work, act, scratch=0.0, moe=False, a2a=(), buffers=0.0, shared=()):
         sharded = (dense + expert) / ds
@@ -125,7 +134,7 @@ def build_units(
             name=name, moe=moe, work=work,
             params=sharded * STATE_BYTES_PER_PARAM["params"], grads=sharded * STATE_BYTES_PER_PARAM["grads"],
             peak_grads=0.0 if pipelined else sharded * STATE_BYTES_PER_PARAM["grads"],
-            optim=sharded * STATE_BYTES_PER_PARAM["optim"], act=act, scratch=scratch, gathered=gathered,
+            optim=sharded * optim_bytes, optim_traffic=sharded * optim_traffic, act=act, scratch=scratch, gathered=gathered,
             held=PP_HELD_BYTES * gathered if pipelined else 0.0,
             fsdp_work=(PP_REDUCE_BYTES if pipelined else FSDP_LAYER_BYTES) * gathered,
             a2a_buffers=buffers, a2a=a2a, shared=frozenset(shared),
@@ -235,6 +244,7 @@ class MemoryTable:
     capacity: float
     inflight: float  # micro-batches whose activations the fullest stage keeps
     scratch_unit: str  # the unit whose backward peaks
+    bf16_moments: bool = False  # AdamW's moments in bf16 (the optimizer state's row says which)
 
     @property
     def total(self) -> float:
@@ -255,7 +265,7 @@ class MemoryTable:
             ("parameters (fp32 master shards)", self.params),
             ("gradients (fp32 shards)" if self.peak_grads == self.grads
              else "gradients (fp32 shards, made after the peak)", self.peak_grads),
-            ("optimizer state (AdamW, 2 x fp32)", self.optim),
+            (f"optimizer state (AdamW, 2 x {'bf16' if self.bf16_moments else 'fp32'})", self.optim),
             (f"activations kept for backward ({inflight})", self.activations),
             (f"backward scratch ({self.scratch_unit})", self.scratch),
             ("FSDP2 working set (gathered weights, grads, RS in flight)", self.fsdp),
@@ -284,7 +294,7 @@ def root_bytes(units: list[Unit], pipelined: bool) -> float:
 
 
 def rank_memory(units: list[Unit], part: Partition, rank: int, layout: Layout, p2p: float, reserved: float,
-                capacity: float) -> MemoryTable:
+                capacity: float, bf16_moments: bool = False) -> MemoryTable:
     """The memory table of pipeline rank ``rank``; ``part`` cuts ``unit_costs(units)``. Its total
     is the partition's bytes of the rank's stages plus the pipeline buffers, the reserve and the
     root's gathered embedding and head (:func:`root_bytes`)."""
@@ -307,6 +317,7 @@ def rank_memory(units: list[Unit], part: Partition, rank: int, layout: Layout, p
         capacity=capacity,
         inflight=max(part.inflight[s] for s, _ in mine),
         scratch_unit=running.name,
+        bf16_moments=bf16_moments,
     )
 
 

@@ -140,6 +140,8 @@ def format_plan(plan) -> str:
     lines += ["", f"memory per GPU (fullest rank{'' if lay.pp == 1 else f', pipeline rank {best.memory.rank}'})"]
     lines += [f"  {name:<62} {format_bytes(value):>12}" for name, value in best.memory.rows()]
     lines += [_imbalance_line(plan)]
+    if plan.assumptions.bf16_moments:
+        lines.append("  optimizer: AdamW with its two moments in bf16 (moe_ep.training.AdamW)")
     if plan.assumptions.chunked_loss:
         lines.append("  loss: moe_ep's chunked loss (no full logits; the head weight's float32 gradient kept from "
                      "forward to backward)")
@@ -250,7 +252,8 @@ def plan_to_dict(plan) -> dict:
         "assumptions": {"imbalance": plan.assumptions.imbalance, "startup_imbalance": plan.assumptions.startup_imbalance,
                         "capacity_factor": plan.assumptions.capacity_factor,
                         "overlap_chunks": plan.assumptions.overlap_chunks,
-                        "chunked_loss": plan.assumptions.chunked_loss},
+                        "chunked_loss": plan.assumptions.chunked_loss,
+                        "bf16_moments": plan.assumptions.bf16_moments},
         "degrees": {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "ep": lay.ep},
         "microbatch_size": lay.microbatch_size,
         "microbatches": lay.microbatches,

@@ -50,7 +50,7 @@ class Assumptions:
     capacity factor of the dispatcher (None: dropless), and node-limited routing's bound on the
     nodes a token reaches (None: no bound), and the chunks whose exchanges overlap the experts
     (``parallelize(overlap_chunks=...)``; 1: none), and whether the loss is moe_ep's chunked one
-    (no full logits)."""
+    (no full logits), and whether AdamW keeps its moments in bf16 (``moe_ep.training.AdamW``)."""
 
     imbalance: float = DEFAULT_IMBALANCE
     startup_imbalance: float = DEFAULT_STARTUP_IMBALANCE
@@ -58,6 +58,7 @@ class Assumptions:
     max_nodes: int | None = None
     overlap_chunks: int = 1
     chunked_loss: bool = False
+    bf16_moments: bool = False
 
 
 def _shape(lay: Layout) -> tuple:
@@ -258,7 +259,8 @@ def _units(spec: ModelSpec, layout: Layout, seq_len: int, assumptions: Assumptio
     node_size = node_size_for("auto", layout.ep, cluster.gpus_per_node, assumptions.capacity_factor)
     return build_units(spec, layout, seq_len, assumptions.imbalance, startup_imbalance=assumptions.startup_imbalance,
                        capacity_factor=assumptions.capacity_factor, backend=BACKEND, node_size=node_size,
-                       max_nodes=assumptions.max_nodes, chunked_loss=assumptions.chunked_loss)
+                       max_nodes=assumptions.max_nodes, chunked_loss=assumptions.chunked_loss,
+                       bf16_moments=assumptions.bf16_moments)
 
 
 def evaluate(
@@ -275,8 +277,8 @@ def evaluate(
     kwargs = dict(placement=layout.placement, stages_per_rank=layout.stages_per_rank, inflight=layout.inflight())
 
     def tables(part):
-        return tuple(rank_memory(units, part, r, layout, p2p, cluster.reserved_bytes, capacity)
-                     for r in range(layout.pp))
+        return tuple(rank_memory(units, part, r, layout, p2p, cluster.reserved_bytes, capacity,
+                                 assumptions.bf16_moments) for r in range(layout.pp))
 
     def all_fit(per_rank):
         return all(t.fits for t in per_rank)
@@ -474,6 +476,7 @@ def plan(
     max_nodes: int | None = None,
     overlap_chunks: int = 1,
     chunked_loss: bool = False,
+    bf16_moments: bool = False,
     num_alternatives: int = 5,
 ) -> Plan:
     """Choose the fastest layout of ``model`` that fits the cluster, by the headroom rule.
@@ -508,6 +511,8 @@ def plan(
         chunked_loss: the loss is moe_ep's chunked one (``TrainStep(chunked_loss=True)``,
             ``moe_ep.chunked_causal_lm_loss``): the head keeps no logits but the head weight's
             float32 gradient, and rereads that gradient once per chunk.
+        bf16_moments: AdamW keeps its two moments in bf16 (``moe_ep.training.AdamW``): 12 bytes
+            per sharded parameter instead of 16.
         min_headroom, speed_margin: the headroom rule (fractions of GPU memory and of step time).
         pp, dp_replicate, dp_shard, ep, microbatch_size, schedule, checkpointing: fix any of
             them; None lets the search choose. ``checkpointing`` is a recompute policy of
@@ -552,9 +557,11 @@ def plan(
             f"overlap_chunks={overlap_chunks} overlaps the dropless expert-parallel dispatcher's exchanges; "
             + ("ep=1 has none" if ep == 1 else f"capacity_factor={capacity_factor} is capacity mode")
         )
-    if not isinstance(chunked_loss, bool):
-        raise TypeError(f"chunked_loss must be True or False, got {chunked_loss!r}")
-    assumptions = Assumptions(imbalance, startup_imbalance, capacity_factor, max_nodes, overlap_chunks, chunked_loss)
+    for name, value in (("chunked_loss", chunked_loss), ("bf16_moments", bf16_moments)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    assumptions = Assumptions(imbalance, startup_imbalance, capacity_factor, max_nodes, overlap_chunks, chunked_loss,
+                              bf16_moments)
     if virtual_stages is not None:
         schedule_info(schedule or INTERLEAVED, virtual_stages)  # names the argument when wrong
         schedule = INTERLEAVED

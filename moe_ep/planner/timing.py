@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from .partition import Partition
 from .cluster import Cluster
 from .comm import Collective, fsdp_units, p2p_collective
-from .compute import FSDP_GATHER_COPY, FSDP_REDUCE_COPY, OPTIMIZER_BYTES_PER_PARAM, Seconds
+from .compute import FSDP_GATHER_COPY, FSDP_REDUCE_COPY, Seconds
 from .layout import Layout
 from .memory import Unit, stage_units
 from .recompute import RERUN_DISPATCH
@@ -224,10 +224,10 @@ def _per_step_memory_seconds(layout: Layout, mine: list[Unit], cluster: Cluster)
     """The optimizer over the rank's shards, and FSDP2's copies into and out of its buffers."""
     rounds = layout.microbatches if layout.pp == 1 else 1
     gathers = 2 if layout.pp == 1 else 1
-    sharded = sum(u.params for u in mine) / FP32
     gathered = sum(u.gathered for u in mine)
     copies = rounds * gathered * (gathers * FSDP_GATHER_COPY + FSDP_REDUCE_COPY)
-    return (OPTIMIZER_BYTES_PER_PARAM * sharded + copies) / (cluster.hbm_bytes_per_s * cluster.efficiencies.memory)
+    optimizer = sum(u.optim_traffic for u in mine)
+    return (optimizer + copies) / (cluster.hbm_bytes_per_s * cluster.efficiencies.memory)
 
 
 def _losses(mine: list[Unit], cluster: Cluster, scale: float) -> dict[str, float]:

@@ -13,6 +13,7 @@ from .balancing import AuxLossHooks, Balancing
 from .executors import Executor, GradientAccumulation, PipelineSchedule, executor_for
 from .loss import IGNORE_INDEX, CausalLMLoss, chunked_causal_lm_loss, predicted_tokens
 from .loss_scale import LossScaler
+from .optim import AdamW
 from .skips import NonFiniteStepsError
 from .step import TrainStep
 
@@ -24,6 +25,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "AdamW",
     "AuxLossHooks",
     "Balancing",
     "CausalLMLoss",

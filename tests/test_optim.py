@@ -1,0 +1,170 @@
+"""moe_ep.training.AdamW: torch.optim.AdamW with its moments stored in bf16. Against an
+independent float64 AdamW that rounds its stored moments the same way, against torch's own with
+float32 moments (bitwise), through a state dict, under FSDP2 on 2 gloo ranks against one process,
+and its refusals."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from moe_ep.training import AdamW
+from numerics import TOLERANCE, rel_err
+
+SHAPES = [(13, 5), (7,), (1,), (64, 3)]
+HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _params(dtype=torch.float32, seed=0):
+    """Weights near zero: the updates, not the weights' own rounding, decide the comparisons."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 1e-3).to(dtype)) for s in SHAPES]
+
+
+def _grads(steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    # Scales far apart, as layers' gradients are: the second moment spans orders of magnitude.
+    return [[torch.randn(s, generator=g) * 10.0 ** -(i % 4) for i, s in enumerate(SHAPES)] for _ in range(steps)]
+
+
+def _run(optimizer, params, grads):
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.to(p.dtype)
+        optimizer.step()
+
+
+def _reference(params, grads, moments_dtype, lr, betas, eps, weight_decay):
+    """float64 AdamW (decoupled decay, bias-corrected, eps after the root); each step's update
+    uses its moments at full precision, which are then stored rounded to ``moments_dtype``, and
+    the weights are stored in their own dtype, as the optimizer stores them."""
+    (b1, b2), out = betas, []
+    for i, p in enumerate(params):
+        w, m, v = p.detach().double(), torch.zeros(p.shape, dtype=torch.float64), torch.zeros(p.shape, dtype=torch.float64)
+        for t, step_grads in enumerate(grads, 1):
+            g = step_grads[i].to(p.dtype).double()
+            m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+            w = w * (1 - lr * weight_decay) - lr / (1 - b1**t) * m / (v.sqrt() / (1 - b2**t) ** 0.5 + eps)
+            w, m, v = w.to(p.dtype).double(), m.to(moments_dtype).double(), v.to(moments_dtype).double()
+        out.append(w)
+    return out
+
+
+@pytest.mark.parametrize("moments_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_updates_match_float64_adamw_with_the_same_stored_moments(dtype, moments_dtype):
+    params, grads = _params(dtype), _grads(6)
+    start = [p.detach().clone() for p in params]
+    optimizer = AdamW(params, **HYPER, moments_dtype=moments_dtype)
+    _run(optimizer, params, grads)
+    expected = _reference(start, grads, moments_dtype, **HYPER)
+    for p, p0, want in zip(params, start, expected):
+        # The change of each weight: its size, not the weight's, sets the tolerance.
+        assert rel_err(p.double() - p0.double(), want - p0.double()) <= TOLERANCE[dtype]
+    for state in optimizer.state.values():
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == moments_dtype
+        assert state["step"].item() == len(grads)
+
+
+def test_float32_moments_are_torch_adamw_bit_for_bit():
+    ours, theirs, grads = _params(), _params(), _grads(5)
+    _run(AdamW(ours, **HYPER, moments_dtype=torch.float32), ours, grads)
+    _run(torch.optim.AdamW(theirs, **HYPER), theirs, grads)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_bf16_moments_hold_half_the_bytes_and_skip_parameters_without_gradients():
+    params = _params()
+    frozen = torch.nn.Parameter(torch.ones(3))
+    optimizer = AdamW([*params, frozen], **HYPER)
+    _run(optimizer, params, _grads(1))
+    assert frozen not in optimizer.state and torch.equal(frozen, torch.ones(3))
+    moment_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in
+                       (s["exp_avg"], s["exp_avg_sq"]))
+    assert moment_bytes == 2 * 2 * sum(p.numel() for p in params)
+
+
+def test_a_state_dict_round_trip_continues_bit_for_bit_and_keeps_the_moments_dtype():
+    grads = _grads(5)
+    straight = _params()
+    _run(AdamW(straight, **HYPER), straight, grads)
+
+    resumed = _params()
+    first = AdamW(resumed, **HYPER)
+    _run(first, resumed, grads[:3])
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    second = AdamW(resumed, **HYPER)
+    second.load_state_dict(torch.load(buffer))
+    assert {s["exp_avg"].dtype for s in second.state.values()} == {torch.bfloat16}
+    _run(second, resumed, grads[3:])
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+def test_torch_adamw_state_loads_with_its_moments_narrowed():
+    params, grads = _params(), _grads(2)
+    theirs = torch.optim.AdamW(params, **HYPER)
+    _run(theirs, params, grads)
+    ours = AdamW(params, **HYPER)
+    ours.load_state_dict(theirs.state_dict())
+    for p in params:
+        assert ours.state[p]["exp_avg"].dtype == torch.bfloat16
+        assert torch.equal(ours.state[p]["exp_avg"], theirs.state[p]["exp_avg"].bfloat16())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(moments_dtype=torch.int8), "moments_dtype must be a floating-point torch.dtype"),
+    (dict(moments_dtype="bf16"), "moments_dtype must be a floating-point torch.dtype"),
+    (dict(lr=-1.0), "lr must be a finite number >= 0"),
+    (dict(betas=(1.0, 0.9)), r"betas must be two numbers in \[0, 1\)"),
+    (dict(eps=-1e-8), "eps must be a finite number >= 0"),
+    (dict(weight_decay=float("inf")), "weight_decay must be a finite number >= 0"),
+])
+def test_bad_arguments_name_what_is_expected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AdamW(_params(), **kwargs)
+
+
+def test_integer_parameters_are_refused():
+    with pytest.raises(ValueError, match="floating-point parameters, got one of torch.int64"):
+        AdamW([torch.nn.Parameter(torch.ones(2, dtype=torch.int64), requires_grad=False)])
+
+
+def _sharded(rank, world_size, steps):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    fully_shard(model)
+    optimizer = AdamW(model.parameters(), **HYPER)
+    _train(model, optimizer, steps)
+    # Lists, not tensors: a tensor would cross to the parent through shared memory the rank frees on exit.
+    return {name: p.full_tensor().detach().tolist() for name, p in model.named_parameters()}
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 33), torch.nn.GELU(), torch.nn.Linear(33, 5))
+
+
+def _train(model, optimizer, steps):
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x = torch.randn(8, 12, generator=g)
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_on_two_ranks_step_as_one_process():
+    """Every rank sees the same batch, so FSDP2's averaged gradient is one process's: the shards
+    each rank steps make up the weights one process steps."""
+    model = _model()
+    _train(model, AdamW(model.parameters(), **HYPER), 3)
+    for weights in run_ranks(_sharded, 2, 3):
+        for name, p in model.named_parameters():
+            assert rel_err(torch.tensor(weights[name]), p.detach()) <= 1e-6, name
