@@ -168,3 +168,24 @@ def test_fsdp2_shards_on_two_ranks_step_as_one_process():
     for weights in run_ranks(_sharded, 2, 3):
         for name, p in model.named_parameters():
             assert rel_err(torch.tensor(weights[name]), p.detach()) <= 1e-6, name
+
+
+def test_dcp_state_dict_functions_keep_the_moments_dtype():
+    """What moe_ep.runs checkpoints go through: DCP's get/set_optimizer_state_dict (the first
+    initialises an empty state with a zero-rate step)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = _model()
+    optimizer = AdamW(model.parameters(), **HYPER)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert {v.dtype for s in get_optimizer_state_dict(model, optimizer)["state"].values()
+            for k, v in s.items() if k != "step"} == {torch.bfloat16}
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    _train(model, optimizer, 2)
+    saved = get_optimizer_state_dict(model, optimizer)
+    loaded = AdamW(model.parameters(), **HYPER)
+    set_optimizer_state_dict(model, loaded, saved)
+    for p in model.parameters():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded.state[p][name], optimizer.state[p][name])
+            assert loaded.state[p][name].dtype == torch.bfloat16
