@@ -80,6 +80,7 @@ _PUBLIC = {
     "MODEL_NAMES": "moe_ep.planner",
     "config_from_name": "moe_ep.planner",
     "TrainStep": "moe_ep.training",
+    "AdamW": "moe_ep.training",
     "NonFiniteStepsError": "moe_ep.training",
     "ExpertParallelTrainer": "moe_ep.training",
     "ExpertParallelTrainerMixin": "moe_ep.training",

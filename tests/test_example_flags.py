@@ -1,5 +1,5 @@
 """The example's switches for moe_ep's optional paths: ``--chunked-loss`` (TrainStep's chunked LM
-loss: the same losses as the full logits) and ``--compile-blocks`` (parallelize's compiled dense
+loss: the same losses as the full logits), ``--bf16-moments`` (moe_ep.AdamW) and ``--compile-blocks`` (parallelize's compiled dense
 blocks: refused before any work under a recompute policy it cannot run with, and, like
 ``--activation-checkpointing``, refused by one process without a launcher, where parallelize is
 never called, instead of being dropped without a word); and the dispatcher's ``--overlap-chunks``,
@@ -36,6 +36,30 @@ def test_chunked_loss_flag_trains_with_the_same_losses(tmp_path):
     assert sorted(chunked_losses) == [1, 2, 3]
     assert rel_err(torch.tensor(list(chunked_losses.values())),
                    torch.tensor(list(full_losses.values()))) <= TOLERANCE[torch.float32], (chunked_losses, full_losses)
+
+
+@pytest.mark.slow
+def test_bf16_moments_flag_steps_moe_ep_adamw_with_bf16_moments(tmp_path):
+    """--bf16-moments: moe_ep.AdamW with bf16 moments (the decay groups as without it); the first
+    loss is the same (no step yet), the next ones within bf16 rounding of the float32 moments'."""
+    import argparse
+
+    from moe_ep import AdamW
+
+    model = torch.nn.Linear(3, 2)
+    args = argparse.Namespace(bf16_moments=True, weight_decay=0.1, lr=1e-3, beta1=0.9, beta2=0.95)
+    optimizer = train.make_optimizer(model, args)
+    assert isinstance(optimizer, AdamW) and optimizer.moments_dtype == torch.bfloat16
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+
+    plain, narrow = tmp_path / "plain", tmp_path / "narrow"
+    for out, extra in ((plain, []), (narrow, ["--bf16-moments"])):
+        assert train_in_process([*COMMON, "--steps", "3", "--checkpoint-every", "0", "--output-dir", str(out),
+                                 *extra]) == 0
+    plain_losses, narrow_losses = losses(plain), losses(narrow)
+    assert sorted(narrow_losses) == [1, 2, 3] and narrow_losses[1] == plain_losses[1]
+    assert rel_err(torch.tensor(list(narrow_losses.values())),
+                   torch.tensor(list(plain_losses.values()))) <= TOLERANCE[torch.bfloat16], (narrow_losses, plain_losses)
 
 
 @pytest.mark.parametrize("policy", ["selective", "attention"])

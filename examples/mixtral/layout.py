@@ -122,7 +122,8 @@ def layout_from_plan(args, config, world_size: int, gpus_per_node: int):
         if not torch.cuda.is_available():
             raise UsageError("--plan on a machine without CUDA needs --gpu-memory-gib (the memory of the GPUs to plan for)")
         memory = torch.cuda.get_device_properties(0).total_memory / 2**30
-    options = {"seq_len": args.seq_len, "overlap_chunks": args.overlap_chunks}
+    options = {"seq_len": args.seq_len, "overlap_chunks": args.overlap_chunks, "chunked_loss": args.chunked_loss,
+               "bf16_moments": args.bf16_moments}
     if args.global_batch_tokens is not None:
         options["global_batch_tokens"] = args.global_batch_tokens
     if args.peak_tflops is not None:

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from moe_ep import TrainStep, experts_modules, num_experts_of
+from moe_ep import AdamW, TrainStep, experts_modules, num_experts_of
 from moe_ep.runs import (
     ExpertLoad,
     Preempted,
@@ -159,13 +159,14 @@ def pretrained_read_report(bytes_read: dict[str, int], world_size: int) -> str:
 
 
 def make_optimizer(model, args) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on vectors (norm weights, biases)."""
+    """AdamW (its moments in bf16 with --bf16-moments); no weight decay on vectors (norm weights,
+    biases)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(args.beta1, args.beta2),
-    )
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if args.bf16_moments:
+        return AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), moments_dtype=torch.bfloat16)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2))
 
 
 def env_int(name: str, default: int) -> int:
