@@ -1,8 +1,9 @@
 """The example's switches for moe_ep's optional paths: ``--chunked-loss`` (TrainStep's chunked LM
-loss: the same losses as the full logits), ``--bf16-moments`` (moe_ep.AdamW) and ``--compile-blocks`` (parallelize's compiled dense
-blocks: refused before any work under a recompute policy it cannot run with, and, like
-``--activation-checkpointing``, refused by one process without a launcher, where parallelize is
-never called, instead of being dropped without a word); and the dispatcher's ``--overlap-chunks``,
+loss: the same losses as the full logits), ``--bf16-moments`` (moe_ep.AdamW) and
+``--compile-blocks`` (parallelize's compiled dense blocks: refused before any work under a
+recompute policy it cannot run with, and, like ``--activation-checkpointing``, refused by one
+process without a launcher, where parallelize is never called, instead of being dropped without
+a word); and the dispatcher's ``--overlap-chunks``,
 ``--dispatch-mode`` and ``--node-size``: checked against the layout before any work, passed to
 parallelize, and a 2-rank run as 2 nodes of one rank with overlapped exchanges training like the
 plain one."""
@@ -58,8 +59,8 @@ def test_bf16_moments_flag_steps_moe_ep_adamw_with_bf16_moments(tmp_path):
                                  *extra]) == 0
     plain_losses, narrow_losses = losses(plain), losses(narrow)
     assert sorted(narrow_losses) == [1, 2, 3] and narrow_losses[1] == plain_losses[1]
-    assert rel_err(torch.tensor(list(narrow_losses.values())),
-                   torch.tensor(list(plain_losses.values()))) <= TOLERANCE[torch.bfloat16], (narrow_losses, plain_losses)
+    narrow_t, plain_t = (torch.tensor(list(d.values())) for d in (narrow_losses, plain_losses))
+    assert rel_err(narrow_t, plain_t) <= TOLERANCE[torch.bfloat16], (narrow_losses, plain_losses)
 
 
 @pytest.mark.parametrize("policy", ["selective", "attention"])

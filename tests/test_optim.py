@@ -43,7 +43,8 @@ def _reference(params, grads, moments_dtype, lr, betas, eps, weight_decay):
     the weights are stored in their own dtype, as the optimizer stores them."""
     (b1, b2), out = betas, []
     for i, p in enumerate(params):
-        w, m, v = p.detach().double(), torch.zeros(p.shape, dtype=torch.float64), torch.zeros(p.shape, dtype=torch.float64)
+        w = p.detach().double()
+        m, v = torch.zeros_like(w), torch.zeros_like(w)
         for t, step_grads in enumerate(grads, 1):
             g = step_grads[i].to(p.dtype).double()
             m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g

@@ -146,7 +146,8 @@ ANCHORS = (
                "per step as reported in moe_ep issue #22/#23, source not confirmed here",
         note="TP2 x DP16 become dp_shard 32, so each GPU keeps the activations that TP2 with sequence "
              "parallelism splits over two: the recipe recomputes nothing, the planner chooses here (kept "
-             "whole, the activations alone would not fit in 80 GB); global batch 2048 x 4096 assumed: the recipe's GBS 8192 in 17.6 s "
+             "whole, the activations alone would not fit in 80 GB); global batch 2048 x 4096 assumed: the "
+             "recipe's GBS 8192 in 17.6 s "
              "would be 7,450 tokens/s per GPU, beyond an H100's dense peak for 22 B active parameters; moe_ep "
              "overlaps the all-to-all with the experts of another chunk of the same layer (overlap_chunks), not "
              "with another micro-batch's compute as the recipe's 1F1B does",

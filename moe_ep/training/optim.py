@@ -29,6 +29,9 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class AdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW(params, lr, betas, eps, weight_decay)`` whose moments are stored in
+    ``moments_dtype`` (the module docstring says how it computes)."""
+
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, moments_dtype: torch.dtype = torch.bfloat16):
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0.0 <= lr < math.inf:
