@@ -51,7 +51,7 @@ def test_a_fitting_anchor_matches_plan_with_the_same_fixed_arguments():
     p = plan(a.model, nodes=a.nodes, cluster=a.cluster, seq_len=a.seq_len, global_batch_tokens=a.global_batch_tokens,
              pp=a.pp, dp_replicate=a.dp_replicate, dp_shard=a.dp_shard, ep=a.ep, microbatch_size=a.microbatch_size,
              checkpointing=a.checkpointing, imbalance=1.0, startup_imbalance=1.0, chunked_loss=row.chunked_loss,
-             overlap_chunks=row.overlap_chunks, num_alternatives=0)
+             overlap_chunks=row.overlap_chunks, bf16_moments=a.bf16_moments, num_alternatives=0)
     assert p.layout == row.candidate.layout
     assert p.best.time.total == pytest.approx(row.step_s)
     assert p.best.memory.total == pytest.approx(row.candidate.memory.total)

@@ -45,7 +45,9 @@ _AUTOMODEL_BALANCED = ("routing balanced: NeMo AutoModel's benchmark configs set
 class Anchor:
     """One published run: its model (a name in MODEL_NAMES), cluster and layout as published, the
     published figure in ``unit`` and where it comes from. ``checkpointing`` None: the source does
-    not say, the planner chooses. ``global_batch`` counts sequences of ``seq_len`` tokens."""
+    not say, the planner chooses. ``global_batch`` counts sequences of ``seq_len`` tokens.
+    ``bf16_moments``: the run keeps AdamW's moments in bf16, so moe_ep's plan does too
+    (``moe_ep.training.AdamW``)."""
 
     name: str
     model: str
@@ -66,6 +68,7 @@ class Anchor:
     source: str
     note: str
     cluster: str = "dgx-h100"
+    bf16_moments: bool = False
 
     def __post_init__(self):
         if self.model not in MODEL_NAMES:
@@ -133,7 +136,11 @@ ANCHORS = (
         source=f"{_AUTOMODEL_SUMMARY}, row 'DeepSeek V3 671B' with 256 GPUs (GBS 512, MBS 1, LBS 8, seq 4096, "
                f"PP 4, EP 64, VP 8, FSDP 64, TE + DeepEP, 8.18 s per step, 250 TFLOP/s, 1,002 tokens/s per GPU)",
         note=f"recomputation not published: the planner chooses; the multi-token-prediction layer is not modelled; "
-             f"{_AUTOMODEL_BALANCED}",
+             f"{_AUTOMODEL_BALANCED}; its parameters stay in the checkpoint's bf16 and torch.optim.Adam keeps its "
+             f"moments in their dtype (examples/benchmark/configs/deepseek_v3_te_deepep.yaml and the model's "
+             f"code: 8 bytes per parameter), so moe_ep's plan keeps float32 master weights and bf16 moments "
+             f"(12 bytes)",
+        bf16_moments=True,
     ),
     Anchor(
         "Megatron Qwen3-235B-A22B", "qwen3-235b-a22b", nodes=32, pp=8, dp_replicate=1, dp_shard=32, ep=32,
@@ -193,6 +200,8 @@ class AnchorRow:
             return f"not planned: {self.why}"
         memory = self.candidate.memory
         options = "; with the chunked loss" if self.chunked_loss else ""
+        if self.anchor.bf16_moments:
+            options += "; AdamW's moments in bf16"
         if self.overlap_chunks > 1:
             options += f"; the all-to-alls overlapped with the experts of {self.overlap_chunks} chunks"
         if memory.fits:
@@ -229,7 +238,8 @@ def plan_anchor(anchor: Anchor, calibration: str | Path | None = None) -> Anchor
     # experts (expert parallelism only), as the headroom rule picks.
     for chunked_loss in (False, True):
         for overlap_chunks in (1, 2) if anchor.ep > 1 else (1,):
-            assumptions = Assumptions(**imbalance, chunked_loss=chunked_loss, overlap_chunks=overlap_chunks)
+            assumptions = Assumptions(**imbalance, chunked_loss=chunked_loss, overlap_chunks=overlap_chunks,
+                                      bf16_moments=anchor.bf16_moments)
             for layout in anchor.layouts():
                 try:
                     candidates.append(evaluate(spec, cluster, layout, anchor.seq_len, assumptions))
@@ -340,7 +350,7 @@ def anchors_to_dict(report: AnchorReport) -> dict:
         entry = {
             "name": a.name, "model": a.model, "cluster": a.cluster, "nodes": a.nodes, "world_size": a.world_size,
             "seq_len": a.seq_len, "global_batch_sequences": a.global_batch,
-            "balanced_routing": a.balanced_routing,
+            "balanced_routing": a.balanced_routing, "bf16_moments": a.bf16_moments,
             "published": {"value": a.published, "unit": a.unit, "source": a.source},
             "note": a.note, "status": row.status(),
         }
