@@ -42,7 +42,8 @@ def test_chunked_loss_flag_trains_with_the_same_losses(tmp_path):
 @pytest.mark.slow
 def test_bf16_moments_flag_steps_moe_ep_adamw_with_bf16_moments(tmp_path):
     """--bf16-moments: moe_ep.AdamW with bf16 moments (the decay groups as without it); the first
-    loss is the same (no step yet), the next ones within bf16 rounding of the float32 moments'."""
+    loss is the same (no step yet), the next ones within bf16 rounding of the float32 moments', and
+    a resume from a checkpoint continues onto the same losses."""
     import argparse
 
     from moe_ep import AdamW
@@ -53,14 +54,17 @@ def test_bf16_moments_flag_steps_moe_ep_adamw_with_bf16_moments(tmp_path):
     assert isinstance(optimizer, AdamW) and optimizer.moments_dtype == torch.bfloat16
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
 
-    plain, narrow = tmp_path / "plain", tmp_path / "narrow"
-    for out, extra in ((plain, []), (narrow, ["--bf16-moments"])):
-        assert train_in_process([*COMMON, "--steps", "3", "--checkpoint-every", "0", "--output-dir", str(out),
-                                 *extra]) == 0
+    plain, narrow, resumed = tmp_path / "plain", tmp_path / "narrow", tmp_path / "resumed"
+    for out, extra in ((plain, ["--checkpoint-every", "0"]), (narrow, ["--bf16-moments"])):
+        assert train_in_process([*COMMON, "--output-dir", str(out), *extra]) == 0
     plain_losses, narrow_losses = losses(plain), losses(narrow)
-    assert sorted(narrow_losses) == [1, 2, 3] and narrow_losses[1] == plain_losses[1]
+    assert sorted(narrow_losses) == list(range(1, 7)) and narrow_losses[1] == plain_losses[1]
     narrow_t, plain_t = (torch.tensor(list(d.values())) for d in (narrow_losses, plain_losses))
     assert rel_err(narrow_t, plain_t) <= TOLERANCE[torch.bfloat16], (narrow_losses, plain_losses)
+    # The bf16 moments go through the checkpoint: a resume from step 4 continues bit for bit.
+    ckpt = narrow / "checkpoints" / "step_00000004"
+    assert train_in_process([*COMMON, "--bf16-moments", "--resume", str(ckpt), "--output-dir", str(resumed)]) == 0
+    assert losses(resumed) == {step: narrow_losses[step] for step in (5, 6)}
 
 
 @pytest.mark.parametrize("policy", ["selective", "attention"])
