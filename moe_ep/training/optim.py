@@ -3,9 +3,9 @@ moments_dtype=torch.bfloat16)``.
 
 Why. With float32 master weights AdamW's moments are half of the 16 bytes a trained parameter
 costs (weights, gradient, two moments). DeepSeek-V3 was trained with both moments in bf16 (its
-report, section 3.3.2, "without observable performance degradation"), as Megatron-Core's
-precision-aware optimizer allows (``--exp-avg-dtype``/``--exp-avg-sq-dtype``): 12 bytes per
-parameter instead of 16. The planner models it (``plan(optimizer_moments="bf16")``).
+technical report's low-precision storage, which reports no observable loss of quality), as
+Megatron-Core's precision-aware optimizer allows (``--exp-avg-dtype``/``--exp-avg-sq-dtype``): 12
+bytes per parameter instead of 16. The planner models it (``plan(bf16_moments=True)``).
 
 The update is ``torch.optim.AdamW``'s (decoupled weight decay, bias correction, ``eps`` added
 after the square root), computed in float32 from the stored moments and this step's gradient; the
