@@ -7,8 +7,8 @@ load path found in the PTX, and for the expert GEMMs a static cost at Mixtral-8x
 (``moe_ep.kernels.cost``): FLOPs, DRAM bytes with the re-reads of the tile order, the roofline
 bound (datasheet peaks: no kernel is faster) and the expected time (how far from that bound the
 compiled kernel should land); then the same estimates of the whole forward and backward beside
-dense cuBLAS over the same FLOPs and transformers' ``grouped_mm`` experts. Every time is an
-estimate.
+dense cuBLAS over the same FLOPs and transformers' ``grouped_mm`` experts (on sm_80 torch's
+host-synced loop of one cuBLAS GEMM per expert). Every time is an estimate.
 
 Exit status 1 when a launch fails to compile, spills, needs more shared memory than the
 architecture has, is a GEMM (``uses_dot``) without mma.sync on sm_80 / wgmma on sm_90, or is a
@@ -354,7 +354,7 @@ def format_estimates(estimates: dict) -> str:
         for name in ("triton", "dense", "grouped_mm"):
             s = est[name]
             lines.append(f"  {name:<10} total: bound {s['roofline_ms']:7.2f} ms, expected {s['expected_ms']:7.2f} ms, "
-                         f"{s['flops'] / 1e12:6.1f} TFLOP, {_gb(s['bytes'])} GB")
+                         f"{s['flops'] / 1e12:6.1f} TFLOP, {_gb(s['bytes'])} GB{_loop_note(s)}")
         for basis in ("expected", "bound"):
             r, f = est[basis], est["forward"][basis]
             lines.append(f"  {basis:<8} dense / triton = {r['dense_over_triton']:.2f}   "
@@ -367,6 +367,12 @@ def format_estimates(estimates: dict) -> str:
         lines.append(f"  activations saved for backward: triton {_gb(act['triton'])} GB, "
                      f"grouped_mm {_gb(act['grouped_mm'])} GB")
     return "\n".join(lines)
+
+
+def _loop_note(path: dict) -> str:
+    """How torch's grouped GEMM runs where it is the host-synced per-group loop (sm_80)."""
+    syncs = path.get("host_syncs", 0)
+    return f" (per-group loop, {syncs} host syncs)" if syncs else ""
 
 
 def _brief(est: dict) -> dict:
@@ -385,7 +391,8 @@ def format_other_problems(others: dict) -> str:
             p, t, d, g = est["problem"], est["triton"], est["dense"], est["grouped_mm"]
             lines.append(f"  {name:<14} T={p['T']:<6} k={p['K']} H={p['H']} I={p['I']} E={p['E']:<4} sm_{arch}: "
                          f"triton {t['expected_ms']:7.2f} ms, dense {d['expected_ms']:7.2f}, grouped_mm "
-                         f"{g['expected_ms']:7.2f}; grouped_mm / triton {est['expected']['grouped_mm_over_triton']:.2f}, "
+                         f"{g['expected_ms']:7.2f}{_loop_note(g)}; grouped_mm / triton "
+                         f"{est['expected']['grouped_mm_over_triton']:.2f}, "
                          f"dense / triton {est['expected']['dense_over_triton']:.2f}")
     return "\n".join(lines)
 

@@ -84,11 +84,14 @@ class Problem:
     def N(self) -> int:
         return self.T * self.K
 
+    def expert_counts(self) -> list[int]:
+        """Rows per expert, unpadded."""
+        base, extra = divmod(self.N, self.E)
+        return [base + (e < extra) for e in range(self.E)]
+
     def expert_rows(self) -> list[int]:
         """Padded rows per expert."""
-        base, extra = divmod(self.N, self.E)
-        counts = [base + (e < extra) for e in range(self.E)]
-        return [-(-c // self.pad_m) * self.pad_m for c in counts]
+        return [-(-c // self.pad_m) * self.pad_m for c in self.expert_counts()]
 
 
 MIXTRAL = Problem()
@@ -224,6 +227,57 @@ def gemm_pass(name: str, flops: float, read: float, written: float, arch: int) -
             "roofline_ms": max(compute, memory), "expected_ms": max(compute / eff.gemm, memory / eff.copy)}
 
 
+# torch's grouped GEMM below sm_90 (torch 2.9-2.11 build no grouped kernel for sm_80:
+# pytorch#161407): ``_grouped_mm_fallback`` copies ``offs`` to the host, a sync that drains the
+# stream, then issues one cuBLAS matmul per group from the host. Assumed, not measured (no A100 was
+# lent): the host time to issue one of those matmuls (ATen's dispatch, the narrowed views, the
+# cuBLAS launch), which the GPU waits out whenever a group's GEMM is shorter; and what one sync
+# costs (the copy's round trip, then the empty queue until the next launch arrives).
+LOOP_LAUNCH_S = 6e-6
+LOOP_SYNC_S = 15e-6
+# The output tile cuBLAS is taken to run each group's GEMM in: a group that fills less than whole
+# waves of them leaves SMs idle for the rest of the wave.
+LOOP_TILE = 128
+
+
+def grouped_mm_loops(arch: int) -> bool:
+    """Whether torch's grouped GEMM runs as the host-synced per-group loop on ``arch``."""
+    return arch < 90
+
+
+def loop_gemm_pass(name: str, shapes: list[tuple[int, int, int]], arch: int, elem: int = 2) -> dict:
+    """The per-group loop of torch's grouped-GEMM fallback: one host sync, then one cuBLAS GEMM per
+    non-empty group of ``shapes`` ([m, n] output, reduction k), each taking the longer of its GPU
+    time (whole waves of LOOP_TILE tiles at cuBLAS's rate, or its traffic at copy speed) and the
+    host's time to issue it. The bound is the hardware's, as for one launch."""
+    machine, eff = MACHINES[arch], EFFICIENCY[arch]
+    flops = read = written = 0.0
+    ms = LOOP_SYNC_S
+    for m, n, k in shapes:
+        if not m * n * k:
+            continue
+        tiles = math.ceil(m / LOOP_TILE) * math.ceil(n / LOOP_TILE)
+        waves = math.ceil(tiles / machine.sms)
+        compute = waves * machine.sms * 2 * LOOP_TILE * LOOP_TILE * k / machine.flops / eff.gemm
+        bytes_ = (m * k + k * n + m * n) * elem
+        ms += max(compute, bytes_ / (machine.bandwidth * eff.copy), LOOP_LAUNCH_S)
+        flops, read, written = flops + 2 * m * n * k, read + (m * k + k * n) * elem, written + m * n * elem
+    bound = max(flops / machine.flops, (read + written) / machine.bandwidth)
+    return {"step": name, "flops": flops, "bytes_read": read, "bytes_written": written,
+            "roofline_ms": bound * 1e3, "expected_ms": ms * 1e3, "host_syncs": 1,
+            "launches": sum(1 for s in shapes if s[0] * s[1] * s[2])}
+
+
+def grouped_gemm_pass(name: str, shapes: list[tuple[int, int, int]], arch: int, elem: int = 2) -> dict:
+    """torch's grouped GEMM over ``shapes`` (per group: [m, n] output, reduction k): one launch
+    taken as fast as cuBLAS on sm_90 and later, the per-group loop below."""
+    if grouped_mm_loops(arch):
+        return loop_gemm_pass(name, shapes, arch, elem)
+    flops = sum(2 * m * n * k for m, n, k in shapes)
+    read = sum((m * k + k * n) * elem for m, n, k in shapes)
+    return gemm_pass(name, flops, read, sum(m * n * elem for m, n, k in shapes), arch)
+
+
 def expert_mlp_flops(p: Problem) -> float:
     """Forward and backward of the expert MLP: forward 2N(2I)H + 2NIH, backward twice that."""
     forward = 2 * p.N * 2 * p.I * p.H + 2 * p.N * p.I * p.H
@@ -232,32 +286,34 @@ def expert_mlp_flops(p: Problem) -> float:
 
 def grouped_mm_sequence(p: Problem, arch: int) -> list[dict]:
     """transformers' ``grouped_mm`` experts (integrations/moe.py), forward and autograd backward:
-    a sort and a gather of the token rows, two grouped GEMMs (CUTLASS on sm_90, taken as fast as
-    cuBLAS),
-    the gated activation as separate elementwise passes, the routing weight, the inverse
-    permutation and the per-token sum; each a pass over DRAM."""
-    N, T, H, I, E, e = p.N, p.T, p.H, p.I, p.E, p.elem
+    a sort and a gather of the token rows, two grouped GEMMs (:func:`grouped_gemm_pass`: one
+    CUTLASS launch on sm_90, taken as fast as cuBLAS; the host-synced per-group loop below), the
+    gated activation as separate elementwise passes, the routing weight, the inverse permutation
+    and the per-token sum; each a pass over DRAM. The backward of a grouped GEMM is two grouped
+    GEMMs (the input's and the weight's gradient), each its own loop and sync below sm_90."""
+    N, T, H, I, e = p.N, p.T, p.H, p.I, p.elem
     rows_h, rows_i = N * H * e, N * I * e
+    counts = p.expert_counts()
     mp = lambda *a: memory_pass(*a, arch)  # noqa: E731
-    gp = lambda *a: gemm_pass(*a, arch)  # noqa: E731
+    gp = lambda name, shape: grouped_gemm_pass(name, [shape(c) for c in counts], arch, e)  # noqa: E731
     return [
         mp("fwd sort + gather x[perm]", N * 8 * 3 + rows_h, rows_h + N * 8),
-        gp("fwd grouped_mm gate_up", 2 * N * H * 2 * I, rows_h + E * 2 * I * H * e, 2 * rows_i),
+        gp("fwd grouped_mm gate_up", lambda c: (c, 2 * I, H)),
         mp("fwd act(gate)", rows_i, rows_i),
         mp("fwd act * up", 2 * rows_i, rows_i),
-        gp("fwd grouped_mm down", 2 * N * I * H, rows_i + E * H * I * e, rows_h),
+        gp("fwd grouped_mm down", lambda c: (c, H, I)),
         mp("fwd * routing weight", rows_h + N * 4, rows_h),
         mp("fwd inverse permutation", rows_h, rows_h),
         mp("fwd sum over top-k", rows_h, T * H * e),
         mp("bwd expand + inverse permutation (zero, scatter)", rows_h, 2 * rows_h),
         mp("bwd * routing weight, d weight", 3 * rows_h, rows_h + N * 4),
-        gp("bwd grouped_mm d h", 2 * N * H * I, rows_h + E * H * I * e, rows_i),
-        gp("bwd grouped_mm d down", 2 * N * H * I, rows_h + rows_i, E * H * I * e),
+        gp("bwd grouped_mm d h", lambda c: (c, I, H)),
+        gp("bwd grouped_mm d down", lambda c: (I, H, c)),
         mp("bwd act * up", 3 * rows_i, 2 * rows_i),
         mp("bwd act(gate)", 2 * rows_i, rows_i),
         mp("bwd cat(d gate, d up)", 2 * rows_i, 2 * rows_i),
-        gp("bwd grouped_mm d x", 2 * N * 2 * I * H, 2 * rows_i + E * 2 * I * H * e, rows_h),
-        gp("bwd grouped_mm d gate_up", 2 * N * 2 * I * H, 2 * rows_i + rows_h, E * 2 * I * H * e),
+        gp("bwd grouped_mm d x", lambda c: (c, H, 2 * I)),
+        gp("bwd grouped_mm d gate_up", lambda c: (H, 2 * I, c)),
         mp("bwd gather backward (index_add)", rows_h + 2 * T * H * e, T * H * e * 2),
     ]
 
@@ -281,6 +337,7 @@ def summary(steps: list[dict]) -> dict:
         "bytes": sum(s["bytes_read"] + s["bytes_written"] for s in steps),
         "roofline_ms": sum(s["roofline_ms"] for s in steps),
         "expected_ms": sum(s["expected_ms"] for s in steps),
+        "host_syncs": sum(s.get("host_syncs", 0) for s in steps),
     }
 
 
