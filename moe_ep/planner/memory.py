@@ -11,7 +11,10 @@ Rows of the table (printed with every plan):
   each stage's accumulation then giving way to its smaller shards
   (``tests/test_pipeline.py`` checks this on the schedules it runs);
 - activations kept for the backward: ``moe_ep.planner.activations`` (checked against autograd's
-  saved tensors), times the micro-batches each stage keeps in flight;
+  saved tensors); under pipeline stages the most the rank's stages keep at one moment of their
+  schedule, each stage its own micro-batches in flight then (``ScheduleInfo.peak_activations``,
+  the order of torch's schedule: the last stage of interleaved 1F1B keeps one where the first
+  keep a round);
 - backward scratch: the running unit's transient memory, what its recompute makes again, its
   backward's intermediates and, for the head, the logits and their float32 gradient;
 - FSDP2 working set: without pipeline stages, the root's gathered embedding and head (kept from the
@@ -243,7 +246,7 @@ class MemoryTable:
     p2p: float
     reserved: float
     capacity: float
-    inflight: float  # micro-batches whose activations the fullest stage keeps
+    inflight: float  # micro-batches whose activations the fullest stage keeps at the rank's peak
     scratch_unit: str  # the unit whose backward peaks
     bf16_moments: bool = False  # AdamW's moments in bf16 (the optimizer state's row says which)
 
@@ -299,24 +302,32 @@ def rank_memory(units: list[Unit], part: Partition, rank: int, layout: Layout, p
     """The memory table of pipeline rank ``rank``; ``part`` cuts ``unit_costs(units)``. Its total
     is the partition's bytes of the rank's stages plus the pipeline buffers, the reserve and the
     root's gathered embedding and head (:func:`root_bytes`)."""
-    mine = [(s, u) for s in range(part.num_stages) if part.rank_of_stage(s) == rank for u in stage_units(units, part, s)]
+    stages = [s for s in range(part.num_stages) if part.rank_of_stage(s) == rank]
+    mine = [(s, u) for s in stages for u in stage_units(units, part, s)]
     # One unit runs at a time: its transient terms make the peak.
     _, running = max(mine, key=lambda su: transient(su[1]))
     held = sum(u.held for _, u in mine) + root_bytes([u for _, u in mine], layout.pp > 1)
+    act_by_stage = {s: sum(u.act for t, u in mine if t == s) for s in stages}
+    if layout.pp > 1:
+        # The most the rank's stages keep at one moment of its schedule, each stage its own
+        # micro-batches in flight then (the last stage of interleaved 1F1B's last rank one).
+        activations, inflight = layout.info.peak_activations(layout.pp, layout.microbatches, rank, act_by_stage)
+    else:
+        activations, inflight = sum(act_by_stage.values()), 1.0
     return MemoryTable(
         rank=rank,
         params=sum(u.params for _, u in mine),
         grads=sum(u.grads for _, u in mine),
         peak_grads=sum(u.peak_grads for _, u in mine),
         optim=sum(u.optim for _, u in mine),
-        activations=sum(part.inflight[s] * u.act for s, u in mine),
+        activations=activations,
         scratch=running.scratch,
         fsdp=held + running.fsdp_work,
         all_to_all=running.a2a_buffers,
         p2p=p2p,
         reserved=reserved,
         capacity=capacity,
-        inflight=max(part.inflight[s] for s, _ in mine),
+        inflight=inflight,
         scratch_unit=running.name,
         bf16_moments=bf16_moments,
     )

@@ -4,6 +4,7 @@ micro-batches each stage keeps alive. One table, read by the planner's cost mode
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 
@@ -45,6 +46,82 @@ class ScheduleInfo:
         # ZB-V keeps the peak of 1F1B's first stage on every rank.
         return [float(min(m, pp))] * num_stages
 
+    def common_inflight(self, microbatches: int) -> float:
+        """Micro-batches that every stage of a rank holds at one same moment of its schedule
+        (:meth:`rank_events`): GPipe's all, the others' at least one (each rank reaches a point
+        where every one of its stages has run a forward whose backward has not run)."""
+        return float(microbatches) if self.name == "gpipe" else 1.0
+
+    def rank_events(self, pp: int, microbatches: int, rank: int) -> list[tuple[int, int]]:
+        """When pipeline rank ``rank`` keeps and frees micro-batches' activations, in the order
+        torch's ``torch_class`` runs its actions: (stage, +1) for a stage's forward of a
+        micro-batch, (stage, -1) for the pass that frees what it saved (the full backward; ZB-V's
+        weight-gradient pass, which still reads them after the input-gradient pass), at least
+        through the last forward: only frees follow it, so the rank's peak lies within. Stages are numbered
+        in model order, as ``stage_to_rank`` places them."""
+        m, v = microbatches, self.stages_per_rank
+        if self.name == "gpipe":
+            return [(rank, +1)] * m
+        if self.name == "1f1b":
+            # Schedule1F1B: pp - rank forwards, then a backward before each later forward.
+            warmup = min(m, pp - rank)
+            return [(rank, +1)] * warmup + [(rank, -1), (rank, +1)] * (m - warmup)
+        if self.name == "interleaved-1f1b":
+            # ScheduleInterleaved1F1B (Megatron's order): forwards take the rank's stages a round
+            # of micro-batches at a time; after the warm-up each forward is followed by a
+            # backward, the stages taken in reverse.
+            per_round = m // max(1, m // pp)
+            warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+
+            def stage(op: int, first: int, reverse: bool) -> int:
+                local = ((op - first) // per_round) % v
+                return (v - 1 - local if reverse else local) * pp + rank
+
+            events = [(stage(op, 0, False), +1) for op in range(warmup)]
+            for op in range(warmup, m * v):
+                events += [(stage(op, 0, False), +1), (stage(op, warmup, True), -1)]
+            return events
+        # ScheduleZBVZeroBubble: its warm-up, then forward, input- and weight-gradient of chunk 0
+        # and of chunk 1 in turn until chunk 1 has caught up; it plans at least 2 pp - 1
+        # micro-batches and drops the actions of those beyond the real ones.
+        first, second = rank, pp * v - 1 - rank
+        runs, frees, events = {first: 0, second: 0}, {first: 0, second: 0}, []
+
+        def forward(stage):
+            events.append((stage, +1, runs[stage]))
+            runs[stage] += 1
+
+        def free(stage):
+            events.append((stage, -1, frees[stage]))
+            frees[stage] += 1
+
+        planned = max(2 * pp - 1, m)
+        for _ in range(2 * (pp - rank) - 1):
+            forward(first)
+        for _ in range(rank):
+            forward(second)
+            forward(first)
+        for _ in range(pp - rank):
+            forward(second)
+            free(second)
+        while runs[second] < runs[first] or runs[first] < planned:
+            if runs[first] < planned:
+                forward(first)
+            free(first)
+            forward(second)
+            free(second)
+        return [(stage, delta) for stage, delta, microbatch in events if microbatch < m]
+
+    def peak_activations(self, pp: int, microbatches: int, rank: int,
+                         act_by_stage: dict[int, float]) -> tuple[float, float]:
+        """Rank ``rank``'s peak of kept activations over its schedule (:meth:`rank_events`), given
+        each of its stages' bytes per micro-batch, and how many micro-batches its fullest stage
+        holds then: (bytes, micro-batches)."""
+        stages, moments = _live_after_forwards(self, pp, microbatches, rank)
+        weights = [act_by_stage.get(s, 0.0) for s in stages]
+        peak, counts = max((sum(c * w for c, w in zip(counts, weights)), counts) for counts in moments)
+        return peak, float(max(counts))
+
     def check_microbatches(self, pp: int, microbatches: int) -> str | None:
         """Why this many micro-batches cannot run, or None."""
         if microbatches < pp:
@@ -52,6 +129,23 @@ class ScheduleInfo:
         if self.name == "interleaved-1f1b" and microbatches % pp:
             return f"schedule {self.name!r} needs a multiple of pp={pp} micro-batches, got {microbatches}"
         return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _live_after_forwards(info: ScheduleInfo, pp: int, microbatches: int,
+                         rank: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    # The rank's stages and the distinct micro-batch counts they hold right after a forward
+    # (only a forward can raise the total): a few dozen in a schedule of thousands of actions,
+    # so a layout's memory table costs a dot product each.
+    events = info.rank_events(pp, microbatches, rank)
+    stages = tuple(sorted({s for s, _ in events}))
+    index = {s: i for i, s in enumerate(stages)}
+    live, moments = [0] * len(stages), {}
+    for stage, delta in events:
+        live[index[stage]] += delta
+        if delta > 0:
+            moments.setdefault(tuple(live), None)
+    return stages, tuple(moments)
 
 
 SCHEDULES = {

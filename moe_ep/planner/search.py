@@ -330,12 +330,12 @@ class _UnitCache:
         return self.costs[self._key(layout)]
 
     def memory_floor(self, layout: Layout) -> float:
-        """Bytes the fullest rank holds at least: all static bytes and activations (of the fewest
-        micro-batches a stage keeps in flight) spread evenly over the pipeline ranks, the
-        pipeline buffers and the reserve."""
+        """Bytes the fullest rank holds at least: all static bytes and activations (of the
+        micro-batches every stage keeps at one moment of its rank's schedule) spread evenly over
+        the pipeline ranks, the pipeline buffers and the reserve."""
         self.get(layout)
         static, act = self.sums[self._key(layout)]
-        inflight = min(layout.inflight())
+        inflight = layout.info.common_inflight(layout.microbatches) if layout.pp > 1 else 1.0
         return ((static + inflight * act) / layout.pp + p2p_bytes(layout, self.spec, self.seq_len)
                 + self.cluster.reserved_bytes)
 
