@@ -22,7 +22,8 @@ Rows of the table (printed with every plan):
   weights and the prefetched next layer's, its bf16 gradient, the float32 reduce-scatter input and
   the previous layer's reduce-scatter still in flight (14 bytes per gathered parameter); with
   pipeline stages the stage's bf16 weights and float32 accumulated gradients for the whole step,
-  and in the last micro-batch a layer's bf16 gradient with two float32 reduce-scatter buffers;
+  and the running layer's bf16 gradient until it joins the accumulation (the stage's reduction,
+  after its last backward, needs no more: see ``PP_TRANSIENT_BYTES``);
 - expert all-to-all buffers: the send and receive rows of one exchange;
 - pipeline send/recv buffers: an activation and a gradient per stage;
 - reserved: the CUDA context, NCCL and allocator fragmentation.
@@ -60,10 +61,15 @@ BF16_MOMENTS_BYTES = 2 * BF16  # AdamW's two moments in bf16 (moe_ep.training.Ad
 # Per gathered parameter of the running layer (no pipeline): its bf16 weights and the prefetched
 # next layer's, its bf16 gradient, its float32 reduce-scatter input, the previous one in flight.
 FSDP_LAYER_BYTES = 2 * BF16 + BF16 + FP32 + FP32
-# Held through the step under pipeline stages: bf16 weights and float32 gradient accumulation;
-# transient in the last micro-batch: a bf16 gradient and two float32 reduce-scatter buffers.
+# Held through the step under pipeline stages: bf16 weights and float32 gradient accumulation.
+# Transient: a backward's bf16 gradient until FSDP2 adds it to the accumulation. The stage's
+# reduction (torch's REDUCE_GRAD action, FSDPParamGroup.post_backward per layer) frees the bf16
+# weights before it allocates the float32 reduce-scatter input beside the accumulation it copies
+# and then frees, and the output after that (the whole size where a group is not sharded): 2 bytes
+# above what the layer held at most, the earlier layers' inputs in flight taking less than the
+# 6 they freed.
 PP_HELD_BYTES = BF16 + FP32
-PP_REDUCE_BYTES = BF16 + 2 * FP32
+PP_TRANSIENT_BYTES = BF16
 
 
 def max_load(spec: ModelSpec, ep: int) -> float:
@@ -140,7 +146,7 @@ def build_units(
             optim=sharded * optim_bytes, optim_traffic=sharded * optim_traffic, act=act, scratch=scratch,
             gathered=gathered,
             held=PP_HELD_BYTES * gathered if pipelined else 0.0,
-            fsdp_work=(PP_REDUCE_BYTES if pipelined else FSDP_LAYER_BYTES) * gathered,
+            fsdp_work=(PP_TRANSIENT_BYTES if pipelined else FSDP_LAYER_BYTES) * gathered,
             a2a_buffers=buffers, a2a=a2a, shared=frozenset(shared),
         )
 
