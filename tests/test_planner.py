@@ -410,7 +410,7 @@ def test_fsdp_working_set_with_pipeline_stages_is_6_bytes_held_and_2_while_a_lay
     float32 accumulated gradient all step (6 bytes), and the running layer adds its bf16 gradient
     (2 bytes) until FSDP2 accumulates it; the stage's reduction frees the weights before it
     allocates the float32 reduce-scatter input, so it adds no more. Ties the table to those
-    constants (read from torch's FSDPParamGroup.post_backward and foreach_reduce, not measured)."""
+    constants (tests/test_fsdp_pipeline_memory.py measures them)."""
     from moe_ep.planner.memory import PP_HELD_BYTES, PP_TRANSIENT_BYTES, stage_units
 
     assert (PP_HELD_BYTES, PP_TRANSIENT_BYTES) == (6, 2)

@@ -67,7 +67,8 @@ FSDP_LAYER_BYTES = 2 * BF16 + BF16 + FP32 + FP32
 # weights before it allocates the float32 reduce-scatter input beside the accumulation it copies
 # and then frees, and the output after that (the whole size where a group is not sharded): 2 bytes
 # above what the layer held at most, the earlier layers' inputs in flight taking less than the
-# 6 they freed.
+# 6 they freed. tests/test_fsdp_pipeline_memory.py measures the held bytes and the reduction's
+# on the CPU.
 PP_HELD_BYTES = BF16 + FP32
 PP_TRANSIENT_BYTES = BF16
 
