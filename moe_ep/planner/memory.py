@@ -317,7 +317,7 @@ def rank_memory(units: list[Unit], part: Partition, rank: int, layout: Layout, p
     act_by_stage = {s: sum(u.act for t, u in mine if t == s) for s in stages}
     if layout.pp > 1:
         # The most the rank's stages keep at one moment of its schedule, each stage its own
-        # micro-batches in flight then (the last stage of interleaved 1F1B's last rank one).
+        # micro-batches in flight then (on interleaved 1F1B's last rank its last stage holds one).
         activations, inflight = layout.info.peak_activations(layout.pp, layout.microbatches, rank, act_by_stage)
     else:
         activations, inflight = sum(act_by_stage.values()), 1.0

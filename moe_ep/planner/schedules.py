@@ -31,7 +31,10 @@ class ScheduleInfo:
         return (pp - 1.0) / (3 * self.stages_per_rank)
 
     def inflight(self, pp: int, microbatches: int) -> list[float]:
-        """Micro-batches whose activations each stage (in stage order) holds at its peak."""
+        """Micro-batches whose activations each stage (in stage order) holds, its rank's peak
+        count spread evenly over the rank's stages: the weights the stage cut balances memory
+        with. The memory table counts each stage's own at the rank's peak
+        (:meth:`peak_activations`)."""
         num_stages = pp * self.stages_per_rank
         m = microbatches
         if self.name == "gpipe":
@@ -57,8 +60,8 @@ class ScheduleInfo:
         torch's ``torch_class`` runs its actions: (stage, +1) for a stage's forward of a
         micro-batch, (stage, -1) for the pass that frees what it saved (the full backward; ZB-V's
         weight-gradient pass, which still reads them after the input-gradient pass), at least
-        through the last forward: only frees follow it, so the rank's peak lies within. Stages are numbered
-        in model order, as ``stage_to_rank`` places them."""
+        through the last forward: only frees follow it, so the rank's peak lies within. Stages
+        are numbered in model order, as ``stage_to_rank`` places them."""
         m, v = microbatches, self.stages_per_rank
         if self.name == "gpipe":
             return [(rank, +1)] * m
