@@ -10,9 +10,8 @@ import types
 import pytest
 
 from moe_ep.planner import Layout, ModelSpec
-from moe_ep.planner.memory import build_units, rank_memory, stage_units
+from moe_ep.planner.memory import build_units, rank_memory, stage_units, unit_costs
 from moe_ep.planner.partition import partition
-from moe_ep.planner.memory import unit_costs
 from moe_ep.planner.schedules import SCHEDULES, schedule_info
 
 S = pytest.importorskip("torch.distributed.pipelining.schedules")
