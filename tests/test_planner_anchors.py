@@ -41,6 +41,26 @@ def test_every_anchor_is_planned_on_its_published_layout(report):
         assert row.ratio == pytest.approx(expected)
 
 
+def test_pipelined_anchors_are_also_planned_under_dualpipev(report):
+    # moe_ep's micro-batch overlap beside each pipelined anchor's published schedule: the same
+    # layout and batch on DualPipeV, in the notes and the JSON.
+    from moe_ep.planner.anchors import anchors_to_dict
+
+    rows = {row.anchor.name: row for row in report.rows}
+    for row in report.rows:
+        assert (row.dualpipev is not None) == (row.anchor.pp > 1)
+    qwen = rows["Megatron Qwen3-235B-A22B"].dualpipev
+    lay = qwen.candidate.layout
+    assert (lay.schedule, lay.pp, lay.ep, lay.microbatches) == ("dualpipev", 8, 32, 64) and qwen.dualpipev is None
+    # Its exchanges hide behind another micro-batch's compute: less exposed than under the
+    # published interleaved schedule.
+    published = rows["Megatron Qwen3-235B-A22B"]
+    assert qwen.candidate.time.all_to_all < 0.5 * published.candidate.time.all_to_all
+    assert "under DualPipeV instead: " in report.format()
+    entry = next(e for e in anchors_to_dict(report)["anchors"] if e["name"] == "Megatron Qwen3-235B-A22B")
+    assert entry["dualpipev"]["layout"] == lay.short()
+
+
 def test_a_fitting_anchor_matches_plan_with_the_same_fixed_arguments():
     # An anchor's figures are plan()'s for the same forced layout: Qwen3-30B-A3B's anchor on two
     # nodes with micro-batches of one sequence, which fits the planner's memory model.

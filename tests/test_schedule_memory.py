@@ -28,6 +28,9 @@ def _torch_events(name, pp, m, v, rank):
     elif name == "zbv":
         ns = types.SimpleNamespace(pp_group_size=pp, _n_microbatches=m, num_stages=2 * pp)
         ops = S.ScheduleZBVZeroBubble._calculate_single_rank_operations(ns, rank)
+    elif name == "dualpipev":
+        ns = types.SimpleNamespace(pp_group_size=pp, _n_microbatches=m)
+        ops = _flattened(S.ScheduleDualPipeV._calculate_single_rank_operations(ns, rank))
     else:
         cls = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B}[name]
         ops = cls._get_pipeline_order(types.SimpleNamespace(_num_stages=pp, _n_microbatches=m))[rank]
@@ -36,6 +39,11 @@ def _torch_events(name, pp, m, v, rank):
               for a in ops if a is not None and (a.computation_type == S._ComputationType.FORWARD
                                                  or a.computation_type in frees)]
     return _through_last_forward(events)
+
+
+def _flattened(ops):
+    """DualPipeV's overlapped actions as their forward, then their backward."""
+    return [sub for a in ops if a is not None for sub in (a.sub_actions or (a,))]
 
 
 def _through_last_forward(events):
@@ -47,6 +55,8 @@ CASES = [(name, pp, m, v) for pp in (2, 3, 4, 8) for m in sorted({pp, 2 * pp, 3 
          for name, v in (("gpipe", 1), ("1f1b", 1), ("zbv", 2), ("interleaved-1f1b", 2),
                          ("interleaved-1f1b", 3), ("interleaved-1f1b", 8))
          if name != "interleaved-1f1b" or m % pp == 0]
+CASES += [("dualpipev", pp, m, 2) for pp in (2, 3, 4, 8) for m in sorted({2 * pp, 2 * pp + 1, 3 * pp, 16, 24})
+          if m >= 2 * pp]
 
 
 @pytest.mark.parametrize("name, pp, m, v", CASES)
@@ -69,7 +79,7 @@ def _peak_by_hand(events, act):
 def test_peak_is_the_most_torchs_order_keeps_at_once(name, pp, m, v):
     info = schedule_info(name, v) if name == "interleaved-1f1b" else SCHEDULES[name]
     rng = random.Random(f"{name}/{pp}/{m}/{v}")
-    placement = "v" if name == "zbv" else "loop"
+    placement = "v" if name in ("zbv", "dualpipev") else "loop"
     for rank in range(pp):
         stages = ([rank, 2 * pp - 1 - rank] if placement == "v" else [j * pp + rank for j in range(v)])
         act = {s: rng.uniform(0.1, 10.0) for s in stages}
@@ -107,3 +117,16 @@ def test_memory_table_activations_follow_the_schedule():
         table = rank_memory(units, part, rank, lay, 0.0, 0.0, 80 * 2**30)
         events = _torch_events("interleaved-1f1b", 4, 16, 2, rank)
         assert table.activations == pytest.approx(_peak_by_hand(events, act), rel=1e-12)
+
+
+def test_dualpipev_overlapped_share_counts_torchs_overlapped_forwards():
+    """The share of a rank's forwards that torch's DualPipeV runs inside an overlapped F&B action,
+    which the step time hides the exchanges of (``ScheduleInfo.overlapped_share``)."""
+    info = SCHEDULES["dualpipev"]
+    for pp, m in ((2, 4), (4, 8), (4, 16), (8, 24)):
+        for rank in range(pp):
+            ns = types.SimpleNamespace(pp_group_size=pp, _n_microbatches=m)
+            ops = [a for a in S.ScheduleDualPipeV._calculate_single_rank_operations(ns, rank) if a is not None]
+            overlapped = sum(a.computation_type == S._ComputationType.OVERLAP_F_B for a in ops)
+            assert info.overlapped_share(pp, m, rank) == overlapped / (2 * m)
+    assert SCHEDULES["zbv"].overlapped_share(4, 16, 0) == 0.0

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .lanes import lane_group
+
 Splits = tuple[int, ...] | None  # rows per peer; None = equal blocks (capacity mode)
 
 
@@ -31,7 +33,7 @@ def _all_to_all(rows: torch.Tensor, out_splits: Splits, in_splits: Splits, group
         rows,
         output_split_sizes=None if out_splits is None else list(out_splits),
         input_split_sizes=None if in_splits is None else list(in_splits),
-        group=group,
+        group=lane_group(group),
         async_op=async_op,
     )
     return out, work, rows

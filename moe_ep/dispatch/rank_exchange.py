@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ..ops.validate import check_on_device
 from .all_to_all import AllToAllRouting, AllToAllRows, Splits
 from .capacity import capacity_keep_mask, expert_capacity
+from .lanes import lane_group
 from .layout import DispatchedTokens, DispatchLayout
 from .row_ops import gather_rows, sum_rows
 
@@ -92,7 +93,7 @@ def all_to_all_counts(send_RC: torch.Tensor, group) -> torch.Tensor:
     """Row ``j`` of ``send_RC`` to rank ``j`` of ``group``; returns what each rank sent this one.
     On the device: no host sync (the split sizes are equal)."""
     recv_RC = torch.empty_like(send_RC)
-    dist.all_to_all_single(recv_RC, send_RC, group=group)
+    dist.all_to_all_single(recv_RC, send_RC, group=lane_group(group))
     return recv_RC
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..dispatch.capacity import check_capacity_factor
@@ -15,7 +17,7 @@ from ..dispatch.nodes import check_dispatch_mode, check_node_size, node_size_for
 from ..dispatch.overlap import check_overlap_chunks
 from ..ops.backend import BACKENDS
 from ..planner.recompute import recompute_policy
-from ..planner.schedules import ScheduleInfo, schedule_info
+from ..planner.schedules import DUALPIPEV, ScheduleInfo, schedule_info
 from .compile import check_compilable_recompute, compile_options
 from .mesh import check_degree
 
@@ -35,8 +37,9 @@ class PipelineConfig:
     """How a model is cut into pipeline stages and scheduled.
 
     ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` (``virtual_stages`` stages per
-    rank, default 2) or ``"zbv"`` (zero-bubble V, 2 stages per rank, first and last stage on
-    pipeline rank 0). ``microbatches``:
+    rank, default 2), ``"zbv"`` (zero-bubble V, 2 stages per rank, first and last stage on
+    pipeline rank 0) or ``"dualpipev"`` (DualPipeV: the same V, at least 2 pp micro-batches, one
+    micro-batch's forward run beside another's backward, ``moe_ep.parallel.pipeline.overlap``). ``microbatches``:
     per step. ``split_points``: the decoder-layer indices that start stages 1..S-1 (None: the
     automatic cut, which balances the planner's per-layer costs and keeps every rank under
     ``memory_cap`` bytes, for micro-batches of ``microbatch_size`` sequences (default 1) of
@@ -51,7 +54,12 @@ class PipelineConfig:
     virtual_stages: int | None = None
 
     def __post_init__(self):
-        schedule_info(self.schedule, self.virtual_stages)
+        info = schedule_info(self.schedule, self.virtual_stages)
+        from torch.distributed.pipelining import schedules
+
+        if not hasattr(schedules, info.torch_class):
+            raise ValueError(f"schedule={self.schedule!r} needs torch's {info.torch_class}, which this torch "
+                             f"({torch.__version__}) does not have")
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches must be a positive int, got {self.microbatches!r}")
         if self.split_points is not None:
@@ -135,6 +143,12 @@ class ParallelConfig:
         if self.capacity_factor is not None and self.ep == 1:
             raise ValueError(
                 f"capacity_factor={self.capacity_factor} applies to the expert-parallel dispatcher; ep=1 has none"
+            )
+        if self.pipeline is not None and self.pipeline.schedule == DUALPIPEV and self.reshard_after_forward:
+            raise ValueError(
+                "reshard_after_forward=True cannot run schedule='dualpipev': its overlapped forward and backward "
+                "would each gather their stage's weights over the same FSDP group at once; leave it None (False "
+                "with a pipeline)"
             )
         check_overlap_chunks(self.overlap_chunks, self.capacity_factor)
         if self.overlap_chunks > 1 and self.ep == 1:

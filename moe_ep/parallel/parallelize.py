@@ -14,6 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ..hf.layout import experts_modules, num_experts_of
 from ..hf.patch import check_node_limit, fused_routers, is_patched, limit_routing_to_nodes, patch
 from ..planner.partition import Partition
+from ..planner.schedules import DUALPIPEV
 from .agreement import Description, parameter_fields, ranks_agree, shown
 from .compile import check_not_compiled, compile_dense_blocks
 from .config import ParallelConfig
@@ -22,6 +23,7 @@ from .expert_sharding import shard_experts
 from .fsdp import apply_fsdp
 from .mesh import MoEMeshes, ParallelDims, build_meshes, resolve_dims
 from .pipeline import PipelineStages, build_stages, plan_stages
+from .pipeline.overlap import create_backward_lanes
 from .pipeline.tied import shard_tied_stages
 from .recompute import check_recompute_support, enable_activation_checkpointing
 
@@ -81,7 +83,10 @@ def parallelize(
       ``edp = dp_shard / ep`` and replicated over ``dp_replicate``.
     - ``pp``: pipeline stages. ``schedule`` is ``"gpipe"``, ``"1f1b"`` (the default),
       ``"interleaved-1f1b"`` (``virtual_stages`` stages per rank, default 2; Megatron-Core's
-      virtual pipeline size) or ``"zbv"``; ``microbatches`` (required, at least ``pp``) is the
+      virtual pipeline size), ``"zbv"`` or ``"dualpipev"`` (DualPipeV: at least ``2 * pp``
+      micro-batches; one micro-batch's forward runs beside another's backward on a second thread,
+      so each one's all-to-alls hide behind the other's compute); ``microbatches`` (required, at
+      least ``pp``) is the
       number of micro-batches per step; ``split_points`` the decoder-layer indices that start
       stages 1..S-1 (default: an automatic cut that balances the planner's per-layer costs). The
       automatic cut keeps every rank under ``memory_cap`` bytes (planner's memory model; None: no
@@ -166,6 +171,8 @@ def _parallelize(model: nn.Module, arguments: dict, make_config: Callable[[], Pa
         _switch_to_moe_ep_experts(model, config)
     device = next(model.parameters()).device
     meshes = build_meshes(dims, _mesh_device(device))
+    if config.pipeline is not None and config.pipeline.schedule == DUALPIPEV:
+        create_backward_lanes(meshes)
     if config.max_nodes is not None:
         limit_routing_to_nodes(model, *_node_limit(dims, config))
     enable_activation_checkpointing(model, config.activation_checkpointing)

@@ -15,14 +15,14 @@ measured on a GPU."""
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .cluster import Cluster
 from .layout import Layout
 from .partition import InfeasiblePartition, format_bytes
 from .report import _efficiency_lines, _why_not_fitting
-from .schedules import INTERLEAVED, NO_PIPELINE, SCHEDULES
+from .schedules import DUALPIPEV, INTERLEAVED, NO_PIPELINE, SCHEDULES
 from .search import (
     DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN, Assumptions, Candidate, _resolve_cluster, choose, evaluate,
 )
@@ -155,9 +155,10 @@ ANCHORS = (
              "parallelism splits over two: the recipe recomputes nothing, the planner chooses here (kept "
              "whole, the activations alone would not fit in 80 GB); global batch 2048 x 4096 assumed: the "
              "recipe's GBS 8192 in 17.6 s "
-             "would be 7,450 tokens/s per GPU, beyond an H100's dense peak for 22 B active parameters; moe_ep "
-             "overlaps the all-to-all with the experts of another chunk of the same layer (overlap_chunks), not "
-             "with another micro-batch's compute as the recipe's 1F1B does",
+             "would be 7,450 tokens/s per GPU, beyond an H100's dense peak for 22 B active parameters; under "
+             "the recipe's interleaved 1F1B moe_ep overlaps the all-to-all with the experts of another chunk of "
+             "the same layer (overlap_chunks), not with another micro-batch's compute as the recipe's 1F1B "
+             "does; moe_ep's DualPipeV does (the line above)",
     ),
 )
 
@@ -171,6 +172,9 @@ class AnchorRow:
     why: str | None = None  # why there is no candidate
     chunked_loss: bool = False  # the candidate is planned with moe_ep's chunked loss
     overlap_chunks: int = 1  # its MoE layers' exchanges overlap the experts of this many chunks
+    # The same anchor under moe_ep's DualPipeV (one micro-batch's exchanges behind another's
+    # compute), for a pipelined anchor on another schedule; None otherwise.
+    dualpipev: AnchorRow | None = None
 
     @property
     def step_s(self) -> float:
@@ -252,7 +256,10 @@ def plan_anchor(anchor: Anchor, calibration: str | Path | None = None) -> Anchor
     fitting = [c for c in candidates if c.fits]
     best = (choose(fitting, DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN)[0] if fitting
             else min(candidates, key=lambda c: (c.memory.total, c.time.total)))
-    return AnchorRow(anchor, best, **options[id(best)])
+    dualpipev = None
+    if anchor.pp > 1 and anchor.schedule != DUALPIPEV:
+        dualpipev = plan_anchor(replace(anchor, schedule=DUALPIPEV, virtual_stages=None), calibration)
+    return AnchorRow(anchor, best, **options[id(best)], dualpipev=dualpipev)
 
 
 def anchor_report(calibration: str | Path | None = None, anchors: tuple[Anchor, ...] = ANCHORS) -> AnchorReport:
@@ -335,39 +342,27 @@ def format_anchors(report: AnchorReport) -> str:
     for i, row in enumerate(report.rows, 1):
         a = row.anchor
         lines += _wrap(f"[{i}] {a.name}: {row.status()}.", indent="  ")
+        if row.dualpipev is not None:
+            lines += _wrap(f"under DualPipeV instead: {_dualpipev_text(row.dualpipev)}.")
         lines += _wrap(f"note: {a.note}.")
         lines += _wrap(f"source: {a.source}.")
     return "\n".join(lines)
+
+
+def _dualpipev_text(row: AnchorRow) -> str:
+    """The anchor under DualPipeV, in a note line."""
+    if row.candidate is None:
+        return f"not planned: {row.why}"
+    c = row.candidate
+    return (f"{row.tokens_per_gpu:,.0f} tok/s/GPU, {row.step_s:.2f} s per step (ratio {row.ratio:.2f}), a2a "
+            f"{row.all_to_all_share:.0%}, {_CHECKPOINTING[c.layout.checkpointing]} recompute; {row.status()}")
 
 
 def anchors_to_dict(report: AnchorReport) -> dict:
     from .presets import Efficiencies
 
     c = report.cluster
-    rows = []
-    for row in report.rows:
-        a, cand = row.anchor, row.candidate
-        entry = {
-            "name": a.name, "model": a.model, "cluster": a.cluster, "nodes": a.nodes, "world_size": a.world_size,
-            "seq_len": a.seq_len, "global_batch_sequences": a.global_batch,
-            "balanced_routing": a.balanced_routing, "bf16_moments": a.bf16_moments,
-            "published": {"value": a.published, "unit": a.unit, "source": a.source},
-            "note": a.note, "status": row.status(),
-        }
-        if cand is None:
-            entry["planned"] = None
-        else:
-            entry["layout"] = cand.layout.short()
-            entry["chunked_loss"] = row.chunked_loss
-            entry["overlap_chunks"] = row.overlap_chunks
-            entry["planned"] = {
-                "tokens_per_s_per_gpu": row.tokens_per_gpu, "step_time_s": row.step_s,
-                "memory_bytes_per_gpu": cand.memory.total, "fits": cand.fits,
-                "all_to_all_share": row.all_to_all_share, "in_published_unit": row.planned,
-                "ratio_planned_over_published_throughput": row.ratio,
-                "step_time_rows_s": dict(cand.time.rows()),
-            }
-        rows.append(entry)
+    rows = [_row_dict(row) for row in report.rows]
     return {
         "estimated": True,
         "calibration": report.calibration,
@@ -375,3 +370,31 @@ def anchors_to_dict(report: AnchorReport) -> dict:
                          for k in Efficiencies.KINDS},
         "anchors": rows,
     }
+
+
+def _row_dict(row: AnchorRow) -> dict:
+    """One row of ``anchors_to_dict``."""
+    a, cand = row.anchor, row.candidate
+    entry = {
+        "name": a.name, "model": a.model, "cluster": a.cluster, "nodes": a.nodes, "world_size": a.world_size,
+        "seq_len": a.seq_len, "global_batch_sequences": a.global_batch,
+        "balanced_routing": a.balanced_routing, "bf16_moments": a.bf16_moments,
+        "published": {"value": a.published, "unit": a.unit, "source": a.source},
+        "note": a.note, "status": row.status(),
+    }
+    if cand is None:
+        entry["planned"] = None
+    else:
+        entry["layout"] = cand.layout.short()
+        entry["chunked_loss"] = row.chunked_loss
+        entry["overlap_chunks"] = row.overlap_chunks
+        entry["planned"] = {
+            "tokens_per_s_per_gpu": row.tokens_per_gpu, "step_time_s": row.step_s,
+            "memory_bytes_per_gpu": cand.memory.total, "fits": cand.fits,
+            "all_to_all_share": row.all_to_all_share, "in_published_unit": row.planned,
+            "ratio_planned_over_published_throughput": row.ratio,
+            "step_time_rows_s": dict(cand.time.rows()),
+        }
+    if row.dualpipev is not None:
+        entry["dualpipev"] = _row_dict(row.dualpipev)
+    return entry

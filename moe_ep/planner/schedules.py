@@ -25,6 +25,11 @@ class ScheduleInfo:
             return pp - 1.0
         if self.name == "interleaved-1f1b":
             return (pp - 1.0) / self.stages_per_rank
+        if self.name == DUALPIPEV:
+            # DualPipe's published figure for its V form, (pp - 1)(F&B + B - 3W) with a chunk's
+            # forward, full backward and weight pass 1/6, 1/3 and 1/6 of the unit and the
+            # overlapped F&B taken as long as F + B (its exchanges are modelled apart).
+            return (pp - 1.0) / 3
         # ZB-V fills the bubble with weight-gradient work; with forward, input-gradient and
         # weight-gradient passes of equal length what remains is taken as a third of the
         # interleaved bubble (the ZB-H1 figure, halved by the two chunks).
@@ -46,6 +51,9 @@ class ScheduleInfo:
             # its first backward; spread over its V stages.
             v = self.stages_per_rank
             return [min(float(m), (2 * (pp - s % pp - 1) + (v - 1) * pp + 1) / v) for s in range(num_stages)]
+        if self.name == DUALPIPEV:
+            # DualPipe's published activation memory: pp + 1 micro-batches per rank.
+            return [min(float(m), (pp + 1) / 2)] * num_stages
         # ZB-V keeps the peak of 1F1B's first stage on every rank.
         return [float(min(m, pp))] * num_stages
 
@@ -63,6 +71,9 @@ class ScheduleInfo:
         through the last forward: only frees follow it, so the rank's peak lies within. Stages
         are numbered in model order, as ``stage_to_rank`` places them."""
         m, v = microbatches, self.stages_per_rank
+        if self.name == DUALPIPEV:
+            return [(stage, +1 if kind == "F" else -1) for kind, stage, _ in _dualpipev_actions(pp, m, rank)
+                    if kind != "I"]
         if self.name == "gpipe":
             return [(rank, +1)] * m
         if self.name == "1f1b":
@@ -115,6 +126,15 @@ class ScheduleInfo:
             free(second)
         return [(stage, delta) for stage, delta, microbatch in events if microbatch < m]
 
+    def overlapped_share(self, pp: int, microbatches: int, rank: int) -> float:
+        """The share of rank ``rank``'s forwards that run beside another micro-batch's backward
+        (DualPipeV's overlapped F&B actions, ``moe_ep.parallel.pipeline.overlap``), whose
+        exchanges therefore hide behind that backward's compute; 0 for the other schedules."""
+        if self.name != DUALPIPEV or pp == 1:
+            return 0.0
+        actions = _dualpipev_actions(pp, microbatches, rank)
+        return sum(kind == "F" and overlapped for kind, _, overlapped in actions) / (2 * microbatches)
+
     def peak_activations(self, pp: int, microbatches: int, rank: int,
                          act_by_stage: dict[int, float]) -> tuple[float, float]:
         """Rank ``rank``'s peak of kept activations over its schedule (:meth:`rank_events`), given
@@ -129,9 +149,66 @@ class ScheduleInfo:
         """Why this many micro-batches cannot run, or None."""
         if microbatches < pp:
             return f"schedule {self.name!r} needs at least pp={pp} micro-batches, got {microbatches}"
+        if self.name == DUALPIPEV and microbatches < 2 * pp:
+            return f"schedule {self.name!r} needs at least 2 * pp = {2 * pp} micro-batches, got {microbatches}"
         if self.name == "interleaved-1f1b" and microbatches % pp:
             return f"schedule {self.name!r} needs a multiple of pp={pp} micro-batches, got {microbatches}"
         return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _dualpipev_actions(pp: int, microbatches: int, rank: int) -> tuple[tuple[str, int, bool], ...]:
+    """Rank ``rank``'s actions in ScheduleDualPipeV's order, as (kind, stage, overlapped): kind
+    "F" forward, "B" full backward, "I" input-gradient pass, "W" weight pass (the oldest pending
+    one); overlapped for the halves of its F&B actions. Its eight phases: forwards of the first
+    chunk, of both, zero-bubble passes of the second, the overlapped steady state, then the
+    backwards draining, their second half split into input and weight passes."""
+    m = microbatches
+    first, second = rank, 2 * pp - 1 - rank
+    actions, pending = [], []
+
+    def add(kind, stage, overlapped=False):
+        actions.append((kind, stage, overlapped))
+        if kind == "I":
+            pending.append(stage)
+
+    def weight():
+        if pending:
+            actions.append(("W", pending.pop(0), False))
+
+    for _ in range(2 * (pp - rank - 1)):
+        add("F", first)
+    for _ in range(rank + 1):
+        add("F", first)
+        add("F", second)
+    for _ in range(pp - rank - 1):
+        add("I", second)
+        weight()
+        add("F", second)
+    for i in range(m - 2 * pp + rank + 1):
+        pair = not (i == 0 and rank == pp - 1)  # the last rank runs its first pair apart
+        add("F", first, pair)
+        add("B", second, pair)
+        add("F", second, True)
+        add("B", first, True)
+    for _ in range(pp - rank - 1):
+        add("B", second)
+        add("F", second, True)
+        add("B", first, True)
+    split = False
+    for i in range(rank + 1):
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        add("I" if split else "B", second)
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        add("I" if split else "B", first)
+    for _ in range(pp - rank - 1):
+        weight()
+        add("I" if split else "B", first)
+    for _ in range(rank + 1):
+        weight()
+    return tuple(actions)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -158,12 +235,15 @@ SCHEDULES = {
         ScheduleInfo("1f1b", "Schedule1F1B", 1, "loop", "one forward, one backward in steady state"),
         ScheduleInfo("interleaved-1f1b", "ScheduleInterleaved1F1B", 2, "loop", "1F1B over 2 chunks per rank"),
         ScheduleInfo("zbv", "ScheduleZBVZeroBubble", 2, "v", "zero-bubble V: 2 chunks per rank, weight grads fill idle slots"),
+        ScheduleInfo("dualpipev", "ScheduleDualPipeV", 2, "v",
+                     "DualPipeV: V over 2 chunks per rank, one micro-batch's forward beside another's backward"),
     )
 }
 NO_PIPELINE = "none"
 
 
 INTERLEAVED = "interleaved-1f1b"
+DUALPIPEV = "dualpipev"
 
 
 def schedule_info(name: str, virtual_stages: int | None = None) -> ScheduleInfo:

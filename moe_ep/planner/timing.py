@@ -15,7 +15,9 @@
 - FSDP/HSDP with pipeline stages, once per step: the all-gathers overlap the first micro-batch's
   forward (the first one exposed), the reductions run after the stage's last backward, exposed.
 - Pipeline: sends to stages on other ranks charged in full; bubble from the schedule
-  (``moe_ep.planner.schedules``) in units of the slowest rank's micro-batch time.
+  (``moe_ep.planner.schedules``) in units of the slowest rank's micro-batch time. Under DualPipeV
+  the forwards that run beside another micro-batch's backward (``overlapped_share``) expose only
+  the exchanges that outlast the rank's compute.
 """
 
 from __future__ import annotations
@@ -271,6 +273,12 @@ def step_time(
     for r in range(layout.pp):
         mine = rank_units(r)
         compute, a2a = per_microbatch(mine)
+        overlapped = layout.info.overlapped_share(layout.pp, m, r)
+        if overlapped:
+            # Beside another micro-batch's backward an exchange hides behind that compute; what
+            # the link carries beyond it stays exposed.
+            whole = sum(exchange_seconds(u, cluster, layout) for u in mine)
+            a2a = (1 - overlapped) * a2a + overlapped * max(0.0, whole - compute.total)
         p2p = p2p_collective(spec, layout, part, r, seq_len)
         p2p_seconds = p2p.seconds(cluster) / m if p2p is not None else 0.0
         ranks.append((mine, compute, a2a, p2p_seconds))

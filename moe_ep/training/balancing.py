@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..dispatch.lanes import lane_group
 from ..ops.losses import expert_counts, load_balancing_loss, router_z_loss, update_expert_bias_
 from .executors import Executor
 
@@ -108,7 +109,8 @@ class AuxLossHooks:
             return output
         terms = counts_E = None
         if self.losses:
-            aux = load_balancing_loss(logits_TE, idx_TK.shape[1], top_k_index=idx_TK, group=self.group)
+            # Recomputed inside a backward pass: over the group's backward twin, if it has one.
+            aux = load_balancing_loss(logits_TE, idx_TK.shape[1], top_k_index=idx_TK, group=lane_group(self.group))
             terms = torch.stack([aux, router_z_loss(logits_TE).to(aux.dtype)])
         if self.counts:
             counts_E = expert_counts(idx_TK, logits_TE.shape[1])

@@ -95,8 +95,9 @@ def check_tied_order(schedule, rank: int, tied_stages) -> None:
             f"{type(schedule).__name__} exposes no per-rank action list to check that stages {list(tied_stages)} "
             "sharing a parameter reduce it after both have run"
         )
-    actions = [a for a in order[rank] if a is not None]
-    compute = {"FORWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "FULL_BACKWARD", "OVERLAP_F_B"}
+    # DualPipeV's overlapped actions hold a forward and a backward of two stages.
+    actions = [sub for a in order[rank] if a is not None for sub in (getattr(a, "sub_actions", None) or (a,))]
+    compute = {"FORWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "FULL_BACKWARD"}
     for owner, user in tied_stages:
         last_use = max(i for i, a in enumerate(actions) if a.stage_index == user and a.computation_type.name in compute)
         early = [str(a) for i, a in enumerate(actions)

@@ -1,0 +1,138 @@
+"""DualPipeV (``schedule="dualpipev"``): one micro-batch's forward beside another's backward on
+two threads, their collectives on two lanes of process groups (``moe_ep.dispatch.lanes``).
+
+On 4 gloo ranks (pp=2 x ep=2, two data-parallel halves of 4 micro-batches each), through
+``moe_ep.parallelize`` and TrainStep, five AdamW steps of the tiny Mixtral of test_pipeline:
+- every step's loss equals ONE process training the same model on the whole batch in float64
+  (transformers' eager experts and loss) within 1e-5;
+- the threaded run equals torch's sequential runtime of the same schedule bit for bit;
+- the overlapped actions really ran their backward on the second thread, the dispatcher's
+  backward exchanges on the twins, plain and node-aware (2 nodes of one rank), with the layers
+  recomputed inside the backward (activation checkpointing) and a global aux loss whose
+  statistics the recompute gathers again.
+The planner's replay of the schedule is checked against torch's in test_schedule_memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from test_pipeline import AUX, GLOBAL_CHUNKS, LR, STEPS, _batch, _check, _model, _reference_losses
+
+RUNS = {
+    "ep2": dict(),
+    "ep2_node_aware_checkpointing_global_aux": dict(dispatch_mode="node", node_size=1, activation_checkpointing=True,
+                                                    overlap_chunks=2, aux=AUX),
+}
+MICROBATCHES = 4  # DualPipeV needs at least 2 * pp
+
+
+def _train(batch, run: dict, overlapped: bool):
+    import moe_ep
+    import moe_ep.parallel.pipeline.overlap as overlap
+    import moe_ep.parallel.pipeline.stages as stages_module
+    from moe_ep.dispatch.lanes import _TWINS
+    from moe_ep.hf import patch
+    from moe_ep.training import TrainStep
+
+    run = dict(run)
+    aux = run.pop("aux", 0.0)
+    model = patch(_model(torch.float32, "eager"), fused_router=False)
+    target = moe_ep.parallelize(model, pp=2, ep=2, schedule="dualpipev", microbatches=MICROBATCHES, **run)
+    dp_rank, dp = target.meshes.dp.get_local_rank(), target.meshes.dims.dp
+    share = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
+    backward_threads = []
+    full_backward = overlap._full_backward
+
+    def recording_backward(*args):
+        import threading
+
+        backward_threads.append(threading.current_thread().name)
+        return full_backward(*args)
+
+    overlap._full_backward = recording_backward
+    enable = stages_module.enable_overlap
+    if not overlapped:
+        stages_module.enable_overlap = lambda schedule: None
+    try:
+        step = TrainStep(target, torch.optim.AdamW(target.parameters(), lr=LR), microbatches=MICROBATCHES,
+                         aux_loss_coef=aux, global_aux_loss=bool(aux))
+        losses = [step(share).item() for _ in range(STEPS)]
+    finally:
+        overlap._full_backward, stages_module.enable_overlap = full_backward, enable
+    return {"losses": losses, "threads": sorted(set(backward_threads)), "twins": len(_TWINS)}
+
+
+def _world(rank, world, batch, runs):
+    return {(name, overlapped): _train(batch, run, overlapped) for name, run in runs.items()
+            for overlapped in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_ranks(_world, 4, _batch(), RUNS, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def references():
+    batch = _batch()
+    # Each data-parallel half runs 4 micro-batches of one row; the global aux loss joins row m of
+    # both halves in micro-batch m.
+    global_rows = [[m, m + 4] for m in range(4)]
+    return {"ep2": _reference_losses(batch),
+            "ep2_node_aware_checkpointing_global_aux": _reference_losses(batch, aux_coef=AUX, aux_chunks=global_rows)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_dualpipev_matches_one_process_and_the_sequential_runtime(world4, references, name):
+    for result in world4:
+        threaded, sequential = result[(name, True)], result[(name, False)]
+        _check(threaded["losses"], references[name])
+        assert threaded["losses"] == sequential["losses"]  # bit for bit
+        # The overlapped actions' backwards ran on the second thread; without overlap, on none.
+        assert any(t.startswith("moe_ep-backward") for t in threaded["threads"])
+        assert sequential["threads"] == []
+        assert threaded["twins"] >= 2  # the ep group's twin and the data-parallel group's
+
+
+def test_dualpipev_is_refused_where_it_cannot_run():
+    from moe_ep.parallel import ParallelConfig, PipelineConfig
+
+    with pytest.raises(ValueError, match="at least 2 \\* pp = 4 micro-batches"):
+        PipelineConfig(microbatches=3, schedule="dualpipev").check(2, 8)
+    with pytest.raises(ValueError, match="reshard_after_forward=True cannot run schedule='dualpipev'"):
+        ParallelConfig(pp=2, pipeline=PipelineConfig(microbatches=4, schedule="dualpipev"),
+                       reshard_after_forward=True)
+
+
+def test_collectives_inside_a_backward_pass_take_the_twin():
+    import torch.distributed as dist
+
+    from moe_ep.dispatch import lanes
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        group, twin = dist.new_group([0]), dist.new_group([0])
+        lanes.register_twin(group, twin)
+        seen = []
+
+        class Probe(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                seen.append(lanes.lane_group(group))
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                seen.append(lanes.lane_group(group))
+                return g
+
+        Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+        assert seen == [group, twin]
+        assert lanes.lane_group(None) is None
+    finally:
+        lanes._TWINS.clear()
+        dist.destroy_process_group()
