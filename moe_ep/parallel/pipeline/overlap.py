@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import threading
 
+import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from ...dispatch.lanes import create_twins, register_twin
@@ -77,9 +78,13 @@ def overlapped_forward_backward(action, ctx) -> None:
     for sub in (forward, backward):
         schedule._assert_unsharded(stages[sub.stage_index])
     failure: list[BaseException] = []
+    # The current CUDA device is per thread: the backward's allocations go to the rank's GPU.
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def run_backward():
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
             _full_backward(schedule, stages, backward)
         except BaseException as err:  # re-raised on the schedule's thread
             failure.append(err)
