@@ -1,7 +1,8 @@
 """DualPipeV (``schedule="dualpipev"``): one micro-batch's forward beside another's backward on
 two threads, their collectives on two lanes of process groups (``moe_ep.dispatch.lanes``).
 
-On 4 gloo ranks (pp=2 x ep=2, two data-parallel halves of 4 micro-batches each), through
+On 4 gloo ranks (pp=2 x ep=2, two data-parallel halves of 4 micro-batches each) and on 8 (pp=2 x
+ep=4 as 2 nodes of 2, node-aware, four data-parallel quarters of a 16-row batch), through
 ``moe_ep.parallelize`` and TrainStep, five AdamW steps of the tiny Mixtral of test_pipeline:
 - every step's loss equals ONE process training the same model on the whole batch in float64
   (transformers' eager experts and loss) within 1e-5;
@@ -18,14 +19,27 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from test_pipeline import AUX, GLOBAL_CHUNKS, LR, STEPS, _batch, _check, _model, _reference_losses
+from test_pipeline import AUX, LR, STEPS, TINY, _batch, _check, _model, _reference_losses
 
 RUNS = {
     "ep2": dict(),
     "ep2_node_aware_checkpointing_global_aux": dict(dispatch_mode="node", node_size=1, activation_checkpointing=True,
                                                     overlap_chunks=2, aux=AUX),
 }
+RUNS8 = {"ep4_two_nodes_of_two_checkpointing": dict(ep=4, dispatch_mode="node", node_size=2, overlap_chunks=2,
+                                                   activation_checkpointing=True)}
 MICROBATCHES = 4  # DualPipeV needs at least 2 * pp
+
+
+def _batch16():
+    """16 rows of 6 tokens, ignored targets spread unevenly over the quarters."""
+    from hf_models import tiny_batch, tiny_config
+
+    batch = tiny_batch(tiny_config("mixtral", **TINY), batch=16, seq=6, seed=2)
+    batch["labels"][0, 1:4] = -100
+    batch["labels"][9, 2] = -100
+    batch["labels"][13, 3:] = -100
+    return batch
 
 
 def _train(batch, run: dict, overlapped: bool):
@@ -36,10 +50,10 @@ def _train(batch, run: dict, overlapped: bool):
     from moe_ep.hf import patch
     from moe_ep.training import TrainStep
 
-    run = dict(run)
+    run = {"ep": 2, **run}
     aux = run.pop("aux", 0.0)
     model = patch(_model(torch.float32, "eager"), fused_router=False)
-    target = moe_ep.parallelize(model, pp=2, ep=2, schedule="dualpipev", microbatches=MICROBATCHES, **run)
+    target = moe_ep.parallelize(model, pp=2, schedule="dualpipev", microbatches=MICROBATCHES, **run)
     dp_rank, dp = target.meshes.dp.get_local_rank(), target.meshes.dims.dp
     share = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
     backward_threads = []
@@ -75,19 +89,23 @@ def world4():
 
 
 @pytest.fixture(scope="module")
+def world8():
+    return run_ranks(_world, 8, _batch16(), RUNS8, timeout=600)
+
+
+@pytest.fixture(scope="module")
 def references():
     batch = _batch()
     # Each data-parallel half runs 4 micro-batches of one row; the global aux loss joins row m of
     # both halves in micro-batch m.
     global_rows = [[m, m + 4] for m in range(4)]
     return {"ep2": _reference_losses(batch),
-            "ep2_node_aware_checkpointing_global_aux": _reference_losses(batch, aux_coef=AUX, aux_chunks=global_rows)}
+            "ep2_node_aware_checkpointing_global_aux": _reference_losses(batch, aux_coef=AUX, aux_chunks=global_rows),
+            "ep4_two_nodes_of_two_checkpointing": _reference_losses(_batch16())}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(RUNS))
-def test_dualpipev_matches_one_process_and_the_sequential_runtime(world4, references, name):
-    for result in world4:
+def _check_runs(ranks, references, name):
+    for result in ranks:
         threaded, sequential = result[(name, True)], result[(name, False)]
         _check(threaded["losses"], references[name])
         assert threaded["losses"] == sequential["losses"]  # bit for bit
@@ -95,6 +113,18 @@ def test_dualpipev_matches_one_process_and_the_sequential_runtime(world4, refere
         assert any(t.startswith("moe_ep-backward") for t in threaded["threads"])
         assert sequential["threads"] == []
         assert threaded["twins"] >= 2  # the ep group's twin and the data-parallel group's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_dualpipev_matches_one_process_and_the_sequential_runtime(world4, references, name):
+    _check_runs(world4, references, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS8))
+def test_dualpipev_on_two_nodes_of_two_ranks_matches_one_process(world8, references, name):
+    _check_runs(world8, references, name)
 
 
 def test_dualpipev_is_refused_where_it_cannot_run():
