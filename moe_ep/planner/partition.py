@@ -505,7 +505,7 @@ def _infeasible_message(units, num_stages, forbidden, stage_cap, seg) -> str:
         return (
             f"cannot cut {len(units)} units into {num_stages} stages: shared parameters {keys} must stay on one "
             f"rank, which leaves {free} possible cuts; use fewer stages, untie the parameters, or a V placement "
-            f"(schedule 'zbv') that puts the first and the last stage on one rank"
+            f"(schedule 'zbv' or 'dualpipev') that puts the first and the last stage on one rank"
         )
     least = seg.peaks(_least_bytes(seg))[1]
     return (
