@@ -130,3 +130,15 @@ def test_dualpipev_overlapped_share_counts_torchs_overlapped_forwards():
             overlapped = sum(a.computation_type == S._ComputationType.OVERLAP_F_B for a in ops)
             assert info.overlapped_share(pp, m, rank) == overlapped / (2 * m)
     assert SCHEDULES["zbv"].overlapped_share(4, 16, 0) == 0.0
+
+
+def test_dualpipev_in_flight_weights_are_its_replays_peak():
+    # The stage cut's weights: every rank of DualPipeV peaks at 2 pp + 1 stage micro-batches
+    # (split unevenly between its two stages), spread over its 2 stages.
+    info = SCHEDULES["dualpipev"]
+    for pp in (2, 4, 8):
+        m = 4 * pp
+        for rank in range(pp):
+            peak, _ = info.peak_activations(pp, m, rank, {rank: 1.0, 2 * pp - 1 - rank: 1.0})
+            assert peak == 2 * pp + 1
+        assert info.inflight(pp, m) == [pp + 0.5] * (2 * pp)

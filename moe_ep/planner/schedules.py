@@ -52,8 +52,9 @@ class ScheduleInfo:
             v = self.stages_per_rank
             return [min(float(m), (2 * (pp - s % pp - 1) + (v - 1) * pp + 1) / v) for s in range(num_stages)]
         if self.name == DUALPIPEV:
-            # DualPipe's published activation memory: pp + 1 micro-batches per rank.
-            return [min(float(m), (pp + 1) / 2)] * num_stages
+            # Its replay peaks at 2 pp + 1 stage micro-batches per rank (DualPipe's "PP + 1"
+            # counts chunks of two ranks' stages), spread over the rank's 2 stages.
+            return [min(float(m), pp + 0.5)] * num_stages
         # ZB-V keeps the peak of 1F1B's first stage on every rank.
         return [float(min(m, pp))] * num_stages
 
