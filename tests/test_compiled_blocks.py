@@ -1,7 +1,8 @@
 """Compiled dense blocks (``parallelize(compile_blocks=...)``, ``moe_ep.parallel.compile``): 5
 optimizer steps of the tiny Mixtral in float32 give the eager losses, in one process (aot_eager,
-with and without full recompute; inductor once) and on 2 gloo ranks (experts over 2 ranks, and 2
-pipeline stages) against one eager process; the dense regions compile without a graph break and
+with and without full recompute; inductor once) and on 2 gloo ranks (experts over 2 ranks, 2
+pipeline stages, and 4 stages under ZB-V and DualPipeV, whose input-gradient passes keep the
+graph) against one eager process; the dense regions compile without a graph break and
 the model keeps its parameter names; ``TrainingArguments(torch_compile=True)`` gives the Trainer's
 losses without it; bad values are refused naming the argument."""
 
@@ -143,6 +144,37 @@ def test_compiled_blocks_on_two_ranks_equal_one_eager_process():
     for expert_parallel, pipeline in ranks:
         _assert_close(expert_parallel, want)
         _assert_close(pipeline, want)
+
+
+FOUR_LAYERS = dict(TINY, num_hidden_layers=4)
+
+
+def _split_backward_schedules(rank, world):
+    """Compiled blocks under the schedules that run input-gradient passes keeping the graph: 4
+    stages of one layer on 2 ranks, ZB-V with 2 micro-batches and DualPipeV with 4."""
+    import moe_ep
+    from moe_ep.hf import patch
+
+    batch = tiny_batch(tiny_config("mixtral", **FOUR_LAYERS), batch=4, seq=6)
+    found = {}
+    for schedule, microbatches in (("zbv", 2), ("dualpipev", 4)):
+        model = patch(tiny_model("mixtral", **FOUR_LAYERS), fused_router=True).train()
+        stages = moe_ep.parallelize(model, pp=world, schedule=schedule, microbatches=microbatches,
+                                    compile_blocks=AOT_EAGER)
+        found[schedule] = _losses(stages, batch)
+    return found
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_schedules_that_split_the_backward_equal_one_eager_process():
+    ranks = run_ranks(_split_backward_schedules, 2, timeout=300)
+    batch = tiny_batch(tiny_config("mixtral", **FOUR_LAYERS), batch=4, seq=6)
+    from moe_ep.hf import patch
+
+    want = _losses(patch(tiny_model("mixtral", **FOUR_LAYERS), fused_router=True).train(), batch)
+    for found in ranks:
+        for schedule in ("zbv", "dualpipev"):
+            _assert_close(found[schedule], want)
 
 
 def _trainer_losses(rank, world, out: str) -> dict:

@@ -6,7 +6,7 @@ ep=4 as 2 nodes of 2, node-aware, four data-parallel quarters of a 16-row batch)
 ``moe_ep.parallelize`` and TrainStep, five AdamW steps of the tiny Mixtral of test_pipeline:
 - every step's loss equals ONE process training the same model on the whole batch in float64
   (transformers' eager experts and loss) within 1e-5;
-- the threaded run equals torch's sequential runtime of the same schedule bit for bit;
+- the threaded run equals torch's sequential runtime of the same schedule bit for bit (4 ranks);
 - the overlapped actions really ran their backward on the second thread, the dispatcher's
   backward exchanges on the twins, plain and node-aware (2 nodes of one rank), with the layers
   recomputed inside the backward (activation checkpointing) and a global aux loss whose
@@ -78,9 +78,8 @@ def _train(batch, run: dict, overlapped: bool):
     return {"losses": losses, "threads": sorted(set(backward_threads)), "twins": len(_TWINS)}
 
 
-def _world(rank, world, batch, runs):
-    return {(name, overlapped): _train(batch, run, overlapped) for name, run in runs.items()
-            for overlapped in (True, False)}
+def _world(rank, world, batch, runs, modes=(True, False)):
+    return {(name, overlapped): _train(batch, run, overlapped) for name, run in runs.items() for overlapped in modes}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +89,8 @@ def world4():
 
 @pytest.fixture(scope="module")
 def world8():
-    return run_ranks(_world, 8, _batch16(), RUNS8, timeout=600)
+    # Threaded only: the 4-rank runs compare it with the sequential runtime.
+    return run_ranks(_world, 8, _batch16(), RUNS8, (True,), timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +106,14 @@ def references():
 
 def _check_runs(ranks, references, name):
     for result in ranks:
-        threaded, sequential = result[(name, True)], result[(name, False)]
+        threaded, sequential = result[(name, True)], result.get((name, False))
         _check(threaded["losses"], references[name])
-        assert threaded["losses"] == sequential["losses"]  # bit for bit
-        # The overlapped actions' backwards ran on the second thread; without overlap, on none.
+        # The overlapped actions' backwards ran on the second thread.
         assert any(t.startswith("moe_ep-backward") for t in threaded["threads"])
-        assert sequential["threads"] == []
         assert threaded["twins"] >= 2  # the ep group's twin and the data-parallel group's
+        if sequential is not None:
+            assert threaded["losses"] == sequential["losses"]  # bit for bit
+            assert sequential["threads"] == []  # without overlap, no second thread
 
 
 @pytest.mark.slow

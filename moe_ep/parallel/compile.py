@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
+import torch._functorch.config
 from torch import nn
 
 from ..hf.layout import experts_modules
@@ -100,10 +102,17 @@ def check_not_compiled(model: nn.Module) -> None:
                          "its dense blocks once, with parallelize(compile_blocks=...) or the Trainer's torch_compile")
 
 
-def compile_dense_blocks(model: nn.Module, options: dict) -> None:
+def compile_dense_blocks(model: nn.Module, options: dict, *, split_backward: bool = False) -> None:
     """Compile the dense regions of each of ``model``'s decoder layers in place with ``options``
-    (torch.compile's keywords, from :func:`compile_options`) and ``fullgraph=True``."""
+    (torch.compile's keywords, from :func:`compile_options`) and ``fullgraph=True``.
+    ``split_backward``: a pipeline schedule will run input-gradient passes that keep the graph
+    (ZB-V, DualPipeV), which AOTAutograd's donated buffers refuse ("compiled with non-empty
+    donated buffers which requires ... retain_graph=False"); they are then switched off, for the
+    process (AOTAutograd reads the setting when it compiles, at the first call, and torch keeps
+    it process-wide), at the cost of the few buffers the backward could have reused."""
     check_not_compiled(model)
+    if split_backward:
+        torch._functorch.config.donated_buffer = False
     experts = {m for _, m in experts_modules(model)}
     for block in transformer_blocks(model):
         for region in dense_regions(block, experts):

@@ -275,7 +275,8 @@ def _shard(module: nn.Module, meshes: MoEMeshes, config: ParallelConfig) -> None
     """The dense blocks compiled (after the recompute policy, before FSDP2, torchtitan's order),
     the experts over ``ep`` (with their dispatcher), then FSDP2 over the dense and expert meshes."""
     if config.compile_options is not None:
-        compile_dense_blocks(module, config.compile_options)
+        compile_dense_blocks(module, config.compile_options,
+                             split_backward=config.pipeline is not None and config.pipeline.info.splits_backward)
     experts = [m for _, m in experts_modules(module)]
     if meshes.dims.ep > 1:
         shard_experts(module, meshes.ep, capacity_factor=config.capacity_factor, backend=config.experts_backend,

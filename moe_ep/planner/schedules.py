@@ -16,6 +16,12 @@ class ScheduleInfo:
     placement: str  # see moe_ep.planner.partition.stage_to_rank
     description: str
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether some of its backwards run as an input-gradient pass, which keeps the graph for
+        a later weight-gradient pass (ZB-V, DualPipeV)."""
+        return self.name in ("zbv", DUALPIPEV)
+
     def bubble(self, pp: int) -> float:
         """Idle time of a rank per step, in units of one micro-batch's forward + backward through
         all its stages."""
