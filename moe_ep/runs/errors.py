@@ -129,16 +129,32 @@ SAID_KEY = "moe_ep/runs/rank_0_has_said"
 RANK_0_REPORT_WAIT = timedelta(seconds=30)
 
 
+def job_store():
+    """The store every rank of the job reaches, or None: the launcher's where torchrun or
+    ``accelerate launch`` hosts one for the whole job (a usage error is found before the process
+    group exists), else the process group's."""
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and {"MASTER_ADDR", "MASTER_PORT"} <= set(os.environ):
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=RANK_0_REPORT_WAIT)
+    if dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    return None
+
+
 def wait_for_rank_0_report(err: BaseException, rank: int) -> None:
     """Rank 0: mark its report written. Any other rank whose error rank 0 reports: wait for that
     mark, bounded (a rank 0 that died or hangs never writes it)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1)) == 1:
         return
     key = SAID_KEY + "/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = job_store()
+        if store is None:
+            return
         if rank == 0:
             store.set(key, "1")
         elif said_by_rank_0(err):

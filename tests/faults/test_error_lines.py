@@ -53,3 +53,28 @@ def test_a_usage_error_is_one_line_of_ours_above_the_launchers_summary(case, tmp
     assert [line for line in after[:traceback_at] if line.strip() and not LAUNCHER_LOG.match(line)] == [], after
     assert not [line for line in lines if OUR_FRAME.search(line)], lines
     assert not (tmp_path / "out").exists(), "a usage error must stop the run before anything is written"
+
+
+RANK_0_LATE = """
+import os, sys, time
+from moe_ep.runs import UsageError, run_reported
+
+def train(_):
+    if os.environ["RANK"] == "0":
+        time.sleep(3)  # rank 0 slower to find the same error (a loaded machine)
+    raise UsageError("--steps must be >= 1, got 0", agreed=True)
+
+sys.exit(run_reported(train, None))
+"""
+
+
+def test_an_error_found_before_the_process_group_is_said_although_rank_0_finds_it_last(tmp_path):
+    """The launcher ends the job at the first rank to exit: a rank that leaves the line to rank 0
+    waits for it in the launcher's store, which exists before any process group does."""
+    script = tmp_path / "late.py"
+    script.write_text(RANK_0_LATE)
+    proc = subprocess.run(torchrun_script_cmd(str(script)), capture_output=True, text=True, env=env(), timeout=120,
+                          cwd=tmp_path)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert proc.returncode != 0
+    assert [line for line in lines if line.startswith("error")] == ["error: --steps must be >= 1, got 0"], lines
