@@ -279,3 +279,25 @@ def test_ranks_with_different_token_counts_make_one_choice_per_key(tmp_path):
     for r in again:
         assert r["counts"]["_measure"] == 0 and r["counts"]["timed"] == 0 and r["counts"]["all_gather_object"] == 2
         assert r["tables"] == first["tables"] and r["agreed"] == first["agreed"]
+
+
+def test_merge_drops_the_library_stages_where_the_whole_op_summed_faster_without_them():
+    """Rank 0's stages chose the library and it timed the op again without it (triton_fused); rank
+    1 chose Triton kernels everywhere, so its one time counts for both. Summed, the op without the
+    library wins at bucket 128 (its launches fall back to their best Triton configuration) and
+    loses at 1024 (the library's stages stay)."""
+    launch = ("glu_backward", (16, 24, 4, False, 64, 8))
+
+    def measured(bucket, triton, fused, library, best_triton):
+        paths = {"triton": triton} if fused is None else {"triton": triton, selector.TRITON_FUSED: fused}
+        return {bucket: {"paths": paths, "configs": {(*launch, bucket): {"grouped_mm": library, "a": best_triton,
+                                                                          "b": 9.0}}}}
+
+    rank0 = {"measured": {**measured(128, 1.0, 0.8, 0.1, 0.3), **measured(1024, 1.0, 1.5, 0.1, 0.3)}}
+    rank1 = {"measured": {**measured(128, 1.0, None, 0.3, 0.2), **measured(1024, 1.0, None, 0.3, 0.2)}}
+    table = selector._merge([rank0, rank1])
+    assert dict(((k, b), n) for k, _, b, n in table.configs) == {("glu_backward", 128): "a",
+                                                                  ("glu_backward", 1024): "grouped_mm"}
+    assert table.paths == {128: "triton", 1024: "triton"}
+    assert table.times[128] == {"triton": 2.0, selector.TRITON_FUSED: 1.8}
+    assert selector.Table.from_json(json.loads(json.dumps(table.to_json()))) == table

@@ -84,8 +84,8 @@ def test_the_kernel_benchmark_names_each_stage_choice(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", HARD, ids=lambda c: c.name)
 def test_stages_on_grouped_mm_match_float64_and_repeat_bitwise(monkeypatch, case, dtype):
-    """A tuning session on an (emulated) H100 that times PyTorch's grouped GEMM fastest puts every
-    stage on it: the results still match the float64 reference, and a second run gives the same
+    """A tuning session on an (emulated) H100 that times PyTorch's grouped GEMM fastest, stage by
+    stage and in the whole op, puts every stage on it: the results still match the float64 reference, and a second run gives the same
     bits. The interpreter runs sm_90's own configuration space."""
     monkeypatch.setattr(autotune, "device_arch", lambda device: "sm_90")
     library_calls = []
@@ -98,6 +98,13 @@ def test_stages_on_grouped_mm_match_float64_and_repeat_bitwise(monkeypatch, case
         return 0.0 if len(library_calls) > before else 1.0
 
     monkeypatch.setattr(autotune, "_time", timed)
+
+    def whole_op(fn, device, warmup):  # and the whole op too, against every stage on Triton
+        fn()
+        session = autotune._SESSION  # None when the grouped-GEMM path is timed
+        return 0.0 if session is not None and str(GROUPED_MM) in session.fastest.values() else 1.0
+
+    monkeypatch.setattr(selector, "_timed", whole_op)
 
     def run():
         x, idx, w, gate_up, down = case.make(dtype)
@@ -177,7 +184,10 @@ def test_auto_times_the_grouped_mm_path_only_where_it_is_sync_free(monkeypatch, 
                    torch.ones(6, 16, dtype=torch.float64))
     (problem, table), = selector.decisions().items()
     assert calls == [timed] and problem.arch == arch
-    assert set(table.times[16]) == ({"triton", "torch"} if timed else {"triton"})
+    if timed:  # the Triton path timed again without the library's stages where some took it
+        assert {"triton", "torch"} <= set(table.times[16]) <= {"triton", "torch", selector.TRITON_FUSED}
+    else:
+        assert set(table.times[16]) == {"triton"}
     if not timed:
         assert table.paths[16] == "triton"
 
@@ -195,3 +205,39 @@ def test_pinning_the_grouped_mm_path_where_it_syncs_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         experts._warn_if_torch_path_syncs(x)  # sync-free there: nothing to say
+
+
+@pytest.mark.parametrize("library_wins_the_op", [False, True])
+def test_library_stages_stay_only_if_the_whole_op_ran_faster_with_them(monkeypatch, library_wins_the_op):
+    """Every stage alone is faster on the library (mocked timings), so the tuning session gives it
+    every stage; the whole op is then timed with and without those stages, and the slower choice
+    is dropped: the agreed configurations, and what later calls launch, follow the whole op."""
+    monkeypatch.setattr(autotune, "device_arch", lambda device: "sm_90")
+
+    def stage_time(launch, device):  # autotune.choose times `lambda c=c: launch(c)`
+        return 1.0 if isinstance(launch.__defaults__[0], Library) else 2.0
+
+    monkeypatch.setattr(autotune, "_time", stage_time)
+    whole_op = []
+
+    def op_time(fn, device, warmup):
+        fn()
+        with_library = str(GROUPED_MM) in autotune._SESSION.fastest.values()
+        whole_op.append(with_library)
+        return (1.0 if library_wins_the_op else 3.0) if with_library else 2.0
+
+    monkeypatch.setattr(selector, "_timed", op_time)
+    case = Case("c", T=6, H=16, I=8, E=2, K=2)
+    x, idx, w, gate_up, down = case.make(torch.bfloat16)
+    dy = torch.ones(case.T, case.H, dtype=torch.float64)
+    run_with_grads(lambda *a: moe_experts(*a, backend="triton"), x, idx, w, gate_up, down, dy)
+    assert whole_op == [True, False]  # as tuned (every stage on the library), then all on Triton
+    (table,) = selector.decisions().values()
+    assert table.times[16][selector.TRITON_FUSED] == 2.0
+    library_configs = {n for *_, n in table.configs if n == str(GROUPED_MM)}
+    assert bool(library_configs) == library_wins_the_op
+    autotune._USED.clear()
+    run_with_grads(lambda *a: moe_experts(*a, backend="triton"), x, idx, w, gate_up, down, dy)
+    launched = autotune.chosen_configs().values()
+    assert len(launched) == 6
+    assert all(isinstance(c, Library) == library_wins_the_op for c in launched)

@@ -5,8 +5,12 @@ routing weight fused into the grouped GEMMs) and the grouped-GEMM path (``"torch
 sort, its activation and weighted combine, the GEMMs on PyTorch's grouped GEMM, CUTLASS on sm_90).
 Inside the Triton path, every GEMM stage (gate/up and down forward, dH, dx and the two weight
 gradients) also times PyTorch's grouped GEMM as one more candidate configuration (the fused stages
-completed by an element-wise pass), so each stage runs on whichever is faster. Where PyTorch's grouped GEMM is not sync-free (sm_80, float32;
-``kernels.library.grouped_mm_sync_free``) neither the path nor the candidate is ever timed or run.
+completed by an element-wise pass), so each stage runs on whichever is faster. A stage is timed
+alone, and its element-wise pass adds traffic that the whole op pays, so where any stage chose the
+library the whole path is timed once more with every stage on its fastest Triton kernel, and the
+library's stages stay only if the op ran faster with them. Where PyTorch's grouped GEMM is not
+sync-free (sm_80, float32; ``kernels.library.grouped_mm_sync_free``) neither the path nor the
+candidate is ever timed or run.
 With ``backend="auto"`` (the default on CUDA) the op runs whichever measured faster for its
 architecture, dtype, expert shapes, activation and token bucket, the way Inductor's max-autotune
 chooses between its templates and ATen; ``backend="triton"``/``"torch"`` (or ``MOE_EP_BACKEND``)
@@ -59,10 +63,13 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import autotune
-from ..kernels.library import grouped_mm_sync_free
+from ..kernels.library import GROUPED_MM, grouped_mm_sync_free
 from ..kernels.runtime import interpreting
 
 PATHS = ("triton", "torch")
+# The Triton path timed with every stage on a Triton kernel, where the stages' own timings had given
+# some to PyTorch's grouped GEMM: a time of the table, not a path.
+TRITON_FUSED = "triton_fused"
 # The path of each architecture without measurement (MOE_EP_AUTOTUNE=0, a bucket no rank
 # measured, torch.compile before any eager call). Nothing has been measured on a GPU yet: the
 # Triton kernels everywhere, until the GPU check says otherwise.
@@ -248,6 +255,14 @@ def _measure(problem: Problem, inputs: tuple, measure_torch: bool) -> dict:
         with autotune.tuning() as session:
             paths["triton"]()  # tunes each kernel, and warms the path up
             times["triton"] = _timed(paths["triton"], x_TH.device, warmup=False)
+        fused = _without_library(session.timings)
+        if fused != session.fastest:
+            # Each stage was timed alone; the library's GEMM wins a stage with an element-wise pass
+            # beside it, whose traffic the whole op pays too: the path once more with every stage on
+            # its fastest Triton kernel decides whether the library's stages stay.
+            with autotune.tuning() as again:
+                again.fastest.update(fused)
+                times[TRITON_FUSED] = _timed(paths["triton"], x_TH.device, warmup=True)
         if measure_torch:
             try:
                 times["torch"] = _timed(paths["torch"], x_TH.device, warmup=not interpreting())
@@ -258,6 +273,11 @@ def _measure(problem: Problem, inputs: tuple, measure_torch: bool) -> dict:
     return {"paths": times, "configs": configs}
 
 
+def _without_library(timings: dict) -> dict:
+    """The fastest configuration of each key among the Triton kernels alone."""
+    return {key: min((n for n in t if n != str(GROUPED_MM)), key=t.__getitem__) for key, t in timings.items()}
+
+
 def _merge(everyone: list[dict]) -> Table:
     """The same table from the same contributions on every rank: the lowest rank's cache entry
     (its measured buckets added where it has none), else per bucket and per launch the least time
@@ -265,10 +285,14 @@ def _merge(everyone: list[dict]) -> Table:
     cached = next((Table.from_json(c["cached"]) for c in everyone if "cached" in c), None)
     path_times: dict[int, dict[str, float | None]] = {}
     config_times: dict[tuple, dict[str, float]] = {}
+    fused_buckets = {b for c in everyone for b, m in c.get("measured", {}).items() if TRITON_FUSED in m["paths"]}
     for c in everyone:
         for bucket, m in sorted(c.get("measured", {}).items()):
             summed = path_times.setdefault(bucket, {})
-            for path, t in m["paths"].items():
+            # A rank whose stages all chose Triton kernels timed that path once, as "triton".
+            mine = {**m["paths"], TRITON_FUSED: m["paths"].get(TRITON_FUSED, m["paths"]["triton"])} \
+                if bucket in fused_buckets else m["paths"]
+            for path, t in mine.items():
                 summed[path] = None if t is None or (path in summed and summed[path] is None) else summed.get(path, 0) + t
             for launch, timings in m["configs"].items():
                 for name, t in timings.items():
@@ -276,13 +300,21 @@ def _merge(everyone: list[dict]) -> Table:
     paths = dict(cached.paths) if cached else {}
     times = dict(cached.times) if cached else {}
     configs = {(k, s, b): n for k, s, b, n in cached.configs} if cached else {}
+    library_out = set()  # buckets whose whole op ran faster without the library's stages
     for bucket, summed in path_times.items():
         if bucket in paths:
             continue
         usable = {p: t for p, t in summed.items() if t is not None}
+        if TRITON_FUSED in usable:
+            fused = usable.pop(TRITON_FUSED)
+            if fused <= usable["triton"]:
+                library_out.add(bucket)
+                usable["triton"] = fused
         paths[bucket] = min(sorted(usable), key=usable.__getitem__) if usable else "triton"
         times[bucket] = summed
     for launch, timings in config_times.items():
+        if launch[-1] in library_out:
+            timings = {n: t for n, t in timings.items() if n != str(GROUPED_MM)}
         configs.setdefault(launch, min(sorted(timings), key=timings.__getitem__))
     return Table(dict(sorted(paths.items())), dict(sorted(times.items())),
                  tuple(sorted((k, s, b, n) for (k, s, b), n in configs.items())))
