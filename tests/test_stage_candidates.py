@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from moe_ep.bench.kernels import chosen_config_notes
+from moe_ep.bench.kernels import chosen_config_notes, decision_notes
 from moe_ep.kernels import autotune
 from moe_ep.kernels import grouped_gemm as gg
 from moe_ep.kernels.grouped_gemm import GEMM_KERNELS
@@ -85,8 +85,8 @@ def test_the_kernel_benchmark_names_each_stage_choice(monkeypatch):
 @pytest.mark.parametrize("case", HARD, ids=lambda c: c.name)
 def test_stages_on_grouped_mm_match_float64_and_repeat_bitwise(monkeypatch, case, dtype):
     """A tuning session on an (emulated) H100 that times PyTorch's grouped GEMM fastest, stage by
-    stage and in the whole op, puts every stage on it: the results still match the float64 reference, and a second run gives the same
-    bits. The interpreter runs sm_90's own configuration space."""
+    stage and in the whole op, puts every stage on it: the results still match the float64
+    reference, and a second run gives the same bits. The interpreter runs sm_90's own configuration space."""
     monkeypatch.setattr(autotune, "device_arch", lambda device: "sm_90")
     library_calls = []
     library = gg.grouped_mm
@@ -236,8 +236,13 @@ def test_library_stages_stay_only_if_the_whole_op_ran_faster_with_them(monkeypat
     assert table.times[16][selector.TRITON_FUSED] == 2.0
     library_configs = {n for *_, n in table.configs if n == str(GROUPED_MM)}
     assert bool(library_configs) == library_wins_the_op
+    (note,) = decision_notes()  # what the kernel benchmark says of it
+    assert note.startswith("decided: H=16 I=8 E=2 K=2 silu bucket 16: triton ") and "triton_fused 2000.00 ms" in note
+    assert note.endswith("stages on grouped_mm: " + ("gather_glu, glu_backward, rows_matmul, weight_grad"
+                                                      if library_wins_the_op else "none")), note
     autotune._USED.clear()
     run_with_grads(lambda *a: moe_experts(*a, backend="triton"), x, idx, w, gate_up, down, dy)
     launched = autotune.chosen_configs().values()
     assert len(launched) == 6
     assert all(isinstance(c, Library) == library_wins_the_op for c in launched)
+

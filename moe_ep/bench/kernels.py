@@ -23,7 +23,9 @@ from typing import Callable
 import torch
 
 from ..kernels import autotune
+from ..kernels import library
 from ..kernels.runtime import interpreting
+from ..ops import selector
 from ..ops.experts import moe_experts
 from ..ops.experts_torch import grouped_linear, routing_order
 from ..ops.routing import route_topk
@@ -600,8 +602,24 @@ def run(args, device: torch.device) -> Report:
         report.notes += [f"no host sync, {case}, {name}: {result}" for name, result in results.items()]
     report.meta["no_host_sync"] = sync_checks
     if device.type == "cuda":
-        report.notes += chosen_config_notes()
+        report.notes += decision_notes() + chosen_config_notes()
     return report
+
+
+def decision_notes() -> list[str]:
+    """The whole-op times behind each decision of the selector (``moe_experts(backend="auto")``),
+    per problem and token bucket: the Triton path with the stages the library won, the same path
+    with every stage on a Triton kernel where it was timed, the grouped-GEMM path; and the choice."""
+    notes = []
+    for problem, table in sorted(selector.decisions().items(), key=str):
+        for bucket, times in table.times.items():
+            timed = ", ".join(f"{path} {t * 1e3:.2f} ms" if t is not None else f"{path} failed"
+                              for path, t in times.items())
+            on_library = sorted({k for k, _, b, n in table.configs if b == bucket and n == str(library.GROUPED_MM)})
+            shapes = f"H={problem.H} I={problem.I} E={problem.E} K={problem.K} {problem.activation}"
+            notes.append(f"decided: {shapes} bucket {bucket}: {timed}; runs {table.paths[bucket]}, "
+                         f"stages on grouped_mm: {', '.join(on_library) or 'none'}")
+    return notes
 
 
 def chosen_config_notes() -> list[str]:
