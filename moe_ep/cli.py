@@ -107,6 +107,9 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--bf16-moments", action="store_true",
                    help="plan for AdamW with its moments in bf16 (moe_ep.training.AdamW): 12 bytes per sharded "
                         "parameter instead of 16")
+    p.add_argument("--compile-blocks", action="store_true",
+                   help="plan for compiled dense blocks (parallelize(compile_blocks=True)): the memory-bound bytes "
+                        "Inductor's fused kernels move; recompute 'none' or 'full'")
     p.add_argument("--min-headroom", type=_bounded("min_headroom"), default=None,
                    help="fraction of GPU memory a winning layout keeps free unless it is faster by more than "
                         "--speed-margin (0.10)")
@@ -161,6 +164,7 @@ def _run_plan(args) -> int:
         overlap_chunks=args.overlap_chunks,
         chunked_loss=args.chunked_loss,
         bf16_moments=args.bf16_moments,
+        compiled_blocks=args.compile_blocks,
         pp=args.pp,
         dp_replicate=args.dp_replicate,
         dp_shard=args.dp_shard,

@@ -11,6 +11,7 @@ import pytest
 from moe_ep.cli import main
 from moe_ep.planner import MODEL_NAMES, plan
 from moe_ep.planner.anchors import ANCHORS, STEP_SECONDS, TOKENS_PER_GPU, Anchor, anchor_report, plan_anchor
+from moe_ep.planner.recompute import COMPILED_BLOCKS_POLICIES
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 GPU_CHECK = RESULTS / "gpu_check_nvidia-h100-80gb-hbm3_2026-11-25.json"
@@ -39,6 +40,9 @@ def test_every_anchor_is_planned_on_its_published_layout(report):
         assert row.status().startswith("fits" if row.candidate.fits else "does not fit")
         expected = row.tokens_per_gpu / a.published if a.unit == TOKENS_PER_GPU else a.published / row.step_s
         assert row.ratio == pytest.approx(expected)
+        if row.compiled_blocks:  # an option of moe_ep's stack, with the recompute it runs with
+            assert lay.checkpointing in COMPILED_BLOCKS_POLICIES and "dense blocks compiled" in row.status()
+    assert any(row.compiled_blocks for row in report.rows)
 
 
 def test_pipelined_anchors_are_also_planned_under_dualpipev(report):
@@ -71,7 +75,8 @@ def test_a_fitting_anchor_matches_plan_with_the_same_fixed_arguments():
     p = plan(a.model, nodes=a.nodes, cluster=a.cluster, seq_len=a.seq_len, global_batch_tokens=a.global_batch_tokens,
              pp=a.pp, dp_replicate=a.dp_replicate, dp_shard=a.dp_shard, ep=a.ep, microbatch_size=a.microbatch_size,
              checkpointing=a.checkpointing, imbalance=1.0, startup_imbalance=1.0, chunked_loss=row.chunked_loss,
-             overlap_chunks=row.overlap_chunks, bf16_moments=a.bf16_moments, num_alternatives=0)
+             overlap_chunks=row.overlap_chunks, bf16_moments=a.bf16_moments, compiled_blocks=row.compiled_blocks,
+             num_alternatives=0)
     assert p.layout == row.candidate.layout
     assert p.best.time.total == pytest.approx(row.step_s)
     assert p.best.memory.total == pytest.approx(row.candidate.memory.total)

@@ -14,6 +14,7 @@ measured on a GPU."""
 
 from __future__ import annotations
 
+import itertools
 import textwrap
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,7 +28,7 @@ from .search import (
     DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN, Assumptions, Candidate, _resolve_cluster, choose, evaluate,
 )
 from .presets import cluster_preset
-from .recompute import RECOMPUTE_POLICIES
+from .recompute import COMPILED_BLOCKS_POLICIES, RECOMPUTE_POLICIES
 from .spec import MODEL_NAMES, ModelSpec
 
 TOKENS_PER_GPU = "tokens/s/GPU"
@@ -172,6 +173,7 @@ class AnchorRow:
     why: str | None = None  # why there is no candidate
     chunked_loss: bool = False  # the candidate is planned with moe_ep's chunked loss
     overlap_chunks: int = 1  # its MoE layers' exchanges overlap the experts of this many chunks
+    compiled_blocks: bool = False  # the candidate's dense blocks are compiled
     # The same anchor under moe_ep's DualPipeV (one micro-batch's exchanges behind another's
     # compute), for a pipelined anchor on another schedule; None otherwise.
     dualpipev: AnchorRow | None = None
@@ -208,6 +210,8 @@ class AnchorRow:
             options += "; AdamW's moments in bf16"
         if self.overlap_chunks > 1:
             options += f"; the all-to-alls overlapped with the experts of {self.overlap_chunks} chunks"
+        if self.compiled_blocks:
+            options += "; dense blocks compiled"
         if memory.fits:
             return f"fits: {format_bytes(memory.total)} per GPU, {format_bytes(memory.headroom)} free{options}"
         return _why_not_fitting(self.candidate) + options
@@ -238,19 +242,23 @@ def plan_anchor(anchor: Anchor, calibration: str | Path | None = None) -> Anchor
     imbalance = dict(imbalance=1.0, startup_imbalance=1.0) if anchor.balanced_routing else {}
     candidates, reasons, options = [], [], {}
     # moe_ep's stack with or without its chunked loss (no full logits, but the head weight's
-    # float32 gradient reread once per chunk) and the exchanges of two chunks overlapped with the
-    # experts (expert parallelism only), as the headroom rule picks.
-    for chunked_loss in (False, True):
-        for overlap_chunks in (1, 2) if anchor.ep > 1 else (1,):
-            assumptions = Assumptions(**imbalance, chunked_loss=chunked_loss, overlap_chunks=overlap_chunks,
-                                      bf16_moments=anchor.bf16_moments)
-            for layout in anchor.layouts():
-                try:
-                    candidates.append(evaluate(spec, cluster, layout, anchor.seq_len, assumptions))
-                except InfeasiblePartition as err:
-                    reasons.append(f"{layout.short()}: {err}")
-                    continue
-                options[id(candidates[-1])] = dict(chunked_loss=chunked_loss, overlap_chunks=overlap_chunks)
+    # float32 gradient reread once per chunk), the exchanges of two chunks overlapped with the
+    # experts (expert parallelism only) and compiled dense blocks (recompute "none" or "full"), as
+    # the headroom rule picks.
+    for chunked_loss, overlap_chunks, compiled_blocks in itertools.product(
+            (False, True), (1, 2) if anchor.ep > 1 else (1,), (False, True)):
+        assumptions = Assumptions(**imbalance, chunked_loss=chunked_loss, overlap_chunks=overlap_chunks,
+                                  bf16_moments=anchor.bf16_moments, compiled_blocks=compiled_blocks)
+        for layout in anchor.layouts():
+            if compiled_blocks and layout.checkpointing not in COMPILED_BLOCKS_POLICIES:
+                continue
+            try:
+                candidates.append(evaluate(spec, cluster, layout, anchor.seq_len, assumptions))
+            except InfeasiblePartition as err:
+                reasons.append(f"{layout.short()}: {err}")
+                continue
+            options[id(candidates[-1])] = dict(chunked_loss=chunked_loss, overlap_chunks=overlap_chunks,
+                                               compiled_blocks=compiled_blocks)
     if not candidates:
         return AnchorRow(anchor, None, "; ".join(dict.fromkeys(reasons)))
     fitting = [c for c in candidates if c.fits]
@@ -387,6 +395,7 @@ def _row_dict(row: AnchorRow) -> dict:
     else:
         entry["layout"] = cand.layout.short()
         entry["chunked_loss"] = row.chunked_loss
+        entry["compiled_blocks"] = row.compiled_blocks
         entry["overlap_chunks"] = row.overlap_chunks
         entry["planned"] = {
             "tokens_per_s_per_gpu": row.tokens_per_gpu, "step_time_s": row.step_s,

@@ -10,7 +10,8 @@
   scores, 2.5 x the forward (the convention of the FlashAttention papers, whose figures the
   default efficiency comes from).
 - memory-bound work: the bytes the non-GEMM kernels read and write, at the memory efficiency of
-  the HBM bandwidth (:func:`layer_traffic`); their backward is taken as twice the forward.
+  the HBM bandwidth (:func:`layer_traffic`); their backward is taken as twice the forward, except
+  in compiled dense blocks, whose regions move what Inductor counts for them.
 
 Model FLOPs (for MFU) are the useful ones: 3 x the forward's GEMMs and attention at the mean
 load, no recompute."""
@@ -138,35 +139,67 @@ RESIDUAL = 6  # a + b
 SWIGLU = 10  # act (2 + 2), product (4 + 2)
 
 
-def layer_traffic(spec: ModelSpec, layer: int, mb: MicroBatch, ep: int, routed: Routed | None) -> float:
-    """Forward bytes of decoder layer ``layer``'s memory-bound kernels: two norms, the rotary
-    embedding, q/k norms, two residual adds, the router's softmax / top-k, the dense MLP's or shared
-    expert's SwiGLU, the experts' combine (moe_ep's Triton kernels fuse gather, SwiGLU and the
-    routing weight into the GEMMs) and under expert parallelism the packing and the sums of the
-    returned rows."""
+# Bytes per element moved by the regions ``parallelize(compile_blocks=...)`` compiles (a layer's
+# norms, attention, dense MLP or shared expert: everything around the experts but the residual
+# adds and the MoE block's glue), as Inductor counts them (``GraphLowering.count_bytes``, its fused
+# kernels, the GEMMs and the attention kernel left out) for transformers' modules compiled on its
+# CPU backend at three shapes each; tests/test_planner_compiled.py counts them again. Forward,
+# backward. A GPU's Triton fusion may differ: estimated there.
+COMPILED_NORM = (4.0, 10.0)  # per element of H: x read and the output written; backward 2.5x that
+# Per element of q + kv (the rotary embedding, the q/k norms where the model has them, the copies
+# into and out of the attention kernel's layout), by whether the model has q/k norms.
+COMPILED_ATTENTION = {True: (12.5, 16.5), False: (10.5, 6.5)}
+COMPILED_SWIGLU = (6.0, 10.0)  # per element of the intermediate width: gate and up read, product written
+# Backward, per element of H: a region's input gradient summed over its projections (q, k, v; gate, up).
+COMPILED_INPUT_GRADIENT = 6.0
+
+
+def layer_traffic(spec: ModelSpec, layer: int, mb: MicroBatch, ep: int, routed: Routed | None,
+                  compiled: bool = False) -> tuple[float, float]:
+    """(forward, backward) bytes of decoder layer ``layer``'s memory-bound kernels: two norms, the
+    rotary embedding, q/k norms, two residual adds, the router's softmax / top-k, the dense MLP's
+    or shared expert's SwiGLU, the experts' combine (moe_ep's Triton kernels fuse gather, SwiGLU
+    and the routing weight into the GEMMs) and under expert parallelism the packing and the sums
+    of the returned rows. Eager, each kernel's backward is taken as twice its forward; with
+    ``compiled`` dense blocks, the compiled regions move what Inductor counts for them."""
     T, H = mb.tokens, spec.hidden_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    per_token = 2 * NORM * H + ROTARY * (q + kv) + 2 * RESIDUAL * H
-    if spec.qk_norm:
-        per_token += NORM * (q + kv)
+    if compiled:
+        (norm_f, norm_b), (attn_f, attn_b) = COMPILED_NORM, COMPILED_ATTENTION[bool(spec.qk_norm)]
+        regions = (2 * norm_f * H + attn_f * (q + kv), 2 * norm_b * H + attn_b * (q + kv) + COMPILED_INPUT_GRADIENT * H)
+    else:
+        forward = 2 * NORM * H + ROTARY * (q + kv) + (NORM * (q + kv) if spec.qk_norm else 0)
+        regions = (forward, MEMORY_BACKWARD * forward)
+
+    def swiglu(width: int) -> tuple[float, float]:
+        if compiled:
+            return COMPILED_SWIGLU[0] * width, COMPILED_SWIGLU[1] * width + COMPILED_INPUT_GRADIENT * H
+        return SWIGLU * width, MEMORY_BACKWARD * SWIGLU * width
+
     if not spec.is_moe_layer(layer):
-        width = spec.dense_intermediate_size if spec.num_experts else spec.intermediate_size
-        return T * (per_token + SWIGLU * width)
-    per_token += 3 * 2 * FP32 * spec.num_experts + 2 * FP32 * spec.top_k  # softmax, top-k, renormalise
+        mlp = swiglu(spec.dense_intermediate_size if spec.num_experts else spec.intermediate_size)
+        eager = 2 * RESIDUAL * H
+        return (T * (regions[0] + mlp[0] + eager), T * (regions[1] + mlp[1] + MEMORY_BACKWARD * eager))
+    eager = 2 * RESIDUAL * H + 3 * 2 * FP32 * spec.num_experts + 2 * FP32 * spec.top_k  # softmax, top-k, renormalise
+    shared = (0.0, 0.0)
     if spec.shared_intermediate_size:
-        per_token += SWIGLU * spec.shared_intermediate_size + RESIDUAL * H
-    traffic = T * per_token
+        shared = swiglu(spec.shared_intermediate_size)
+        eager += RESIDUAL * H
+    traffic = T * eager
     if ep == 1:
-        return traffic + BF16 * H * (T * spec.top_k + T)  # combine: read every pair's row, write the token's
-    # Packing reads and writes each sent row; the expert side sums pairs per row (when rows carry
-    # several); the source sums the returned rows per token in float32 and casts back.
-    rows, pairs = routed.sent, routed.pairs
-    return traffic + BF16 * H * (2 * rows + pairs + routed.received) + (BF16 + FP32) * H * (rows + T) + 2 * FP32 * H * T
+        traffic += BF16 * H * (T * spec.top_k + T)  # combine: read every pair's row, write the token's
+    else:
+        # Packing reads and writes each sent row; the expert side sums pairs per row (when rows
+        # carry several); the source sums the returned rows per token in float32 and casts back.
+        rows, pairs = routed.sent, routed.pairs
+        traffic += (BF16 * H * (2 * rows + pairs + routed.received) + (BF16 + FP32) * H * (rows + T)
+                    + 2 * FP32 * H * T)
+    return (T * (regions[0] + shared[0]) + traffic, T * (regions[1] + shared[1]) + MEMORY_BACKWARD * traffic)
 
 
 def recomputed(spec: ModelSpec, layer: int, mb: MicroBatch, policy: str, traffic: float) -> Recomputed:
     """What the backward of decoder layer ``layer`` runs again under the recompute ``policy``
-    (``traffic``: its memory-bound forward bytes, :func:`layer_traffic`): ``"full"`` the whole
+    (``traffic``: its memory-bound forward bytes, :func:`layer_traffic`'s first): ``"full"`` the whole
     forward; ``"selective"`` the memory-bound kernels (the dispatcher's row movements included);
     ``"attention"`` the attention block's projections, kernel, rotary embedding and q/k norms."""
     T = mb.tokens

@@ -45,7 +45,7 @@ from .activations import (
 from .cluster import Cluster
 from .comm import Collective, all_to_all_collective, node_all_to_all_collectives, node_shares
 from .compute import (
-    BF16_MOMENTS_OPTIMIZER_BYTES, MEMORY_BACKWARD, OPTIMIZER_BYTES_PER_PARAM, Work, chunked_head_traffic, embed_traffic,
+    BF16_MOMENTS_OPTIMIZER_BYTES, OPTIMIZER_BYTES_PER_PARAM, Work, chunked_head_traffic, embed_traffic,
     head_traffic, layer_traffic, recomputed,
 )
 from .partition import Partition, UnitCost
@@ -118,12 +118,13 @@ def build_units(
     spec: ModelSpec, layout: Layout, seq_len: int, imbalance: float = DEFAULT_IMBALANCE, *,
     startup_imbalance: float = DEFAULT_STARTUP_IMBALANCE, capacity_factor: float | None = None,
     backend: str = "triton", node_size: int | None = None, max_nodes: int | None = None,
-    chunked_loss: bool = False, bf16_moments: bool = False,
+    chunked_loss: bool = False, bf16_moments: bool = False, compiled_blocks: bool = False,
 ) -> list[Unit]:
     """The chain's units; ``node_size``: the node-aware dispatch's nodes (None: single-stage);
     ``max_nodes``: node-limited routing's bound on a token's destination nodes (None: none);
     ``chunked_loss``: the head's loss is moe_ep's chunked one (no full logits); ``bf16_moments``:
-    AdamW keeps its moments in bf16."""
+    AdamW keeps its moments in bf16; ``compiled_blocks``: the layers' dense blocks are compiled
+    (their memory-bound bytes; their saved activations are planned as eager's)."""
     mb = MicroBatch(layout.microbatch_size, seq_len)
     T, H, ep, ds = mb.tokens, spec.hidden_size, layout.ep, layout.dp_shard
     policy = layout.checkpointing
@@ -158,9 +159,8 @@ def build_units(
     for i in range(spec.num_layers):
         moe = spec.is_moe_layer(i)
         dense, expert, attention = T * spec.layer_dense_flops(i), T * spec.layer_expert_flops(i), T * spec.attention_flops(seq_len)
-        traffic = layer_traffic(spec, i, mb, ep, steady)
-        work = Work(dense, expert, attention, traffic, MEMORY_BACKWARD * traffic,
-                    recomputed(spec, i, mb, policy, traffic), expert_load)
+        forward, backward = layer_traffic(spec, i, mb, ep, steady, compiled=compiled_blocks)
+        work = Work(dense, expert, attention, forward, backward, recomputed(spec, i, mb, policy, forward), expert_load)
         full = layer_saved(spec, i, mb, backend, ep, startup)
         saved = policy_layer_saved(spec, i, mb, backend, policy, ep, startup)
         # The recompute makes again what the layer did not keep (its input it kept).

@@ -17,6 +17,8 @@ extra work (``compute``, ``comm``) and chooses among them.
 from __future__ import annotations
 
 RECOMPUTE_POLICIES = ("none", "full", "selective", "attention")
+# The policies compiled dense blocks run under (``moe_ep.parallel.compile`` says why not the others).
+COMPILED_BLOCKS_POLICIES = ("none", "full")
 
 
 def recompute_policy(name: str, value) -> str:

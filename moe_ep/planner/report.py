@@ -145,6 +145,9 @@ def format_plan(plan) -> str:
     if plan.assumptions.chunked_loss:
         lines.append("  loss: moe_ep's chunked loss (no full logits; the head weight's float32 gradient kept from "
                      "forward to backward)")
+    if plan.assumptions.compiled_blocks:
+        lines.append("  dense blocks compiled (parallelize(compile_blocks=True)): their memory-bound bytes as Inductor "
+                     "counts them; activations planned as eager's")
     lines += [_rule_line(plan), "", "estimated step time (slowest rank)"]
     lines += [f"  {name:<62} {value:>10.2f} s" for name, value in t.rows()]
     lines += [
@@ -253,7 +256,8 @@ def plan_to_dict(plan) -> dict:
                         "capacity_factor": plan.assumptions.capacity_factor,
                         "overlap_chunks": plan.assumptions.overlap_chunks,
                         "chunked_loss": plan.assumptions.chunked_loss,
-                        "bf16_moments": plan.assumptions.bf16_moments},
+                        "bf16_moments": plan.assumptions.bf16_moments,
+                        "compiled_blocks": plan.assumptions.compiled_blocks},
         "degrees": {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "ep": lay.ep},
         "microbatch_size": lay.microbatch_size,
         "microbatches": lay.microbatches,

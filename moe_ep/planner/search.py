@@ -23,7 +23,7 @@ from .memory import (
     DEFAULT_IMBALANCE, DEFAULT_STARTUP_IMBALANCE, MemoryTable, Unit, build_units, layer_ids, p2p_bytes, rank_memory,
     unit_costs,
 )
-from .recompute import RECOMPUTE_POLICIES, recompute_policy
+from .recompute import COMPILED_BLOCKS_POLICIES, RECOMPUTE_POLICIES, recompute_policy
 from .presets import DEFAULT_CLUSTER, CLUSTERS, Efficiencies, cluster_preset
 from .schedules import INTERLEAVED, NO_PIPELINE, SCHEDULES, schedule_info
 from .spec import ModelSpec
@@ -50,7 +50,8 @@ class Assumptions:
     capacity factor of the dispatcher (None: dropless), and node-limited routing's bound on the
     nodes a token reaches (None: no bound), and the chunks whose exchanges overlap the experts
     (``parallelize(overlap_chunks=...)``; 1: none), and whether the loss is moe_ep's chunked one
-    (no full logits), and whether AdamW keeps its moments in bf16 (``moe_ep.training.AdamW``)."""
+    (no full logits), and whether AdamW keeps its moments in bf16 (``moe_ep.training.AdamW``), and
+    whether the layers' dense blocks are compiled (``parallelize(compile_blocks=...)``)."""
 
     imbalance: float = DEFAULT_IMBALANCE
     startup_imbalance: float = DEFAULT_STARTUP_IMBALANCE
@@ -59,6 +60,7 @@ class Assumptions:
     overlap_chunks: int = 1
     chunked_loss: bool = False
     bf16_moments: bool = False
+    compiled_blocks: bool = False
 
 
 def _shape(lay: Layout) -> tuple:
@@ -240,7 +242,8 @@ def _microbatchings(pp: int, per_replica: int, schedule: str, fixed: dict) -> li
     ]
 
 
-def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_tokens: int, fixed: dict):
+def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_tokens: int, fixed: dict,
+             policies: tuple[str, ...] = RECOMPUTE_POLICIES):
     sequences = global_batch_tokens // seq_len
     for mesh in _meshes(spec, cluster.world_size, fixed):
         if sequences % mesh.dp:
@@ -248,7 +251,7 @@ def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_token
         per_replica = sequences // mesh.dp
         for schedule in _schedules(spec, mesh.pp, fixed):
             for mbs, m in _microbatchings(mesh.pp, per_replica, schedule, fixed):
-                for policy in RECOMPUTE_POLICIES:
+                for policy in policies:
                     if fixed["checkpointing"] in (None, policy):
                         for v in _virtual_stages(spec, mesh.pp, schedule, fixed):
                             yield Layout(*mesh, mbs, m, schedule, policy, v)
@@ -260,7 +263,7 @@ def _units(spec: ModelSpec, layout: Layout, seq_len: int, assumptions: Assumptio
     return build_units(spec, layout, seq_len, assumptions.imbalance, startup_imbalance=assumptions.startup_imbalance,
                        capacity_factor=assumptions.capacity_factor, backend=BACKEND, node_size=node_size,
                        max_nodes=assumptions.max_nodes, chunked_loss=assumptions.chunked_loss,
-                       bf16_moments=assumptions.bf16_moments)
+                       bf16_moments=assumptions.bf16_moments, compiled_blocks=assumptions.compiled_blocks)
 
 
 def evaluate(
@@ -355,7 +358,8 @@ class _UnitCache:
 def _search(spec, cluster, seq_len, global_batch_tokens, assumptions, fixed, num_alternatives=0):
     """(costed candidates, number of layouts enumerated, the first layout that could not be cut
     into stages with the reason, or None)."""
-    layouts = list(_layouts(spec, cluster, seq_len, global_batch_tokens, fixed))
+    policies = COMPILED_BLOCKS_POLICIES if assumptions.compiled_blocks else RECOMPUTE_POLICIES
+    layouts = list(_layouts(spec, cluster, seq_len, global_batch_tokens, fixed, policies))
     cache = _UnitCache(spec, seq_len, assumptions, cluster)
     bounded = sorted((cache.lower_bound(lay), i) for i, lay in enumerate(layouts))
     candidates, best, shapes, uncut, oversized = [], None, set(), None, []
@@ -477,6 +481,7 @@ def plan(
     overlap_chunks: int = 1,
     chunked_loss: bool = False,
     bf16_moments: bool = False,
+    compiled_blocks: bool = False,
     num_alternatives: int = 5,
 ) -> Plan:
     """Choose the fastest layout of ``model`` that fits the cluster, by the headroom rule.
@@ -513,6 +518,10 @@ def plan(
             float32 gradient, and rereads that gradient once per chunk.
         bf16_moments: AdamW keeps its two moments in bf16 (``moe_ep.training.AdamW``): 12 bytes
             per sharded parameter instead of 16.
+        compiled_blocks: the layers' dense blocks are compiled (``parallelize(compile_blocks=...)``):
+            their memory-bound bytes are what Inductor's fused kernels move
+            (``moe_ep.planner.compute.layer_traffic``), and the recompute policy is ``"none"`` or
+            ``"full"``, the ones compiled blocks run with.
         min_headroom, speed_margin: the headroom rule (fractions of GPU memory and of step time).
         pp, dp_replicate, dp_shard, ep, microbatch_size, schedule, checkpointing: fix any of
             them; None lets the search choose. ``checkpointing`` is a recompute policy of
@@ -557,11 +566,15 @@ def plan(
             f"overlap_chunks={overlap_chunks} overlaps the dropless expert-parallel dispatcher's exchanges; "
             + ("ep=1 has none" if ep == 1 else f"capacity_factor={capacity_factor} is capacity mode")
         )
-    for name, value in (("chunked_loss", chunked_loss), ("bf16_moments", bf16_moments)):
+    for name, value in (("chunked_loss", chunked_loss), ("bf16_moments", bf16_moments),
+                        ("compiled_blocks", compiled_blocks)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
+    if compiled_blocks and checkpointing not in (None, *COMPILED_BLOCKS_POLICIES):
+        raise ValueError(f"checkpointing={checkpointing!r} does not run with compiled_blocks=True; compiled dense "
+                         f"blocks run with {' or '.join(map(repr, COMPILED_BLOCKS_POLICIES))}")
     assumptions = Assumptions(imbalance, startup_imbalance, capacity_factor, max_nodes, overlap_chunks, chunked_loss,
-                              bf16_moments)
+                              bf16_moments, compiled_blocks)
     if virtual_stages is not None:
         schedule_info(schedule or INTERLEAVED, virtual_stages)  # names the argument when wrong
         schedule = INTERLEAVED
