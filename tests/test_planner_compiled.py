@@ -132,3 +132,38 @@ def test_the_planner_keeps_to_the_policies_compiled_blocks_run_with():
         plan("qwen3-30b-a3b", compiled_blocks=True, checkpointing="selective", **kwargs)
     with pytest.raises(TypeError, match="compiled_blocks must be True or False"):
         plan("qwen3-30b-a3b", compiled_blocks=1, **kwargs)
+
+
+def saved_bytes(fn, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves in ``fn(x)``, ``x``'s own left out."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    storages.pop(x.untyped_storage().data_ptr(), None)
+    return sum(storages.values())
+
+
+@pytest.mark.slow
+def test_compiled_regions_save_no_more_than_eager_so_eager_activations_bound_them():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP, Qwen3MoeRMSNorm
+    from transformers import Qwen3MoeConfig
+
+    H = 768
+    regions = {"norm": Qwen3MoeRMSNorm(H).to(torch.bfloat16),
+               "attention, q/k norms": attention("qwen3_moe", H, 6, 2, 128),
+               "attention": attention("mixtral", H, 6, 2, 128),
+               "mlp": Qwen3MoeMLP(Qwen3MoeConfig(hidden_size=H), intermediate_size=1536).to(torch.bfloat16)}
+    for name, fn in regions.items():
+        x = hidden(H)
+        eager = saved_bytes(fn, x)
+        torch._dynamo.reset()
+        try:
+            compiled = saved_bytes(torch.compile(fn, fullgraph=True), x)
+        finally:
+            torch._dynamo.reset()
+        assert 0 < eager and compiled <= eager, (name, compiled, eager)

@@ -147,7 +147,7 @@ def format_plan(plan) -> str:
                      "forward to backward)")
     if plan.assumptions.compiled_blocks:
         lines.append("  dense blocks compiled (parallelize(compile_blocks=True)): their memory-bound bytes as Inductor "
-                     "counts them; activations planned as eager's")
+                     "counts them; activations planned as eager's (an upper bound)")
     lines += [_rule_line(plan), "", "estimated step time (slowest rank)"]
     lines += [f"  {name:<62} {value:>10.2f} s" for name, value in t.rows()]
     lines += [
