@@ -7,10 +7,13 @@ network column counts what crosses between those nodes: the node-aware dispatch'
 Bytes come from ``moe_ep.dispatch.wire_bytes`` (computed from each rank's routing, both schemes)
 plus each scheme's per-layer count exchange; they are also counted on the wire by wrapping each
 implementation's collectives, which checks the accounting. Times come from
-``ep`` spawned processes: NCCL when there are ``ep`` GPUs, gloo on the CPU otherwise (there they
-are only indicative: all ranks share the host's cores, so each rank gets ``threads // ep`` torch
-threads, at least one, instead of every rank starting the host's full count and the ranks'
-OpenMP barriers waiting on each other's descheduled threads). The experts are an identity that
+``ep`` spawned processes: NCCL when there are ``ep`` GPUs; with fewer, the ranks share the first
+GPU over gloo, whose times include its staging through the host, and each rank's own GPU kernels
+(the packing, forwarding, weighting and sums around the exchanges: what the dispatcher costs a
+GPU) are timed apart with the profiler as 'local GPU ms'; without a GPU, gloo on the CPU (there
+the times are only indicative: all ranks share the host's cores, so each rank gets ``threads //
+ep`` torch threads, at least one, instead of every rank starting the host's full count and the
+ranks' OpenMP barriers waiting on each other's descheduled threads). The experts are an identity that
 applies the weights they are handed (ours: a multi row's routing weights) so only the exchange
 is timed; each rank times its own calls and the slowest rank's median is reported."""
 
@@ -38,6 +41,7 @@ from .timing import measure
 
 HF_EP_MODULE = "transformers.distributed.expert_parallel"
 MODELS = {"mixtral": (8, 2), "fine-grained": (64, 6)}  # name -> (E, k)
+SHARED_GPU = "gloo, one GPU"  # the backend of ranks sharing one GPU (see pick_backend)
 DEFAULTS = {"cpu": dict(tokens=1024, hidden=1024, dtype="float32"),
             "cuda": dict(tokens=4096, hidden=4096, dtype="bfloat16")}
 
@@ -53,6 +57,7 @@ COLUMNS = [
     Column("network_bytes_per_token", "network/token", "{:,.0f}"),
     Column("ms_fwd", "ms fwd", "{:.2f}"),
     Column("ms_fwd_bwd", "ms fwd+bwd", "{:.2f}"),
+    Column("local_gpu_ms", "local GPU ms", "{:.3f}"),
     Column("max_abs_err", "err", "{:.0e}"),
     Column("backend", "backend"),
     Column("status", "status"),
@@ -241,6 +246,28 @@ def _time_rank(s: Settings, impl, x_TH, idx_TK, w_TK, device) -> tuple[float, fl
     return tuple(slowest.tolist())
 
 
+def _local_gpu_ms(s: Settings, impl, x_TH, idx_TK, w_TK) -> float:
+    """The slowest rank's GPU time of its own kernels in one forward and backward (the packing,
+    forwarding, weighting and sums around the exchanges), gloo's copies to and from the host left
+    out: what the dispatcher itself costs a GPU, whatever the network."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    def fwd_bwd():
+        return torch.autograd.grad(impl(x_TH, idx_TK, w_TK), (x_TH, w_TK), torch.ones_like(x_TH))
+
+    fwd_bwd()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fwd_bwd()
+        torch.cuda.synchronize()
+    us = sum(e.self_device_time_total for e in prof.key_averages()
+             if e.self_device_time_total > 0 and not e.key.startswith(("Memcpy", "Memset")))
+    slowest = torch.tensor([us / 1e3], dtype=torch.float64, device=x_TH.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
 def threads_per_rank(ep: int) -> int:
     """The host's torch threads (``--threads``, else torch's default) shared by the ``ep`` ranks."""
     return max(1, torch.get_num_threads() // ep)
@@ -253,13 +280,14 @@ def _worker(rank: int, ep: int, port: int, backend: str, threads: int, settings:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     s = Settings(**settings)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    shared = backend == SHARED_GPU
+    device = torch.device("cuda", 0 if shared else rank) if backend != "gloo" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=ep)
+    dist.init_process_group("gloo" if shared else backend, rank=rank, world_size=ep)
     try:
         # transformers' scheme takes a tensor-parallel mesh too; size 1 here: every rank has its own batch.
-        mesh = init_device_mesh(device.type, (1, ep), mesh_dim_names=("tp", "ep"))
+        mesh = init_device_mesh("cpu" if shared else device.type, (1, ep), mesh_dim_names=("tp", "ep"))
         nodes = split_by_node([list(range(ep))], s.node_size) if spans_nodes(ep, s.node_size) else None
         results = []
         for model in s.models:
@@ -273,8 +301,11 @@ def _worker(rank: int, ep: int, port: int, backend: str, threads: int, settings:
                 idx_TK = idx_TK.to(device)
                 reference = x_TH.detach() * w_TK.detach().sum(1, keepdim=True).to(x_TH.dtype)
                 for impl_name, (build, node_aware) in EXCHANGES.items():
-                    found = build(mesh["ep"], mesh["tp"], nodes if node_aware else None, E)
                     result = dict(model=model, routing=routing, impl=impl_name)
+                    if shared and impl_name == "hf_all_to_all":
+                        results.append(dict(result, status="not run: its DTensor mesh needs a GPU per rank"))
+                        continue
+                    found = build(mesh["ep"], mesh["tp"], nodes if node_aware else None, E)
                     if not found.available:
                         results.append(dict(result, status=found.reason))
                         continue
@@ -287,8 +318,10 @@ def _worker(rank: int, ep: int, port: int, backend: str, threads: int, settings:
                     dist.all_reduce(stats[:1])
                     dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
                     ms_fwd, ms_fwd_bwd = _time_rank(s, exchange.fn, x_TH, idx_TK, w_TK, device)
+                    local = _local_gpu_ms(s, exchange.fn, x_TH, idx_TK, w_TK) if device.type == "cuda" else None
                     results.append(dict(result, measured_bytes=stats[0].item(), max_abs_err=stats[1].item(),
-                                        ms_fwd=ms_fwd * 1e3, ms_fwd_bwd=ms_fwd_bwd * 1e3, status="ok"))
+                                        ms_fwd=ms_fwd * 1e3, ms_fwd_bwd=ms_fwd_bwd * 1e3, local_gpu_ms=local,
+                                        status="ok"))
         if rank == 0:
             Path(out_path).write_text(json.dumps(results))
     finally:
@@ -350,11 +383,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def pick_backend(device: torch.device, ep: int) -> tuple[str, str | None]:
-    """NCCL when there is a GPU per rank; gloo on the CPU otherwise, said so in the notes."""
+    """NCCL when there is a GPU per rank; with fewer GPUs, the ranks share the first over gloo
+    (NCCL refuses two ranks on one device); gloo on the CPU. Said so in the notes."""
     if device.type == "cuda" and torch.cuda.device_count() >= ep:
         return "nccl", None
     if device.type == "cuda":
-        return "gloo", f"ep={ep} needs {ep} GPUs, {torch.cuda.device_count()} present: timed with gloo on the CPU"
+        return SHARED_GPU, (f"ep={ep} with {torch.cuda.device_count()} GPU(s): the ranks share cuda:0 over gloo, "
+                            f"which stages every exchange through the host, so 'ms' are not a network's; 'local GPU "
+                            f"ms' is the slowest rank's own kernels in one fwd+bwd, host copies left out (an upper "
+                            f"bound: the ranks' kernels take turns on the one GPU)")
     return "gloo", None
 
 
