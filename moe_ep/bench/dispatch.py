@@ -442,6 +442,7 @@ def run(args, device: torch.device) -> Report:
                     result = timed.get((model, routing, impl), {})
                     if "measured_bytes" in result:
                         row["measured_bytes_per_token"] = result["measured_bytes"] / n_tokens
-                    row.update({k: result[k] for k in ("ms_fwd", "ms_fwd_bwd", "max_abs_err", "status") if k in result})
+                    row.update({k: result[k] for k in ("ms_fwd", "ms_fwd_bwd", "local_gpu_ms", "max_abs_err", "status")
+                                if k in result})
                     report.rows.append(row)
     return report
