@@ -246,7 +246,7 @@ def _time_rank(s: Settings, impl, x_TH, idx_TK, w_TK, device) -> tuple[float, fl
     return tuple(slowest.tolist())
 
 
-def _local_gpu_ms(s: Settings, impl, x_TH, idx_TK, w_TK) -> float:
+def _local_gpu_ms(impl, x_TH, idx_TK, w_TK) -> float:
     """The slowest rank's GPU time of its own kernels in one forward and backward (the packing,
     forwarding, weighting and sums around the exchanges), gloo's copies to and from the host left
     out: what the dispatcher itself costs a GPU, whatever the network."""
@@ -318,7 +318,7 @@ def _worker(rank: int, ep: int, port: int, backend: str, threads: int, settings:
                     dist.all_reduce(stats[:1])
                     dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
                     ms_fwd, ms_fwd_bwd = _time_rank(s, exchange.fn, x_TH, idx_TK, w_TK, device)
-                    local = _local_gpu_ms(s, exchange.fn, x_TH, idx_TK, w_TK) if device.type == "cuda" else None
+                    local = _local_gpu_ms(exchange.fn, x_TH, idx_TK, w_TK) if device.type == "cuda" else None
                     results.append(dict(result, measured_bytes=stats[0].item(), max_abs_err=stats[1].item(),
                                         ms_fwd=ms_fwd * 1e3, ms_fwd_bwd=ms_fwd_bwd * 1e3, local_gpu_ms=local,
                                         status="ok"))

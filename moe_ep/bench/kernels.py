@@ -22,8 +22,7 @@ from typing import Callable
 
 import torch
 
-from ..kernels import autotune
-from ..kernels import library
+from ..kernels import autotune, library
 from ..kernels.runtime import interpreting
 from ..ops import selector
 from ..ops.experts import moe_experts
