@@ -285,3 +285,32 @@ def test_model_mode_times_compiled_dense_blocks_last(tmp_path):
     compiled = rows["moe_ep+fused_router+compiled_blocks"]
     assert compiled["status"] == "ok" and compiled["tokens_per_s"] > 0
     assert compiled["loss_diff"] <= 1e-5 * abs(rows["eager"]["loss"])
+
+
+def test_dispatch_mode_on_one_gpu_shares_it_and_names_the_local_kernels(monkeypatch, tmp_path):
+    """With fewer GPUs than ranks the ranks share cuda:0 over gloo, transformers' exchange is not
+    run, and each row carries the slowest rank's local GPU time with rank 0's longest kernels in a
+    note (the ranks' results mocked: no GPU here)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert dispatch.pick_backend(torch.device("cuda"), 1)[0] == "nccl"
+    backend, note = dispatch.pick_backend(torch.device("cuda"), 2)
+    assert backend == dispatch.SHARED_GPU and "share cuda:0 over gloo" in note
+    seen = []
+
+    def ranks(s, ep, backend_):
+        seen.append(backend_)
+        return [dict(model="mixtral", routing="uniform", impl="hf_all_to_all", status="not run: ..."),
+                dict(model="mixtral", routing="uniform", impl="moe_ep", measured_bytes=1.0, max_abs_err=0.0,
+                     ms_fwd=1.0, ms_fwd_bwd=2.0, local_gpu_ms=0.5, status="ok",
+                     local_kernels=[["index_select_kernel", 4, 0.25], ["scatter_add_kernel", 2, 0.125]])]
+
+    monkeypatch.setattr(dispatch, "run_ranks", ranks)
+    monkeypatch.setattr(dispatch, "pick_backend", lambda device, ep: (backend, note))
+    main(["dispatch", "--device", "cpu", "--ep", "2", "--models", "mixtral", "--tokens", "16", "--hidden", "8",
+          "--out-dir", str(tmp_path)])
+    report = written(tmp_path, "dispatch")
+    assert seen == [dispatch.SHARED_GPU]
+    ours = next(r for r in report["rows"] if r["impl"] == "moe_ep")
+    assert ours["local_gpu_ms"] == 0.5 and ours["backend"] == dispatch.SHARED_GPU
+    assert any(n.startswith("local GPU kernels, mixtral ep=2 uniform moe_ep, rank 0's longest: index_select_kernel x4 "
+                            "0.250 ms; scatter_add_kernel x2 0.125 ms") for n in report["notes"]), report["notes"]

@@ -246,10 +246,14 @@ def _time_rank(s: Settings, impl, x_TH, idx_TK, w_TK, device) -> tuple[float, fl
     return tuple(slowest.tolist())
 
 
-def _local_gpu_ms(impl, x_TH, idx_TK, w_TK) -> float:
+LOCAL_KERNELS_LISTED = 5  # the longest kernels named beside the local GPU time (rank 0's)
+
+
+def _local_gpu_ms(impl, x_TH, idx_TK, w_TK) -> tuple[float, list[tuple[str, int, float]]]:
     """The slowest rank's GPU time of its own kernels in one forward and backward (the packing,
     forwarding, weighting and sums around the exchanges), gloo's copies to and from the host left
-    out: what the dispatcher itself costs a GPU, whatever the network."""
+    out: what the dispatcher itself costs a GPU, whatever the network; and this rank's longest
+    kernels, as (name, launches, ms), to say where that time goes."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -261,11 +265,12 @@ def _local_gpu_ms(impl, x_TH, idx_TK, w_TK) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fwd_bwd()
         torch.cuda.synchronize()
-    us = sum(e.self_device_time_total for e in prof.key_averages()
-             if e.self_device_time_total > 0 and not e.key.startswith(("Memcpy", "Memset")))
-    slowest = torch.tensor([us / 1e3], dtype=torch.float64, device=x_TH.device)
+    kernels = sorted(((e.key, e.count, e.self_device_time_total / 1e3) for e in prof.key_averages()
+                      if e.self_device_time_total > 0 and not e.key.startswith(("Memcpy", "Memset"))),
+                     key=lambda k: -k[2])
+    slowest = torch.tensor([sum(ms for *_, ms in kernels)], dtype=torch.float64, device=x_TH.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.item()
+    return slowest.item(), kernels[:LOCAL_KERNELS_LISTED]
 
 
 def threads_per_rank(ep: int) -> int:
@@ -318,10 +323,11 @@ def _worker(rank: int, ep: int, port: int, backend: str, threads: int, settings:
                     dist.all_reduce(stats[:1])
                     dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
                     ms_fwd, ms_fwd_bwd = _time_rank(s, exchange.fn, x_TH, idx_TK, w_TK, device)
-                    local = _local_gpu_ms(exchange.fn, x_TH, idx_TK, w_TK) if device.type == "cuda" else None
+                    local, kernels = (_local_gpu_ms(exchange.fn, x_TH, idx_TK, w_TK) if device.type == "cuda"
+                                      else (None, []))
                     results.append(dict(result, measured_bytes=stats[0].item(), max_abs_err=stats[1].item(),
                                         ms_fwd=ms_fwd * 1e3, ms_fwd_bwd=ms_fwd_bwd * 1e3, local_gpu_ms=local,
-                                        status="ok"))
+                                        local_kernels=kernels, status="ok"))
         if rank == 0:
             Path(out_path).write_text(json.dumps(results))
     finally:
@@ -445,4 +451,8 @@ def run(args, device: torch.device) -> Report:
                     row.update({k: result[k] for k in ("ms_fwd", "ms_fwd_bwd", "local_gpu_ms", "max_abs_err", "status")
                                 if k in result})
                     report.rows.append(row)
+                    if result.get("local_kernels"):
+                        report.notes.append(f"local GPU kernels, {model} ep={ep} {routing} {impl}, rank 0's longest: "
+                                            + "; ".join(f"{name[:60]} x{count} {ms:.3f} ms"
+                                                        for name, count, ms in result["local_kernels"]))
     return report
