@@ -8,6 +8,7 @@ host sync on CUDA."""
 
 import pytest
 import torch
+from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_ep
@@ -31,6 +32,8 @@ MULTI_TILE = Case("multi_tile", T=70, H=72, I=72, E=2, K=2)
 MANY_EXPERTS = Case("many_experts", T=40, H=16, I=8, E=20, K=3)
 ZERO_FILLS = {"aten.zeros.default", "aten.zeros_like.default", "aten.new_zeros.default", "aten.zero_.default",
               "aten.fill_.Scalar"}
+ALLOCATIONS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
+               "aten.empty_strided.default", "aten.new_empty_strided.default"} | ZERO_FILLS
 
 
 def experts(backend: str, activation: str = "silu"):
@@ -136,7 +139,48 @@ def test_opcheck_forward_and_backward_registration(backend):
     x, idx, w, gate_up, down = CASES[1].make(torch.float32, device=DEVICE)
     op, args = _forward_op(backend, x.requires_grad_(), idx, w.requires_grad_(), gate_up.requires_grad_(),
                            down.requires_grad_())
-    torch.library.opcheck(op, args)
+    # opcheck compares every output of the op, the saved GEMM-1 output too, after a backward: the
+    # backward that writes its gradient over it (eager only) would differ from the traced one.
+    with moe_ep.ops.repeatable_backward():
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_writes_its_gemm1_gradient_over_the_saved_output(backend):
+    """The backward makes no second [rows, 2I] buffer beside the saved GEMM-1 output: it writes
+    that output's gradient over it. Under repeatable_backward it makes one and keeps the output."""
+    x, idx, w, gate_up, down = (t.requires_grad_() if t.is_floating_point() else t
+                                for t in CASES[0].make(torch.float32, device=DEVICE))
+    op, args = _forward_op(backend, x, idx, w, gate_up, down)
+    made = {}
+    for repeatable in (False, True):
+        with moe_ep.ops.repeatable_backward(repeatable):
+            outputs = op(*args)
+        gemm1_out = outputs[-1].clone()
+        with _Made(ALLOCATIONS) as allocations:
+            outputs[0].sum().backward()
+        made[repeatable] = allocations.shapes.count(tuple(gemm1_out.shape))
+        assert torch.equal(outputs[-1], gemm1_out) == repeatable
+    assert made == {False: 0, True: 1}, made
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_second_backward_over_one_forward_says_to_use_repeatable_backward(backend):
+    x, idx, w, gate_up, down = CASES[0].make(torch.float32, device=DEVICE)
+    leaves = [t.requires_grad_() for t in (x, w, gate_up, down)]
+    # The setting is process-wide (a ZB-V pipeline built by another test sets it): set here.
+    with moe_ep.ops.repeatable_backward(False):
+        y = experts(backend)(x, idx, w, gate_up, down)
+        with moe_ep.ops.repeatable_backward():
+            y_kept = experts(backend)(x, idx, w, gate_up, down)
+        assert not moe_ep.ops.set_repeatable_backward(False), "the inner block restores the setting"
+    dy = torch.randn_like(y)
+    first = torch.autograd.grad(y, leaves, dy, retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"moe_ep\.ops\.repeatable_backward\(\)"):
+        torch.autograd.grad(y, leaves, dy)
+    twice = [torch.autograd.grad(y_kept, leaves, dy, retain_graph=True) for _ in range(2)]
+    # Bitwise: the same kernels on the same inputs, whether or not the gradient goes over the output.
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, *twice))
 
 
 @pytest.mark.slow
@@ -165,16 +209,21 @@ def test_the_torch_backward_gives_dense_gradients_as_its_fake_says(name):
     assert all(g.is_contiguous() for g in grads), [g.stride() for g in grads]
 
 
-class _ZeroFills(TorchDispatchMode):
-    """Shapes of the zero-filled tensors made while active."""
+class _Made(TorchDispatchMode):
+    """Shapes of the tensors the ops named in ``funcs`` made while active, inside moe_ep's custom
+    ops too."""
 
-    def __init__(self):
+    def __init__(self, funcs: set[str]):
         super().__init__()
+        self.funcs = funcs
         self.shapes = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "moe_ep":
+            with self:  # the op's Python body, under this mode
+                return _maybe_get_opdef(func)._init_fn(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        if str(func) in ZERO_FILLS and isinstance(out, torch.Tensor):
+        if str(func) in self.funcs and isinstance(out, torch.Tensor):
             self.shapes.append(tuple(out.shape))
         return out
 
@@ -188,7 +237,7 @@ def test_backward_fills_no_gradient_for_saved_outputs(backend):
                                 for t in CASES[0].make(torch.float32, device=DEVICE))
     op, args = _forward_op(backend, x, idx, w, gate_up, down)
     outputs = op(*args)
-    with _ZeroFills() as fills:
+    with _Made(ZERO_FILLS) as fills:
         outputs[0].sum().backward()
     saved_shapes = {tuple(t.shape) for t in outputs[1:]}
     assert not saved_shapes & set(fills.shapes), fills.shapes

@@ -2,10 +2,13 @@
 an AOT spec for every configuration a launcher may choose. Their numbers are checked through
 moe_experts in test_experts_backends.py."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from moe_cases import CASES
+from moe_ep.kernels import autotune
 from moe_ep.kernels import grouped_gemm as gg
 from moe_ep.kernels.routing_metadata import routing_metadata
 
@@ -46,3 +49,34 @@ def test_aot_specs_cover_every_launchable_config():
             for pad_m in (64, 128):
                 for kernel in gg.GEMM_KERNELS:
                     assert gg.configs_for(kernel, dtype, family, pad_m), (kernel, dtype, pad_m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_glu_backward_over_pre_times_its_configurations_on_a_copy(dtype, monkeypatch):
+    """d pre written over pre: the configurations timed on a problem's first call must leave pre
+    intact for the launch whose result is kept, which then equals the one into a new buffer."""
+    configs_for = gg.configs_for
+
+    def two_configs(kernel, *args, **kwargs):
+        found = configs_for(kernel, *args, **kwargs)
+        # The interpreter's spaces hold one configuration for these sizes: a second one, to time.
+        return [*found, dataclasses.replace(found[0], BLOCK_N=found[0].BLOCK_N // 2)]
+
+    monkeypatch.setattr(gg, "configs_for", two_configs)
+    case = CASES[0]
+    x, idx, w, gate_up, down = case.make(dtype, device=DEVICE)
+    meta = routing_metadata(idx, case.E, gg.routing_block(idx.numel(), case.E))
+    _, pre = gg.gather_glu(x, gate_up, meta, case.K, "silu")
+    dy_PH = gg.gather_rows(torch.randn_like(x), meta, case.K)
+    w_N = w.reshape(-1).float()
+    over = pre.clone()
+    with autotune.tuning() as session:
+        dpre, dw, hs = gg.glu_backward(dy_PH, down, over, w_N, meta, "silu", overwrite_pre=True)
+        kept = gg.glu_backward(dy_PH, down, pre, w_N, meta, "silu")
+    timed = [t for key, t in session.timings.items() if key[0] == "glu_backward"]
+    assert len(timed) == 1 and len(timed[0]) > 1, session.timings
+    assert dpre.data_ptr() == over.data_ptr() and kept[0].data_ptr() != pre.data_ptr()
+    live = int(meta.padded_offsets_E1[-1])  # the rows past the experts' blocks are never written
+    assert torch.equal(dw, kept[1])
+    for a, b in ((dpre, kept[0]), (hs, kept[2])):
+        assert torch.equal(a[:live], b[:live])

@@ -581,9 +581,10 @@ def test_tied_stages_reduce_after_the_last_use():
 
 
 def test_memory_cap_and_batch_shape_reach_the_cut_through_parallelize():
-    # 1F1B keeps 2 micro-batches in flight on stage 0 of 2: at 2048 tokens activations dominate,
-    # so the even cut's stage 0 is the fullest stage of either cut, and a cap between the two
-    # fullest stages moves a layer off it. Half the tokens per micro-batch fit the even cut again.
+    # 1F1B keeps 2 micro-batches in flight on stage 0 of 2: at 2048 tokens activations dominate
+    # (a small vocabulary, so that the head's logits do not), so the even cut's stage 0 is the
+    # fullest stage of either cut, and a cap between the two fullest stages moves a layer off it.
+    # Half the tokens per micro-batch fit the even cut again.
     import moe_ep
     from moe_ep.parallel import PipelineConfig
     from moe_ep.parallel.pipeline import pipeline_unit_costs
@@ -591,7 +592,7 @@ def test_memory_cap_and_batch_shape_reach_the_cut_through_parallelize():
     from moe_ep.bench.planner import fake_rank
 
     with fake_rank(0, 2):
-        costs = pipeline_unit_costs(_meta_model(), 2, PipelineConfig(microbatches=2, seq_len=2048))
+        costs = pipeline_unit_costs(_meta_model(vocab_size=64), 2, PipelineConfig(microbatches=2, seq_len=2048))
         fullest = [max(partition(costs, 2, split_points=[p], inflight=[2, 1]).stage_bytes(s) for s in range(2))
                    for p in (2, 1)]
         assert fullest[1] < fullest[0]
@@ -600,7 +601,7 @@ def test_memory_cap_and_batch_shape_reach_the_cut_through_parallelize():
         cap = fullest[1] + (fullest[0] - fullest[1]) / 10
 
         def cut(**kwargs):
-            return moe_ep.parallelize(_meta_model(), pp=2, microbatches=2, **kwargs).partition.starts
+            return moe_ep.parallelize(_meta_model(vocab_size=64), pp=2, microbatches=2, **kwargs).partition.starts
 
         assert cut(seq_len=2048) == (0, 2, 4)
         assert cut(seq_len=2048, memory_cap=cap) == (0, 1, 4)

@@ -15,7 +15,7 @@ import pytest
 
 from moe_ep.cli import EXIT_IMPOSSIBLE, main
 from moe_ep.planner import CLUSTERS, Cluster, Layout, ModelSpec, PlanError, config_from_name, evaluate, plan
-from moe_ep.planner.activations import MicroBatch, head_scratch, rank_shares
+from moe_ep.planner.activations import MicroBatch, head_scratch, padded_rows, rank_shares
 from moe_ep.planner.comm import all_to_all_collective
 from moe_ep.planner.memory import FSDP_LAYER_BYTES, build_units, layer_ids, unit_costs
 from moe_ep.planner.partition import partition
@@ -393,6 +393,18 @@ def test_backward_scratch_charges_the_logits_and_their_float32_gradient():
     # 4095 predicted positions and its bf16 copy: about 0.5 GiB of float32 per 4K tokens.
     assert head.scratch == head_scratch(spec, MicroBatch(1, 4096)) == 2 * V * 4096 + 6 * V * 4095
     assert 4 * V * 4095 > 0.48 * GiB
+
+
+def test_the_experts_backward_scratch_holds_gemm1s_gradient_only_under_split_backward_schedules():
+    """GEMM 1's output gradient goes over its saved output, except where ZB-V and DualPipeV run the
+    backward twice (moe_ep.ops.repeatable_backward): one [padded rows, 2I] bf16 buffer more."""
+    spec = ModelSpec.resolve("mixtral-8x7b")
+    moe_scratch = {
+        schedule: next(u.scratch for u in build_units(spec, Layout(2, 1, 1, 1, 1, 4, schedule, "none"), 4096) if u.moe)
+        for schedule in ("1f1b", "interleaved-1f1b", "zbv", "dualpipev")}
+    gemm1_grad = 2 * padded_rows(4096 * spec.top_k, spec.num_experts) * 2 * spec.intermediate_size
+    assert moe_scratch["1f1b"] == moe_scratch["interleaved-1f1b"]
+    assert moe_scratch["zbv"] == moe_scratch["dualpipev"] == moe_scratch["1f1b"] + gemm1_grad
 
 
 def test_fsdp_working_set_without_pipeline_is_14_bytes_per_gathered_parameter_plus_the_root():

@@ -5,8 +5,10 @@ groups or Hugging Face (the losses' optional ``group`` sums their statistics ove
 the caller gives). Below it: ``moe_ep.kernels``."""
 
 from .experts import moe_experts
+from .experts_op import repeatable_backward, set_repeatable_backward
 from .linear_cross_entropy import linear_cross_entropy
 from .losses import expert_counts, load_balancing_loss, router_z_loss, update_expert_bias_
 from .routing import route_topk
 
-__all__ = ["expert_counts", "linear_cross_entropy", "load_balancing_loss", "moe_experts", "route_topk", "router_z_loss", "update_expert_bias_"]
+__all__ = ["expert_counts", "linear_cross_entropy", "load_balancing_loss", "moe_experts", "repeatable_backward",
+           "route_topk", "router_z_loss", "set_repeatable_backward", "update_expert_bias_"]

@@ -48,19 +48,22 @@ def glu_fwd(gate_up_N2I: torch.Tensor, activation: str, dtype: torch.dtype) -> t
     return h_NI
 
 
-def glu_bwd(gate_up_N2I: torch.Tensor, dh_NI: torch.Tensor, w_N: torch.Tensor, activation: str):
+def glu_bwd(gate_up_N2I: torch.Tensor, dh_NI: torch.Tensor, w_N: torch.Tensor, activation: str, *,
+            overwrite: bool = False):
     """Backward of ``w * (act(gate) * up)`` from ``dh_NI``, the gradient of the unweighted
     product, recomputing the activation instead of storing it. ``dh_NI`` is consumed (scaled in
     place when it is float32). Returns ``(dw_N, wh_NI, d gate_up_N2I)``: the routing weights'
     gradient in float32, ``w * act(gate) * up`` (what the down projection's weight gradient needs
     against the unweighted output gradient) and the input gradient, both in the dtype of
-    ``gate_up_N2I``. Computed in float32 a block of rows at a time."""
+    ``gate_up_N2I``. Computed in float32 a block of rows at a time; ``overwrite``: the input
+    gradient is written over ``gate_up_N2I``, each block after its rows were read."""
     N, two_I = gate_up_N2I.shape
     dw_N = torch.empty(N, dtype=torch.float32, device=gate_up_N2I.device)
     wh_NI = gate_up_N2I.new_empty((N, two_I // 2))
-    d_gate_up_N2I = torch.empty_like(gate_up_N2I)
+    d_gate_up_N2I = gate_up_N2I if overwrite else torch.empty_like(gate_up_N2I)
     for rows in _row_blocks(N, two_I):
-        gate, up = gate_up_N2I[rows].float().chunk(2, dim=-1)
+        # A copy also in float32 when the gradient goes over the rows: up is read after d up is written.
+        gate, up = gate_up_N2I[rows].to(torch.float32, copy=overwrite).chunk(2, dim=-1)
         dh = dh_NI[rows].float()
         act = act_fwd(gate, activation)
         wh = act * up

@@ -120,8 +120,10 @@ def experts_torch_bwd(
     offsets_E: torch.Tensor,
     gate_up_N2I: torch.Tensor,
     activation: str,
+    overwrite_saved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dx_TH, dw_TK, d_gate_up_E2IH, d_down_EHI)."""
+    """Returns (dx_TH, dw_TK, d_gate_up_E2IH, d_down_EHI); ``overwrite_saved``: GEMM 1's output
+    gradient is written over ``gate_up_N2I`` (see ``experts_op``)."""
     T, K = w_TK.shape
     dtype = x_TH.dtype
     token_N = order_N // K
@@ -131,7 +133,7 @@ def experts_torch_bwd(
     # Gradient of the unweighted expert output w.r.t. h: dy @ down[e]. Since
     # d w_n = <dy_t, down[e] h_n> = <dy_t @ down[e], h_n>, the expert output need not be kept.
     dh_raw_NI = grouped_linear(dy_NH, down_EHI.transpose(1, 2), offsets_E)
-    dw_N, wh_NI, d_gate_up_N2I = glu_bwd(gate_up_N2I, dh_raw_NI, w_N, activation)
+    dw_N, wh_NI, d_gate_up_N2I = glu_bwd(gate_up_N2I, dh_raw_NI, w_N, activation, overwrite=overwrite_saved)
     dw_TK = torch.empty_like(dw_N).index_copy_(0, order_N, dw_N).view(T, K).to(w_TK.dtype)
     # d down[e] = sum_n (w_n dy_n)^T h_n = sum_n dy_n^T (w_n h_n): the weight goes on h.
     d_down_EHI = grouped_outer(dy_NH, wh_NI, offsets_E)

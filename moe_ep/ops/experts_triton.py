@@ -70,8 +70,10 @@ def experts_triton_bwd(
     pre_P2I: torch.Tensor,
     activation: str,
     pad_m: int,
+    overwrite_saved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dx_TH, dw_TK, d_gate_up_E2IH, d_down_EHI)."""
+    """Returns (dx_TH, dw_TK, d_gate_up_E2IH, d_down_EHI); ``overwrite_saved``: GEMM 1's output
+    gradient is written over ``pre_P2I`` (see ``experts_op``)."""
     T, K = w_TK.shape
     meta = RoutingMetadata(counts_E, padded_offsets_E1, sorted_slot_P, slot_pos_N, block_expert_B, pad_m)
     dy_TH = dy_TH.to(x_TH.dtype).contiguous()
@@ -81,7 +83,8 @@ def experts_triton_bwd(
     w_N = w_TK.reshape(-1).float().contiguous()
     # dy's rows in the padded layout, once: glu_backward and the down gradient stream them.
     dy_PH = gg.gather_rows(dy_TH, meta, K)
-    dpre_P2I, dw_N, hs_PI = gg.glu_backward(dy_PH, down_EHI, pre_P2I, w_N, meta, activation)
+    dpre_P2I, dw_N, hs_PI = gg.glu_backward(dy_PH, down_EHI, pre_P2I, w_N, meta, activation,
+                                            overwrite_pre=overwrite_saved)
     # hs (P x I, the activation times the routing weight) lives only from here to the down
     # gradient: nothing more is saved from the forward than pre.
     d_down_EHI = gg.weight_grad(dy_PH, hs_PI, meta)

@@ -85,14 +85,16 @@ def parallelize(
       ``"interleaved-1f1b"`` (``virtual_stages`` stages per rank, default 2; Megatron-Core's
       virtual pipeline size), ``"zbv"`` or ``"dualpipev"`` (DualPipeV: at least ``2 * pp``
       micro-batches; one micro-batch's forward runs beside another's backward on a second thread,
-      so each one's all-to-alls hide behind the other's compute); ``microbatches`` (required, at
-      least ``pp``) is the
-      number of micro-batches per step; ``split_points`` the decoder-layer indices that start
-      stages 1..S-1 (default: an automatic cut that balances the planner's per-layer costs). The
-      automatic cut keeps every rank under ``memory_cap`` bytes (planner's memory model; None: no
-      cap) for micro-batches of ``microbatch_size`` sequences (default 1) of ``seq_len`` tokens
-      (default: the model's context, at most 4096). All seven are refused with ``pp=1``, where there
-      is no pipeline (gradient accumulation without a pipeline: ``TrainStep(microbatches=...)``).
+      so each one's all-to-alls hide behind the other's compute). ZB-V and DualPipeV run each
+      backward as an input- and a weight-gradient pass over one graph, so they keep the experts'
+      saved GEMM-1 output through the first (``moe_ep.ops.set_repeatable_backward(True)``, for
+      the process): one ``[routed rows, 2I]`` buffer more at the experts' backward peak.
+      ``microbatches`` (required, at least ``pp``) is the number of micro-batches per step;
+      ``split_points`` the decoder-layer indices that start stages 1..S-1 (default: an automatic
+      cut that balances the planner's per-layer costs). The automatic cut keeps every rank under
+      ``memory_cap`` bytes (planner's memory model; None: no cap) for micro-batches of
+      ``microbatch_size`` sequences (default 1) of ``seq_len`` tokens (default: the model's
+      context, at most 4096). All seven are refused with ``pp=1``, where there is no pipeline (gradient accumulation without a pipeline: ``TrainStep(microbatches=...)``).
 
     Options:
 

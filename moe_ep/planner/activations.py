@@ -329,14 +329,16 @@ def chunked_head_scratch(spec: ModelSpec, mb: MicroBatch) -> float:
 
 
 def layer_scratch(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep: int = 1,
-                  routed: Routed | None = None) -> float:
+                  routed: Routed | None = None, repeatable: bool = False) -> float:
     """Transient memory of a decoder layer's backward beyond its saved tensors (estimated from the
     backward's formulas, not measured): the gradients of the residual stream and of the branch,
     and the largest kernel's intermediates, the experts' (torch: the gathered rows and output
-    gradient, GEMM-1's output gradient, the weighted activation; Triton: GEMM-1's output gradient
-    over the padded rows with, first, the weighted activation the down projection's gradient
-    reads and then the rows' input gradient) or attention's (q, k, v gradients and flash
-    attention's float32 accumulator for dq)."""
+    gradient, the output gradient through the down projection and the weighted activation;
+    Triton: the output gradient in the padded rows and the weighted activation the down
+    projection's gradient reads, later the rows' input gradient) or attention's (q, k, v
+    gradients and flash attention's float32 accumulator for dq). GEMM-1's output gradient goes
+    over its saved output, except under ``repeatable`` (``moe_ep.ops.repeatable_backward``, which
+    ZB-V and DualPipeV set), where it is one more ``[rows, 2I]`` buffer."""
     T, H, I = mb.tokens, spec.hidden_size, spec.intermediate_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     stream = 2 * BF16 * T * H
@@ -345,10 +347,11 @@ def layer_scratch(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep:
         width = spec.dense_intermediate_size if spec.num_experts else I
         return stream + max(attention, BF16 * T * 3 * width)
     pairs = routed.pairs if ep > 1 else T * spec.top_k
+    gemm1_grad = 2 * I if repeatable else 0
     if backend == "torch":
-        expert = BF16 * pairs * (2 * H + 4 * I)
+        expert = BF16 * pairs * (2 * H + 2 * I + gemm1_grad)
     else:
-        expert = BF16 * padded_rows(pairs, spec.num_experts // ep) * (2 * I + max(I, H))
+        expert = BF16 * padded_rows(pairs, spec.num_experts // ep) * (H + I + gemm1_grad)
     return stream + max(attention, expert)
 
 

@@ -135,6 +135,7 @@ def build_units(
     expert_load = steady.pairs / (T * spec.top_k) if expert_parallel else 1.0
 
     pipelined = layout.pp > 1
+    split_backward = pipelined and layout.info.splits_backward
     optim_bytes = BF16_MOMENTS_BYTES if bf16_moments else STATE_BYTES_PER_PARAM["optim"]
     optim_traffic = BF16_MOMENTS_OPTIMIZER_BYTES if bf16_moments else OPTIMIZER_BYTES_PER_PARAM
 
@@ -165,7 +166,7 @@ def build_units(
         saved = policy_layer_saved(spec, i, mb, backend, policy, ep, startup)
         # The recompute makes again what the layer did not keep (its input it kept).
         again = max(0.0, full - saved + checkpointed_layer_saved(spec, mb)) if policy != "none" else 0.0
-        scratch = layer_scratch(spec, i, mb, backend, ep, startup) + again
+        scratch = layer_scratch(spec, i, mb, backend, ep, startup, repeatable=split_backward) + again
         a2a, buffers = (), 0.0
         if expert_parallel and moe:
             buffers = BF16 * H * (startup.sent + startup.received)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...ops.experts_op import set_repeatable_backward
 from ...planner.memory import layer_ids
 from ...planner.partition import Partition, partition
 from ..config import PipelineConfig
@@ -56,8 +57,13 @@ def build_stages(
 ) -> PipelineStages:
     """This rank's stages of the cut ``part``: the stage modules, ``stage_transform`` applied to
     them (in stage order) before torch wraps them, on ``device`` (default: the model's, cpu for
-    meta)."""
+    meta). A schedule that splits backwards (ZB-V, DualPipeV) runs the experts' backward of one
+    forward in its input- and its weight-gradient pass: the experts keep their saved GEMM-1
+    output from then on, in the process (``moe_ep.ops.set_repeatable_backward``)."""
     from torch.distributed.pipelining import PipelineStage
+
+    if pipeline.info.splits_backward:
+        set_repeatable_backward(True)
 
     if device is None:
         device = next(model.parameters()).device
