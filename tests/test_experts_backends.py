@@ -88,9 +88,10 @@ def test_half_routing_weights_match_float64_reference(case, dtype, backend):
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_torch_backend_in_row_blocks_matches_float64_and_one_block(dtype, activation, monkeypatch):
-    """The torch backend's gated activation runs its float32 temporaries a block of rows at a time:
-    with blocks of 3 rows (the last one ragged) it still matches float64, and the one-block run
-    bit for bit (each row's arithmetic does not depend on the block)."""
+    """The torch backend's gated activation, routing weight and combine make their float32
+    temporaries a block of rows at a time: with blocks of 3 rows (the last one ragged) it still
+    matches float64, and the one-block run bit for bit (each row's arithmetic does not depend on
+    the block)."""
     from moe_ep.ops import activations
 
     case = MULTI_TILE
@@ -99,7 +100,7 @@ def test_torch_backend_in_row_blocks_matches_float64_and_one_block(dtype, activa
     dy = torch.randn(case.T, case.H, dtype=torch.float64)
     one_block = run_with_grads(experts("torch", activation), x, idx, w, gate_up, down, dy)
     monkeypatch.setattr(activations, "CHUNK_ELEMENTS", 3 * 2 * case.I)
-    assert len(activations._row_blocks(case.T * case.K, 2 * case.I)) == -(-case.T * case.K // 3) > 1
+    assert len(activations.row_blocks(case.T * case.K, 2 * case.I)) == -(-case.T * case.K // 3) > 1
     check_against_reference("torch", "cpu", case, dtype, activation=activation)
     y, grads = run_with_grads(experts("torch", activation), x, idx, w, gate_up, down, dy)
     assert torch.equal(y, one_block[0]) and all(torch.equal(a, b) for a, b in zip(grads, one_block[1]))

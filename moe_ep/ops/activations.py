@@ -33,7 +33,8 @@ def act_bwd(grad: torch.Tensor, gate: torch.Tensor, activation: str, *, out: tor
 CHUNK_ELEMENTS = 1 << 26
 
 
-def _row_blocks(num_rows: int, row_elements: int) -> list[slice]:
+def row_blocks(num_rows: int, row_elements: int) -> list[slice]:
+    """Slices of rows holding about ``CHUNK_ELEMENTS`` elements each (at least one row)."""
     step = max(1, CHUNK_ELEMENTS // max(1, row_elements))
     return [slice(start, min(start + step, num_rows)) for start in range(0, num_rows, step)]
 
@@ -42,9 +43,10 @@ def glu_fwd(gate_up_N2I: torch.Tensor, activation: str, dtype: torch.dtype) -> t
     """act(gate) * up, computed in float32, returned in ``dtype``."""
     N, two_I = gate_up_N2I.shape
     h_NI = gate_up_N2I.new_empty((N, two_I // 2), dtype=dtype)
-    for rows in _row_blocks(N, two_I):
+    for rows in row_blocks(N, two_I):
         gate, up = gate_up_N2I[rows].float().chunk(2, dim=-1)
         h_NI[rows] = act_fwd(gate, activation).mul_(up)
+        del gate, up  # before the next block's are made
     return h_NI
 
 
@@ -61,7 +63,7 @@ def glu_bwd(gate_up_N2I: torch.Tensor, dh_NI: torch.Tensor, w_N: torch.Tensor, a
     dw_N = torch.empty(N, dtype=torch.float32, device=gate_up_N2I.device)
     wh_NI = gate_up_N2I.new_empty((N, two_I // 2))
     d_gate_up_N2I = gate_up_N2I if overwrite else torch.empty_like(gate_up_N2I)
-    for rows in _row_blocks(N, two_I):
+    for rows in row_blocks(N, two_I):
         # A copy also in float32 when the gradient goes over the rows: up is read after d up is written.
         gate, up = gate_up_N2I[rows].to(torch.float32, copy=overwrite).chunk(2, dim=-1)
         dh = dh_NI[rows].float()
@@ -74,4 +76,5 @@ def glu_bwd(gate_up_N2I: torch.Tensor, dh_NI: torch.Tensor, w_N: torch.Tensor, a
         d_gate, d_up = d_gate_up_N2I[rows].chunk(2, dim=-1)
         d_up.copy_(wh.copy_(dh).mul_(act))
         d_gate.copy_(act_bwd(dh.mul_(up), gate, activation, out=act))
+        del gate, up, dh, act, wh  # before the next block's are made
     return dw_N, wh_NI, d_gate_up_N2I

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.library import grouped_mm as _grouped_mm
-from .activations import glu_bwd, glu_fwd
+from .activations import glu_bwd, glu_fwd, row_blocks
 from .experts_op import register_experts_autograd
 
 
@@ -61,11 +61,23 @@ def grouped_outer(a_NF: torch.Tensor, b_ND: torch.Tensor, offsets_E: torch.Tenso
     return _grouped_mm(a.t(), b, offs=offsets_E)[:, :F, :D]
 
 
+def _scale_rows_(rows_NH: torch.Tensor, w_N: torch.Tensor) -> None:
+    """``rows[n] *= w[n]`` in place, multiplied in float32, a block of rows at a time."""
+    for rows in row_blocks(*rows_NH.shape):
+        rows_NH[rows] = rows_NH[rows].float().mul_(w_N[rows, None])
+
+
 def _unsort_sum(rows_N: torch.Tensor, order_N: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-    """Put sorted rows back into (token, slot) order and sum each token's slots in float32."""
-    slots = torch.empty_like(rows_N)
+    """Put sorted rows back into (token, slot) order and sum each token's slots in float32, rounded
+    to the rows' dtype a block of tokens at a time (float32 copies of a block only)."""
+    H = rows_N.shape[1]
+    slots = torch.empty_like(rows_N, memory_format=torch.contiguous_format)
     slots.index_copy_(0, order_N, rows_N)
-    return slots.view(num_tokens, top_k, rows_N.shape[1]).sum(1, dtype=torch.float32)
+    slots_TKH = slots.view(num_tokens, top_k, H)
+    sum_TH = rows_N.new_empty((num_tokens, H))
+    for tokens in row_blocks(num_tokens, top_k * H):
+        sum_TH[tokens] = slots_TKH[tokens].sum(1, dtype=torch.float32)
+    return sum_TH
 
 
 def _forward_impl(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation):
@@ -76,9 +88,8 @@ def _forward_impl(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation):
     gate_up_N2I = grouped_linear(x_NH, gate_up_E2IH, offsets_E)
     h_NI = glu_fwd(gate_up_N2I, activation, x_TH.dtype)
     out_NH = grouped_linear(h_NI, down_EHI, offsets_E)
-    w_N = w_TK.reshape(-1)[order_N].float()
-    out_NH = out_NH.float().mul_(w_N[:, None]).to(x_TH.dtype)  # in place for float32
-    y_TH = _unsort_sum(out_NH, order_N, T, K).to(x_TH.dtype)
+    _scale_rows_(out_NH, w_TK.reshape(-1)[order_N].float())
+    y_TH = _unsort_sum(out_NH, order_N, T, K)
     # Odd intermediate sizes leave a view of the padded product: the op's outputs must be dense,
     # as its fake implementation says (a no-op for the aligned sizes of real models).
     return y_TH, order_N, offsets_E, gate_up_N2I.contiguous()
@@ -127,19 +138,21 @@ def experts_torch_bwd(
     T, K = w_TK.shape
     dtype = x_TH.dtype
     token_N = order_N // K
-    dy_NH = dy_TH.to(dtype)[token_N]
-    x_NH = x_TH[token_N]
     w_N = w_TK.reshape(-1)[order_N].float()
+    # Each [N, H] or [N, I] intermediate is freed after its last reader, so that the backward holds
+    # at most the output gradient's rows and two [N, I] buffers, or two [N, H] ones, at a time.
+    dy_NH = dy_TH.to(dtype)[token_N]
     # Gradient of the unweighted expert output w.r.t. h: dy @ down[e]. Since
     # d w_n = <dy_t, down[e] h_n> = <dy_t @ down[e], h_n>, the expert output need not be kept.
     dh_raw_NI = grouped_linear(dy_NH, down_EHI.transpose(1, 2), offsets_E)
     dw_N, wh_NI, d_gate_up_N2I = glu_bwd(gate_up_N2I, dh_raw_NI, w_N, activation, overwrite=overwrite_saved)
+    del dh_raw_NI
     dw_TK = torch.empty_like(dw_N).index_copy_(0, order_N, dw_N).view(T, K).to(w_TK.dtype)
     # d down[e] = sum_n (w_n dy_n)^T h_n = sum_n dy_n^T (w_n h_n): the weight goes on h.
     d_down_EHI = grouped_outer(dy_NH, wh_NI, offsets_E)
-    d_gate_up_E2IH = grouped_outer(d_gate_up_N2I, x_NH, offsets_E)
-    dx_NH = grouped_linear(d_gate_up_N2I, gate_up_E2IH.transpose(1, 2), offsets_E)
-    dx_TH = _unsort_sum(dx_NH, order_N, T, K).to(dtype)
+    del dy_NH, wh_NI
+    dx_TH = _unsort_sum(grouped_linear(d_gate_up_N2I, gate_up_E2IH.transpose(1, 2), offsets_E), order_N, T, K)
+    d_gate_up_E2IH = grouped_outer(d_gate_up_N2I, x_TH[token_N], offsets_E)
     # Odd sizes leave views of the padded products; the fake implementation (and so a compiled
     # graph around the op) expects dense gradients. A no-op for the aligned sizes of real models.
     return dx_TH, dw_TK, d_gate_up_E2IH.contiguous(), d_down_EHI.contiguous()

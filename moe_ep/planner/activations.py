@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..ops.activations import CHUNK_ELEMENTS
 from ..ops.linear_cross_entropy import default_chunk_tokens
 from .recompute import recompute_policy
 from .spec import BF16, FP32, ModelSpec
@@ -328,17 +329,40 @@ def chunked_head_scratch(spec: ModelSpec, mb: MicroBatch) -> float:
     return max((FP32 + BF16) * chunk * V + BF16 * V * H, (FP32 + BF16) * V * H)
 
 
+def experts_scratch(pairs: float, hidden: int, intermediate: int, experts: int, backend: str,
+                    repeatable: bool = False) -> float:
+    """What ``moe_experts``' backward (bf16, ``pairs`` routed rows over ``experts``) holds at once
+    beyond its saved tensors and the gradients it returns, counted from its code and checked
+    against the bytes its CPU run allocates (``tests/test_plan_scratch.py``). Torch: at its peak,
+    in the gated activation's backward, the output gradient's rows, their product with the down
+    projection and the weighted activation, the float32 temporaries of a block of rows
+    (``ops.activations.CHUNK_ELEMENTS``: 12 bytes per element of its ``[rows, 2I]`` block) and the
+    per-row indices and weights; later the input gradient's rows and their copy in token order.
+    Triton: the output gradient's padded rows with the weighted activation, and the partial
+    routing-weight gradients (one float32 per row and 64 columns at most). GEMM 1's output
+    gradient goes over its saved output, except under ``repeatable``
+    (``moe_ep.ops.repeatable_backward``, which ZB-V and DualPipeV set), where it is one more
+    ``[rows, 2I]`` buffer."""
+    H, I = hidden, intermediate
+    gemm1_grad = BF16 * 2 * I if repeatable else 0
+    if backend == "torch":
+        vectors = 20  # per row: its token (int64), routing weight and weight gradient, and dw's copy
+        activation = (pairs * (BF16 * (H + 2 * I) + gemm1_grad + vectors)
+                      + 3 * FP32 * min(CHUNK_ELEMENTS, pairs * 2 * I))
+        combine = pairs * (BF16 * 2 * H + gemm1_grad + vectors) + FP32 * min(CHUNK_ELEMENTS, pairs * H)
+        return max(activation, combine)
+    weight_grad_parts = FP32 * math.ceil(I / 64)
+    return (padded_rows(pairs, experts) * (BF16 * (H + I) + gemm1_grad + weight_grad_parts)
+            + pairs * (8 + weight_grad_parts))
+
+
 def layer_scratch(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep: int = 1,
                   routed: Routed | None = None, repeatable: bool = False) -> float:
-    """Transient memory of a decoder layer's backward beyond its saved tensors (estimated from the
-    backward's formulas, not measured): the gradients of the residual stream and of the branch,
-    and the largest kernel's intermediates, the experts' (torch: the gathered rows and output
-    gradient, the output gradient through the down projection and the weighted activation;
-    Triton: the output gradient in the padded rows and the weighted activation the down
-    projection's gradient reads, later the rows' input gradient) or attention's (q, k, v
-    gradients and flash attention's float32 accumulator for dq). GEMM-1's output gradient goes
-    over its saved output, except under ``repeatable`` (``moe_ep.ops.repeatable_backward``, which
-    ZB-V and DualPipeV set), where it is one more ``[rows, 2I]`` buffer."""
+    """Transient memory of a decoder layer's backward beyond its saved tensors: the gradients of
+    the residual stream and of the branch (estimated from the backward's formulas), and the
+    largest kernel's intermediates, the experts' (:func:`experts_scratch`, ``repeatable`` as
+    there) or attention's (q, k, v gradients and flash attention's float32 accumulator for dq;
+    estimated)."""
     T, H, I = mb.tokens, spec.hidden_size, spec.intermediate_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     stream = 2 * BF16 * T * H
@@ -347,11 +371,7 @@ def layer_scratch(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep:
         width = spec.dense_intermediate_size if spec.num_experts else I
         return stream + max(attention, BF16 * T * 3 * width)
     pairs = routed.pairs if ep > 1 else T * spec.top_k
-    gemm1_grad = 2 * I if repeatable else 0
-    if backend == "torch":
-        expert = BF16 * pairs * (2 * H + 2 * I + gemm1_grad)
-    else:
-        expert = BF16 * padded_rows(pairs, spec.num_experts // ep) * (H + I + gemm1_grad)
+    expert = experts_scratch(pairs, H, I, spec.num_experts // ep, backend, repeatable)
     return stream + max(attention, expert)
 
 
