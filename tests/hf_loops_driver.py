@@ -2,7 +2,7 @@
 accelerate_loop.py several times in one launched world, each run as its script would run alone,
 so that the tests pay the start-up of a world once. accelerate's shared state (and the
 environment a run asks for, e.g. ``ACCELERATE_MIXED_PRECISION``) is reset between runs; the
-process group stays.
+process group stays; no rank starts a run before every rank has ended the one before.
 
 argv[1]: a JSON list of ``[script, flags, env]``. Rank 0 prints ``RUN <index> rc=<exit status>``
 after each run; the runs' figures are in their output folders (``metrics.jsonl``, ``final/``)."""
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mixtral"
@@ -31,6 +32,21 @@ def reset_accelerate() -> None:
     GradientState._reset_state()
 
 
+def every_rank_ended(index: int) -> None:
+    """Wait until every rank has ended run ``index``, as separate launches would: a rank that went
+    on early would check the next run's folder while rank 0 still wrote this run's end into it.
+    Through the launcher's store, which outlives a process group a failed run destroyed."""
+    import torch.distributed as dist
+
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size == 1:
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=300))
+    store.set(f"hf_loops_driver/{index}/{os.environ['RANK']}", "ended")
+    store.wait([f"hf_loops_driver/{index}/{rank}" for rank in range(world_size)])
+
+
 def main() -> None:
     base_env = dict(os.environ)
     for index, (script, flags, env) in enumerate(json.loads(sys.argv[1])):
@@ -40,6 +56,7 @@ def main() -> None:
         code = SCRIPTS[script].main(flags)
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"RUN {index} rc={code}", flush=True)
+        every_rank_ended(index)
 
 
 if __name__ == "__main__":
