@@ -70,9 +70,25 @@ def torchrun_cmd(out: Path, *extra: str, processes: int = 2, layout=LAYOUT) -> l
 
 
 def run(cmd, timeout=240) -> str:
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
+    code, output = run_to_end(cmd, env(), timeout)
+    assert code == 0, output[-6000:]
+    return output
+
+
+def run_to_end(cmd, environment: dict, timeout: float) -> tuple[int, str]:
+    """Run a launcher to its end: (its exit status, its output, stdout then stderr). One that has
+    not ended after ``timeout`` s is killed with every process under it, and the test fails with
+    what it printed (a hung world says where it hung; its ranks do not outlive the test)."""
+    proc = subprocess.Popen(cmd, env=environment, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_launch(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f"{cmd[2]} ... did not end within {timeout:.0f} s; its output:\n{(out + err)[-6000:]}"
+                             ) from None
+    return proc.returncode, out + err
 
 
 def launch(cmd, log: Path, **extra_env: str) -> subprocess.Popen:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import NamedTuple
+
+from example_runs import free_port, run_to_end
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "mixtral"
@@ -69,12 +69,6 @@ def one_process_runs(worlds: tuple[int, ...]) -> list[Run]:
             for world in worlds for script in SCRIPTS]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(runs: list[Run], processes: int, out: Path, *, timeout: float) -> str:
     """All ``runs`` in one ``accelerate launch`` of ``processes`` CPU processes, each writing into
     ``out / run.folder``; returns the launch's output and asserts every run ended with status 0."""
@@ -85,10 +79,9 @@ def launch(runs: list[Run], processes: int, out: Path, *, timeout: float) -> str
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_MIXED_PRECISION"):
         env.pop(name, None)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(EXAMPLE / "configs" / "cpu.yaml"),
-           "--num_processes", str(processes), "--main_process_port", str(_free_port()), str(DRIVER), json.dumps(table)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-6000:]
+           "--num_processes", str(processes), "--main_process_port", str(free_port()), str(DRIVER), json.dumps(table)]
+    code, output = run_to_end(cmd, env, timeout)
+    assert code == 0, output[-6000:]
     codes = [line for line in output.splitlines() if line.startswith("RUN ")]
     assert codes == [f"RUN {i} rc=0" for i in range(len(runs))], output[-6000:]
     return output
