@@ -339,7 +339,8 @@ def experts_scratch(pairs: float, hidden: int, intermediate: int, experts: int, 
     (``ops.activations.CHUNK_ELEMENTS``: 12 bytes per element of its ``[rows, 2I]`` block) and the
     per-row indices and weights; later the input gradient's rows and their copy in token order.
     Triton: the output gradient's padded rows with the weighted activation, and the partial
-    routing-weight gradients (one float32 per row and 64 columns at most). GEMM 1's output
+    routing-weight gradients (one float32 per row and column block; the blocks of aligned rows,
+    which real models have, are at least 64 columns wide). GEMM 1's output
     gradient goes over its saved output, except under ``repeatable``
     (``moe_ep.ops.repeatable_backward``, which ZB-V and DualPipeV set), where it is one more
     ``[rows, 2I]`` buffer."""
