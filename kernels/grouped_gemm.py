@@ -771,6 +771,20 @@ def _tuned(kernel: str, meta: RoutingMetadata, dtype, device, shapes: tuple, ali
         return run(config)
 
 
+def _made_once(make):
+    """``make()`` at the first call, the same tensor at every later one: a launcher's output buffer,
+    made only when a Triton launch runs. The library's GEMM makes its own, and a buffer made for
+    nothing beside it would double the launch's output at its peak (a whole weight gradient)."""
+    made = []
+
+    def get() -> torch.Tensor:
+        if not made:
+            made.append(make())
+        return made[0]
+
+    return get
+
+
 def _row_tiles(config: Config, num_rows: int, n_out: int) -> int:
     return num_rows // config.BLOCK_M * triton.cdiv(n_out, config.BLOCK_N)
 
@@ -839,18 +853,18 @@ def rows_matmul(a_PD: torch.Tensor, w_E: torch.Tensor, meta: RoutingMetadata, *,
     _check_expert_size("w_E", w_E)
     if scale_N is not None:
         scale_N = _check("scale_N", scale_N, (meta.slot_pos_N.numel(),), torch.float32)
-    out_PF = a_PD.new_empty(P, n_out)
     if P == 0:
-        return out_PF
+        return a_PD.new_empty(P, n_out)
     # The pointer is never read without SCALE; any float32 tensor keeps the signature fixed.
     scale = scale_N if scale_N is not None else a_PD.new_empty(0, dtype=torch.float32)
+    out = _made_once(lambda: a_PD.new_empty(P, n_out))
 
     def launch(c: Config):
         _run(_rows_matmul_kernel, c, _row_tiles(c, P, n_out), a_PD.device,
-             a_PD, w_E, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P, scale, out_PF,
+             a_PD, w_E, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P, scale, out(),
              P, n_out, k_red, E, meta.pad_m, W_NK=w_layout == "nk", SCALE=scale_N is not None, GROUP_M=GROUP_M,
              ALIGN=align)
-        return out_PF
+        return out()
 
     def library():
         # Rows past the last expert's end are not written, as by the kernel; the routing weight is
@@ -911,15 +925,14 @@ def glu_backward(dy_PH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Ten
         return dpre_P2I, w_N.new_zeros(N), pre_P2I.new_empty(P, I)
     # Where launches write d pre. Over pre, the configurations timed on a problem's first call
     # write a scratch buffer instead: pre must reach the launch whose result is kept intact.
-    sink = [] if overwrite_pre else [dpre_P2I]
+    scratch = _made_once(lambda: torch.empty_like(pre_P2I))
+    timing = [overwrite_pre]
 
     def dpre_out() -> torch.Tensor:
-        if not sink:
-            sink.append(torch.empty_like(pre_P2I))
-        return sink[0]
+        return scratch() if timing[0] else dpre_P2I
 
     def keep() -> None:
-        sink[:] = [dpre_P2I]
+        timing[0] = False
 
     def launch(c: Config):
         hs_PI = pre_P2I.new_empty(P, I)
@@ -961,22 +974,22 @@ def weight_grad(a_PF: torch.Tensor, b_PD: torch.Tensor, meta: RoutingMetadata) -
     E = meta.counts_E.numel()
     a_PF = _check("a_PF", a_PF, (P, F), a_PF.dtype)
     b_PD = _check("b_PD", b_PD, (P, D), a_PF.dtype)
-    out_EFD = a_PF.new_empty(E, F, D)
     if P == 0:
-        return out_EFD.zero_()
+        return a_PF.new_zeros(E, F, D)
+    out = _made_once(lambda: a_PF.new_empty(E, F, D))
 
     def launch(c: Config):
         tiles = E * triton.cdiv(F, c.BLOCK_M) * triton.cdiv(D, c.BLOCK_N)
-        _run(_weight_grad_kernel, c, tiles, out_EFD.device,
-             a_PF, b_PD, meta.padded_offsets_E1, out_EFD, P, F, D, E, GROUP_M=GROUP_M, ALIGN=align)
-        return out_EFD
+        _run(_weight_grad_kernel, c, tiles, a_PF.device,
+             a_PF, b_PD, meta.padded_offsets_E1, out(), P, F, D, E, GROUP_M=GROUP_M, ALIGN=align)
+        return out()
 
     def library():
         # The expert's rows are the reduction: the 2-D x 2-D form, one [F, D] product per group.
         return grouped_mm(a_PF.t(), b_PD, offs=meta.padded_offsets_E1[1:])
 
-    align = row_align(out_EFD.dtype, F, D)
-    return _tuned("weight_grad", meta, out_EFD.dtype, out_EFD.device, (F, D, E), align, launch, library=library)
+    align = row_align(a_PF.dtype, F, D)
+    return _tuned("weight_grad", meta, a_PF.dtype, a_PF.device, (F, D, E), align, launch, library=library)
 
 
 def combine(rows_PH: torch.Tensor, meta: RoutingMetadata, num_tokens: int, top_k: int) -> torch.Tensor:

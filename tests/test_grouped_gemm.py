@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from moe_cases import CASES
+from live_bytes import LiveBytes
+from moe_cases import CASES, Case
 from moe_ep.kernels import autotune
 from moe_ep.kernels import grouped_gemm as gg
 from moe_ep.kernels.routing_metadata import routing_metadata
@@ -80,3 +81,21 @@ def test_glu_backward_over_pre_times_its_configurations_on_a_copy(dtype, monkeyp
     assert torch.equal(dw, kept[1])
     for a, b in ((dpre, kept[0]), (hs, kept[2])):
         assert torch.equal(a[:live], b[:live])
+
+
+@pytest.mark.parametrize("stage", ["rows_matmul", "weight_grad"])
+def test_a_stage_on_the_library_makes_no_unused_output_buffer(stage, monkeypatch):
+    """Where the library's grouped GEMM runs a stage (chosen per stage on sm_90) it makes its own
+    output: the Triton launch's buffer must not be made beside it (for a weight gradient, a whole
+    gradient more at the backward's peak)."""
+    monkeypatch.setattr(gg, "_tuned", lambda *args, library, before_kept=None, **kwargs: library())
+    case = Case("aligned", T=64, H=32, I=48, E=4, K=2)
+    x, idx, w, gate_up, down = case.make(torch.bfloat16, device=DEVICE)
+    meta = routing_metadata(idx, case.E, gg.routing_block(idx.numel(), case.E))
+    x_PH = gg.gather_rows(x, meta, case.K)
+    with LiveBytes() as live:
+        if stage == "rows_matmul":
+            out = gg.rows_matmul(x_PH, gate_up, meta, w_layout="nk")
+        else:
+            out = gg.weight_grad(x_PH, x_PH, meta)
+    assert live.peak() == out.untyped_storage().nbytes()
