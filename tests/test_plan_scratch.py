@@ -10,6 +10,7 @@ import torch
 from live_bytes import LiveBytes
 from moe_cases import Case
 from moe_ep.kernels.grouped_gemm import routing_block
+from moe_ep.kernels.runtime import interpreting
 from moe_ep.ops import activations
 from moe_ep.ops.experts_torch import experts_torch_fwd
 from moe_ep.ops.experts_triton import experts_triton_fwd
@@ -41,8 +42,14 @@ def measured_scratch(backend: str, case: Case, overwrite: bool) -> int:
     return live.peak(excluding=grads)
 
 
+# On the CPU: the Triton kernels under the interpreter (on a GPU machine the interpreter is off,
+# and a launch may allocate what the count would see and the GPU run does not need: skipped).
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not interpreting(), reason="counts the Triton kernels' buffers under the interpreter, on the CPU"))]
+
+
 @pytest.mark.parametrize("repeatable", [False, True], ids=["over_gemm1_output", "repeatable"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", SHAPES, ids=lambda c: c.name)
 def test_the_experts_backward_holds_what_the_planner_charges(case, backend, repeatable):
     measured = measured_scratch(backend, case, overwrite=not repeatable)
