@@ -220,9 +220,10 @@ class _Made(TorchDispatchMode):
         self.shapes = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "moe_ep":
+        opdef = _maybe_get_opdef(func) if func.namespace == "moe_ep" else None
+        if opdef is not None:
             with self:  # the op's Python body, under this mode
-                return _maybe_get_opdef(func)._init_fn(*args, **(kwargs or {}))
+                return opdef._init_fn(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if str(func) in self.funcs and isinstance(out, torch.Tensor):
             self.shapes.append(tuple(out.shape))
