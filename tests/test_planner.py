@@ -10,6 +10,7 @@ import json
 import math
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -224,7 +225,7 @@ def test_cli_prints_a_fitting_layout(capsys):
 
 
 def test_every_preset_is_there_with_its_figures():
-    assert {"dgx-a100-40gb", "dgx-a100-80gb", "p4d", "p4de", "dgx-h100", "p5"} <= set(CLUSTERS)
+    assert {"dgx-a100-40gb", "dgx-a100-80gb", "p4d", "p4de", "dgx-h100", "p5", "dgx-h200", "p5e"} <= set(CLUSTERS)
     figures = {name: (p.gpu.peak_tflops, p.gpu.memory_gib, p.gpu.hbm_gbps, p.network_gbps_per_gpu)
                for name, p in CLUSTERS.items()}
     assert figures["dgx-a100-80gb"] == (312, 80, 2039, 25)
@@ -233,6 +234,8 @@ def test_every_preset_is_there_with_its_figures():
     assert figures["p4de"] == (312, 80, 2039, 6.25)
     assert figures["dgx-h100"] == (989, 80, 3350, 50)
     assert figures["p5"] == (989, 80, 3350, 50)  # 3,200 Gb/s EFA
+    assert figures["dgx-h200"] == (989, 140, 4800, 50)
+    assert figures["p5e"] == (989, 140, 4800, 50)
     for p in CLUSTERS.values():
         assert p.source and p.gpu.source and p.gpus_per_node == 8
 
@@ -327,6 +330,21 @@ def test_calibration_file_replaces_the_default_efficiencies(tmp_path):
     ratio = dict(p.best.time.rows())[key] / dict(default.best.time.rows())[key]
     assert ratio == pytest.approx(default.cluster.efficiencies.grouped_gemm / eff.grouped_gemm, rel=1e-9)
     assert "measured: kernels_a100.json" in p.report()
+
+
+def test_an_h200_cluster_takes_the_committed_h200_gate_and_an_h100_cluster_refuses_it():
+    """The gate measured on an H200 calibrates an H200 cluster (its compute rates with the H100's
+    peak, its copy bandwidth against the H200's HBM); an H100 cluster refuses it."""
+    gate = Path("benchmarks/results/gpu_check_nvidia-h200_2026-11-28.json")
+    kwargs = dict(nodes=8, calibration=gate, pp=1, ep=8, microbatch_size=1, checkpointing="full")
+    eff = plan("mixtral-8x7b", cluster="dgx-h200", **kwargs).cluster.efficiencies
+    assert eff.grouped_gemm == pytest.approx(605.08 / 989, rel=1e-3)
+    assert eff.dense_gemm == pytest.approx(691.23 / 989, rel=1e-3)
+    assert eff.memory == pytest.approx(4114.84 / 4800, rel=1e-3)
+    assert eff.source("grouped_gemm").startswith(f"measured: {gate.name}, NVIDIA H200, moe_ep[triton] fwd+bwd")
+    assert "the H100's (the same GH100 compute)" in eff.source("attention")
+    with pytest.raises(ValueError, match="was measured on 'NVIDIA H200', not on a H100"):
+        plan("mixtral-8x7b", cluster="dgx-h100", **kwargs)
 
 
 def test_calibration_from_a_gate_with_several_problems_reads_its_first(tmp_path):

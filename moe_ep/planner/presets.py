@@ -63,6 +63,11 @@ H100_80GB = GPU(
     "H100-SXM5-80GB", "H100", 989.0, 80.0, 3350.0, 360.0,
     "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (450 GB/s each way)",
 )
+H200_141GB = GPU(
+    "H200-SXM-141GB", "H200", 989.0, 140.0, 4800.0, 360.0,
+    "NVIDIA H200 datasheet: 989 TFLOP/s dense BF16, 141 GB HBM3e (143,771 MiB as CUDA reports it: 140 GiB) at "
+    "4.8 TB/s, NVLink 900 GB/s (450 GB/s each way)",
+)
 
 _FA2 = "FlashAttention-2 (Dao, 2023)"
 _GROUPED = ("estimated: 0.85 x the dense figure, the bar moe_ep's Triton grouped GEMMs are benchmarked against "
@@ -92,6 +97,15 @@ EFFICIENCIES = {
         ),
     ),
 }
+# The H200 is the H100's GH100 chip (the same SMs and clocks) with faster, larger HBM: its
+# compute-bound kernels run at the H100's rates (the gates of 2026-11-25 and 2026-11-28 measured
+# the same dense cuBLAS chain at 684 and 691 TFLOP/s), so the H100's compute estimates stand.
+EFFICIENCIES["H200"] = Efficiencies(
+    grouped_gemm=EFFICIENCIES["H100"].grouped_gemm, dense_gemm=EFFICIENCIES["H100"].dense_gemm,
+    attention=EFFICIENCIES["H100"].attention, memory=EFFICIENCIES["H100"].memory,
+    sources=tuple((kind, f"the H100's (the same GH100 compute): {text}") if kind != "memory" else (kind, text)
+                  for kind, text in EFFICIENCIES["H100"].sources),
+)
 
 
 @dataclass(frozen=True)
@@ -135,6 +149,14 @@ CLUSTERS = {
         ClusterPreset(
             "p5", "AWS p5.48xlarge", H100_80GB, 8, 3200 * GBIT, "3,200 Gb/s EFAv2 (32 x 100 Gb/s)",
             "AWS EC2 P5 instances: 8 H100 80 GB, NVSwitch 900 GB/s, 3,200 Gbps EFAv2",
+        ),
+        ClusterPreset(
+            "dgx-h200", "NVIDIA DGX H200", H200_141GB, 8, 8 * 400 * GBIT, "8 x 400 Gb/s NDR InfiniBand",
+            "NVIDIA DGX H200 datasheet: 8 ConnectX-7 (400 Gb/s each) for compute traffic",
+        ),
+        ClusterPreset(
+            "p5e", "AWS p5e.48xlarge", H200_141GB, 8, 3200 * GBIT, "3,200 Gb/s EFA (32 x 100 Gb/s)",
+            "AWS EC2 P5e instances: 8 H200 141 GB, NVSwitch 900 GB/s, 3,200 Gbps EFA",
         ),
     )
 }
