@@ -50,9 +50,11 @@ ACTIVATIONS = ("silu", "gelu")
 # Row blocks of the padded layout grouped along M so that consecutive programs reuse the same
 # weight tiles from L2; in the weight gradients, blocks of the weight's rows.
 GROUP_M = 8
+# The gather-sum (combine, the dispatcher's sums): 8 warps, as 4 spill on sm_90 where rows are
+# not 16-byte aligned (each element then carries its own 64-bit address).
 COMBINE_BLOCK_T = 32
 COMBINE_BLOCK_H = 128
-COMBINE_WARPS = 4
+COMBINE_WARPS = 8
 GATHER_BLOCK_R = 32
 GATHER_BLOCK_H = 128
 GATHER_WARPS = 4
@@ -660,21 +662,28 @@ def _scale_rows_kernel(rows_ptr, scale_ptr, padded_offsets_ptr, sorted_slot_ptr,
         tl.store(ptrs, _downcast(values, rows_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
-@triton.jit(do_not_specialize=["T", "H"], do_not_specialize_on_alignment=["top_k"])
-def _combine_kernel(rows_ptr, slot_pos_ptr, out_ptr, T, H, top_k,
-                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr):
-    """out[t] = sum_k rows[slot_pos[t * K + k]], in float32 and in slot order."""
+@triton.jit(do_not_specialize=["G", "H", "M"], do_not_specialize_on_alignment=["C"])
+def _sum_rows_kernel(rows_ptr, src_ptr, scale_ptr, out_ptr, G, H, C, M, HAS_SCALE: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr):
+    """out[g] = sum_c scale[g, c] * rows[src[g, c]] over the terms with src[g, c] < M (M: none),
+    in float32 and in c order; without HAS_SCALE every scale is 1."""
     H = _aligned(H, ALIGN)
-    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    gs = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    t_ok = ts < T
-    mask = t_ok[:, None] & (hs < H)[None, :]
+    g_ok = gs < G
+    h_ok = hs < H
     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
-    for k in range(0, top_k):
-        pos = tl.load(slot_pos_ptr + ts.to(tl.int64) * top_k + k, mask=t_ok, other=0).to(tl.int64)
-        acc += tl.load(rows_ptr + pos[:, None] * H + hs[None, :], mask=mask, other=0.0).to(tl.float32)
-    out_ptrs = out_ptr + ts[:, None].to(tl.int64) * H + hs[None, :]
-    tl.store(out_ptrs, _downcast(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    for c in range(0, C):
+        term = gs.to(tl.int64) * C + c
+        pos = tl.load(src_ptr + term, mask=g_ok, other=M).to(tl.int64)
+        read = pos < M  # rows past G read as M: none
+        values = tl.load(rows_ptr + pos[:, None] * H + hs[None, :], mask=read[:, None] & h_ok[None, :],
+                         other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            values *= tl.load(scale_ptr + term, mask=read, other=0.0)[:, None]
+        acc += values
+    out_ptrs = out_ptr + gs[:, None].to(tl.int64) * H + hs[None, :]
+    tl.store(out_ptrs, _downcast(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=g_ok[:, None] & h_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -995,23 +1004,47 @@ def weight_grad(a_PF: torch.Tensor, b_PD: torch.Tensor, meta: RoutingMetadata) -
 def combine(rows_PH: torch.Tensor, meta: RoutingMetadata, num_tokens: int, top_k: int) -> torch.Tensor:
     """y[t] = sum_k rows[padded row of slot t * K + k], summed in float32 in slot order."""
     _check_float("rows_PH", rows_PH)
-    P, H = rows_PH.shape
-    rows_PH = _check("rows_PH", rows_PH, (meta.sorted_slot_P.numel(), H), rows_PH.dtype)
+    rows_PH = _check("rows_PH", rows_PH, (meta.sorted_slot_P.numel(), rows_PH.shape[-1]), rows_PH.dtype)
     if meta.slot_pos_N.numel() != num_tokens * top_k:
         raise ValueError(
             f"metadata holds {meta.slot_pos_N.numel()} slots, expected num_tokens * top_k = {num_tokens * top_k}"
         )
-    y_TH = rows_PH.new_empty(num_tokens, H)
-    if num_tokens == 0:
-        return y_TH
-    grid = (triton.cdiv(num_tokens, COMBINE_BLOCK_T), triton.cdiv(H, COMBINE_BLOCK_H))
-    with on_device(rows_PH.device):
-        _combine_kernel[grid](
-            rows_PH, meta.slot_pos_N, y_TH, num_tokens, H, top_k,
-            BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H, ALIGN=row_align(rows_PH.dtype, H),
-            INTERPRETED=interpreting(), num_warps=COMBINE_WARPS,
+    return sum_rows(rows_PH, meta.slot_pos_N.view(num_tokens, top_k))
+
+
+_INDEX_TYPES = (torch.int32, torch.int64)
+
+
+def sum_rows(rows_MH: torch.Tensor, src_GC: torch.Tensor, scale_GC: torch.Tensor | None = None) -> torch.Tensor:
+    """out[g] = sum_c scale[g, c] * rows[src[g, c]] ([G, H], the rows' dtype), summed in float32
+    in c order, a term with src[g, c] >= len(rows) left out (scale defaults to 1): a deterministic
+    gather-sum, each output row written once (no atomics), each row read by its terms only."""
+    _check_float("rows_MH", rows_MH)
+    if rows_MH.dim() != 2:
+        raise ValueError(f"rows_MH must be 2-D [rows, H], got shape {tuple(rows_MH.shape)}")
+    M, H = rows_MH.shape
+    if src_GC.dim() != 2 or src_GC.dtype not in _INDEX_TYPES:
+        raise ValueError(f"src_GC must be a 2-D int32 or int64 tensor [G, C], got {src_GC.dtype} "
+                         f"{tuple(src_GC.shape)}")
+    G, C = src_GC.shape
+    rows_MH = _check("rows_MH", rows_MH, (M, H), rows_MH.dtype)
+    src_GC = src_GC.contiguous()
+    if scale_GC is not None:
+        scale_GC = _check("scale_GC", scale_GC.contiguous(), (G, C), torch.float32)
+    out_GH = rows_MH.new_empty(G, H)
+    if G == 0 or H == 0:
+        return out_GH
+    if M == 0 or C == 0:
+        return out_GH.zero_()
+    grid = (triton.cdiv(G, COMBINE_BLOCK_T), triton.cdiv(H, COMBINE_BLOCK_H))
+    with on_device(rows_MH.device):
+        # Without a scale its pointer is never read: the rows stand in for it.
+        _sum_rows_kernel[grid](
+            rows_MH, src_GC, rows_MH if scale_GC is None else scale_GC, out_GH, G, H, C, M,
+            HAS_SCALE=scale_GC is not None, BLOCK_T=COMBINE_BLOCK_T, BLOCK_H=COMBINE_BLOCK_H,
+            ALIGN=row_align(rows_MH.dtype, H), INTERPRETED=interpreting(), num_warps=COMBINE_WARPS,
         )
-    return y_TH
+    return out_GH
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1107,13 +1140,17 @@ def aot_specs() -> list[KernelSpec]:
             for top_k in (2, 1):
                 H = _SIZES[sizes][0]
                 x, i32 = pointer(dtype), pointer(torch.int32)
-                specs.append(KernelSpec(
-                    name=f"combine_{ty}_{sizes}_k{top_k}", fn=_combine_kernel,
-                    args=(x, i32, x, MIXTRAL.T, H, top_k),
-                    constexprs={"BLOCK_T": COMBINE_BLOCK_T, "BLOCK_H": COMBINE_BLOCK_H, "ALIGN": row_align(dtype, H),
-                                "INTERPRETED": False},
-                    num_warps=COMBINE_WARPS,
-                ))
+                # The experts' combine (int32 slots, no scale) and the dispatcher's sums (int64
+                # terms, a float32 scale, up to top-k ranks per token).
+                for role, index, has_scale in (("combine", i32, False), ("sum_rows", pointer(torch.int64), True)):
+                    specs.append(KernelSpec(
+                        name=f"{role}_{ty}_{sizes}_k{top_k}", fn=_sum_rows_kernel,
+                        args=(x, index, pointer(torch.float32) if has_scale else x, x, MIXTRAL.T, H, top_k,
+                              MIXTRAL.T * top_k),
+                        constexprs={"HAS_SCALE": has_scale, "BLOCK_T": COMBINE_BLOCK_T, "BLOCK_H": COMBINE_BLOCK_H,
+                                    "ALIGN": row_align(dtype, H), "INTERPRETED": False},
+                        num_warps=COMBINE_WARPS,
+                    ))
                 specs.append(KernelSpec(
                     name=f"gather_rows_{ty}_{sizes}_k{top_k}", fn=_gather_rows_kernel,
                     args=(x, i32, i32, x, H, MIXTRAL.E, top_k),

@@ -629,6 +629,74 @@ def test_sum_rows_both_orders_match_float64_and_gradients(seed):
     assert rel_err(xs.grad, x64.grad) <= TOL and rel_err(ss.grad, s64.grad) <= TOL
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ["scaled", "unscaled", "all_to_one", "none_read", "odd"])
+def test_the_triton_gather_sum_the_gpu_runs_matches_float64(dtype, case):
+    """The dispatcher's sums on a GPU (``kernels.grouped_gemm.sum_rows``, run here by Triton's
+    interpreter): every output row the float64 sum of its listed terms, missing terms left out, an
+    output row with no term zero, in the rows' dtype."""
+    from moe_ep.kernels import grouped_gemm as gg
+
+    shapes = {"odd": dict(I=37, G=13, C=5, H=131, read=29), "all_to_one": dict(I=4, G=3, C=4, H=24, read=4),
+              "none_read": dict(I=5, G=4, C=2, H=16, read=0)}
+    x, src_GC, _, scale = _row_problem(7, **shapes.get(case, dict(I=23, G=9, C=3, H=40, read=19)))
+    if case == "all_to_one":
+        src_GC = torch.full_like(src_GC, x.shape[0])
+        src_GC[1] = torch.arange(4)  # one output row reads every row; the others read none
+    if case == "unscaled":
+        scale = None
+    valid = src_GC < x.shape[0]
+    terms = x[torch.where(valid, src_GC, 0)] * valid[..., None]
+    rows = x.to(dtype)
+    ref = ((terms if scale is None else terms * scale[..., None]).to(torch.float64)
+           if dtype == torch.float32 else
+           (rows.double()[torch.where(valid, src_GC, 0)] * valid[..., None]
+            * (1 if scale is None else scale.float().double()[..., None])))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    got = gg.sum_rows(rows.to(device), src_GC.to(device), None if scale is None else scale.float().to(device)).cpu()
+    assert got.dtype == dtype and got.shape == (src_GC.shape[0], x.shape[1])
+    assert rel_err(got, ref.sum(1)) <= {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    assert not got[~valid.any(1)].any()
+
+
+def test_the_triton_gather_sum_refuses_what_it_cannot_take():
+    from moe_ep.kernels import grouped_gemm as gg
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, src = torch.randn(4, 8, device=device), torch.zeros(3, 2, dtype=torch.long, device=device)
+    with pytest.raises(TypeError, match="rows_MH must be float32, float16 or bfloat16, got torch.float64"):
+        gg.sum_rows(rows.double(), src)
+    with pytest.raises(ValueError, match=r"src_GC must be a 2-D int32 or int64 tensor \[G, C\], got torch.float32"):
+        gg.sum_rows(rows, src.float())
+    with pytest.raises(ValueError, match=r"scale_GC must be a torch.float32 tensor of shape \(3, 2\)"):
+        gg.sum_rows(rows, src, torch.ones(3, 3, device=device))
+    assert gg.sum_rows(rows[:0], src).eq(0).all() and gg.sum_rows(rows, src[:0]).shape == (0, 8)
+
+
+@requires_cuda
+def test_the_dispatcher_sums_on_cuda_run_the_gather_sum_without_a_host_sync():
+    """On a GPU the dispatcher's sum (and its gradient, a gather) runs the Triton gather-sum: the
+    CPU's order within float32 rounding, with no host sync."""
+    from moe_ep.dispatch.row_ops import sum_rows
+
+    x, src_GC, reader_I, scale = _row_problem(3, I=41, G=17, C=4, H=96, read=33)
+    dy = torch.randn(src_GC.shape[0], x.shape[1], dtype=torch.float64)
+    grads = {}
+    for device in ("cpu", "cuda"):
+        xs = x.float().to(device).requires_grad_()
+        ss = scale.float().to(device).requires_grad_()
+        args = (src_GC.to(device), reader_I.to(device))
+        torch.cuda.set_sync_debug_mode("error" if device == "cuda" else "default")
+        try:
+            out = sum_rows(xs, args[0], args[1], ss, padded=True)
+            (out * dy.float().to(device)).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        grads[device] = [t.detach().cpu() for t in (out, xs.grad, ss.grad)]
+    for cpu, cuda in zip(grads["cpu"], grads["cuda"]):
+        assert rel_err(cuda, cpu) <= 1e-6
+
+
 def test_gather_rows_gradient_sums_listed_copies_only():
     from moe_ep.dispatch.row_ops import gather_rows
 

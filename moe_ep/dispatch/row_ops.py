@@ -9,12 +9,17 @@ indexing backward would scatter-add on the GPU):
 
 Index tensors use ``len(source)`` for "none": a missing term of a sum, a row nobody reads.
 Shapes: ``M`` rows read, ``G`` rows written, ``C`` terms (or copies) per row.
-Row gathers use ``index_select`` (on the CPU 2-3x faster than advanced indexing on [rows, H])."""
+Row gathers use ``index_select`` (on the CPU 2-3x faster than advanced indexing on [rows, H]). On a
+GPU the sums are one Triton gather-sum (``kernels.grouped_gemm.sum_rows``): each output row
+written once, each row read by its one term, in float32 and term order."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..kernels import grouped_gemm as gg
+from ..kernels.aot_spec import TRITON_TYPES
 
 
 def _sum(rows_MH, src_GC, target_M, scale_GC=None, reader_M=None, *, padded: bool) -> torch.Tensor:
@@ -24,6 +29,8 @@ def _sum(rows_MH, src_GC, target_M, scale_GC=None, reader_M=None, *, padded: boo
     term (capacity mode's padding); without it every row is read."""
     if rows_MH.device.type == "cpu":
         return _sum_by_rows(rows_MH, target_M, src_GC.shape[0], scale_GC, reader_M, padded=padded)
+    if rows_MH.dtype in TRITON_TYPES:
+        return gg.sum_rows(rows_MH.contiguous(), src_GC, None if scale_GC is None else scale_GC.float())
     return _sum_by_columns(rows_MH, src_GC, scale_GC)
 
 
@@ -42,8 +49,8 @@ def _sum_by_rows(rows_MH, target_M, G: int, scale_GC=None, reader_M=None, *, pad
 
 
 def _sum_by_columns(rows_MH, src_GC, scale_GC=None) -> torch.Tensor:
-    """Column by column, one gather and one fused multiply-add each (padding terms included):
-    the deterministic order on a GPU."""
+    """Column by column, one gather and one fused multiply-add each (padding terms included): the
+    deterministic order on a GPU for the dtypes the Triton gather-sum does not take (float64)."""
     valid_GC = src_GC < rows_MH.shape[0]
     scale_GC = valid_GC.float() if scale_GC is None else torch.where(valid_GC, scale_GC.float(), 0.0)
     if rows_MH.shape[0] == 0:
