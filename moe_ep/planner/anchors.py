@@ -382,7 +382,8 @@ def format_anchors(report: AnchorReport) -> str:
         if row.candidate is not None:
             lines += _wrap(f"{_to_match_text(row, c)}.")
         if row.dualpipev is not None:
-            lines += _wrap(f"under DualPipeV instead: {_dualpipev_text(row.dualpipev)}.")
+            lines += _wrap(f"under DualPipeV instead: {_dualpipev_text(row.dualpipev)}; "
+                           f"{_to_match_text(row.dualpipev, c)}.")
         lines += _wrap(f"note: {a.note}.")
         lines += _wrap(f"source: {a.source}.")
     return "\n".join(lines)
@@ -390,6 +391,8 @@ def format_anchors(report: AnchorReport) -> str:
 
 def _to_match_text(row: AnchorRow, cluster: Cluster) -> str:
     """What the experts' kernels would have to reach for the row to plan the published figure."""
+    if row.candidate is None:
+        return "nothing to match: not planned"
     now = cluster.efficiencies.grouped_gemm
     needed = row.experts_efficiency_to_match
     if needed is None:
