@@ -80,3 +80,31 @@ def test_reference_by_expert_matches_the_per_token_loop():
         b = gpu_check._outputs(lambda *t: moe_experts_ref_by_expert(*t, activation=check.activation),
                                x, idx, w, gate_up, down, dy)
         assert gpu_check._worst(b, a) <= 1e-12, check.name
+
+
+def test_the_suite_step_runs_the_suites_cuda_tests_and_reads_their_outcome(tmp_path, monkeypatch):
+    """On a GPU the gate runs ``pytest tests -k "cuda or on_the_gpu"`` (pytest.ini's options left
+    out) and records its counts and failures; a failure fails the gate; on the CPU it is skipped."""
+    command = gpu_check.suite_command()
+    assert command[1:3] == ["-m", "pytest"] and command[-2:] == ["-k", "cuda or on_the_gpu"]
+    assert "addopts=" in command and "-rfE" in command
+    output = ("..F.s\n=========================== short test summary info ============================\n"
+              "FAILED tests/test_dispatch.py::test_x_on_cuda - AssertionError: off\n"
+              "ERROR tests/test_aot.py::test_y_cuda - RuntimeError\n"
+              "1 failed, 3 passed, 1 skipped, 1790 deselected, 1 error in 98.51s (0:01:38)\n")
+    summary = gpu_check.suite_summary(1, output)
+    assert summary["status"] == "FAIL: pytest exit status 1"
+    assert summary["counts"] == {"failed": 1, "passed": 3, "skipped": 1, "deselected": 1790, "error": 1}
+    assert summary["failed"] == ["tests/test_dispatch.py::test_x_on_cuda", "tests/test_aot.py::test_y_cuda"]
+    ok = gpu_check.suite_summary(0, "....\n4 passed, 1790 deselected in 9.02s\n")
+    assert ok["status"] == "ok" and ok["counts"] == {"passed": 4, "deselected": 1790} and not ok["failed"]
+
+    main(["gpu", "--device", "cpu", "--steps", "suite", "--out-dir", str(tmp_path), *TINY])
+    payload = json.loads(next(tmp_path.glob("gpu_check_cpu_*.json")).read_text())
+    assert payload["meta"]["steps"]["suite"]["status"].startswith("skipped: no GPU")
+
+    # Its failure fails the gate: the step's result as a GPU run would record it.
+    monkeypatch.delitem(gpu_check._NEEDS_A_GPU, "suite")
+    monkeypatch.setattr(gpu_check, "step_suite", lambda device, args: summary)
+    with pytest.raises(SystemExit, match="gpu: failed: suite"):
+        main(["gpu", "--device", "cpu", "--steps", "suite", "--out-dir", str(tmp_path / "fail"), *TINY])

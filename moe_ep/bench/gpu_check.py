@@ -21,6 +21,8 @@ says so:
    ``kernels.cost.PROBLEMS``).
 4. ``model``: the two-layer Mixtral-8x7B and Qwen3-30B-A3B model benchmarks at 4096 and 16384
    tokens (forward+backward tokens/s, peak memory).
+5. ``suite``: the test suite's own CUDA tests (``pytest tests -k "cuda or on_the_gpu"``, the ones
+   that skip on a CPU) in a subprocess, when pytest is installed: its counts and failures.
 
 Each problem of steps 3 and 4 checks the budget before it starts, so the gate ends inside
 ``--budget`` plus the last problem's time; one that runs out of GPU memory is recorded as failed
@@ -57,7 +59,7 @@ from . import model as model_bench
 from .report import Column, Report, close_figure, environment, new_figure
 from .routing_cases import make_routing
 
-STEPS = ("compile", "tests", "kernels", "model")
+STEPS = ("compile", "tests", "kernels", "model", "suite")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 GRADS = ("hidden_states", "top_k_weights", "gate_up_proj", "down_proj")
 # The AOT check's step names (kernels/grouped_gemm.py gemm_costs, kernels/aot.py whole_pass) of each
@@ -356,6 +358,53 @@ def step_model(device: torch.device, args) -> dict:
     return result
 
 
+# The suite's tests that need a GPU: their names say so (tests/markers.py's requires_cuda guards them).
+SUITE_SELECTION = "cuda or on_the_gpu"
+SUITE_TIMEOUT_S = 300.0
+
+
+def suite_command() -> list[str]:
+    """The pytest run of the suite's CUDA tests, from the repository root, whatever pytest.ini adds."""
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE", "tests",
+            "-k", SUITE_SELECTION]
+
+
+def suite_summary(returncode: int, output: str) -> dict:
+    """pytest's outcome: its counts from the summary line, the ids of the failed and erroring tests
+    (from ``-rfE``), and the output's tail."""
+    import re
+
+    lines = output.strip().splitlines()
+    counts = {}
+    for line in reversed(lines):
+        found = re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)\b", line)
+        if found and (" in " in line or line.startswith("=")):
+            counts = {("error" if kind.startswith("error") else kind): int(n) for n, kind in found}
+            break
+    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    ok = returncode == 0 or (returncode == 5 and not failed)  # 5: nothing selected
+    return dict(status="ok" if ok else f"FAIL: pytest exit status {returncode}", counts=counts, failed=failed,
+                command=" ".join(suite_command()[1:]), tail=output[-3000:])
+
+
+def step_suite(device: torch.device, args) -> dict:
+    """The suite's CUDA tests, in a subprocess with the kernels compiled (no interpreter)."""
+    import importlib.util
+
+    if importlib.util.find_spec("pytest") is None:
+        return dict(status=f"skipped: pytest is not installed for {sys.executable}")
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        proc = subprocess.run(suite_command(), cwd=repo, env=dict(os.environ, TRITON_INTERPRET="0"),
+                              capture_output=True, text=True, timeout=SUITE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as err:
+        out = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        return dict(status=f"FAIL: not done within {SUITE_TIMEOUT_S:.0f} s", tail=out[-3000:])
+    result = suite_summary(proc.returncode, proc.stdout + proc.stderr)
+    print(f"[gpu] suite: {result['status']} {result['counts']}", flush=True)
+    return result
+
+
 def estimates_beside_measurements(results: dict) -> list[dict]:
     """Each Triton kernel's measured time (T=16384, uniform) beside the AOT check's roofline bound
     and expected time for this architecture (both for the first configuration of its space; the
@@ -445,6 +494,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds: a step that would start later is skipped (default 480, inside 8 minutes)")
 
 
+# The steps that run on a GPU only, and what stands in for them without one.
+_NEEDS_A_GPU = {"compile": "python -m moe_ep.kernels.aot compiles for sm_80/sm_90 without one",
+                "suite": "the suite's CUDA tests skip on the CPU"}
+
+
 def run(args, device: torch.device) -> Report:
     if device.type == "cpu" and not interpreting():
         raise ValueError("--device cpu runs the Triton kernels under the interpreter: set TRITON_INTERPRET=1 "
@@ -454,7 +508,8 @@ def run(args, device: torch.device) -> Report:
     report.meta = dict(environment(device), budget_s=args.budget, steps={}, results={})
     args.started = start
     results = report.meta["results"]
-    steps = {"compile": step_compile, "tests": step_tests, "kernels": step_kernels, "model": step_model}
+    steps = {"compile": step_compile, "tests": step_tests, "kernels": step_kernels, "model": step_model,
+             "suite": step_suite}
     if device.type == "cuda":
         # Every path runs without tf32, so no one gets a cheaper float32 GEMM; float32 checks need IEEE.
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -467,9 +522,8 @@ def run(args, device: torch.device) -> Report:
         if elapsed > args.budget:
             report.meta["steps"][name] = dict(status=f"skipped: {elapsed:.0f} s spent of a {args.budget:.0f} s budget")
             continue
-        if name == "compile" and device.type != "cuda":
-            report.meta["steps"][name] = dict(status="skipped: no GPU (python -m moe_ep.kernels.aot compiles "
-                                                     "for sm_80/sm_90 without one)")
+        if name in _NEEDS_A_GPU and device.type != "cuda":
+            report.meta["steps"][name] = dict(status=f"skipped: no GPU ({_NEEDS_A_GPU[name]})")
             continue
         print(f"[gpu] step {name} at {elapsed:.0f} s", flush=True)
         results[name] = steps[name](device, args)
@@ -483,8 +537,9 @@ def run(args, device: torch.device) -> Report:
     statuses = [str(r.get("status", "")) for r in report.rows]
     failed = [f"{r['check']} {r.get('dtype', '')}".strip() for r, st in zip(report.rows, statuses)
               if st.startswith("FAIL")]
-    if (results.get("compile") or {}).get("status", "").startswith("FAIL"):
-        failed.append("compile")
+    for step in ("compile", "suite"):
+        if (results.get(step) or {}).get("status", "").startswith("FAIL"):
+            failed.append(step)
     report.failed = failed
     report.notes.append(f"gpu check: {statuses.count('ok')} tests ok, "
                         f"{sum(st.startswith('skipped') for st in statuses)} skipped, {len(failed)} failed"
