@@ -266,3 +266,25 @@ def test_a_rank_leaving_the_report_to_rank_0_exits_only_after_rank_0_said_it(agr
         assert seconds_1 >= delay_s, seconds_1
     else:
         assert seconds_1 < delay_s, seconds_1
+
+
+def test_run_reported_destroys_the_process_group_its_run_started_and_no_other():
+    """A finished run's process group goes before the interpreter's exit (left to it, gloo's
+    threads can abort the rank after a run that succeeded); one the caller started stays."""
+    import torch.distributed as dist
+
+    from moe_ep.runs import run_reported
+
+    def start_one(_):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.barrier()
+
+    assert not dist.is_initialized()
+    assert run_reported(start_one, None) == 0
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert run_reported(lambda _: dist.barrier(), None) == 0
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()

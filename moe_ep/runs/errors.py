@@ -167,7 +167,13 @@ def wait_for_rank_0_report(err: BaseException, rank: int) -> None:
 def run_reported(train, args) -> int:
     """A script's ``main``: ``train(args)``, and the exit status. A failure ``report_failure``
     knows is said in one line (the process group destroyed, so the launcher ends the job at once);
-    anything else propagates with its traceback."""
+    anything else propagates with its traceback. A process group that ``train`` started is
+    destroyed when it returns: left to the interpreter's exit, gloo's worker threads can be torn
+    down still joinable, and the rank dies of SIGABRT ("terminate called without an active
+    exception") after a run that finished (pytorch/pytorch#179291)."""
+    import torch.distributed as dist
+
+    started_here = not dist.is_initialized()
     try:
         train(args)
     except BaseException as err:
@@ -175,10 +181,10 @@ def run_reported(train, args) -> int:
         code = report_failure(err, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", 1)))
         if code is None:
             raise
-        import torch.distributed as dist
-
         wait_for_rank_0_report(err, rank)
         if dist.is_initialized():
             dist.destroy_process_group()
         return code
+    if started_here and dist.is_initialized():
+        dist.destroy_process_group()
     return 0
