@@ -268,23 +268,29 @@ def test_a_rank_leaving_the_report_to_rank_0_exits_only_after_rank_0_said_it(agr
         assert seconds_1 < delay_s, seconds_1
 
 
-def test_run_reported_destroys_the_process_group_its_run_started_and_no_other():
-    """A finished run's process group goes before the interpreter's exit (left to it, gloo's
-    threads can abort the rank after a run that succeeded); one the caller started stays."""
+def test_run_reported_leaves_the_process_group_to_the_exit_which_destroys_it(monkeypatch):
+    """A finished run keeps its process group (a process may run again on it, and accelerate's
+    state outlives the run); a handler destroys it before the interpreter's exit (left to the
+    exit, gloo's threads can abort the rank after a run that succeeded), registered once."""
+    import atexit
+
     import torch.distributed as dist
 
-    from moe_ep.runs import run_reported
+    from moe_ep.runs import errors, run_reported
+
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(atexit, "unregister", lambda f: registered.remove(f) if f in registered else None)
 
     def start_one(_):
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         dist.barrier()
 
-    assert not dist.is_initialized()
-    assert run_reported(start_one, None) == 0
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        assert run_reported(lambda _: dist.barrier(), None) == 0
-        assert dist.is_initialized()
+        assert run_reported(start_one, None) == 0 and run_reported(start_one, None) == 0
+        assert dist.is_initialized() and registered == [errors.destroy_process_group_at_exit]
     finally:
-        dist.destroy_process_group()
+        errors.destroy_process_group_at_exit()
+    assert not dist.is_initialized()
+    errors.destroy_process_group_at_exit()  # nothing to destroy: a no-op

@@ -6,6 +6,7 @@ disk, a damaged checkpoint found after start-up, non-finite weights); exit statu
 complete checkpoint intact. ``agreed``: raised identically on every rank (after a collective
 verdict), so it is said once, by rank 0."""
 
+import atexit
 import os
 import shutil
 import sys
@@ -167,13 +168,12 @@ def wait_for_rank_0_report(err: BaseException, rank: int) -> None:
 def run_reported(train, args) -> int:
     """A script's ``main``: ``train(args)``, and the exit status. A failure ``report_failure``
     knows is said in one line (the process group destroyed, so the launcher ends the job at once);
-    anything else propagates with its traceback. A process group that ``train`` started is
-    destroyed when it returns: left to the interpreter's exit, gloo's worker threads can be torn
-    down still joinable, and the rank dies of SIGABRT ("terminate called without an active
-    exception") after a run that finished (pytorch/pytorch#179291)."""
+    anything else propagates with its traceback. A process group still alive when the
+    interpreter exits is destroyed first (``destroy_process_group_at_exit``)."""
     import torch.distributed as dist
 
-    started_here = not dist.is_initialized()
+    atexit.unregister(destroy_process_group_at_exit)  # registered once, however many runs
+    atexit.register(destroy_process_group_at_exit)
     try:
         train(args)
     except BaseException as err:
@@ -185,6 +185,16 @@ def run_reported(train, args) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
         return code
-    if started_here and dist.is_initialized():
-        dist.destroy_process_group()
     return 0
+
+
+def destroy_process_group_at_exit() -> None:
+    """The default process group, destroyed while the interpreter is still whole: left to its
+    finalisation, gloo's worker threads can be torn down still joinable and the rank dies of SIGABRT
+    ("terminate called without an active exception") after a run that finished
+    (pytorch/pytorch#179291). At exit, not when a run returns: accelerate's state outlives a run
+    and a process may start another on the same group (tests/hf_loops_driver.py does)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
