@@ -25,7 +25,8 @@ from .partition import InfeasiblePartition, format_bytes
 from .report import _efficiency_lines, _why_not_fitting
 from .schedules import DUALPIPEV, INTERLEAVED, NO_PIPELINE, SCHEDULES
 from .search import (
-    DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN, Assumptions, Candidate, _resolve_cluster, _units, choose, evaluate,
+    DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN, Assumptions, Candidate, _resolve_cluster, _units, _virtual_stages,
+    choose, evaluate,
 )
 from .presets import cluster_preset
 from .recompute import COMPILED_BLOCKS_POLICIES, RECOMPUTE_POLICIES
@@ -45,8 +46,8 @@ _AUTOMODEL_BALANCED = ("routing balanced: NeMo AutoModel's benchmark configs set
 @dataclass(frozen=True)
 class Anchor:
     """One published run: its model (a name in MODEL_NAMES), cluster and layout as published, the
-    published figure in ``unit`` and where it comes from. ``checkpointing`` None: the source does
-    not say, the planner chooses. ``global_batch`` counts sequences of ``seq_len`` tokens.
+    published figure in ``unit`` and where it comes from. ``checkpointing`` None, and
+    ``virtual_stages`` None under interleaved 1F1B: the source does not say, the planner chooses. ``global_batch`` counts sequences of ``seq_len`` tokens.
     ``bf16_moments``: the run keeps AdamW's moments in bf16, so moe_ep's plan does too
     (``moe_ep.training.AdamW``)."""
 
@@ -101,24 +102,32 @@ class Anchor:
         return self.global_batch * self.seq_len
 
     def layouts(self) -> list[Layout]:
-        """The published layout, once per recompute policy where the source leaves it open."""
+        """The published layout, once per recompute policy and, under interleaved 1F1B, once per
+        number of virtual stages (those that split the layers evenly) where the source leaves it
+        open."""
         choices = RECOMPUTE_POLICIES if self.checkpointing is None else (self.checkpointing,)
+        spec = ModelSpec.resolve(self.model)
+        stages = _virtual_stages(spec, self.pp, self.schedule, {"virtual_stages": self.virtual_stages})
+        if self.schedule == INTERLEAVED:
+            # The schedule's own default stands for None: the row names its stages.
+            stages = [SCHEDULES[INTERLEAVED].stages_per_rank if v is None else v for v in stages]
         return [Layout(self.pp, self.dp_replicate, self.dp_shard, self.ep, self.microbatch_size, self.microbatches,
-                       self.schedule, ckpt, self.virtual_stages) for ckpt in choices]
+                       self.schedule, ckpt, v) for ckpt in choices for v in stages]
 
 
 ANCHORS = (
     Anchor(
         "Megatron-Core Mixtral-8x7B", "mixtral-8x7b", nodes=8, pp=4, dp_replicate=1, dp_shard=16, ep=8,
-        microbatch_size=1, global_batch=256, seq_len=4096, schedule=INTERLEAVED, virtual_stages=2,
+        microbatch_size=1, global_batch=256, seq_len=4096, schedule=INTERLEAVED, virtual_stages=None,
         checkpointing=None, balanced_routing=False, published=5640, unit=TOKENS_PER_GPU,
         source="468 TFLOP/s per GPU for Mixtral 8x7B bf16 training with MCore v0.9: "
                "https://docs.nvidia.com/megatron-core/developer-guide/latest/api-guide/moe.html (opening paragraph); "
                "the layout (64 H100, EP8 PP4, seq 4096) and the 5,640 tokens/s per GPU derived from it as reported "
                "in moe_ep issue #22/#23, source not confirmed here",
         note="TP1 there: its 16 data-parallel ranks (distributed optimizer) are dp_shard 16 here; global batch "
-             "256 x 4096, 2 virtual stages per rank and aux-loss routing (steady imbalance 1.2) assumed, and "
-             "recomputation left to the planner: the source gives none of them",
+             "256 x 4096 and aux-loss routing (steady imbalance 1.2) assumed, and the virtual stages per rank "
+             "(2, 4 or 8, the ones that split 8 layers per rank evenly) and recomputation left to the planner: "
+             "the source gives none of them",
     ),
     Anchor(
         "AutoModel Qwen3-30B-A3B", "qwen3-30b-a3b", nodes=1, pp=1, dp_replicate=1, dp_shard=8, ep=8,
