@@ -345,13 +345,25 @@ def test_an_h200_cluster_takes_the_committed_h200_gate_and_an_h100_cluster_refus
     assert "the H100's (the same GH100 compute)" in eff.source("attention")
     with pytest.raises(ValueError, match="was measured on 'NVIDIA H200', not on a H100"):
         plan("mixtral-8x7b", cluster="dgx-h100", **kwargs)
+    # Its fine-grained problems: Qwen3-30B-A3B's own, and for Qwen3-235B-A22B's experts (4096 x
+    # 1536) DeepSeek-V3's (7168 x 2048), the nearest.
+    for model, problem, tflops in (("qwen3-30b-a3b", "qwen3-30b-a3b", 455.7), ("qwen3-235b-a22b", "deepseek-v3-ep8",
+                                                                                545.0)):
+        eff = plan(model, cluster="dgx-h200", nodes=32, calibration=gate, checkpointing="full").cluster.efficiencies
+        assert eff.grouped_gemm == pytest.approx(tflops / 989, rel=1e-3)
+        assert f" of {problem}: " in eff.source("grouped_gemm")
 
 
-def test_calibration_from_a_gate_with_several_problems_reads_its_first(tmp_path):
+def test_calibration_from_a_gate_with_several_problems_reads_the_nearest_experts(tmp_path):
     """scripts/gpu_check.sh keeps one kernels result per problem (meta and rows keyed by problem,
-    Mixtral-8x7B first): the planner reads the first problem's rates, not a fine-grained one's."""
+    Mixtral-8x7B first): a model's experts run at the rate of the problem nearest their shape, the
+    dense and memory rates are the first problem's; a dense model takes the first problem's."""
+    from moe_ep.planner.calibration import nearest_problem
+
     mixtral = json.loads(_gpu_results(tmp_path, grouped=150.0).read_text())
-    fine = json.loads(_gpu_results(tmp_path, grouped=60.0).read_text())
+    fine = json.loads(_gpu_results(tmp_path, grouped=60.0, dense=100.0).read_text())
+    mixtral["meta"]["shape"] = "H=4096 I=14336 E=8 k=2 bfloat16"
+    fine["meta"]["shape"] = "H=2048 I=768 E=128 k=8 bfloat16"
     rows = ([dict(r, problem="mixtral-8x7b") for r in mixtral["rows"]]
             + [dict(r, problem="qwen3-30b-a3b", T=(r.get("T") or 0) * 4) for r in fine["rows"]])
     gate = {"mode": "gpu_check", "meta": {"device": mixtral["meta"]["device"], "results": {"kernels": {
@@ -361,6 +373,16 @@ def test_calibration_from_a_gate_with_several_problems_reads_its_first(tmp_path)
     p = plan("mixtral-8x7b", nodes=16, cluster="dgx-a100-80gb", calibration=path, pp=1, ep=8, microbatch_size=1,
              checkpointing=False)
     assert p.cluster.efficiencies.grouped_gemm == pytest.approx(150 / 312)
+    fine_plan = plan("qwen3-30b-a3b", nodes=16, cluster="dgx-a100-80gb", calibration=path, pp=1, ep=8,
+                     microbatch_size=1, checkpointing="full")
+    eff = fine_plan.cluster.efficiencies
+    assert eff.grouped_gemm == pytest.approx(60 / 312) and eff.dense_gemm == pytest.approx(220 / 312)
+    assert eff.source("grouped_gemm").endswith("of qwen3-30b-a3b: 60.0 TFLOP/s of 312")
+    problems = gate["meta"]["results"]["kernels"]["meta"]
+    assert nearest_problem(problems, None) == "mixtral-8x7b"  # a dense model
+    assert nearest_problem(problems, (6144, 16384)) == "mixtral-8x7b"  # Mixtral-8x22B
+    assert nearest_problem(problems, (2048, 1024)) == "qwen3-30b-a3b"  # OLMoE
+    assert nearest_problem(dict(problems, unknown={"shape": "?"}), (7, 7)) == "qwen3-30b-a3b"
 
 
 @pytest.mark.parametrize("change, message", [

@@ -199,6 +199,7 @@ def test_each_row_says_what_the_experts_would_have_to_reach(report):
     for row, entry in zip(report.rows, payload["anchors"]):
         needed = row.experts_efficiency_to_match
         assert entry["experts_efficiency_to_match"] == needed
+        assert entry["experts_efficiency"] == row.experts_efficiency == report.cluster.efficiencies.grouped_gemm
         if needed is None:
             assert ratio_at(row, 1.0) < 1
             continue

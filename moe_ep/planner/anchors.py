@@ -26,7 +26,7 @@ from .report import _efficiency_lines, _why_not_fitting
 from .schedules import DUALPIPEV, INTERLEAVED, NO_PIPELINE, SCHEDULES
 from .search import (
     DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN, Assumptions, Candidate, _resolve_cluster, _units, _virtual_stages,
-    choose, evaluate,
+    choose, evaluate, expert_sizes,
 )
 from .presets import cluster_preset
 from .recompute import COMPILED_BLOCKS_POLICIES, RECOMPUTE_POLICIES
@@ -186,8 +186,10 @@ class AnchorRow:
     # The same anchor under moe_ep's DualPipeV (one micro-batch's exchanges behind another's
     # compute), for a pipelined anchor on another schedule; None otherwise.
     dualpipev: AnchorRow | None = None
-    # The experts' grouped-GEMM efficiency at which the candidate's layout plans the published
-    # figure, every other rate as it is; None when not even the whole peak gets there.
+    # The experts' grouped-GEMM efficiency the row is planned at (a calibration file's problem
+    # nearest its model's experts), and the one at which the candidate's layout plans the
+    # published figure, every other rate as it is (None: not even the whole peak gets there).
+    experts_efficiency: float | None = None
     experts_efficiency_to_match: float | None = None
 
     @property
@@ -246,7 +248,7 @@ def plan_anchor(anchor: Anchor, calibration: str | Path | None = None) -> Anchor
     """Cost ``anchor``'s published layout; where checkpointing is open, the headroom rule picks
     among the fitting choices (the smallest footprint when none fits)."""
     spec = ModelSpec.resolve(anchor.model)
-    cluster, _ = _resolve_cluster(anchor.nodes, anchor.cluster, calibration, {}, {})
+    cluster, _ = _resolve_cluster(anchor.nodes, anchor.cluster, calibration, {}, {}, expert_sizes(spec))
     info = SCHEDULES.get(anchor.schedule)
     problem = info.check_microbatches(anchor.pp, anchor.microbatches) if info is not None else None
     if problem is not None:
@@ -281,6 +283,7 @@ def plan_anchor(anchor: Anchor, calibration: str | Path | None = None) -> Anchor
     assumptions = options[id(best)]
     return AnchorRow(anchor, best, chunked_loss=assumptions.chunked_loss, overlap_chunks=assumptions.overlap_chunks,
                      compiled_blocks=assumptions.compiled_blocks, dualpipev=dualpipev,
+                     experts_efficiency=cluster.efficiencies.grouped_gemm,
                      experts_efficiency_to_match=experts_efficiency_to_match(anchor, spec, cluster, best.layout,
                                                                              assumptions))
 
@@ -402,7 +405,7 @@ def _to_match_text(row: AnchorRow, cluster: Cluster) -> str:
     """What the experts' kernels would have to reach for the row to plan the published figure."""
     if row.candidate is None:
         return "nothing to match: not planned"
-    now = cluster.efficiencies.grouped_gemm
+    now = row.experts_efficiency
     needed = row.experts_efficiency_to_match
     if needed is None:
         return (f"to match the published figure: not by the experts alone; even at the whole peak of "
@@ -453,6 +456,7 @@ def _row_dict(row: AnchorRow) -> dict:
         entry["chunked_loss"] = row.chunked_loss
         entry["compiled_blocks"] = row.compiled_blocks
         entry["overlap_chunks"] = row.overlap_chunks
+        entry["experts_efficiency"] = row.experts_efficiency
         entry["experts_efficiency_to_match"] = row.experts_efficiency_to_match
         entry["planned"] = {
             "tokens_per_s_per_gpu": row.tokens_per_gpu, "step_time_s": row.step_s,

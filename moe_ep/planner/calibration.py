@@ -4,7 +4,8 @@ own GPU replaces the default efficiencies of
 ``moe_ep.planner.presets``:
 
 - grouped GEMMs: moe_ep's experts op (``moe_ep[triton]``, else ``moe_ep[torch]``), forward +
-  backward, uniform routing, at the largest token count measured;
+  backward, uniform routing, at the largest token count measured; of a gate that timed several
+  expert problems, the one nearest the planned model's expert shape;
 - dense GEMMs: the bench's ``dense_mm`` chain with the same FLOPs;
 - memory-bound kernels: the device-to-device copy's bandwidth;
 - attention: not measured by the bench, so its default stays (the report says so).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from .presets import Efficiencies
@@ -34,21 +36,54 @@ def _pick(rows, kind, variants, phase):
     return None
 
 
-def _first_problem(kernels: dict) -> dict:
-    """A gate that timed several expert problems keeps a meta and rows per problem: read as its
-    first, Mixtral-8x7B's, whose whole op and dense reference the rates below stand for (the
-    fine-grained problems' GEMMs are smaller and run at other rates)."""
+def _problems(kernels: dict) -> dict[str, dict] | None:
+    """A gate that timed several expert problems keeps a meta per problem (its device, its
+    "H=... I=... E=... k=... dtype" shape) and rows marked with the problem: those metas by name,
+    the first Mixtral-8x7B's; None for a result of one problem."""
     meta = kernels.get("meta") or {}
-    if "device" in meta or not all(isinstance(m, dict) for m in meta.values()) or not meta:
-        return kernels
-    name = next(iter(meta))
+    if "device" in meta or not meta or not all(isinstance(m, dict) for m in meta.values()):
+        return None
+    return meta
+
+
+def _rows_of(kernels: dict, name: str) -> dict:
     rows = [r for r in kernels.get("rows") or [] if isinstance(r, dict) and r.get("problem", name) == name]
-    return dict(kernels, meta=meta[name], rows=rows)
+    return dict(kernels, meta=kernels["meta"][name], rows=rows)
+
+
+def _expert_sizes(meta: dict) -> tuple[int, int] | None:
+    """(H, I) of a problem's meta shape, None when it does not say."""
+    words = dict(w.split("=", 1) for w in str(meta.get("shape", "")).split() if "=" in w)
+    try:
+        return int(words["H"]), int(words["I"])
+    except (KeyError, ValueError):
+        return None
+
+
+def nearest_problem(problems: dict[str, dict], expert_sizes: tuple[int, int] | None) -> str:
+    """The problem whose experts' GEMMs are closest to ``expert_sizes`` (a model's hidden size and
+    expert width): the smallest sum of the two size ratios' log distances, the first on a tie or
+    when the model has no experts. Grouped GEMMs run at very different rates by shape (Mixtral's
+    4096 x 14336 near the dense rate, Qwen3-30B-A3B's 2048 x 768 a quarter lower on the H200)."""
+    first = next(iter(problems))
+    if expert_sizes is None:
+        return first
+
+    def distance(name: str) -> float:
+        sizes = _expert_sizes(problems[name])
+        if sizes is None:
+            return math.inf
+        return sum(abs(math.log(want / got)) for want, got in zip(expert_sizes, sizes))
+
+    return min(problems, key=lambda name: (distance(name), name != first))
 
 
 def read_calibration(path, *, gpu_family: str, peak_tflops: float, hbm_gbps: float,
-                     defaults: Efficiencies) -> Efficiencies:
-    """The efficiencies measured in ``path``, the defaults' for what it does not measure."""
+                     defaults: Efficiencies, expert_sizes: tuple[int, int] | None = None) -> Efficiencies:
+    """The efficiencies measured in ``path``, the defaults' for what it does not measure. From a
+    gate that timed several expert problems, the grouped-GEMM rate is the problem's nearest to
+    ``expert_sizes`` (the model's hidden size and expert width; :func:`nearest_problem`); the dense
+    and memory rates stay the first problem's (Mixtral-8x7B's dense chain and copy)."""
     path = Path(path)
     try:
         payload = json.loads(path.read_text())
@@ -56,10 +91,17 @@ def read_calibration(path, *, gpu_family: str, peak_tflops: float, hbm_gbps: flo
         raise ValueError(f"calibration file {str(path)!r} cannot be read: {err.strerror or err}") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"calibration file {str(path)!r} is not JSON ({err.msg} at line {err.lineno})") from None
+    grouped_rows = None
     if isinstance(payload, dict) and payload.get("mode") == "gpu_check":
         # scripts/gpu_check.sh keeps the kernels bench's result, meta and rows, inside its own.
         kernels = ((payload.get("meta") or {}).get("results") or {}).get("kernels")
-        payload = _first_problem(dict(kernels, mode="kernels")) if isinstance(kernels, dict) else payload
+        problems = _problems(kernels) if isinstance(kernels, dict) else None
+        if problems is not None:
+            kernels = dict(kernels, mode="kernels")
+            grouped_rows = _rows_of(kernels, nearest_problem(problems, expert_sizes))["rows"]
+            payload = _rows_of(kernels, next(iter(problems)))
+        elif isinstance(kernels, dict):
+            payload = dict(kernels, mode="kernels")
     if not isinstance(payload, dict) or payload.get("mode") != "kernels" or not isinstance(payload.get("rows"), list):
         mode = payload.get("mode") if isinstance(payload, dict) else None
         raise ValueError(
@@ -82,7 +124,8 @@ def read_calibration(path, *, gpu_family: str, peak_tflops: float, hbm_gbps: flo
     rows, name = payload["rows"], path.name
     measured, sources = {}, dict(defaults.sources)
     picks = {
-        "grouped_gemm": (_pick(rows, "op", ("moe_ep[triton]", "moe_ep[torch]"), "fwd+bwd"), "tflops", peak_tflops),
+        "grouped_gemm": (_pick(rows if grouped_rows is None else grouped_rows, "op", ("moe_ep[triton]", "moe_ep[torch]"),
+                               "fwd+bwd"), "tflops", peak_tflops),
         "dense_gemm": (_pick(rows, "dense", ("dense_mm",), "fwd+bwd"), "tflops", peak_tflops),
         "memory": (_pick(rows, "copy", ("device_copy",), "copy"), "gbps", hbm_gbps),
     }
@@ -92,7 +135,8 @@ def read_calibration(path, *, gpu_family: str, peak_tflops: float, hbm_gbps: flo
             continue
         value = row[key] / peak
         unit = "TFLOP/s" if key == "tflops" else "GB/s"
-        what = f"{row['variant']} {row['phase']}" + (f" at T={row['T']}" if row.get("T") else "")
+        what = (f"{row['variant']} {row['phase']}" + (f" at T={row['T']}" if row.get("T") else "")
+                + (f" of {row['problem']}" if row.get("problem") else ""))
         if not 0 < value <= 1:
             raise ValueError(
                 f"calibration file {str(path)!r}: {what} measured {row[key]:.1f} {unit}, {value:.2f} x the cluster's "
