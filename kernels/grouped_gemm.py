@@ -1018,7 +1018,8 @@ _INDEX_TYPES = (torch.int32, torch.int64)
 def sum_rows(rows_MH: torch.Tensor, src_GC: torch.Tensor, scale_GC: torch.Tensor | None = None) -> torch.Tensor:
     """out[g] = sum_c scale[g, c] * rows[src[g, c]] ([G, H], the rows' dtype), summed in float32
     in c order, a term with src[g, c] >= len(rows) left out (scale defaults to 1): a deterministic
-    gather-sum, each output row written once (no atomics), each row read by its terms only."""
+    gather-sum, each output row written once (no atomics), each row read by its terms only. The
+    terms are not checked on the host (that would sync): they must not be negative."""
     _check_float("rows_MH", rows_MH)
     if rows_MH.dim() != 2:
         raise ValueError(f"rows_MH must be 2-D [rows, H], got shape {tuple(rows_MH.shape)}")
