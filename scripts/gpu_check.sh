@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One command for a GPU: compile check, CUDA test tier, kernel and model benchmarks, the test suite's
-# CUDA tests; one JSON and one PNG under benchmarks/results/ (or --out-dir). See
+# One command for a GPU: compile check, CUDA test tier, kernel, model and dispatch benchmarks, the
+# test suite's CUDA tests; one JSON and one PNG under benchmarks/results/ (or --out-dir). See
 # `python -m moe_ep.bench gpu --help`.
 #
 #   bash scripts/gpu_check.sh                      # on a machine with a CUDA GPU, about 5-8 minutes

@@ -29,7 +29,11 @@ def test_script_in_cpu_mode_writes_one_json_and_one_png(tmp_path):
     payload = json.loads(files[0].read_text())
     steps = payload["meta"]["steps"]
     assert steps["compile"]["status"].startswith("skipped: no GPU")
-    assert all(steps[name]["status"] == "done" for name in ("tests", "kernels", "model")), steps
+    assert all(steps[name]["status"] == "done" for name in ("tests", "kernels", "model", "dispatch")), steps
+    assert steps["suite"]["status"].startswith("skipped: no GPU")
+    dispatch = payload["meta"]["results"]["dispatch"]
+    assert dispatch["parts"] == {"ep4": "done"}  # byte counts only on the CPU
+    assert {"hf_all_to_all", "moe_ep"} <= {r["impl"] for r in dispatch["rows"]}
     tests = payload["meta"]["results"]["tests"]
     names = {r["check"] for r in tests}
     assert {c.name for c in gpu_check.checks_for(torch.device("cpu"))} <= names
@@ -108,3 +112,12 @@ def test_the_suite_step_runs_the_suites_cuda_tests_and_reads_their_outcome(tmp_p
     monkeypatch.setattr(gpu_check, "step_suite", lambda device, args: summary)
     with pytest.raises(SystemExit, match="gpu: failed: suite"):
         main(["gpu", "--device", "cpu", "--steps", "suite", "--out-dir", str(tmp_path / "fail"), *TINY])
+
+
+def test_the_dispatch_steps_kernel_times_are_in_the_notes(tmp_path, monkeypatch):
+    row = dict(model="fine-grained", ep=4, impl="moe_ep", bytes_per_token=41082.6, local_gpu_ms=30.288)
+    monkeypatch.setattr(gpu_check, "step_dispatch", lambda device, args: dict(rows=[row], parts={"ep4": "done"}))
+    main(["gpu", "--device", "cpu", "--steps", "dispatch", "--out-dir", str(tmp_path), *TINY])
+    payload = json.loads(next(tmp_path.glob("gpu_check_cpu_*.json")).read_text())
+    assert ("dispatch fine-grained ep=4 moe_ep: 41,083 bytes per token sent, rank kernels 30.29 ms per "
+            "forward+backward") in payload["notes"]

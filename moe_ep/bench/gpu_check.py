@@ -21,7 +21,10 @@ says so:
    ``kernels.cost.PROBLEMS``).
 4. ``model``: the two-layer Mixtral-8x7B and Qwen3-30B-A3B model benchmarks at 4096 and 16384
    tokens (forward+backward tokens/s, peak memory).
-5. ``suite``: the test suite's own CUDA tests (``pytest tests -k "cuda or on_the_gpu"``, the ones
+5. ``dispatch``: the dispatch benchmark at ep=4 (its ranks share the one GPU over gloo): bytes
+   sent against transformers' all-to-all, and each rank's own kernels of a forward and backward
+   (``local GPU ms``, rank 0's longest named); on the CPU its byte counts only.
+6. ``suite``: the test suite's own CUDA tests (``pytest tests -k "cuda or on_the_gpu"``, the ones
    that skip on a CPU) in a subprocess, when pytest is installed: its counts and failures.
 
 Each problem of steps 3 and 4 checks the budget before it starts, so the gate ends inside
@@ -54,12 +57,13 @@ from ..kernels.runtime import interpreting
 from ..ops import selector
 from ..ops.experts import moe_experts
 from ..ops.reference import moe_experts_ref, moe_experts_ref_by_expert
+from . import dispatch as dispatch_bench
 from . import kernels as kernel_bench
 from . import model as model_bench
 from .report import Column, Report, close_figure, environment, new_figure
 from .routing_cases import make_routing
 
-STEPS = ("compile", "tests", "kernels", "model", "suite")
+STEPS = ("compile", "tests", "kernels", "model", "dispatch", "suite")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 GRADS = ("hidden_states", "top_k_weights", "gate_up_proj", "down_proj")
 # The AOT check's step names (kernels/grouped_gemm.py gemm_costs, kernels/aot.py whole_pass) of each
@@ -358,6 +362,19 @@ def step_model(device: torch.device, args) -> dict:
     return result
 
 
+# The expert-parallel degree of the dispatch step: ranks share the one GPU, so a few.
+DISPATCH_EP = 4
+
+
+def step_dispatch(device: torch.device, args) -> dict:
+    result = dict(meta={}, notes=[], rows=[], parts={})
+    bench = _bench_args(args, ep=[DISPATCH_EP], models=list(dispatch_bench.MODELS), routing=["uniform"],
+                        tokens=None, hidden=None, dtype=None, node_size=2, no_timing=device.type != "cuda")
+    print(f"[gpu] dispatch: ep={DISPATCH_EP}", flush=True)
+    _run_part(args, result, f"ep{DISPATCH_EP}", lambda: dispatch_bench.run(bench, device))
+    return result
+
+
 # The suite's tests that need a GPU: their names say so (tests/markers.py's requires_cuda guards them).
 SUITE_SELECTION = "cuda or on_the_gpu"
 SUITE_TIMEOUT_S = 300.0
@@ -509,7 +526,7 @@ def run(args, device: torch.device) -> Report:
     args.started = start
     results = report.meta["results"]
     steps = {"compile": step_compile, "tests": step_tests, "kernels": step_kernels, "model": step_model,
-             "suite": step_suite}
+             "dispatch": step_dispatch, "suite": step_suite}
     if device.type == "cuda":
         # Every path runs without tf32, so no one gets a cheaper float32 GEMM; float32 checks need IEEE.
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -534,6 +551,10 @@ def run(args, device: torch.device) -> Report:
     for r in results["estimates_vs_measured"]:
         report.notes.append(f"{r['kernel']}: measured {r['measured_ms']:.2f} ms, expected {r['expected_ms']:.2f} ms, "
                             f"bound {r['bound_ms']:.2f} ms ({r['of_bound']:.0%} of the roofline)")
+    for r in (results.get("dispatch") or {}).get("rows", []):
+        if r.get("local_gpu_ms") is not None:
+            report.notes.append(f"dispatch {r['model']} ep={r['ep']} {r['impl']}: {r['bytes_per_token']:,.0f} bytes per "
+                                f"token sent, rank kernels {r['local_gpu_ms']:.2f} ms per forward+backward")
     statuses = [str(r.get("status", "")) for r in report.rows]
     failed = [f"{r['check']} {r.get('dtype', '')}".strip() for r, st in zip(report.rows, statuses)
               if st.startswith("FAIL")]
