@@ -206,3 +206,34 @@ def test_each_row_says_what_the_experts_would_have_to_reach(report):
         assert ratio_at(row, needed) >= 1 > ratio_at(row, needed - 2e-3)
         assert f"the experts' grouped GEMMs at {needed * report.cluster.peak_tflops:,.0f} TFLOP/s" in text
     assert "to match the published figure: not by the experts alone" in text
+
+
+def test_a_gate_of_several_problems_plans_each_row_at_its_nearest(tmp_path):
+    """A gate that timed several expert problems (the H200's of 2026-11-28, its device renamed so
+    that an H100 cluster takes it): each anchor's experts run at the problem nearest its model's,
+    which its notes and the JSON say, and the header says so."""
+    from moe_ep.planner.anchors import anchors_to_dict
+
+    gate = json.loads((RESULTS / "gpu_check_nvidia-h200_2026-11-28.json").read_text())
+    kernels = gate["meta"]["results"]["kernels"]
+    for meta in kernels["meta"].values():
+        meta["device"] = "NVIDIA H100 80GB HBM3"
+    for r in kernels["rows"]:
+        if r.get("kind") == "copy":
+            r["gbps"] = 2834.6  # the H100's: the H200's is beyond the H100's HBM peak
+    path = tmp_path / "gate.json"
+    path.write_text(json.dumps(gate))
+    report = anchor_report(path)
+    rates = {row.anchor.model: row.experts_efficiency for row in report.rows}
+    measured = {problem: next(r["tflops"] for r in kernels["rows"] if r.get("problem") == problem
+                              and r.get("variant") == "moe_ep[triton]" and r.get("phase") == "fwd+bwd"
+                              and r.get("routing") == "uniform") / 989
+                for problem in kernels["meta"]}
+    assert rates == pytest.approx({"mixtral-8x7b": measured["mixtral-8x7b"], "qwen3-30b-a3b": measured["qwen3-30b-a3b"],
+                                   "deepseek-v3": measured["deepseek-v3-ep8"],
+                                   "qwen3-235b-a22b": measured["deepseek-v3-ep8"]})
+    text = report.format()
+    assert "the experts of each row at the measured problem nearest its model's" in text
+    assert f"planned here at {measured['qwen3-30b-a3b'] * 989:,.0f})" in text
+    assert [a["experts_efficiency"] for a in anchors_to_dict(report)["anchors"]] == [
+        row.experts_efficiency for row in report.rows]

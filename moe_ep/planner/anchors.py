@@ -378,6 +378,10 @@ def format_anchors(report: AnchorReport) -> str:
     ]
     for line in _efficiency_lines(c):
         lines += _wrap(line.strip())
+    rates = {row.experts_efficiency for row in report.rows if row.candidate is not None}
+    if rates - {c.efficiencies.grouped_gemm}:
+        lines += _wrap("the experts of each row at the measured problem nearest its model's (the rate its notes say "
+                       "it is planned at); the line above is the first row's")
     lines += [
         "tok/s/GPU and step s: planned; GiB/GPU: planned memory of the fullest rank (fits: within the GPU's memory",
         "less the 10% reserve); a2a: the expert all-to-all's share of the planned step; ratio: planned over published",
