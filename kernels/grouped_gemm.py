@@ -946,7 +946,7 @@ def glu_backward(dy_PH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Ten
     def launch(c: Config):
         hs_PI = pre_P2I.new_empty(P, I)
         # Each column tile writes its own partial sum of d w; summed below in a fixed order.
-        dw_part = w_N.new_empty(P, triton.cdiv(I, c.BLOCK_N))
+        dw_part = _dw_parts(w_N, P, triton.cdiv(I, c.BLOCK_N))
         _run(_glu_backward_kernel, c, _row_tiles(c, P, I), dy_PH.device,
              dy_PH, down_EHI, pre_P2I, w_N, meta.padded_offsets_E1, meta.block_expert_B, meta.sorted_slot_P,
              dpre_out(), hs_PI, dw_part, P, H, I, E, meta.pad_m, GELU=gelu, GROUP_M=GROUP_M, ALIGN=align)
@@ -957,7 +957,7 @@ def glu_backward(dy_PH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Ten
         # element), so this path holds no more than the fused kernel.
         hs_PI = grouped_mm(dy_PH, down_EHI, offs=meta.padded_offsets_E1[1:])
         grid = _epilogue_grid(P, I)
-        dw_part = w_N.new_empty(P, grid[1])
+        dw_part = _dw_parts(w_N, P, grid[1])
         _glu_backward_rows_kernel[grid](
             hs_PI, pre_P2I, w_N, meta.padded_offsets_E1, meta.sorted_slot_P, dpre_out(), hs_PI, dw_part, I, E,
             GELU=gelu, BLOCK_R=EPILOGUE_BLOCK_R, BLOCK_C=EPILOGUE_BLOCK_C, ALIGN=align, INTERPRETED=interpreting(),
@@ -967,9 +967,18 @@ def glu_backward(dy_PH: torch.Tensor, down_EHI: torch.Tensor, pre_P2I: torch.Ten
     align = row_align(dy_PH.dtype, H, I)
     hs_PI, dw_part = _tuned("glu_backward", meta, dy_PH.dtype, dy_PH.device, (H, I, E, gelu), align, launch, gelu,
                             library=library, before_kept=keep)
-    # Padding rows of dw_part are never written; only the slots' own rows are read.
+    # Padding rows of dw_part are never written; only the slots' own rows are read, and the zero
+    # row P by the slots without an expert.
     dw_N = dw_part.index_select(0, meta.slot_pos_N).sum(1)
     return dpre_P2I, dw_N, hs_PI
+
+
+def _dw_parts(w_N: torch.Tensor, P: int, parts: int) -> torch.Tensor:
+    """The partial routing-weight gradients of the P padded rows, and a zero row P: the one that
+    the slots without an expert (``slot_pos`` = P) read."""
+    dw_part = w_N.new_empty(P + 1, parts)
+    dw_part[P].zero_()
+    return dw_part
 
 
 def weight_grad(a_PF: torch.Tensor, b_PD: torch.Tensor, meta: RoutingMetadata) -> torch.Tensor:

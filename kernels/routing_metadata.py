@@ -10,6 +10,11 @@ back to the host; blocks past the real end are marked -1 and the GEMM programs t
 Within an expert, slots keep their original order (a stable sort), which makes every later reduction
 deterministic.
 
+A slot may also hold ``E``, "no expert" (the expert-parallel dispatcher hands over its received rows
+with one column per local expert a row can carry, the unused ones empty): such a slot gets no
+padded row (``slot_pos`` = ``P``, past the end, which the combine leaves out). When the caller knows
+that at most ``num_routed`` slots hold a real expert, ``P`` is bounded by that count, not by ``N``.
+
 Three launches: a per-chunk histogram, one program that scans the histograms into offsets and the
 block -> expert table, and a per-chunk scatter that writes the permutation and its inverse.
 """
@@ -38,7 +43,7 @@ class RoutingMetadata(NamedTuple):
     counts_E: torch.Tensor  # int32 [E]: slots routed to each expert
     padded_offsets_E1: torch.Tensor  # int32 [E+1]: first padded row of each expert, then the end
     sorted_slot_P: torch.Tensor  # int32 [P]: slot held by each padded row, -1 on padding rows
-    slot_pos_N: torch.Tensor  # int32 [N]: padded row of each slot (the inverse permutation)
+    slot_pos_N: torch.Tensor  # int32 [N]: padded row of each slot (the inverse permutation), P for no expert
     block_expert_B: torch.Tensor  # int32 [P / pad_m]: expert owning each block, -1 past the end
     pad_m: int
 
@@ -103,13 +108,16 @@ def _scan_kernel(chunk_counts_ptr, chunk_base_ptr, counts_ptr, padded_offsets_pt
         tl.store(block_expert_ptr + blocks, owner, mask=blocks < num_blocks)
 
 
-@triton.jit(do_not_specialize=["num_slots", "num_experts"])
+@triton.jit(do_not_specialize=["num_slots", "num_experts", "num_rows"])
 def _scatter_kernel(idx_ptr, chunk_base_ptr, padded_offsets_ptr, sorted_slot_ptr, slot_pos_ptr,
-                    num_slots, num_experts, CHUNK: tl.constexpr, E_TILE: tl.constexpr):
+                    num_slots, num_experts, num_rows, CHUNK: tl.constexpr, E_TILE: tl.constexpr):
     chunk = tl.program_id(0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    valid = offs < num_slots
-    expert = tl.load(idx_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    in_range = offs < num_slots
+    expert = tl.load(idx_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    # "No expert" (id E) gets no row; neither does a slot beyond the caller's bound on the routed
+    # slots (a wrong bound must not write past the layout: it loses those slots instead).
+    valid = in_range & (expert < num_experts)
     # Rank of each slot among the slots of the same expert in this chunk, counting itself.
     rank = tl.zeros((CHUNK,), tl.int32)
     for e0 in range(0, num_experts, E_TILE):
@@ -120,12 +128,16 @@ def _scatter_kernel(idx_ptr, chunk_base_ptr, padded_offsets_ptr, sorted_slot_ptr
     base = tl.load(padded_offsets_ptr + safe, mask=valid, other=0)
     base += tl.load(chunk_base_ptr + chunk * num_experts + safe, mask=valid, other=0)
     pos = base + rank - 1
-    tl.store(sorted_slot_ptr + pos, offs, mask=valid)
-    tl.store(slot_pos_ptr + offs, pos, mask=valid)
+    placed = valid & (pos < num_rows)
+    tl.store(sorted_slot_ptr + pos, offs, mask=placed)
+    tl.store(slot_pos_ptr + offs, tl.where(placed, pos, num_rows), mask=in_range)
 
 
-def routing_metadata(idx: torch.Tensor, num_experts: int, pad_m: int) -> RoutingMetadata:
-    """Metadata of the expert choices ``idx`` (any shape, int32 or int64, values in [0, E)).
+def routing_metadata(idx: torch.Tensor, num_experts: int, pad_m: int, num_routed: int | None = None
+                     ) -> RoutingMetadata:
+    """Metadata of the expert choices ``idx`` (any shape, int32 or int64, values in [0, E], E = no
+    expert). ``num_routed``: at most this many slots hold a real expert (sizes the padded layout);
+    None: any number up to all of them.
 
     All work is queued on ``idx``'s device; nothing is read back."""
     if idx.dtype not in (torch.int32, torch.int64):
@@ -136,7 +148,8 @@ def routing_metadata(idx: torch.Tensor, num_experts: int, pad_m: int) -> Routing
         raise ValueError(f"pad_m must be a power of two, got {pad_m!r}")
     flat_N = idx.reshape(-1).contiguous()
     N, E, device = flat_N.numel(), num_experts, idx.device
-    P = padded_rows(N, E, pad_m)
+    num_routed = check_num_routed(num_routed, N)
+    P = padded_rows(num_routed, E, pad_m)
     int32 = dict(dtype=torch.int32, device=device)
     counts_E = torch.zeros(E, **int32)
     padded_offsets_E1 = torch.zeros(E + 1, **int32)
@@ -155,10 +168,19 @@ def routing_metadata(idx: torch.Tensor, num_experts: int, pad_m: int) -> Routing
                 C_TILE=C_TILE, E_TILE=E_TILE, B_TILE=B_TILE, num_warps=NUM_WARPS,
             )
             _scatter_kernel[(num_chunks,)](
-                flat_N, chunk_base, padded_offsets_E1, sorted_slot_P, slot_pos_N, N, E,
+                flat_N, chunk_base, padded_offsets_E1, sorted_slot_P, slot_pos_N, N, E, P,
                 CHUNK=CHUNK, E_TILE=E_TILE, num_warps=NUM_WARPS,
             )
     return RoutingMetadata(counts_E, padded_offsets_E1, sorted_slot_P, slot_pos_N, block_expert_B, pad_m)
+
+
+def check_num_routed(num_routed, num_slots: int) -> int:
+    """``num_routed`` (None: ``num_slots``) as an int in ``[0, num_slots]``."""
+    if num_routed is None:
+        return num_slots
+    if isinstance(num_routed, bool) or not isinstance(num_routed, int) or not 0 <= num_routed <= num_slots:
+        raise ValueError(f"num_routed must be None or an int in [0, {num_slots}] (the slots), got {num_routed!r}")
+    return num_routed
 
 
 def aot_specs() -> list[KernelSpec]:
@@ -179,7 +201,7 @@ def aot_specs() -> list[KernelSpec]:
             constexprs={"CHUNK": CHUNK, "E_TILE": E_TILE}, num_warps=NUM_WARPS,
         ))
         specs.append(KernelSpec(
-            name=f"routing_scatter_{idx_type}", fn=_scatter_kernel, args=(idx, i32, i32, i32, i32, N, E),
+            name=f"routing_scatter_{idx_type}", fn=_scatter_kernel, args=(idx, i32, i32, i32, i32, N, E, P),
             constexprs={"CHUNK": CHUNK, "E_TILE": E_TILE}, num_warps=NUM_WARPS,
         ))
     return specs

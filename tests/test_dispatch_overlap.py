@@ -74,10 +74,13 @@ SCENARIOS_4 = [
 GRADS = ("y", "dx", "dw", "d_gate_up", "d_down")
 
 
-def _row_wise_experts(x_QH, expert_Q1, weight_Q1, gate_up, down, activation, backend, group=None):
+def _row_wise_experts(x_SH, ids_SC, w_SC, gate_up, down, activation, backend, group=None, num_routed=None):
     """Experts whose output row depends on its input row alone, so no GEMM blocking can differ
-    between chunks: the dispatch and combine themselves must then give the same bits."""
-    return torch.tanh(x_QH) * (1 + expert_Q1) * weight_Q1
+    between chunks: the dispatch and combine themselves must then give the same bits. They take
+    the received rows as the dispatcher hands them over: one column per local expert a row can
+    carry, id ``L`` (the local experts' count) where it carries none."""
+    routed_SC = ids_SC < gate_up.shape[0]
+    return torch.tanh(x_SH) * ((1 + ids_SC) * w_SC * routed_SC).sum(1, keepdim=True)
 
 
 @contextmanager

@@ -324,3 +324,53 @@ def test_auto_and_its_stage_choices_have_no_host_sync_on_cuda(tmp_path, monkeypa
         assert set(table.paths.values()) == {"triton"} and all(set(t) == {"triton"} for t in table.times.values())
         assert not any(isinstance(c, Library) for c in autotune.chosen_configs().values())
     selector.clear()
+
+
+def _without_experts(case: Case, dtype, seed: int):
+    """``case``'s routing in the dispatcher's received-row form: a random third of the slots, and
+    every slot of row 1, hold ``E`` (no expert); and the same routing as the reference sees it
+    (expert 0 with weight 0 in those slots)."""
+    x, idx, w, gate_up, down = case.make(dtype, device=DEVICE)
+    empty = torch.rand(case.T, case.K, generator=torch.Generator().manual_seed(seed)) < 1 / 3
+    empty[min(1, case.T - 1)] = True
+    idx = torch.where(empty.to(idx.device), case.E, idx)
+    return x, idx, w, gate_up, down, empty
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3], MANY_EXPERTS], ids=lambda c: c.name)
+@pytest.mark.parametrize("bound", ["exact", "loose", "every_slot"])
+def test_slots_without_an_expert_add_nothing(case, dtype, backend, bound):
+    """``run_experts`` with ``num_routed``: slots holding ``E`` add nothing to their row and get a
+    zero weight gradient, a row with no expert at all comes out zero, with ``num_routed`` the exact
+    number of routed slots, a bound above it (the capacity mode's) or every slot, against float64."""
+    from moe_ep.ops.experts import run_experts
+
+    x, idx, w, gate_up, down, empty = _without_experts(case, dtype, seed=case.T)
+    routed = {"exact": int((~empty).sum()), "loose": int((~empty).sum()) + 7, "every_slot": empty.numel()}[bound]
+    dy = torch.randn(case.T, case.H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y, grads = run_with_grads(lambda *a: run_experts(*a, "silu", backend, None, routed), x, idx, w, gate_up, down, dy)
+    kept = (~empty).double()
+    y_ref, grads_ref = run_with_grads(
+        lambda xx, ii, ww, gu, dd: moe_experts_ref(xx, ii, ww * kept, gu, dd),
+        *(t.cpu() for t in (x, torch.where(empty, 0, idx.cpu()), w, gate_up, down)), dy)
+    tol = TOLERANCE[dtype]
+    assert torch.count_nonzero(y[1]) == 0
+    assert rel_err(y.cpu(), y_ref) <= tol, "output"
+    for name, g, g_ref in zip(GRAD_NAMES, grads, grads_ref):
+        assert rel_err(g.cpu(), g_ref) <= tol, name
+    assert torch.count_nonzero(grads[1][empty.to(grads[1].device)]) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_routed_slot_at_all(backend):
+    """Every slot empty (``num_routed`` 0): zero output and zero gradients, on both backends."""
+    from moe_ep.ops.experts import run_experts
+
+    case = CASES[0]
+    x, idx, w, gate_up, down = case.make(torch.float32, device=DEVICE)
+    idx = torch.full_like(idx, case.E)
+    y, grads = run_with_grads(lambda *a: run_experts(*a, "silu", backend, None, 0), x, idx, w, gate_up, down,
+                              torch.randn(case.T, case.H))
+    assert torch.count_nonzero(y) == 0 and all(torch.count_nonzero(g) == 0 for g in grads)

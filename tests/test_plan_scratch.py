@@ -43,7 +43,7 @@ def measured_scratch(backend: str, case: Case, overwrite: bool) -> int:
     bwd = getattr(torch.ops.moe_ep, f"experts_{backend}_bwd")
     dy = torch.randn_like(outputs[0])
     with LiveBytes() as live:
-        grads = bwd(dy, x, w, gate_up, down, *outputs[1:], *options, overwrite)
+        grads = bwd(dy, x, w, gate_up, down, *outputs[1:], *options, overwrite_saved=overwrite)
     return live.peak(excluding=grads)
 
 
@@ -89,7 +89,7 @@ def test_the_experts_backward_on_cuda_holds_what_the_planner_charges(backend):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     with LiveBytes() as live:
-        grads = bwd(dy, x, w, gate_up, down, *outputs[1:], *options, True)
+        grads = bwd(dy, x, w, gate_up, down, *outputs[1:], *options, overwrite_saved=True)
     torch.cuda.synchronize()
     planned = experts_scratch(case.T * case.K, case.H, case.I, case.E, backend)
     assert live.peak(excluding=grads) <= planned, (live.peak(excluding=grads), planned)

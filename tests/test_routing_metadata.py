@@ -85,3 +85,35 @@ def test_bad_arguments():
         routing_metadata(idx, 0, 16)
     with pytest.raises(ValueError, match="pad_m must be a power of two, got 24"):
         routing_metadata(idx, 4, 24)
+
+
+@pytest.mark.parametrize("num_routed", ["exact", "loose"])
+def test_slots_without_an_expert_get_no_row(num_routed):
+    """Id ``E`` is "no expert": such a slot has no padded row (``slot_pos`` = P) and the other
+    slots' metadata is what it would be without it, in a layout sized by ``num_routed``."""
+    T, E, K, pad_m = 300, 6, 3, 16
+    idx = random_idx(T, E, K, seed=3)
+    empty = torch.rand(T, K, generator=torch.Generator().manual_seed(4)) < 0.4
+    with_empty = torch.where(empty, E, idx)
+    routed = int((~empty).sum()) + (0 if num_routed == "exact" else 9)
+    meta = routing_metadata(with_empty.to(DEVICE), E, pad_m, routed)
+    P = padded_rows(routed, E, pad_m)
+    assert meta.sorted_slot_P.numel() == P and meta.block_expert_B.numel() == P // pad_m
+    slot_pos = meta.slot_pos_N.cpu().long()
+    assert torch.all(slot_pos[empty.reshape(-1)] == P)
+    # The routed slots: sorted by expert in slot order, as the metadata of their ids alone.
+    counts = torch.bincount(idx[~empty], minlength=E)
+    assert torch.equal(meta.counts_E.cpu().long(), counts)
+    sorted_slot = meta.sorted_slot_P.cpu().long()
+    real = sorted_slot[sorted_slot >= 0]
+    assert torch.equal(real.sort().values, torch.nonzero(~empty.reshape(-1)).reshape(-1))
+    assert torch.equal(sorted_slot[slot_pos[~empty.reshape(-1)]], torch.nonzero(~empty.reshape(-1)).reshape(-1))
+    experts_in_order = with_empty.reshape(-1)[real]
+    assert torch.all(experts_in_order[1:] >= experts_in_order[:-1])
+
+
+def test_bad_num_routed():
+    idx = torch.zeros(3, 2, dtype=torch.long)
+    for bad in (-1, 7, 2.0, True):
+        with pytest.raises(ValueError, match=r"num_routed must be None or an int in \[0, 6\]"):
+            routing_metadata(idx, 4, 16, bad)

@@ -331,9 +331,8 @@ def ep_saved(name: str, ep: int, batch: int, seq: int, checkpointing: str | bool
     routed = []
     for idx_TK in routing[: spec.num_layers]:
         wire = wire_bytes(idx_TK, L, spec.hidden_size)
-        multi = wire.moe_ep_metadata / (8 * min(spec.top_k, L))
         # Mirrored: the rank receives the rows it sends and computes all of its tokens' pairs.
-        routed.append(Routed(wire.moe_ep_rows, multi, wire.moe_ep_rows, multi, idx_TK.numel()))
+        routed.append(Routed(wire.moe_ep_rows, wire.moe_ep_rows, idx_TK.numel()))
     return saved.by_unit, _modelled(config, batch, seq, backend="torch", policy=policy, ep=ep, routed=routed)
 
 

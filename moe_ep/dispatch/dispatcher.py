@@ -81,12 +81,14 @@ def dispatch(
 
 
 def dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_experts: int,
-                     capacity_factor: float | None, node_groups: NodeGroups | None = None) -> DispatchedTokens:
+                     capacity_factor: float | None, node_groups: NodeGroups | None = None, *,
+                     rows: bool = False) -> DispatchedTokens:
     """``dispatch`` on arguments its caller validated (``check_dispatch_args``,
-    ``check_node_groups``)."""
+    ``check_node_groups``); ``rows``: the rows form of ``DispatchedTokens``, else the pairs."""
     if node_groups is not None:
-        return dispatch_by_node(hidden_states, top_k_index, top_k_weights, node_groups, num_experts)
-    return dispatch_to_ranks(hidden_states, top_k_index, top_k_weights, group, num_experts, capacity_factor)
+        return dispatch_by_node(hidden_states, top_k_index, top_k_weights, node_groups, num_experts, rows=rows)
+    return dispatch_to_ranks(hidden_states, top_k_index, top_k_weights, group, num_experts, capacity_factor,
+                             rows=rows)
 
 
 class _JoinedToDispatch(torch.autograd.Function):
@@ -131,9 +133,9 @@ def combine(expert_output: torch.Tensor, layout: DispatchLayout | NodeDispatchLa
     check_tensor("expert_output", expert_output, ndim=2)
     if not isinstance(layout, (DispatchLayout, NodeDispatchLayout)):
         raise TypeError(f"layout must be the DispatchLayout returned by dispatch, got {type(layout).__name__}")
-    if expert_output.shape[0] != layout.num_pairs:
+    if expert_output.shape[0] != layout.num_outputs:
         raise ValueError(
-            f"expert_output must have one row per dispatched pair ({layout.num_pairs}), "
+            f"expert_output must have one row per dispatched pair ({layout.num_outputs}), "
             f"got shape {tuple(expert_output.shape)}"
         )
     return combine_checked(expert_output, layout)

@@ -60,13 +60,15 @@ def moe_experts_ep(
         return moe_experts_overlapped(hidden_states, top_k_index, top_k_weights, gate_up_local, down_local,
                                       group=group, num_experts=num_experts, activation=activation, backend=backend,
                                       chunks=overlap_chunks, node_groups=node_groups)
+    # The received rows go to the experts as they came, each with its local experts: the experts
+    # gather each pair's row and sum each row's pairs in their own kernels.
     tokens = dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_experts, capacity_factor,
-                              node_groups)
-    out_QH = run_experts(tokens.hidden_states, tokens.expert_ids, tokens.weights, gate_up_local, down_local,
-                         activation, backend, group)
+                              node_groups, rows=True)
+    out_SH = run_experts(tokens.hidden_states, tokens.expert_ids, tokens.weights, gate_up_local, down_local,
+                         activation, backend, group, tokens.layout.num_pairs)
     # The experts keep even an empty batch in the graph, but the backward all-to-alls that every
     # rank must enter should not hang on that promise.
-    return combine_checked(join_checked(out_QH, tokens), tokens.layout)
+    return combine_checked(join_checked(out_SH, tokens), tokens.layout)
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:

@@ -37,27 +37,42 @@ class DispatchLayout:
     source_reader: torch.Tensor
     source_weights: torch.Tensor
     # Expert side: slot c of received row s takes pair output row_src[s, c] (num_pairs = none),
-    # [S, C] with C = min(K, L); pair_reader[q] = s * C + c inverts it.
-    row_src: torch.Tensor
-    pair_reader: torch.Tensor
-    num_pairs: int  # Q, rows handed to the local experts
+    # [S, C] with C = min(K, L); pair_reader[q] = s * C + c inverts it. Both None where the
+    # experts got the received rows themselves and summed each row's pairs (``DispatchedTokens``).
+    row_src: torch.Tensor | None
+    pair_reader: torch.Tensor | None
+    num_pairs: int  # Q, the (row, local expert) pairs (capacity mode: a bound)
+    num_received: int  # S, the rows received (capacity mode: padding included)
     kept_TK: torch.Tensor | None  # capacity mode: the (token, slot) pairs that were not dropped
+
+    @property
+    def num_outputs(self) -> int:
+        """The rows of the experts' output that ``combine`` takes: one per pair, or one per
+        received row where the experts summed each row's pairs."""
+        return self.num_pairs if self.row_src is not None else self.num_received
 
 
 @dataclass(frozen=True)
 class DispatchedTokens:
-    """What the local experts compute on: one entry per (received row, local expert) pair.
+    """What the local experts compute on, in one of two forms.
 
-    ``expert_ids`` are local (``[0, L)``) and ``weights`` the weights the expert rank applies, so
-    the expert output for pair q is ``weights[q] * expert[expert_ids[q]](hidden_states[q])``,
-    exactly what ``moe_experts(hidden_states, expert_ids, weights, gate_up_local, down_local)``
-    returns. The weight is the routing weight for a pair of a multi row and 1 for a single row,
-    whose routing weight the source applies in ``combine``. In capacity mode the tail entries are
-    padding: a zero weight and expert 0."""
+    Pairs (``dispatch``'s): one entry per (received row, local expert) pair. ``expert_ids`` are
+    local (``[0, L)``) and ``weights`` the weights the expert rank applies, so the expert output
+    for pair q is ``weights[q] * expert[expert_ids[q]](hidden_states[q])``, exactly what
+    ``moe_experts(hidden_states, expert_ids, weights, gate_up_local, down_local)`` returns. The
+    weight is the routing weight for a pair of a multi row and 1 for a single row, whose routing
+    weight the source applies in ``combine``. In capacity mode the tail entries are padding: a zero
+    weight and expert 0. Shapes ``[Q, H]``, ``[Q, 1]`` int64, ``[Q, 1]`` float32.
 
-    hidden_states: torch.Tensor  # [Q, H], differentiable
-    expert_ids: torch.Tensor  # [Q, 1] int64, local ids
-    weights: torch.Tensor  # [Q, 1] float32, differentiable (constant 1 for single rows)
+    Rows (the expert-parallel layer's own, ``moe_experts_ep``): the received rows themselves,
+    ``[S, H]``, with one column per local expert a row can carry, ``[S, C]`` int32 ids (``L``: no
+    expert) and float32 weights; at most ``layout.num_pairs`` columns hold an expert. moe_ep's
+    experts (``ops.experts.run_experts`` with ``num_routed``) gather each pair's row and sum each
+    row's outputs in their own kernels, so no per-pair copy of the rows is made, nor summed."""
+
+    hidden_states: torch.Tensor  # [Q, H] or [S, H], differentiable
+    expert_ids: torch.Tensor
+    weights: torch.Tensor  # differentiable (constant 1 for single rows)
     layout: DispatchLayout | NodeDispatchLayout
 
 
@@ -82,3 +97,7 @@ class NodeDispatchLayout:
     @property
     def num_pairs(self) -> int:
         return self.intra.num_pairs
+
+    @property
+    def num_outputs(self) -> int:
+        return self.intra.num_outputs

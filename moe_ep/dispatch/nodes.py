@@ -232,9 +232,10 @@ def plan_forwarding(first: SentRows, nodes: NodeGroups, num_experts: int) -> Row
 
 
 def node_dispatched_tokens(first: SentRows, second: SentRows, nodes: NodeGroups, num_tokens: int,
-                           rank_experts: int) -> DispatchedTokens:
-    """The pairs this rank's experts compute, and the layout of both stages for the way back."""
-    forwarded = dispatched_tokens(second, nodes.intra, first.x_recv_SH.shape[0], rank_experts)
+                           rank_experts: int, *, rows: bool = False) -> DispatchedTokens:
+    """What this rank's experts compute (the pairs, or with ``rows`` the received rows; see
+    ``DispatchedTokens``), and the layout of both stages for the way back."""
+    forwarded = dispatched_tokens(second, nodes.intra, first.x_recv_SH.shape[0], rank_experts, rows=rows)
     layout = NodeDispatchLayout(
         intra=forwarded.layout,
         inter_group=nodes.inter,
@@ -249,8 +250,8 @@ def node_dispatched_tokens(first: SentRows, second: SentRows, nodes: NodeGroups,
                             weights=forwarded.weights, layout=layout)
 
 
-def dispatch_by_node(hidden_states, top_k_index, top_k_weights, nodes: NodeGroups, num_experts: int
-                     ) -> DispatchedTokens:
+def dispatch_by_node(hidden_states, top_k_index, top_k_weights, nodes: NodeGroups, num_experts: int, *,
+                     rows: bool = False) -> DispatchedTokens:
     """The two-stage dispatch (module docstring) on arguments ``dispatch`` validated."""
     plan = plan_by_node(top_k_index, top_k_weights, nodes, num_experts)
     [counts] = exchange_node_counts([plan], nodes)
@@ -258,7 +259,7 @@ def dispatch_by_node(hidden_states, top_k_index, top_k_weights, nodes: NodeGroup
                               padded=False)
     second = send_planned_rows(first.x_recv_SH, plan_forwarding(first, nodes, num_experts), counts.second_recv_RC,
                                counts.second, nodes.intra, padded=False)
-    return node_dispatched_tokens(first, second, nodes, top_k_index.shape[0], plan.rank_experts)
+    return node_dispatched_tokens(first, second, nodes, top_k_index.shape[0], plan.rank_experts, rows=rows)
 
 
 def combine_by_node(expert_output: torch.Tensor, layout: NodeDispatchLayout) -> torch.Tensor:

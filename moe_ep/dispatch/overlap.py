@@ -138,10 +138,11 @@ class _Return:
 
 def _experts(tokens: DispatchedTokens, layout: DispatchLayout, gate_up_local, down_local, activation: str,
              backend: str, group) -> torch.Tensor:
-    """The rows that go back over ``layout``'s exchange: each received row's pairs computed and summed."""
-    out_QH = run_experts(tokens.hidden_states, tokens.expert_ids, tokens.weights, gate_up_local, down_local,
-                         activation, backend, group)
-    return rows_of_pairs(join_checked(out_QH, tokens), layout)
+    """The rows that go back over ``layout``'s exchange: each received row's pairs computed and
+    summed by the experts (``tokens`` in the rows form)."""
+    out_SH = run_experts(tokens.hidden_states, tokens.expert_ids, tokens.weights, gate_up_local, down_local,
+                         activation, backend, group, layout.num_pairs)
+    return rows_of_pairs(join_checked(out_SH, tokens), layout)
 
 
 def moe_experts_overlapped(hidden_states, top_k_index, top_k_weights, gate_up_local, down_local, *, group,
@@ -167,7 +168,7 @@ def _overlapped_single_stage(x_chunks, idx_chunks, w_chunks, group, num_experts:
                  for x, plan, (recv_RC, sizes) in zip(x_chunks, plans, exchange_counts(plans, group))]
     returning = []
     for x, exchange in zip(x_chunks, in_flight):
-        tokens = dispatched_tokens(_wait_rows(exchange), group, x.shape[0], num_experts // ep)
+        tokens = dispatched_tokens(_wait_rows(exchange), group, x.shape[0], num_experts // ep, rows=True)
         way_back = _Return.of(tokens.layout, group)
         returning.append((way_back, way_back.issue(experts(tokens, tokens.layout))))
     return torch.cat([way_back.wait(exchange) for way_back, exchange in returning])
@@ -195,7 +196,8 @@ def _overlapped_by_node(x_chunks, idx_chunks, w_chunks, nodes: NodeGroups, num_e
     layouts, in_node_returns, network_returns = [], [], []
     for i, x in enumerate(x_chunks):
         first, second = forwarding
-        tokens = node_dispatched_tokens(first, _wait_rows(second), nodes, x.shape[0], plans[i].rank_experts)
+        tokens = node_dispatched_tokens(first, _wait_rows(second), nodes, x.shape[0], plans[i].rank_experts,
+                                        rows=True)
         layouts.append(tokens.layout)
         if i:
             network_returns.append(network_return(i - 1))

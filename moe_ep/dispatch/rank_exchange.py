@@ -451,9 +451,10 @@ def send_planned_rows(hidden_states, plan: RowPlan, recv_RC, sizes: ExchangeSize
 
 
 def dispatch_to_ranks(hidden_states, top_k_index, top_k_weights, group, num_experts: int,
-                      capacity_factor: float | None, kept_TK=None) -> DispatchedTokens:
+                      capacity_factor: float | None, kept_TK=None, *, rows: bool = False) -> DispatchedTokens:
     """The single-stage dispatch over ``group``; ``kept_TK`` (dropless only) masks pairs that go
-    nowhere, as the node-aware scheme's forwarded rows' empty columns do."""
+    nowhere, as the node-aware scheme's forwarded rows' empty columns do; ``rows``: the rows form
+    of ``DispatchedTokens``."""
     T, K = top_k_index.shape
     capacity = None
     if capacity_factor is not None:
@@ -461,16 +462,22 @@ def dispatch_to_ranks(hidden_states, top_k_index, top_k_weights, group, num_expe
         kept_TK = capacity_keep_mask(top_k_index.long(), top_k_weights, num_experts, capacity)
     sent = send_rows(hidden_states, top_k_index, top_k_weights, group, num_experts, kept_TK, capacity)
     return dispatched_tokens(sent, group, T, num_experts // dist.get_world_size(group),
-                             kept_TK if capacity is not None else None)
+                             kept_TK if capacity is not None else None, rows=rows)
 
 
-def dispatched_tokens(sent: SentRows, group, num_tokens: int, L: int, capacity_kept_TK=None) -> DispatchedTokens:
-    """The (received row, local expert) pairs of an exchange and its layout; ``capacity_kept_TK``:
-    capacity mode's kept pairs, None in dropless mode."""
+def dispatched_tokens(sent: SentRows, group, num_tokens: int, L: int, capacity_kept_TK=None, *,
+                      rows: bool = False) -> DispatchedTokens:
+    """What the local experts compute on (the pairs of an exchange, or with ``rows`` its received
+    rows, see ``DispatchedTokens``) and the layout; ``capacity_kept_TK``: capacity mode's kept
+    pairs, None in dropless mode."""
     padded = capacity_kept_TK is not None
-    hidden_QH, expert_Q1, weight_Q1, row_src_SC, pair_reader_Q = _expert_pairs(
-        sent.x_recv_SH, sent.w_recv_SC, sent.ids_recv_SC, L, sent.sizes.num_pairs, padded=padded
-    )
+    if rows:
+        hidden, expert_ids, weights = sent.x_recv_SH, sent.ids_recv_SC, sent.w_recv_SC
+        row_src_SC = pair_reader_Q = None
+    else:
+        hidden, expert_ids, weights, row_src_SC, pair_reader_Q = _expert_pairs(
+            sent.x_recv_SH, sent.w_recv_SC, sent.ids_recv_SC, L, sent.sizes.num_pairs, padded=padded
+        )
     layout = DispatchLayout(
         group=group,
         num_tokens=num_tokens,
@@ -483,9 +490,10 @@ def dispatched_tokens(sent: SentRows, group, num_tokens: int, L: int, capacity_k
         row_src=row_src_SC,
         pair_reader=pair_reader_Q,
         num_pairs=sent.sizes.num_pairs,
+        num_received=sent.x_recv_SH.shape[0],
         kept_TK=capacity_kept_TK,
     )
-    return DispatchedTokens(hidden_states=hidden_QH, expert_ids=expert_Q1, weights=weight_Q1, layout=layout)
+    return DispatchedTokens(hidden_states=hidden, expert_ids=expert_ids, weights=weights, layout=layout)
 
 
 def combine_to_ranks(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
@@ -496,9 +504,10 @@ def combine_to_ranks(expert_output: torch.Tensor, layout: DispatchLayout) -> tor
 
 
 def rows_of_pairs(expert_output: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
-    """Each received row's pairs summed on the expert rank: the rows that go back."""
+    """Each received row's pairs summed on the expert rank: the rows that go back (the experts'
+    output itself where they got the rows and summed them)."""
     padded = layout.rows_per_rank is not None
-    if _pairs_are_rows(layout.num_pairs, layout.row_src.shape[0], padded):
+    if layout.row_src is None or _pairs_are_rows(layout.num_pairs, layout.row_src.shape[0], padded):
         return expert_output
     return sum_rows(expert_output, layout.row_src, layout.pair_reader, padded=padded)
 

@@ -91,11 +91,17 @@ def moe_experts(
 
 
 def run_experts(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation: str, backend: str,
-                group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                group: dist.ProcessGroup | None = None, num_routed: int | None = None) -> torch.Tensor:
     """``moe_experts`` on arguments its caller validated, ``backend`` resolved ("auto", "triton" or
     "torch") and ``group`` as there: for callers that checked them once already (the
-    expert-parallel layer)."""
-    args = (x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation)
+    expert-parallel layer).
+
+    ``num_routed`` (an int): ``idx_TK`` may also hold ``E``, "no expert", a slot that adds nothing
+    to its row (nor gets a weight gradient), and at most ``num_routed`` slots hold a real expert:
+    the experts' buffers are sized for that many rows, not for every slot. A wrong bound loses
+    slots. The dispatcher hands its received rows over this way, one column per local expert a
+    row can carry, so that the experts gather and sum each row's pairs themselves."""
+    args = (x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation, num_routed)
     if backend == "torch" and x_TH.device.type == "cuda":
         _warn_if_torch_path_syncs(x_TH)
     if backend != "torch":

@@ -2,11 +2,12 @@
 defines two ``torch.library`` custom ops with one convention::
 
     fwd(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, *options) -> (y_TH, *saved)
-    bwd(dy_TH, x_TH, w_TK, gate_up_E2IH, down_EHI, *saved, *options, overwrite_saved)
+    bwd(dy_TH, x_TH, w_TK, gate_up_E2IH, down_EHI, *saved, *options, overwrite_saved=...)
         -> (dx_TH, dw_TK, d_gate_up_E2IH, d_down_EHI)
 
-``options`` are the non-tensor arguments (the activation, a row block size) and ``saved`` what
-the backward needs beyond the inputs (routing metadata, then the GEMM-1 output). Only ``y_TH`` is
+``options`` are the non-tensor arguments (the activation, a row block size, the bound on the
+routed slots) and ``saved`` what the backward needs beyond the inputs (routing metadata, then the
+GEMM-1 output). Only ``y_TH`` is
 differentiated; ``register_experts_autograd`` gives the forward its autograd formula and the
 backward its fake implementation, so ``torch.compile`` and FSDP2 see each op as one opaque node.
 
@@ -92,7 +93,7 @@ def register_experts_autograd(fwd, bwd) -> None:
             # Marked first: a backward that fails part-way must not leave it looking intact.
             torch.autograd.graph.increment_version(gemm1_out)
         dx, dw, d_gate_up, d_down = bwd(dy_TH.contiguous(), x_TH, w_TK, gate_up_E2IH, down_EHI, *saved, *ctx.options,
-                                        overwrite)
+                                        overwrite_saved=overwrite)
         return (dx, None, dw, d_gate_up, d_down, *(None for _ in ctx.options))
 
     fwd.register_autograd(backward, setup_context=setup_context)

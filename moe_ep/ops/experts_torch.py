@@ -10,6 +10,8 @@ warns once when this path is pinned there, and ``backend="auto"`` never times or
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..kernels.library import grouped_mm as _grouped_mm
@@ -18,14 +20,28 @@ from .experts_op import register_experts_autograd
 
 
 def routing_order(idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots sorted by expert (stable, so ties keep token order) and the end offset of each expert's
-    rows, both computed on the device."""
+    """Slots sorted by expert (stable, so ties keep token order; the slots without an expert, id
+    ``E``, last) and the end offset of each expert's rows, both computed on the device."""
     flat_N = idx_TK.reshape(-1)
     order_N = torch.sort(flat_N, stable=True).indices
     # scatter_add rather than bincount: bincount reads the max back to the host on CUDA.
-    counts_E = torch.zeros(num_experts, dtype=torch.int32, device=idx_TK.device)
+    counts_E = torch.zeros(num_experts + 1, dtype=torch.int32, device=idx_TK.device)
     counts_E.scatter_add_(0, flat_N.long(), torch.ones_like(flat_N, dtype=torch.int32))
-    return order_N, torch.cumsum(counts_E, 0, dtype=torch.int32)
+    return order_N, torch.cumsum(counts_E[:num_experts], 0, dtype=torch.int32)
+
+
+def _routed(order_N: torch.Tensor, offsets_E: torch.Tensor, num_routed: int | None):
+    """The sorted slots the GEMMs take (the first ``num_routed``; those with an expert sort first)
+    and which of them have one (None: all, without ``num_routed``): where ``num_routed`` is only a
+    bound, slots without an expert can be left at the tail, and their GEMM rows, past the last
+    offset, are never written."""
+    if num_routed is None:
+        return order_N, None
+    return order_N[:num_routed], torch.arange(num_routed, device=order_N.device) < offsets_E[-1]
+
+
+def _zero_unrouted_(rows_QD: torch.Tensor, routed_Q: torch.Tensor | None) -> torch.Tensor:
+    return rows_QD if routed_Q is None else rows_QD.masked_fill_(~routed_Q[:, None], 0)
 
 
 # PyTorch's grouped GEMM needs 16-byte aligned strides; 8 elements covers every supported dtype.
@@ -67,32 +83,46 @@ def _scale_rows_(rows_NH: torch.Tensor, w_N: torch.Tensor) -> None:
         rows_NH[rows] = rows_NH[rows].float().mul_(w_N[rows, None])
 
 
-def _unsort_sum(rows_N: torch.Tensor, order_N: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+def _unsort_sum(rows_Q: torch.Tensor, order_Q: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     """Put sorted rows back into (token, slot) order and sum each token's slots in float32, rounded
-    to the rows' dtype a block of tokens at a time (float32 copies of a block only)."""
-    H = rows_N.shape[1]
-    slots = torch.empty_like(rows_N, memory_format=torch.contiguous_format)
-    slots.index_copy_(0, order_N, rows_N)
-    slots_TKH = slots.view(num_tokens, top_k, H)
-    sum_TH = rows_N.new_empty((num_tokens, H))
+    to the rows' dtype a block of tokens at a time (float32 copies of a block only). With fewer
+    rows than slots (slots without an expert, which add nothing) each block gathers its tokens'
+    rows instead: a copy of all slots would be mostly empty (the dispatcher's rows carry one
+    column per local expert a row can hold)."""
+    Q, H = rows_Q.shape
+    N = num_tokens * top_k
+    sum_TH = rows_Q.new_empty((num_tokens, H))
+    if Q == N:
+        slots_TKH = torch.empty_like(rows_Q, memory_format=torch.contiguous_format).index_copy_(0, order_Q, rows_Q).view(num_tokens, top_k, H)
+        for tokens in row_blocks(num_tokens, top_k * H):
+            sum_TH[tokens] = slots_TKH[tokens].sum(1, dtype=torch.float32)
+        return sum_TH
+    if Q == 0:
+        return sum_TH.zero_()
+    row_of_slot_TK = torch.full((N,), Q, dtype=torch.long, device=rows_Q.device)
+    row_of_slot_TK = row_of_slot_TK.index_copy_(0, order_Q, torch.arange(Q, device=rows_Q.device)).view(-1, top_k)
     for tokens in row_blocks(num_tokens, top_k * H):
-        sum_TH[tokens] = slots_TKH[tokens].sum(1, dtype=torch.float32)
+        row_bK = row_of_slot_TK[tokens]
+        empty_bK = row_bK == Q
+        terms_bKH = rows_Q.index_select(0, row_bK.masked_fill(empty_bK, 0).reshape(-1)).view(*row_bK.shape, H)
+        sum_TH[tokens] = terms_bKH.masked_fill_(empty_bK[..., None], 0).sum(1, dtype=torch.float32)
     return sum_TH
 
 
-def _forward_impl(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation):
+def _forward_impl(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation, num_routed):
     T, K = idx_TK.shape
     E = gate_up_E2IH.shape[0]
     order_N, offsets_E = routing_order(idx_TK, E)
-    x_NH = x_TH[order_N // K]
-    gate_up_N2I = grouped_linear(x_NH, gate_up_E2IH, offsets_E)
-    h_NI = glu_fwd(gate_up_N2I, activation, x_TH.dtype)
-    out_NH = grouped_linear(h_NI, down_EHI, offsets_E)
-    _scale_rows_(out_NH, w_TK.reshape(-1)[order_N].float())
-    y_TH = _unsort_sum(out_NH, order_N, T, K)
+    order_Q, routed_Q = _routed(order_N, offsets_E, num_routed)
+    x_QH = x_TH[order_Q // K]
+    gate_up_Q2I = grouped_linear(x_QH, gate_up_E2IH, offsets_E)
+    h_QI = glu_fwd(gate_up_Q2I, activation, x_TH.dtype)
+    out_QH = _zero_unrouted_(grouped_linear(h_QI, down_EHI, offsets_E), routed_Q)
+    _scale_rows_(out_QH, w_TK.reshape(-1)[order_Q].float())
+    y_TH = _unsort_sum(out_QH, order_Q, T, K)
     # Odd intermediate sizes leave a view of the padded product: the op's outputs must be dense,
     # as its fake implementation says (a no-op for the aligned sizes of real models).
-    return y_TH, order_N, offsets_E, gate_up_N2I.contiguous()
+    return y_TH, order_N, offsets_E, gate_up_Q2I.contiguous()
 
 
 @torch.library.custom_op("moe_ep::experts_torch_fwd", mutates_args=())
@@ -103,20 +133,22 @@ def experts_torch_fwd(
     gate_up_E2IH: torch.Tensor,
     down_EHI: torch.Tensor,
     activation: str,
+    num_routed: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (y_TH, order_N, offsets_E, gate_up_N2I); the last three are saved for backward."""
-    return _forward_impl(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation)
+    """Returns (y_TH, order_N, offsets_E, gate_up_Q2I); the last three are saved for backward.
+    ``num_routed``: see ``run_experts``."""
+    return _forward_impl(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation, num_routed)
 
 
 @experts_torch_fwd.register_fake
-def _(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation):
+def _(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation, num_routed=None):
     N = idx_TK.numel()
     E, two_I, _ = gate_up_E2IH.shape
     return (
         x_TH.new_empty(x_TH.shape),
         idx_TK.new_empty((N,), dtype=torch.int64),
         idx_TK.new_empty((E,), dtype=torch.int32),
-        x_TH.new_empty((N, two_I)),
+        x_TH.new_empty((N if num_routed is None else num_routed, two_I)),
     )
 
 
@@ -129,30 +161,36 @@ def experts_torch_bwd(
     down_EHI: torch.Tensor,
     order_N: torch.Tensor,
     offsets_E: torch.Tensor,
-    gate_up_N2I: torch.Tensor,
+    gate_up_Q2I: torch.Tensor,
     activation: str,
+    num_routed: Optional[int] = None,
     overwrite_saved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx_TH, dw_TK, d_gate_up_E2IH, d_down_EHI); ``overwrite_saved``: GEMM 1's output
-    gradient is written over ``gate_up_N2I`` (see ``experts_op``)."""
+    gradient is written over ``gate_up_Q2I`` (see ``experts_op``)."""
     T, K = w_TK.shape
     dtype = x_TH.dtype
-    token_N = order_N // K
-    w_N = w_TK.reshape(-1)[order_N].float()
-    # Each [N, H] or [N, I] intermediate is freed after its last reader, so that the backward holds
-    # at most the output gradient's rows and two [N, I] buffers, or two [N, H] ones, at a time.
-    dy_NH = dy_TH.to(dtype)[token_N]
+    order_Q, routed_Q = _routed(order_N, offsets_E, num_routed)
+    token_Q = order_Q // K
+    w_Q = w_TK.reshape(-1)[order_Q].float()
+    # Each [Q, H] or [Q, I] intermediate is freed after its last reader, so that the backward holds
+    # at most the output gradient's rows and two [Q, I] buffers, or two [Q, H] ones, at a time.
+    dy_QH = dy_TH.to(dtype)[token_Q]
     # Gradient of the unweighted expert output w.r.t. h: dy @ down[e]. Since
     # d w_n = <dy_t, down[e] h_n> = <dy_t @ down[e], h_n>, the expert output need not be kept.
-    dh_raw_NI = grouped_linear(dy_NH, down_EHI.transpose(1, 2), offsets_E)
-    dw_N, wh_NI, d_gate_up_N2I = glu_bwd(gate_up_N2I, dh_raw_NI, w_N, activation, overwrite=overwrite_saved)
-    del dh_raw_NI
-    dw_TK = torch.empty_like(dw_N).index_copy_(0, order_N, dw_N).view(T, K).to(w_TK.dtype)
+    dh_raw_QI = grouped_linear(dy_QH, down_EHI.transpose(1, 2), offsets_E)
+    dw_Q, wh_QI, d_gate_up_Q2I = glu_bwd(gate_up_Q2I, dh_raw_QI, w_Q, activation, overwrite=overwrite_saved)
+    del dh_raw_QI
+    dw_Q = _zero_unrouted_(dw_Q[:, None], routed_Q)[:, 0]
+    # Zeros only where some slot has no row (no expert): their weights get no gradient.
+    dw_N = dw_Q.new_empty(T * K) if order_Q.numel() == T * K else dw_Q.new_zeros(T * K)
+    dw_TK = dw_N.index_copy_(0, order_Q, dw_Q).view(T, K).to(w_TK.dtype)
     # d down[e] = sum_n (w_n dy_n)^T h_n = sum_n dy_n^T (w_n h_n): the weight goes on h.
-    d_down_EHI = grouped_outer(dy_NH, wh_NI, offsets_E)
-    del dy_NH, wh_NI
-    dx_TH = _unsort_sum(grouped_linear(d_gate_up_N2I, gate_up_E2IH.transpose(1, 2), offsets_E), order_N, T, K)
-    d_gate_up_E2IH = grouped_outer(d_gate_up_N2I, x_TH[token_N], offsets_E)
+    d_down_EHI = grouped_outer(dy_QH, wh_QI, offsets_E)
+    del dy_QH, wh_QI
+    dx_QH = _zero_unrouted_(grouped_linear(d_gate_up_Q2I, gate_up_E2IH.transpose(1, 2), offsets_E), routed_Q)
+    dx_TH = _unsort_sum(dx_QH, order_Q, T, K)
+    d_gate_up_E2IH = grouped_outer(d_gate_up_Q2I, x_TH[token_Q], offsets_E)
     # Odd sizes leave views of the padded products; the fake implementation (and so a compiled
     # graph around the op) expects dense gradients. A no-op for the aligned sizes of real models.
     return dx_TH, dw_TK, d_gate_up_E2IH.contiguous(), d_down_EHI.contiguous()

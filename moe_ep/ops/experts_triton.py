@@ -8,6 +8,8 @@ problem's first call, see ``moe_ep.ops.selector``)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..kernels import grouped_gemm as gg
@@ -24,12 +26,13 @@ def experts_triton_fwd(
     down_EHI: torch.Tensor,
     activation: str,
     pad_m: int,
+    num_routed: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y_TH, counts_E, padded_offsets_E1, sorted_slot_P, slot_pos_N, block_expert_B,
-    pre_P2I); all but y are saved for backward."""
+    pre_P2I); all but y are saved for backward. ``num_routed``: see ``run_experts``."""
     T, K = idx_TK.shape
     E = gate_up_E2IH.shape[0]
-    meta = routing_metadata(idx_TK, E, pad_m)
+    meta = routing_metadata(idx_TK, E, pad_m, num_routed)
     w_N = w_TK.reshape(-1).float().contiguous()
     h_PI, pre_P2I = gg.gather_glu(x_TH.contiguous(), gate_up_E2IH.contiguous(), meta, K, activation)
     out_PH = gg.rows_matmul(h_PI, down_EHI.contiguous(), meta, w_layout="nk", scale_N=w_N)
@@ -39,10 +42,10 @@ def experts_triton_fwd(
 
 
 @experts_triton_fwd.register_fake
-def _(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation, pad_m):
+def _(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation, pad_m, num_routed=None):
     N = idx_TK.numel()
     E, two_I, _ = gate_up_E2IH.shape
-    P = padded_rows(N, E, pad_m)
+    P = padded_rows(N if num_routed is None else num_routed, E, pad_m)
     int32 = dict(dtype=torch.int32)
     return (
         x_TH.new_empty(x_TH.shape),
@@ -70,10 +73,12 @@ def experts_triton_bwd(
     pre_P2I: torch.Tensor,
     activation: str,
     pad_m: int,
+    num_routed: Optional[int] = None,
     overwrite_saved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx_TH, dw_TK, d_gate_up_E2IH, d_down_EHI); ``overwrite_saved``: GEMM 1's output
-    gradient is written over ``pre_P2I`` (see ``experts_op``)."""
+    gradient is written over ``pre_P2I`` (see ``experts_op``). ``num_routed`` sized the padded
+    layout in the forward; the saved metadata carries that size here."""
     T, K = w_TK.shape
     meta = RoutingMetadata(counts_E, padded_offsets_E1, sorted_slot_P, slot_pos_N, block_expert_B, pad_m)
     dy_TH = dy_TH.to(x_TH.dtype).contiguous()
@@ -100,7 +105,8 @@ def experts_triton_bwd(
 register_experts_autograd(experts_triton_fwd, experts_triton_bwd)
 
 
-def experts_triton(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation):
-    """``moe_experts`` on the Triton kernels; arguments are already validated by ``moe_experts``."""
-    pad_m = gg.routing_block(idx_TK.numel(), gate_up_E2IH.shape[0])
-    return experts_triton_fwd(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation, pad_m)[0]
+def experts_triton(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation, num_routed=None):
+    """``run_experts`` on the Triton kernels; arguments are already validated by its caller."""
+    routed = idx_TK.numel() if num_routed is None else num_routed
+    pad_m = gg.routing_block(routed, gate_up_E2IH.shape[0])
+    return experts_triton_fwd(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation, pad_m, num_routed)[0]

@@ -151,16 +151,18 @@ def decisions() -> dict[Problem, Table]:
     return dict(_TABLES)
 
 
-def choose(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation: str, *, pinned: str | None,
-           group: dist.ProcessGroup | None) -> str:
+def choose(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation: str, num_routed: int | None = None, *,
+           pinned: str | None, group: dist.ProcessGroup | None) -> str:
     """The path of this call: ``pinned`` ("triton"/"torch") or, for None, the table's. Decides the
-    problem on its first call (a collective over ``group``), see the module docstring."""
+    problem on its first call (a collective over ``group``), see the module docstring.
+    ``num_routed``: ``run_experts``'; the bucket is that of the routed slots."""
     E, two_I, H = gate_up_E2IH.shape
-    T, K = idx_TK.shape
+    K = idx_TK.shape[1]
     problem = Problem(autotune.device_arch(x_TH.device), x_TH.dtype, H, two_I // 2, E, K, activation,
                       "auto" if pinned is None else pinned)
     default = pinned or default_path(problem.arch)
-    bucket = autotune.token_bucket(T * K)
+    routed = idx_TK.numel() if num_routed is None else num_routed
+    bucket = autotune.token_bucket(routed)
     table = _TABLES.get(problem)
     if table is None:
         if not _can_measure(x_TH):
@@ -168,8 +170,8 @@ def choose(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation: str, *, pinne
         # The grouped-GEMM path is timed only where it is sync-free: on sm_80 timing it would put
         # its host syncs into the first step, and it could never be chosen anyway.
         measure_torch = pinned is None and grouped_mm_sync_free(problem.arch, problem.dtype)
-        table = _decide(problem, (x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI), measure_torch=measure_torch,
-                        group=group)
+        table = _decide(problem, (x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, num_routed), routed,
+                        measure_torch=measure_torch, group=group)
     return pinned or table.path(bucket, default)
 
 
@@ -182,7 +184,7 @@ def _can_measure(x_TH: torch.Tensor) -> bool:
                 or x_TH.device.type == "meta" or not autotune.enabled())
 
 
-def _decide(problem: Problem, inputs: tuple, *, measure_torch: bool, group) -> Table:
+def _decide(problem: Problem, inputs: tuple, routed: int, *, measure_torch: bool, group) -> Table:
     if inputs[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"moe_experts would measure its paths for {problem.name()} inside a CUDA graph capture; run the op "
@@ -191,8 +193,8 @@ def _decide(problem: Problem, inputs: tuple, *, measure_torch: bool, group) -> T
     device = inputs[0].device
     cached = _cache_load(problem, device)
     mine: dict = {"cached": cached.to_json()} if cached is not None else {}
-    if cached is None and inputs[1].numel() > 0:
-        bucket = autotune.token_bucket(inputs[1].numel())
+    if cached is None and routed > 0:
+        bucket = autotune.token_bucket(routed)
         mine["measured"] = {bucket: _measure(problem, inputs, measure_torch)}
     everyone = [mine]
     if group is not None and dist.get_world_size(group) > 1:
@@ -235,13 +237,13 @@ def _measure(problem: Problem, inputs: tuple, measure_torch: bool) -> dict:
     from .experts_torch import experts_torch_fwd
     from .experts_triton import experts_triton
 
-    x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI = inputs
+    x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, num_routed = inputs
     leaves = [t.detach().requires_grad_() for t in (x_TH, w_TK, gate_up_E2IH, down_EHI)]
     dy_TH = torch.ones_like(x_TH)
 
     def step(forward):
         def run():
-            y = forward(leaves[0], idx_TK, leaves[1], leaves[2], leaves[3], problem.activation)
+            y = forward(leaves[0], idx_TK, leaves[1], leaves[2], leaves[3], problem.activation, num_routed)
             return torch.autograd.grad(y, leaves, dy_TH)
         return run
 

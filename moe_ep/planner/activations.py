@@ -19,9 +19,9 @@ counts the saved tensors of real models, on the CPU and at full Mixtral-8x7B sha
   int32 offsets; Triton: int32 metadata over rows padded per expert to its tile) and the GEMM-1
   output ``[rows, 2I]`` from which the backward recomputes SwiGLU.
 - expert parallel (``moe_ep.dispatch``): on the source rank the rows coming back (for the gradient
-  of the routing weights) and the int64 maps of the exchange; on the expert rank the received rows
-  or, when a row carries several experts, the (row, expert) pairs gathered from them, with their
-  maps; see :func:`dispatch_saved`.
+  of the routing weights) and the int64 maps of the exchange; on the expert rank the received rows,
+  which the experts take as they came (one column per local expert a row can carry), with their
+  routing columns; see :func:`dispatch_saved`.
 - dense MLP and shared expert: the input, the gate and up outputs, the activation and the product.
 - head: the final norm, lm_head's input and the loss of ``moe_ep.training.CausalLMLoss``: the float32
   log-softmax of the ``B (S - 1)`` predicted positions and their int64 targets.
@@ -68,14 +68,11 @@ class MicroBatch:
 @dataclass(frozen=True)
 class Routed:
     """What one rank's expert-parallel dispatcher moves for one micro-batch, counting the rank
-    itself as a destination: ``sent`` rows (one per (token, destination rank)), ``sent_multi`` of
-    them carrying several of the token's experts, ``received`` rows, ``received_multi`` multi rows
-    among them, and ``pairs``: the (row, local expert) pairs its experts compute."""
+    itself as a destination: ``sent`` rows (one per (token, destination rank)), ``received`` rows,
+    and ``pairs``: the (row, local expert) pairs its experts compute."""
 
     sent: float
-    sent_multi: float
     received: float
-    received_multi: float
     pairs: float
 
 
@@ -93,9 +90,8 @@ def rank_shares(spec: ModelSpec, ep: int) -> tuple[float, float]:
 def expected_routed(spec: ModelSpec, ep: int, tokens: int, load: float = 1.0) -> Routed:
     """The dispatcher's counts for ``tokens`` tokens per rank under uniform routing, on a rank
     whose experts get ``load`` times the mean (every rank sends alike; the busiest receives more)."""
-    rows, multi = rank_shares(spec, ep)
-    return Routed(rows * tokens, multi * tokens, load * rows * tokens, load * multi * tokens,
-                  load * spec.top_k * tokens)
+    rows, _ = rank_shares(spec, ep)
+    return Routed(rows * tokens, load * rows * tokens, load * spec.top_k * tokens)
 
 
 def norm_saved(rows: float, width: int) -> float:
@@ -156,15 +152,18 @@ def padded_rows(pairs: float, experts: int) -> float:
     return (math.ceil(pairs / tile) + experts) * tile
 
 
-def experts_op_saved(spec: ModelSpec, pairs: float, experts: int, backend: str) -> float:
+def experts_op_saved(spec: ModelSpec, pairs: float, experts: int, backend: str, slots: float | None = None
+                     ) -> float:
     """What ``moe_experts`` keeps beyond its input rows and weights, for ``pairs`` (row, expert)
-    pairs over ``experts`` experts: the sort and the GEMM-1 output."""
+    pairs over ``experts`` experts in ``slots`` routing slots (default ``pairs``; the dispatcher's
+    received rows have more, some without an expert): the sort and the GEMM-1 output."""
     two_i = 2 * spec.intermediate_size
+    slots = pairs if slots is None else slots
     if backend == "torch":
-        return I64 * pairs + I32 * experts + BF16 * two_i * pairs
+        return I64 * slots + I32 * experts + BF16 * two_i * pairs
     rows = padded_rows(pairs, experts)
     tile = 128 if pairs >= 256 * experts else 64
-    metadata = I32 * (experts + (experts + 1) + rows + pairs + rows / tile)
+    metadata = I32 * (experts + (experts + 1) + rows + slots + rows / tile)
     return metadata + BF16 * two_i * rows
 
 
@@ -176,9 +175,8 @@ def dispatch_saved(spec: ModelSpec, ep: int, tokens: int, routed: Routed, backen
     int64, a [T, ep] bool), the gather map of the rows it packs, the rows that come back (their
     dot with the output gradient is the routing weights' gradient), the return weights and map.
     With rows that can carry several experts (``min(K, L) > 1``) also the weights' scatter index,
-    and on the expert side the routing columns' selection and the pairs' map; when some row does
-    carry several, the pairs are gathered out of the rows (saved instead of the rows) and summed
-    back per row (their maps saved)."""
+    and on the expert side the routing columns' selection. The experts keep the received rows
+    and their ``[S, min(K, L)]`` weights, and sort their slots."""
     T, K, H = tokens, spec.top_k, spec.hidden_size
     L = spec.num_experts // ep
     r_max, k_max = min(K, ep), min(K, L)
@@ -187,15 +185,11 @@ def dispatch_saved(spec: ModelSpec, ep: int, tokens: int, routed: Routed, backen
               + I64 * (T * r_max + 1) + I64 * routed.sent  # packing gather: copy map, row targets
               + BF16 * H * routed.sent  # the rows that come back
               + FP32 * (T * r_max + 1) + I64 * (routed.sent + 1))  # return weights and map
-    expert = FP32 * P + experts_op_saved(spec, P, L, backend)  # weights of the pairs
+    slots = S * k_max
+    expert = BF16 * H * S + FP32 * slots + experts_op_saved(spec, P, L, backend, slots)
     if k_max > 1:
         source += I64 * T * K  # the routing weights' scatter into the multi rows' columns
-        expert += S + I64 * S + I64 * (P + 1)  # routing columns: condition, selection; the pairs' map
-    if k_max > 1 and routed.received_multi > 0:
-        # Pairs gathered out of the rows: copy map, targets; summed back per row: the readers.
-        expert += I64 * (S * k_max + 1) + I64 * P + I64 * P + BF16 * H * P
-    else:
-        expert += BF16 * H * S  # every row is one pair: the experts keep the received rows
+        expert += S + I64 * S  # routing columns: condition, selection
     return source + expert
 
 
@@ -257,10 +251,11 @@ def _mlp_kept_outputs(spec: ModelSpec, layer: int, tokens: int, backend: str, ep
     kept = FP32 * T * E + ((FP32 + I64) * T * K if backend == "triton" else 0.0)
     if spec.shared_intermediate_size:
         kept += BF16 * T * (2 * spec.shared_intermediate_size + H) + (BF16 * T if spec.shared_expert_gate else 0.0)
-    pairs, experts = (T * K, E) if ep == 1 else (routed.pairs, E // ep)
-    # Locally the op's output is one row per token; through the dispatcher one per pair.
-    rows = T if ep == 1 else pairs
-    return kept + BF16 * H * rows + experts_op_saved(spec, pairs, experts, backend)
+    if ep == 1:
+        return kept + BF16 * H * T + experts_op_saved(spec, T * K, E, backend)
+    # Through the dispatcher the op's output is one row per received row.
+    slots = routed.received * min(K, E // ep)
+    return kept + BF16 * H * routed.received + experts_op_saved(spec, routed.pairs, E // ep, backend, slots)
 
 
 def selective_layer_saved(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep: int = 1,
@@ -330,8 +325,9 @@ def chunked_head_scratch(spec: ModelSpec, mb: MicroBatch) -> float:
 
 
 def experts_scratch(pairs: float, hidden: int, intermediate: int, experts: int, backend: str,
-                    repeatable: bool = False) -> float:
-    """What ``moe_experts``' backward (bf16, ``pairs`` routed rows over ``experts``) holds at once
+                    repeatable: bool = False, slots: float | None = None) -> float:
+    """What ``moe_experts``' backward (bf16, ``pairs`` routed rows over ``experts``, in ``slots``
+    routing slots: ``pairs`` by default, more for the dispatcher's received rows) holds at once
     beyond its saved tensors and the gradients it returns, counted from its code and checked
     against the bytes its CPU run allocates (``tests/test_plan_scratch.py``). Torch: at its peak,
     in the gated activation's backward, the output gradient's rows, their product with the down
@@ -343,18 +339,26 @@ def experts_scratch(pairs: float, hidden: int, intermediate: int, experts: int, 
     which real models have, are at least 64 columns wide). GEMM 1's output
     gradient goes over its saved output, except under ``repeatable``
     (``moe_ep.ops.repeatable_backward``, which ZB-V and DualPipeV set), where it is one more
-    ``[rows, 2I]`` buffer."""
+    ``[rows, 2I]`` buffer. Slots without an expert add their share of the per-slot vectors and,
+    torch, the combine's per-slot map with a block of gathered rows instead of a slot-order copy
+    of all rows (estimated)."""
     H, I = hidden, intermediate
     gemm1_grad = BF16 * 2 * I if repeatable else 0
+    slots = pairs if slots is None else slots
     if backend == "torch":
-        vectors = 20  # per row: its token (int64), routing weight and weight gradient, and dw's copy
-        activation = (pairs * (BF16 * (H + 2 * I) + gemm1_grad + vectors)
+        # Per row: its token (int64), routing weight and weight gradient; per slot dw's copy.
+        vectors = 16 * pairs + FP32 * slots
+        activation = (pairs * (BF16 * (H + 2 * I) + gemm1_grad) + vectors
                       + 3 * FP32 * min(CHUNK_ELEMENTS, pairs * 2 * I))
-        combine = pairs * (BF16 * 2 * H + gemm1_grad + vectors) + FP32 * min(CHUNK_ELEMENTS, pairs * H)
+        if slots == pairs:
+            combine = pairs * (BF16 * 2 * H + gemm1_grad) + vectors + FP32 * min(CHUNK_ELEMENTS, pairs * H)
+        else:
+            combine = (pairs * (BF16 * H + gemm1_grad) + vectors + I64 * slots
+                       + (BF16 + FP32) * min(CHUNK_ELEMENTS, slots * H))
         return max(activation, combine)
     weight_grad_parts = FP32 * math.ceil(I / 64)
     return (padded_rows(pairs, experts) * (BF16 * (H + I) + gemm1_grad + weight_grad_parts)
-            + pairs * (8 + weight_grad_parts))
+            + slots * (8 + weight_grad_parts))
 
 
 def layer_scratch(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep: int = 1,
@@ -371,8 +375,11 @@ def layer_scratch(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep:
     if not spec.is_moe_layer(layer):
         width = spec.dense_intermediate_size if spec.num_experts else I
         return stream + max(attention, BF16 * T * 3 * width)
-    pairs = routed.pairs if ep > 1 else T * spec.top_k
-    expert = experts_scratch(pairs, H, I, spec.num_experts // ep, backend, repeatable)
+    if ep > 1:
+        slots = routed.received * min(spec.top_k, spec.num_experts // ep)
+        expert = experts_scratch(routed.pairs, H, I, spec.num_experts // ep, backend, repeatable, slots)
+    else:
+        expert = experts_scratch(T * spec.top_k, H, I, spec.num_experts, backend, repeatable)
     return stream + max(attention, expert)
 
 

@@ -159,8 +159,8 @@ def layer_traffic(spec: ModelSpec, layer: int, mb: MicroBatch, ep: int, routed: 
     """(forward, backward) bytes of decoder layer ``layer``'s memory-bound kernels: two norms, the
     rotary embedding, q/k norms, two residual adds, the router's softmax / top-k, the dense MLP's
     or shared expert's SwiGLU, the experts' combine (moe_ep's Triton kernels fuse gather, SwiGLU
-    and the routing weight into the GEMMs) and under expert parallelism the packing, the pairs'
-    copies and sums on the expert side and the sums of the returned rows. Eager, each kernel's backward is taken as twice its forward; with
+    and the routing weight into the GEMMs) and under expert parallelism the packing and the sums
+    of the returned rows. Eager, each kernel's backward is taken as twice its forward; with
     ``compiled`` dense blocks, the compiled regions move what Inductor counts for them."""
     T, H = mb.tokens, spec.hidden_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
@@ -189,13 +189,12 @@ def layer_traffic(spec: ModelSpec, layer: int, mb: MicroBatch, ep: int, routed: 
     if ep == 1:
         traffic += BF16 * H * (T * spec.top_k + T)  # combine: read every pair's row, write the token's
     else:
-        # Packing reads and writes each sent row. Where received rows carry several experts, the
-        # expert side copies each row once per pair for the experts and sums the pairs' outputs
-        # back per row (dispatch/rank_exchange.py). The source sums each token's returned rows
-        # in one gather-sum pass (kernels.grouped_gemm.sum_rows): each row read, the token written.
-        rows, pairs = routed.sent, routed.pairs
-        per_pair = 2 * pairs + pairs + routed.received if routed.received_multi > 0 else 0.0
-        traffic += BF16 * H * (2 * rows + per_pair + rows + T)
+        # Packing reads and writes each sent row. The experts take the received rows as they came
+        # and their combine sums each row's pairs: every pair's output read, each row written. The
+        # source sums each token's returned rows in one gather-sum pass (kernels.grouped_gemm.sum_rows):
+        # each row read, the token written.
+        rows = routed.sent
+        traffic += BF16 * H * (2 * rows + routed.pairs + routed.received + rows + T)
     return (T * (regions[0] + shared[0]) + traffic, T * (regions[1] + shared[1]) + MEMORY_BACKWARD * traffic)
 
 

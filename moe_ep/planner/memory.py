@@ -88,8 +88,7 @@ def routed_counts(spec: ModelSpec, layout: Layout, tokens: int, load: float, cap
     L, k_max = spec.num_experts // ep, min(spec.top_k, spec.num_experts // ep)
     capacity = expert_capacity(tokens, spec.top_k, spec.num_experts, capacity_factor)
     rows = ep * min(tokens, L * capacity)
-    multi = ep * min(tokens, L * capacity // 2) if k_max > 1 else 0.0
-    return Routed(rows, multi, rows, multi, min(rows * k_max, ep * L * capacity))
+    return Routed(rows, rows, min(rows * k_max, ep * L * capacity))
 
 
 @dataclass(frozen=True)
