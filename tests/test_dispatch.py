@@ -46,6 +46,7 @@ CASES_2 = [
     Case("capacity_tight_k_eq_e", T=6, E=4, K=4, capacity_factor=0.3),
     Case("capacity_roomy", T=5, E=8, K=2, capacity_factor=4.0),
 ]
+TRITON_CASES = ("odd_sizes", "k_eq_e", "rank_with_no_tokens", "capacity_half_ties", "capacity_roomy")
 CASES_4 = [
     Case("random", T=5, E=8, K=2),
     Case("rank1_receives_nothing", T=4, E=8, K=2, routing="first_rank"),
@@ -55,7 +56,7 @@ CASES_4 = [
 ]
 
 
-def _check_case(case: Case, rank: int, world: int) -> dict:
+def _check_case(case: Case, rank: int, world: int, backend: str | None = None) -> dict:
     from moe_ep.dispatch import dispatch, moe_experts_ep
 
     xs, idxs, ws, dys, gate_up, down = case.make(world)
@@ -82,7 +83,8 @@ def _check_case(case: Case, rank: int, world: int) -> dict:
         result["rows_sent"], result["rows_expected"] = sum(routed.layout.send_splits), distinct
         result["rows_received"] = sum(routed.layout.recv_splits)
     with count_sent_bytes(dist) as sent:
-        y = moe_experts_ep(x, idxs[rank], w, gu, dn, group=group, capacity_factor=case.capacity_factor)
+        y = moe_experts_ep(x, idxs[rank], w, gu, dn, group=group, capacity_factor=case.capacity_factor,
+                           backend=backend)
     if case.capacity_factor is None:
         # Combine sends back other ranks' tokens, so the accounting holds for the sum over ranks.
         measured = torch.tensor([sent[0]])
@@ -297,6 +299,9 @@ def _errors(rank: int, world: int) -> dict:
 def _world_2(rank: int, world: int, checkpoint: str) -> dict:
     results = {
         "cases": {c.name: _check_case(c, rank, world) for c in CASES_2},
+        # The experts' Triton kernels (under the interpreter) on the received rows as the dispatcher
+        # hands them over: rows carrying several experts, empty columns, capacity padding, no tokens.
+        "triton": {c.name: _check_case(c, rank, world, backend="triton") for c in CASES_2 if c.name in TRITON_CASES},
         "audit_capacity": _audit(rank, world, 1.0),
         "audit_dropless": _audit(rank, world, None),
         "recorder_self_test": _recorder_self_test(),
@@ -361,6 +366,12 @@ def _assert_case(results, name):
 @pytest.mark.parametrize("name", [c.name for c in CASES_2])
 def test_two_ranks_match_float64_reference(world2, name):
     _assert_case(world2, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TRITON_CASES)
+def test_two_ranks_on_the_triton_experts_match_float64_reference(world2, name):
+    _assert_case([{"cases": r["triton"]} for r in world2], name)
 
 
 @pytest.mark.slow

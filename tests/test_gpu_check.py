@@ -29,7 +29,7 @@ def test_script_in_cpu_mode_writes_one_json_and_one_png(tmp_path):
     payload = json.loads(files[0].read_text())
     steps = payload["meta"]["steps"]
     assert steps["compile"]["status"].startswith("skipped: no GPU")
-    assert all(steps[name]["status"] == "done" for name in ("tests", "kernels", "model", "dispatch")), steps
+    assert all(steps[name]["status"] == "done" for name in ("tests", "kernels", "attention", "model", "dispatch")), steps
     assert steps["suite"]["status"].startswith("skipped: no GPU")
     dispatch = payload["meta"]["results"]["dispatch"]
     assert dispatch["parts"] == {"ep4": "done"}  # byte counts only on the CPU
@@ -46,6 +46,9 @@ def test_script_in_cpu_mode_writes_one_json_and_one_png(tmp_path):
     kernels = payload["meta"]["results"]["kernels"]["rows"]
     assert {"moe_ep[torch]", "hf_grouped_mm", "hf_eager", "dense_mm"} <= {r["variant"] for r in kernels}
     assert payload["meta"]["results"]["model"]["rows"]
+    attention = payload["meta"]["results"]["attention"]["rows"]
+    assert {r["model"] for r in attention if r["variant"] == "sdpa[default]" and r["status"] == "ok"} == set(
+        gpu_check.attention_bench.MODELS)
     assert any(n.startswith("gpu check: ") and "0 failed" in n for n in payload["notes"])
 
 

@@ -69,7 +69,9 @@ def _count_received_pairs(counts: list):
     original = expert_parallel.run_experts
 
     def counting(hidden, expert_ids, weights, gate_up_local, *args, **kwargs):
-        counts.append(torch.bincount(expert_ids.reshape(-1), minlength=gate_up_local.shape[0]).tolist())
+        # The received rows' columns: local ids, and L where a row carries no expert.
+        L = gate_up_local.shape[0]
+        counts.append(torch.bincount(expert_ids.reshape(-1).long(), minlength=L + 1)[:L].tolist())
         return original(hidden, expert_ids, weights, gate_up_local, *args, **kwargs)
 
     expert_parallel.run_experts = overlap.run_experts = counting

@@ -321,9 +321,9 @@ def test_calibration_file_replaces_the_default_efficiencies(tmp_path):
     eff = p.cluster.efficiencies
     assert eff.grouped_gemm == pytest.approx(150 / 312) and eff.dense_gemm == pytest.approx(220 / 312)
     assert eff.memory == pytest.approx(1500 / 2039)
-    assert eff.attention == 0.60  # not measured by the bench: the default
+    assert eff.attention == 0.60  # not measured in a kernels file: the default
     assert eff.source("grouped_gemm").startswith("measured: kernels_a100.json, NVIDIA A100-SXM4-80GB, moe_ep[triton]")
-    assert "not measured by the bench" in eff.source("attention")
+    assert "not measured in kernels_a100.json" in eff.source("attention")
     default = plan("mixtral-8x7b", nodes=16, cluster="dgx-a100-80gb", pp=1, ep=8, microbatch_size=1,
                    checkpointing=False)
     key = "grouped GEMMs (experts, busiest rank)"

@@ -1,4 +1,4 @@
-"""``python -m moe_ep.bench {kernels,model,dispatch,planner,gpu}``: run one benchmark mode, print
+"""``python -m moe_ep.bench {kernels,attention,model,dispatch,planner,gpu}``: run one benchmark mode, print
 its table, save its figures (to ./bench-results/, git-ignored; the gpu gate to the committed
 benchmarks/results/)."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from . import dispatch, gpu_check, kernels, model, planner
+from . import attention, dispatch, gpu_check, kernels, model, planner
 from .report import COMMITTED_RESULTS_DIR, RESULTS_DIR, format_table, save
 from .timing import NoisyTimingWarning
 
-MODES = {"kernels": kernels, "model": model, "dispatch": dispatch, "planner": planner, "gpu": gpu_check}
+MODES = {"kernels": kernels, "attention": attention, "model": model, "dispatch": dispatch, "planner": planner, "gpu": gpu_check}
 
 
 def build_parser() -> argparse.ArgumentParser:

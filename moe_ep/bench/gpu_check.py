@@ -19,15 +19,18 @@ says so:
    Triton kernel's time beside the AOT check's roofline bound and expected time; then the whole op
    at the fine-grained shapes (Qwen3-30B-A3B and OLMoE at T=16384, DeepSeek-V3 as one EP8 rank sees it:
    ``kernels.cost.PROBLEMS``).
-4. ``model``: the two-layer Mixtral-8x7B and Qwen3-30B-A3B model benchmarks at 4096 and 16384
+4. ``attention``: causal attention forward+backward through SDPA at the anchors' models' attention
+   shapes (4 x 4096 tokens), on SDPA's own choice of backend and on each backend alone
+   (``moe_ep.bench.attention``): the rate the planner's calibration takes for attention.
+5. ``model``: the two-layer Mixtral-8x7B and Qwen3-30B-A3B model benchmarks at 4096 and 16384
    tokens (forward+backward tokens/s, peak memory).
-5. ``dispatch``: the dispatch benchmark at ep=4 (its ranks share the one GPU over gloo): bytes
+6. ``dispatch``: the dispatch benchmark at ep=4 (its ranks share the one GPU over gloo): bytes
    sent against transformers' all-to-all, and each rank's own kernels of a forward and backward
    (``local GPU ms``, rank 0's longest named); on the CPU its byte counts only.
-6. ``suite``: the test suite's own CUDA tests (``pytest tests -k "cuda or on_the_gpu"``, the ones
+7. ``suite``: the test suite's own CUDA tests (``pytest tests -k "cuda or on_the_gpu"``, the ones
    that skip on a CPU) in a subprocess, when pytest is installed: its counts and failures.
 
-Each problem of steps 3 and 4 checks the budget before it starts, so the gate ends inside
+Each problem of steps 3 and 5 checks the budget before it starts, so the gate ends inside
 ``--budget`` plus the last problem's time; one that runs out of GPU memory is recorded as failed
 and the next one still runs.
 
@@ -57,13 +60,14 @@ from ..kernels.runtime import interpreting
 from ..ops import selector
 from ..ops.experts import moe_experts
 from ..ops.reference import moe_experts_ref, moe_experts_ref_by_expert
+from . import attention as attention_bench
 from . import dispatch as dispatch_bench
 from . import kernels as kernel_bench
 from . import model as model_bench
 from .report import Column, Report, close_figure, environment, new_figure
 from .routing_cases import make_routing
 
-STEPS = ("compile", "tests", "kernels", "model", "dispatch", "suite")
+STEPS = ("compile", "tests", "kernels", "attention", "model", "dispatch", "suite")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 GRADS = ("hidden_states", "top_k_weights", "gate_up_proj", "down_proj")
 # The AOT check's step names (kernels/grouped_gemm.py gemm_costs, kernels/aot.py whole_pass) of each
@@ -352,6 +356,16 @@ def step_kernels(device: torch.device, args) -> dict:
     return result
 
 
+def step_attention(device: torch.device, args) -> dict:
+    result = dict(meta={}, notes=[], rows=[], parts={})
+    cuda = device.type == "cuda"
+    backends = attention_bench.GPU_GATE_BACKENDS if cuda else attention_bench.BACKENDS
+    bench = _bench_args(args, models=list(attention_bench.MODELS), backends=list(backends),
+                        dtype="bfloat16" if cuda else "float32")
+    _run_part(args, result, "sdpa", lambda: attention_bench.run(bench, device))
+    return result
+
+
 def step_model(device: torch.device, args) -> dict:
     batch = 1 if device.type == "cuda" else 2
     result = dict(meta={}, notes=[], rows=[], parts={})
@@ -525,8 +539,8 @@ def run(args, device: torch.device) -> Report:
     report.meta = dict(environment(device), budget_s=args.budget, steps={}, results={})
     args.started = start
     results = report.meta["results"]
-    steps = {"compile": step_compile, "tests": step_tests, "kernels": step_kernels, "model": step_model,
-             "dispatch": step_dispatch, "suite": step_suite}
+    steps = {"compile": step_compile, "tests": step_tests, "kernels": step_kernels, "attention": step_attention,
+             "model": step_model, "dispatch": step_dispatch, "suite": step_suite}
     if device.type == "cuda":
         # Every path runs without tf32, so no one gets a cheaper float32 GEMM; float32 checks need IEEE.
         torch.backends.cuda.matmul.allow_tf32 = False

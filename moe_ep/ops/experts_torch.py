@@ -40,8 +40,11 @@ def _routed(order_N: torch.Tensor, offsets_E: torch.Tensor, num_routed: int | No
     return order_N[:num_routed], torch.arange(num_routed, device=order_N.device) < offsets_E[-1]
 
 
-def _zero_unrouted_(rows_QD: torch.Tensor, routed_Q: torch.Tensor | None) -> torch.Tensor:
-    return rows_QD if routed_Q is None else rows_QD.masked_fill_(~routed_Q[:, None], 0)
+def _zero_unrouted_(rows_Q: torch.Tensor, routed_Q: torch.Tensor | None) -> torch.Tensor:
+    """``rows_Q`` (rows or one value per sorted slot) zeroed in place where no expert computed it."""
+    if routed_Q is None:
+        return rows_Q
+    return rows_Q.masked_fill_(~routed_Q.view(-1, *(1,) * (rows_Q.dim() - 1)), 0)
 
 
 # PyTorch's grouped GEMM needs 16-byte aligned strides; 8 elements covers every supported dtype.
@@ -93,7 +96,8 @@ def _unsort_sum(rows_Q: torch.Tensor, order_Q: torch.Tensor, num_tokens: int, to
     N = num_tokens * top_k
     sum_TH = rows_Q.new_empty((num_tokens, H))
     if Q == N:
-        slots_TKH = torch.empty_like(rows_Q, memory_format=torch.contiguous_format).index_copy_(0, order_Q, rows_Q).view(num_tokens, top_k, H)
+        slots_QH = torch.empty_like(rows_Q, memory_format=torch.contiguous_format).index_copy_(0, order_Q, rows_Q)
+        slots_TKH = slots_QH.view(num_tokens, top_k, H)
         for tokens in row_blocks(num_tokens, top_k * H):
             sum_TH[tokens] = slots_TKH[tokens].sum(1, dtype=torch.float32)
         return sum_TH
@@ -181,7 +185,7 @@ def experts_torch_bwd(
     dh_raw_QI = grouped_linear(dy_QH, down_EHI.transpose(1, 2), offsets_E)
     dw_Q, wh_QI, d_gate_up_Q2I = glu_bwd(gate_up_Q2I, dh_raw_QI, w_Q, activation, overwrite=overwrite_saved)
     del dh_raw_QI
-    dw_Q = _zero_unrouted_(dw_Q[:, None], routed_Q)[:, 0]
+    dw_Q = _zero_unrouted_(dw_Q, routed_Q)
     # Zeros only where some slot has no row (no expert): their weights get no gradient.
     dw_N = dw_Q.new_empty(T * K) if order_Q.numel() == T * K else dw_Q.new_zeros(T * K)
     dw_TK = dw_N.index_copy_(0, order_Q, dw_Q).view(T, K).to(w_TK.dtype)

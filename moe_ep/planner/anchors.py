@@ -26,7 +26,7 @@ from .report import _efficiency_lines, _why_not_fitting
 from .schedules import DUALPIPEV, INTERLEAVED, NO_PIPELINE, SCHEDULES
 from .search import (
     DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN, Assumptions, Candidate, _resolve_cluster, _units, _virtual_stages,
-    choose, evaluate, expert_sizes,
+    choose, evaluate,
 )
 from .presets import cluster_preset
 from .recompute import COMPILED_BLOCKS_POLICIES, RECOMPUTE_POLICIES
@@ -191,6 +191,8 @@ class AnchorRow:
     # published figure, every other rate as it is (None: not even the whole peak gets there).
     experts_efficiency: float | None = None
     experts_efficiency_to_match: float | None = None
+    # The attention efficiency the row is planned at (a calibration file's model nearest its own).
+    attention_efficiency: float | None = None
 
     @property
     def step_s(self) -> float:
@@ -248,7 +250,7 @@ def plan_anchor(anchor: Anchor, calibration: str | Path | None = None) -> Anchor
     """Cost ``anchor``'s published layout; where checkpointing is open, the headroom rule picks
     among the fitting choices (the smallest footprint when none fits)."""
     spec = ModelSpec.resolve(anchor.model)
-    cluster, _ = _resolve_cluster(anchor.nodes, anchor.cluster, calibration, {}, {}, expert_sizes(spec))
+    cluster, _ = _resolve_cluster(anchor.nodes, anchor.cluster, calibration, {}, {}, spec)
     info = SCHEDULES.get(anchor.schedule)
     problem = info.check_microbatches(anchor.pp, anchor.microbatches) if info is not None else None
     if problem is not None:
@@ -285,7 +287,8 @@ def plan_anchor(anchor: Anchor, calibration: str | Path | None = None) -> Anchor
                      compiled_blocks=assumptions.compiled_blocks, dualpipev=dualpipev,
                      experts_efficiency=cluster.efficiencies.grouped_gemm,
                      experts_efficiency_to_match=experts_efficiency_to_match(anchor, spec, cluster, best.layout,
-                                                                             assumptions))
+                                                                             assumptions),
+                     attention_efficiency=cluster.efficiencies.attention)
 
 
 def experts_efficiency_to_match(anchor: Anchor, spec: ModelSpec, cluster: Cluster, layout: Layout,
@@ -378,10 +381,14 @@ def format_anchors(report: AnchorReport) -> str:
     ]
     for line in _efficiency_lines(c):
         lines += _wrap(line.strip())
-    rates = {row.experts_efficiency for row in report.rows if row.candidate is not None}
-    if rates - {c.efficiencies.grouped_gemm}:
+    planned = [row for row in report.rows if row.candidate is not None]
+    if {row.experts_efficiency for row in planned} - {c.efficiencies.grouped_gemm}:
         lines += _wrap("the experts of each row at the measured problem nearest its model's (the rate its notes say "
                        "it is planned at); the line above is the first row's")
+    if {row.attention_efficiency for row in planned} - {c.efficiencies.attention}:
+        lines += _wrap("the attention of each row at the measured model nearest its own ("
+                       + ", ".join(f"{row.anchor.model} {row.attention_efficiency * c.peak_tflops:,.0f} TFLOP/s"
+                                   for row in planned) + "); the line above is the first row's")
     lines += [
         "tok/s/GPU and step s: planned; GiB/GPU: planned memory of the fullest rank (fits: within the GPU's memory",
         "less the 10% reserve); a2a: the expert all-to-all's share of the planned step; ratio: planned over published",
@@ -462,6 +469,7 @@ def _row_dict(row: AnchorRow) -> dict:
         entry["overlap_chunks"] = row.overlap_chunks
         entry["experts_efficiency"] = row.experts_efficiency
         entry["experts_efficiency_to_match"] = row.experts_efficiency_to_match
+        entry["attention_efficiency"] = row.attention_efficiency
         entry["planned"] = {
             "tokens_per_s_per_gpu": row.tokens_per_gpu, "step_time_s": row.step_s,
             "memory_bytes_per_gpu": cand.memory.total, "fits": cand.fits,

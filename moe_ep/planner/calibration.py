@@ -8,7 +8,9 @@ own GPU replaces the default efficiencies of
   expert problems, the one nearest the planned model's expert shape;
 - dense GEMMs: the bench's ``dense_mm`` chain with the same FLOPs;
 - memory-bound kernels: the device-to-device copy's bandwidth;
-- attention: not measured by the bench, so its default stays (the report says so).
+- attention: of a gate with the ``attention`` step (``moe_ep.bench.attention``), causal SDPA
+  forward + backward on the backend SDPA picks itself, at the measured model's attention nearest
+  the planned one's; else its default stays (the report says so).
 
 Each is the measured TFLOP/s (or GB/s) over the cluster's peak. The file must come from a GPU of
 the cluster's kind (its device name contains the GPU family, e.g. "A100") and be measured in a
@@ -78,12 +80,36 @@ def nearest_problem(problems: dict[str, dict], expert_sizes: tuple[int, int] | N
     return min(problems, key=lambda name: (distance(name), name != first))
 
 
+def nearest_attention(rows: list[dict], attention_dims: tuple[int, int, int] | None) -> dict | None:
+    """The row of ``rows`` (the attention step's, one model each) whose attention is closest to
+    ``attention_dims`` (heads, query/key and value head sizes): the smallest sum of the three log
+    distances; the first row without dims; None without rows."""
+    if not rows or attention_dims is None:
+        return rows[0] if rows else None
+
+    def distance(row: dict) -> float:
+        return sum(abs(math.log(want / row[key])) for want, key in zip(attention_dims, ("heads", "qk_dim", "v_dim")))
+
+    return min(rows, key=distance)
+
+
+def _attention_row(payload: dict, attention_dims: tuple[int, int, int] | None) -> dict | None:
+    """A gate's attention step: SDPA's own backend, measured, at the model nearest ``attention_dims``."""
+    attention = ((payload.get("meta") or {}).get("results") or {}).get("attention")
+    rows = [r for r in (attention or {}).get("rows") or [] if isinstance(r, dict) and r.get("kind") == "attention"
+            and r.get("variant") == "sdpa[default]" and r.get("status") == "ok"
+            and all(isinstance(r.get(k), int) and r[k] > 0 for k in ("heads", "qk_dim", "v_dim"))]
+    return nearest_attention(rows, attention_dims)
+
+
 def read_calibration(path, *, gpu_family: str, peak_tflops: float, hbm_gbps: float,
-                     defaults: Efficiencies, expert_sizes: tuple[int, int] | None = None) -> Efficiencies:
+                     defaults: Efficiencies, expert_sizes: tuple[int, int] | None = None,
+                     attention_dims: tuple[int, int, int] | None = None) -> Efficiencies:
     """The efficiencies measured in ``path``, the defaults' for what it does not measure. From a
     gate that timed several expert problems, the grouped-GEMM rate is the problem's nearest to
     ``expert_sizes`` (the model's hidden size and expert width; :func:`nearest_problem`); the dense
-    and memory rates stay the first problem's (Mixtral-8x7B's dense chain and copy)."""
+    and memory rates stay the first problem's (Mixtral-8x7B's dense chain and copy); the attention
+    rate is the measured model's nearest to ``attention_dims`` (:func:`nearest_attention`)."""
     path = Path(path)
     try:
         payload = json.loads(path.read_text())
@@ -91,8 +117,9 @@ def read_calibration(path, *, gpu_family: str, peak_tflops: float, hbm_gbps: flo
         raise ValueError(f"calibration file {str(path)!r} cannot be read: {err.strerror or err}") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"calibration file {str(path)!r} is not JSON ({err.msg} at line {err.lineno})") from None
-    grouped_rows = None
+    grouped_rows = attention_row = None
     if isinstance(payload, dict) and payload.get("mode") == "gpu_check":
+        attention_row = _attention_row(payload, attention_dims)
         # scripts/gpu_check.sh keeps the kernels bench's result, meta and rows, inside its own.
         kernels = ((payload.get("meta") or {}).get("results") or {}).get("kernels")
         problems = _problems(kernels) if isinstance(kernels, dict) else None
@@ -128,6 +155,7 @@ def read_calibration(path, *, gpu_family: str, peak_tflops: float, hbm_gbps: flo
                                "fwd+bwd"), "tflops", peak_tflops),
         "dense_gemm": (_pick(rows, "dense", ("dense_mm",), "fwd+bwd"), "tflops", peak_tflops),
         "memory": (_pick(rows, "copy", ("device_copy",), "copy"), "gbps", hbm_gbps),
+        "attention": (attention_row, "tflops", peak_tflops),
     }
     for kind, (row, key, peak) in picks.items():
         if row is None or not isinstance(row.get(key), (int, float)):
@@ -135,8 +163,11 @@ def read_calibration(path, *, gpu_family: str, peak_tflops: float, hbm_gbps: flo
             continue
         value = row[key] / peak
         unit = "TFLOP/s" if key == "tflops" else "GB/s"
-        what = (f"{row['variant']} {row['phase']}" + (f" at T={row['T']}" if row.get("T") else "")
-                + (f" of {row['problem']}" if row.get("problem") else ""))
+        if kind == "attention":
+            what = f"{row['variant']} {row['phase']} of {row['model']}'s attention at {row['tokens']} tokens"
+        else:
+            what = (f"{row['variant']} {row['phase']}" + (f" at T={row['T']}" if row.get("T") else "")
+                    + (f" of {row['problem']}" if row.get("problem") else ""))
         if not 0 < value <= 1:
             raise ValueError(
                 f"calibration file {str(path)!r}: {what} measured {row[key]:.1f} {unit}, {value:.2f} x the cluster's "
@@ -145,5 +176,6 @@ def read_calibration(path, *, gpu_family: str, peak_tflops: float, hbm_gbps: flo
         measured[kind] = value
         sources[kind] = f"measured: {name}, {device}, {what}: {row[key]:.1f} {unit} of {peak:g}"
     if "attention" not in measured:
-        sources["attention"] = f"default, not measured by the bench: {defaults.source('attention')}"
+        sources["attention"] = f"default, not measured in {name} (the gate's attention step): " \
+                               f"{defaults.source('attention')}"
     return dataclasses.replace(defaults, **measured, sources=tuple(sources.items()))

@@ -422,13 +422,19 @@ def expert_sizes(spec: ModelSpec) -> tuple[int, int] | None:
     return (spec.hidden_size, spec.intermediate_size) if spec.num_experts else None
 
 
+def attention_dims(spec: ModelSpec) -> tuple[int, int, int]:
+    """(heads, query/key head size, value head size) of the model's attention, whose measured rate
+    a calibration file gives."""
+    return spec.num_heads, spec.head_dim, spec.value_head_dim
+
+
 def _resolve_cluster(nodes, cluster, calibration, figures: dict, efficiency: dict,
-                     experts: tuple[int, int] | None = None) -> tuple[Cluster, tuple[str, ...]]:
+                     spec: ModelSpec | None = None) -> tuple[Cluster, tuple[str, ...]]:
     """The Cluster of a plan: the preset's figures (or the default preset's, with gpus_per_node
     and gpu_memory_gib required), the given figures over them, the calibration file's efficiencies
-    (its grouped-GEMM rate for the ``experts`` sizes, :func:`expert_sizes`) over the defaults and
-    the given efficiencies over everything. Returns it with the names of the figures given instead
-    of a named preset's."""
+    (its grouped-GEMM and attention rates for ``spec``'s shapes, :func:`expert_sizes` and
+    :func:`attention_dims`) over the defaults and the given efficiencies over everything. Returns
+    it with the names of the figures given instead of a named preset's."""
     preset = cluster_preset(cluster if cluster is not None else DEFAULT_CLUSTER)
     if cluster is None:
         for name in ("gpus_per_node", "gpu_memory_gib"):
@@ -443,7 +449,9 @@ def _resolve_cluster(nodes, cluster, calibration, figures: dict, efficiency: dic
     eff = result.efficiencies
     if calibration is not None:
         eff = read_calibration(calibration, gpu_family=preset.gpu.family, peak_tflops=result.peak_tflops,
-                               hbm_gbps=result.hbm_gbps, defaults=eff, expert_sizes=experts)
+                               hbm_gbps=result.hbm_gbps, defaults=eff,
+                               expert_sizes=None if spec is None else expert_sizes(spec),
+                               attention_dims=None if spec is None else attention_dims(spec))
     chosen = {k: v for k, v in efficiency.items() if v is not None}
     if chosen:
         sources = dict(eff.sources)
@@ -565,7 +573,7 @@ def plan(
         raise ValueError(f"capacity_factor={capacity_factor} applies to the expert-parallel dispatcher; ep=1 has none")
     if checkpointing is not None:
         checkpointing = recompute_policy("checkpointing", checkpointing)
-    resolved, overrides = _resolve_cluster(nodes, cluster, calibration, figures, efficiency, expert_sizes(spec))
+    resolved, overrides = _resolve_cluster(nodes, cluster, calibration, figures, efficiency, spec)
     resolved = resolved.replace(reserve_fraction=reserve_fraction)
     check("max_nodes", max_nodes, optional=True)
     check("overlap_chunks", overlap_chunks)
