@@ -55,6 +55,10 @@ GROUP_M = 8
 COMBINE_BLOCK_T = 32
 COMBINE_BLOCK_H = 128
 COMBINE_WARPS = 8
+# The dispatcher's scaled gather (the sums' backward): a block of rows per program, walking H.
+SCALED_GATHER_BLOCK_M = 16
+SCALED_GATHER_BLOCK_H = 256
+SCALED_GATHER_WARPS = 4
 GATHER_BLOCK_R = 32
 GATHER_BLOCK_H = 128
 GATHER_WARPS = 4
@@ -686,6 +690,35 @@ def _sum_rows_kernel(rows_ptr, src_ptr, scale_ptr, out_ptr, G, H, C, M, HAS_SCAL
     tl.store(out_ptrs, _downcast(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=g_ok[:, None] & h_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["M", "H", "G"])
+def _scaled_gather_kernel(grad_ptr, index_ptr, scale_ptr, rows_ptr, out_ptr, dot_ptr, M, H, G,
+                          WITH_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                          ALIGN: tl.constexpr, INTERPRETED: tl.constexpr):
+    """out[m] = scale[m] * grad[index[m]] (zero where index[m] >= G: none) and, WITH_DOT,
+    dot[m] = <grad[index[m]], rows[m]> in float32: the backward of a scaled gather-sum, one pass
+    over the rows. Each program walks the whole row, so its dot adds the blocks in column order."""
+    H = _aligned(H, ALIGN)
+    ms = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    src = tl.load(index_ptr + ms, mask=m_ok, other=G).to(tl.int64)
+    read = src < G
+    scale = tl.load(scale_ptr + ms, mask=m_ok, other=0.0)
+    dot = tl.zeros((BLOCK_M,), tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        h_ok = hs < H
+        grad = tl.load(grad_ptr + src[:, None] * H + hs[None, :], mask=read[:, None] & h_ok[None, :],
+                       other=0.0).to(tl.float32)
+        at = ms[:, None].to(tl.int64) * H + hs[None, :]
+        tl.store(out_ptr + at, _downcast(grad * scale[:, None], out_ptr.dtype.element_ty, INTERPRETED),
+                 mask=m_ok[:, None] & h_ok[None, :])
+        if WITH_DOT:
+            rows = tl.load(rows_ptr + at, mask=m_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+            dot += tl.sum(grad * rows, axis=1)
+    if WITH_DOT:
+        tl.store(dot_ptr + ms, dot, mask=m_ok)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launchers: validate, allocate, choose the configuration and the grid.
 
@@ -1057,6 +1090,41 @@ def sum_rows(rows_MH: torch.Tensor, src_GC: torch.Tensor, scale_GC: torch.Tensor
     return out_GH
 
 
+def scaled_gather(grad_GH: torch.Tensor, index_M: torch.Tensor, scale_M: torch.Tensor,
+                  rows_MH: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``out[m] = scale[m] * grad[index[m]]`` ([M, H], the gradient's dtype; zero where ``index[m]
+    >= len(grad)``) and, given ``rows_MH``, ``dot[m] = <grad[index[m]], rows[m]>`` in float32: the
+    backward of ``sum_rows`` with a scale (the gradients of its rows and of its scale) in one pass
+    that reads each gathered gradient row and each row once and writes each output row once. The
+    indices are not checked on the host (that would sync): they must not be negative."""
+    _check_float("grad_GH", grad_GH)
+    if grad_GH.dim() != 2:
+        raise ValueError(f"grad_GH must be 2-D [rows, H], got shape {tuple(grad_GH.shape)}")
+    G, H = grad_GH.shape
+    if index_M.dim() != 1 or index_M.dtype not in _INDEX_TYPES:
+        raise ValueError(f"index_M must be a 1-D int32 or int64 tensor, got {index_M.dtype} {tuple(index_M.shape)}")
+    M = index_M.shape[0]
+    grad_GH = _check("grad_GH", grad_GH, (G, H), grad_GH.dtype)
+    scale_M = _check("scale_M", scale_M.contiguous(), (M,), torch.float32)
+    if rows_MH is not None:
+        rows_MH = _check("rows_MH", rows_MH, (M, H), grad_GH.dtype)
+    out_MH = grad_GH.new_empty(M, H)
+    dot_M = None if rows_MH is None else scale_M.new_empty(M)
+    if M == 0:
+        return out_MH, dot_M
+    if G == 0 or H == 0:
+        return out_MH.zero_(), None if dot_M is None else dot_M.zero_()
+    with on_device(grad_GH.device):
+        # Without rows (or dot) their pointers are never read: the output stands in for them.
+        _scaled_gather_kernel[(triton.cdiv(M, SCALED_GATHER_BLOCK_M),)](
+            grad_GH, index_M.contiguous(), scale_M, out_MH if rows_MH is None else rows_MH, out_MH,
+            scale_M if dot_M is None else dot_M, M, H, G, WITH_DOT=rows_MH is not None,
+            BLOCK_M=SCALED_GATHER_BLOCK_M, BLOCK_H=SCALED_GATHER_BLOCK_H, ALIGN=row_align(grad_GH.dtype, H),
+            INTERPRETED=interpreting(), num_warps=SCALED_GATHER_WARPS,
+        )
+    return out_MH, dot_M
+
+
 # ----------------------------------------------------------------------------------------------
 # Ahead-of-time compile list
 
@@ -1161,6 +1229,18 @@ def aot_specs() -> list[KernelSpec]:
                                     "ALIGN": row_align(dtype, H), "INTERPRETED": False},
                         num_warps=COMBINE_WARPS,
                     ))
+                if top_k == 2:
+                    for with_dot in (True, False):
+                        specs.append(KernelSpec(
+                            name=f"scaled_gather_{ty}_{sizes}{'_dot' if with_dot else ''}", fn=_scaled_gather_kernel,
+                            args=(x, pointer(torch.int64), pointer(torch.float32), x, x, pointer(torch.float32),
+                                  MIXTRAL.T * top_k, H, MIXTRAL.T),
+                            constexprs={"WITH_DOT": with_dot, "BLOCK_M": SCALED_GATHER_BLOCK_M,
+                                        "BLOCK_H": SCALED_GATHER_BLOCK_H, "ALIGN": row_align(dtype, H),
+                                        "INTERPRETED": False},
+                            num_warps=SCALED_GATHER_WARPS,
+                            quick=with_dot,  # the variant without the dot drops a branch, adds nothing
+                        ))
                 specs.append(KernelSpec(
                     name=f"gather_rows_{ty}_{sizes}_k{top_k}", fn=_gather_rows_kernel,
                     args=(x, i32, i32, x, H, MIXTRAL.E, top_k),

@@ -686,8 +686,9 @@ def test_the_triton_gather_sum_refuses_what_it_cannot_take():
 
 @requires_cuda
 def test_the_dispatcher_sums_on_cuda_run_the_gather_sum_without_a_host_sync():
-    """On a GPU the dispatcher's sum (and its gradient, a gather) runs the Triton gather-sum: the
-    CPU's order within float32 rounding, with no host sync."""
+    """On a GPU the dispatcher's sum runs the Triton gather-sum and its gradients (the rows' and
+    the scale's) the Triton scaled gather: the CPU's order within float32 rounding, with no host
+    sync."""
     from moe_ep.dispatch.row_ops import sum_rows
 
     x, src_GC, reader_I, scale = _row_problem(3, I=41, G=17, C=4, H=96, read=33)
@@ -706,6 +707,55 @@ def test_the_dispatcher_sums_on_cuda_run_the_gather_sum_without_a_host_sync():
         grads[device] = [t.detach().cpu() for t in (out, xs.grad, ss.grad)]
     for cpu, cuda in zip(grads["cpu"], grads["cuda"]):
         assert rel_err(cuda, cpu) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ["with_dot", "without_dot", "odd_wide", "none_read", "no_rows_to_read"])
+def test_the_triton_scaled_gather_the_gpu_runs_matches_float64(dtype, case):
+    """The backward of the dispatcher's scaled sums on a GPU (``kernels.grouped_gemm.scaled_gather``,
+    run here by Triton's interpreter): each row its gathered gradient times its scale, zero where it
+    reads none, and the gradient's float32 dot with the row, against float64."""
+    from moe_ep.kernels import grouped_gemm as gg
+
+    sizes = {"odd_wide": dict(G=7, M=19, H=300), "none_read": dict(G=5, M=6, H=16),
+             "no_rows_to_read": dict(G=0, M=4, H=8)}.get(case, dict(G=9, M=23, H=40))
+    g = torch.Generator().manual_seed(5)
+    G, M, H = sizes["G"], sizes["M"], sizes["H"]
+    grad = torch.randn(G, H, generator=g, dtype=torch.float64)
+    rows = torch.randn(M, H, generator=g, dtype=torch.float64)
+    index = torch.randint(0, G + 1, (M,), generator=g) if G else torch.zeros(M, dtype=torch.long)
+    if case == "none_read":
+        index[:] = G
+    scale = torch.rand(M, generator=g, dtype=torch.float64)
+    read = (index < G)[:, None]
+    gathered = torch.where(read, grad[index.clamp(max=max(G - 1, 0))] if G else 0.0, 0.0)
+    with_dot = case != "without_dot"
+    out, dot = gg.scaled_gather(grad.to(dtype), index, scale.float(), rows.to(dtype) if with_dot else None)
+    assert out.dtype == dtype and out.shape == (M, H)
+    tol = TOLERANCE[dtype]
+    want = gathered * scale[:, None]
+    assert (rel_err(out, want) if want.norm() else out.abs().max().item()) <= tol
+    assert torch.count_nonzero(out[~read[:, 0]]) == 0
+    if with_dot:
+        want_dot = (gathered.to(dtype).double() * rows.to(dtype).double()).sum(-1)
+        assert dot.dtype == torch.float32
+        assert (rel_err(dot, want_dot) if want_dot.norm() else dot.abs().max().item()) <= 1e-5
+    else:
+        assert dot is None
+
+
+def test_the_triton_scaled_gather_refuses_what_it_cannot_take():
+    from moe_ep.kernels import grouped_gemm as gg
+
+    grad, scale = torch.zeros(3, 4), torch.zeros(2)
+    with pytest.raises(ValueError, match="index_M must be a 1-D int32 or int64 tensor"):
+        gg.scaled_gather(grad, torch.zeros(2, 1, dtype=torch.long), scale)
+    with pytest.raises(ValueError, match="grad_GH must be 2-D"):
+        gg.scaled_gather(torch.zeros(3), torch.zeros(2, dtype=torch.long), scale)
+    with pytest.raises(ValueError, match="scale_M"):
+        gg.scaled_gather(grad, torch.zeros(2, dtype=torch.long), torch.zeros(3))
+    with pytest.raises(ValueError, match="rows_MH"):
+        gg.scaled_gather(grad, torch.zeros(2, dtype=torch.long), scale, torch.zeros(2, 5))
 
 
 def test_gather_rows_gradient_sums_listed_copies_only():

@@ -15,7 +15,9 @@ the times are only indicative: all ranks share the host's cores, so each rank ge
 ep`` torch threads, at least one, instead of every rank starting the host's full count and the
 ranks' OpenMP barriers waiting on each other's descheduled threads). The experts are an identity that
 applies the weights they are handed (ours: a multi row's routing weights) so only the exchange
-is timed; each rank times its own calls and the slowest rank's median is reported."""
+is timed; ours get the received rows as ``moe_experts_ep`` hands them to moe_ep's experts, with
+one column per local expert a row can carry, and scale each row once by its columns' weights.
+Each rank times its own calls and the slowest rank's median is reported."""
 
 from __future__ import annotations
 
@@ -31,9 +33,8 @@ from pathlib import Path
 
 import torch
 
-from ..dispatch import (
-    combine, count_exchange_bytes, dispatch, node_count_exchange_bytes, node_wire_bytes, split_by_node, wire_bytes,
-)
+from ..dispatch import count_exchange_bytes, node_count_exchange_bytes, node_wire_bytes, split_by_node, wire_bytes
+from ..dispatch.dispatcher import combine_checked, dispatch_checked
 from .optional import Lookup, optional_attr
 from .report import Column, Report, close_figure, environment, new_figure
 from .routing_cases import ROUTINGS, make_routing
@@ -206,10 +207,15 @@ def _hf_exchange(ep_mesh, tp_mesh, nodes, num_experts: int) -> Lookup:
 def _moe_ep_exchange(ep_mesh, tp_mesh, nodes, num_experts: int) -> Lookup:
     group = ep_mesh.get_group()
 
+    experts_per_rank = num_experts // ep_mesh.size()
+
     def exchange(x_TH, idx_TK, w_TK):
-        routed = dispatch(x_TH, idx_TK, w_TK, group=group, num_experts=num_experts, node_groups=nodes)
-        # Identity experts: the weighted output of pair p is weights[p] * hidden_states[p].
-        return combine(routed.hidden_states * routed.weights.to(x_TH.dtype), routed.layout)
+        # The layer's own path (moe_experts_ep): the received rows with their columns, the experts
+        # summing each row's pairs. Identity experts: a row's output is its columns' weights' sum
+        # times the row.
+        tokens = dispatch_checked(x_TH, idx_TK, w_TK, group, num_experts, None, nodes, rows=True)
+        scale_S1 = (tokens.weights * (tokens.expert_ids < experts_per_rank)).sum(1, keepdim=True)
+        return combine_checked(tokens.hidden_states * scale_S1.to(x_TH.dtype), tokens.layout)
 
     return Lookup(Exchange(exchange, torch.distributed), None)
 

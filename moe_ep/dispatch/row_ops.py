@@ -11,7 +11,9 @@ Index tensors use ``len(source)`` for "none": a missing term of a sum, a row nob
 Shapes: ``M`` rows read, ``G`` rows written, ``C`` terms (or copies) per row.
 Row gathers use ``index_select`` (on the CPU 2-3x faster than advanced indexing on [rows, H]). On a
 GPU the sums are one Triton gather-sum (``kernels.grouped_gemm.sum_rows``): each output row
-written once, each row read by its one term, in float32 and term order."""
+written once, each row read by its one term, in float32 and term order; a scaled sum's backward
+is one Triton pass too (``kernels.grouped_gemm.scaled_gather``: the gathered gradient scaled, and
+its dot with the row for the scale's gradient)."""
 
 from __future__ import annotations
 
@@ -107,16 +109,23 @@ class _SumRows(torch.autograd.Function):
         G, width = src_GC.shape
         read_M = reader_M < G * width
         # grad_M[m] = grad[g] for the term (g, c) that reads row m: one gather in row order.
-        grad_M = _gather(grad_GH, torch.where(read_M, reader_M // width, G), padded=ctx.padded)
+        target_M = torch.where(read_M, reader_M // width, G)
         if scale_GC is None:
-            return grad_M, None, None, None, None
-        flat_scale = F.pad(scale_GC.reshape(-1).float(), (0, 1))
-        grad_rows = (grad_M * flat_scale[reader_M][:, None]).to(grad_GH.dtype)
+            return _gather(grad_GH, target_M, padded=ctx.padded), None, None, None, None
+        scale_M = F.pad(scale_GC.reshape(-1).float(), (0, 1))[reader_M]
+        # d scale[g, c] = <grad[g], rows[src[g, c]]>: a row-wise dot in row order, then put where
+        # the term sits (every term reads a distinct row).
+        wants_dots = ctx.needs_input_grad[2]
+        if grad_GH.device.type == "cuda" and grad_GH.dtype in TRITON_TYPES:
+            # One pass: the gathered gradient scaled, and its dot with the row.
+            grad_rows, dots_M = gg.scaled_gather(grad_GH.contiguous(), target_M, scale_M,
+                                                 rows_MH.contiguous() if wants_dots else None)
+        else:
+            grad_M = _gather(grad_GH, target_M, padded=ctx.padded)
+            grad_rows = (grad_M * scale_M[:, None]).to(grad_GH.dtype)
+            dots_M = (grad_M.float() * rows_MH.float()).sum(-1) if wants_dots else None
         grad_scale = None
-        if ctx.needs_input_grad[2]:
-            # d scale[g, c] = <grad[g], rows[src[g, c]]>: a row-wise dot in row order, then put
-            # where the term sits (every term reads a distinct row).
-            dots_M = (grad_M.float() * rows_MH.float()).sum(-1)
+        if wants_dots:
             grad_scale = torch.zeros(G * width + 1, dtype=torch.float32, device=grad_GH.device)
             grad_scale = grad_scale.index_copy(0, reader_M, dots_M)[: G * width].view(G, width).to(scale_GC.dtype)
         return grad_rows, None, grad_scale, None, None
