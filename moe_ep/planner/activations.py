@@ -325,9 +325,10 @@ def chunked_head_scratch(spec: ModelSpec, mb: MicroBatch) -> float:
 
 
 def experts_scratch(pairs: float, hidden: int, intermediate: int, experts: int, backend: str,
-                    repeatable: bool = False, slots: float | None = None) -> float:
+                    repeatable: bool = False, slots: float | None = None, columns: int = 1) -> float:
     """What ``moe_experts``' backward (bf16, ``pairs`` routed rows over ``experts``, in ``slots``
-    routing slots: ``pairs`` by default, more for the dispatcher's received rows) holds at once
+    routing slots of ``columns`` per input row: ``pairs`` by default, more for the dispatcher's
+    received rows, ``min(K, L)`` columns each) holds at once
     beyond its saved tensors and the gradients it returns, counted from its code and checked
     against the bytes its CPU run allocates (``tests/test_plan_scratch.py``). Torch: at its peak,
     in the gated activation's backward, the output gradient's rows, their product with the down
@@ -340,8 +341,8 @@ def experts_scratch(pairs: float, hidden: int, intermediate: int, experts: int, 
     gradient goes over its saved output, except under ``repeatable``
     (``moe_ep.ops.repeatable_backward``, which ZB-V and DualPipeV set), where it is one more
     ``[rows, 2I]`` buffer. Slots without an expert add their share of the per-slot vectors and,
-    torch, the combine's per-slot map with a block of gathered rows instead of a slot-order copy
-    of all rows (estimated)."""
+    torch, the combine's per-slot map with a block of gathered rows and its float32 sums per input
+    row instead of a slot-order copy of all rows."""
     H, I = hidden, intermediate
     gemm1_grad = BF16 * 2 * I if repeatable else 0
     slots = pairs if slots is None else slots
@@ -354,7 +355,7 @@ def experts_scratch(pairs: float, hidden: int, intermediate: int, experts: int, 
             combine = pairs * (BF16 * 2 * H + gemm1_grad) + vectors + FP32 * min(CHUNK_ELEMENTS, pairs * H)
         else:
             combine = (pairs * (BF16 * H + gemm1_grad) + vectors + I64 * slots
-                       + (BF16 + FP32) * min(CHUNK_ELEMENTS, slots * H))
+                       + (BF16 + FP32 / columns) * min(CHUNK_ELEMENTS, slots * H))
         return max(activation, combine)
     weight_grad_parts = FP32 * math.ceil(I / 64)
     return (padded_rows(pairs, experts) * (BF16 * (H + I) + gemm1_grad + weight_grad_parts)
@@ -376,8 +377,9 @@ def layer_scratch(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep:
         width = spec.dense_intermediate_size if spec.num_experts else I
         return stream + max(attention, BF16 * T * 3 * width)
     if ep > 1:
-        slots = routed.received * min(spec.top_k, spec.num_experts // ep)
-        expert = experts_scratch(routed.pairs, H, I, spec.num_experts // ep, backend, repeatable, slots)
+        columns = min(spec.top_k, spec.num_experts // ep)
+        expert = experts_scratch(routed.pairs, H, I, spec.num_experts // ep, backend, repeatable,
+                                 routed.received * columns, columns)
     else:
         expert = experts_scratch(T * spec.top_k, H, I, spec.num_experts, backend, repeatable)
     return stream + max(attention, expert)
