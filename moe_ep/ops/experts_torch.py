@@ -106,10 +106,10 @@ def _unsort_sum(rows_Q: torch.Tensor, order_Q: torch.Tensor, num_tokens: int, to
     row_of_slot_TK = torch.full((N,), Q, dtype=torch.long, device=rows_Q.device)
     row_of_slot_TK = row_of_slot_TK.index_copy_(0, order_Q, torch.arange(Q, device=rows_Q.device)).view(-1, top_k)
     for tokens in row_blocks(num_tokens, top_k * H):
-        row_bK = row_of_slot_TK[tokens]
-        empty_bK = row_bK == Q
-        terms_bKH = rows_Q.index_select(0, row_bK.masked_fill(empty_bK, 0).reshape(-1)).view(*row_bK.shape, H)
-        sum_TH[tokens] = terms_bKH.masked_fill_(empty_bK[..., None], 0).sum(1, dtype=torch.float32)
+        row_TK = row_of_slot_TK[tokens]  # a block of tokens
+        empty_TK = row_TK == Q
+        terms_TKH = rows_Q.index_select(0, row_TK.masked_fill(empty_TK, 0).reshape(-1)).view(*row_TK.shape, H)
+        sum_TH[tokens] = terms_TKH.masked_fill_(empty_TK[..., None], 0).sum(1, dtype=torch.float32)
     return sum_TH
 
 
