@@ -249,7 +249,7 @@ def test_layout_that_does_not_match_the_processes(tmp_path, capsys):
     (["--pp", "2", "--grad-accum", "2"], 2,
      "--grad-accum 2 does not apply with pipeline stages (--pp 2): the pipeline's --microbatches are the step's"),
     (["--pp", "2", "--schedule", "pipedream"], 2,
-     "--schedule: schedule must be one of ('gpipe', '1f1b', 'interleaved-1f1b', 'zbv', 'dualpipev'), got 'pipedream'"),
+     "--schedule: schedule must be one of ('gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-1f1b-overlap', 'zbv', 'dualpipev'), got 'pipedream'"),
     (["--pp", "2", "--microbatches", "1"], 4,
      "--microbatches 1: schedule '1f1b' needs at least pp=2 micro-batches, got 1"),
     (["--pp", "2", "--schedule", "interleaved-1f1b", "--microbatches", "3"], 2,

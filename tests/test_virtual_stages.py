@@ -5,9 +5,12 @@ process is in test_pipeline.py (``mixtral_interleaved_4_virtual_stages``)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from moe_ep.planner import Layout, plan, schedule_info
+from moe_ep.planner.schedules import INTERLEAVED_SCHEDULES
 
 
 def test_schedule_info_takes_any_virtual_stage_count_for_interleaved_1f1b_only():
@@ -18,7 +21,7 @@ def test_schedule_info_takes_any_virtual_stage_count_for_interleaved_1f1b_only()
     # Megatron's warm-up: rank r's first backward comes after 2 (pp - r - 1) + (V - 1) pp + 1
     # chunk forwards, spread over its V stages.
     assert info.inflight(4, 64)[0] == pytest.approx((2 * 3 + 7 * 4 + 1) / 8)
-    with pytest.raises(ValueError, match=r"virtual_stages applies to schedule 'interleaved-1f1b' only; '1f1b' runs "
+    with pytest.raises(ValueError, match=r"virtual_stages applies to schedules 'interleaved-1f1b' and 'interleaved-1f1b-overlap' only; '1f1b' runs "
                                          r"1 stage\(s\) per rank, got virtual_stages=4"):
         schedule_info("1f1b", 4)
     for bad in (1, True, 2.0):
@@ -33,7 +36,7 @@ def test_a_layout_with_virtual_stages():
     assert Layout(4, 1, 16, 8, 1, 64, "interleaved-1f1b", False).stages_per_rank == 2
     with pytest.raises(ValueError, match="virtual_stages=4 needs pipeline stages"):
         Layout(1, 1, 16, 8, 1, 64, "none", False, 4)
-    with pytest.raises(ValueError, match="virtual_stages applies to schedule 'interleaved-1f1b' only"):
+    with pytest.raises(ValueError, match="virtual_stages applies to schedules 'interleaved-1f1b' and 'interleaved-1f1b-overlap' only"):
         Layout(4, 1, 16, 8, 1, 64, "zbv", False, 4)
 
 
@@ -55,9 +58,10 @@ def test_plan_with_fixed_virtual_stages_and_forced_balanced_routing():
     deep = plan("mixtral-8x7b", virtual_stages=8, **common)
     shallow = plan("mixtral-8x7b", virtual_stages=None, schedule="interleaved-1f1b", checkpointing=False,
                    microbatch_size=deep.layout.microbatch_size, **common)
-    assert deep.layout.schedule == "interleaved-1f1b" and deep.layout.virtual_stages == 8
+    # Fixed virtual stages leave the two forms of interleaved 1F1B.
+    assert deep.layout.schedule in INTERLEAVED_SCHEDULES and deep.layout.virtual_stages == 8
     assert deep.layout.bubble() < shallow.layout.bubble()
-    with pytest.raises(ValueError, match="virtual_stages applies to schedule 'interleaved-1f1b' only; 'zbv'"):
+    with pytest.raises(ValueError, match="virtual_stages applies to schedules 'interleaved-1f1b' and 'interleaved-1f1b-overlap' only; 'zbv'"):
         plan("mixtral-8x7b", virtual_stages=4, schedule="zbv", **common)
 
 
@@ -67,7 +71,7 @@ def test_the_cli_fixes_virtual_stages_and_balances_routing(capsys):
     main(["plan", "--model", "mixtral-8x7b", "--cluster", "dgx-h100", "--nodes", "8", "--pp", "4", "--ep", "8",
           "--virtual-stages", "8", "--balanced-routing"])
     out = capsys.readouterr().out
-    assert "interleaved-1f1b (1F1B over 8 chunks per rank" in out
+    assert re.search(r"interleaved-1f1b(-overlap)? \(1F1B over 8 chunks per rank", out)
     assert "start-up imbalance of 1x the mean load" in out
     with pytest.raises(SystemExit):
         main(["plan", "--model", "mixtral-8x7b", "--cluster", "dgx-h100", "--nodes", "8", "--balanced-routing",
@@ -84,7 +88,7 @@ def test_the_pipeline_configuration_takes_virtual_stages():
     with pytest.raises(ValueError, match=r"8 stages \(2 ranks x 4 for 'interleaved-1f1b'\) need at least as many "
                                          r"decoder layers, the model has 4"):
         pipeline.check(2, 4)
-    with pytest.raises(ValueError, match="virtual_stages applies to schedule 'interleaved-1f1b' only"):
+    with pytest.raises(ValueError, match="virtual_stages applies to schedules 'interleaved-1f1b' and 'interleaved-1f1b-overlap' only"):
         PipelineConfig(microbatches=4, schedule="1f1b", virtual_stages=4)
     with pytest.raises(ValueError, match=r"virtual_stages=4 describes pipeline stages and needs pp > 1, got pp=1"):
         ParallelConfig.from_arguments(ep=1, virtual_stages=4)

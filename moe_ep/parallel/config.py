@@ -17,7 +17,7 @@ from ..dispatch.nodes import check_dispatch_mode, check_node_size, node_size_for
 from ..dispatch.overlap import check_overlap_chunks
 from ..ops.backend import BACKENDS
 from ..planner.recompute import recompute_policy
-from ..planner.schedules import DUALPIPEV, ScheduleInfo, schedule_info
+from ..planner.schedules import ScheduleInfo, schedule_info
 from .compile import check_compilable_recompute, compile_options
 from .mesh import check_degree
 
@@ -37,9 +37,11 @@ class PipelineConfig:
     """How a model is cut into pipeline stages and scheduled.
 
     ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` (``virtual_stages`` stages per
-    rank, default 2), ``"zbv"`` (zero-bubble V, 2 stages per rank, first and last stage on
-    pipeline rank 0) or ``"dualpipev"`` (DualPipeV: the same V, at least 2 pp micro-batches, one
-    micro-batch's forward run beside another's backward, ``moe_ep.parallel.pipeline.overlap``). ``microbatches``:
+    rank, default 2), ``"interleaved-1f1b-overlap"`` (the same, each steady-state forward run
+    beside the backward of another stage, ``moe_ep.parallel.pipeline.overlap``), ``"zbv"``
+    (zero-bubble V, 2 stages per rank, first and last stage on pipeline rank 0) or
+    ``"dualpipev"`` (DualPipeV: the same V, at least 2 pp micro-batches, one micro-batch's forward
+    run beside another's backward). ``microbatches``:
     per step. ``split_points``: the decoder-layer indices that start stages 1..S-1 (None: the
     automatic cut, which balances the planner's per-layer costs and keeps every rank under
     ``memory_cap`` bytes, for micro-batches of ``microbatch_size`` sequences (default 1) of
@@ -57,8 +59,10 @@ class PipelineConfig:
         info = schedule_info(self.schedule, self.virtual_stages)
         from torch.distributed.pipelining import schedules
 
-        if not hasattr(schedules, info.torch_class):
-            raise ValueError(f"schedule={self.schedule!r} needs torch's {info.torch_class}, which this torch "
+        needs = (info.torch_class, "OVERLAP_F_B") if info.overlaps_forward_backward else (info.torch_class,)
+        missing = [name for name in needs if not hasattr(schedules, name)]
+        if missing:
+            raise ValueError(f"schedule={self.schedule!r} needs torch's {' and '.join(missing)}, which this torch "
                              f"({torch.__version__}) does not have")
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches must be a positive int, got {self.microbatches!r}")
@@ -144,9 +148,9 @@ class ParallelConfig:
             raise ValueError(
                 f"capacity_factor={self.capacity_factor} applies to the expert-parallel dispatcher; ep=1 has none"
             )
-        if self.pipeline is not None and self.pipeline.schedule == DUALPIPEV and self.reshard_after_forward:
+        if self.pipeline is not None and self.pipeline.info.overlaps_forward_backward and self.reshard_after_forward:
             raise ValueError(
-                "reshard_after_forward=True cannot run schedule='dualpipev': its overlapped forward and backward "
+                f"reshard_after_forward=True cannot run schedule={self.pipeline.schedule!r}: its overlapped forward and backward "
                 "would each gather their stage's weights over the same FSDP group at once; leave it None (False "
                 "with a pipeline)"
             )

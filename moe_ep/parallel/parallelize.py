@@ -14,7 +14,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ..hf.layout import experts_modules, num_experts_of
 from ..hf.patch import check_node_limit, fused_routers, is_patched, limit_routing_to_nodes, patch
 from ..planner.partition import Partition
-from ..planner.schedules import DUALPIPEV
 from .agreement import Description, parameter_fields, ranks_agree, shown
 from .compile import check_not_compiled, compile_dense_blocks
 from .config import ParallelConfig
@@ -83,9 +82,12 @@ def parallelize(
       ``edp = dp_shard / ep`` and replicated over ``dp_replicate``.
     - ``pp``: pipeline stages. ``schedule`` is ``"gpipe"``, ``"1f1b"`` (the default),
       ``"interleaved-1f1b"`` (``virtual_stages`` stages per rank, default 2; Megatron-Core's
-      virtual pipeline size), ``"zbv"`` or ``"dualpipev"`` (DualPipeV: at least ``2 * pp``
-      micro-batches; one micro-batch's forward runs beside another's backward on a second thread,
-      so each one's all-to-alls hide behind the other's compute). ZB-V and DualPipeV run each
+      virtual pipeline size), ``"interleaved-1f1b-overlap"`` (the same order, each steady-state
+      forward run beside the backward of another of the rank's stages, as Megatron-Core's
+      all-to-all overlap pairs them), ``"zbv"`` or ``"dualpipev"`` (DualPipeV: at least
+      ``2 * pp`` micro-batches). The two overlapping schedules run a backward on a second thread
+      beside a forward, so each one's all-to-alls hide behind the other's compute; they need
+      ``reshard_after_forward`` left None. ZB-V and DualPipeV run each
       backward as an input- and a weight-gradient pass over one graph, so they keep the experts'
       saved GEMM-1 output through the first (``moe_ep.ops.set_repeatable_backward(True)``, for
       the process): one ``[routed rows, 2I]`` buffer more at the experts' backward peak.
@@ -173,7 +175,7 @@ def _parallelize(model: nn.Module, arguments: dict, make_config: Callable[[], Pa
         _switch_to_moe_ep_experts(model, config)
     device = next(model.parameters()).device
     meshes = build_meshes(dims, _mesh_device(device))
-    if config.pipeline is not None and config.pipeline.schedule == DUALPIPEV:
+    if config.pipeline is not None and config.pipeline.info.overlaps_forward_backward:
         create_backward_lanes(meshes)
     if config.max_nodes is not None:
         limit_routing_to_nodes(model, *_node_limit(dims, config))

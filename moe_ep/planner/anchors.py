@@ -23,7 +23,7 @@ from .cluster import Cluster
 from .layout import Layout
 from .partition import InfeasiblePartition, format_bytes
 from .report import _efficiency_lines, _why_not_fitting
-from .schedules import DUALPIPEV, INTERLEAVED, NO_PIPELINE, SCHEDULES
+from .schedules import DUALPIPEV, INTERLEAVED, INTERLEAVED_OVERLAP, INTERLEAVED_SCHEDULES, NO_PIPELINE, SCHEDULES
 from .search import (
     DEFAULT_MIN_HEADROOM, DEFAULT_SPEED_MARGIN, Assumptions, Candidate, _resolve_cluster, _units, _virtual_stages,
     choose, evaluate,
@@ -108,9 +108,9 @@ class Anchor:
         choices = RECOMPUTE_POLICIES if self.checkpointing is None else (self.checkpointing,)
         spec = ModelSpec.resolve(self.model)
         stages = _virtual_stages(spec, self.pp, self.schedule, {"virtual_stages": self.virtual_stages})
-        if self.schedule == INTERLEAVED:
+        if self.schedule in INTERLEAVED_SCHEDULES:
             # The schedule's own default stands for None: the row names its stages.
-            stages = [SCHEDULES[INTERLEAVED].stages_per_rank if v is None else v for v in stages]
+            stages = [SCHEDULES[self.schedule].stages_per_rank if v is None else v for v in stages]
         return [Layout(self.pp, self.dp_replicate, self.dp_shard, self.ep, self.microbatch_size, self.microbatches,
                        self.schedule, ckpt, v) for ckpt in choices for v in stages]
 
@@ -154,7 +154,7 @@ ANCHORS = (
     ),
     Anchor(
         "Megatron Qwen3-235B-A22B", "qwen3-235b-a22b", nodes=32, pp=8, dp_replicate=1, dp_shard=32, ep=32,
-        microbatch_size=1, global_batch=2048, seq_len=4096, schedule=INTERLEAVED, virtual_stages=4,
+        microbatch_size=1, global_batch=2048, seq_len=4096, schedule=INTERLEAVED_OVERLAP, virtual_stages=4,
         checkpointing=None, balanced_routing=True, published=17.6, unit=STEP_SECONDS,
         source="layout: Megatron-Bridge's recipe qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config, "
                "https://docs.nvidia.com/nemo/megatron-bridge/nightly/apidocs/bridge/"
@@ -165,10 +165,10 @@ ANCHORS = (
              "parallelism splits over two: the recipe recomputes nothing, the planner chooses here (kept "
              "whole, the activations alone would not fit in 80 GB); global batch 2048 x 4096 assumed: the "
              "recipe's GBS 8192 in 17.6 s "
-             "would be 7,450 tokens/s per GPU, beyond an H100's dense peak for 22 B active parameters; under "
-             "the recipe's interleaved 1F1B moe_ep overlaps the all-to-all with the experts of another chunk of "
-             "the same layer (overlap_chunks), not with another micro-batch's compute as the recipe's 1F1B "
-             "does; moe_ep's DualPipeV does (the line above)",
+             "would be 7,450 tokens/s per GPU, beyond an H100's dense peak for 22 B active parameters; the "
+             "recipe's all-to-all overlap (a steady-state forward beside another micro-batch's backward) is "
+             "moe_ep's schedule 'interleaved-1f1b-overlap', which runs apart the pairs whose two passes are of "
+             "one stage",
     ),
 )
 

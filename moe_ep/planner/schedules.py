@@ -22,6 +22,19 @@ class ScheduleInfo:
         a later weight-gradient pass (ZB-V, DualPipeV)."""
         return self.name in ("zbv", DUALPIPEV)
 
+    @property
+    def interleaved(self) -> bool:
+        """Megatron's interleaved 1F1B order over ``stages_per_rank`` virtual stages, with or
+        without its forwards overlapped."""
+        return self.name in INTERLEAVED_SCHEDULES
+
+    @property
+    def overlaps_forward_backward(self) -> bool:
+        """Whether some of its actions run one micro-batch's forward beside another's backward on
+        two threads (``moe_ep.parallel.pipeline.overlap``), which then communicate over two lanes
+        of process groups."""
+        return self.name in (DUALPIPEV, INTERLEAVED_OVERLAP)
+
     def bubble(self, pp: int) -> float:
         """Idle time of a rank per step, in units of one micro-batch's forward + backward through
         all its stages."""
@@ -29,7 +42,7 @@ class ScheduleInfo:
             return 0.0
         if self.name in ("gpipe", "1f1b"):
             return pp - 1.0
-        if self.name == "interleaved-1f1b":
+        if self.interleaved:
             return (pp - 1.0) / self.stages_per_rank
         if self.name == DUALPIPEV:
             # DualPipe's published figure for its V form, (pp - 1)(F&B + B - 3W) with a chunk's
@@ -52,7 +65,7 @@ class ScheduleInfo:
             return [float(m)] * num_stages
         if self.name == "1f1b":
             return [float(min(m, pp - s)) for s in range(num_stages)]
-        if self.name == "interleaved-1f1b":
+        if self.interleaved:
             # Megatron's warm-up: rank r runs 2 (pp - r - 1) + (V - 1) pp chunk forwards before
             # its first backward; spread over its V stages.
             v = self.stages_per_rank
@@ -87,21 +100,10 @@ class ScheduleInfo:
             # Schedule1F1B: pp - rank forwards, then a backward before each later forward.
             warmup = min(m, pp - rank)
             return [(rank, +1)] * warmup + [(rank, -1), (rank, +1)] * (m - warmup)
-        if self.name == "interleaved-1f1b":
-            # ScheduleInterleaved1F1B (Megatron's order): forwards take the rank's stages a round
-            # of micro-batches at a time; after the warm-up each forward is followed by a
-            # backward, the stages taken in reverse.
-            per_round = m // max(1, m // pp)
-            warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
-
-            def stage(op: int, first: int, reverse: bool) -> int:
-                local = ((op - first) // per_round) % v
-                return (v - 1 - local if reverse else local) * pp + rank
-
-            events = [(stage(op, 0, False), +1) for op in range(warmup)]
-            for op in range(warmup, m * v):
-                events += [(stage(op, 0, False), +1), (stage(op, warmup, True), -1)]
-            return events
+        if self.interleaved:
+            warmup, steady = _interleaved_order(pp, m, v, rank)
+            return [(stage, +1) for stage in warmup] + [
+                event for forward, backward in steady for event in ((forward, +1), (backward, -1))]
         # ScheduleZBVZeroBubble: its warm-up, then forward, input- and weight-gradient of chunk 0
         # and of chunk 1 in turn until chunk 1 has caught up; it plans at least 2 pp - 1
         # micro-batches and drops the actions of those beyond the real ones.
@@ -135,12 +137,20 @@ class ScheduleInfo:
 
     def overlapped_share(self, pp: int, microbatches: int, rank: int) -> float:
         """The share of rank ``rank``'s forwards that run beside another micro-batch's backward
-        (DualPipeV's overlapped F&B actions, ``moe_ep.parallel.pipeline.overlap``), whose
-        exchanges therefore hide behind that backward's compute; 0 for the other schedules."""
-        if self.name != DUALPIPEV or pp == 1:
+        (``moe_ep.parallel.pipeline.overlap``), whose exchanges therefore hide behind that
+        backward's compute: DualPipeV's overlapped F&B actions; under interleaved 1F1B with
+        overlap, the steady state's forward and backward where they are of different stages (two
+        passes through one stage's modules would share its FSDP state and its caches, so those
+        run one after the other); 0 for the other schedules."""
+        if pp == 1 or not self.overlaps_forward_backward:
             return 0.0
-        actions = _dualpipev_actions(pp, microbatches, rank)
-        return sum(kind == "F" and overlapped for kind, _, overlapped in actions) / (2 * microbatches)
+        if self.name == DUALPIPEV:
+            actions = _dualpipev_actions(pp, microbatches, rank)
+            overlapped = sum(kind == "F" and overlapped for kind, _, overlapped in actions)
+        else:
+            _, steady = _interleaved_order(pp, microbatches, self.stages_per_rank, rank)
+            overlapped = sum(forward != backward for forward, backward in steady)
+        return overlapped / (self.stages_per_rank * microbatches)
 
     def peak_activations(self, pp: int, microbatches: int, rank: int,
                          act_by_stage: dict[int, float]) -> tuple[float, float]:
@@ -158,9 +168,28 @@ class ScheduleInfo:
             return f"schedule {self.name!r} needs at least pp={pp} micro-batches, got {microbatches}"
         if self.name == DUALPIPEV and microbatches < 2 * pp:
             return f"schedule {self.name!r} needs at least 2 * pp = {2 * pp} micro-batches, got {microbatches}"
-        if self.name == "interleaved-1f1b" and microbatches % pp:
+        if self.interleaved and microbatches % pp:
             return f"schedule {self.name!r} needs a multiple of pp={pp} micro-batches, got {microbatches}"
         return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _interleaved_order(pp: int, microbatches: int, v: int,
+                       rank: int) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """Rank ``rank``'s passes in ScheduleInterleaved1F1B's order (Megatron's): the warm-up's
+    forwards (their stages), then the steady state's (forward stage, backward stage) pairs, each
+    forward followed by a backward; the cool-down's backwards follow. Forwards take the rank's
+    stages a round of micro-batches at a time, backwards take them in reverse."""
+    m = microbatches
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+
+    def stage(op: int, first: int, reverse: bool) -> int:
+        local = ((op - first) // per_round) % v
+        return (v - 1 - local if reverse else local) * pp + rank
+
+    return (tuple(stage(op, 0, False) for op in range(warmup)),
+            tuple((stage(op, 0, False), stage(op, warmup, True)) for op in range(warmup, m * v)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -241,6 +270,8 @@ SCHEDULES = {
         ScheduleInfo("gpipe", "ScheduleGPipe", 1, "loop", "all forwards, then all backwards"),
         ScheduleInfo("1f1b", "Schedule1F1B", 1, "loop", "one forward, one backward in steady state"),
         ScheduleInfo("interleaved-1f1b", "ScheduleInterleaved1F1B", 2, "loop", "1F1B over 2 chunks per rank"),
+        ScheduleInfo("interleaved-1f1b-overlap", "ScheduleInterleaved1F1B", 2, "loop",
+                     "1F1B over 2 chunks per rank, each steady forward beside another stage's backward"),
         ScheduleInfo("zbv", "ScheduleZBVZeroBubble", 2, "v", "zero-bubble V: 2 chunks per rank, weight grads fill idle slots"),
         ScheduleInfo("dualpipev", "ScheduleDualPipeV", 2, "v",
                      "DualPipeV: V over 2 chunks per rank, one micro-batch's forward beside another's backward"),
@@ -250,20 +281,24 @@ NO_PIPELINE = "none"
 
 
 INTERLEAVED = "interleaved-1f1b"
+INTERLEAVED_OVERLAP = "interleaved-1f1b-overlap"
+INTERLEAVED_SCHEDULES = (INTERLEAVED, INTERLEAVED_OVERLAP)
 DUALPIPEV = "dualpipev"
 
 
 def schedule_info(name: str, virtual_stages: int | None = None) -> ScheduleInfo:
-    """The schedule ``name``; ``virtual_stages`` (interleaved 1F1B only) sets its stages per rank,
-    any V >= 2 (Megatron-Core's virtual pipeline size; None: 2)."""
+    """The schedule ``name``; ``virtual_stages`` (interleaved 1F1B only, either form) sets its
+    stages per rank, any V >= 2 (Megatron-Core's virtual pipeline size; None: 2)."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {name!r}")
     info = SCHEDULES[name]
     if virtual_stages is None:
         return info
-    if name != INTERLEAVED:
-        raise ValueError(f"virtual_stages applies to schedule {INTERLEAVED!r} only; {name!r} runs "
+    if name not in INTERLEAVED_SCHEDULES:
+        raise ValueError(f"virtual_stages applies to schedules {' and '.join(map(repr, INTERLEAVED_SCHEDULES))} "
+                         f"only; {name!r} runs "
                          f"{info.stages_per_rank} stage(s) per rank, got virtual_stages={virtual_stages!r}")
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 2:
         raise ValueError(f"virtual_stages must be an int >= 2 (stages per pipeline rank), got {virtual_stages!r}")
-    return replace(info, stages_per_rank=virtual_stages, description=f"1F1B over {virtual_stages} chunks per rank")
+    return replace(info, stages_per_rank=virtual_stages,
+                   description=info.description.replace("2 chunks", f"{virtual_stages} chunks"))

@@ -25,7 +25,7 @@ from .memory import (
 )
 from .recompute import COMPILED_BLOCKS_POLICIES, RECOMPUTE_POLICIES, recompute_policy
 from .presets import DEFAULT_CLUSTER, CLUSTERS, Efficiencies, cluster_preset
-from .schedules import INTERLEAVED, NO_PIPELINE, SCHEDULES, schedule_info
+from .schedules import INTERLEAVED, INTERLEAVED_SCHEDULES, NO_PIPELINE, SCHEDULES, schedule_info
 from .spec import ModelSpec
 from .timing import StepTime, exchange_seconds, step_time
 
@@ -213,19 +213,20 @@ def _schedules(spec: ModelSpec, pp: int, fixed: dict) -> list[str]:
     names = [NO_PIPELINE] if pp == 1 else [
         name for name in SCHEDULES if pp * _info(name, fixed).stages_per_rank <= spec.num_layers
     ]
-    return [name for name in names if fixed["schedule"] in (None, name)]
+    return [name for name in names if fixed["schedule"] in (None, name)
+            and (fixed["virtual_stages"] is None or name in INTERLEAVED_SCHEDULES)]
 
 
 def _info(schedule: str, fixed: dict):
     """``schedule`` with the fixed virtual stages where they apply."""
-    return schedule_info(schedule, fixed["virtual_stages"] if schedule == INTERLEAVED else None)
+    return schedule_info(schedule, fixed["virtual_stages"] if schedule in INTERLEAVED_SCHEDULES else None)
 
 
 def _virtual_stages(spec: ModelSpec, pp: int, schedule: str, fixed: dict) -> list[int | None]:
-    """Interleaved 1F1B's stages per rank worth costing: its default 2 (None) and every larger V
-    whose pp x V stages split the decoder layers evenly (as Megatron-Core requires of its virtual
-    pipeline), or the fixed one; [None] for the other schedules."""
-    if schedule != INTERLEAVED:
+    """Interleaved 1F1B's stages per rank worth costing (either form): its default 2 (None) and
+    every larger V whose pp x V stages split the decoder layers evenly (as Megatron-Core requires
+    of its virtual pipeline), or the fixed one; [None] for the other schedules."""
+    if schedule not in INTERLEAVED_SCHEDULES:
         return [None]
     if fixed["virtual_stages"] is not None:
         return [fixed["virtual_stages"]] if pp * fixed["virtual_stages"] <= spec.num_layers else []
@@ -543,8 +544,9 @@ def plan(
             them; None lets the search choose. ``checkpointing`` is a recompute policy of
             ``moe_ep.planner.recompute.RECOMPUTE_POLICIES`` (True: ``"full"``, False: ``"none"``),
             what ``moe_ep.parallelize(activation_checkpointing=...)`` takes.
-        virtual_stages: interleaved 1F1B's stages per rank (implies that schedule); None lets the
-            search try 2 and every V whose pp x V stages split the layers evenly.
+        virtual_stages: interleaved 1F1B's stages per rank (implies that schedule, with or without
+            overlap); None lets the search try 2 and every V whose pp x V stages split the layers
+            evenly.
         num_alternatives: how many rejected layouts the plan explains.
 
     Raises ValueError naming the argument for inputs out of range, and PlanError (a ValueError)
@@ -593,7 +595,6 @@ def plan(
                               bf16_moments, compiled_blocks)
     if virtual_stages is not None:
         schedule_info(schedule or INTERLEAVED, virtual_stages)  # names the argument when wrong
-        schedule = INTERLEAVED
     fixed = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, microbatch_size=microbatch_size,
                  schedule=schedule, checkpointing=checkpointing, virtual_stages=virtual_stages)
     _check_fixed_degrees(spec, resolved, fixed)

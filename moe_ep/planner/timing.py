@@ -16,8 +16,8 @@
   forward (the first one exposed), the reductions run after the stage's last backward, exposed.
 - Pipeline: sends to stages on other ranks charged in full; bubble from the schedule
   (``moe_ep.planner.schedules``) in units of the slowest rank's micro-batch time. Under DualPipeV
-  the forwards that run beside another micro-batch's backward (``overlapped_share``) expose only
-  the exchanges that outlast the rank's compute.
+  and interleaved 1F1B with overlap the forwards that run beside another micro-batch's backward
+  (``overlapped_share``) expose only the exchanges that outlast the rank's compute.
 """
 
 from __future__ import annotations

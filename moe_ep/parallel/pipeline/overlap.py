@@ -1,9 +1,11 @@
-"""One micro-batch's forward beside another's backward: what DualPipeV's overlapped F&B actions
-(``OVERLAP_F_B``, a forward of one of the rank's stages and the full backward of the other)
-run under ``schedule="dualpipev"`` with expert parallelism. torch's runtime runs the two one
-after the other; here the forward runs on the calling thread and the backward on a second
-thread, so that while one waits for its exchanges (the count exchange's host sync, an
-all-to-all) the other computes, as DeepSeek's DualPipe overlaps them.
+"""One micro-batch's forward beside another's backward: what the overlapped F&B actions
+(``OVERLAP_F_B``, a forward of one of the rank's stages and the full backward of another) run
+under ``schedule="dualpipev"`` (DualPipeV's own) and ``schedule="interleaved-1f1b-overlap"``
+(interleaved 1F1B's steady state, merged by ``overlap_steady_state``, as Megatron-Core's
+all-to-all overlap pairs them). torch's runtime runs the two one after the other; here the
+forward runs on the calling thread and the backward on a second thread, so that while one waits
+for its exchanges (the count exchange's host sync, an all-to-all) the other computes, as
+DeepSeek's DualPipe overlaps them.
 
 The two lanes never share a process group: the dispatcher's collectives inside a backward pass
 go over the backward twins of its groups (``moe_ep.dispatch.lanes``), which
@@ -115,5 +117,34 @@ def create_backward_lanes(meshes: MoEMeshes) -> None:
 
 
 def enable_overlap(schedule) -> None:
-    """Run ``schedule``'s (a ScheduleDualPipeV) overlapped actions on two threads."""
+    """Run ``schedule``'s overlapped actions on two threads."""
     schedule.register_custom_function(torch_schedules.OVERLAP_F_B, overlapped_forward_backward)
+
+
+def merge_steady_state(actions: list) -> list:
+    """One rank's compute-only interleaved 1F1B order with each forward directly followed by a
+    full backward of another stage (the steady state's pairs) merged into one ``OVERLAP_F_B``.
+    A pair of one stage stays two actions: both passes would go through the same modules (their
+    FSDP state, the stage's caches), which one thread at a time owns."""
+    merged, i = [], 0
+    while i < len(actions):
+        forward, backward = actions[i], actions[i + 1] if i + 1 < len(actions) else None
+        if (forward is not None and backward is not None
+                and forward.computation_type == torch_schedules.FORWARD
+                and backward.computation_type == torch_schedules.FULL_BACKWARD
+                and forward.stage_index != backward.stage_index):
+            merged.append(torch_schedules._Action(-1, torch_schedules.OVERLAP_F_B, None, (forward, backward)))
+            i += 2
+        else:
+            merged.append(forward)
+            i += 1
+    return merged
+
+
+def overlap_steady_state(schedule) -> None:
+    """Run ``schedule``'s (a ScheduleInterleaved1F1B) steady state as overlapped actions
+    (``merge_steady_state`` on every rank's order), its order with communication lowered again
+    from the merged one. What each rank then overlaps is the planner's
+    ``ScheduleInfo.overlapped_share``."""
+    schedule.pipeline_order = {rank: merge_steady_state(actions) for rank, actions in schedule.pipeline_order.items()}
+    schedule._prepare_schedule_with_comms(schedule.pipeline_order)

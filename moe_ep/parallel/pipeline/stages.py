@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ...planner.partition import Partition
-from ...planner.schedules import DUALPIPEV, schedule_info
+from ...planner.schedules import INTERLEAVED_OVERLAP, schedule_info
 from ..mesh import MoEMeshes
-from .overlap import enable_overlap
+from .overlap import enable_overlap, overlap_steady_state
 from .tied import check_tied_order
 
 
@@ -135,7 +135,9 @@ class PipelineStages:
             cls = getattr(schedules, info.torch_class)
             stages = self.stages[0] if info.stages_per_rank == 1 else self.stages
             schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
-            if info.name == DUALPIPEV and self.context is not None:
+            if info.name == INTERLEAVED_OVERLAP:
+                overlap_steady_state(schedule)
+            if info.overlaps_forward_backward and self.context is not None:
                 # parallelize made the backward lanes the two threads need.
                 enable_overlap(schedule)
             check_tied_order(schedule, self.pp_rank, self.tied_stages)
