@@ -104,15 +104,18 @@ class Anchor:
     def layouts(self) -> list[Layout]:
         """The published layout, once per recompute policy and, under interleaved 1F1B, once per
         number of virtual stages (those that split the layers evenly) where the source leaves it
-        open."""
+        open, and in both of moe_ep's forms of its order (with and without forwards overlapped
+        with backwards: the same actions, run on one thread or two)."""
         choices = RECOMPUTE_POLICIES if self.checkpointing is None else (self.checkpointing,)
         spec = ModelSpec.resolve(self.model)
         stages = _virtual_stages(spec, self.pp, self.schedule, {"virtual_stages": self.virtual_stages})
+        schedules = (self.schedule,)
         if self.schedule in INTERLEAVED_SCHEDULES:
             # The schedule's own default stands for None: the row names its stages.
             stages = [SCHEDULES[self.schedule].stages_per_rank if v is None else v for v in stages]
+            schedules = INTERLEAVED_SCHEDULES
         return [Layout(self.pp, self.dp_replicate, self.dp_shard, self.ep, self.microbatch_size, self.microbatches,
-                       self.schedule, ckpt, v) for ckpt in choices for v in stages]
+                       schedule, ckpt, v) for schedule in schedules for ckpt in choices for v in stages]
 
 
 ANCHORS = (
@@ -154,7 +157,7 @@ ANCHORS = (
     ),
     Anchor(
         "Megatron Qwen3-235B-A22B", "qwen3-235b-a22b", nodes=32, pp=8, dp_replicate=1, dp_shard=32, ep=32,
-        microbatch_size=1, global_batch=2048, seq_len=4096, schedule=INTERLEAVED_OVERLAP, virtual_stages=4,
+        microbatch_size=1, global_batch=2048, seq_len=4096, schedule=INTERLEAVED, virtual_stages=4,
         checkpointing=None, balanced_routing=True, published=17.6, unit=STEP_SECONDS,
         source="layout: Megatron-Bridge's recipe qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config, "
                "https://docs.nvidia.com/nemo/megatron-bridge/nightly/apidocs/bridge/"
@@ -168,7 +171,7 @@ ANCHORS = (
              "would be 7,450 tokens/s per GPU, beyond an H100's dense peak for 22 B active parameters; the "
              "recipe's all-to-all overlap (a steady-state forward beside another micro-batch's backward) is "
              "moe_ep's schedule 'interleaved-1f1b-overlap', which runs apart the pairs whose two passes are of "
-             "one stage",
+             "one stage (from none to about half of a rank's here)",
     ),
 )
 
@@ -228,6 +231,8 @@ class AnchorRow:
             options += f"; the all-to-alls overlapped with the experts of {self.overlap_chunks} chunks"
         if self.compiled_blocks:
             options += "; dense blocks compiled"
+        if self.candidate.layout.schedule == INTERLEAVED_OVERLAP:
+            options += "; each steady-state forward beside another stage's backward (interleaved-1f1b-overlap)"
         if memory.fits:
             return f"fits: {format_bytes(memory.total)} per GPU, {format_bytes(memory.headroom)} free{options}"
         return _why_not_fitting(self.candidate) + options
