@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--microbatches", type=int, default=None,
                      help="pipeline micro-batches per step, each of --micro-batch-size sequences (default: 2 * pp)")
     lay.add_argument("--schedule", default=None,
-                     help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zbv or dualpipev (default with --pp > 1: 1f1b)")
+                     help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b, interleaved-1f1b-overlap, zbv or "
+                          "dualpipev (default with --pp > 1: 1f1b)")
     lay.add_argument("--plan", action="store_true",
                      help="take ep/dp/pp, micro-batches, schedule and the recompute policy from moe_ep.plan")
     lay.add_argument("--gpu-memory-gib", type=float, default=None, help="for --plan: memory per GPU (default: queried)")
