@@ -117,7 +117,8 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     for name in ("pp", "dp-replicate", "dp-shard", "ep"):
         p.add_argument(f"--{name}", type=_bounded(name.replace("-", "_")), default=None, help="fix this choice")
     p.add_argument("--microbatch-size", type=_bounded("microbatch_size"), default=None, help="fix this choice")
-    p.add_argument("--schedule", default=None, help="fix the schedule: none, gpipe, 1f1b, interleaved-1f1b, interleaved-1f1b-overlap, zbv, dualpipev")
+    p.add_argument("--schedule", default=None,
+                   help="fix the schedule: none, gpipe, 1f1b, interleaved-1f1b, interleaved-1f1b-overlap, zbv, dualpipev")
     p.add_argument("--checkpointing", choices=("on", "off", *RECOMPUTE_POLICIES), default=None,
                    help="fix the recompute policy (on: full, off: none)")
     p.add_argument("--virtual-stages", type=_bounded("virtual_stages"), default=None,

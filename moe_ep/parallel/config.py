@@ -150,9 +150,9 @@ class ParallelConfig:
             )
         if self.pipeline is not None and self.pipeline.info.overlaps_forward_backward and self.reshard_after_forward:
             raise ValueError(
-                f"reshard_after_forward=True cannot run schedule={self.pipeline.schedule!r}: its overlapped forward and backward "
-                "would each gather their stage's weights over the same FSDP group at once; leave it None (False "
-                "with a pipeline)"
+                f"reshard_after_forward=True cannot run schedule={self.pipeline.schedule!r}: its overlapped forward "
+                "and backward would each gather their stage's weights over the same FSDP group at once; leave it "
+                "None (False with a pipeline)"
             )
         check_overlap_chunks(self.overlap_chunks, self.capacity_factor)
         if self.overlap_chunks > 1 and self.ep == 1:

@@ -146,7 +146,7 @@ class ScheduleInfo:
             return 0.0
         if self.name == DUALPIPEV:
             actions = _dualpipev_actions(pp, microbatches, rank)
-            overlapped = sum(kind == "F" and overlapped for kind, _, overlapped in actions)
+            overlapped = sum(kind == "F" and beside for kind, _, beside in actions)
         else:
             _, steady = _interleaved_order(pp, microbatches, self.stages_per_rank, rank)
             overlapped = sum(forward != backward for forward, backward in steady)
