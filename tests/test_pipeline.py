@@ -272,7 +272,10 @@ class PipelineRun(NamedTuple):
 
 
 PP_ALONE = [PipelineRun("gpipe"), PipelineRun("1f1b"), PipelineRun("interleaved-1f1b"), PipelineRun("zbv"),
-            PipelineRun("1f1b", AUX), PipelineRun("zbv", AUX), PipelineRun("interleaved-1f1b", AUX, MAX_NORM)]
+            PipelineRun("1f1b", AUX), PipelineRun("zbv", AUX), PipelineRun("interleaved-1f1b", AUX, MAX_NORM),
+            # build_pipeline's stages (no parallelize, so no second thread): torch's runtime runs
+            # the merged order's overlapped actions one pass after the other.
+            PipelineRun("interleaved-1f1b-overlap", AUX)]
 
 
 @pytest.fixture(scope="module")
