@@ -186,3 +186,16 @@ def test_interleaved_overlap_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="reshard_after_forward=True cannot run schedule='interleaved-1f1b-overlap'"):
         ParallelConfig(pp=2, pipeline=PipelineConfig(microbatches=4, schedule="interleaved-1f1b-overlap"),
                        reshard_after_forward=True)
+
+
+def test_a_torch_without_the_action_runtime_is_refused(monkeypatch):
+    from moe_ep.parallel import PipelineConfig
+
+    monkeypatch.setattr(S, "ScheduleInterleaved1F1B", type("ScheduleInterleaved1F1B", (), {}))
+    with pytest.raises(ValueError, match=r"schedule='interleaved-1f1b-overlap' needs torch's ScheduleInterleaved1F1B "
+                                         r"on its action runtime \(_PipelineScheduleRuntime\)"):
+        PipelineConfig(microbatches=4, schedule="interleaved-1f1b-overlap")
+    monkeypatch.delattr(S, "OVERLAP_F_B")
+    with pytest.raises(ValueError, match="needs torch's OVERLAP_F_B, which this torch"):
+        PipelineConfig(microbatches=4, schedule="interleaved-1f1b-overlap")
+    PipelineConfig(microbatches=4, schedule="interleaved-1f1b")  # the plain form needs neither

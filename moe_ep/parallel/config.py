@@ -61,6 +61,10 @@ class PipelineConfig:
 
         needs = (info.torch_class, "OVERLAP_F_B") if info.overlaps_forward_backward else (info.torch_class,)
         missing = [name for name in needs if not hasattr(schedules, name)]
+        if info.overlaps_forward_backward and not missing and not hasattr(getattr(schedules, info.torch_class),
+                                                                          "_prepare_schedule_with_comms"):
+            # The overlapped actions are lowered to sends and receives by torch's action runtime.
+            missing = [f"{info.torch_class} on its action runtime (_PipelineScheduleRuntime)"]
         if missing:
             raise ValueError(f"schedule={self.schedule!r} needs torch's {' and '.join(missing)}, which this torch "
                              f"({torch.__version__}) does not have")
