@@ -52,10 +52,10 @@ def _train(batch, run: dict, overlapped: bool):
     from moe_ep.hf import patch
     from moe_ep.training import TrainStep
 
-    run = {"ep": 2, "schedule": "dualpipev", **run}
-    aux = run.pop("aux", 0.0)
+    run = {"ep": 2, "schedule": "dualpipev", "pp": 2, "microbatches": MICROBATCHES, **run}
+    aux, microbatches = run.pop("aux", 0.0), run["microbatches"]
     model = patch(_model(torch.float32, "eager", **run.pop("model", {})), fused_router=False)
-    target = moe_ep.parallelize(model, pp=2, microbatches=MICROBATCHES, **run)
+    target = moe_ep.parallelize(model, **run)
     dp_rank, dp = target.meshes.dp.get_local_rank(), target.meshes.dims.dp
     share = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
     backward_threads = []
@@ -72,14 +72,15 @@ def _train(batch, run: dict, overlapped: bool):
     if not overlapped:
         stages_module.enable_overlap = lambda schedule: None
     try:
-        step = TrainStep(target, torch.optim.AdamW(target.parameters(), lr=LR), microbatches=MICROBATCHES,
+        step = TrainStep(target, torch.optim.AdamW(target.parameters(), lr=LR), microbatches=microbatches,
                          aux_loss_coef=aux, global_aux_loss=bool(aux))
         losses = [step(share).item() for _ in range(STEPS)]
     finally:
         overlap._full_backward, stages_module.enable_overlap = full_backward, enable
     threaded = sum(name.startswith("moe_ep-backward") for name in backward_threads)
     return {"losses": losses, "threads": sorted(set(backward_threads)), "twins": len(_TWINS),
-            "threaded_backwards": threaded, "pp_rank": target.pp_rank}
+            "threaded_backwards": threaded, "pp_rank": target.pp_rank,
+            "pp": run["pp"], "microbatches": microbatches}
 
 
 def _world(rank, world, batch, runs, modes=(True, False)):

@@ -11,7 +11,7 @@ DualPipeV's are.
   the unmerged order.
 - Through ``moe_ep.parallelize`` and TrainStep, on 4 gloo ranks (pp=2 x ep=2; plain, and
   node-aware with activation checkpointing, chunked overlap and a global aux loss; pp=2 x FSDP2
-  over 2 without expert parallelism) and on 8 (ep=4 as 2 nodes of 2, node-aware, checkpointing):
+  over 2 without expert parallelism; pp=4 over 8 micro-batches) and on 8 (ep=4 as 2 nodes of 2, node-aware, checkpointing):
   the losses of five steps equal ONE process in float64 within 1e-5, the 4-rank runs equal
   torch's sequential runtime of the merged order bit for bit, and each step runs exactly the
   merged pairs' backwards on the second thread."""
@@ -115,6 +115,9 @@ OVERLAP = dict(schedule="interleaved-1f1b-overlap", virtual_stages=3, model=LAYE
 RUNS = {
     "ep2": OVERLAP,
     "fsdp2_without_ep": dict(OVERLAP, ep=1),
+    # Four pipeline ranks of three stages each over 8 micro-batches: every rank has merged pairs,
+    # and the sends and receives cross three rank boundaries.
+    "pp4": dict(OVERLAP, ep=1, pp=4, microbatches=8, model=dict(num_hidden_layers=12)),
     "ep2_node_aware_checkpointing_global_aux": dict(OVERLAP, dispatch_mode="node", node_size=1,
                                                     activation_checkpointing=True, overlap_chunks=2, aux=AUX),
 }
@@ -145,20 +148,21 @@ def references():
     global_rows = [[m, m + 4] for m in range(4)]
     plain = _reference_losses(_batch(), model_kwargs=LAYERS)
     return {"ep2": plain, "fsdp2_without_ep": plain,
+            "pp4": _reference_losses(_batch(), model_kwargs=RUNS["pp4"]["model"]),
             "ep2_node_aware_checkpointing_global_aux": _reference_losses(_batch(), aux_coef=AUX,
                                                                          aux_chunks=global_rows, model_kwargs=LAYERS),
             "ep4_two_nodes_of_two_checkpointing": _reference_losses(_batch16(), model_kwargs=LAYERS)}
 
 
 def _check_runs(ranks, reference):
-    from test_dualpipev import MICROBATCHES
     from test_pipeline import STEPS, _check
 
     info = schedule_info(OVERLAP["schedule"], OVERLAP["virtual_stages"])
     for threaded, sequential in ranks:
         _check(threaded["losses"], reference)
         # Each step ran exactly the merged pairs' backwards on the second thread.
-        pairs = info.overlapped_share(2, MICROBATCHES, threaded["pp_rank"]) * info.stages_per_rank * MICROBATCHES
+        m = threaded["microbatches"]
+        pairs = info.overlapped_share(threaded["pp"], m, threaded["pp_rank"]) * info.stages_per_rank * m
         assert pairs > 0 and threaded["threaded_backwards"] == STEPS * pairs
         assert threaded["twins"] >= 1  # the data-parallel group's twin, and the ep group's where ep > 1
         if sequential is not None:
