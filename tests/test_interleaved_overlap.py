@@ -11,10 +11,10 @@ DualPipeV's are.
   the unmerged order.
 - Through ``moe_ep.parallelize`` and TrainStep, on 4 gloo ranks (pp=2 x ep=2; plain, and
   node-aware with activation checkpointing, chunked overlap and a global aux loss; pp=2 x FSDP2
-  over 2 without expert parallelism; pp=4 over 8 micro-batches) and on 8 (ep=4 as 2 nodes of 2, node-aware, checkpointing):
-  the losses of five steps equal ONE process in float64 within 1e-5, the 4-rank runs equal
-  torch's sequential runtime of the merged order bit for bit, and each step runs exactly the
-  merged pairs' backwards on the second thread."""
+  over 2 without expert parallelism; pp=4 over 8 micro-batches) and on 8 (ep=4 as 2 nodes of 2,
+  node-aware, checkpointing): the losses of five steps equal ONE process in float64 within 1e-5,
+  the 4-rank runs equal torch's sequential runtime of the merged order bit for bit, and each step
+  runs exactly the merged pairs' backwards on the second thread."""
 
 from __future__ import annotations
 
