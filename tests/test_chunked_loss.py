@@ -152,11 +152,45 @@ def test_refusals_name_the_argument():
         linear_cross_entropy(h, w, t, chunk_tokens=0)
     with pytest.raises(ValueError, match="z_loss_coef must be a finite number >= 0"):
         linear_cross_entropy(h, w, t, z_loss_coef=-1.0)
+    for label in (10, -1):  # V, and a negative id that is not ignore_index
+        bad = torch.tensor([0, 3, label, -100])
+        with pytest.raises(ValueError, match=rf"target_T must hold token ids in \[0, 10\) or ignore_index=-100, "
+                                             rf"got {label} at index 2"):
+            linear_cross_entropy(h, w, bad)
     h.requires_grad_()
     loss, _ = linear_cross_entropy(h, w, t)
     (dh,) = torch.autograd.grad(loss, h, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         dh.sum().backward()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_no_gradient_work_where_grad_mode_is_off(mode):
+    """Evaluation (inputs that require grad, grad mode off) runs one GEMM per chunk, the logits',
+    as on detached inputs; with grad mode on each chunk also runs the two gradient GEMMs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe_ep.ops.linear_cross_entropy import linear_cross_entropy
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # inference_mode dispatches matmul itself, not the mm it decomposes into.
+            self.count += func.overloadpacket.__name__ in ("mm", "matmul", "addmm_")
+            return func(*args, **(kwargs or {}))
+
+    h, w = torch.randn(12, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    t = torch.randint(0, 10, (12,))
+    want, _ = linear_cross_entropy(h.detach(), w.detach(), t, chunk_tokens=4)
+    with getattr(torch, mode)(), CountMatmuls() as counted:
+        loss, _ = linear_cross_entropy(h, w, t, chunk_tokens=4)
+    assert counted.count == 3 and not loss.requires_grad and torch.equal(loss, want)
+    with CountMatmuls() as counted:
+        linear_cross_entropy(h, w, t, chunk_tokens=4)
+    assert counted.count == 9
 
 
 @pytest.mark.slow

@@ -127,6 +127,19 @@ def test_empty_expert_gets_exactly_zero_weight_gradient(backend):
     assert torch.count_nonzero(d_gate_up[-1]) == 0 and torch.count_nonzero(d_down[-1]) == 0
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("width", ["H", "I"])
+def test_an_empty_width_gives_zeros_on_both_backends(backend, width):
+    """H or I of 0 (degenerate, but valid shapes): zero outputs and zero gradients of the right
+    shapes, on the grouped GEMM too, whose strides must stay 16-byte aligned."""
+    case = Case("empty_width", T=6, H=0 if width == "H" else 8, I=0 if width == "I" else 8, E=3, K=2)
+    x, idx, w, gate_up, down = case.make(torch.float32, device=DEVICE)
+    y, grads = run_with_grads(experts(backend), x, idx, w, gate_up, down, torch.randn(case.T, case.H))
+    assert y.shape == (case.T, case.H) and torch.count_nonzero(y) == 0
+    for g, leaf in zip(grads, (x, w, gate_up, down)):
+        assert g.shape == leaf.shape and torch.count_nonzero(g) == 0
+
+
 def _forward_op(backend, x, idx, w, gate_up, down):
     """The backend's forward custom op and its arguments."""
     if backend == "torch":

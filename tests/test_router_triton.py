@@ -166,13 +166,31 @@ def test_torch_router_matches_reference(case, dtype):
     check_against(case, dtype, "torch")
 
 
-def test_ties_go_to_the_lowest_expert():
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_ties_go_to_the_lowest_expert(backend):
     # Experts 1 and 3 (and 0 and 2) have identical weights: equal logits in every row.
     w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]], device=DEVICE)
     x = torch.tensor([[0.5, 2.0], [3.0, -1.0]], device=DEVICE)
-    _, weights, indices = route_topk(x, w, 3, backend="triton")
+    _, weights, indices = route_topk(x, w, 3, backend=backend)
     assert indices.tolist() == [[1, 3, 0], [0, 2, 1]]
     assert torch.allclose(weights[:, 0], weights[:, 1])
+
+
+@pytest.mark.parametrize("options", [{}, dict(score="sigmoid", n_group=4, topk_group=2)], ids=["softmax", "groups"])
+def test_both_backends_choose_alike_on_tied_scores(options):
+    """Padding rows (all zeros: every score equal), a zero router and duplicated router rows tie
+    experts, and groups; both backends take the lowest ids, in the same order."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 16, generator=g)
+    x[::3] = 0
+    w = torch.randn(16, 16, generator=g)
+    w[9], w[12] = w[2], w[5]
+    for router in (w, torch.zeros_like(w)):
+        got = [route_topk(x.to(DEVICE), router.to(DEVICE), 4, backend=b, **options) for b in ("triton", "torch")]
+        assert torch.equal(got[0][2], got[1][2])
+        assert rel_err(got[0][1].cpu(), got[1][1].cpu()) <= TOLERANCE[torch.float32]
+    zeros = route_topk(torch.zeros(2, 16, device=DEVICE), w.to(DEVICE), 4, backend="torch", **options)[2]
+    assert zeros.tolist() == [[0, 1, 2, 3]] * 2
 
 
 def test_gradient_through_logits_only_and_weights_only():
@@ -240,6 +258,17 @@ def test_triton_router_rejects_too_many_experts():
     x = torch.randn(4, 16, device=DEVICE)
     with pytest.raises(ValueError, match="router_weight.*256"):
         route_topk(x, torch.randn(257, 16, device=DEVICE), 2, backend="triton")
+
+
+def test_auto_routes_more_than_256_experts_on_the_torch_path():
+    """"auto" (the default on CUDA) takes the torch router where the Triton one cannot hold the
+    scores: 384 experts, as the largest fine-grained models have."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(9, 16, generator=g).to(DEVICE), torch.randn(384, 16, generator=g).to(DEVICE)
+    logits, weights, indices = route_topk(x, w, 8, backend="auto")
+    want = route_topk_ref(x.double(), w.double(), 8)
+    assert torch.equal(indices, want[2].to(indices.device))
+    assert rel_err(weights.cpu(), want[1].cpu()) <= TOLERANCE[torch.float32]
 
 
 @requires_cuda

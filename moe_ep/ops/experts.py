@@ -65,7 +65,7 @@ def moe_experts(
         hidden_states: ``[T, H]`` float32, float16 or bfloat16. A 3-D input is rejected: flatten
             the batch and sequence dimensions first (transformers' MoE blocks already do).
         top_k_index: ``[T, K]`` int64 or int32 expert ids in ``[0, E)``.
-        top_k_weights: ``[T, K]`` routing weights, any float dtype (used in float32).
+        top_k_weights: ``[T, K]`` routing weights, float32, float16 or bfloat16 (used in float32).
         gate_up_proj: ``[E, 2I, H]``, gate rows first, dtype of ``hidden_states``.
         down_proj: ``[E, H, I]``, dtype of ``hidden_states``.
         activation: ``"silu"`` (SwiGLU) or ``"gelu"`` (GeGLU).

@@ -60,7 +60,9 @@ def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+    """``n`` rounded up to the alignment; at least one block, so an empty width (H or I of 0)
+    still gives the GEMM aligned strides."""
+    return max(-(-n // _ALIGN), 1) * _ALIGN
 
 
 def grouped_linear(a_ND: torch.Tensor, w_EFD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .validate import check_count, check_float, check_index, check_number, check_same_device, check_tensor
+from .validate import (check_count, check_float, check_index, check_number, check_same_device, check_targets_in_range,
+                       check_tensor)
 
 IGNORE_INDEX = -100
 
@@ -99,18 +100,22 @@ def linear_cross_entropy(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, targe
         check_same_device(hidden_TH=hidden_TH, weight_VH=weight_VH, target_T=target_T)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    check_targets_in_range("target_T", target_T, vocab, ignore_index)
     check_number("z_loss_coef", z_loss_coef, at_least=0)
     check_count("chunk_tokens", chunk_tokens, at_least=1, or_none=True)
     chunk = default_chunk_tokens(tokens, hidden, vocab) if chunk_tokens is None else chunk_tokens
-    return _LinearCrossEntropy.apply(hidden_TH, weight_VH, bias_V, target_T, ignore_index, float(z_loss_coef), chunk)
+    # Under no_grad (evaluation) autograd still reports which inputs require a gradient: the
+    # forward is told to compute none.
+    return _LinearCrossEntropy.apply(hidden_TH, weight_VH, bias_V, target_T, ignore_index, float(z_loss_coef), chunk,
+                                     torch.is_grad_enabled())
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """Takes what ``linear_cross_entropy`` validated."""
 
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, bias_V, target_T, ignore_index, z_loss_coef, chunk):
-        need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+    def forward(ctx, hidden_TH, weight_VH, bias_V, target_T, ignore_index, z_loss_coef, chunk, grad_enabled):
+        need_dh, need_dw, need_db = (grad_enabled and need for need in ctx.needs_input_grad[:3])
         device_type = hidden_TH.device.type
         # The GEMMs in the head's compute dtype, as transformers' lm_head runs them (autocast's
         # dtype, else the inputs' common one): float32 GEMMs of a half-precision model ran the
@@ -172,4 +177,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh = None if dh_TH is None else dh_TH * grad_loss.to(dh_TH.dtype)
         dw = None if dw32_VH is None else (dw32_VH * grad_loss).to(w_dtype)
         db = None if db32_V is None else (db32_V * grad_loss).to(b_dtype)
-        return dh, dw, db, None, None, None, None
+        return dh, dw, db, None, None, None, None, None

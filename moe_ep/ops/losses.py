@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .validate import check_count, check_index, check_number, check_tensor
+from .validate import check_count, check_index, check_indices_in_range, check_number, check_tensor
 
 
 def _as_layers(name: str, value) -> list[torch.Tensor]:
@@ -42,6 +42,7 @@ def expert_counts(top_k_index: torch.Tensor, num_experts: int, token_mask: torch
     check_tensor("top_k_index", top_k_index, ndim=2)
     check_index("top_k_index", top_k_index)
     check_count("num_experts", num_experts, at_least=1)
+    check_indices_in_range("top_k_index", top_k_index, num_experts)
     T, K = top_k_index.shape
     _check_token_mask(token_mask, T)
     ones = torch.ones(T, K, dtype=torch.float32, device=top_k_index.device)
@@ -96,7 +97,13 @@ def load_balancing_loss(
                 f"got {tuple(layer_logits.shape)}"
             )
         probs_TE = layer_logits.to(dtype).softmax(-1)
-        chosen = probs_TE.detach().topk(top_k, dim=-1).indices if choices is None else choices[i]
+        if choices is None:
+            chosen = probs_TE.detach().topk(top_k, dim=-1).indices
+        else:
+            chosen = choices[i]
+            if tuple(chosen.shape) != (layer_logits.shape[0], top_k):
+                raise ValueError(f"top_k_index[{i}] must have shape [T, top_k] = [{layer_logits.shape[0]}, {top_k}] "
+                                 f"to match router_logits[{i}], got {tuple(chosen.shape)}")
         counts_E = counts_E + expert_counts(chosen, E, token_mask).to(dtype)
         if token_mask is not None:
             probs_TE = probs_TE * token_mask.reshape(-1, 1).to(dtype)

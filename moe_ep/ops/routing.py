@@ -77,6 +77,13 @@ def node_limited_groups(num_experts: int, n_group: int, topk_group: int, nodes: 
     )
 
 
+def _top_indices(scores, k):
+    """Indices of the ``k`` largest ``scores`` along the last dim, best first, ties to the lowest
+    index as the Triton router breaks them (``torch.topk`` leaves the order of equal values
+    unspecified, and ties are real: padding rows, a zero router, duplicated router rows)."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def select_experts(probs_TE, top_k, correction_bias=None, n_group=1, topk_group=1):
     """Indices of the chosen experts. The correction bias and the group limit steer only the
     choice; the weights are always taken from the unbiased scores."""
@@ -86,11 +93,11 @@ def select_experts(probs_TE, top_k, correction_bias=None, n_group=1, topk_group=
         grouped = choice_TE.view(T, n_group, E // n_group)
         # DeepSeek-V3 ranks groups by the sum of their two best experts.
         group_score = grouped.topk(min(2, E // n_group), dim=-1).values.sum(-1)
-        keep = group_score.topk(topk_group, dim=-1).indices
+        keep = _top_indices(group_score, topk_group)
         group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
         expert_mask = group_mask.repeat_interleave(E // n_group, dim=1)
         choice_TE = choice_TE.masked_fill(~expert_mask, float("-inf"))
-    return torch.topk(choice_TE, top_k, dim=-1).indices
+    return _top_indices(choice_TE, top_k)
 
 
 def route_topk_torch(hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale):
@@ -138,6 +145,10 @@ def route_topk(
     another float dtype than ``hidden_states`` (a float32 router over bfloat16 activations): both
     are then promoted to the wider dtype, on either backend, and each gradient comes back in its
     input's dtype.
+
+    ``backend`` as for ``moe_experts``: "auto" (the default on CUDA) runs the fused Triton router
+    for up to 256 experts and the torch path beyond. Both choose the same experts, ties going to
+    the lowest expert id.
     """
     if max_nodes is not None or nodes != 1:
         check_tensor("router_weight", router_weight, ndim=2)
@@ -148,6 +159,11 @@ def route_topk(
         hidden_states, router_weight = hidden_states.to(dtype), router_weight.to(dtype)
     backend = resolve_backend(backend, hidden_states.device)
     args = (hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale)
+    if backend == "auto":
+        from ..kernels.router import MAX_EXPERTS
+
+        if router_weight.shape[0] > MAX_EXPERTS:
+            backend = "torch"  # more experts than the Triton router's one block of scores holds
     if backend in ("triton", "auto"):
         from .routing_triton import route_topk_triton
 

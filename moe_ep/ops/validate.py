@@ -96,6 +96,22 @@ def check_indices_in_range(name: str, idx: torch.Tensor, num_experts: int) -> No
         raise ValueError(f"{message}, got values in [{lo}, {hi}]")
 
 
+def check_targets_in_range(name: str, target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Label ids must lie in [0, vocab) or be ``ignore_index``; on the CPU the error names the
+    first value out of range, on CUDA the check is queued on the device: no host sync."""
+    if target.numel() == 0 or not _has_values(target):
+        return
+    message = f"{name} must hold token ids in [0, {vocab}) or ignore_index={ignore_index}"
+    valid = ((target >= 0) & (target < vocab)) | (target == ignore_index)
+    if _queued_on_device(target):
+        torch._assert_async(valid.all(), message)
+        return
+    bad = (~valid).nonzero()
+    if bad.shape[0]:
+        raise ValueError(f"{message}, got {target[bad[0, 0]].item()} at index {bad[0, 0].item()} "
+                         f"({bad.shape[0]} of {target.numel()} out of range)")
+
+
 def check_finite(name: str, t: torch.Tensor) -> None:
     """Every value of ``t`` finite; on the CPU the error names the first non-finite one, on CUDA
     (and under torch.compile) the check is queued on the device: no host sync."""
