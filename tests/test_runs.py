@@ -184,6 +184,36 @@ def fake_disk(monkeypatch, free: int) -> None:
     monkeypatch.setattr(shutil, "disk_usage", lambda _path: shutil._ntuple_diskusage(1 << 40, (1 << 40) - free, free))
 
 
+def test_a_folder_of_the_users_or_made_for_something_else_is_never_taken_as_the_run_folder(tmp_path):
+    """A non-empty folder without the run's marker is the user's (or another run's checkpoints,
+    another tool's export): refused before any work, nothing written into it. A new folder, an
+    empty one, and one holding only a run's marked subfolders (its checkpoints copied over) are
+    taken."""
+    users = tmp_path / "notes"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match=r"notes was not made by moe_ep \(it has no \.moe_ep-owner marker\)"):
+        check_output_folders(users, None, 1, keep=1)
+    assert sorted(p.name for p in users.iterdir()) == ["notes.txt"]
+    other_run = tmp_path / "other"
+    other_run.mkdir()
+    ownership.mark(other_run, "run")
+    checkpoints = ownership.make_managed_dir(other_run / "checkpoints", "checkpoints")
+    step_dir(checkpoints, 2).mkdir()
+    with pytest.raises(UsageError, match=r"checkpoints was made by moe_ep for something else \(its \.moe_ep-owner "
+                                         r"marker says 'checkpoints'\)"):
+        check_output_folders(checkpoints, None, 1, keep=1)
+    assert ownership.marker_kind(checkpoints) == "checkpoints"
+    for taken in (tmp_path / "new", tmp_path / "empty"):
+        check_output_folders(taken, None, 1, keep=1)
+    (tmp_path / "empty").mkdir()
+    check_output_folders(tmp_path / "empty", None, 1, keep=1)
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    shutil.copytree(checkpoints, copied / "checkpoints")
+    check_output_folders(copied, None, 1, keep=1)
+
+
 def test_free_space_counts_keep_plus_one_checkpoints_and_the_runs_own_leftovers(tmp_path, monkeypatch):
     out, parameters = tmp_path / "run", 1 << 20  # 12 MiB a checkpoint
     one = ownership.CHECKPOINT_BYTES_PER_PARAMETER * parameters

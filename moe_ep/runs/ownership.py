@@ -73,8 +73,34 @@ def ours(path: Path, kind: str) -> bool:
 
 
 def not_ours_message(path: Path, flag: str) -> str:
+    kind = marker_kind(path)
+    if kind is not None:
+        return (f"{flag}: {path} was made by moe_ep for something else (its {MARKER} marker says {kind!r}); a run "
+                f"never writes into or deletes another run's or tool's folder: choose another {flag}")
     return (f"{flag}: {path} was not made by moe_ep (it has no {MARKER} marker); moe_ep never writes "
             f"into or deletes a folder it did not make: move it away or choose another {flag}")
+
+
+def holds_nothing_of_the_users(path: Path, managed: tuple[str, ...]) -> bool:
+    """Nothing in ``path`` but a marker, the lock (which rank 0 may be creating while its peers
+    check) and ``managed`` subfolders that carry their own marker (a run's checkpoints copied into
+    a new folder)."""
+    return path.is_dir() and all(p.name.startswith(MARKER) or p.name == LOCK_FILE
+                                 or (p.name in managed and not p.is_symlink() and marker_kind(p) == p.name)
+                                 for p in path.iterdir())
+
+
+def check_output_dir_is_ours(path: Path, kind: str, managed: tuple[str, ...], flag: str = "--output-dir") -> None:
+    """Before any work: an existing output folder is a folder that either carries ``kind``'s
+    marker or holds nothing of the user's (``holds_nothing_of_the_users``: a new or empty folder is
+    taken over); a folder of the user's, or one moe_ep made for something else (another script's
+    run, a run's checkpoints), is refused."""
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise UsageError(f"{flag}: {path} exists and is not a folder")
+    if marker_kind(path) != kind and not holds_nothing_of_the_users(path, managed):
+        raise UsageError(not_ours_message(path, flag))
 
 
 def make_managed_dir(path: Path, kind: str) -> Path:
@@ -135,6 +161,7 @@ def check_run_folder(output_dir: Path) -> None:
     and every managed name that exists in ``output_dir`` is the run's own, since runs write into
     them and ``--overwrite`` deletes them."""
     check_odd_entries(output_dir)
+    check_output_dir_is_ours(output_dir, "run", MANAGED)
     for name in MANAGED:
         path = output_dir / name
         if path.exists() and not ours(path, name):

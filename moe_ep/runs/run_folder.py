@@ -20,11 +20,10 @@ from .errors import UsageError
 from .ownership import (
     CHECKPOINT_BYTES_PER_PARAMETER,
     EXPORT_BYTES_PER_PARAMETER,
-    LOCK_FILE,
-    MARKER,
     METRICS,
     check_free_space,
     check_odd_entries,
+    check_output_dir_is_ours,
     check_writable,
     delete_atomically,
     make_managed_dir,
@@ -100,11 +99,8 @@ class RunFolder:
         """Before any work, on every rank: nothing of the user's is in the way, the folder is
         writable and has room for a checkpoint and the final model. Returns the checkpoint to
         resume (resume_target)."""
-        if self.path.exists() and not self.path.is_dir():
-            raise UsageError(f"--output-dir: {self.path} exists and is not a folder")
         check_odd_entries(self.path)
-        if self.path.exists() and marker_kind(self.path) != self.kind and not self._holds_nothing():
-            raise UsageError(not_ours_message(self.path, "--output-dir"))
+        check_output_dir_is_ours(self.path, self.kind, self.managed)
         for name in self.managed:
             if (self.path / name).exists() and not ours(self.path / name, name):
                 raise UsageError(not_ours_message(self.path / name, "--output-dir"))
@@ -115,11 +111,6 @@ class RunFolder:
         check_free_space(self.path, (CHECKPOINT_BYTES_PER_PARAMETER + EXPORT_BYTES_PER_PARAMETER) * parameters,
                          "one checkpoint and the final model", "--output-dir")
         return target
-
-    def _holds_nothing(self) -> bool:
-        """Empty but for a marker or the lock, which rank 0 may be creating while its peers check."""
-        return self.path.is_dir() and all(p.name.startswith(MARKER) or p.name == LOCK_FILE
-                                          for p in self.path.iterdir())
 
     def claim(self) -> None:
         """Rank 0, after ``check`` and with the lock held: create and mark the folder."""
