@@ -52,4 +52,5 @@ def two_rank_loops(tmp_path_factory):
     same losses). Returns the folder of the runs."""
     from hf_loops import launch_world
 
-    return launch_world(tmp_path_factory.mktemp("hf_loops_2"), 2, ("--ep", "2"), resume=True, bf16=True)
+    return launch_world(tmp_path_factory.mktemp("hf_loops_2"), 2, ("--ep", "2"), resume=True, bf16=True,
+                        with_moe_ep_alone=True)

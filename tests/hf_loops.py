@@ -62,11 +62,18 @@ def world_runs(processes: int, layout: tuple[str, ...], *, resume: bool, bf16: b
     return runs
 
 
-def one_process_runs(worlds: tuple[int, ...]) -> list[Run]:
-    """One process accumulating the micro-batches that ``world`` ranks take in one step."""
-    return [Run(f"{script} one process x{world}", script, (*COMMON, "--grad-accum", str(GRAD_ACCUM * world),
-                                                          "--baseline"))
-            for world in worlds for script in SCRIPTS]
+def one_process_runs(worlds: tuple[int, ...], *, with_moe_ep: bool = False) -> list[Run]:
+    """One process accumulating the micro-batches that ``world`` ranks take in one step; with
+    ``with_moe_ep`` also each script with moe_ep on that one process (``--ep 1``: no launcher gave
+    it a process group, so the script makes one of one rank)."""
+    runs = []
+    for world in worlds:
+        accumulate = ("--grad-accum", str(GRAD_ACCUM * world))
+        for script in SCRIPTS:
+            runs.append(Run(f"{script} one process x{world}", script, (*COMMON, *accumulate, "--baseline")))
+            if with_moe_ep:
+                runs.append(Run(f"{script} ep one process x{world}", script, (*COMMON, *accumulate, "--ep", "1")))
+    return runs
 
 
 def launch(runs: list[Run], processes: int, out: Path, *, timeout: float) -> str:
@@ -87,10 +94,12 @@ def launch(runs: list[Run], processes: int, out: Path, *, timeout: float) -> str
     return output
 
 
-def launch_world(out: Path, processes: int, layout: tuple[str, ...], *, resume: bool, bf16: bool) -> Path:
-    """``world_runs`` on ``processes`` processes, then the one-process runs they are compared with."""
+def launch_world(out: Path, processes: int, layout: tuple[str, ...], *, resume: bool, bf16: bool,
+                 with_moe_ep_alone: bool = False) -> Path:
+    """``world_runs`` on ``processes`` processes, then the one-process runs they are compared with
+    (``one_process_runs``)."""
     launch(world_runs(processes, layout, resume=resume, bf16=bf16), processes, out, timeout=500)
-    launch(one_process_runs((processes,)), 1, out, timeout=200)
+    launch(one_process_runs((processes,), with_moe_ep=with_moe_ep_alone), 1, out, timeout=200)
     return out
 
 

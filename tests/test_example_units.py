@@ -145,6 +145,34 @@ def test_non_finite_or_negative_flag_values_are_refused(flag, value, tmp_path, c
     assert f"{flag} must be a finite number" in err and err.rstrip().endswith(f"got {value}"), err
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--peak-tflops", "nan", "--peak-tflops must be a finite number > 0, got nan"),
+    ("--peak-tflops", "-5", "--peak-tflops must be a finite number > 0, got -5.0"),
+    ("--seed", "-1", "--seed must be an int in [0, 2**32), got -1"),
+    ("--seed", str(2 ** 62), f"--seed must be an int in [0, 2**32), got {2 ** 62}"),
+    ("--seq-len", "1", "--seq-len must be >= 2 (a sequence's first token predicts nothing"),
+])
+def test_out_of_range_values_of_the_scripts_flags_are_refused(flag, value, message, tmp_path, capsys):
+    assert message in run_main([flag, value], tmp_path, capsys)
+
+
+def test_the_run_folder_cannot_be_or_lie_inside_a_data_folder(tmp_path, capsys):
+    """Its metrics.jsonl would be read as data at the next start of the same command."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text " * 100)
+    for out in (corpus, corpus / "run"):
+        code = train.main(["--experts-implementation", "eager", "--data", str(corpus), "--output-dir", str(out)])
+        assert code == 2 and f"--output-dir: {out} is" in capsys.readouterr().err
+        assert sorted(p.name for p in corpus.iterdir()) == ["a.txt"]
+
+
+def test_a_data_path_that_is_not_a_regular_file_is_refused(tmp_path, capsys):
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)  # read forever if opened
+    assert f"--data: {fifo} is not a regular file" in run_main(["--data", str(fifo)], tmp_path, capsys)
+
+
 def test_balancing_follows_the_family_unless_flagged():
     from options import DEFAULT_EXPERT_BIAS_RATE, balancing, build_parser
     from transformers import DeepseekV3Config

@@ -50,6 +50,18 @@ def test_expert_parallel_matches_data_parallel_and_one_process(runs, script):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+def test_one_process_without_a_process_group_runs_moe_ep_as_the_baseline(runs, script):
+    """``accelerate launch --num_processes 1`` gives no process group: the script makes one of one
+    rank for moe_ep.parallelize, and accelerate drives the model with it as on several."""
+    alone = step_records(runs / f"{script}_ep_one_process_x{PROCESSES}")
+    assert sorted(alone) == sorted(step_records(runs / f"{script}_ep"))
+    for key in ("loss", "grad_norm"):
+        assert max_rel_diff(alone, step_records(runs / f"{script}_one_process_x{PROCESSES}"), key) <= TOLERANCE[
+            torch.float32]
+        assert max_rel_diff(alone, step_records(runs / f"{script}_ep"), key) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_a_resumed_run_gives_the_uninterrupted_losses(runs, script, tmp_path):
     uninterrupted = step_records(runs / f"{script}_ep")
     resumed = records_before_the_last_resume(runs / f"{script}_stopped", tmp_path)

@@ -88,6 +88,45 @@ def test_metrics_after_a_resume_count_each_step_once(tmp_path):
         read_metrics(path)
 
 
+@pytest.mark.parametrize("writer", ["Reporter", "StepLog"])
+def test_a_log_cut_short_or_left_by_a_run_killed_before_its_first_checkpoint_counts_each_step_once(writer, tmp_path):
+    """The next run appends after the last whole line (the cut one removed, so its records do not
+    join it), and a run that starts afresh over an earlier run's records supersedes them."""
+    from moe_ep.runs.metrics import Reporter, StepLog
+
+    path = tmp_path / "metrics.jsonl"
+
+    def open_log(folder=tmp_path):
+        if writer == "Reporter":
+            return Reporter(folder, enabled=True, total_steps=3, progress=False, tensorboard=False)
+        return StepLog(folder, enabled=True)
+
+    def log_step(log, step):
+        if writer == "Reporter":
+            log._write({"step": step, "loss": float(step)})
+        else:
+            log.step({"step": step, "loss": float(step), "lr": 1e-3})
+
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n{"step": 3, "lo')
+    log = open_log()
+    log.resumed(2, tmp_path / "checkpoints" / "step_00000002", None)
+    log_step(log, 3)
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    assert '"lo{' not in path.read_text() and path.read_text().endswith("\n")
+    log = open_log()  # killed before its first checkpoint, the same command again: afresh
+    log.started_afresh()
+    log_step(log, 1)
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 1.0)]
+    assert json.loads(path.read_text().splitlines()[-2]) == {"resumed_from_step": 0, "checkpoint": None,
+                                                             "set_aside": None}
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    log = open_log(fresh)
+    log.started_afresh()  # a new log holds no record of a fresh start
+    log_step(log, 1)
+    assert (fresh / "metrics.jsonl").read_text().count("\n") == 1
+
+
 def test_checkpoints_after_the_one_resumed_are_set_aside_whole_and_marked(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):

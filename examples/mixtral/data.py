@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from moe_ep.runs import RunError, UsageError, digest, local_problems, make_managed_dir, write_failure, write_manifest
+from moe_ep.runs.ownership import related
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
 JSONL_SUFFIXES = (".jsonl",)
@@ -111,12 +112,25 @@ def resolve_data(data: list[str], text_field: str) -> DataSpec:
                 )
             files.extend(found)
         elif path.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES:
+            if not path.is_file():  # a FIFO or a device would be read forever
+                raise UsageError(f"--data: {item} is not a regular file")
             files.append(path)
         else:
             raise UsageError(
                 f"--data: {item} has suffix {path.suffix!r}; expected one of {TEXT_SUFFIXES + JSONL_SUFFIXES}"
             )
     return DataSpec(files=tuple(files), text_field=text_field)
+
+
+def check_output_outside_data(data: list[str], output_dir: Path) -> None:
+    """The run folder neither is nor lies inside a ``--data`` folder: its own files
+    (``metrics.jsonl``) would be read as data when the same command starts again."""
+    for item in data:
+        folder = Path(item).expanduser()
+        if folder.is_dir() and (relation := related(output_dir, folder)) in ("is", "is inside"):
+            raise UsageError(f"--output-dir: {output_dir} {relation} the --data folder {item}, whose files are all "
+                             "read as data (the run's metrics.jsonl too, once written): choose an --output-dir "
+                             "outside it")
 
 
 def parse_jsonl_line(path: Path, lineno: int, offset: int, raw: bytes, text_field: str) -> str:

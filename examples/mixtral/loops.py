@@ -40,7 +40,7 @@ from moe_ep.runs import (
 
 from data import ByteTokenizer, PackedSequences, resolve_data, tokenize_corpus
 from models import tiny_config
-from options import add_preempt_signal, add_run_folder_flags, check_run_folder_flags
+from options import add_preempt_signal, add_run_folder_flags, check_run_folder_flags, check_seed_and_seq_len
 
 NUM_EXPERTS = 8  # models.tiny_config's
 
@@ -61,7 +61,8 @@ def build_parser(description: str, default_output: str) -> argparse.ArgumentPars
     p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per rank per micro-batch")
     p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (warmup, then linear decay)")
-    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warmup steps (default: 2, or --steps - 1 where that is fewer)")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--aux-loss-coef", type=float, default=0.02,
                    help="the model's load-balancing loss coefficient (router_aux_loss_coef); 0 turns it off")
@@ -87,11 +88,14 @@ def check_args(args, world_size: int) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(args, name)}")
     if not 0 <= args.aux_loss_coef < math.inf:
         raise UsageError(f"--aux-loss-coef must be a finite number >= 0, got {args.aux_loss_coef}")
+    if args.warmup_steps is None:
+        args.warmup_steps = min(2, args.steps - 1)
     if not 0 <= args.warmup_steps < args.steps:
         raise UsageError(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps}")
     if args.checkpoint_every < 0:
         raise UsageError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     check_run_folder_flags(args)
+    check_seed_and_seq_len(args)
     if args.stop_after is not None:
         if not 1 <= args.stop_after <= args.steps:
             raise UsageError(f"--stop-after must be in [1, --steps], got {args.stop_after}")
@@ -162,6 +166,11 @@ def make_model(args, device: torch.device):
         return model
     import moe_ep
 
+    if not torch.distributed.is_initialized():
+        # One process that no launcher gave a process group (`python`, `accelerate launch
+        # --num_processes 1`): parallelize runs on a group of its own, of one rank.
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     return moe_ep.parallelize(moe_ep.patch(model), ep=args.ep, dp_replicate=args.dp_replicate)
 
 
@@ -206,7 +215,7 @@ def claim_run(args, data: Sequences, run: RunFolder, resume: Path | None, rank: 
     on every rank); then rank 0 creates and marks the folder and, for --overwrite, deletes the
     run's checkpoints and log. A resume of an older checkpoint than the newest sets the later ones
     aside (a branch, kept for the user, out of reach of --resume auto), and the log records the
-    resume so that no step is counted twice; checkpoints cut short by an interrupted save are set
+    resume (or a fresh start over an earlier run's log) so that no step is counted twice; checkpoints cut short by an interrupted save are set
     aside the same way. From here to the step loop a rank that hangs is reported within
     --startup-timeout."""
     startup.phase("agreeing on the arguments")
@@ -219,7 +228,9 @@ def claim_run(args, data: Sequences, run: RunFolder, resume: Path | None, rank: 
     set_aside = run.set_aside_later(resume, rank=rank)
     if resume is not None:
         log.resumed(run.step_of(resume), resume, set_aside)
-    elif set_aside is not None:
+        return
+    log.started_afresh()
+    if set_aside is not None:
         log.info(f"starting afresh: the checkpoints cut short by an interrupted save are set aside, not deleted, in "
                  f"{set_aside}")
 

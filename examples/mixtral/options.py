@@ -146,6 +146,18 @@ def check_run_folder_flags(args) -> None:
         raise UsageError(f"--resume: {args.resume} is not a checkpoint folder (or use auto / never)")
 
 
+SEED_LIMIT = 2 ** 32  # numpy's generators, and the data order derived from the seed, stay in int64 below it
+
+
+def check_seed_and_seq_len(args) -> None:
+    """``--seed`` and ``--seq-len``, the same flags in every script of the example."""
+    if not 0 <= args.seed < SEED_LIMIT:
+        raise UsageError(f"--seed must be an int in [0, 2**32), got {args.seed}")
+    if args.seq_len < 2:
+        raise UsageError(f"--seq-len must be >= 2 (a sequence's first token predicts nothing: one token gives no "
+                         f"loss), got {args.seq_len}")
+
+
 def add_preempt_signal(parser) -> None:
     """``--preempt-signal``, the same flag in every script of the example."""
 
@@ -198,6 +210,9 @@ def check_flag_values(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    check_seed_and_seq_len(args)
+    if args.peak_tflops is not None and not 0 < args.peak_tflops < math.inf:
+        raise UsageError(f"--peak-tflops must be a finite number > 0, got {args.peak_tflops}")
     for name in ("step_timeout", "startup_timeout", "lr"):
         if not 0 < getattr(args, name) < math.inf:
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(args, name)}")

@@ -68,6 +68,7 @@ from data import (
     PretrainedTokenizer,
     cached_tokens,
     check_corpus_size,
+    check_output_outside_data,
     corpus_stats,
     local_batch,
     resolve_data,
@@ -244,6 +245,7 @@ def validate(args) -> Checked:
     data_spec = resolve_data(args.data, args.text_field)
     mp_dtype = mixed_precision_dtype()
     output_dir = Path(args.output_dir)
+    check_output_outside_data(args.data, output_dir)
     check_output_folders(output_dir, None if args.export_dir is None else Path(args.export_dir),
                          count_parameters(build_model(source, seed=args.seed, meta=True))[0],
                          keep=args.keep_checkpoints)
@@ -363,6 +365,8 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None, pree
         reporter.info(f"resumed from {resume} at step {start_step}"
                       + ("" if saved["world_size"] == world_size else
                          f" (saved by {saved['world_size']} ranks: per-rank RNG states not restored)"))
+    else:
+        reporter.started_afresh()
     if reporter.bar is not None:
         reporter.bar.update(start_step)
     if chosen_plan is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -105,17 +106,43 @@ def balance(counts_LE: torch.Tensor) -> list[float | None]:
     return [ratio if moe else None for ratio, moe in zip(ratios.tolist(), routed.tolist())]
 
 
-def resume_record(step: int, checkpoint: Path, set_aside: Path | None) -> tuple[dict, str | None]:
+def resume_record(step: int, checkpoint: Path | None, set_aside: Path | None) -> tuple[dict, str | None]:
     """What a log says of a resume at ``step``: a record that supersedes its earlier records of
     later steps (read_metrics), which the resumed run trains again or which belong to an abandoned
-    branch, and where checkpoints were set aside (rolled back), a line saying where they are."""
-    record = {"resumed_from_step": step, "checkpoint": str(checkpoint),
+    branch, and where checkpoints were set aside (rolled back), a line saying where they are. A
+    run that starts afresh over an earlier one's log (killed before its first checkpoint) is a
+    resume at step 0 from no checkpoint."""
+    record = {"resumed_from_step": step, "checkpoint": None if checkpoint is None else str(checkpoint),
               "set_aside": None if set_aside is None else str(set_aside)}
     if set_aside is None:
         return record, None
     later = ", ".join(sorted(p.name for p in set_aside.iterdir() if p.is_dir()))
     return record, (f"rolled back to step {step}: the later checkpoints ({later}) are set aside, not deleted, in "
                     f"{set_aside}; this run goes on from {checkpoint}")
+
+
+def trim_cut_line(path: Path) -> bool:
+    """Before a run appends to its log: a last line cut short (a run killed mid-write) is removed,
+    so that the next record starts a line of its own. Whether the log holds any record."""
+    try:
+        with open(path, "rb+") as f:
+            end = pos = f.seek(0, os.SEEK_END)
+            keep = 0
+            while pos > 0:
+                start = max(0, pos - 4096)
+                f.seek(start)
+                newline = f.read(pos - start).rfind(b"\n")
+                if newline >= 0:
+                    keep = start + newline + 1
+                    break
+                pos = start
+            if keep < end:
+                f.truncate(keep)
+            return keep > 0
+    except FileNotFoundError:
+        return False
+    except OSError as err:
+        raise RunError(write_failure(path, err)) from None
 
 
 class Reporter:
@@ -129,6 +156,7 @@ class Reporter:
         if not enabled:
             return
         self.jsonl_path = output_dir / METRICS
+        self.continues_a_log = trim_cut_line(self.jsonl_path)
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
             self.jsonl = open(self.jsonl_path, "a", buffering=1)
@@ -151,6 +179,11 @@ class Reporter:
         self._write(record)
         if line:
             self.info(line)
+
+    def started_afresh(self) -> None:
+        """A run from step 0 over an earlier run's log: its records are superseded (resume_record)."""
+        if self.enabled and self.continues_a_log:
+            self._write(resume_record(0, None, None)[0])
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -313,6 +346,7 @@ class StepLog:
     def __init__(self, folder: Path, enabled: bool):
         self.path = folder / METRICS
         self.enabled = enabled
+        self._continues_a_log = None  # known at the first write, once the folder is the run's
 
     def resumed(self, step: int, checkpoint: Path, set_aside: Path | None) -> None:
         """A resume at ``step`` (resume_record)."""
@@ -324,6 +358,11 @@ class StepLog:
         if line:
             self.info(line)
 
+    def started_afresh(self) -> None:
+        """A run from step 0 over an earlier run's log: its records are superseded (resume_record)."""
+        if self.enabled and self._trimmed():
+            self._append(resume_record(0, None, None)[0])
+
     def step(self, record: dict) -> None:
         if not self.enabled:
             return
@@ -332,7 +371,14 @@ class StepLog:
               f"{'-' if grad_norm is None else f'{grad_norm:.4f}'} | lr {record['lr']:.2e}", flush=True)
         self._append(record)
 
+    def _trimmed(self) -> bool:
+        """The log's cut-short last line removed (once); whether it holds records of earlier runs."""
+        if self._continues_a_log is None:
+            self._continues_a_log = trim_cut_line(self.path)
+        return self._continues_a_log
+
     def _append(self, record: dict) -> None:
+        self._trimmed()
         try:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")

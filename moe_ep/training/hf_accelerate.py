@@ -178,7 +178,10 @@ def requested_fsdp_plugin(accelerator, given=None):
 
 def _check_accelerator(accelerator, plugin, context: ParallelContext) -> None:
     kind = accelerator.distributed_type.value
-    if kind not in ("FSDP", *_DATA_PARALLEL_TYPES):
+    # One process (plain `python`, `accelerate launch --num_processes 1`) is NO to accelerate,
+    # whatever process group of one rank parallelize ran on.
+    one_process = kind == "NO" and accelerator.num_processes == 1 == context.meshes.world.size()
+    if kind not in ("FSDP", *_DATA_PARALLEL_TYPES) and not one_process:
         raise ValueError(f"accelerate's distributed_type={kind} cannot drive a model moe_ep.parallelize sharded with "
                          "FSDP2: launch with a multi-GPU (or FSDP2) accelerate config, or on the CPU")
     if accelerator.state.dynamo_plugin.backend.name != "NO":
