@@ -160,6 +160,21 @@ def test_two_rank_checkpoint_resumes_in_one_process(two_rank_run, tmp_path):
     assert rel_err(a, b) <= TOLERANCE[torch.float32], (a, b)
 
 
+def test_a_resume_takes_the_optimizer_flags_of_its_command(two_rank_run, tmp_path, capsys):
+    """--weight-decay and --beta1/--beta2 given at a resume replace the values the checkpoint's
+    optimizer state carried, and the run says so: step 5 (before the first update) as the
+    uninterrupted run, step 6 not."""
+    ckpt = two_rank_run[0] / "checkpoints" / "step_00000004"
+    out = tmp_path / "changed"
+    argv = [*COMMON, "--grad-accum", "2", "--resume", str(ckpt), "--output-dir", str(out), "--weight-decay", "5",
+            "--beta1", "0"]
+    assert train_in_process(argv) == 0
+    assert "the optimizer takes this command's --beta1/--beta2, --weight-decay" in capsys.readouterr().out
+    resumed, ref = losses(out), losses(two_rank_run[0])
+    assert abs(resumed[5] - ref[5]) <= TOLERANCE[torch.float32] * abs(ref[5])
+    assert abs(resumed[6] - ref[6]) > 1e-3 * abs(ref[6])
+
+
 def test_resuming_with_other_data_is_refused(two_rank_run, tmp_path, capsys):
     ckpt = two_rank_run[0] / "checkpoints" / "step_00000004"
     argv = [*COMMON, "--micro-batch-size", "3", "--resume", str(ckpt), "--output-dir", str(tmp_path / "other")]

@@ -170,6 +170,23 @@ def make_optimizer(model, args) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2))
 
 
+# The optimizer's hyperparameters that flags set (the learning rate is set at every step).
+OPTIMIZER_FLAGS = {"weight_decay": "--weight-decay", "betas": "--beta1/--beta2"}
+
+
+def take_flagged_hyperparameters(optimizer: torch.optim.Optimizer, wanted: list[dict]) -> list[str]:
+    """After a resume, the hyperparameters this command's flags give (``wanted``: each group's, as
+    make_optimizer set them) over the ones the checkpoint's optimizer state carried; the flags that
+    changed them."""
+    changed = []
+    for group, values in zip(optimizer.param_groups, wanted):
+        for key, flag in OPTIMIZER_FLAGS.items():
+            if group[key] != values[key]:
+                group[key] = values[key]
+                changed.append(flag)
+    return sorted(set(changed))
+
+
 def env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
@@ -358,7 +375,10 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None, pree
                       + ", ".join(p.name for p in removed))
     startup.phase("loading the checkpoint")
     if resume is not None:
+        flagged = [{key: group[key] for key in OPTIMIZER_FLAGS} for group in optimizer.param_groups]
         saved = load_checkpoint(resume, module, optimizer, rank=rank, world_size=world_size)
+        if changed := take_flagged_hyperparameters(optimizer, flagged):
+            reporter.info(f"the optimizer takes this command's {', '.join(changed)}, not the values it was saved with")
         start_step, tokens_seen = saved["step"], saved["tokens_seen"]
         branch_points = saved.get("branch_points", []) + ([start_step] if set_aside is not None else [])
         reporter.resumed(start_step, resume, set_aside)
