@@ -411,6 +411,35 @@ def test_calibration_file_errors_name_the_file(tmp_path):
     # The repository's own CPU measurement is a kernels file, but not of an A100.
     with pytest.raises(ValueError, match=r"measured on 'AMD EPYC"):
         plan("mixtral-8x7b", nodes=16, calibration=KERNELS_CPU, **DGX)
+    # Hand-made or damaged files whose fields are not what the bench writes: one ValueError each.
+    good = json.loads(_gpu_results(tmp_path).read_text())
+    damaged = {
+        "rows_of_ints": dict(good, rows=[1, 2]),
+        "meta_a_list": dict(good, meta=[1]),
+        "problem_of_no_width": {"mode": "gpu_check", "meta": {"results": {"kernels": {"rows": [], "meta": {
+            name: {"device": "NVIDIA A100-SXM4-80GB", "shape": f"H={h} I=5 bfloat16"} for name, h in (("a", 0), ("b", 4))
+        }}}}},
+        "gate_results_a_list": {"mode": "gpu_check", "meta": {"results": [1]}},
+    }
+    for name, payload in damaged.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(payload))
+        with pytest.raises(ValueError, match=rf"{name}.json' does not hold a result of 'python -m moe_ep.bench kernels' "
+                                             r"or scripts/gpu_check.sh as they write it \("):
+            plan("mixtral-8x7b", nodes=16, calibration=path, **DGX)
+
+
+def test_a_config_file_of_a_layout_the_planner_does_not_model_is_a_value_error(tmp_path):
+    """moe-ep plan says it in one line (it reports ValueErrors): an encoder-decoder MoE, DBRX's own
+    config fields."""
+    from transformers import DbrxConfig, SwitchTransformersConfig
+
+    for config in (DbrxConfig(), SwitchTransformersConfig()):
+        path = tmp_path / f"{config.model_type}.json"
+        path.write_text(config.to_json_string())
+        with pytest.raises(ValueError, match=rf"model config '{path}': model config must have an int "
+                                             r"'intermediate_size'"):
+            plan(str(path), nodes=4, cluster="dgx-h100")
 
 
 @pytest.mark.slow

@@ -117,6 +117,17 @@ def read_calibration(path, *, gpu_family: str, peak_tflops: float, hbm_gbps: flo
         raise ValueError(f"calibration file {str(path)!r} cannot be read: {err.strerror or err}") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"calibration file {str(path)!r} is not JSON ({err.msg} at line {err.lineno})") from None
+    try:
+        return _measured(path, payload, gpu_family, peak_tflops, hbm_gbps, defaults, expert_sizes, attention_dims)
+    except (AttributeError, TypeError, KeyError, IndexError, ZeroDivisionError) as err:
+        # A hand-made or damaged file: its fields are not what the bench writes.
+        raise ValueError(f"calibration file {str(path)!r} does not hold a result of 'python -m moe_ep.bench kernels' "
+                         f"or scripts/gpu_check.sh as they write it ({type(err).__name__}: {err})") from None
+
+
+def _measured(path: Path, payload, gpu_family, peak_tflops, hbm_gbps, defaults, expert_sizes,
+              attention_dims) -> Efficiencies:
+    """``read_calibration`` of the file's JSON ``payload``."""
     grouped_rows = attention_row = None
     if isinstance(payload, dict) and payload.get("mode") == "gpu_check":
         attention_row = _attention_row(payload, attention_dims)

@@ -296,7 +296,7 @@ class ModelSpec:
             try:
                 return cls.from_config(config)
             except (TypeError, ValueError) as err:  # a layout it does not model: said with the file
-                raise type(err)(f"model config {str(model)!r}: {err}") from None
+                raise ValueError(f"model config {str(model)!r}: {err}") from None
         if isinstance(model, str):
             return cls.from_config(config_from_name(model), name=model)
         return cls.from_config(model)
