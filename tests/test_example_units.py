@@ -81,6 +81,20 @@ def test_packing_frames_documents_and_drops_the_tail(tmp_path):
     assert data.token_cache_problems(cache_file) == []
 
 
+def test_half_written_caches_of_a_killed_run_are_removed_from_the_runs_cache_folder_only(tmp_path):
+    from moe_ep.runs import make_managed_dir
+
+    cache = make_managed_dir(tmp_path / "token_cache", "token_cache")
+    (cache / ".tokens-0123456789abcdef.npy.4242.tmp").write_bytes(bytes(64))
+    (cache / "tokens-0123456789abcdef.npy").write_bytes(bytes(8))
+    assert [p.name for p in data.remove_interrupted_writes(cache)] == [".tokens-0123456789abcdef.npy.4242.tmp"]
+    assert sorted(p.name for p in cache.iterdir()) == [".moe_ep-owner", "tokens-0123456789abcdef.npy"]
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / ".tokens-0123456789abcdef.npy.4242.tmp").write_bytes(bytes(64))
+    assert data.remove_interrupted_writes(users) == [] and len(list(users.iterdir())) == 1
+
+
 @pytest.mark.parametrize("max_tokens", [None, 3, 7, 12, 100])
 @pytest.mark.parametrize("checksum_tokens", [1 << 20, 6])
 def test_survey_counts_the_byte_token_stream_before_tokenizing(max_tokens, checksum_tokens, tmp_path, monkeypatch):
@@ -98,6 +112,8 @@ def test_survey_counts_the_byte_token_stream_before_tokenizing(max_tokens, check
                                 max_tokens=max_tokens)
     assert surveyed == data.corpus_stats(tokens)
     assert tokens[1:8].tolist() == [*b"abc\r\n", 0xC3, 0xBC][: len(tokens) - 1]  # the file's bytes, CRLF kept
+    # The free-space check's bound of the cache, before anything was read, holds what was written.
+    assert cache_file.stat().st_size <= data.token_cache_bytes(spec, tok, max_tokens)
     # Once the cache exists it vouches for the files, which are not read again.
     monkeypatch.setattr(data, "iter_documents", None)
     assert data.survey_corpus(spec, tok, cache_file, max_tokens) == surveyed

@@ -276,6 +276,11 @@ def test_free_space_counts_keep_plus_one_checkpoints_and_the_runs_own_leftovers(
     fake_disk(monkeypatch, one // 4)
     with pytest.raises(UsageError, match=r"\(and 0\.01 GiB in leftovers of interrupted saves, removed at start\)"):
         check_output_folders(out, None, parameters, keep=2)
+    # What else the run writes into its folder before its first checkpoint (the example's token cache).
+    fake_disk(monkeypatch, one)
+    check_output_folders(out, None, parameters, keep=2)
+    with pytest.raises(UsageError, match=r"but 1 more checkpoint \(weights.*\) and the token cache take about 0\.02"):
+        check_output_folders(out, None, parameters, keep=2, also=(one, "the token cache"))
 
 
 def test_a_full_disk_is_said_as_one_whatever_the_writer_said(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from moe_ep.runs import RunError, UsageError, digest, local_problems, make_managed_dir, write_failure, write_manifest
-from moe_ep.runs.ownership import related
+from moe_ep.runs.ownership import marker_kind, related
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
 JSONL_SUFFIXES = (".jsonl",)
@@ -239,6 +239,19 @@ def token_cache_file(spec: DataSpec, tokenizer, cache_dir: Path, max_tokens: int
     return cache_dir / f"tokens-{corpus_key(spec, tokenizer, max_tokens)}.npy"
 
 
+def token_cache_bytes(spec: DataSpec, tokenizer, max_tokens: int | None) -> int | None:
+    """At most what the token cache of local files takes: a token per byte of text at most (the
+    byte tokenizer's count; a pretrained tokenizer's tokens each cover a byte or more) and two per
+    file for its framing, cut at ``max_tokens``. None for a Hugging Face dataset (streamed: its
+    size is known only once read)."""
+    if spec.hf_dataset:
+        return None
+    tokens = sum(path.stat().st_size + 2 for path in spec.files)
+    if max_tokens is not None:
+        tokens = min(tokens, max_tokens)
+    return tokens * np.dtype(token_dtype(tokenizer)).itemsize + 128  # .npy header
+
+
 def cache_manifest(path: Path) -> str:
     """The name of the manifest of the token cache file ``path`` (beside it)."""
     return path.name.removesuffix(".npy") + ".manifest.json"
@@ -248,6 +261,18 @@ def token_cache_problems(path: Path) -> list[str]:
     """What is wrong with an existing token cache file: its manifest (written after it), its size
     and its checksum (empty: intact)."""
     return local_problems(path.parent, manifest=cache_manifest(path))
+
+
+def remove_interrupted_writes(cache_dir: Path) -> list[Path]:
+    """The temporary files of token caches whose writer was killed (cached_tokens), in a token
+    cache folder that is the run's; for the job's rank 0 while it holds the folder and before its
+    peers can write (they wait for it to agree on the arguments). Returns what it removed."""
+    if marker_kind(cache_dir) != "token_cache":
+        return []
+    removed = [p for p in cache_dir.glob(".tokens-*.npy.*.tmp") if p.is_file() and not p.is_symlink()]
+    for path in removed:
+        path.unlink()
+    return removed
 
 
 def cached_tokens(spec: DataSpec, tokenizer, path: Path, *, is_local_main: bool, barrier, intact: bool,

@@ -71,8 +71,10 @@ from data import (
     check_output_outside_data,
     corpus_stats,
     local_batch,
+    remove_interrupted_writes,
     resolve_data,
     survey_corpus,
+    token_cache_bytes,
     token_cache_file,
     token_cache_problems,
 )
@@ -263,12 +265,13 @@ def validate(args) -> Checked:
     mp_dtype = mixed_precision_dtype()
     output_dir = Path(args.output_dir)
     check_output_outside_data(args.data, output_dir)
+    token_cache = token_cache_file(data_spec, tokenizer, output_dir / "token_cache", args.max_corpus_tokens)
+    cache_bytes = None if token_cache.exists() else token_cache_bytes(data_spec, tokenizer, args.max_corpus_tokens)
     check_output_folders(output_dir, None if args.export_dir is None else Path(args.export_dir),
                          count_parameters(build_model(source, seed=args.seed, meta=True))[0],
-                         keep=args.keep_checkpoints)
+                         keep=args.keep_checkpoints, also=None if cache_bytes is None else (cache_bytes, "the token cache"))
     candidates, warnings = resume_target(args.resume, output_dir / "checkpoints", overwrite=args.overwrite)
     # Last: the only checks that read the whole corpus (or its token cache).
-    token_cache = token_cache_file(data_spec, tokenizer, output_dir / "token_cache", args.max_corpus_tokens)
     cache_problems = token_cache_problems(token_cache) if token_cache.exists() else None
     if cache_problems:
         warnings.append(f"the token cache {token_cache} is damaged ({'; '.join(cache_problems)}); tokenizing the data "
@@ -311,6 +314,8 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None, pree
     output_dir = Path(args.output_dir)
     ckpt_root = output_dir / "checkpoints"
     # From here to the step loop, a rank that hangs is reported within --startup-timeout.
+    # Before its peers, waiting for it below, could write a cache.
+    leftovers = remove_interrupted_writes(output_dir / "token_cache") if is_main else []
     startup.phase("agreeing on the arguments")
     # Before anything is written: every rank was launched with the same command and sees the same
     # folder, checkpoints and data.
@@ -324,6 +329,9 @@ def run(args, checked: Checked, wall0: float, previous_holder: dict | None, pree
 
     for message in warnings:
         warn(message)
+    if leftovers:
+        warn(f"removed the token cache {'files' if len(leftovers) > 1 else 'file'} a killed run left half written: "
+             + ", ".join(p.name for p in leftovers))
     if previous_holder is not None:
         warn(f"{output_dir} was held by a job that ended without letting go of it ({describe_holder(previous_holder)}); "
              "this job holds it now")

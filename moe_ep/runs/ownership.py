@@ -400,11 +400,13 @@ CHECKPOINT_BYTES_PER_PARAMETER = 12
 EXPORT_BYTES_PER_PARAMETER = 4
 
 
-def check_output_folders(output_dir: Path, export_dir: Path | None, parameters: int, *, keep: int) -> None:
+def check_output_folders(output_dir: Path, export_dir: Path | None, parameters: int, *, keep: int,
+                         also: tuple[int, str] | None = None) -> None:
     """Before any work: the run folder holds nothing of the user's under the run's names and
     nothing odd (check_odd_entries), every folder the run writes to is writable and has room for
     the checkpoints to come (``keep`` kept, one more while a save is written; the run's own leftovers
-    counted as free) and the export, and the export goes where it deletes nothing of the user's."""
+    counted as free), for ``also`` (bytes, what: anything else the run writes into its folder, such
+    as a token cache) and for the export, and the export goes where it deletes nothing of the user's."""
     check_run_folder(output_dir)
     for folder in (output_dir, *(output_dir / name for name in MANAGED if (output_dir / name).is_dir())):
         check_writable(folder, "--output-dir")
@@ -413,6 +415,9 @@ def check_output_folders(output_dir: Path, export_dir: Path | None, parameters: 
             "and one more while a save is written)")
     needed = {existing_ancestor(output_dir).stat().st_dev: [count * CHECKPOINT_BYTES_PER_PARAMETER * parameters,
                                                              what, output_dir, "--output-dir"]}
+    if also is not None:
+        needed[existing_ancestor(output_dir).stat().st_dev][0] += also[0]
+        needed[existing_ancestor(output_dir).stat().st_dev][1] += f" and {also[1]}"
     if export_dir is not None:
         check_export_target(export_dir, {"the run folder (--output-dir)": output_dir}, "--export-dir")
         check_writable(export_dir.parent, "--export-dir")
