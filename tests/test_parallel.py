@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import time
+from datetime import timedelta
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -795,13 +796,36 @@ def _hang_past_timeout(rank, world) -> StepOutcome:
         return StepOutcome(f"{type(exc).__name__}: {exc}", time.monotonic() - start)
 
 
+def _store_goes_mid_step(rank, world) -> str:
+    from moe_ep.parallel import PeerFailure, fail_fast
+    from moe_ep.parallel.failure import STORE_LOST
+    from moe_ep.runs.errors import report_failure
+
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", host.port, is_master=False, timeout=timedelta(seconds=5))
+    try:
+        with fail_fast(timeout=60, store=store, poll_interval=0.01):
+            del host  # the launcher that hosted the job's store ended (SIGKILL)
+            time.sleep(1.0)
+    except PeerFailure as err:
+        assert err.rank == STORE_LOST and report_failure(err, rank=rank, world_size=2) == 1
+        return str(err)
+    return "finished"
+
+
+def test_a_store_that_goes_mid_step_stops_the_rank_with_one_line():
+    """The launcher killed: fail_fast's watcher reads the store's loss as the job's end, and the
+    rank stops with a PeerFailure said in one line, not the store's network error."""
+    message = run_ranks(_store_goes_mid_step, 1)[0]
+    assert message.startswith("the job stopped mid-step, stopping this rank too: the job's store is gone, its host "
+                              "(the launcher) ended (")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("debug", ["OFF", "DETAIL"])
 def test_fail_fast_bounds_gloo_collectives_and_restores_their_timeout(debug):
     # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend in a checker: the bound must reach the
     # gloo backend inside it. A clean exit gives the group its own timeout back.
-    from datetime import timedelta
-
     from torch._C._distributed_c10d import _ProcessGroupWrapper
 
     from moe_ep.parallel import fail_fast

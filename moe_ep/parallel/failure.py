@@ -34,13 +34,19 @@ from datetime import timedelta
 import torch.distributed as dist
 
 FAILURE_KEY = "moe_ep/fail_fast/failure"
+# The "rank" of a failure read as the store itself gone: its host (the launcher's agent, or rank
+# 0's process) ended, and with it the job.
+STORE_LOST = -1
 
 
 class PeerFailure(RuntimeError):
     """Another rank failed (or hung past the step timeout); this rank stopped instead of waiting."""
 
     def __init__(self, rank: int, message: str):
-        super().__init__(f"rank {rank} failed mid-step, stopping this rank too: {message}")
+        if rank == STORE_LOST:
+            super().__init__(f"the job stopped mid-step, stopping this rank too: {message}")
+        else:
+            super().__init__(f"rank {rank} failed mid-step, stopping this rank too: {message}")
         self.rank = rank
 
 
@@ -52,13 +58,20 @@ class _Failure:
 
 def _post(store, rank: int, message: str) -> None:
     # compare_set with an empty expected value writes only if no failure was posted: first wins.
-    store.compare_set(FAILURE_KEY, "", f"{rank}|{message}")
+    try:
+        store.compare_set(FAILURE_KEY, "", f"{rank}|{message}")
+    except dist.DistError:
+        pass  # the store is gone: every rank finds that for itself (_read)
 
 
 def _read(store) -> _Failure | None:
-    if not store.check([FAILURE_KEY]):
-        return None
-    rank, _, message = store.get(FAILURE_KEY).decode().partition("|")
+    try:
+        if not store.check([FAILURE_KEY]):
+            return None
+        rank, _, message = store.get(FAILURE_KEY).decode().partition("|")
+    except dist.DistError as err:
+        return _Failure(STORE_LOST, f"the job's store is gone, its host (the launcher) ended "
+                                    f"({str(err).splitlines()[0]})")
     return _Failure(int(rank), message)
 
 

@@ -149,8 +149,12 @@ def wait_for_rank_0_report(err: BaseException, rank: int) -> None:
     mark, bounded (a rank 0 that died or hangs never writes it)."""
     import torch.distributed as dist
 
+    from ..parallel.failure import STORE_LOST, PeerFailure
+
     if int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1)) == 1:
         return
+    if isinstance(err, PeerFailure) and err.rank == STORE_LOST:
+        return  # the store it would be marked in is gone
     key = SAID_KEY + "/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
         store = job_store()
