@@ -813,6 +813,34 @@ def _store_goes_mid_step(rank, world) -> str:
     return "finished"
 
 
+def _after_a_restart(rank, world) -> str:
+    import os
+
+    from moe_ep.parallel import PeerFailure, fail_fast
+    from moe_ep.parallel.failure import _failure_key, _post
+
+    store = dist.distributed_c10d._get_default_store()
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"
+    _post(store, 1, "RuntimeError: the first attempt's failure")  # left in the launcher's store
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+    with fail_fast(timeout=60, poll_interval=0.01):
+        time.sleep(0.2)
+    assert not store.check([_failure_key()])
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"
+    try:
+        with fail_fast(timeout=60, poll_interval=0.01):
+            time.sleep(0.2)
+    except PeerFailure as err:
+        return str(err)
+    return "finished"
+
+
+def test_a_restarted_attempt_is_not_stopped_by_the_failure_of_the_attempt_before():
+    """torchrun --max-restarts keeps its store across attempts: fail_fast's failure is per attempt."""
+    assert run_ranks(_after_a_restart, 1)[0] == ("rank 1 failed mid-step, stopping this rank too: RuntimeError: the "
+                                                 "first attempt's failure")
+
+
 def test_a_store_that_goes_mid_step_stops_the_rank_with_one_line():
     """The launcher killed: fail_fast's watcher reads the store's loss as the job's end, and the
     rank stops with a PeerFailure said in one line, not the store's network error."""

@@ -25,6 +25,7 @@ them."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -56,19 +57,26 @@ class _Failure:
     message: str
 
 
+def _failure_key() -> str:
+    """The failure's key, per attempt of an elastic job: the launcher's store outlives a restart
+    (torchrun --max-restarts), and a failure of the attempt before must not stop the new one."""
+    return f"{FAILURE_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def _post(store, rank: int, message: str) -> None:
     # compare_set with an empty expected value writes only if no failure was posted: first wins.
     try:
-        store.compare_set(FAILURE_KEY, "", f"{rank}|{message}")
+        store.compare_set(_failure_key(), "", f"{rank}|{message}")
     except dist.DistError:
         pass  # the store is gone: every rank finds that for itself (_read)
 
 
 def _read(store) -> _Failure | None:
     try:
-        if not store.check([FAILURE_KEY]):
+        key = _failure_key()
+        if not store.check([key]):
             return None
-        rank, _, message = store.get(FAILURE_KEY).decode().partition("|")
+        rank, _, message = store.get(key).decode().partition("|")
     except dist.DistError as err:
         return _Failure(STORE_LOST, f"the job's store is gone, its host (the launcher) ended "
                                     f"({str(err).splitlines()[0]})")
