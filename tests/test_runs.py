@@ -64,6 +64,16 @@ def test_a_second_job_is_refused_the_held_folder_and_it_is_let_go_after(tmp_path
         assert previous is None and not (tmp_path / "not-made").exists()  # only rank 0 locks
 
 
+def test_resuming_a_folder_that_is_no_checkpoint_says_so(tmp_path):
+    """Not "damaged": a folder holding none of the files a save writes is some other folder."""
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "cat.jpg").write_bytes(b"\xff\xd8")
+    with pytest.raises(UsageError, match=r"--resume: .*photos is not a checkpoint of moe_ep.runs \(it holds no "
+                                         r"manifest.json, trainer_state.json or .distcp shard\)"):
+        resume_target(str(other), tmp_path / "checkpoints", overwrite=False)
+
+
 def test_resume_resolution(tmp_path):
     root = tmp_path / "checkpoints"
     assert resume_target("never", root, overwrite=False) == ([], [])

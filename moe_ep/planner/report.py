@@ -8,6 +8,7 @@ from .memory import layer_ids, max_load
 from .partition import format_bytes
 from .presets import CLUSTERS, DEFAULT_CLUSTER, Efficiencies
 from .recompute import DESCRIPTIONS as RECOMPUTE_DESCRIPTIONS
+from .spec import format_count
 
 ASSUMPTIONS = (
     "mixed precision as FSDP2 does it: fp32 master weights, bf16 compute, fp32 gradient reduction",
@@ -121,8 +122,9 @@ def format_plan(plan) -> str:
     tokens_per_step = plan.global_batch_tokens
     t = best.time
     lines = [
-        f"moe-ep plan: {spec.name} ({spec.total_params / 1e9:.1f} B parameters, {spec.active_params / 1e9:.1f} B active "
-        f"per token) on {c.nodes} nodes x {c.gpus_per_node} GPUs ({c.gpu_memory_gib:g} GiB each)",
+        f"moe-ep plan: {spec.name} ({format_count(spec.total_params)} parameters, "
+        f"{format_count(spec.active_params)} active per token) on {c.nodes} nodes x {c.gpus_per_node} GPUs "
+        f"({c.gpu_memory_gib:g} GiB each)",
         *_cluster_lines(plan),
         f"batch: {tokens_per_step} tokens per step = {tokens_per_step // plan.seq_len} sequences of {plan.seq_len}",
         "",

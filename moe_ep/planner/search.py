@@ -26,7 +26,7 @@ from .memory import (
 from .recompute import COMPILED_BLOCKS_POLICIES, RECOMPUTE_POLICIES, recompute_policy
 from .presets import DEFAULT_CLUSTER, CLUSTERS, Efficiencies, cluster_preset
 from .schedules import INTERLEAVED, INTERLEAVED_SCHEDULES, NO_PIPELINE, SCHEDULES, schedule_info
-from .spec import ModelSpec
+from .spec import ModelSpec, format_count
 from .timing import StepTime, exchange_seconds, step_time
 
 DEFAULT_GLOBAL_BATCH_TOKENS = 4 * 2**20
@@ -737,11 +737,11 @@ def _nothing_fits(spec, cluster, seq_len, global_batch_tokens, assumptions, fixe
     state = 16 * spec.total_params
     usable = cluster.memory_bytes - cluster.reserved_bytes
     message = (
-        f"{spec.name} ({spec.total_params / 1e9:.1f} B parameters) does not fit {cluster.nodes} node(s) x "
+        f"{spec.name} ({format_count(spec.total_params)} parameters) does not fit {cluster.nodes} node(s) x "
         f"{cluster.gpus_per_node} GPUs of {cluster.gpu_memory_gib:g} GiB at seq_len={seq_len}: the smallest "
         f"footprint found is {format_bytes(smallest.memory.total)} per GPU ({smallest.layout.short()}), "
         f"{format_bytes(-smallest.memory.headroom)} over the {format_bytes(cluster.memory_bytes)} per GPU. "
-        f"Parameters, gradients and AdamW state alone take 16 B x {spec.total_params / 1e9:.1f} B = "
+        f"Parameters, gradients and AdamW state alone take 16 B x {format_count(spec.total_params)} = "
         f"{format_bytes(state)}, at least {math.ceil(state / usable)} GPUs' worth of usable memory."
     )
     requested = _fit_on_more_nodes(spec, cluster, seq_len, lambda growth: global_batch_tokens, assumptions, fixed)

@@ -157,6 +157,11 @@ def _check_config_sizes(config, where: str) -> None:
                          f"head_dim of 0; expected hidden_size >= num_attention_heads, or head_dim set")
 
 
+def format_count(n: float) -> str:
+    """A parameter count in billions ("46.7 B"), below 0.1 B in millions ("15.2 M")."""
+    return f"{n / 1e9:.1f} B" if n >= 1e8 else f"{n / 1e6:.1f} M"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str

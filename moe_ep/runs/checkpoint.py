@@ -327,7 +327,14 @@ def resume_candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
     and a warning for each one skipped. ``resume``: ``auto`` (every checkpoint of ``root``; the
     damaged ones are skipped, but not all of them) or a checkpoint folder, which must be intact."""
     if resume != "auto":
-        problems = quick_problems(Path(resume))
+        folder = Path(resume)
+        written = [name for name in (MANIFEST, TRAINER_STATE, ".metadata") if (folder / name).exists()]
+        if folder.is_dir() and not written and not any(p.suffix == SHARD_SUFFIX for p in folder.iterdir()):
+            # Not one file a save writes: not a damaged checkpoint but some other folder.
+            raise UsageError(f"--resume: {folder} is not a checkpoint of moe_ep.runs (it holds no {MANIFEST}, "
+                             f"{TRAINER_STATE} or {SHARD_SUFFIX} shard); give a step_* folder of a run's checkpoints/, "
+                             "or auto")
+        problems = quick_problems(folder)
         if problems:
             raise UsageError(f"--resume: {damage_report(Path(resume), problems)}; resume another checkpoint "
                              "(--resume PATH, or auto for the newest intact one)")
