@@ -25,8 +25,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from moe_ep.runs import RunError, UsageError, digest, local_problems, make_managed_dir, write_failure, write_manifest
-from moe_ep.runs.ownership import marker_kind, related
+from moe_ep.runs import (RunError, UsageError, digest, local_problems, make_managed_dir, marker_kind, related,
+                         write_failure, write_manifest)
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
 JSONL_SUFFIXES = (".jsonl",)

@@ -58,6 +58,7 @@ from .ownership import (
     make_managed_dir,
     mark,
     marker_kind,
+    related,
 )
 from .preemption import PREEMPTED_EXIT_STATUS, Preempted, Preemption, parse_signal
 from .run_folder import FINAL, RunFolder
@@ -71,7 +72,7 @@ __all__ = [
     # the output folder: ownership and the lock
     "FINAL", "MARKER", "METRICS", "TRASH_PREFIX", "OutputLock", "RunFolder", "check_export_target",
     "check_output_folders", "clear_run", "delete_atomically", "describe_holder", "hold_output_dir",
-    "make_managed_dir", "mark", "marker_kind",
+    "make_managed_dir", "mark", "marker_kind", "related",
     # integrity
     "digest", "local_problems", "verify", "write_manifest",
     # checkpoints and resume
