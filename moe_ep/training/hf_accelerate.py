@@ -37,6 +37,9 @@ What accelerate's configuration must say (each disagreement stops with one line,
   instead (the Trainer's ``torch_compile`` does it too: the Trainer builds its Accelerator, so
   moe_ep hands it a plugin without a backend). No DeepSpeed, Megatron-LM or XLA.
 - ``pp == 1``: pipeline stages run only under ``moe_ep.TrainStep``'s schedule.
+- a distributed type accelerate drives as FSDP or as data parallel, or ``NO`` for one process
+  (plain ``python`` or ``accelerate launch --num_processes 1``, where the script gave
+  ``parallelize`` a process group of one rank itself).
 
 Private accelerate state. accelerate 1.15 enters FSDP mode only for GPU-like distributed types:
 on the CPU (``MULTI_CPU``, gloo) it drops the FSDP plugin, and launched with a DDP config it has
