@@ -73,8 +73,7 @@ class Work:
     def losses(self, cluster: Cluster) -> dict[str, float]:
         """Seconds beyond :meth:`ideal_seconds`, by cause; with them it adds up to :meth:`seconds`."""
         eff, peak = cluster.efficiencies, cluster.peak_flops
-        dense, expert, attention = (self.dense_flops / eff.dense_gemm, self.expert_flops / eff.grouped_gemm,
-                                    self.attention_flops / eff.attention)
+        expert, attention = self.expert_flops / eff.grouped_gemm, self.attention_flops / eff.attention
         again = self.recompute
         return {
             "memory-bound kernels":
