@@ -429,6 +429,18 @@ def test_calibration_file_errors_name_the_file(tmp_path):
             plan("mixtral-8x7b", nodes=16, calibration=path, **DGX)
 
 
+def test_hybrid_models_are_refused_not_planned_as_attention_models():
+    """Linear-attention (Qwen3-Next) and state-space (Jamba) layers, and Jamba's MoE every other
+    layer, are layouts the planner does not model."""
+    from transformers import JambaConfig, Qwen3NextConfig
+
+    with pytest.raises(ValueError, match=r"Qwen3NextConfig has linear_attention layers: a layout the planner does "
+                                         r"not model"):
+        plan(Qwen3NextConfig(), nodes=4, cluster="dgx-h100")
+    with pytest.raises(ValueError, match=r"JambaConfig has expert_layer_period=2"):
+        plan(JambaConfig(), nodes=4, cluster="dgx-h100")
+
+
 def test_a_config_file_of_a_layout_the_planner_does_not_model_is_a_value_error(tmp_path):
     """moe-ep plan says it in one line (it reports ValueErrors): an encoder-decoder MoE, DBRX's own
     config fields."""

@@ -26,7 +26,11 @@ BF16 = 2
 FP32 = 4
 
 # Attributes that describe a layout this model does not, when set to anything but these values.
-_UNSUPPORTED = {"mlp_bias": (None, False), "moe_layer_freq": (None, 1), "interleave_moe_layer_step": (None, 1)}
+_UNSUPPORTED = {"mlp_bias": (None, False), "moe_layer_freq": (None, 1), "interleave_moe_layer_step": (None, 1),
+                "expert_layer_period": (None, 1)}
+# The layer types of a config's ``layer_types`` that the planner models (hybrid models' linear
+# attention or state-space layers it does not).
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 # Families whose attention normalises queries and keys: per head (one head_dim weight each for q
 # and k) or over the whole projection (the q and k widths). Read from the modeling files.
 _QK_NORM = {"qwen3_moe": "head", "qwen3": "head", "olmoe": "full"}
@@ -222,6 +226,12 @@ class ModelSpec:
                     f"model config {type(config).__name__} has {attr}={getattr(config, attr)!r}: a layout the "
                     f"planner does not model (expected {attr} unset or {allowed[-1]!r})"
                 )
+        layer_types = set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYERS
+        if layer_types:
+            raise ValueError(
+                f"model config {type(config).__name__} has {', '.join(sorted(layer_types))} layers: a layout the "
+                f"planner does not model (it models decoder layers of attention, {' or '.join(sorted(_ATTENTION_LAYERS))})"
+            )
         _check_config_sizes(config, f"model config {type(config).__name__}")
         H, L, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
         family = getattr(config, "model_type", None) or type(config).__name__
