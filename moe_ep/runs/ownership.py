@@ -161,7 +161,7 @@ def check_run_folder(output_dir: Path) -> None:
     and every managed name that exists in ``output_dir`` is the run's own, since runs write into
     them and ``--overwrite`` deletes them."""
     check_odd_entries(output_dir)
-    check_output_dir_is_ours(output_dir, "run", MANAGED)
+    # The user's files under the run's names first: the most precise thing to say.
     for name in MANAGED:
         path = output_dir / name
         if path.exists() and not ours(path, name):
@@ -171,6 +171,7 @@ def check_run_folder(output_dir: Path) -> None:
         raise UsageError(f"--output-dir: {metrics} was not written by moe_ep (the folder has no {MARKER} "
                          "marker); moe_ep never appends to or deletes a file it did not make: move it away or "
                          "choose another --output-dir")
+    check_output_dir_is_ours(output_dir, "run", MANAGED)
 
 
 def delete_atomically(path: Path) -> None:
