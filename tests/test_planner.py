@@ -417,15 +417,16 @@ def test_calibration_file_errors_name_the_file(tmp_path):
         "rows_of_ints": dict(good, rows=[1, 2]),
         "meta_a_list": dict(good, meta=[1]),
         "problem_of_no_width": {"mode": "gpu_check", "meta": {"results": {"kernels": {"rows": [], "meta": {
-            name: {"device": "NVIDIA A100-SXM4-80GB", "shape": f"H={h} I=5 bfloat16"} for name, h in (("a", 0), ("b", 4))
+            name: {"device": "NVIDIA A100-SXM4-80GB", "shape": f"H={h} I=5 bfloat16"}
+            for name, h in (("a", 0), ("b", 4))
         }}}}},
         "gate_results_a_list": {"mode": "gpu_check", "meta": {"results": [1]}},
     }
     for name, payload in damaged.items():
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(payload))
-        with pytest.raises(ValueError, match=rf"{name}.json' does not hold a result of 'python -m moe_ep.bench kernels' "
-                                             r"or scripts/gpu_check.sh as they write it \("):
+        with pytest.raises(ValueError, match=rf"{name}.json' does not hold a result of 'python -m moe_ep.bench "
+                                             r"kernels' or scripts/gpu_check.sh as they write it \("):
             plan("mixtral-8x7b", nodes=16, calibration=path, **DGX)
 
 

@@ -215,8 +215,8 @@ def claim_run(args, data: Sequences, run: RunFolder, resume: Path | None, rank: 
     on every rank); then rank 0 creates and marks the folder and, for --overwrite, deletes the
     run's checkpoints and log. A resume of an older checkpoint than the newest sets the later ones
     aside (a branch, kept for the user, out of reach of --resume auto), and the log records the
-    resume (or a fresh start over an earlier run's log) so that no step is counted twice; checkpoints cut short by an interrupted save are set
-    aside the same way. From here to the step loop a rank that hangs is reported within
+    resume (or a fresh start over an earlier run's log) so that no step is counted twice;
+    checkpoints cut short by an interrupted save are set aside the same way. From here to the step loop a rank that hangs is reported within
     --startup-timeout."""
     startup.phase("agreeing on the arguments")
     agree_on_arguments(run.kind, {**vars(args), "output folder": run.path.resolve(), "checkpoint to resume": resume,

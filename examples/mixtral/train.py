@@ -269,7 +269,8 @@ def validate(args) -> Checked:
     cache_bytes = None if token_cache.exists() else token_cache_bytes(data_spec, tokenizer, args.max_corpus_tokens)
     check_output_folders(output_dir, None if args.export_dir is None else Path(args.export_dir),
                          count_parameters(build_model(source, seed=args.seed, meta=True))[0],
-                         keep=args.keep_checkpoints, also=None if cache_bytes is None else (cache_bytes, "the token cache"))
+                         keep=args.keep_checkpoints,
+                         also=None if cache_bytes is None else (cache_bytes, "the token cache"))
     candidates, warnings = resume_target(args.resume, output_dir / "checkpoints", overwrite=args.overwrite)
     # Last: the only checks that read the whole corpus (or its token cache).
     cache_problems = token_cache_problems(token_cache) if token_cache.exists() else None

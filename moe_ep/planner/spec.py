@@ -228,9 +228,10 @@ class ModelSpec:
                 )
         layer_types = set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYERS
         if layer_types:
+            modelled = " or ".join(sorted(_ATTENTION_LAYERS))
             raise ValueError(
                 f"model config {type(config).__name__} has {', '.join(sorted(layer_types))} layers: a layout the "
-                f"planner does not model (it models decoder layers of attention, {' or '.join(sorted(_ATTENTION_LAYERS))})"
+                f"planner does not model (it models decoder layers of attention, {modelled})"
             )
         _check_config_sizes(config, f"model config {type(config).__name__}")
         H, L, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
