@@ -149,6 +149,31 @@ def test_dualpipev_is_refused_where_it_cannot_run():
                        reshard_after_forward=True)
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("policy", ["selective", "attention"])
+def test_a_split_backward_refuses_the_recompute_policies_that_run_once(schedule, policy):
+    """The weight-gradient pass recomputes again: "selective" replays its kept outputs once and
+    "attention" torch's checkpoint cannot recompute twice, so both are refused, in parallelize and
+    in the planner, which no longer chooses them there; "full" and "none" run."""
+    import moe_ep
+    from moe_ep.parallel import ParallelConfig, PipelineConfig
+
+    message = (rf"{{name}}='{policy}' cannot run under schedule='{schedule}': its backward runs in two autograd "
+               r"passes \(input, then weight gradients\)")
+    with pytest.raises(ValueError, match=message.format(name="activation_checkpointing")):
+        ParallelConfig(pp=2, pipeline=PipelineConfig(microbatches=4, schedule=schedule),
+                       activation_checkpointing=policy)
+    for runnable in ("full", "none"):
+        ParallelConfig(pp=2, pipeline=PipelineConfig(microbatches=4, schedule=schedule),
+                       activation_checkpointing=runnable)
+    with pytest.raises(ValueError, match=message.format(name="checkpointing")):
+        moe_ep.plan("mixtral-8x7b", cluster="dgx-a100-80gb", nodes=16, schedule=schedule, checkpointing=policy)
+    for fixed in ({}, {"schedule": schedule}):
+        found = moe_ep.plan("mixtral-8x7b", cluster="dgx-a100-80gb", nodes=16, **fixed)
+        layouts = [found.layout, *(candidate.layout for candidate, _ in found.alternatives)]
+        assert all(lay.checkpointing in ("none", "full") for lay in layouts if lay.schedule == schedule), layouts
+
+
 def test_collectives_inside_a_backward_pass_take_the_twin():
     import torch.distributed as dist
 

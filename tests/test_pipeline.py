@@ -688,3 +688,28 @@ def test_refused_arguments_leave_the_model_untouched(world, kwargs, message):
     assert not _checkpointing_on(model)
     assert parallel_context(model) is None and not is_patched(model)
     assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _dense_stage_with_ep(rank, world):
+    import moe_ep
+    from hf_models import tiny_batch, tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("deepseek_v3", experts_implementation="moe_ep").train()  # layer 0 dense, layer 1 MoE
+    batch = tiny_batch(model.config, batch=2, seq=7)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).double(),
+                                                 batch["labels"][:, 1:].reshape(-1))
+    stages = moe_ep.parallelize(model, pp=2, ep=2, microbatches=2)
+    step = moe_ep.TrainStep(stages, torch.optim.SGD(stages.parameters(), lr=0.1), microbatches=2)
+    return float(step(batch)), float(expected)
+
+
+@pytest.mark.slow
+def test_a_stage_of_dense_layers_only_runs_beside_expert_parallel_stages():
+    """DeepSeek-V3's dense first layer alone on pipeline rank 0 with ep=2: that stage has no experts
+    to shard (parallelize raised on it, after the ranks had agreed, and the other stage's ranks died
+    in gloo); the step's loss is one process's."""
+    for loss, expected in run_ranks(_dense_stage_with_ep, 4, timeout=240):
+        assert abs(loss - expected) <= TOLERANCE[torch.float32] * abs(expected), (loss, expected)

@@ -16,7 +16,7 @@ from ..dispatch.capacity import check_capacity_factor
 from ..dispatch.nodes import check_dispatch_mode, check_node_size, node_size_for
 from ..dispatch.overlap import check_overlap_chunks
 from ..ops.backend import BACKENDS
-from ..planner.recompute import recompute_policy
+from ..planner.recompute import check_split_backward_recompute, recompute_policy
 from ..planner.schedules import ScheduleInfo, schedule_info
 from .compile import check_compilable_recompute, compile_options
 from .mesh import check_degree
@@ -158,6 +158,9 @@ class ParallelConfig:
                 "and backward would each gather their stage's weights over the same FSDP group at once; leave it "
                 "None (False with a pipeline)"
             )
+        if self.pipeline is not None:
+            check_split_backward_recompute("activation_checkpointing", self.activation_checkpointing,
+                                           self.pipeline.schedule, self.pipeline.info.splits_backward)
         check_overlap_chunks(self.overlap_chunks, self.capacity_factor)
         if self.overlap_chunks > 1 and self.ep == 1:
             raise ValueError(

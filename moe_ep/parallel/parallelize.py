@@ -282,7 +282,7 @@ def _shard(module: nn.Module, meshes: MoEMeshes, config: ParallelConfig) -> None
         compile_dense_blocks(module, config.compile_options,
                              split_backward=config.pipeline is not None and config.pipeline.info.splits_backward)
     experts = [m for _, m in experts_modules(module)]
-    if meshes.dims.ep > 1:
+    if meshes.dims.ep > 1 and experts:  # a pipeline stage of dense layers only has none to shard
         shard_experts(module, meshes.ep, capacity_factor=config.capacity_factor, backend=config.experts_backend,
                       node_groups=meshes.ep_nodes, overlap_chunks=config.overlap_chunks)
     apply_fsdp(module, meshes, experts, mixed_precision=config.mixed_precision,

@@ -19,6 +19,20 @@ from __future__ import annotations
 RECOMPUTE_POLICIES = ("none", "full", "selective", "attention")
 # The policies compiled dense blocks run under (``moe_ep.parallel.compile`` says why not the others).
 COMPILED_BLOCKS_POLICIES = ("none", "full")
+# The policies a split backward runs under (ZB-V, DualPipeV: the input gradients, then the weight
+# gradients in a second autograd pass, which recomputes again): "selective" replays the outputs its
+# forward kept once, and "attention" torch's composable checkpoint cannot recompute twice.
+SPLIT_BACKWARD_POLICIES = ("none", "full")
+
+
+def check_split_backward_recompute(name: str, policy: str, schedule: str, splits_backward: bool) -> None:
+    """Refuse a recompute ``policy`` (the argument ``name``) that ``schedule`` cannot run."""
+    if splits_backward and policy not in SPLIT_BACKWARD_POLICIES:
+        raise ValueError(
+            f"{name}={policy!r} cannot run under schedule={schedule!r}: its backward runs in two autograd passes "
+            f"(input, then weight gradients), and the {policy!r} recompute runs once per forward; use "
+            f"{' or '.join(map(repr, SPLIT_BACKWARD_POLICIES))}, or a schedule without a split backward"
+        )
 
 
 def recompute_policy(name: str, value) -> str:

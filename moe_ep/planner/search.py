@@ -23,7 +23,8 @@ from .memory import (
     DEFAULT_IMBALANCE, DEFAULT_STARTUP_IMBALANCE, MemoryTable, Unit, build_units, layer_ids, p2p_bytes, rank_memory,
     unit_costs,
 )
-from .recompute import COMPILED_BLOCKS_POLICIES, RECOMPUTE_POLICIES, recompute_policy
+from .recompute import (COMPILED_BLOCKS_POLICIES, RECOMPUTE_POLICIES, SPLIT_BACKWARD_POLICIES,
+                        check_split_backward_recompute, recompute_policy)
 from .presets import DEFAULT_CLUSTER, CLUSTERS, Efficiencies, cluster_preset
 from .schedules import INTERLEAVED, INTERLEAVED_SCHEDULES, NO_PIPELINE, SCHEDULES, schedule_info
 from .spec import ModelSpec, format_count
@@ -251,9 +252,11 @@ def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_token
             continue
         per_replica = sequences // mesh.dp
         for schedule in _schedules(spec, mesh.pp, fixed):
+            splits = schedule != NO_PIPELINE and _info(schedule, fixed).splits_backward
+            runnable = SPLIT_BACKWARD_POLICIES if splits else policies
             for mbs, m in _microbatchings(mesh.pp, per_replica, schedule, fixed):
                 for policy in policies:
-                    if fixed["checkpointing"] in (None, policy):
+                    if fixed["checkpointing"] in (None, policy) and policy in runnable:
                         for v in _virtual_stages(spec, mesh.pp, schedule, fixed):
                             yield Layout(*mesh, mbs, m, schedule, policy, v)
 
@@ -595,6 +598,8 @@ def plan(
                               bf16_moments, compiled_blocks)
     if virtual_stages is not None:
         schedule_info(schedule or INTERLEAVED, virtual_stages)  # names the argument when wrong
+    if schedule not in (None, NO_PIPELINE) and checkpointing is not None:
+        check_split_backward_recompute("checkpointing", checkpointing, schedule, schedule_info(schedule).splits_backward)
     fixed = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, microbatch_size=microbatch_size,
                  schedule=schedule, checkpointing=checkpointing, virtual_stages=virtual_stages)
     _check_fixed_degrees(spec, resolved, fixed)
