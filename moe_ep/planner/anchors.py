@@ -29,7 +29,7 @@ from .search import (
     choose, evaluate,
 )
 from .presets import cluster_preset
-from .recompute import COMPILED_BLOCKS_POLICIES, RECOMPUTE_POLICIES
+from .recompute import COMPILED_BLOCKS_POLICIES, RECOMPUTE_POLICIES, SPLIT_BACKWARD_POLICIES
 from .spec import MODEL_NAMES, ModelSpec
 
 TOKENS_PER_GPU = "tokens/s/GPU"
@@ -102,9 +102,9 @@ class Anchor:
         return self.global_batch * self.seq_len
 
     def layouts(self) -> list[Layout]:
-        """The published layout, once per recompute policy and, under interleaved 1F1B, once per
-        number of virtual stages (those that split the layers evenly) where the source leaves it
-        open, and in both of moe_ep's forms of its order (with and without forwards overlapped
+        """The published layout, once per recompute policy its schedule runs (SPLIT_BACKWARD_POLICIES
+        under a split backward) and, under interleaved 1F1B, once per number of virtual stages (those
+        that split the layers evenly) where the source leaves it open, and in both of moe_ep's forms of its order (with and without forwards overlapped
         with backwards: the same actions, run on one thread or two)."""
         choices = RECOMPUTE_POLICIES if self.checkpointing is None else (self.checkpointing,)
         spec = ModelSpec.resolve(self.model)
@@ -115,7 +115,8 @@ class Anchor:
             stages = [SCHEDULES[self.schedule].stages_per_rank if v is None else v for v in stages]
             schedules = INTERLEAVED_SCHEDULES
         return [Layout(self.pp, self.dp_replicate, self.dp_shard, self.ep, self.microbatch_size, self.microbatches,
-                       schedule, ckpt, v) for schedule in schedules for ckpt in choices for v in stages]
+                       schedule, ckpt, v) for schedule in schedules for ckpt in choices for v in stages
+                if ckpt in SPLIT_BACKWARD_POLICIES or not SCHEDULES[schedule].splits_backward]
 
 
 ANCHORS = (
