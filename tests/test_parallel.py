@@ -950,6 +950,24 @@ def test_parallelize_refuses_dp_shard_not_divisible_by_ep():
     assert type(model.model.layers[0].mlp.experts.gate_up_proj) is torch.nn.Parameter
 
 
+def test_parallelize_refuses_a_top_k_above_the_expert_count():
+    """Said before any change, not as torch's topk error at the first step."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from moe_ep.parallel import parallel_context, parallelize
+
+    model = _build("mixtral", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=2,
+                   overrides=dict(MIXTRAL_8))
+    model.config.num_experts_per_tok = 9
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(ValueError, match=r"config.num_experts_per_tok=9 must be in \[1, E=8\]"):
+            parallelize(model, ep=2)
+    finally:
+        dist.destroy_process_group()
+    assert parallel_context(model) is None
+
+
 def test_clip_grad_norm_without_gradients_is_zero_on_the_parameters_device():
     from moe_ep.parallel import clip_grad_norm_
 

@@ -235,6 +235,10 @@ def _check(model: nn.Module, config: ParallelConfig) -> tuple[ParallelDims, Part
             f"{type(model).__name__} has no transformers experts module to parallelize"
             + (f" with ep={config.ep}" if config.ep > 1 else "")
         )
+    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    if experts and isinstance(top_k, int) and not 1 <= top_k <= num_experts_of(experts):
+        raise ValueError(f"the model's config.num_experts_per_tok={top_k} must be in [1, E={num_experts_of(experts)}] "
+                         "(the experts of each MoE layer)")
     dims = resolve_dims(
         dist.get_world_size(), ep=config.ep, dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, pp=config.pp,
         num_experts=num_experts_of(experts) if experts else None,
