@@ -58,6 +58,17 @@ def test_z_loss_formula():
     assert router_z_loss(logits[0].float()).dtype == torch.float32
 
 
+def test_no_counted_token_gives_zero_losses_and_zero_gradients():
+    # An empty batch (a pipeline micro-batch or a rank with nothing) and a fully padded one.
+    empty = [torch.zeros(0, E, dtype=torch.float64, requires_grad=True) for _ in range(LAYERS)]
+    padded = [t.clone().requires_grad_() for t in _logits(4, 3)]
+    for leaves, mask in ((empty, None), (empty, torch.zeros(0)), (padded, torch.zeros(4))):
+        loss = load_balancing_loss(leaves, K, token_mask=mask) + router_z_loss(leaves) * (mask is None)
+        loss.backward()
+        assert loss.item() == 0
+        assert all(t.grad is not None and not t.grad.any() for t in leaves)
+
+
 def test_expert_counts_and_bias_update_one_process():
     idx = torch.tensor([[0, 1], [0, 2], [0, 1]])
     counts = expert_counts(idx, 4)
@@ -132,6 +143,15 @@ def _global(rank: int, world: int) -> dict:
             # Data parallelism averages the ranks' gradients: each carries world x its share.
             "grad": max(rel_err(t.grad / world, g[rows]) for t, g in zip(leaves, ref_grads)),
         }
+    # Rank 0 with no token: the loss of rank 1's tokens alone, on both ranks.
+    leaves = [t[: 0 if rank == 0 else None].clone().requires_grad_() for t in logits[rank]]
+    loss = load_balancing_loss(leaves, K, group=dist.group.WORLD)
+    loss.backward()
+    ref, ref_grads = _hf_loss_and_grad(logits[1])
+    out["rank_without_tokens"] = {
+        "value": rel_err(loss.detach(), ref),
+        "grad": 0.0 if rank == 0 else max(rel_err(t.grad / world, g) for t, g in zip(leaves, ref_grads)),
+    }
     g = torch.Generator().manual_seed(rank)
     counts = expert_counts(torch.randint(0, E, (7 + rank, K), generator=g), E)
     bias = torch.linspace(-0.2, 0.2, E)
@@ -161,7 +181,7 @@ def two_ranks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("masked", [False, True, "rank_without_tokens"])
 def test_global_aux_loss_is_the_whole_batch_loss(two_ranks, masked):
     for result in two_ranks:
         assert result[masked]["value"] <= TOL and result[masked]["grad"] <= TOL, result[masked]

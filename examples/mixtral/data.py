@@ -260,7 +260,7 @@ def cache_manifest(path: Path) -> str:
 def token_cache_problems(path: Path) -> list[str]:
     """What is wrong with an existing token cache file: its manifest (written after it), its size
     and its checksum (empty: intact)."""
-    return local_problems(path.parent, manifest=cache_manifest(path))
+    return local_problems(path.parent, manifest=cache_manifest(path), must_list=[path.name])
 
 
 def remove_interrupted_writes(cache_dir: Path) -> list[Path]:

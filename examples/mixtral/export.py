@@ -34,6 +34,7 @@ from moe_ep.runs import (
     damage_report,
     is_complete,
     local_problems,
+    manifest_must_list,
     mark,
     quiet_single_process,
     write_failure,
@@ -54,7 +55,7 @@ def protected_folders(checkpoint: Path) -> dict[str, Path]:
 def check_checkpoint(checkpoint: Path) -> None:
     if not is_complete(checkpoint) or not (checkpoint / CONFIG).is_file():
         raise UsageError(f"--checkpoint: {checkpoint} is not a complete checkpoint with a {CONFIG}")
-    problems = local_problems(checkpoint)
+    problems = local_problems(checkpoint, must_list=manifest_must_list(checkpoint))
     if problems:
         raise UsageError(f"--checkpoint: {damage_report(checkpoint, problems)}")
 

@@ -114,7 +114,7 @@ def load_balancing_loss(
     )
     tokens = per_layer * len(logits)
     if group is None:
-        return E * torch.sum(counts_E * prob_sum_E) / (tokens[0] * tokens[0])
+        return E * torch.sum(counts_E * prob_sum_E) / _at_least_one(tokens[0]) ** 2
     # One all-reduce of the non-differentiable statistics; the local probability sum keeps its
     # gradient, scaled by the group size (see the module docstring).
     stats = torch.cat([counts_E, prob_sum_E.detach(), tokens])
@@ -122,7 +122,13 @@ def load_balancing_loss(
     global_counts, global_prob_sum, global_tokens = stats[:E], stats[E:2 * E], stats[2 * E]
     ranks = dist.get_world_size(group)
     prob_sum = global_prob_sum + ranks * (prob_sum_E - prob_sum_E.detach())
-    return E * torch.sum(global_counts * prob_sum) / (global_tokens * global_tokens)
+    return E * torch.sum(global_counts * prob_sum) / _at_least_one(global_tokens) ** 2
+
+
+def _at_least_one(tokens: torch.Tensor) -> torch.Tensor:
+    # No token counted (an empty batch, every token masked) leaves every count at 0: the loss is
+    # 0 with a zero gradient, not 0/0. A where on the device, not a host check.
+    return torch.where(tokens > 0, tokens, torch.ones_like(tokens))
 
 
 def router_z_loss(router_logits: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
@@ -133,7 +139,8 @@ def router_z_loss(router_logits: torch.Tensor | Sequence[torch.Tensor]) -> torch
         if not t.is_floating_point():
             raise TypeError(f"router_logits[{i}] must be a float tensor, got {t.dtype}")
     dtype = torch.promote_types(layers[0].dtype, torch.float32)
-    return sum(torch.logsumexp(t.to(dtype), dim=-1).square().mean() for t in layers)
+    # The sum over max(T, 1) rows: an empty batch gives 0, not the NaN of an empty mean.
+    return sum(torch.logsumexp(t.to(dtype), dim=-1).square().sum() / max(t.shape[0], 1) for t in layers)
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ from .checkpoint import (
     is_complete,
     latest_checkpoint,
     load_checkpoint,
+    manifest_must_list,
     quiet_single_process,
     read_trainer_state,
     remove_incomplete,
@@ -77,7 +78,7 @@ __all__ = [
     "digest", "local_problems", "verify", "write_manifest",
     # checkpoints and resume
     "check_resume_data", "checkpoint_due", "complete_checkpoints", "damage_report", "is_complete",
-    "latest_checkpoint", "load_checkpoint", "quiet_single_process", "read_trainer_state", "remove_incomplete",
+    "latest_checkpoint", "load_checkpoint", "manifest_must_list", "quiet_single_process", "read_trainer_state", "remove_incomplete",
     "resume_candidates", "resume_target", "save_checkpoint", "set_aside_later_checkpoints", "step_folders",
     "verified_resume",
     # the ranks' agreement on a run's arguments, the start-up watchdog

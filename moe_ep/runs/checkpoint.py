@@ -67,6 +67,7 @@ from .ownership import (
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 ABANDONED_PREFIX = "abandoned-"
 TRAINER_STATE = "trainer_state.json"
+DCP_METADATA = ".metadata"
 SHARD_SUFFIX = ".distcp"
 PAUSE_HOOK = "MOE_EP_TEST_PAUSE_IN_CHECKPOINT"  # see the module's docstring
 DISK_FULL_HOOK = "MOE_EP_TEST_DISK_FULL"
@@ -116,10 +117,21 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def manifest_must_list(path: Path) -> set[str]:
+    """What the manifest of the checkpoint ``path`` must list: every file in the folder (the save
+    lists all it wrote, and a load may read any of them) and, present or not, those every load
+    reads."""
+    try:
+        present = {p.name for p in path.iterdir()}
+    except OSError:
+        present = set()
+    return (present | {DCP_METADATA, TRAINER_STATE}) - {MANIFEST}
+
+
 def quick_problems(path: Path) -> list[str]:
     """What each rank can check alone before start-up: the manifest, every file's size, and the
     checksums of all files but the (large) DCP shards."""
-    return local_problems(path, hash_if=lambda name: not name.endswith(SHARD_SUFFIX))
+    return local_problems(path, hash_if=lambda name: not name.endswith(SHARD_SUFFIX), must_list=manifest_must_list(path))
 
 
 def remove_incomplete(root: Path) -> list[Path]:
@@ -357,7 +369,7 @@ def verified_resume(candidates: list[Path], *, explicit: bool, warn) -> Path | N
     sharing the hashing and agreeing on the verdict; a damaged one is skipped with a warning,
     unless it was named by ``--resume PATH`` (``explicit``), which stops every rank."""
     for path in candidates:
-        problems = verify(path)
+        problems = verify(path, must_list=manifest_must_list(path))
         if not problems:
             return path
         if explicit:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -75,8 +76,10 @@ def write_manifest(folder: Path, files: dict[str, tuple[int, str]], *, manifest:
     os.replace(tmp, folder / manifest)
 
 
-def read_manifest(folder: Path, manifest: str = MANIFEST) -> tuple[dict | None, str | None]:
-    """(the manifest's files, None) or (None, what is wrong with it)."""
+def read_manifest(folder: Path, manifest: str = MANIFEST, *, must_list: Iterable[str] = ()) -> tuple[dict | None, str | None]:
+    """(the manifest's files, None) or (None, what is wrong with it). ``must_list``: the files a
+    reader will load; one the manifest leaves out would be loaded unchecked, so it is a fault of
+    the manifest (edited, or written by something else) even where the file looks fine."""
     path = folder / manifest
     try:
         body = json.loads(path.read_text())
@@ -87,14 +90,19 @@ def read_manifest(folder: Path, manifest: str = MANIFEST) -> tuple[dict | None, 
         return None, f"{manifest} is missing (its write did not finish)"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         return None, f"{manifest} is unreadable ({err})"
+    unlisted = sorted(set(must_list) - set(files))
+    if unlisted:
+        shown = ", ".join(unlisted[:3]) + (f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else "")
+        return None, f"{manifest} does not list {shown}, so nothing vouches for {'it' if len(unlisted) == 1 else 'them'}"
     return files, None
 
 
-def local_problems(folder: Path, *, manifest: str = MANIFEST, hash_if=lambda name: True) -> list[str]:
+def local_problems(folder: Path, *, manifest: str = MANIFEST, hash_if=lambda name: True,
+                   must_list: Iterable[str] = ()) -> list[str]:
     """Everything wrong with ``folder`` against its manifest that this process can see alone (no
-    collective): the manifest, every file's size, and the checksums of the files ``hash_if``
-    selects."""
-    files, problem = read_manifest(folder, manifest)
+    collective): the manifest (listing ``must_list``), every file's size, and the checksums of the
+    files ``hash_if`` selects."""
+    files, problem = read_manifest(folder, manifest, must_list=must_list)
     if problem:
         return [problem]
     problems = []
@@ -128,12 +136,12 @@ def content_problems(folder: Path, files: dict) -> list[str]:
     return problems
 
 
-def verify(folder: Path) -> list[str]:
+def verify(folder: Path, *, must_list: Iterable[str] = ()) -> list[str]:
     """Collective: everything wrong with ``folder`` against its manifest (empty: intact), every
-    file's checksum compared. The verdict is the same on every rank: every rank takes part in the
-    same collectives whatever it finds, and a rank whose view of the folder differs (a shared file
-    system's caches) does not decide alone."""
-    files, problem = read_manifest(folder)
+    file's checksum compared, ``must_list`` as in read_manifest. The verdict is the same on every
+    rank: every rank takes part in the same collectives whatever it finds, and a rank whose view of
+    the folder differs (a shared file system's caches) does not decide alone."""
+    files, problem = read_manifest(folder, must_list=must_list)
     problems = [problem] if problem else content_problems(folder, files)
     if problem:
         shared_digests(folder, [])  # the collective the other ranks enter

@@ -73,7 +73,16 @@ DAMAGE = {
                                                      (s / "trainer_state.json").read_bytes().replace(b"{", b"[", 1)),
                                    "trainer_state.json does not match its checksum"),
     "missing manifest (write cut short)": (lambda s: (s / "manifest.json").unlink(), "manifest.json is missing"),
+    # A well-formed manifest that vouches for nothing: what it leaves out would load unchecked.
+    "manifest listing no file": (lambda s: edit_manifest(s / "manifest.json", lambda files: {}),
+                                 "manifest.json does not list .metadata, __0_0.distcp, config.json and"),
 }
+
+
+def edit_manifest(path: Path, change) -> None:
+    body = json.loads(path.read_text())
+    body["files"] = change(body["files"])
+    rewrite(path, json.dumps(body).encode())
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))
@@ -128,7 +137,7 @@ def short_run(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "manifest missing"])
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "manifest missing", "manifest listing no file"])
 def test_damaged_token_cache_is_tokenized_again_not_trained_on(damage, base, short_run, tmp_path, capsys):
     out = copy_run(base, tmp_path / "run")
     cache = next((out / "token_cache").glob("tokens-*.npy"))
@@ -136,8 +145,10 @@ def test_damaged_token_cache_is_tokenized_again_not_trained_on(damage, base, sho
         flip_byte(cache)
     elif damage == "truncated":
         truncate(cache)
-    else:
+    elif damage == "manifest missing":
         (out / "token_cache" / cache.name.replace(".npy", ".manifest.json")).unlink()
+    else:
+        edit_manifest(out / "token_cache" / cache.name.replace(".npy", ".manifest.json"), lambda files: {})
     code, err = train_cli([*SHORT, "--overwrite", "--output-dir", str(out)], capsys)
     assert code == 0, err
     assert f"warning: the token cache {cache} is damaged (" in err and "tokenizing the data again" in err, err
@@ -189,11 +200,17 @@ def test_export_never_replaces_a_users_folder(base, tmp_path, capsys):
         assert ownership.marker_kind(tmp_path / "empty") == "export"
 
 
-def test_a_damaged_checkpoint_is_not_exported(base, tmp_path, capsys):
+@pytest.mark.parametrize("damage", ["flipped byte", "shard left out of the manifest"])
+def test_a_damaged_checkpoint_is_not_exported(damage, base, tmp_path, capsys):
     step6 = copy_run(base, tmp_path / "run") / "checkpoints" / f"step_{STEPS:08d}"
-    flip_byte(shard(step6))
+    if damage == "flipped byte":
+        flip_byte(shard(step6))
+        named = "__0_0.distcp does not match"
+    else:
+        edit_manifest(step6 / "manifest.json", lambda files: {k: v for k, v in files.items() if k != shard(step6).name})
+        named = "manifest.json does not list __0_0.distcp, so nothing vouches for it"
     assert export.main(["--checkpoint", str(step6), "--out", str(tmp_path / "hf")]) == 2
-    assert f"--checkpoint: the checkpoint {step6} is damaged: __0_0.distcp does not match" in capsys.readouterr().err
+    assert f"--checkpoint: the checkpoint {step6} is damaged: {named}" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
 
 
