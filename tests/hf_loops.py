@@ -25,8 +25,12 @@ GRAD_ACCUM = 2
 # the aux loss is on (the scripts' default coefficient).
 COMMON = ("--steps", str(STEPS), "--seq-len", "32", "--micro-batch-size", "2", "--checkpoint-every", "2",
           "--max-corpus-tokens", "40000", "--seed", "3")
-# Each script's checkpoint of step 2 in its output folder ("{run}" in a run's flags).
+# Each script's checkpoint of step 2 in its output folder ("{run}" in a run's flags), and of step 6.
 STEP_2 = {"trainer": "{run}/checkpoint-2", "accelerate_loop": "{run}/checkpoints/step_00000002"}
+STEP_6 = {"trainer": "{run}/checkpoint-6", "accelerate_loop": "{run}/checkpoints/step_00000006"}
+# A large file of every checkpoint (the model's DCP shard, as accelerate writes it for FSDP2 on one
+# process): checked by the ranks' shared checksums after start-up, not before.
+MODEL_SHARD = "pytorch_model_fsdp_0/__0_0.distcp"
 
 
 class Run(NamedTuple):
@@ -34,6 +38,7 @@ class Run(NamedTuple):
     script: str
     flags: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
+    flip: str | None = None  # a file ("{run}/...") whose byte is flipped before the run
 
     @property
     def folder(self) -> str:
@@ -65,22 +70,29 @@ def world_runs(processes: int, layout: tuple[str, ...], *, resume: bool, bf16: b
 def one_process_runs(worlds: tuple[int, ...], *, with_moe_ep: bool = False) -> list[Run]:
     """One process accumulating the micro-batches that ``world`` ranks take in one step; with
     ``with_moe_ep`` also each script with moe_ep on that one process (``--ep 1``: no launcher gave
-    it a process group, so the script makes one of one rank)."""
+    it a process group, so the script makes one of one rank), and the same command again once a
+    byte of its last checkpoint's model shard is flipped (``--resume auto`` falls back to the
+    checkpoint of step 4 and trains steps 5 and 6 again)."""
     runs = []
     for world in worlds:
         accumulate = ("--grad-accum", str(GRAD_ACCUM * world))
         for script in SCRIPTS:
             runs.append(Run(f"{script} one process x{world}", script, (*COMMON, *accumulate, "--baseline")))
             if with_moe_ep:
-                runs.append(Run(f"{script} ep one process x{world}", script, (*COMMON, *accumulate, "--ep", "1")))
+                ep = Run(f"{script} ep one process x{world}", script, (*COMMON, *accumulate, "--ep", "1"))
+                runs += [ep, ep._replace(flip=f"{STEP_6[script]}/{MODEL_SHARD}")]
     return runs
 
 
 def launch(runs: list[Run], processes: int, out: Path, *, timeout: float) -> str:
     """All ``runs`` in one ``accelerate launch`` of ``processes`` CPU processes, each writing into
-    ``out / run.folder``; returns the launch's output and asserts every run ended with status 0."""
-    table = [[run.script, [*(flag.replace("{run}", str(out / run.folder)) for flag in run.flags), "--output-dir",
-                           str(out / run.folder)], dict(run.env)] for run in runs]
+    ``out / run.folder``; returns the launch's output (also in ``out / launch-<processes>.log``)
+    and asserts every run ended with status 0."""
+    def at(text: str, run: Run) -> str:
+        return text.replace("{run}", str(out / run.folder))
+
+    table = [[run.script, [*(at(flag, run) for flag in run.flags), "--output-dir", str(out / run.folder)],
+              dict(run.env), None if run.flip is None else at(run.flip, run)] for run in runs]
     env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_MIXED_PRECISION"):
@@ -88,6 +100,7 @@ def launch(runs: list[Run], processes: int, out: Path, *, timeout: float) -> str
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(EXAMPLE / "configs" / "cpu.yaml"),
            "--num_processes", str(processes), "--main_process_port", str(free_port()), str(DRIVER), json.dumps(table)]
     code, output = run_to_end(cmd, env, timeout)
+    (out / f"launch-{processes}.log").write_text(output)
     assert code == 0, output[-6000:]
     codes = [line for line in output.splitlines() if line.startswith("RUN ")]
     assert codes == [f"RUN {i} rc=0" for i in range(len(runs))], output[-6000:]

@@ -11,14 +11,17 @@ bf16 rounding, and stay within the bf16 tolerance of the baseline's in bf16)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_loops import (
+    MODEL_SHARD,
     SCRIPTS,
     STEP_2,
+    STEP_6,
     check_against_baseline_and_one_process,
     final_logits,
     max_abs_diff,
@@ -26,7 +29,7 @@ from hf_loops import (
     records_before_the_last_resume,
     step_records,
 )
-from moe_ep.runs import marker_kind
+from moe_ep.runs import files_in, marker_kind, read_metrics
 from numerics import TOLERANCE
 
 # Launches the example loops with accelerate: not in the quick subset (bash scripts/test.sh --quick).
@@ -87,6 +90,29 @@ def test_a_rolled_back_run_keeps_its_branch_point_sets_the_later_checkpoints_asi
     rolled_back, uninterrupted = step_records(folder), step_records(runs / f"{script}_ep")
     assert sorted(rolled_back) == sorted(uninterrupted)
     assert max_abs_diff(rolled_back, uninterrupted, "loss") == 0.0
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_damaged_checkpoint_is_skipped_for_the_newest_intact_one(runs, script):
+    """The one-process moe_ep run ran again once a byte of its checkpoint of step 6 was flipped in
+    the model's shard: the ranks' checksums found it (one warning naming the file), the checkpoint
+    of step 4 was resumed instead and steps 5 and 6 trained again onto the same losses bit for bit;
+    the damaged checkpoint was set aside whole, and the new one of step 6 is sealed."""
+    folder = runs / f"{script}_ep_one_process_x{PROCESSES}"
+    step_6 = Path(STEP_6[script].format(run=folder))
+    log = (runs / "launch-1.log").read_text()
+    assert [line for line in log.splitlines() if "warning:" in line and str(folder) in line] == [
+        f"warning: --resume auto: skipping the checkpoint {step_6} is damaged: {MODEL_SHARD} does not match its "
+        "checksum (its contents changed after it was written)"], log[-3000:]
+    [aside] = [p for p in step_6.parent.iterdir() if p.name.startswith("abandoned-")]
+    assert aside.name.endswith("-from-step-4") and (aside / step_6.name / MODEL_SHARD).is_file()
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    [resumed_at] = [i for i, r in enumerate(lines) if "resumed_from_step" in r]
+    assert lines[resumed_at]["resumed_from_step"] == 4
+    first, again = lines[:resumed_at], lines[resumed_at + 1:]
+    assert [(r["step"], r["loss"]) for r in again] == [(r["step"], r["loss"]) for r in first if r["step"] > 4]
+    assert sorted(step_records(folder)) == list(range(1, 7)) and read_metrics(folder / "metrics.jsonl")
+    assert set(json.loads((step_6 / "manifest.json").read_text())["files"]) == set(files_in(step_6))
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -1,7 +1,8 @@
 """RunFolder, the run folder of trainer.py and accelerate_loop.py (#21 items 2 and 9): which
 checkpoint ``--resume auto|never|CHECKPOINT`` and ``--overwrite`` choose, a rollback that sets the
-later checkpoints aside as a branch (never deleted), and an ``--overwrite`` that deletes only what
-the run made. One process: the collective steps run without a process group."""
+later checkpoints aside as a branch (never deleted), an ``--overwrite`` that deletes only what
+the run made, and damaged checkpoints (their manifest, written by ``seal``) skipped or refused,
+never loaded. One process: the collective steps run without a process group."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import json
 
 import pytest
 
-from moe_ep.runs import METRICS, RunFolder, StepLog, UsageError, marker_kind, read_metrics
+from moe_ep.runs import METRICS, RunFolder, StepLog, UsageError, files_in, marker_kind, read_metrics, verified_resume
+from moe_ep.runs.run_folder import QUICK_HASH_BYTES
 
 # Where each library writes its checkpoints: transformers' Trainer beside its other files,
 # accelerate_loop.py's save_state in a managed subfolder.
@@ -26,6 +28,7 @@ def make_run(tmp_path, layout: str, steps=(2, 4, 6)) -> tuple[RunFolder, dict[in
         made[step] = run.path / name.format(step)
         made[step].mkdir()
         (made[step] / "weights.bin").write_bytes(b"w" * step)
+        run.seal(made[step], step=step)
     return run, made
 
 
@@ -89,7 +92,7 @@ def test_overwrite_deletes_the_runs_checkpoints_branches_and_log_and_nothing_els
     users_branch = made[2].parent / "abandoned-by-hand"  # named like ours, not marked: the user's
     users_branch.mkdir()
     run.final.mkdir()
-    assert run.check(resume="auto", overwrite=True, parameters=10) is None
+    assert run.check(resume="auto", overwrite=True, parameters=10) == ([], [])
     run.clear()
     assert run.checkpoints() == [] and not aside.exists() and not (run.path / METRICS).exists()
     assert (run.path / "notes.txt").read_text() == "the user's" and users_branch.is_dir() and run.final.is_dir()
@@ -97,30 +100,78 @@ def test_overwrite_deletes_the_runs_checkpoints_branches_and_log_and_nothing_els
 
 
 def test_a_trainer_checkpoint_cut_short_is_never_resumed_nor_written_into(tmp_path):
-    """transformers' Trainer writes ``checkpoint-N`` under its final name, ``trainer_state.json``
-    last: a job killed mid-save leaves a folder without it, which ``--resume auto`` passes over
-    (the newest complete one is resumed) and which is set aside before the Trainer could write
-    into it again; named by ``--resume``, it is refused."""
-    run = RunFolder(tmp_path / "run", "trainer", "checkpoint-*", written_last="trainer_state.json")
-    run.claim()
-    for step in (2, 4):
-        (run.path / f"checkpoint-{step}").mkdir()
-        (run.path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    """transformers' Trainer writes ``checkpoint-N`` under its final name, and the manifest is
+    written after it (``seal``, on_save): a job killed mid-save leaves a folder without one, which
+    ``--resume auto`` passes over (the newest complete one is resumed) and which is set aside
+    before the Trainer could write into it again; named by ``--resume``, it is refused."""
+    run, _ = make_run(tmp_path, "trainer", steps=(2, 4))
     cut = run.path / "checkpoint-6"
     cut.mkdir()
     (cut / "model.safetensors").write_bytes(b"partial")
+    (cut / "trainer_state.json").write_text("{}")  # the Trainer's last file: its own save had ended
     assert run.resume_target("auto", overwrite=False) == run.path / "checkpoint-4"
     with pytest.raises(UsageError, match=rf"--resume {cut}: the checkpoint was cut short \(it has no "
-                                         r"trainer_state.json, which is written last\)"):
+                                         r"manifest.json, which is written last\)"):
         run.resume_target(str(cut), overwrite=False)
     aside = run.set_aside_later(run.path / "checkpoint-4", rank=0)
     assert [p.name for p in aside.iterdir() if p.is_dir()] == ["checkpoint-6"]
     assert (aside / "checkpoint-6" / "model.safetensors").read_bytes() == b"partial"  # kept, not deleted
 
     # Only checkpoints cut short: the run starts afresh, and they are set aside all the same.
-    again = RunFolder(tmp_path / "again", "trainer", "checkpoint-*", written_last="trainer_state.json")
+    again = RunFolder(tmp_path / "again", "trainer", "checkpoint-*")
     again.claim()
     (again.path / "checkpoint-2").mkdir()
     assert again.resume_target("auto", overwrite=False) is None
     aside = again.set_aside_later(None, rank=0)
     assert aside.name.endswith("-from-step-0") and (aside / "checkpoint-2").is_dir() and again.checkpoints() == []
+
+
+def flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def resumed(run, resume: str):
+    """What the scripts resume: RunFolder.check's candidates, then the ranks' checksums
+    (loops.claim_run), with the warnings said on the way."""
+    warned = []
+    tried, warnings = run.check(resume=resume, overwrite=False, parameters=10)
+    chosen = verified_resume(tried, explicit=resume != "auto", warn=warned.append, must_list=files_in)
+    return chosen, warnings + warned
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_damaged_checkpoints_are_skipped_or_refused_never_resumed(tmp_path, layout):
+    """Every file under the checkpoint (accelerate's sharded states sit in subfolders) is in its
+    manifest: a flipped byte in a small file is found before start-up, one in a large shard by the
+    ranks' checksums after it, a file the manifest leaves out or a manifest that lists nothing
+    makes the checkpoint damaged too; ``auto`` falls back to the newest intact one with a warning
+    naming the file, ``--resume PATH`` stops, and all damaged stops rather than start afresh."""
+    run, made = make_run(tmp_path, layout, steps=(2, 4, 6, 8))
+    for step in (4, 6, 8):
+        (made[step] / "model_0").mkdir()
+        (made[step] / "model_0" / "__0_0.distcp").write_bytes(bytes(QUICK_HASH_BYTES + 1))
+        (made[step] / "manifest.json").unlink()
+        run.seal(made[step], step=step)
+    assert "model_0/__0_0.distcp" in json.loads((made[8] / "manifest.json").read_text())["files"]
+    flip_byte(made[8] / "model_0" / "__0_0.distcp")  # large: only the shared checksums find it
+    flip_byte(made[6] / "weights.bin")  # small: found before start-up
+    assert resumed(run, "auto") == (made[4], [
+        f"--resume auto: skipping the checkpoint {made[6]} is damaged: weights.bin does not match its checksum "
+        "(its contents changed after it was written)",
+        f"--resume auto: skipping the checkpoint {made[8]} is damaged: model_0/__0_0.distcp does not match its "
+        "checksum (its contents changed after it was written)"])
+    with pytest.raises(UsageError, match=rf"--resume: the checkpoint {made[8]} is damaged: model_0/__0_0.distcp does "
+                                         r"not match its checksum"):
+        resumed(run, str(made[8]))
+    with pytest.raises(UsageError, match=rf"--resume: the checkpoint {made[6]} is damaged: weights.bin does not"):
+        resumed(run, str(made[6]))
+    (made[4] / "optimizer.bin").write_bytes(b"written after the seal")  # nothing vouches for it
+    manifest = json.loads((made[2] / "manifest.json").read_text())
+    (made[2] / "manifest.json").write_text(json.dumps({**manifest, "files": {}}))
+    (made[8] / "model_0" / "__0_0.distcp").write_bytes(b"cut")  # its size tells before start-up
+    with pytest.raises(UsageError, match=r"--resume auto: every checkpoint in .* is damaged \(.*4 is damaged: "
+                                         r"manifest.json does not list optimizer.bin, so nothing vouches for it; .*"
+                                         r"manifest.json does not list weights.bin"):
+        resumed(run, "auto")

@@ -50,9 +50,10 @@ class Progress:
 
 
 def save_checkpoint(accelerator, run: RunFolder, step: int) -> Path:
-    """accelerate's ``save_state`` into ``checkpoints/.tmp-step_N``, renamed to ``step_N`` by rank 0
-    once every rank wrote its shards: a checkpoint under its final name is always complete. No
-    ``step_N`` is there already: a resume set the later checkpoints aside (``claim_run``)."""
+    """accelerate's ``save_state`` into ``checkpoints/.tmp-step_N``, sealed with its manifest
+    (RunFolder.seal) and renamed to ``step_N`` by rank 0 once every rank wrote its shards: a
+    checkpoint under its final name is always complete. No ``step_N`` is there already: a resume
+    set the later checkpoints aside (``claim_run``)."""
     root = run.path / CHECKPOINTS
     final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
     if accelerator.is_main_process and tmp.exists():
@@ -60,6 +61,7 @@ def save_checkpoint(accelerator, run: RunFolder, step: int) -> Path:
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
+    run.seal(tmp, step=step)
     if accelerator.is_main_process:
         os.rename(tmp, final)
     accelerator.wait_for_everyone()
@@ -68,18 +70,18 @@ def save_checkpoint(accelerator, run: RunFolder, step: int) -> Path:
 
 def train(args) -> None:
     with checked_run(args, "accelerate_loop", f"{CHECKPOINTS}/step_*", managed=(CHECKPOINTS,)) as (
-            data, run, resume, world_size, rank), preemption(args) as stop, startup_watchdog(args) as startup:
-        _train(args, data, run, resume, world_size, rank, stop, startup)
+            data, run, candidates, world_size, rank), preemption(args) as stop, startup_watchdog(args) as startup:
+        _train(args, data, run, candidates, world_size, rank, stop, startup)
 
 
-def _train(args, data, run: RunFolder, resume: Path | None, world_size: int, rank: int, stop, startup) -> None:
+def _train(args, data, run: RunFolder, candidates, world_size: int, rank: int, stop, startup) -> None:
     from accelerate import Accelerator
 
     import moe_ep
 
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, cpu=not torch.cuda.is_available())
     log = StepLog(run.path, enabled=accelerator.is_main_process)
-    claim_run(args, data, run, resume, rank, log, startup)
+    resume = claim_run(args, data, run, candidates, rank, log, startup)
     startup.phase("building the model")
     with configuration_errors():
         model = make_model(args, accelerator.device)

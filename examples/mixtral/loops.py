@@ -33,9 +33,11 @@ from moe_ep.runs import (
     StepLog,
     UsageError,
     agree_on_arguments,
+    files_in,
     hold_output_dir,
     run_reported,
     said_by_every_rank,
+    verified_resume,
 )
 
 from data import ByteTokenizer, PackedSequences, resolve_data, tokenize_corpus
@@ -192,47 +194,56 @@ def count_parameters(args) -> int:
 
 
 @contextmanager
-def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = (), written_last: str | None = None):
-    """Every check before any work, on every rank (flags, layout, data, run folder, the checkpoint
-    to resume), then the job: rank 0 holds the folder's lock while it runs (the other ranks join it
-    through the process group). Yields (data, run folder, checkpoint to resume or None, world size,
-    rank)."""
+def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = ()):
+    """Every check before any work, on every rank (flags, layout, data, run folder, the checkpoints
+    to try resuming), then the job: rank 0 holds the folder's lock while it runs (the other ranks
+    join it through the process group). Yields (data, run folder, resume candidates, world size,
+    rank), the candidates as RunFolder.check gives them."""
     world_size, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
     # The same flags, files and folder on every rank, so the same verdict: rank 0 says it, once.
     with said_by_every_rank():
         check_args(args, world_size)
         data = make_data(args, world_size)
-        run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed, written_last)
-        resume = run.check(resume=args.resume, overwrite=args.overwrite, parameters=count_parameters(args))
+        run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed)
+        candidates = run.check(resume=args.resume, overwrite=args.overwrite, parameters=count_parameters(args))
     with hold_output_dir(run.path, rank=rank):
-        yield data, run, resume, world_size, rank
+        yield data, run, candidates, world_size, rank
 
 
-def claim_run(args, data: Sequences, run: RunFolder, resume: Path | None, rank: int, log: StepLog,
-              startup: StartupWatchdog) -> None:
+def claim_run(args, data: Sequences, run: RunFolder, candidates: tuple[list[Path], list[str]], rank: int,
+              log: StepLog, startup: StartupWatchdog) -> Path | None:
     """Once the process group exists and before anything is written: every rank was launched with
     the same command and sees the same folder, checkpoints and data (one line naming a difference,
     on every rank); then rank 0 creates and marks the folder and, for --overwrite, deletes the
-    run's checkpoints and log. A resume of an older checkpoint than the newest sets the later ones
-    aside (a branch, kept for the user, out of reach of --resume auto), and the log records the
-    resume (or a fresh start over an earlier run's log) so that no step is counted twice;
-    checkpoints cut short by an interrupted save are set aside the same way. From here to the step loop a rank that hangs is reported within
-    --startup-timeout."""
+    run's checkpoints and log. Of ``candidates`` (checked_run's) the ranks resume the first whose
+    checksums they all find intact (the damaged ones skipped with a warning, or, named by
+    --resume, refused), returned (None: start afresh). A resume of an older checkpoint than the
+    newest sets the later ones aside (a branch, kept for the user, out of reach of --resume auto),
+    and the log records the resume (or a fresh start over an earlier run's log) so that no step is
+    counted twice; checkpoints cut short by an interrupted save, or damaged, are set aside the same
+    way. From here to the step loop a rank that hangs is reported within --startup-timeout."""
+    tried, warnings = candidates
     startup.phase("agreeing on the arguments")
-    agree_on_arguments(run.kind, {**vars(args), "output folder": run.path.resolve(), "checkpoint to resume": resume,
+    agree_on_arguments(run.kind, {**vars(args), "output folder": run.path.resolve(),
+                                  "checkpoints to try resuming": tried,
                                   "checkpoints": [p.name for p in run.checkpoints()], "sequences": len(data)})
+    for message in warnings:
+        log.warn(message)
     if rank == 0:
         run.claim()
         if args.overwrite:
             run.clear()
+    startup.phase("verifying the checkpoint to resume")
+    resume = verified_resume(tried, explicit=args.resume != "auto", warn=log.warn, must_list=files_in)
     set_aside = run.set_aside_later(resume, rank=rank)
     if resume is not None:
         log.resumed(run.step_of(resume), resume, set_aside)
-        return
+        return resume
     log.started_afresh()
     if set_aside is not None:
         log.info(f"starting afresh: the checkpoints cut short by an interrupted save are set aside, not deleted, in "
                  f"{set_aside}")
+    return None
 
 
 def preempted(preemption: Preemption, step: int, checkpoint: Path) -> Preempted:

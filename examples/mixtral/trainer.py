@@ -12,7 +12,6 @@ Trainer's own. ``--baseline`` runs the same script without moe_ep. See README.md
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
@@ -29,11 +28,6 @@ from loops import (
     script_main,
     startup_watchdog,
 )
-
-# transformers' TRAINER_STATE_NAME: what the Trainer writes last into a checkpoint (importing the
-# Trainer here would slow every start-up, usage errors included).
-TRAINER_STATE = "trainer_state.json"
-
 
 def log_callback(log: StepLog):
     from transformers import TrainerCallback
@@ -88,13 +82,27 @@ def preemption_callback(stop):
     return SaveAndStopOnPreemption()
 
 
+def seal_callback(run: RunFolder):
+    from transformers import TrainerCallback
+
+    class SealCheckpoints(TrainerCallback):
+        """Every rank, once the Trainer has written ``checkpoint-N`` (under its final name): its
+        manifest (RunFolder.seal), without which the checkpoint counts as cut short, and against
+        which its files are checked before any resume."""
+
+        def on_save(self, args, state, control, **kwargs):
+            run.seal(run.path / f"checkpoint-{state.global_step}", step=state.global_step)
+
+    return SealCheckpoints()
+
+
 def train(args) -> None:
-    with (checked_run(args, "trainer", "checkpoint-*", written_last=TRAINER_STATE) as (
-            data, run, resume, world_size, rank), preemption(args) as stop, startup_watchdog(args) as startup):
-        _train(args, data, run, resume, world_size, rank, stop, startup)
+    with (checked_run(args, "trainer", "checkpoint-*") as (data, run, candidates, world_size, rank),
+          preemption(args) as stop, startup_watchdog(args) as startup):
+        _train(args, data, run, candidates, world_size, rank, stop, startup)
 
 
-def _train(args, data, run: RunFolder, resume: Path | None, world_size: int, rank: int, stop, startup) -> None:
+def _train(args, data, run: RunFolder, candidates, world_size: int, rank: int, stop, startup) -> None:
     from accelerate import PartialState
     from transformers import PrinterCallback, Trainer, TrainingArguments
 
@@ -102,7 +110,7 @@ def _train(args, data, run: RunFolder, resume: Path | None, world_size: int, ran
 
     state = PartialState(cpu=not torch.cuda.is_available())  # the process group, which parallelize needs
     log = StepLog(run.path, enabled=rank == 0)
-    claim_run(args, data, run, resume, rank, log, startup)
+    resume = claim_run(args, data, run, candidates, rank, log, startup)
     training_args = TrainingArguments(
         output_dir=str(run.path), per_device_train_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
@@ -114,7 +122,7 @@ def _train(args, data, run: RunFolder, resume: Path | None, world_size: int, ran
         train_sampling_strategy="sequential", dataloader_drop_last=True, use_cpu=not torch.cuda.is_available(),
     )
     trainer_class = Trainer if args.baseline else moe_ep.ExpertParallelTrainer
-    callbacks = [log_callback(log), startup_callback(startup), preemption_callback(stop)] + (
+    callbacks = [log_callback(log), startup_callback(startup), preemption_callback(stop), seal_callback(run)] + (
         [stop_callback(args.stop_after)] if args.stop_after else [])
     startup.phase("building the model and the Trainer")
     with configuration_errors():

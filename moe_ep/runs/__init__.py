@@ -34,7 +34,7 @@ from .checkpoint import (
     verified_resume,
 )
 from .errors import RunError, UsageError, lost_peer, report_failure, run_reported, said_by_every_rank, write_failure
-from .integrity import digest, local_problems, verify, write_manifest
+from .integrity import digest, files_in, local_problems, seal, verify, write_manifest
 from .metrics import (
     ExpertLoad,
     Reporter,
@@ -75,7 +75,7 @@ __all__ = [
     "check_output_folders", "clear_run", "delete_atomically", "describe_holder", "hold_output_dir",
     "make_managed_dir", "mark", "marker_kind", "related",
     # integrity
-    "digest", "local_problems", "verify", "write_manifest",
+    "digest", "files_in", "local_problems", "seal", "verify", "write_manifest",
     # checkpoints and resume
     "check_resume_data", "checkpoint_due", "complete_checkpoints", "damage_report", "is_complete",
     "latest_checkpoint", "load_checkpoint", "manifest_must_list", "quiet_single_process", "read_trainer_state", "remove_incomplete",

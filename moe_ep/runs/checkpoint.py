@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from .errors import RunError, UsageError, failure_cause, write_failure
-from .integrity import MANIFEST, gather, local_problems, shared_digests, verify, write_manifest
+from .integrity import MANIFEST, files_in, gather, local_problems, seal, verify
 from .ownership import (
     TMP_PREFIX,
     TRASH_PREFIX,
@@ -122,10 +122,10 @@ def manifest_must_list(path: Path) -> set[str]:
     lists all it wrote, and a load may read any of them) and, present or not, those every load
     reads."""
     try:
-        present = {p.name for p in path.iterdir()}
+        present = set(files_in(path))
     except OSError:
         present = set()
-    return (present | {DCP_METADATA, TRAINER_STATE}) - {MANIFEST}
+    return present | {DCP_METADATA, TRAINER_STATE}
 
 
 def quick_problems(path: Path) -> list[str]:
@@ -261,18 +261,13 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
             except OSError as err:
                 raise RunError(f"{write_failure(tmp / 'config.json', err)}; {kept}") from None
     barrier()
-    # The files as rank 0 lists them, read back and hashed by all ranks.
-    names = gather(sorted(p.name for p in tmp.iterdir()) if rank == 0 else None)[0]
-    files = shared_digests(tmp, names)
-    unreadable = [f"{name} {why}" for name, why in files.items() if isinstance(why, str)]
+    try:
+        unreadable = seal(tmp, step=step)
+    except OSError as err:  # rank 0's manifest
+        raise RunError(f"{write_failure(tmp / MANIFEST, err)}; {kept}") from None
     if unreadable:
         raise RunError(f"cannot read back {tmp}: {', '.join(unreadable)}; {kept}", agreed=True)
     if rank == 0:
-        try:
-            write_manifest(tmp, files, step=step)
-            fsync_dir(tmp)
-        except OSError as err:
-            raise RunError(f"{write_failure(tmp / MANIFEST, err)}; {kept}") from None
         trash = None
         if final.exists():
             # A checkpoint of this step exists (a resumed run re-saving it): moved aside whole,
@@ -364,12 +359,13 @@ def resume_candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
     return good, [f"--resume auto: skipping {s}" for s in skipped]
 
 
-def verified_resume(candidates: list[Path], *, explicit: bool, warn) -> Path | None:
+def verified_resume(candidates: list[Path], *, explicit: bool, warn, must_list=manifest_must_list) -> Path | None:
     """Collective: the first of ``candidates`` whose every file matches its checksum, the ranks
     sharing the hashing and agreeing on the verdict; a damaged one is skipped with a warning,
-    unless it was named by ``--resume PATH`` (``explicit``), which stops every rank."""
+    unless it was named by ``--resume PATH`` (``explicit``), which stops every rank.
+    ``must_list(path)``: the files its manifest must list (read_manifest)."""
     for path in candidates:
-        problems = verify(path, must_list=manifest_must_list(path))
+        problems = verify(path, must_list=must_list(path))
         if not problems:
             return path
         if explicit:

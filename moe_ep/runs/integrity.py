@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from .ownership import fsync_dir
+
 MANIFEST = "manifest.json"
 FORMAT = "moe_ep-manifest/1"
 CHUNK = 1 << 22
@@ -63,6 +65,30 @@ def shared_digests(folder: Path, names: list[str]) -> dict[str, tuple[int, str] 
     for part in gather(mine):
         merged.update(part)
     return merged
+
+
+def files_in(folder: Path, manifest: str = MANIFEST) -> list[str]:
+    """Every file under ``folder`` (subfolders too: accelerate's sharded states have them), as paths
+    relative to it, the manifest and its temporary copy left out."""
+    skip = {manifest, f".{manifest}.tmp"}
+    return sorted(rel for p in folder.rglob("*") if p.is_file() and (rel := p.relative_to(folder).as_posix()) not in skip)
+
+
+def seal(folder: Path, **info) -> list[str]:
+    """Collective, once every rank has written its files into ``folder``: the files as rank 0 lists
+    them, read back and hashed by all ranks, and the manifest written by rank 0 (atomically, the
+    folder synced), with ``info`` beside the files. Returns the files that could not be read back,
+    the same list on every rank (no manifest is written then). Rank 0 raises the OSError of a
+    manifest that cannot be written."""
+    rank, _ = rank_world()
+    gather(None)  # every rank has finished writing before rank 0 lists the folder
+    names = gather(files_in(folder) if rank == 0 else None)[0]
+    files = shared_digests(folder, names)
+    unreadable = [f"{name} {why}" for name, why in files.items() if isinstance(why, str)]
+    if not unreadable and rank == 0:
+        write_manifest(folder, files, **info)
+        fsync_dir(folder)
+    return unreadable
 
 
 def write_manifest(folder: Path, files: dict[str, tuple[int, str]], *, manifest: str = MANIFEST, **info) -> None:

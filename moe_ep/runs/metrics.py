@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -388,3 +389,7 @@ class StepLog:
     def info(self, message: str) -> None:
         if self.enabled:
             print(message, flush=True)
+
+    def warn(self, message: str) -> None:
+        if self.enabled:
+            print(f"warning: {message}", file=sys.stderr, flush=True)

@@ -1,6 +1,13 @@
 """The output folder of a training loop whose checkpoints another library writes (transformers'
 Trainer, accelerate's ``save_state``), under ownership.py's rules.
 
+Once the library has written a checkpoint, every rank seals it (``seal``): the ranks hash its files
+together and rank 0 writes their manifest (integrity.py), last, so that a checkpoint without one was
+cut short and a checkpoint whose files differ from it is damaged. Before start-up each rank checks
+the manifests, the listings and the sizes of the checkpoints it may resume (``check``); after it
+the ranks compare the checksums together and agree (checkpoint.verified_resume), so a damaged
+checkpoint is skipped (``--resume auto``) or refused (``--resume PATH``), never loaded.
+
 The folder is created and marked (``kind``: which script's run it is) by global rank 0, or must be
 one the same kind of run marked (an empty folder is taken over); a folder holding anything else is
 refused before any work. Its checkpoints are resumed as ``--resume`` says (``resume_target``):
@@ -15,8 +22,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .checkpoint import ABANDONED_PREFIX, set_aside_later_checkpoints
-from .errors import UsageError
+from .checkpoint import ABANDONED_PREFIX, damage_report, set_aside_later_checkpoints
+from .errors import RunError, UsageError, write_failure
+from .integrity import MANIFEST, files_in, local_problems, seal
 from .ownership import (
     CHECKPOINT_BYTES_PER_PARAMETER,
     EXPORT_BYTES_PER_PARAMETER,
@@ -34,25 +42,23 @@ from .ownership import (
 )
 
 FINAL = "final"
+# Before start-up each rank hashes the small files of the checkpoints it may resume (states,
+# configs); the large shards are hashed after it, shared by the ranks.
+QUICK_HASH_BYTES = 1 << 20
 
 
 class RunFolder:
     """``--output-dir`` of a loop whose checkpoints its library writes (module docstring)."""
 
-    def __init__(self, path: Path, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = (),
-                 written_last: str | None = None):
+    def __init__(self, path: Path, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = ()):
         """``checkpoint_glob``: where the library writes its checkpoints, relative to ``path``, a
-        ``*`` standing for the optimizer step (``checkpoint-*``, ``checkpoints/step_*``).
-        ``written_last``: the file the library writes last into a checkpoint, for a library that
-        writes under the final name (the Trainer's ``trainer_state.json``): a checkpoint without it
-        was cut short; None where a checkpoint appears under its name only once complete."""
+        ``*`` standing for the optimizer step (``checkpoint-*``, ``checkpoints/step_*``)."""
         self.path = path
         self.kind = kind
         glob = Path(checkpoint_glob)
         self.checkpoint_root = path / glob.parent
         self._checkpoint_name = re.compile(re.escape(glob.name).replace(r"\*", r"(\d+)"))
         self.managed = managed  # subfolders the script makes (with their own markers)
-        self.written_last = written_last
         self.final = path / FINAL
 
     def checkpoints(self) -> list[Path]:
@@ -66,7 +72,20 @@ class RunFolder:
         return int(self._checkpoint_name.fullmatch(checkpoint.name)[1])
 
     def is_complete(self, checkpoint: Path) -> bool:
-        return self.written_last is None or (checkpoint / self.written_last).is_file()
+        """Sealed: the library wrote it whole on every rank (a library that writes under the
+        final name, as the Trainer does, leaves a checkpoint cut short without a manifest)."""
+        return (checkpoint / MANIFEST).is_file()
+
+    def seal(self, checkpoint: Path, *, step: int) -> None:
+        """Collective, once the library has written ``checkpoint`` on every rank: its manifest
+        (integrity.seal), which makes it complete. Raises RunError when a file cannot be read back
+        or the manifest cannot be written."""
+        try:
+            unreadable = seal(checkpoint, step=step)
+        except OSError as err:  # rank 0's manifest
+            raise RunError(write_failure(checkpoint / MANIFEST, err)) from None
+        if unreadable:
+            raise RunError(f"cannot read back {checkpoint}: {', '.join(unreadable)}", agreed=True)
 
     def resume_target(self, resume: str, *, overwrite: bool) -> Path | None:
         """The checkpoint to resume (None: start afresh). ``resume``: ``auto`` (the newest complete
@@ -89,28 +108,55 @@ class RunFolder:
         for checkpoint in found:
             if checkpoint.resolve() == named:
                 if not self.is_complete(checkpoint):
-                    raise UsageError(f"--resume {resume}: the checkpoint was cut short (it has no {self.written_last}, "
+                    raise UsageError(f"--resume {resume}: the checkpoint was cut short (it has no {MANIFEST}, "
                                      "which is written last); resume another one, or auto for the newest complete one")
                 return checkpoint
         raise UsageError(f"--resume {resume}: not a checkpoint of this script's run in {self.path} (it holds "
                          f"{', '.join(p.name for p in found) or 'none'})")
 
-    def check(self, *, resume: str, overwrite: bool, parameters: int) -> Path | None:
+    def resume_candidates(self, resume: str, *, overwrite: bool) -> tuple[list[Path], list[str]]:
+        """Before start-up, each rank alone: the checkpoints to try, newest first, and a warning for
+        each one skipped. ``auto``: every complete checkpoint, those whose manifest, listing, sizes
+        or small files are wrong left out (refused when that is all of them); a checkpoint named by
+        ``--resume`` must pass. The shards' checksums are compared after start-up, by every rank
+        together (checkpoint.verified_resume, with ``files_in`` as what the manifest must list)."""
+        target = self.resume_target(resume, overwrite=overwrite)
+        if target is None:
+            return [], []
+        tried = [p for p in reversed(self.checkpoints()) if self.is_complete(p)] if resume == "auto" else [target]
+        good, skipped = [], []
+        for path in tried:
+            problems = local_problems(path, must_list=files_in(path),
+                                      hash_if=lambda name, path=path: (path / name).stat().st_size <= QUICK_HASH_BYTES)
+            if problems:
+                skipped.append(damage_report(path, problems))
+            else:
+                good.append(path)
+        if resume != "auto" and skipped:
+            raise UsageError(f"--resume: {skipped[0]}; resume another checkpoint (--resume PATH, or auto for the newest "
+                             "intact one)")
+        if skipped and not good:
+            raise UsageError(f"--resume auto: every checkpoint in {self.checkpoint_root} is damaged "
+                             f"({'; '.join(skipped)}); start afresh with --overwrite (which deletes them) or choose "
+                             "another --output-dir")
+        return good, [f"--resume auto: skipping {s}" for s in skipped]
+
+    def check(self, *, resume: str, overwrite: bool, parameters: int) -> tuple[list[Path], list[str]]:
         """Before any work, on every rank: nothing of the user's is in the way, the folder is
-        writable and has room for a checkpoint and the final model. Returns the checkpoint to
-        resume (resume_target)."""
+        writable and has room for a checkpoint and the final model. Returns the checkpoints to try
+        resuming and the warnings for those skipped (resume_candidates)."""
         check_odd_entries(self.path)
         check_output_dir_is_ours(self.path, self.kind, self.managed)
         for name in self.managed:
             if (self.path / name).exists() and not ours(self.path / name, name):
                 raise UsageError(not_ours_message(self.path / name, "--output-dir"))
-        target = self.resume_target(resume, overwrite=overwrite)
+        candidates = self.resume_candidates(resume, overwrite=overwrite)
         if self.final.exists() and not ours(self.final, "export"):
             raise UsageError(not_ours_message(self.final, "--output-dir"))
         check_writable(self.path, "--output-dir")
         check_free_space(self.path, (CHECKPOINT_BYTES_PER_PARAMETER + EXPORT_BYTES_PER_PARAMETER) * parameters,
                          "one checkpoint and the final model", "--output-dir")
-        return target
+        return candidates
 
     def claim(self) -> None:
         """Rank 0, after ``check`` and with the lock held: create and mark the folder."""
