@@ -28,6 +28,7 @@ layers and micro-batches; the reference computes it by hand from transformers' r
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import pytest
@@ -245,6 +246,16 @@ def _pp_alone(rank, world, batch, schedules, families):
             norms.append(step.last_grad_norm.item() if run.max_norm else None)
         layers = [list(m.layer_ids) for m in stages.modules]
         out[run] = (losses, layers, stages.stage_ids, norms)
+        if run == schedules[0]:
+            # Batches of another shape than the first step's are refused alike on every rank
+            # (before any collective), and the stages run the first shape on.
+            refused = []
+            for other in ({k: v[:, :-1] for k, v in batch.items()}, {k: v[:MICRO] for k, v in batch.items()}):
+                try:
+                    step(other)
+                except ValueError as err:
+                    refused.append(str(err))
+            out["refused_shapes"] = (refused, math.isfinite(step(batch).item()))
     for name, run in families.items():
         # Through parallelize: FSDP2 on every stage (over one rank here), where a tied head could
         # come apart from its embedding.
@@ -304,6 +315,13 @@ def test_pp2_alone_tracks_single_process_losses_for_every_schedule(world2, refer
         assert all_layers == [0, 1, 2, 3], run
     zbv, interleaved = PipelineRun("zbv"), PipelineRun("interleaved-1f1b")
     assert ranks[0][zbv][2] == [0, 3] and ranks[1][zbv][2] == [1, 2]
+    for result in ranks:
+        refused, went_on = result["refused_shapes"]
+        assert refused == [
+            f"input_ids of shape {shape}, but these pipeline stages run batches of shape [{BATCH}, {SEQ}] ({MICRO} "
+            f"micro-batches of [{BATCH // MICRO}, {SEQ}]): the schedule fixed the shape of the activations its stages "
+            "exchange at its first step. Pad every batch to that shape (labels -100 where padded) or build new stages "
+            "for the new shape" for shape in ((BATCH, SEQ - 1), (MICRO, SEQ))] and went_on
     assert ranks[0][interleaved][2] == [0, 2] and ranks[1][interleaved][2] == [1, 3]
 
 

@@ -46,6 +46,9 @@ class Executor(ABC):
     def sum_over_stages(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over this rank's pipeline (in place; collective there)."""
 
+    def check_batch_shape(self, shape: tuple[int, ...]) -> None:
+        """Refuse, before any collective, an ``input_ids`` shape this executor cannot run."""
+
     def over_stages(self, stage_norm: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the 2-norm of the whole model's gradients, ``flags`` summed over the pipeline) from
         this rank's stages' norm and flags, in one collective."""
@@ -151,9 +154,13 @@ class PipelineSchedule(Executor):
     def vocab_size(self) -> int:
         return _vocab_size(self.stages.modules[0])
 
+    def check_batch_shape(self, shape: tuple[int, ...]) -> None:
+        self.stages.check_batch_shape(shape)
+
     def run(self, ids, labels, loss_fn):
         stages = self.stages
         schedule = stages.schedule(loss_fn, loss_input=self.loss_input)
+        stages.ran_batch_shape(ids.shape)
         args = (ids,) if stages.has_first else ()
         losses = [] if stages.has_last else None
         schedule.step(*args, target=labels if stages.has_last else None, losses=losses)

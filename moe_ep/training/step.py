@@ -294,5 +294,6 @@ class TrainStep:
                 f"microbatches={self.microbatches} must divide input_ids' first dimension, got shape "
                 f"{tuple(ids.shape)}"
             )
+        self.executor.check_batch_shape(tuple(ids.shape))
         # Their values are checked on the device and refused at the step's read-back, on every rank.
         return screened(ids, batch.get("labels"), self.executor.vocab_size)

@@ -55,6 +55,7 @@ class PipelineStages:
     _schedule: object = field(default=None, repr=False)
     _loss: _LatestLoss = field(default_factory=_LatestLoss, repr=False)
     _loss_input: str | None = field(default=None, repr=False)
+    _batch_shape: tuple[int, int] | None = field(default=None, repr=False)
 
     @property
     def meshes(self) -> MoEMeshes | None:
@@ -102,6 +103,25 @@ class PipelineStages:
         for module in self.modules:
             module.train(mode)
         return self
+
+    def check_batch_shape(self, shape: tuple[int, ...]) -> None:
+        """Refuse a batch of another ``[batch, seq]`` than the schedule's first step ran: the
+        schedule inferred the activations the stages exchange from that step, and a batch of
+        another shape would send and receive buffers of the wrong size (an abort in gloo, a hang or
+        garbage elsewhere). Every rank of the pipeline holds the batch, so each refuses alike."""
+        if self._batch_shape is not None and tuple(shape) != self._batch_shape:
+            batch, seq = self._batch_shape
+            raise ValueError(
+                f"input_ids of shape {tuple(shape)}, but these pipeline stages run batches of shape [{batch}, {seq}] "
+                f"({self.microbatches} micro-batches of [{batch // self.microbatches}, {seq}]): the schedule fixed the "
+                "shape of the activations its stages exchange at its first step. Pad every batch to that shape "
+                "(labels -100 where padded) or build new stages for the new shape"
+            )
+
+    def ran_batch_shape(self, shape: tuple[int, ...]) -> None:
+        """The shape the schedule infers its activations from (its first step's; check_batch_shape)."""
+        if self._batch_shape is None:
+            self._batch_shape = tuple(shape)
 
     def schedule(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, loss_input: str = "logits"):
         """The torch schedule over these stages, computing the loss with ``loss_fn(logits, labels)``
