@@ -144,13 +144,7 @@ class ScheduleInfo:
         run one after the other); 0 for the other schedules."""
         if pp == 1 or not self.overlaps_forward_backward:
             return 0.0
-        if self.name == DUALPIPEV:
-            actions = _dualpipev_actions(pp, microbatches, rank)
-            overlapped = sum(kind == "F" and beside for kind, _, beside in actions)
-        else:
-            _, steady = _interleaved_order(pp, microbatches, self.stages_per_rank, rank)
-            overlapped = sum(forward != backward for forward, backward in steady)
-        return overlapped / (self.stages_per_rank * microbatches)
+        return _overlapped_forwards(self, pp, microbatches, rank) / (self.stages_per_rank * microbatches)
 
     def peak_activations(self, pp: int, microbatches: int, rank: int,
                          act_by_stage: dict[int, float]) -> tuple[float, float]:
@@ -248,11 +242,31 @@ def _dualpipev_actions(pp: int, microbatches: int, rank: int) -> tuple[tuple[str
 
 
 @functools.lru_cache(maxsize=4096)
+def _overlapped_forwards(info: ScheduleInfo, pp: int, microbatches: int, rank: int) -> int:
+    # ScheduleInfo.overlapped_share's count, asked for by every layout the search costs.
+    if info.name == DUALPIPEV:
+        return sum(kind == "F" and beside for kind, _, beside in _dualpipev_actions(pp, microbatches, rank))
+    _, steady = _interleaved_order(pp, microbatches, info.stages_per_rank, rank)
+    return sum(forward != backward for forward, backward in steady)
+
+
+def _not_dominated(moments: list[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The moments no other one holds at least as many micro-batches of every stage as: with
+    non-negative bytes per stage the peak lies among them (a schedule of thousands of micro-batches
+    has thousands of moments, and a front of a few)."""
+    front: list[tuple[int, ...]] = []
+    for counts in sorted(moments, key=lambda c: (sum(c), c), reverse=True):
+        if not any(all(a >= b for a, b in zip(kept, counts)) for kept in front):
+            front.append(counts)
+    return tuple(front)
+
+
+@functools.lru_cache(maxsize=4096)
 def _live_after_forwards(info: ScheduleInfo, pp: int, microbatches: int,
                          rank: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-    # The rank's stages and the distinct micro-batch counts they hold right after a forward
-    # (only a forward can raise the total): a few dozen in a schedule of thousands of actions,
-    # so a layout's memory table costs a dot product each.
+    # The rank's stages and the micro-batch counts they hold right after a forward (only a
+    # forward can raise the total), those that another moment dominates left out: a few in a
+    # schedule of thousands of actions, so a layout's memory table costs a dot product each.
     events = info.rank_events(pp, microbatches, rank)
     stages = tuple(sorted({s for s, _ in events}))
     index = {s: i for i, s in enumerate(stages)}
@@ -261,7 +275,7 @@ def _live_after_forwards(info: ScheduleInfo, pp: int, microbatches: int,
         live[index[stage]] += delta
         if delta > 0:
             moments.setdefault(tuple(live), None)
-    return stages, tuple(moments)
+    return stages, _not_dominated(list(moments))
 
 
 SCHEDULES = {
