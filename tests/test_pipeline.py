@@ -317,11 +317,13 @@ def test_pp2_alone_tracks_single_process_losses_for_every_schedule(world2, refer
     assert ranks[0][zbv][2] == [0, 3] and ranks[1][zbv][2] == [1, 2]
     for result in ranks:
         refused, went_on = result["refused_shapes"]
-        assert refused == [
-            f"input_ids of shape {shape}, but these pipeline stages run batches of shape [{BATCH}, {SEQ}] ({MICRO} "
-            f"micro-batches of [{BATCH // MICRO}, {SEQ}]): the schedule fixed the shape of the activations its stages "
-            "exchange at its first step. Pad every batch to that shape (labels -100 where padded) or build new stages "
-            "for the new shape" for shape in ((BATCH, SEQ - 1), (MICRO, SEQ))] and went_on
+        assert len(refused) == 2 and went_on, refused
+        for message, shape in zip(refused, ((BATCH, SEQ - 1), (MICRO, SEQ))):
+            assert message.endswith(
+                f"(this rank's batch: input_ids of shape {shape}, but these pipeline stages run batches of shape "
+                f"[{BATCH}, {SEQ}] ({MICRO} micro-batches of [{BATCH // MICRO}, {SEQ}]): the schedule fixed the shape "
+                "of the activations its stages exchange at its first step. Pad every batch to that shape (labels -100 "
+                "where padded) or build new stages for the new shape)"), message
     assert ranks[0][interleaved][2] == [0, 2] and ranks[1][interleaved][2] == [1, 3]
 
 

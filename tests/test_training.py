@@ -830,6 +830,31 @@ RANK_BAD_BATCHES = {
     "pp2_negative_id_on_the_first_stage": RankBadBatch("pp2", "negative_id", (0,)),
     "pp2_float_labels_on_the_first_stage": RankBadBatch("pp2", "float_labels", (0,)),
 }
+
+
+class RankBadForm(NamedTuple):
+    """A batch the step cannot run at all, given by the ranks ``on`` of a 2-rank ``layout``: that
+    rank's own error (its type, and a pattern of its text) follows the refusal every rank says."""
+
+    layout: str
+    spoil: object  # the rank's share of the batch -> what it passes instead
+    on: tuple[int, ...]
+    error_type: str
+    error: str
+
+
+RANK_BAD_FORMS = {
+    "dp2_odd_rows_on_rank_1": RankBadForm(
+        "dp2", lambda b: {k: v[:1] for k, v in b.items()}, (1,), "ValueError",
+        r"batch of 1 sequences cannot be cut into 2 micro-batches"),
+    "pp2_not_a_dict_on_the_first_stage": RankBadForm(
+        "pp2", lambda b: [b], (0,), "TypeError", r"batch must be a dict with 'input_ids'"),
+    "pp2_another_shape_on_the_last_stage": RankBadForm(
+        "pp2", lambda b: {k: v[:, :-1] for k, v in b.items()}, (1,), "ValueError",
+        r"input_ids of shape \(4, 5\), but these pipeline stages run batches of shape \[4, 6\]"),
+}
+FORM_REFUSAL = ("TrainStep refused the batch on every rank, nothing was applied: the batch is not one the step can "
+                "run (its type, keys or shape) on 1 rank, whose own error names what is wrong")
 # The steps of the 2-rank batch test after its bad batches, and of the one-process run it is
 # compared with: clean, every label ignored (skipped), the first half of the sequences (rank 0's
 # share with dp2) ignored (taken), clean.
@@ -872,6 +897,17 @@ def _bad_batches_on_two_ranks(rank, world):
             batch = _spoiled(share[1], BAD_BATCHES[case.bad]) if rank in case.on else share[1]
             try:
                 step(batch)
+                message = "no error"
+            except Exception as exc:  # the test asserts the type and the text
+                message = f"{type(exc).__name__}: {exc}"
+            untouched = _equal(_local_state(params, opt), before) and all(p.grad is None for p in params)
+            refused[name] = (message, untouched, step.steps_skipped)
+        for name, form in RANK_BAD_FORMS.items():
+            if form.layout != layout:
+                continue
+            before = _local_state(params, opt)
+            try:
+                step(form.spoil(share[1]) if rank in form.on else share[1])
                 message = "no error"
             except Exception as exc:  # the test asserts the type and the text
                 message = f"{type(exc).__name__}: {exc}"
@@ -943,6 +979,24 @@ def test_a_bad_batch_on_one_rank_stops_every_rank_with_the_same_message(two_rank
     message, untouched, steps_skipped = results[0]
     assert re.search(_refusal(BAD_BATCHES[case.bad], len(case.on)), message.removeprefix("ValueError: ")), message
     assert message.startswith("ValueError: ") and untouched and steps_skipped == 0
+
+
+@pytest.mark.parametrize("name", list(RANK_BAD_FORMS))
+def test_a_batch_one_rank_cannot_run_stops_every_rank_not_that_rank_alone(two_ranks, name):
+    """2 gloo ranks, data-parallel and as 2 pipeline stages: a batch of a type, rows or shape the
+    step cannot run on one rank (which would have raised there alone, leaving the other rank in the
+    step's collectives until the process group's timeout, or aborting it in gloo) is run as a
+    harmless stand-in and refused on every rank at the step's read-back: the same refusal on both,
+    the rank's own error after it, nothing applied."""
+    form = RANK_BAD_FORMS[name]
+    for rank, (message, untouched, steps_skipped) in enumerate(r["batches"][form.layout]["refused"][name]
+                                                               for r in two_ranks):
+        if rank in form.on:
+            assert message.startswith(f"{form.error_type}: {FORM_REFUSAL} (this rank's batch: "), message
+            assert re.search(form.error, message), message
+        else:
+            assert message == f"ValueError: {FORM_REFUSAL}", message
+        assert untouched and steps_skipped == 0
 
 
 @pytest.mark.parametrize("layout", list(PARALLELIZE))

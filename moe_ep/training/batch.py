@@ -21,8 +21,9 @@ import torch
 from .loss import IGNORE_INDEX
 
 TOKEN_DTYPES = (torch.int64, torch.int32)
-# The flags' order: per rank, 1.0 where the batch has that problem.
-PROBLEMS = ("input_ids dtype", "input_ids range", "labels dtype", "labels range")
+# The flags' order: per rank, 1.0 where the batch has that problem. "batch form": the batch is not
+# one the step can run at all (its type, keys or shape); that rank runs ``stand_in`` instead.
+PROBLEMS = ("input_ids dtype", "input_ids range", "labels dtype", "labels range", "batch form")
 
 
 def screened(ids: torch.Tensor, labels: torch.Tensor | None, vocab_size: int):
@@ -51,6 +52,16 @@ def screened(ids: torch.Tensor, labels: torch.Tensor | None, vocab_size: int):
     return ids, labels, flags
 
 
+def stand_in(shape: tuple[int, int], device: torch.device, vocab_size: int):
+    """``screened``'s triple for a rank whose batch could not run at all: token 0 everywhere,
+    every label ignored, of ``shape`` (one the other ranks' collectives can meet), flagged as a
+    "batch form" problem."""
+    ids = torch.zeros(shape, dtype=torch.int64, device=device)
+    ids, labels, flags = screened(ids, torch.full_like(ids, IGNORE_INDEX), vocab_size)
+    flags[PROBLEMS.index("batch form")].fill_(1.0)
+    return ids, labels, flags
+
+
 def refusal(ranks_with: list[float], vocab_size: int) -> str | None:
     """The message for the flags summed over the ranks (``PROBLEMS``' order), None when there is
     nothing to refuse; built from those sums only, so every rank raises the same one."""
@@ -69,6 +80,9 @@ def refusal(ranks_with: list[float], vocab_size: int) -> str | None:
     if found["labels range"]:
         problems.append(f"labels hold values outside [0, {vocab_size}) (config.vocab_size) other than the ignore index "
                         f"{IGNORE_INDEX} {where['labels range']}")
+    if found["batch form"]:
+        problems.append(f"the batch is not one the step can run (its type, keys or shape) {where['batch form']}, "
+                        "whose own error names what is wrong")
     if not problems:
         return None
     return "TrainStep refused the batch on every rank, nothing was applied: " + "; ".join(problems)

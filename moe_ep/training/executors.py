@@ -49,6 +49,12 @@ class Executor(ABC):
     def check_batch_shape(self, shape: tuple[int, ...]) -> None:
         """Refuse, before any collective, an ``input_ids`` shape this executor cannot run."""
 
+    @abstractmethod
+    def stand_in_shape(self) -> tuple[int, int] | None:
+        """The ``[batch, seq]`` of a harmless batch this rank can run in place of one it cannot,
+        so that the step's collectives still meet the other ranks' (batch.stand_in); None where
+        no shape is sure to."""
+
     def over_stages(self, stage_norm: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the 2-norm of the whole model's gradients, ``flags`` summed over the pipeline) from
         this rank's stages' norm and flags, in one collective."""
@@ -112,6 +118,10 @@ class GradientAccumulation(Executor):
     def sum_over_stages(self, t):
         return t
 
+    def stand_in_shape(self) -> tuple[int, int]:
+        # Data-parallel ranks' batches need not share a shape: one sequence per micro-batch.
+        return self.microbatches, 2
+
     def over_stages(self, stage_norm, flags):
         return stage_norm, flags
 
@@ -156,6 +166,10 @@ class PipelineSchedule(Executor):
 
     def check_batch_shape(self, shape: tuple[int, ...]) -> None:
         self.stages.check_batch_shape(shape)
+
+    def stand_in_shape(self) -> tuple[int, int] | None:
+        # The stages exchange activations of the first step's shape; before it none is known.
+        return self.stages.batch_shape
 
     def run(self, ids, labels, loss_fn):
         stages = self.stages

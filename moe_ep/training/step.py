@@ -17,7 +17,7 @@ from ..parallel.clip import clip_grads_, grad_norm
 from ..parallel.context import parallel_context
 from ..parallel.pipeline import PipelineStages
 from .balancing import Balancing
-from .batch import refusal, screened
+from .batch import refusal, screened, stand_in
 from .executors import executor_for
 from .loss import IGNORE_INDEX, CausalLMLoss, ChunkedCausalLMLoss, predicted_tokens
 from .loss_scale import LossScaler
@@ -179,6 +179,11 @@ class TrainStep:
                                  group=self.dp_group if global_aux_loss else None)
         self.closed = False
         self.last_lm_loss = self.last_aux_loss = self.last_z_loss = self.last_grad_norm = None
+        # Other ranks meet this one in the step's collectives: a batch this rank cannot run is run
+        # as a stand-in and refused by every rank together (batch.stand_in), not here alone.
+        self.spans_ranks = self.dp_group is not None or (
+            isinstance(model_or_stages, PipelineStages) and model_or_stages.group.size() > 1)
+        self._own_refusal: Exception | None = None  # why this rank ran a stand-in this step
 
     @property
     def last_step_skipped(self) -> bool:
@@ -244,6 +249,9 @@ class TrainStep:
         if refused is not None:
             self.optimizer.zero_grad(set_to_none=True)
             self.last_lm_loss = self.last_aux_loss = self.last_z_loss = self.last_grad_norm = None
+            own = self._own_refusal
+            if own is not None:
+                raise type(own)(f"{refused} (this rank's batch: {own})") from None
             raise ValueError(refused)
         took_step = not no_tokens and self.skips.takes(loss_value, norm_value)
         if self.scaler and not no_tokens:  # no token is no overflow: the scale stays
@@ -271,6 +279,23 @@ class TrainStep:
         return tokens
 
     def _inputs(self, batch):
+        """``screened``'s (ids, labels, flags) of ``batch``; one whose type, keys or shape this step
+        cannot run raises here alone, or, where other ranks meet this one in the step's
+        collectives, is replaced by a stand-in that every rank then refuses together."""
+        self._own_refusal = None
+        try:
+            ids, labels = self._checked_form(batch)
+        except (TypeError, ValueError) as err:
+            shape = self.executor.stand_in_shape() if self.spans_ranks else None
+            if shape is None:
+                raise
+            self._own_refusal = err
+            return stand_in(shape, self.executor.device, self.executor.vocab_size)
+        # Their values are checked on the device and refused at the step's read-back, on every rank.
+        return screened(ids, labels, self.executor.vocab_size)
+
+    def _checked_form(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``input_ids`` and ``labels`` (None: none given) of a batch this step can run."""
         if not isinstance(batch, dict) or "input_ids" not in batch:
             raise TypeError(f"batch must be a dict with 'input_ids' (and optionally 'labels'), got {type(batch).__name__}")
         extra = sorted(set(batch) - {"input_ids", "labels"})
@@ -279,13 +304,18 @@ class TrainStep:
                 f"batch keys {extra} are not supported: stages compute positions 0..seq-1 and a causal mask; "
                 f"right-pad and set padded labels to {IGNORE_INDEX}"
             )
-        ids = batch["input_ids"]
-        labels = batch.get("labels", ids)
+        ids, given = batch["input_ids"], batch.get("labels")
+        labels = ids if given is None else given
+        for name, t in (("input_ids", ids), ("labels", labels)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"batch['{name}'] must be a torch.Tensor, got {type(t).__name__}")
         if ids.dim() != 2 or labels.shape != ids.shape:
             raise ValueError(
                 f"input_ids must be [batch, seq] and labels the same shape, got {tuple(ids.shape)} and "
                 f"{tuple(labels.shape)}"
             )
+        if ids.shape[1] < 1:
+            raise ValueError(f"input_ids must hold at least one token per sequence, got shape {tuple(ids.shape)}")
         if ids.shape[0] < self.microbatches or ids.shape[0] % self.microbatches:
             # Checked before any work: an uneven cut would run fewer micro-batches than the loss
             # and the aux loss are scaled for.
@@ -295,5 +325,4 @@ class TrainStep:
                 f"{tuple(ids.shape)}"
             )
         self.executor.check_batch_shape(tuple(ids.shape))
-        # Their values are checked on the device and refused at the step's read-back, on every rank.
-        return screened(ids, batch.get("labels"), self.executor.vocab_size)
+        return ids, given

@@ -118,6 +118,11 @@ class PipelineStages:
                 "(labels -100 where padded) or build new stages for the new shape"
             )
 
+    @property
+    def batch_shape(self) -> tuple[int, int] | None:
+        """The ``[batch, seq]`` every step runs (its first step's), None before it."""
+        return self._batch_shape
+
     def ran_batch_shape(self, shape: tuple[int, ...]) -> None:
         """The shape the schedule infers its activations from (its first step's; check_batch_shape)."""
         if self._batch_shape is None:
