@@ -241,6 +241,45 @@ def test_patch_is_idempotent_and_reversible(family):
     assert hf.is_patched(model)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_patched_model_pickles_and_loads_with_its_fused_routers(family):
+    """``torch.save`` of the whole patched model (and ``copy.deepcopy``): the copy's routers run the
+    fused forward bound to the copy's own router, and give the original's logits."""
+    import copy
+    import io
+
+    model = hf.patch(tiny_model(family), backend="torch")
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    batch = tiny_batch(tiny_config(family), batch=2, seq=5, seed=3)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+    for twin in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        assert hf.fused_routers(twin) == hf.fused_routers(model)
+        assert _router(twin).__dict__["forward"].__self__ is _router(twin)
+        with torch.no_grad():
+            assert torch.equal(twin(input_ids=batch["input_ids"]).logits, logits)
+
+
+def test_experts_whose_activation_is_torchs_functional_silu_are_patched():
+    """LFM2-MoE's experts hold ``torch.nn.functional.silu`` itself as ``act_fn`` (not a module):
+    SwiGLU, run by moe_ep (its own router kept) with the unpatched model's logits."""
+    pytest.importorskip("transformers.models.lfm2_moe")
+    config = transformers.Lfm2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_dense_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["full_attention", "conv"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        hf.patch(model, backend="torch", fused_router=False)
+        assert hf.is_patched(model)
+        assert rel_err(model(input_ids=ids).logits, expected) <= TOLERANCE[torch.float32]
+
+
 def test_patch_under_accelerate_hook_keeps_the_hook():
     from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 

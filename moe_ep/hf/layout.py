@@ -67,11 +67,12 @@ def experts_activation(module: torch.nn.Module) -> str:
 
 
 def activation_name(act_fn, *, owner: str = "experts") -> str:
-    """``"silu"`` or ``"gelu"`` for a transformers/torch activation module, else ValueError."""
+    """``"silu"`` or ``"gelu"`` for a transformers/torch activation module, or torch's functional
+    SiLU (LFM2-MoE's experts hold ``F.silu`` itself), else ValueError."""
     from transformers import activations
 
     silu = (torch.nn.SiLU, activations.SiLUActivation)
-    if isinstance(act_fn, silu):
+    if isinstance(act_fn, silu) or act_fn is torch.nn.functional.silu:
         return "silu"
     # GELUActivation is erf GELU in both its implementations; its subclasses and the tanh/fast
     # approximations are different functions.

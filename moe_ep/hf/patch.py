@@ -10,8 +10,6 @@ Every check runs before the first change, so a refused model is left untouched."
 
 from __future__ import annotations
 
-from types import MethodType
-
 import torch
 
 from ..ops.backend import BACKENDS
@@ -42,12 +40,29 @@ def _installed_forward(router: torch.nn.Module):
     return func if func is not None else bound
 
 
+class _BoundForward:
+    """``func`` bound to ``router``, as a method is, and picklable: a bound method pickles as a
+    lookup of ``func``'s name on the router, which its class lacks, so ``torch.save`` of a patched
+    model wrote a file that no ``torch.load`` could read."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, func, router: torch.nn.Module):
+        self.__func__, self.__self__ = func, router
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __reduce__(self):
+        return type(self), (self.__func__, self.__self__)
+
+
 def _set_router_forward(router: torch.nn.Module, func) -> None:
     slot = _forward_slot(router)
     if slot == "forward" and func is None:
         router.__dict__.pop("forward", None)
         return
-    setattr(router, slot, MethodType(func if func is not None else type(router).forward, router))
+    setattr(router, slot, _BoundForward(func if func is not None else type(router).forward, router))
 
 
 def _router_of(model: torch.nn.Module, experts_name: str) -> tuple[str, torch.nn.Module | None]:
