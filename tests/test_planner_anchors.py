@@ -61,10 +61,10 @@ def test_pipelined_anchors_are_also_planned_under_dualpipev(report):
     qwen = rows["Megatron Qwen3-235B-A22B"].dualpipev
     lay = qwen.candidate.layout
     assert (lay.schedule, lay.pp, lay.ep, lay.microbatches) == ("dualpipev", 8, 32, 64) and qwen.dualpipev is None
-    # Its exchanges hide behind another micro-batch's compute: less exposed than under the
-    # published interleaved schedule.
+    # Its exchanges hide behind another micro-batch's compute: about half as exposed as under the
+    # published interleaved schedule, although its split backward recomputes (and exchanges) twice.
     published = rows["Megatron Qwen3-235B-A22B"]
-    assert qwen.candidate.time.all_to_all < 0.5 * published.candidate.time.all_to_all
+    assert qwen.candidate.time.all_to_all < 0.55 * published.candidate.time.all_to_all
     assert "under DualPipeV instead: " in report.format()
     entry = next(e for e in anchors_to_dict(report)["anchors"] if e["name"] == "Megatron Qwen3-235B-A22B")
     assert entry["dualpipev"]["layout"] == lay.short()

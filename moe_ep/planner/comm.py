@@ -126,7 +126,7 @@ def fsdp_collectives(spec: ModelSpec, layout: Layout, unit_names: list[str]) -> 
 
 
 def _exchange_collective(group: str, size: int, stride: int, experts_per_rank: int, top_k: int, hidden: int,
-                         rows: float, multi: float, layer_passes: int, checkpointing: str,
+                         rows: float, multi: float, layer_passes: int, layout: Layout,
                          columns_extra: int = 0) -> Collective:
     """The exchanges of one dispatch stage over ``layer_passes`` layer runs: ``rows`` hidden rows and
     ``multi`` rows carrying several experts sent to other ranks per forward (their combine
@@ -136,7 +136,8 @@ def _exchange_collective(group: str, size: int, stride: int, experts_per_rank: i
     forward_calls = 3 + (k_max > 1)
     forward = I32 * columns * (size - 1) + 2 * BF16 * hidden * rows + 2 * FP32 * k_max * multi
     backward = 2 * BF16 * hidden * rows + FP32 * k_max * multi
-    passes = 2 if checkpointing in RERUN_DISPATCH else 1  # the recompute runs the dispatcher again
+    # Each recompute runs the dispatcher again.
+    passes = 1 + (layout.recomputes if layout.checkpointing in RERUN_DISPATCH else 0)
     per_layer = passes * forward + backward
     calls = passes * forward_calls + 2 + (k_max > 1)
     return Collective("all-to-all", group, size, stride, layer_passes * calls, layer_passes * per_layer)
@@ -163,7 +164,7 @@ def all_to_all_collective(spec: ModelSpec, layout: Layout, seq_len: int, layer_p
         rows = (ep - 1) * min(T, L * capacity)
         multi = (ep - 1) * min(T, L * capacity // 2) if min(K, L) > 1 else 0.0
     # Capacity mode: each rank's token count rides with the counts.
-    return _exchange_collective("ep", ep, 1, L, K, spec.hidden_size, rows, multi, layer_passes, layout.checkpointing,
+    return _exchange_collective("ep", ep, 1, L, K, spec.hidden_size, rows, multi, layer_passes, layout,
                                 columns_extra=int(capacity_factor is not None))
 
 
@@ -194,7 +195,7 @@ def node_all_to_all_collectives(spec: ModelSpec, layout: Layout, seq_len: int, l
     # Stage 1's counts carry, per node, what its forwarding rank will send to each rank of it.
     rank_columns = count_columns(E // ep, K)
     inter = _exchange_collective("ep-inter", nodes, node_size, E // nodes, K, H, load * T * node_rows * share,
-                                 load * T * node_multi * share, layer_passes, layout.checkpointing,
+                                 load * T * node_multi * share, layer_passes, layout,
                                  columns_extra=node_size * rank_columns)
     # Stage 2: a forwarding rank holds one row per (token, node) and sends one per (token, rank):
     # over the node's ranks, as many as the single-stage dispatch, a share (G - 1) / G of them away.
@@ -205,7 +206,7 @@ def node_all_to_all_collectives(spec: ModelSpec, layout: Layout, seq_len: int, l
     share = (node_size - 1) / node_size
     intra = _exchange_collective("ep-intra", node_size, 1, E // ep, min(K, E // nodes), H,
                                  load * T * rank_rows * share, load * T * rank_multi * share, layer_passes,
-                                 layout.checkpointing)
+                                 layout)
     return [inter, intra]
 
 

@@ -197,11 +197,19 @@ def layer_traffic(spec: ModelSpec, layer: int, mb: MicroBatch, ep: int, routed: 
     return (T * (regions[0] + shared[0]) + traffic, T * (regions[1] + shared[1]) + MEMORY_BACKWARD * traffic)
 
 
-def recomputed(spec: ModelSpec, layer: int, mb: MicroBatch, policy: str, traffic: float) -> Recomputed:
+def recomputed(spec: ModelSpec, layer: int, mb: MicroBatch, policy: str, traffic: float, passes: int = 1) -> Recomputed:
     """What the backward of decoder layer ``layer`` runs again under the recompute ``policy``
-    (``traffic``: its memory-bound forward bytes, :func:`layer_traffic`'s first): ``"full"`` the whole
-    forward; ``"selective"`` the memory-bound kernels (the dispatcher's row movements included);
-    ``"attention"`` the attention block's projections, kernel, rotary embedding and q/k norms."""
+    (``traffic``: its memory-bound forward bytes, :func:`layer_traffic`'s first) in its ``passes``
+    recomputes (``moe_ep.planner.recompute.recompute_passes``)."""
+    once = _recomputed_once(spec, layer, mb, policy, traffic)
+    return Recomputed(passes * once.dense_flops, passes * once.expert_flops, passes * once.attention_flops,
+                      passes * once.memory)
+
+
+def _recomputed_once(spec: ModelSpec, layer: int, mb: MicroBatch, policy: str, traffic: float) -> Recomputed:
+    """One recompute: ``"full"`` the whole forward; ``"selective"`` the memory-bound kernels (the
+    dispatcher's row movements included); ``"attention"`` the attention block's projections,
+    kernel, rotary embedding and q/k norms."""
     T = mb.tokens
     attention = T * spec.attention_flops(mb.seq_len)
     if policy == "full":

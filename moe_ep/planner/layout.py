@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .recompute import recompute_policy
+from .recompute import recompute_passes, recompute_policy
 from .schedules import NO_PIPELINE, SCHEDULES, ScheduleInfo, schedule_info
 
 
@@ -67,6 +67,12 @@ class Layout:
     @property
     def stages_per_rank(self) -> int:
         return self.info.stages_per_rank if self.pp > 1 else 1
+
+    @property
+    def recomputes(self) -> int:
+        """How often a layer's backward recomputes what the recompute policy dropped
+        (``recompute_passes``)."""
+        return recompute_passes(self.checkpointing, self.pp > 1 and self.info.splits_backward)
 
     @property
     def num_stages(self) -> int:

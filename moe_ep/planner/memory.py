@@ -160,7 +160,8 @@ def build_units(
         moe = spec.is_moe_layer(i)
         dense, expert, attention = T * spec.layer_dense_flops(i), T * spec.layer_expert_flops(i), T * spec.attention_flops(seq_len)
         forward, backward = layer_traffic(spec, i, mb, ep, steady, compiled=compiled_blocks)
-        work = Work(dense, expert, attention, forward, backward, recomputed(spec, i, mb, policy, forward), expert_load)
+        work = Work(dense, expert, attention, forward, backward, recomputed(spec, i, mb, policy, forward, layout.recomputes),
+                    expert_load)
         full = layer_saved(spec, i, mb, backend, ep, startup)
         saved = policy_layer_saved(spec, i, mb, backend, policy, ep, startup)
         # The recompute makes again what the layer did not keep (its input it kept).

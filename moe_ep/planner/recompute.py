@@ -50,6 +50,16 @@ def recompute_policy(name: str, value) -> str:
 # The policies whose recompute runs the expert-parallel dispatcher (and its all-to-alls) again.
 RERUN_DISPATCH = ("full", "selective")
 
+
+def recompute_passes(policy: str, splits_backward: bool) -> int:
+    """How often a layer's backward recomputes what ``policy`` dropped: once, but under a split
+    backward (``splits_backward``: ZB-V, DualPipeV) twice, once in the input-gradient pass and once
+    in the weight-gradient pass (``moe_ep.parallel.pipeline.weight_pass``: once for all of its
+    parameter groups); 0 for ``"none"``."""
+    if policy == "none":
+        return 0
+    return 2 if splits_backward else 1
+
 DESCRIPTIONS = {
     "none": "none",
     "full": "full (every decoder layer)",

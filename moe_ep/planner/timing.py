@@ -178,7 +178,7 @@ def _contends(layout: Layout, cluster: Cluster) -> bool:
 def _fsdp_without_pipeline(spec, layout, units, cluster) -> tuple[float, float]:
     """(exposed, total) FSDP seconds of one micro-batch without pipeline stages."""
     contends = _contends(layout, cluster)
-    passes = 2 if layout.checkpointing in RERUN_DISPATCH else 1
+    passes = 1 + (layout.recomputes if layout.checkpointing in RERUN_DISPATCH else 0)
     root_gather = root_reduce = head_backward = 0.0
     layers = []  # (all-gather, reductions, forward window, backward window) per decoder layer
     for u in units:
@@ -190,7 +190,7 @@ def _fsdp_without_pipeline(spec, layout, units, cluster) -> tuple[float, float]:
             head_backward += bwd if u.name == "head" else 0.0
             continue
         a2a = sum(c.seconds(cluster) for c in u.a2a)
-        # The all-to-all's share per pass: forward, backward, and the recompute's forward.
+        # The all-to-all's share per pass: forward, backward, and each recompute's forward.
         a2a_pass = 0.0 if contends else a2a / (passes + 1)
         layers.append((gather, reduce, fwd + a2a_pass, bwd + passes * a2a_pass))
     total = root_gather + root_reduce + sum(2 * g + r for g, r, _, _ in layers)

@@ -59,8 +59,9 @@ def build_stages(
     them (in stage order) before torch wraps them, on ``device`` (default: the model's, cpu for
     meta). A schedule that splits backwards (ZB-V, DualPipeV) runs the experts' backward of one
     forward in its input- and its weight-gradient pass: the experts keep their saved GEMM-1
-    output from then on, in the process (``moe_ep.ops.set_repeatable_backward``)."""
-    from torch.distributed.pipelining import PipelineStage
+    output from then on, in the process (``moe_ep.ops.set_repeatable_backward``), and its
+    weight-gradient pass recomputes a checkpointed layer once (``weight_pass``)."""
+    from .weight_pass import stage_class
 
     if pipeline.info.splits_backward:
         set_repeatable_backward(True)
@@ -75,7 +76,8 @@ def build_stages(
     ]
     if stage_transform is not None:
         stage_transform(modules)
-    stages = [PipelineStage(m, s, num_stages, torch.device(device), group=group) for m, s in zip(modules, stage_ids)]
+    wrapper = stage_class(pipeline.info.splits_backward)
+    stages = [wrapper(m, s, num_stages, torch.device(device), group=group) for m, s in zip(modules, stage_ids)]
     return PipelineStages(modules, stages, stage_ids, part, pipeline.schedule, pipeline.microbatches, group)
 
 
