@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a GPU: compile check, CUDA test tier, kernel, model and dispatch benchmarks, the
-# test suite's CUDA tests; one JSON and one PNG under benchmarks/results/ (or --out-dir). See
+# test suite's CUDA tests; one JSON and one PNG under benchmarks/results/ on a GPU, bench-results/
+# with --device cpu (or --out-dir). See
 # `python -m moe_ep.bench gpu --help`.
 #
 #   bash scripts/gpu_check.sh                      # on a machine with a CUDA GPU, about 5-8 minutes
@@ -10,6 +11,16 @@
 # Installs nothing: it runs the first Python that has torch, triton and transformers (and, unless
 # --device cpu, sees a GPU): $MOE_EP_PYTHON if set, then .venv/bin/python, python3, python.
 set -euo pipefail
+# A relative --out-dir is the caller's, not the repository's (the script runs from the latter).
+args=()
+previous=
+for arg in "$@"; do
+    if [[ $previous == --out-dir && $arg != /* ]]; then arg=$PWD/$arg; fi
+    if [[ $arg == --out-dir=* && ${arg#--out-dir=} != /* ]]; then arg=--out-dir=$PWD/${arg#--out-dir=}; fi
+    args+=("$arg")
+    previous=$arg
+done
+set -- ${args[@]+"${args[@]}"}
 cd "$(dirname "$0")/.."
 
 device=cuda

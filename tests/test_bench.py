@@ -4,6 +4,7 @@ reference, the byte accounting of the dispatch benchmark against a per-token cou
 helpers' error messages."""
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -253,12 +254,51 @@ def test_tables_fit_120_columns_and_keep_every_value():
 
 
 def test_results_go_to_a_git_ignored_folder_by_default():
-    from moe_ep.bench.cli import build_parser
+    from moe_ep.bench.cli import default_out_dir
 
-    parser = build_parser()
-    assert str(parser.parse_args(["kernels"]).out_dir) == "bench-results"
-    assert str(parser.parse_args(["gpu"]).out_dir) == "benchmarks/results"  # the gate's results are committed
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert str(default_out_dir("kernels", cuda)) == str(default_out_dir("gpu", cpu)) == "bench-results"
+    assert str(default_out_dir("gpu", cuda)) == "benchmarks/results"  # the gate's GPU results are committed
     assert "/bench-results/" in open(".gitignore").read().split()
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["kernels", "--reps", "0"], "argument --reps: must be an int >= 1, got '0'"),
+    (["kernels", "--hidden", "0"], "argument --hidden: must be an int >= 1, got '0'"),
+    (["kernels", "--tokens", "8", "-5"], "argument --tokens: must be an int >= 1, got '-5'"),
+    (["dispatch", "--ep", "1"], "argument --ep: must be an int >= 2, got '1'"),
+    (["model", "--seq", "1"], "argument --seq: must be an int >= 2, got '1'"),
+    (["gpu", "--budget", "nan"], "argument --budget: must be a finite number > 0, got 'nan'"),
+    (["attention", "--device", "foo"], "python -m moe_ep.bench attention: error: --device must be cpu or cuda"),
+])
+def test_a_bad_flag_is_one_line_and_exit_status_2(argv, said, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "moe_ep.bench", *argv, "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_out_dir_it_cannot_write_is_refused_before_the_run(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("the user's")
+    with pytest.raises(ValueError, match=r"--out-dir .*a_file cannot hold the results"):
+        main(["planner", "--out-dir", str(blocker)])
+    assert blocker.read_text() == "the user's"
+
+
+def test_a_second_run_of_the_day_never_writes_over_the_first(tmp_path):
+    from moe_ep.bench.report import Column, Report, save
+
+    def report(value):
+        r = Report("kernels", torch.device("cpu"), [Column("x", "x", "{:.1f}")])
+        r.rows = [{"x": value}]
+        return r
+
+    first = save(report(1.0), tmp_path)
+    second = save(report(float("nan")), tmp_path)
+    assert [p.name for p in first] != [p.name for p in second] and all(p.stem.endswith("-2") for p in second)
+    assert json.loads(first[0].read_text())["rows"] == [{"x": 1.0}]
+    assert json.loads(second[0].read_text())["rows"] == [{"x": None}]  # strict JSON: no NaN
 
 
 def test_relative_error_in_chunks_equals_the_whole_float64_norm():

@@ -5,6 +5,7 @@ benchmarks/results/)."""
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -12,10 +13,32 @@ from pathlib import Path
 import torch
 
 from . import attention, dispatch, gpu_check, kernels, model, planner
-from .report import COMMITTED_RESULTS_DIR, RESULTS_DIR, format_table, save
+from .arguments import int_at_least
+from .report import COMMITTED_RESULTS_DIR, RESULTS_DIR, check_out_dir, format_table, save
 from .timing import NoisyTimingWarning
 
 MODES = {"kernels": kernels, "attention": attention, "model": model, "dispatch": dispatch, "planner": planner, "gpu": gpu_check}
+EXIT_USAGE = 2
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device must be cpu or cuda (cuda:N), got {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda (cuda:N), got {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device must be cpu on a machine without CUDA, got {name!r}")
+    return device
+
+
+def default_out_dir(mode: str, device: torch.device) -> Path:
+    """Where a mode's results go without ``--out-dir``: the GPU gate's GPU results are committed;
+    everything else, the gate's CPU run of its plumbing included, goes to a git-ignored folder."""
+    return COMMITTED_RESULTS_DIR if mode == "gpu" and device.type == "cuda" else RESULTS_DIR
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,28 +48,42 @@ def build_parser() -> argparse.ArgumentParser:
         mode = sub.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
         mode.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-        mode.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (default 2)")
-        mode.add_argument("--reps", type=int, default=5, help="timed calls; the median is reported (default 5)")
+        mode.add_argument("--warmup", type=int_at_least(0), default=2, help="untimed calls before timing (default 2)")
+        mode.add_argument("--reps", type=int_at_least(1), default=5,
+                          help="timed calls; the median is reported (default 5)")
         mode.add_argument("--seed", type=int, default=0)
-        mode.add_argument("--threads", type=int,
+        mode.add_argument("--threads", type=int_at_least(1),
                           help="CPU threads for torch (default: torch's); on a shared machine 1 avoids "
                                "OpenMP barriers waiting on descheduled threads")
-        out_dir = COMMITTED_RESULTS_DIR if name == "gpu" else RESULTS_DIR
-        mode.add_argument("--out-dir", type=Path, default=out_dir, help=f"where results go (default {out_dir}/)")
+        where = (f"{COMMITTED_RESULTS_DIR}/ on a GPU, {RESULTS_DIR}/ with --device cpu" if name == "gpu"
+                 else f"{RESULTS_DIR}/")
+        mode.add_argument("--out-dir", type=Path, help=f"where results go (default {where})")
         mode.add_argument("--no-save", action="store_true", help="print only, write no files")
         module.add_arguments(mode)
     return parser
 
 
+def console(argv: list[str] | None = None) -> int:
+    """``python -m moe_ep.bench``: ``main``, a refused argument said in one line (exit status 2)
+    instead of a traceback."""
+    try:
+        main(argv)
+    except ValueError as err:
+        mode = next((a for a in (argv if argv is not None else sys.argv[1:]) if a in MODES), "")
+        print(f"python -m moe_ep.bench {mode}: error: {err}".replace("  ", " "), file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
 def main(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device must be cpu on a machine without CUDA, got {args.device!r}")
+    device = _device(args.device)
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.out_dir is None:
+        args.out_dir = default_out_dir(args.mode, device)
+    if not args.no_save:
+        check_out_dir(args.out_dir)
     print(f"[{args.mode}] on {device}: {args.warmup} warmup + {args.reps} timed calls per case; "
           "progress below, the table at the end", flush=True)
     start = time.perf_counter()

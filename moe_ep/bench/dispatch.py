@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from .arguments import int_at_least
 from ..dispatch import count_exchange_bytes, node_count_exchange_bytes, node_wire_bytes, split_by_node, wire_bytes
 from ..dispatch.dispatcher import combine_checked, dispatch_checked
 from .optional import Lookup, optional_attr
@@ -383,13 +384,14 @@ def plot(report: Report, path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ep", type=int, nargs="+", default=[2, 4, 8], help="expert-parallel degrees")
+    parser.add_argument("--ep", type=int_at_least(2), nargs="+", default=[2, 4, 8],
+                        help="expert-parallel degrees (2 or more: one rank exchanges nothing)")
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
     parser.add_argument("--routing", nargs="+", choices=ROUTINGS, default=["uniform"])
-    parser.add_argument("--tokens", type=int, help="tokens per rank (default 1024 on CPU, 4096 on CUDA)")
-    parser.add_argument("--hidden", type=int, help="H (default 1024 on CPU, 4096 on CUDA)")
+    parser.add_argument("--tokens", type=int_at_least(1), help="tokens per rank (default 1024 on CPU, 4096 on CUDA)")
+    parser.add_argument("--hidden", type=int_at_least(1), help="H (default 1024 on CPU, 4096 on CUDA)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--node-size", type=int, default=2,
+    parser.add_argument("--node-size", type=int_at_least(1), default=2,
                         help="ranks per simulated node: the node-aware rows run where ep spans several (default 2)")
     parser.add_argument("--no-timing", action="store_true", help="byte counts only, spawn no processes")
 

@@ -55,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from .arguments import positive_float
 from ..kernels import autotune, cost
 from ..kernels.runtime import interpreting
 from ..ops import selector
@@ -521,7 +522,7 @@ def plot(report: Report, path: Path) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="default: all, in order")
-    parser.add_argument("--budget", type=float, default=480.0,
+    parser.add_argument("--budget", type=positive_float, default=480.0,
                         help="seconds: a step that would start later is skipped (default 480, inside 8 minutes)")
 
 

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from .arguments import int_at_least
 from ..kernels import autotune, library
 from ..kernels.runtime import interpreting
 from ..ops import selector
@@ -557,11 +558,11 @@ def plot(report: Report, path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", type=int, nargs="+", help="T values (default: 2048 on CPU, 4096 8192 16384 on CUDA)")
-    parser.add_argument("--hidden", type=int, help="H (default 256 on CPU, 4096 on CUDA)")
-    parser.add_argument("--intermediate", type=int, help="I (default 512 on CPU, 14336 on CUDA)")
-    parser.add_argument("--experts", type=int, help="E (default 8)")
-    parser.add_argument("--top-k", type=int, help="k (default 2)")
+    parser.add_argument("--tokens", type=int_at_least(1), nargs="+", help="T values (default: 2048 on CPU, 4096 8192 16384 on CUDA)")
+    parser.add_argument("--hidden", type=int_at_least(1), help="H (default 256 on CPU, 4096 on CUDA)")
+    parser.add_argument("--intermediate", type=int_at_least(1), help="I (default 512 on CPU, 14336 on CUDA)")
+    parser.add_argument("--experts", type=int_at_least(1), help="E (default 8)")
+    parser.add_argument("--top-k", type=int_at_least(1), help="k (default 2)")
     parser.add_argument("--routing", nargs="+", choices=ROUTINGS, default=list(ROUTINGS))
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="default float32 on CPU, bfloat16 on CUDA")

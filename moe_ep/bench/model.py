@@ -16,11 +16,13 @@ stay moe_ep's op), which stays compiled, so it runs after the others."""
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .arguments import int_at_least
 from ..hf import patch
 from ..parallel.compile import compile_dense_blocks
 from ..training.loss import chunked_causal_lm_loss
@@ -152,8 +154,11 @@ def bench_model(name: str, setup: ModelSetup, device: torch.device, args) -> lis
         loss = variant_step().item()  # host sync: once per variant, outside the timed region
         fresh_grads()
         peak = peak_memory_bytes(variant_step, device)
+        # A loss that is not finite is a broken step, not a figure to compare (the table would
+        # show its difference as "not measured").
         rows[variant] = dict(model=name, variant=variant, tokens=n_tokens, loss=loss,
-                             peak_mib=None if peak is None else peak / 2**20, status="ok")
+                             peak_mib=None if peak is None else peak / 2**20,
+                             status="ok" if math.isfinite(loss) else f"FAIL: loss {loss}")
 
     # The registry variants switch back and forth, so they are timed in turns (see measure_many);
     # the patched model comes after them, with either loss.
@@ -195,8 +200,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS),
                         help="default: the tiny models on CPU; those and the two-layer Mixtral-8x7B and "
                              "Qwen3-30B-A3B on CUDA")
-    parser.add_argument("--seq", type=int, help="override every model's sequence length")
-    parser.add_argument("--batch", type=int, help="override every model's batch size")
+    parser.add_argument("--seq", type=int_at_least(2),
+                        help="override every model's sequence length (2 or more: a token predicts the next)")
+    parser.add_argument("--batch", type=int_at_least(1), help="override every model's batch size")
     parser.add_argument("--compile-blocks", nargs="?", const="inductor", metavar="BACKEND",
                         help="also time the patched model with its dense blocks compiled by torch.compile "
                              "(default backend inductor), last")
@@ -214,4 +220,5 @@ def run(args, device: torch.device) -> Report:
                                            seq=setup.seq, dtype=str(setup.dtype))
         print(f"[model] {name}: batch {setup.batch} x seq {setup.seq}", flush=True)
         report.rows += bench_model(name, setup, device, args)
+    report.failed += [f"{r['model']} {r['variant']}: {r['status']}" for r in report.rows if r["status"] != "ok"]
     return report

@@ -10,6 +10,7 @@ import json
 import math
 import platform
 import re
+import tempfile
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,16 +131,49 @@ def _wrapped(text: str, width: int) -> str:
     return textwrap.fill(text, width, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """Before a run: ``out_dir`` exists (made if missing) and takes a file, so that a run's results
+    are never lost to a folder found unwritable only at its end."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as err:
+        raise ValueError(f"--out-dir {out_dir} cannot hold the results ({err.strerror or err}); choose another "
+                         "folder, or --no-save") from None
+
+
+def _free_stem(out_dir: Path, stem: str, suffixes) -> Path:
+    """``out_dir / stem``, or ``stem-2``, ``stem-3``, ... where an earlier run of the day wrote one
+    of its files: a run never writes over another's results."""
+    candidate, n = out_dir / stem, 1
+    while any(candidate.with_suffix(suffix).exists() for suffix in suffixes):
+        n += 1
+        candidate = out_dir / f"{stem}-{n}"
+    return candidate
+
+
+def _json_safe(value):
+    """``value`` with every NaN or infinite float as None (null): strict JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def save(report: Report, out_dir: Path) -> list[Path]:
     """Write the report's formats: JSON (meta, notes and rows), CSV (rows) and, when the mode draws
-    one, a PNG."""
+    one, a PNG, under a name no earlier run's files hold (``_free_stem``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / results_stem(report)
+    stem = _free_stem(out_dir, results_stem(report), (".json", ".csv", ".png"))
     paths = []
     if ".json" in report.formats:
         paths.append(stem.with_suffix(".json"))
         payload = {"mode": report.mode, "meta": report.meta, "notes": report.notes, "rows": report.rows}
-        paths[-1].write_text(json.dumps(payload, indent=1, default=str) + "\n")
+        paths[-1].write_text(json.dumps(_json_safe(payload), indent=1, default=str, allow_nan=False) + "\n")
     if ".csv" in report.formats:
         paths.append(stem.with_suffix(".csv"))
         keys = list(dict.fromkeys(k for row in report.rows for k in row))

@@ -1,0 +1,34 @@
+"""argparse types of the benchmarks' flags: a value out of range is refused by argparse, which
+names the flag, before any work."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def int_at_least(low: int):
+    """An argparse type: an int >= ``low`` (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
