@@ -66,7 +66,7 @@ def test_a_failing_check_fails_the_command(tmp_path, monkeypatch):
 
 
 def test_budget_skips_later_steps(tmp_path):
-    main(["gpu", "--device", "cpu", "--steps", "model", "--budget", "-1", "--out-dir", str(tmp_path), *TINY])
+    main(["gpu", "--device", "cpu", "--steps", "model", "--budget", "1e-9", "--out-dir", str(tmp_path), *TINY])
     payload = json.loads(next(tmp_path.glob("gpu_check_cpu_*.json")).read_text())
     assert payload["meta"]["steps"]["model"]["status"].startswith("skipped: ")
 
