@@ -17,6 +17,7 @@ import pytest
 from moe_ep.cli import EXIT_IMPOSSIBLE, main
 from moe_ep.planner import CLUSTERS, Cluster, Layout, ModelSpec, PlanError, config_from_name, evaluate, plan
 from moe_ep.planner.activations import MicroBatch, head_scratch, padded_rows, rank_shares
+from moe_ep.planner.report import format_plan
 from moe_ep.planner.comm import all_to_all_collective
 from moe_ep.planner.memory import FSDP_LAYER_BYTES, build_units, layer_ids, unit_costs
 from moe_ep.planner.partition import partition
@@ -624,6 +625,29 @@ def test_impossible_model_grows_the_batch_only_when_the_requested_one_cannot_spr
     with pytest.raises(PlanError):
         plan("mixtral-8x7b", nodes=2, global_batch_tokens=8 * 4096, **fixed)
     assert plan("mixtral-8x7b", nodes=2, global_batch_tokens=16 * 4096, **fixed).best.fits
+
+
+def test_what_an_impossible_plan_suggests_is_within_what_the_planner_takes():
+    """A request at the planner's largest cluster suggests no bigger one (it would refuse it), and no
+    global batch beyond its bound is advised."""
+    from moe_ep.planner.inputs import BOUNDS
+
+    fixed = dict(gpus_per_node=8, gpu_memory_gib=7.47, reserve_fraction=0, pp=1, ep=8, microbatch_size=1,
+                 checkpointing="full")
+    with pytest.raises(PlanError) as err:
+        plan("mixtral-8x7b", nodes=2048, global_batch_tokens=2**30, **fixed)
+    assert "would fit on" not in str(err.value) and (
+        "Nothing fits even on 2048 nodes (the planner's limit is 2048 nodes of 8 GPUs)") in str(err.value)
+    with pytest.raises(PlanError) as err:
+        plan("mixtral-8x7b", nodes=1, microbatch_size=1_000_000, **A100)
+    message = str(err.value)
+    assert "divides no data-parallel replica's batch" in message and "or a global batch" not in message
+    assert max((int(n) for n in re.findall(r"(\d+) tokens", message)), default=0) <= BOUNDS["global_batch_tokens"].hi
+
+
+def test_no_alternatives_asked_for_is_not_said_to_be_a_single_layout():
+    text = format_plan(plan("mixtral-8x7b", nodes=2, num_alternatives=0, **A100))
+    assert "none: the constraints leave a single layout" not in text
 
 
 @pytest.mark.parametrize(

@@ -107,14 +107,20 @@ def _mfu_lines(plan) -> list[str]:
     other = t.total - t.ideal - sum(listed.values())
     if abs(other) > 1e-9 * t.total:
         listed["other ranks' uneven work"] = other
-    parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in listed.items() if seconds > 0.005)
+    parts = ", ".join(f"{name} {_seconds(seconds)}" for name, seconds in listed.items() if seconds > 0.005 * t.total)
     return [
         "MFU, as a consequence of the stated efficiencies",
         *_efficiency_lines(c),
-        f"  the slowest rank's model FLOPs take {t.ideal:.2f} s at these efficiencies: MFU at most {ceiling:.1%}",
+        f"  the slowest rank's model FLOPs take {_seconds(t.ideal)} at these efficiencies: MFU at most {ceiling:.1%}",
         f"  the step adds: {parts}",
-        f"  MFU = {ceiling:.1%} x {t.ideal:.2f} s / {t.total:.2f} s = {mfu:.1%}",
+        f"  MFU = {ceiling:.1%} x {_seconds(t.ideal)} / {_seconds(t.total)} = {mfu:.1%}",
     ]
+
+
+def _seconds(x: float) -> str:
+    """Seconds to two decimals, or three significant digits below one: a small model's step of
+    0.03 s still shows the figures its MFU line is computed from."""
+    return f"{x:.2f} s" if x >= 0.995 else f"{x:.3g} s"
 
 
 def format_plan(plan) -> str:
@@ -162,7 +168,7 @@ def format_plan(plan) -> str:
     ]
     lines += [f"  - {a}" for a in ASSUMPTIONS]
     lines += ["", f"alternatives ({plan.considered} layouts enumerated, {plan.costed} close enough to cost in full)"]
-    if not plan.alternatives:
+    if not plan.alternatives and plan.costed <= 1:
         lines.append("  none: the constraints leave a single layout")
     lines += [f"  - {cand.layout.short()}: {reason}" for cand, reason in plan.alternatives]
     return "\n".join(lines)

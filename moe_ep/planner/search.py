@@ -17,7 +17,7 @@ from ..dispatch.nodes import node_size_for
 from .calibration import read_calibration
 from .partition import InfeasiblePartition, Partition, fits, partition
 from .cluster import Cluster
-from .inputs import check, check_world
+from .inputs import BOUNDS, MAX_WORLD, check, check_world
 from .layout import Layout
 from .memory import (
     DEFAULT_IMBALANCE, DEFAULT_STARTUP_IMBALANCE, MemoryTable, Unit, build_units, layer_ids, p2p_bytes, rank_memory,
@@ -716,8 +716,7 @@ def _no_microbatching(world, sequences, seq_len, batched, fixed, under) -> str:
         return (
             f"microbatch_size={mbs} divides no data-parallel replica's batch{under}: the {sequences} sequences "
             f"split over dp = world / pp replicas give {per_replica} sequences per replica; choose a "
-            f"microbatch_size dividing one of them, or a global batch of {world * mbs} sequences "
-            f"({world * mbs * seq_len} tokens)"
+            f"microbatch_size dividing one of them" + _or_a_batch_of(world * mbs, seq_len)
         )
     # Every split into whole micro-batches leaves a pipeline with too few of them (or, for
     # interleaved 1F1B, not a multiple of pp); pp = 1 takes any split, so every split here is
@@ -726,13 +725,23 @@ def _no_microbatching(world, sequences, seq_len, batched, fixed, under) -> str:
               for size in divisors(n) if mbs in (None, size)]
     m, mesh, schedule, size = max(splits, key=lambda split: split[0])
     size_fixed = mbs or 1
+    advice = (f"; a global batch of world x microbatch_size = {world * size_fixed} sequences "
+              f"({world * size_fixed * seq_len} tokens) gives every replica pp micro-batches of {size_fixed}"
+              if world * size_fixed * seq_len <= BOUNDS["global_batch_tokens"].hi else "")
     return (
         f"no split into micro-batches suits the pipeline schedule{under}: e.g. pp={mesh.pp} with dp={mesh.dp} "
         f"leaves {sequences // mesh.dp} sequences per replica, {m} micro-batches of {size}, and "
-        f"{SCHEDULES[schedule].check_microbatches(mesh.pp, m)}; a global batch of world x microbatch_size = "
-        f"{world * size_fixed} sequences ({world * size_fixed * seq_len} tokens) gives every replica pp "
-        f"micro-batches of {size_fixed}" + (", or use a smaller microbatch_size" if mbs is not None else "")
+        f"{SCHEDULES[schedule].check_microbatches(mesh.pp, m)}" + advice
+        + (", or use a smaller microbatch_size" if mbs is not None else "")
     )
+
+
+def _or_a_batch_of(sequences: int, seq_len: int) -> str:
+    """The advice of a global batch of ``sequences``, where the planner takes one that large."""
+    tokens = sequences * seq_len
+    if tokens > BOUNDS["global_batch_tokens"].hi:
+        return ""
+    return f", or a global batch of {sequences} sequences ({tokens} tokens)"
 
 
 def _nothing_fits(spec, cluster, seq_len, global_batch_tokens, assumptions, fixed, candidates) -> str:
@@ -761,7 +770,8 @@ def _nothing_fits(spec, cluster, seq_len, global_batch_tokens, assumptions, fixe
     # replicas. Only when the requested batch is too small for any cluster that would hold the
     # model is it worth proposing a bigger batch, and then the message must say so.
     scaled = _fit_on_more_nodes(spec, cluster, seq_len, lambda growth: global_batch_tokens * growth, assumptions, fixed)
-    most = cluster.nodes * _MAX_GROWTH
+    growths = _growths(cluster)
+    most = cluster.nodes * (growths[-1] if growths else 1)
     if scaled is not None:
         growth, best = scaled
         nodes, tokens = cluster.nodes * growth, global_batch_tokens * growth
@@ -773,15 +783,29 @@ def _nothing_fits(spec, cluster, seq_len, global_batch_tokens, assumptions, fixe
             f"({tokens // seq_len} sequences), as {best.layout.short()} using {format_bytes(best.memory.total)} "
             f"per GPU."
         )
-    return message + f" Nothing fits even on {most} nodes; use GPUs with more memory."
+    return message + (f" Nothing fits even on {most} nodes (the planner's limit is {_most_nodes(cluster)} nodes of "
+                      f"{cluster.gpus_per_node} GPUs); use GPUs with more memory.")
+
+
+def _most_nodes(cluster) -> int:
+    """The most nodes of ``cluster``'s size the planner takes (its bounds on nodes and GPUs)."""
+    return min(int(BOUNDS["nodes"].hi), MAX_WORLD // cluster.gpus_per_node)
+
+
+def _growths(cluster) -> list[int]:
+    """The node counts' growths ``_fit_on_more_nodes`` tries: doubling, up to _MAX_GROWTH and
+    within the planner's bounds (a cluster it suggests must be one it would plan)."""
+    return [2**i for i in range(1, _MAX_GROWTH.bit_length()) if cluster.nodes * 2**i <= _most_nodes(cluster)]
 
 
 def _fit_on_more_nodes(spec, cluster, seq_len, tokens_for, assumptions, fixed):
-    """(growth, fastest fitting candidate) for the smallest growth of the node count, doubling up
-    to _MAX_GROWTH, with ``tokens_for(growth)`` tokens per step and the mesh degrees left free;
-    or None."""
+    """(growth, fastest fitting candidate) for the smallest growth of ``_growths``, with
+    ``tokens_for(growth)`` tokens per step (within the planner's bound) and the mesh degrees left
+    free; or None."""
     fixed_free = dict(fixed, pp=None, dp_replicate=None, dp_shard=None)
-    for growth in (2**i for i in range(1, _MAX_GROWTH.bit_length())):
+    for growth in _growths(cluster):
+        if tokens_for(growth) > BOUNDS["global_batch_tokens"].hi:
+            break
         nodes = cluster.nodes * growth
         bigger = cluster.replace(nodes=nodes)
         found = [c for c in _search(spec, bigger, seq_len, tokens_for(growth), assumptions, fixed_free)[0] if c.fits]
