@@ -220,6 +220,13 @@ def test_cli_prints_a_fitting_layout(capsys):
     assert out["memory_bytes"]["headroom"] >= 0 and out["step_time_s"]["total"] > 0
     assert 0 < out["mfu"] < out["mfu_ceiling"] <= 1
     assert out["efficiencies"]["grouped_gemm"]["source"].startswith("estimated")
+    # What the text says, under names that do not change with the plan: the batch, the throughput.
+    assert list(out["memory"].values()) == list(out["memory_bytes"].values())
+    assert sum(out["memory"][k] for k in ("params", "grads", "optim", "activations", "scratch", "fsdp",
+                                          "all_to_all", "p2p", "reserved")) == pytest.approx(out["memory"]["total"])
+    assert out["tokens_per_s"] == pytest.approx(out["global_batch_tokens"] / out["step_time_s"]["total"])
+    assert out["tokens_per_s_per_gpu"] * 128 == pytest.approx(out["tokens_per_s"]) and out["seq_len"] == 4096
+    assert out["layouts_enumerated"] >= out["layouts_costed"] > 1 and out["estimated"] is True
 
 
 # ---------------------------------------------------------------- cluster presets

@@ -271,6 +271,11 @@ class MemoryTable:
     def fits(self) -> bool:
         return self.headroom >= 0
 
+    # Names of ``rows``' entries, in their order, that do not change with the plan (the labels
+    # carry the micro-batches in flight, the scratch's unit): the JSON's keys.
+    KEYS = ("params", "grads", "optim", "activations", "scratch", "fsdp", "all_to_all", "p2p", "reserved", "total",
+            "headroom")
+
     def rows(self) -> list[tuple[str, float]]:
         inflight = f"{self.inflight:g} micro-batch{'es' if self.inflight != 1 else ''} in flight"
         return [
