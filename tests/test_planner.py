@@ -876,7 +876,7 @@ def test_the_largest_requests_plan_in_seconds():
     plan("mixtral-8x7b", nodes=16, cluster="dgx-a100-80gb", global_batch_tokens=2**30)
     with pytest.raises(PlanError):
         plan("mixtral-8x7b", nodes=2048, cluster="dgx-a100-80gb")
-    assert time.perf_counter() - start < 120  # about 3 s on an idle core
+    assert time.perf_counter() - start < 120  # about 9 s on an idle core
 
 
 def test_argument_errors():

@@ -142,3 +142,22 @@ def test_dualpipev_in_flight_weights_are_its_replays_peak():
             peak, _ = info.peak_activations(pp, m, rank, {rank: 1.0, 2 * pp - 1 - rank: 1.0})
             assert peak == 2 * pp + 1
         assert info.inflight(pp, m) == [pp + 0.5] * (2 * pp)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "interleaved-1f1b-overlap", "zbv", "dualpipev"])
+def test_beyond_its_steady_count_a_schedule_only_repeats_the_moments_it_reached(name):
+    """The planner replays a schedule of ``ScheduleInfo._steady``'s micro-batches for one of more
+    (a huge batch has thousands): every larger count gives the same undominated moments on every
+    rank, for pp 2-16 and 2-8 stages per rank."""
+    from moe_ep.planner.schedules import _live_after_forwards
+
+    for pp in (2, 3, 4, 7, 16):
+        for v in ((2, 3, 5, 8) if name.startswith("interleaved") else (None,)):
+            info = schedule_info(name, v) if v else SCHEDULES[name]
+            cap = info._steady(pp, 10**9)
+            assert cap == 4 * pp * max(2, info.stages_per_rank)
+            for m in [*range(cap, cap + 2 * pp + 1), 7 * cap + pp, 13 * cap + 2 * pp]:
+                if info.check_microbatches(pp, m) is None:
+                    for rank in range(pp):
+                        assert _live_after_forwards(info, pp, m, rank) == _live_after_forwards(info, pp, cap, rank), (
+                            name, pp, v, m, rank)

@@ -183,24 +183,26 @@ def test_disk_cache_is_written_and_read_back(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["truncated", "flipped", "foreign"])
-def test_a_damaged_cache_is_reported_and_left_alone(monkeypatch, damage):
+def test_a_damaged_cache_is_reported_and_left_alone(monkeypatch):
+    """A truncated, a flipped and a foreign cache file, in turn: each is reported, not loaded (the
+    decision is measured again) and not overwritten by a new decision."""
     run(40)
     path = selector.cache_file(torch.device("cpu"))
-    text = path.read_text()
-    text = {"truncated": text[: len(text) // 2],
-            "flipped": text.replace('"triton"', '"torch"', 1) if '"triton"' in text else text.replace('"torch"', '"triton"', 1),
-            "foreign": json.dumps({"someone": "else's file"})}[damage]
-    path.write_text(text)
-    selector.clear()
-    selector._DAMAGED.clear()
+    intact = path.read_text()
     measured = Counter(monkeypatch, selector, "_measure")
-    with pytest.warns(RuntimeWarning, match="ignoring the damaged selector cache .* neither loaded nor overwritten"):
-        run(40)
-    assert measured.calls == 1  # not loaded: measured again
-    selector.clear()
-    run(40, activation="gelu")  # a new decision is not saved over the damaged file
-    assert path.read_text() == text
+    for damage in ("truncated", "flipped", "foreign"):
+        text = {"truncated": intact[: len(intact) // 2],
+                "flipped": intact.replace('"triton"', '"torch"', 1) if '"triton"' in intact
+                else intact.replace('"torch"', '"triton"', 1),
+                "foreign": json.dumps({"someone": "else's file"})}[damage]
+        path.write_text(text)
+        selector.clear()
+        selector._DAMAGED.clear()
+        before = measured.calls
+        with pytest.warns(RuntimeWarning, match="ignoring the damaged selector cache .* neither loaded nor overwritten"):
+            run(40, activation=("silu", "gelu")[damage == "flipped"])
+        assert measured.calls == before + 1, damage  # not loaded: measured again
+        assert path.read_text() == text, damage  # the new decision is not saved over the damaged file
 
 
 @pytest.mark.slow

@@ -151,10 +151,20 @@ class ScheduleInfo:
         """Rank ``rank``'s peak of kept activations over its schedule (:meth:`rank_events`), given
         each of its stages' bytes per micro-batch, and how many micro-batches its fullest stage
         holds then: (bytes, micro-batches)."""
-        stages, moments = _live_after_forwards(self, pp, microbatches, rank)
+        stages, moments = _live_after_forwards(self, pp, self._steady(pp, microbatches), rank)
         weights = [act_by_stage.get(s, 0.0) for s in stages]
         peak, counts = max((sum(c * w for c, w in zip(counts, weights)), counts) for counts in moments)
         return peak, float(max(counts))
+
+    def _steady(self, pp: int, microbatches: int) -> int:
+        """A count of micro-batches whose moments (``_live_after_forwards``) are those of
+        ``microbatches``: beyond 4 x pp x max(2, stages per rank) every schedule but GPipe only
+        repeats its steady state, whose moments it has already reached (checked at the counts just above
+        that and at 7 and 13 times it, for pp 2-16 and 2-8 stages per rank, in
+        tests/test_schedule_memory.py),
+        so a step of thousands of micro-batches costs what that many do."""
+        cap = 4 * pp * max(2, self.stages_per_rank)
+        return microbatches if self.name == "gpipe" or microbatches <= cap else cap
 
     def check_microbatches(self, pp: int, microbatches: int) -> str | None:
         """Why this many micro-batches cannot run, or None."""
