@@ -20,7 +20,7 @@ setup(
     extras_require={
         # kernels: Hugging Face's package of that name, so the tests can show that ours never shadows it;
         # tensorboard: the example's --tensorboard logging is tested.
-        "test": ["pytest>=8", "matplotlib>=3.7", "kernels>=0.10", "tensorboard>=2.14"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib>=3.7", "kernels>=0.10", "tensorboard>=2.14"],
         "tensorboard": ["tensorboard>=2.14"],
         "bench": ["matplotlib>=3.7"],
     },

@@ -9,4 +9,7 @@ if [ "${1:-}" = "--quick" ]; then
     shift
     set -- -m "not slow" "$@"
 fi
-exec .venv/bin/python -m pytest -q "$@"
+# Two workers (pytest-xdist), each module on one (tests/conftest.py's groups): the Triton
+# interpreter and the launches' start-ups are single-threaded, so one worker leaves a core idle
+# most of the time. -n 0 (after the other arguments) runs in this process.
+exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"

@@ -10,6 +10,21 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+# The session's example runs below, shared by several modules: under pytest-xdist (scripts/test.sh
+# runs two workers) those modules stay on one worker, which makes each run once.
+SHARED_RUNS = {"one_process_run", "two_rank_run", "two_rank_loops"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """One xdist group per module (its module-scoped fixtures, often launched runs, made once),
+    the modules that use a shared run in one group together (``--dist loadgroup``)."""
+    shared = {item.module.__name__ for item in items if SHARED_RUNS & set(getattr(item, "fixturenames", ()))}
+    for item in items:
+        name = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("shared_runs" if name in shared else name))
+
+
 @pytest.fixture(autouse=True)
 def _no_tf32():
     # tf32 would break the 1e-5 float32 tolerance on Ampere and Hopper.
