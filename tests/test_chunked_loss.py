@@ -100,6 +100,19 @@ def test_loss_and_gradients_equal_the_full_logits_in_float64(name, dtype, z_loss
         assert loss.item() == 0 and all(g.abs().max().item() == 0 for g in grads)
 
 
+def test_float_defaults_trace_in_one_graph_under_dynamic_shapes():
+    """torch.compile(dynamic=True) makes ``z_loss_coef``'s default symbolic: its check traces on
+    it, with no graph break and the eager loss."""
+    import torch._dynamo.testing
+    from moe_ep.ops.linear_cross_entropy import linear_cross_entropy
+
+    hidden, weight, _, target = _inputs(CASES["ragged_last_chunk"], torch.float32)
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(lambda h, w, t: linear_cross_entropy(h, w, t)[0], backend=counter, dynamic=True)
+    assert torch.equal(compiled(hidden, weight, target), linear_cross_entropy(hidden, weight, target)[0])
+    assert counter.frame_count == 1
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16_inputs", "fp32_under_autocast"])
 def test_half_precision_logits_come_from_the_heads_own_gemm(autocast):
     """The head's GEMM runs in the compute dtype, as transformers' lm_head (float32 GEMMs of a

@@ -247,6 +247,23 @@ def test_torch_compile_traces_the_op_in_one_graph():
     assert torch.equal(xc.grad, xe.grad) and torch.equal(wc.grad, we.grad)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_float_defaults_trace_in_one_graph_under_dynamic_shapes(backend):
+    """torch.compile(dynamic=True) makes a float argument left at its default (``scale``)
+    symbolic: the argument checks trace on it, with no graph break and the eager results."""
+    import torch._dynamo.testing
+
+    case = CASES[0]
+    x, w, _ = make_inputs(case, torch.float32)
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(lambda x, w: route_topk(x, w, case.K, backend=backend), backend=counter, dynamic=True)
+    for a, b in zip(compiled(x, w), route_topk(x, w, case.K, backend=backend)):
+        assert torch.equal(a, b)
+    assert counter.frame_count == 1
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        torch.compile(lambda x, w: route_topk(x, w, case.K, scale=float("nan")), backend=counter, dynamic=True)(x, w)
+
+
 def test_opcheck_fake_and_autograd_registration():
     case = CASES[6]
     x, w, kwargs = make_inputs(case, torch.float32)

@@ -22,10 +22,12 @@ def check_number(name: str, value, *, at_least: float | None = None, above: floa
                  or_none: bool = False) -> None:
     """A finite real number (an int or a float, not a bool) with ``value >= at_least`` and
     ``value > above`` where given: NaN and infinities are refused, since every comparison with
-    NaN is false and an infinite weight or rate turns a whole step into NaN."""
+    NaN is false and an infinite weight or rate turns a whole step into NaN. (Finite as a
+    comparison, not ``math.isfinite``: torch.compile traces it on the symbolic float a float
+    argument becomes under ``dynamic=True``, and an int too large for a float passes.)"""
     if value is None and or_none:
         return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < math.inf
     ok = ok and (at_least is None or value >= at_least) and (above is None or value > above)
     if not ok:
         bound = "".join(f" {op} {b}" for op, b in ((">=", at_least), (">", above)) if b is not None)
