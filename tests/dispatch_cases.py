@@ -19,7 +19,7 @@ class Case:
     K: int
     H: int = 16
     I: int = 12
-    routing: str = "random"  # random | first_rank | first_half | one_expert | same_rank
+    routing: str = "random"  # random | first_rank | first_half | one_expert | same_rank | repeated
     capacity_factor: float | None = None
     tied_weights: bool = False
 
@@ -32,8 +32,10 @@ class Case:
         xs, idxs, ws, dys = [], [], [], []
         for T in self.tokens(world):
             xs.append(torch.randn(T, self.H, generator=g))
-            if self.routing == "random":
+            if self.routing in ("random", "repeated"):
                 idx = torch.rand(T, E, generator=g).topk(K, -1).indices
+                if self.routing == "repeated":  # every other token names its first expert again, last
+                    idx[::2, -1] = idx[::2, 0]
             elif self.routing == "first_rank":  # every expert chosen lives on rank 0
                 idx = torch.rand(T, L, generator=g).topk(K, -1).indices
             elif self.routing == "first_half":  # every expert chosen lives on the first half of the ranks

@@ -6,15 +6,25 @@ import torch
 
 def keep_mask_reference(idx_TK, w_TK, num_experts: int, capacity: int) -> torch.Tensor:
     """The documented capacity policy as a plain loop: per expert, highest weight first, lower
-    token index first among equal weights, keep ``capacity``."""
+    token index first among equal weights, keep ``capacity``. A token that names the expert in
+    several slots is one pair of their summed weight, and each of those slots gets its verdict."""
     T, K = idx_TK.shape
     keep = torch.zeros(T, K, dtype=torch.bool)
     for e in range(num_experts):
-        pairs = [(t, k) for t in range(T) for k in range(K) if idx_TK[t, k] == e]
-        pairs.sort(key=lambda p: (-float(w_TK[p]), p[0]))
-        for p in pairs[:capacity]:
-            keep[p] = True
+        pairs = [(t, [k for k in range(K) if idx_TK[t, k] == e]) for t in range(T)]
+        pairs = [(t, slots) for t, slots in pairs if slots]
+        pairs.sort(key=lambda p: (-sum(float(w_TK[p[0], k]) for k in p[1]), p[0]))
+        for t, slots in pairs[:capacity]:
+            keep[t, slots] = True
     return keep
+
+
+def first_slots(idx_TK) -> torch.Tensor:
+    """``[T, K]`` bool: the slots whose expert no earlier slot of the token names (those that
+    carry a pair through the exchange)."""
+    T, K = idx_TK.shape
+    return torch.tensor([[int(idx_TK[t, k]) not in idx_TK[t, :k].tolist() for k in range(K)] for t in range(T)],
+                        dtype=torch.bool).view(T, K)
 
 
 def remap_routing(routing: str, num_experts: int, ep: int):

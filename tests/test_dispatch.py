@@ -21,7 +21,7 @@ from host_syncs import CPU_ONLY_CHECKS, HostSyncRecorder, moe_ep_site
 from dist_utils import run_ranks
 from markers import HAS_EP_REGISTRY, requires_cuda, requires_ep_registry
 from numerics import TOLERANCE, rel_err
-from routing_rules import keep_mask_reference, remap_routing
+from routing_rules import first_slots, keep_mask_reference, remap_routing
 import moe_ep
 from moe_ep.bench.dispatch import count_sent_bytes
 from moe_ep.dispatch import CountExchangeBytes, capacity_keep_mask, count_exchange_bytes, expert_capacity, wire_bytes
@@ -45,8 +45,13 @@ CASES_2 = [
     Case("capacity_half_ties", T=9, E=8, K=3, capacity_factor=0.5, tied_weights=True),
     Case("capacity_tight_k_eq_e", T=6, E=4, K=4, capacity_factor=0.3),
     Case("capacity_roomy", T=5, E=8, K=2, capacity_factor=4.0),
+    # A token that names one expert twice: more of its slots on a rank than the rank has experts.
+    Case("repeated_expert", T=7, E=4, K=3, routing="repeated"),
+    Case("repeated_expert_one_per_rank", T=6, E=2, K=2, routing="repeated"),
+    Case("capacity_repeated_expert", T=8, E=4, K=3, capacity_factor=0.75, routing="repeated"),
 ]
-TRITON_CASES = ("odd_sizes", "k_eq_e", "rank_with_no_tokens", "capacity_half_ties", "capacity_roomy")
+TRITON_CASES = ("odd_sizes", "k_eq_e", "rank_with_no_tokens", "capacity_half_ties", "capacity_roomy",
+                "repeated_expert")
 CASES_4 = [
     Case("random", T=5, E=8, K=2),
     Case("rank1_receives_nothing", T=4, E=8, K=2, routing="first_rank"),
@@ -73,7 +78,8 @@ def _check_case(case: Case, rank: int, world: int, backend: str | None = None) -
         capacity = expert_capacity(case.tokens(world)[rank], case.K, case.E, case.capacity_factor)
         kept = [keep_mask_reference(i, v, case.E, capacity) for i, v in zip(idxs, ws)]
         routed = dispatch(x, idxs[rank], w, group=group, num_experts=case.E, capacity_factor=case.capacity_factor)
-        result["kept_exact"] = torch.equal(routed.layout.kept_TK, kept[rank])
+        # A repeated expert's later slots go nowhere: its first slot carries the pair.
+        result["kept_exact"] = torch.equal(routed.layout.kept_TK, kept[rank] & first_slots(idxs[rank]))
         result["dropped"] = int((~kept[rank]).sum())
     else:
         routed = dispatch(x, idxs[rank], w, group=group, num_experts=case.E)

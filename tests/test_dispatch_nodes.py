@@ -43,6 +43,7 @@ CASES_4 = [
     Case("all_to_first_node", T=6, E=8, K=3, routing="first_half"),  # node 1 receives nothing
     Case("same_rank", T=8, E=8, K=2, routing="same_rank"),
     Case("one_expert_gets_all", T=4, E=16, K=4, routing="one_expert"),
+    Case("repeated_expert", T=5, E=4, K=3, routing="repeated"),  # one node's expert twice in a token
 ]
 CASES_8 = [
     Case("random", T=(6, 3, 0, 5, 7, 2, 4, 6), E=16, K=4),

@@ -53,6 +53,7 @@ SCENARIOS_2 = [
     Scenario(Case("k_eq_e", T=3, E=4, K=4)),
     Scenario(Case("empty_chunk", T=(1, 5), E=4, K=2)),  # rank 0's chunks: 1 token and none
     Scenario(Case("three_chunks_odd_sizes", T=(7, 4), E=6, K=3, H=12, I=10), chunks=3),
+    Scenario(Case("repeated_expert", T=(7, 4), E=2, K=2, routing="repeated")),
 ]
 SCENARIOS_4 = [
     Scenario(Case("random", T=7, E=8, K=2)),

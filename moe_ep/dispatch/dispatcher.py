@@ -20,6 +20,7 @@ from .capacity import check_capacity_factor
 from .layout import DispatchedTokens, DispatchLayout, NodeDispatchLayout
 from .nodes import NodeGroups, check_node_groups, combine_by_node, dispatch_by_node
 from .rank_exchange import combine_to_ranks, dispatch_to_ranks
+from .repeats import merge_repeated_experts
 
 
 def check_num_experts(num_experts, ep: int, *, name: str = "num_experts") -> int:
@@ -55,7 +56,8 @@ def dispatch(
 ) -> DispatchedTokens:
     """Send this rank's tokens ``[T, H]`` to the ranks owning their chosen experts.
 
-    ``top_k_index [T, K]`` holds global expert ids, ``top_k_weights [T, K]`` their weights. Returns
+    ``top_k_index [T, K]`` holds global expert ids, ``top_k_weights [T, K]`` their weights (an
+    expert a token names in several slots is one pair of their summed weight). Returns
     the (row, local expert) pairs this rank's experts must compute and the layout ``combine``
     needs. Every rank of ``group`` must call it (collective), whatever its number of tokens.
     Differentiable in ``hidden_states`` and ``top_k_weights``.
@@ -85,6 +87,7 @@ def dispatch_checked(hidden_states, top_k_index, top_k_weights, group, num_exper
                      rows: bool = False) -> DispatchedTokens:
     """``dispatch`` on arguments its caller validated (``check_dispatch_args``,
     ``check_node_groups``); ``rows``: the rows form of ``DispatchedTokens``, else the pairs."""
+    top_k_index, top_k_weights = merge_repeated_experts(top_k_index, top_k_weights, num_experts)
     if node_groups is not None:
         return dispatch_by_node(hidden_states, top_k_index, top_k_weights, node_groups, num_experts, rows=rows)
     return dispatch_to_ranks(hidden_states, top_k_index, top_k_weights, group, num_experts, capacity_factor,

@@ -34,7 +34,9 @@ def moe_experts_ep(
 ) -> torch.Tensor:
     """``moe_experts`` with the ``E = L * ep`` experts spread over ``group``: this rank holds
     experts ``[rank L, (rank+1) L)`` as ``gate_up_local [L, 2I, H]`` and ``down_local [L, H, I]``.
-    ``top_k_index`` holds global ids. Returns ``[T, H]`` for this rank's tokens. Collective.
+    ``top_k_index`` holds global ids; a token may name one expert in several slots, as with
+    ``moe_experts`` (they travel as one pair of the summed weight, ``moe_ep.dispatch.repeats``).
+    Returns ``[T, H]`` for this rank's tokens. Collective.
     ``node_groups``: the node-aware dispatch (``moe_ep.dispatch.nodes``), None the single-stage.
     ``overlap_chunks``: 1 runs dispatch, experts and combine one after another; ``n > 1`` cuts the
     tokens into ``n`` chunks of consecutive tokens pipelined on asynchronous all-to-alls, so one

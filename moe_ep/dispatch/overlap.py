@@ -62,6 +62,7 @@ from .rank_exchange import (
     ExchangeSizes, PackedRows, RowPlan, SentRows, dispatched_tokens, exchange_counts, pack_rows, plan_rows,
     received_rows, rows_of_pairs,
 )
+from .repeats import merge_repeated_experts
 from .row_ops import sum_rows
 
 
@@ -150,6 +151,7 @@ def moe_experts_overlapped(hidden_states, top_k_index, top_k_weights, gate_up_lo
                            node_groups: NodeGroups | None = None) -> torch.Tensor:
     """``moe_experts_ep``'s dropless layer in ``chunks`` pipelined chunks (module docstring), on
     arguments ``moe_experts_ep`` validated."""
+    top_k_index, top_k_weights = merge_repeated_experts(top_k_index, top_k_weights, num_experts)
     x_chunks = torch.tensor_split(hidden_states, chunks)
     idx_chunks = torch.tensor_split(top_k_index, chunks)
     w_chunks = torch.tensor_split(top_k_weights, chunks)

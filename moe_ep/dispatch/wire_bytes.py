@@ -2,7 +2,8 @@
 ``AllToAllEP``, computed from one rank's routing alone (a pure function, no process group).
 
 - moe_ep: one row per (token, destination rank), however many of the token's experts live on that
-  rank; a row carrying ``m >= 2`` of them also carries ``min(K, L)`` (local id int32, weight
+  rank (an expert a token names twice counts once: ``moe_ep.dispatch.repeats``); a row carrying
+  ``m >= 2`` of them also carries ``min(K, L)`` (local id int32, weight
   float32) columns; one row per (token, rank) comes back, already reduced on the expert rank.
   The count exchange sends ``L`` int32 per peer, ``L + 2`` when rows can carry several experts.
 - transformers: one row per (token, chosen expert) each way; the weights stay on the sender and
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.validate import check_index, check_tensor
+from .repeats import repeated_slots
 
 _ROUTING_COLUMN_BYTES = 8  # int32 local expert id + float32 routing weight
 
@@ -66,10 +68,14 @@ def wire_bytes(
     T, K = idx_TK.shape
     dest_TK = idx_TK.long().cpu() // experts_per_rank
     num_ranks = int(dest_TK.max()) + 1 if T else 1
-    experts_TR = torch.zeros(T, num_ranks, dtype=torch.long).scatter_add_(1, dest_TK, torch.ones_like(dest_TK))
+    # transformers sends a copy per slot; moe_ep merges a token's repeated expert first (repeats).
+    slots_TR = torch.zeros(T, num_ranks, dtype=torch.long).scatter_add_(1, dest_TK, torch.ones_like(dest_TK))
+    distinct_TK = (~repeated_slots(idx_TK.cpu())).long()
+    experts_TR = torch.zeros(T, num_ranks, dtype=torch.long).scatter_add_(1, dest_TK, distinct_TK)
     if source_rank is not None:
+        slots_TR[:, source_rank:source_rank + 1] = 0
         experts_TR[:, source_rank:source_rank + 1] = 0
-    ours_rows, their_rows = int((experts_TR > 0).sum()), int(experts_TR.sum())
+    ours_rows, their_rows = int((experts_TR > 0).sum()), int(slots_TR.sum())
     multi_rows = int((experts_TR > 1).sum())
     row_bytes = hidden_size * element_size
     return WireBytes(
@@ -154,7 +160,7 @@ def node_wire_bytes(
     for source, idx_TK in enumerate(idx_by_rank):
         dest_TK = idx_TK.long().cpu() // L
         experts_TR = torch.zeros(idx_TK.shape[0], ep, dtype=torch.long)
-        experts_TR.scatter_add_(1, dest_TK, torch.ones_like(dest_TK))
+        experts_TR.scatter_add_(1, dest_TK, (~repeated_slots(idx_TK.cpu())).long())
         experts_TN = experts_TR.view(-1, ep // G, G).sum(-1)
         home, local = divmod(source, G)
         for node in range(ep // G):
