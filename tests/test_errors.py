@@ -45,11 +45,12 @@ def call(**overrides):
         (dict(top_k_index=torch.rand(T, K)), TypeError, "top_k_index"),
         (dict(top_k_weights=torch.randint(0, 2, (T, K))), TypeError, "top_k_weights"),
         (dict(hidden_states=[[1.0] * H] * T), TypeError, "hidden_states"),
+        (dict(hidden_states=torch.randn(T, H).to_sparse()), TypeError, "hidden_states must be a dense"),
     ],
     ids=[
         "hidden_size", "expert_count", "odd_gate_up", "index_too_big", "index_negative", "weight_shape",
         "index_rows", "k_above_e", "mixed_dtypes", "integer_hidden", "3d_hidden", "float_index",
-        "integer_weights", "not_a_tensor",
+        "integer_weights", "not_a_tensor", "sparse_hidden",
     ],
 )
 def test_moe_experts_rejects(overrides, error, pattern):

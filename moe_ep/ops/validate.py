@@ -13,6 +13,8 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def check_tensor(name: str, value, *, ndim: int | None = None) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
     if ndim is not None and value.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(value.shape)}")
     return value
