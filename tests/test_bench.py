@@ -12,7 +12,7 @@ import torch
 
 from moe_ep.bench import dispatch, kernels
 from moe_ep.bench import model as model_bench
-from moe_ep.bench.cli import main
+from moe_ep.bench.cli import build_parser, main
 from moe_ep.bench.optional import optional_attr, optional_import
 from moe_ep.bench.routing_cases import make_routing, max_load_share
 from moe_ep.bench.timing import measure
@@ -287,6 +287,13 @@ def test_a_bad_flag_is_one_line_and_exit_status_2(argv, said, tmp_path, capsys):
         proc = subprocess.run([sys.executable, "-m", "moe_ep.bench", *argv, "--out-dir", str(tmp_path)],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_mode_that_times_nothing_offers_no_timing_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["planner", "--reps", "3"])
+    assert "unrecognized arguments: --reps 3" in capsys.readouterr().err
+    assert "warmup" not in vars(build_parser().parse_args(["planner"]))
 
 
 def test_an_out_dir_it_cannot_write_is_refused_before_the_run(tmp_path):

@@ -41,6 +41,12 @@ def default_out_dir(mode: str, device: torch.device) -> Path:
     return COMMITTED_RESULTS_DIR if mode == "gpu" and device.type == "cuda" else RESULTS_DIR
 
 
+def timed(mode: str) -> bool:
+    """Whether a mode times calls (``--warmup``/``--reps``/``--seed`` apply); one that only
+    counts says ``TIMED = False``."""
+    return getattr(MODES[mode], "TIMED", True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moe_ep.bench", description=__doc__)
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -48,10 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         mode = sub.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
         mode.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-        mode.add_argument("--warmup", type=int_at_least(0), default=2, help="untimed calls before timing (default 2)")
-        mode.add_argument("--reps", type=int_at_least(1), default=5,
-                          help="timed calls; the median is reported (default 5)")
-        mode.add_argument("--seed", type=int, default=0)
+        if timed(name):
+            mode.add_argument("--warmup", type=int_at_least(0), default=2,
+                              help="untimed calls before timing (default 2)")
+            mode.add_argument("--reps", type=int_at_least(1), default=5,
+                              help="timed calls; the median is reported (default 5)")
+            mode.add_argument("--seed", type=int, default=0)
         mode.add_argument("--threads", type=int_at_least(1),
                           help="CPU threads for torch (default: torch's); on a shared machine 1 avoids "
                                "OpenMP barriers waiting on descheduled threads")
@@ -84,8 +92,8 @@ def main(argv: list[str] | None = None):
         args.out_dir = default_out_dir(args.mode, device)
     if not args.no_save:
         check_out_dir(args.out_dir)
-    print(f"[{args.mode}] on {device}: {args.warmup} warmup + {args.reps} timed calls per case; "
-          "progress below, the table at the end", flush=True)
+    calls = f"{args.warmup} warmup + {args.reps} timed calls per case; " if timed(args.mode) else ""
+    print(f"[{args.mode}] on {device}: {calls}progress below, the table at the end", flush=True)
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", NoisyTimingWarning)

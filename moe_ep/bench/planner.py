@@ -760,6 +760,10 @@ def _collective_checks() -> tuple[list[Check], list[str]]:
     return checks, notes
 
 
+# Counts bytes, times nothing: the command line offers no --warmup, --reps or --seed.
+TIMED = False
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-collectives", action="store_true",
                         help="only the activation checks (the world-size-128 steps take a few minutes on 2 cores)")
