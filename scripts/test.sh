@@ -9,7 +9,8 @@ if [ "${1:-}" = "--quick" ]; then
     shift
     set -- -m "not slow" "$@"
 fi
-# Two workers (pytest-xdist), each module on one (tests/conftest.py's groups): the Triton
-# interpreter and the launches' start-ups are single-threaded, so one worker leaves a core idle
-# most of the time. -n 0 (after the other arguments) runs in this process.
-exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"
+# Two workers (pytest-xdist), each module's tests on one (its module-scoped fixtures, often
+# launched runs, made once; tests/conftest.py's made_once shares the session's): the Triton
+# interpreter and the launches' start-ups are single-threaded, so one worker would leave a core
+# idle much of the time. -n 0 (after the other arguments) runs the tests in this process.
+exec .venv/bin/python -m pytest -q -n 2 --dist loadscope "$@"

@@ -1,4 +1,6 @@
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -10,19 +12,33 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
-# The session's example runs below, shared by several modules: under pytest-xdist (scripts/test.sh
-# runs two workers) those modules stay on one worker, which makes each run once.
-SHARED_RUNS = {"one_process_run", "two_rank_run", "two_rank_loops"}
+def made_once(tmp_path_factory, name: str, make):
+    """``make(folder)``'s result (JSON), made once per test session. scripts/test.sh runs the suite
+    on pytest-xdist workers (``--dist loadscope``: each module's tests, so its module-scoped
+    fixtures, on one worker); a session fixture several modules share would be made by every
+    worker that runs one of them, so the first worker makes it in the session's folder, which
+    the workers share, and the others wait for it and read it. A failure is recorded and raised
+    on every worker, not retried."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return make(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
 
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """One xdist group per module (its module-scoped fixtures, often launched runs, made once),
-    the modules that use a shared run in one group together (``--dist loadgroup``)."""
-    shared = {item.module.__name__ for item in items if SHARED_RUNS & set(getattr(item, "fixturenames", ()))}
-    for item in items:
-        name = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("shared_runs" if name in shared else name))
+    shared = tmp_path_factory.getbasetemp().parent  # this session's, above each worker's own
+    done = shared / f"{name}.json"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            folder = shared / name
+            folder.mkdir()
+            try:
+                outcome = {"result": make(folder)}
+            except BaseException as err:
+                done.write_text(json.dumps({"error": f"{type(err).__name__}: {err}"}))
+                raise
+            done.write_text(json.dumps(outcome))
+        outcome = json.loads(done.read_text())
+    if "error" in outcome:
+        raise RuntimeError(f"the shared {name} failed on another worker: {outcome['error'][:3000]}")
+    return outcome["result"]
 
 
 @pytest.fixture(autouse=True)
@@ -44,9 +60,12 @@ def one_process_run(tmp_path_factory):
     """train.py in this process: checkpoints at steps 2, 4 and 6, its losses the reference."""
     from example_runs import COMMON, train_in_process
 
-    out = tmp_path_factory.mktemp("one_process_run") / "run"
-    assert train_in_process([*COMMON, "--output-dir", str(out)]) == 0
-    return out
+    def make(folder):
+        out = folder / "run"
+        assert train_in_process([*COMMON, "--output-dir", str(out)]) == 0
+        return str(out)
+
+    return Path(made_once(tmp_path_factory, "one_process_run", make))
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +74,12 @@ def two_rank_run(tmp_path_factory):
     beside its folder. Returns (its folder, its output)."""
     from example_runs import accelerate_cmd, export_of, run
 
-    out = tmp_path_factory.mktemp("two_rank_run") / "run"
-    return out, run(accelerate_cmd(out, "--export-dir", str(export_of(out))))
+    def make(folder):
+        out = folder / "run"
+        return str(out), run(accelerate_cmd(out, "--export-dir", str(export_of(out))))
+
+    out, output = made_once(tmp_path_factory, "two_rank_run", make)
+    return Path(out), output
 
 
 @pytest.fixture(scope="session")
@@ -67,5 +90,7 @@ def two_rank_loops(tmp_path_factory):
     same losses). Returns the folder of the runs."""
     from hf_loops import launch_world
 
-    return launch_world(tmp_path_factory.mktemp("hf_loops_2"), 2, ("--ep", "2"), resume=True, bf16=True,
-                        with_moe_ep_alone=True)
+    def make(folder):
+        return str(launch_world(folder, 2, ("--ep", "2"), resume=True, bf16=True, with_moe_ep_alone=True))
+
+    return Path(made_once(tmp_path_factory, "hf_loops_2", make))
