@@ -18,7 +18,9 @@ the micro-batches, so a loss normalised per micro-batch instead of per step woul
   nodes of one rank) under ZB-V with checkpointing; one process group.
   Also a batch whose data-parallel shards hold very different numbers of targets, with and
   without pipeline stages (the same loop): the loss is the global token mean.
-- 1 process: TrainStep with gradient accumulation and no stages; loss scaling; on torch's fake
+- 1 process: stages chained by hand give the model's own logits where its forward does more
+  around the layers (sliding windows, Granite's multipliers), and refuse recurrent layers;
+  TrainStep with gradient accumulation and no stages; loss scaling; on torch's fake
   process group (no data moves), the structure of a tied head under ZB-V, the cut's memory cap
   and batch shape through ``parallelize``, and arguments refused before the model changes.
 
@@ -554,6 +556,63 @@ def test_errors():
         from moe_ep.parallel.pipeline import CausalLMStage
 
         CausalLMStage(torch.nn.Linear(2, 2), [0], first=True, last=True)
+
+
+def _granite_moe(**overrides):
+    """A tiny GraniteMoE (not one of hf_models' families): its base model scales the embedding,
+    its causal LM divides the logits."""
+    from transformers import AutoModelForCausalLM, GraniteMoeConfig
+    from hf_models import _COMMON, randomize_
+
+    kwargs = {k: v for k, v in _COMMON.items() if k != "attn_implementation"}
+    config = GraniteMoeConfig(**{**kwargs, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24,
+                                 **overrides})
+    config._attn_implementation = _COMMON["attn_implementation"]
+    return randomize_(AutoModelForCausalLM.from_config(config)).eval()
+
+
+# Models whose own forward does more around the layers than embed -> causal mask -> norm -> head.
+AROUND_THE_LAYERS = {
+    "mixtral_sliding_window": lambda: _model(torch.float32, "eager", sliding_window=3).eval(),
+    "qwen2_moe_sliding_and_full_layers": lambda: _model(
+        torch.float32, "eager", "qwen2_moe", use_sliding_window=True, sliding_window=3, max_window_layers=2,
+        layer_types=["full_attention", "full_attention", "sliding_attention", "sliding_attention"]).eval(),
+    "granite_moe_multipliers": lambda: _granite_moe(num_hidden_layers=4, embedding_multiplier=4.0,
+                                                     logits_scaling=2.0),
+}
+
+
+@pytest.mark.parametrize("name", list(AROUND_THE_LAYERS))
+def test_stages_chained_in_one_process_give_the_models_own_logits(name):
+    """Each stage does what the model's own forward does around its layers: a sliding window (on
+    every layer, or by config.layer_types), an embedding multiplier, a logits divisor. Sequences
+    longer than the window, so that a plain causal mask would show."""
+    from moe_ep.parallel.pipeline import CausalLMStage
+
+    model = AROUND_THE_LAYERS[name]()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    stages = [CausalLMStage(model, [0], first=True, last=False), CausalLMStage(model, [1, 2], first=False, last=False),
+              CausalLMStage(model, [3], first=False, last=True)]
+    with torch.no_grad():
+        hidden = ids
+        for stage in stages:
+            hidden = stage(hidden)
+        expected = model(ids).logits
+    assert rel_err(hidden, expected) <= TOL
+
+
+def test_a_stage_refuses_layers_of_recurrent_attention():
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+    from moe_ep.parallel.pipeline import CausalLMStage
+
+    config = Qwen3NextConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                             layer_types=["full_attention", "linear_attention"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="a pipeline stage runs decoder layers of full or sliding-window causal "
+                                         "attention, but layer 1 of this Qwen3NextConfig is 'linear_attention'"):
+        CausalLMStage(model, [0], first=True, last=False)
 
 
 def _checkpointing_on(model) -> bool:

@@ -16,12 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..hf.causal_lm import LOGIT_TRANSFORMS
 from ..ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, shift_labels
 
-# Model attributes that change the logits after the head's linear map: the chunked loss computes
-# ``hidden @ W.T + b`` only, so a model with one of them set is refused rather than trained on
-# another objective (Gemma's soft-capping, Granite's and MiniCPM's divisor, Cohere's multiplier).
-_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logits_scaling": 1, "logit_scale": 1}
 
 
 class CausalLMLoss:
@@ -75,7 +72,9 @@ def check_chunked_head(head, config, owner: str, *, holds_head: bool = True) -> 
             f"from {owner}"
         )
     configs = [config] + ([config.get_text_config()] if hasattr(config, "get_text_config") else [])
-    for name, neutral in _LOGIT_TRANSFORMS.items():
+    # The chunked loss computes ``hidden @ W.T + b`` only: a model that transforms its logits after
+    # the head is refused rather than trained on another objective.
+    for name, neutral in LOGIT_TRANSFORMS.items():
         for c in configs:
             value = getattr(c, name, neutral)
             if value != neutral:

@@ -4,9 +4,11 @@ nothing: they hold the model's own submodules under the model's own names (``mod
 ``lm_head``), so a stage's state dict is a slice of the model's.
 
 Inputs: stage 0 takes ``input_ids [batch, seq]``; positions are ``0..seq-1`` and attention is
-causal with no padding mask (right-pad and set the padded labels to -100). The last stage
-returns logits, or its final (normed) hidden states when ``loss_input`` is ``"hidden"`` (the loss
-then applies the LM head itself, in chunks: ``TrainStep(chunked_loss=True)``)."""
+causal, or sliding-window where the model's config says so, with no padding mask (right-pad and
+set the padded labels to -100). The last stage returns logits, or its final (normed) hidden
+states when ``loss_input`` is ``"hidden"`` (the loss then applies the LM head itself, in chunks:
+``TrainStep(chunked_loss=True)``). What the model's own forward does around the layers (the
+embedding's scale, the masks, the logits' transforms) comes from ``moe_ep.hf.causal_lm``."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from typing import Sequence
 
 import torch
 from torch import nn
+
+from ...hf.causal_lm import attention_masks, layer_attention_kinds, scaled_embeddings, transformed_logits
 
 
 def decoder_parts(model: nn.Module):
@@ -54,6 +58,7 @@ class CausalLMStage(nn.Module):
         self.add_module(prefix, trunk)
         if last:
             self.lm_head = head
+        self.attention_kinds = [layer_attention_kinds(model.config, "a pipeline stage")[i] for i in self.layer_ids]
         # What the last stage returns; written once by PipelineStages.schedule, before the
         # schedule infers the stages' output shapes.
         self.loss_input = "logits"
@@ -63,17 +68,15 @@ class CausalLMStage(nn.Module):
         return getattr(self, self.prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
+        """The model's own forward over this stage's part (``moe_ep.hf.causal_lm``: the embedding's
+        scale, each layer's mask, the logits' transforms)."""
         trunk = self.trunk
-        hidden = trunk.embed_tokens(x) if self.first else x
+        hidden = scaled_embeddings(self.config, trunk.embed_tokens(x)) if self.first else x
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         position_embeddings = trunk.rotary_emb(hidden, position_ids)
-        # The (absent) cache goes positionally: transformers 5.17 names it past_key_values, later
-        # releases cache and warn about the old name.
-        mask = create_causal_mask(self.config, hidden, None, None, position_ids=position_ids)
-        for layer in trunk.layers.values():
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
+        masks = attention_masks(self.config, hidden, position_ids, self.attention_kinds)
+        for layer, kind in zip(trunk.layers.values(), self.attention_kinds):
+            hidden = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
                            position_embeddings=position_embeddings)
             # Families written before transformers 5 return (hidden_states, ...).
             if isinstance(hidden, tuple):
@@ -81,5 +84,5 @@ class CausalLMStage(nn.Module):
         if self.last:
             hidden = trunk.norm(hidden)
             if self.loss_input == "logits":
-                hidden = self.lm_head(hidden)
+                hidden = transformed_logits(self.config, self.lm_head(hidden))
         return hidden
