@@ -155,6 +155,13 @@ def test_checkpoints_after_the_one_resumed_are_set_aside_whole_and_marked(tmp_pa
     step_dir(root, 3).mkdir()
     again = set_aside_later_checkpoints(root, 2, step_dir(root, 2), rank=0)
     assert again != aside and (again / "step_00000003").is_dir() and (aside / "step_00000004").is_dir()
+    # Back to the branch set aside, by the path of its step 4: the live branch's own step 4 (made
+    # after the rollback) leaves with the later ones, so that --resume auto cannot continue it.
+    step_dir(root, 4).mkdir()
+    step_dir(root, 5).mkdir()
+    back = set_aside_later_checkpoints(root, 4, aside / "step_00000004", rank=0)
+    assert sorted(p.name for p in back.iterdir() if p.is_dir()) == ["step_00000004", "step_00000005"]
+    assert [p.name for p in step_folders(root)] == ["step_00000002"] and (aside / "step_00000004").is_dir()
 
 
 # ------------------------------------------------------------------------------ odd files, full disk

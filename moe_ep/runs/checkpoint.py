@@ -418,17 +418,19 @@ def checkpoint_due(step: int, *, every: int, last: int) -> bool:
 def set_aside_later_checkpoints(root: Path, step: int, resumed: Path | None, *, rank: int,
                                 later: list[Path] | None = None) -> Path | None:
     """Collective, once the checkpoint ``resumed`` of optimizer step ``step`` is chosen (None, step
-    0: a start afresh): rank 0 moves every checkpoint folder of ``root`` later than ``step``
-    (complete or damaged; ``later``: those folders where ``root`` is not laid out as this module
-    writes it), whole, into a new marked folder ``root/abandoned-<time>-from-step-<step>/``, which
-    every rank gets back (None where nothing is later): the abandoned branch stays on disk for the
-    user, out of reach of ``--resume auto``, of pruning and of the resumed run's checkpoints of the
-    same steps. A failure to move raises
-    RunError on every rank, nothing deleted."""
+    0: a start afresh): rank 0 moves every checkpoint folder of ``root`` of step ``step`` or later
+    but ``resumed`` itself (complete or damaged; ``later``: those folders where ``root`` is not
+    laid out as this module writes it), whole, into a new marked folder
+    ``root/abandoned-<time>-from-step-<step>/``, which every rank gets back (None where nothing is
+    moved): the abandoned branch stays on disk for the user, out of reach of ``--resume auto``, of
+    pruning and of the resumed run's checkpoints of the same steps. (A ``resumed`` from outside
+    ``root``, a branch set aside earlier and taken up again by its path, leaves the branch whose
+    checkpoint of its step ``root`` holds.) A failure to move raises RunError on every rank,
+    nothing deleted."""
     outcome = None
     if rank == 0:
         if later is None:
-            later = [p for p in step_folders(root) if step_of(p) > step]
+            later = [p for p in step_folders(root) if step_of(p) >= step]
         try:
             kept = None if resumed is None else resumed.resolve()
             outcome = str(_set_aside(root, step, [p for p in later if p.resolve() != kept]) or "")
