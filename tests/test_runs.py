@@ -260,6 +260,13 @@ def test_a_folder_of_the_users_or_made_for_something_else_is_never_taken_as_the_
                                          r"marker says 'checkpoints'\)"):
         check_output_folders(checkpoints, None, 1, keep=1)
     assert ownership.marker_kind(checkpoints) == "checkpoints"
+    loop_run = tmp_path / "loop"  # another script's run: its marker says so, and so does the refusal
+    loop_run.mkdir()
+    ownership.mark(loop_run, "accelerate_loop")
+    (loop_run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UsageError, match=r"loop was made by moe_ep for something else \(its \.moe_ep-owner marker "
+                                         r"says 'accelerate_loop'\)"):
+        check_output_folders(loop_run, None, 1, keep=1)
     for taken in (tmp_path / "new", tmp_path / "empty"):
         check_output_folders(taken, None, 1, keep=1)
     (tmp_path / "empty").mkdir()

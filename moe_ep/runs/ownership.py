@@ -167,7 +167,8 @@ def check_run_folder(output_dir: Path) -> None:
         if path.exists() and not ours(path, name):
             raise UsageError(not_ours_message(path, "--output-dir"))
     metrics = output_dir / METRICS
-    if metrics.exists() and marker_kind(output_dir) != "run":
+    # Under another kind's marker the folder is moe_ep's for something else: said just below.
+    if metrics.exists() and marker_kind(output_dir) is None:
         raise UsageError(f"--output-dir: {metrics} was not written by moe_ep (the folder has no {MARKER} "
                          "marker); moe_ep never appends to or deletes a file it did not make: move it away or "
                          "choose another --output-dir")
