@@ -278,32 +278,38 @@ def test_a_folder_of_the_users_or_made_for_something_else_is_never_taken_as_the_
 
 
 def test_free_space_counts_keep_plus_one_checkpoints_and_the_runs_own_leftovers(tmp_path, monkeypatch):
-    out, parameters = tmp_path / "run", 1 << 20  # 12 MiB a checkpoint
-    one = ownership.CHECKPOINT_BYTES_PER_PARAMETER * parameters
+    out, parameters = tmp_path / "run", 1 << 24  # 12 bytes a parameter, and what the format adds
+    one = ownership.checkpoint_bytes(parameters)
+    assert one == int(1.05 * 12 * parameters) + (4 << 20)
     fake_disk(monkeypatch, 2 * one)
     # A fresh run with --keep-checkpoints 2 holds 3 at a save's peak.
-    with pytest.raises(UsageError, match=r"0\.02 GiB free .* but 3 more checkpoints \(weights and AdamW state; "
-                                         r"--keep-checkpoints 2 and one more while a save is written\) take about 0\.04"):
+    with pytest.raises(UsageError, match=r"0\.40 GiB free .* but 3 more checkpoints \(weights and AdamW state; "
+                                         r"--keep-checkpoints 2 and one more while a save is written\) take about 0\.60"):
         check_output_folders(out, None, parameters, keep=2)
     check_output_folders(out, None, parameters, keep=1)
-    # Two on disk already: one more is needed.
+    # Two complete ones on disk already: one more is needed. A folder cut short (no manifest) holds
+    # less than a checkpoint, so it pays for none.
     root = ownership.make_managed_dir(out / "checkpoints", "checkpoints")
     for step in (2, 4):
         step_dir(root, step).mkdir()
     fake_disk(monkeypatch, one // 2)
+    with pytest.raises(UsageError, match=r"but 3 more checkpoints"):
+        check_output_folders(out, None, parameters, keep=2)
+    for step in (2, 4):
+        (step_dir(root, step) / "manifest.json").write_text("{}")
     with pytest.raises(UsageError, match=r"but 1 more checkpoint \(weights"):
         check_output_folders(out, None, parameters, keep=2)
     # An interrupted save's leftover holds the rest: the run removes it at start, so it counts as free.
     (root / ".tmp-step_00000006").mkdir()
-    (root / ".tmp-step_00000006" / "__0_0.distcp").write_bytes(bytes(one // 2))
+    (root / ".tmp-step_00000006" / "__0_0.distcp").write_bytes(bytes(one - one // 2))
     check_output_folders(out, None, parameters, keep=2)
     fake_disk(monkeypatch, one // 4)
-    with pytest.raises(UsageError, match=r"\(and 0\.01 GiB in leftovers of interrupted saves, removed at start\)"):
+    with pytest.raises(UsageError, match=r"\(and 0\.10 GiB in leftovers of interrupted saves, removed at start\)"):
         check_output_folders(out, None, parameters, keep=2)
     # What else the run writes into its folder before its first checkpoint (the example's token cache).
     fake_disk(monkeypatch, one)
     check_output_folders(out, None, parameters, keep=2)
-    with pytest.raises(UsageError, match=r"but 1 more checkpoint \(weights.*\) and the token cache take about 0\.02"):
+    with pytest.raises(UsageError, match=r"but 1 more checkpoint \(weights.*\) and the token cache take about 0\.40"):
         check_output_folders(out, None, parameters, keep=2, also=(one, "the token cache"))
 
 

@@ -26,13 +26,13 @@ from .checkpoint import ABANDONED_PREFIX, damage_report, set_aside_later_checkpo
 from .errors import RunError, UsageError, write_failure
 from .integrity import MANIFEST, files_in, local_problems, seal
 from .ownership import (
-    CHECKPOINT_BYTES_PER_PARAMETER,
     EXPORT_BYTES_PER_PARAMETER,
     METRICS,
     check_free_space,
     check_odd_entries,
     check_output_dir_is_ours,
     check_writable,
+    checkpoint_bytes,
     delete_atomically,
     make_managed_dir,
     mark,
@@ -154,7 +154,7 @@ class RunFolder:
         if self.final.exists() and not ours(self.final, "export"):
             raise UsageError(not_ours_message(self.final, "--output-dir"))
         check_writable(self.path, "--output-dir")
-        check_free_space(self.path, (CHECKPOINT_BYTES_PER_PARAMETER + EXPORT_BYTES_PER_PARAMETER) * parameters,
+        check_free_space(self.path, checkpoint_bytes(parameters) + EXPORT_BYTES_PER_PARAMETER * parameters,
                          "one checkpoint and the final model", "--output-dir")
         return candidates
 
