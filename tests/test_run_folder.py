@@ -19,9 +19,9 @@ LAYOUTS = {"trainer": ("checkpoint-*", (), "checkpoint-{}"),
            "accelerate_loop": ("checkpoints/step_*", ("checkpoints",), "checkpoints/step_{:08d}")}
 
 
-def make_run(tmp_path, layout: str, steps=(2, 4, 6)) -> tuple[RunFolder, dict[int, object]]:
+def make_run(tmp_path, layout: str, steps=(2, 4, 6), data=None) -> tuple[RunFolder, dict[int, object]]:
     glob, managed, name = LAYOUTS[layout]
-    run = RunFolder(tmp_path / "run", layout, glob, managed)
+    run = RunFolder(tmp_path / "run", layout, glob, managed, data=data)
     run.claim()
     made = {}
     for step in steps:
@@ -52,6 +52,30 @@ def test_resume_chooses_the_newest_none_or_the_named_checkpoint(tmp_path, layout
     empty = RunFolder(tmp_path / "new", layout, LAYOUTS[layout][0], LAYOUTS[layout][1])
     assert empty.resume_target("auto", overwrite=False) is None
     assert empty.resume_target("never", overwrite=False) is None
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_checkpoint_of_other_data_is_refused_before_any_work(tmp_path, layout):
+    """The data a checkpoint was trained on rides in its manifest: a resume under another seed,
+    packing or global batch (whose count of batches done would skip other sequences) is refused,
+    naming what changed; the same data resumes."""
+    data = {"corpus_tokens": 1000, "token_sum": 77, "seq_len": 32, "global_batch": 4, "seed": 0}
+    run, made = make_run(tmp_path, layout, data=data)
+    glob, managed, _ = LAYOUTS[layout]
+    same = RunFolder(run.path, layout, glob, managed, data=dict(data))
+    assert same.check(resume="auto", overwrite=False, parameters=10) == ([made[6], made[4], made[2]], [])
+    for key, value in (("seed", 1), ("global_batch", 8), ("seq_len", 64), ("token_sum", 78)):
+        other = RunFolder(run.path, layout, glob, managed, data={**data, key: value})
+        with pytest.raises(UsageError, match=rf"--resume .*{made[6].name}: the checkpoint was trained on other data or "
+                                             rf"another global batch \({key}: {data[key]!r} then, {value!r} now\)"):
+            other.check(resume="auto", overwrite=False, parameters=10)
+        with pytest.raises(UsageError, match=rf"{made[2].name}: the checkpoint was trained on other data"):
+            other.check(resume=str(made[2]), overwrite=False, parameters=10)
+        assert other.check(resume="auto", overwrite=True, parameters=10) == ([], [])  # --overwrite starts afresh
+    unrecorded, _ = make_run(tmp_path / "old", layout)  # a checkpoint that records no data: nothing vouches
+    with pytest.raises(UsageError, match=r"\(corpus_tokens: None then, 1000 now; token_sum: None then"):
+        RunFolder(unrecorded.path, layout, glob, managed, data=data).check(resume="auto", overwrite=False,
+                                                                          parameters=10)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

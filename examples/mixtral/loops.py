@@ -40,7 +40,7 @@ from moe_ep.runs import (
     verified_resume,
 )
 
-from data import ByteTokenizer, PackedSequences, resolve_data, tokenize_corpus
+from data import ByteTokenizer, PackedSequences, corpus_stats, resolve_data, tokenize_corpus
 from models import tiny_config
 from options import add_preempt_signal, add_run_folder_flags, check_run_folder_flags, check_seed_and_seq_len
 
@@ -149,6 +149,15 @@ def make_data(args, world_size: int) -> Sequences:
     return Sequences(packed, args.seed)
 
 
+def data_identity(args, data: Sequences, world_size: int) -> dict:
+    """What a resumed run must share with the saved one to continue it, as train.py records it:
+    the token stream, the packing, the global batch (the loops resume by counting the global
+    batches done) and the seed. Recorded in each checkpoint's manifest (RunFolder)."""
+    global_batch = args.micro_batch_size * args.grad_accum * world_size
+    return {**corpus_stats(data.packed.tokens), "seq_len": args.seq_len, "global_batch": global_batch,
+            "seed": args.seed}
+
+
 def model_config(args):
     config = tiny_config()
     config.output_router_logits = args.aux_loss_coef > 0
@@ -204,7 +213,8 @@ def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] 
     with said_by_every_rank():
         check_args(args, world_size)
         data = make_data(args, world_size)
-        run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed)
+        run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed,
+                        data=data_identity(args, data, world_size))
         candidates = run.check(resume=args.resume, overwrite=args.overwrite, parameters=count_parameters(args))
     with hold_output_dir(run.path, rank=rank):
         yield data, run, candidates, world_size, rank

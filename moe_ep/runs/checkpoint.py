@@ -398,7 +398,13 @@ def check_resume_data(resume: Path, identity: dict) -> None:
     with the saved one: the token stream, the packing, the global batch, the seed) against the
     trainer state's ``data``; entries that are None are not known yet and are compared once they
     are."""
-    saved = read_trainer_state(resume)["data"]
+    refuse_other_data(resume, read_trainer_state(resume)["data"], identity)
+
+
+def refuse_other_data(resume: Path, saved: dict | None, identity: dict) -> None:
+    """``check_resume_data`` against ``saved``, the data identity the checkpoint ``resume`` was
+    saved with (None: it records none, so nothing vouches for it)."""
+    saved = saved or {}
     differ = [f"{key}: {saved.get(key)!r} then, {value!r} now" for key, value in identity.items()
               if value is not None and saved.get(key) != value]
     if differ:

@@ -123,6 +123,12 @@ def read_manifest(folder: Path, manifest: str = MANIFEST, *, must_list: Iterable
     return files, None
 
 
+def read_manifest_field(folder: Path, name: str, manifest: str = MANIFEST):
+    """A field the manifest carries beside its files (``seal``'s ``info``), None where it has none;
+    for a manifest ``read_manifest`` found sound."""
+    return json.loads((folder / manifest).read_text()).get(name)
+
+
 def local_problems(folder: Path, *, manifest: str = MANIFEST, hash_if=lambda name: True,
                    must_list: Iterable[str] = ()) -> list[str]:
     """Everything wrong with ``folder`` against its manifest that this process can see alone (no

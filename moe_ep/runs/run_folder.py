@@ -22,9 +22,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .checkpoint import ABANDONED_PREFIX, damage_report, set_aside_later_checkpoints
+from .checkpoint import ABANDONED_PREFIX, damage_report, refuse_other_data, set_aside_later_checkpoints
 from .errors import RunError, UsageError, write_failure
-from .integrity import MANIFEST, files_in, local_problems, seal
+from .integrity import MANIFEST, files_in, local_problems, read_manifest_field, seal
 from .ownership import (
     EXPORT_BYTES_PER_PARAMETER,
     METRICS,
@@ -50,10 +50,14 @@ QUICK_HASH_BYTES = 1 << 20
 class RunFolder:
     """``--output-dir`` of a loop whose checkpoints its library writes (module docstring)."""
 
-    def __init__(self, path: Path, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = ()):
+    def __init__(self, path: Path, kind: str, checkpoint_glob: str, managed: tuple[str, ...] = (), *,
+                 data: dict | None = None):
         """``checkpoint_glob``: where the library writes its checkpoints, relative to ``path``, a
-        ``*`` standing for the optimizer step (``checkpoint-*``, ``checkpoints/step_*``)."""
+        ``*`` standing for the optimizer step (``checkpoint-*``, ``checkpoints/step_*``). ``data``:
+        what a resumed run must share with the saved one (the token stream, the packing, the
+        global batch, the seed), recorded in each checkpoint's manifest and compared on resume."""
         self.path = path
+        self.data = data
         self.kind = kind
         glob = Path(checkpoint_glob)
         self.checkpoint_root = path / glob.parent
@@ -81,7 +85,7 @@ class RunFolder:
         (integrity.seal), which makes it complete. Raises RunError when a file cannot be read back
         or the manifest cannot be written."""
         try:
-            unreadable = seal(checkpoint, step=step)
+            unreadable = seal(checkpoint, step=step, data=self.data)
         except OSError as err:  # rank 0's manifest
             raise RunError(write_failure(checkpoint / MANIFEST, err)) from None
         if unreadable:
@@ -132,6 +136,9 @@ class RunFolder:
                 skipped.append(damage_report(path, problems))
             else:
                 good.append(path)
+        if self.data is not None:
+            for path in good:
+                refuse_other_data(path, read_manifest_field(path, "data"), self.data)
         if resume != "auto" and skipped:
             raise UsageError(f"--resume: {skipped[0]}; resume another checkpoint (--resume PATH, or auto for the newest "
                              "intact one)")
