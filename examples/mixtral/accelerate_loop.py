@@ -29,6 +29,7 @@ from loops import (
     make_model,
     preempted,
     preemption,
+    process_group,
     script_main,
     startup_watchdog,
 )
@@ -70,8 +71,10 @@ def save_checkpoint(accelerator, run: RunFolder, step: int) -> Path:
 
 def train(args) -> None:
     with checked_run(args, "accelerate_loop", f"{CHECKPOINTS}/step_*", managed=(CHECKPOINTS,)) as (
-            data, run, candidates, world_size, rank), preemption(args) as stop, startup_watchdog(args) as startup:
-        _train(args, data, run, candidates, world_size, rank, stop, startup)
+            data, run, candidates, world_size, rank):
+        process_group()  # the Accelerator below takes it up
+        with preemption(args) as stop, startup_watchdog(args) as startup:
+            _train(args, data, run, candidates, world_size, rank, stop, startup)
 
 
 def _train(args, data, run: RunFolder, candidates, world_size: int, rank: int, stop, startup) -> None:

@@ -274,6 +274,15 @@ def startup_watchdog(args) -> StartupWatchdog:
     return StartupWatchdog(args.startup_timeout)
 
 
+def process_group():
+    """accelerate's PartialState, which makes the process group: before ``preemption`` takes the
+    signals, so that a rank still waiting for its peers ends at a signal, as any process does,
+    with nothing written (a Python handler would run only once the rendezvous returned)."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
 def preemption(args) -> Preemption:
     """SIGTERM and --preempt-signal recorded while the run trains (moe_ep.runs.preemption)."""
     return Preemption(signals=(signal.SIGTERM, args.preempt_signal))

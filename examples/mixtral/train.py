@@ -293,21 +293,24 @@ def train(args) -> None:
     wall0 = time.perf_counter()
     with said_by_every_rank():
         checked = validate(args)
-    # Before the run writes anything: a signal during start-up stops it after its first step.
-    with (hold_output_dir(Path(args.output_dir), rank=checked.rank) as previous_holder,
-          Preemption(signals=(signal.SIGTERM, args.preempt_signal)) as preemption,
-          StartupWatchdog(args.startup_timeout) as startup):
-        run(args, checked, wall0, previous_holder, preemption, startup)
+    with hold_output_dir(Path(args.output_dir), rank=checked.rank) as previous_holder:
+        from accelerate import PartialState
+
+        # The process group (every rank meets the others) before the signals are taken: a rank
+        # still waiting for its peers then ends at a signal, as any process does, with nothing
+        # written (a Python handler would run only once the rendezvous returned).
+        state = PartialState(cpu=not torch.cuda.is_available())
+        # Before the run writes anything: a signal during start-up stops it after its first step.
+        with (Preemption(signals=(signal.SIGTERM, args.preempt_signal)) as preemption,
+              StartupWatchdog(args.startup_timeout) as startup):
+            run(args, checked, state, wall0, previous_holder, preemption, startup)
 
 
-def run(args, checked: Checked, wall0: float, previous_holder: dict | None, preemption: Preemption,
+def run(args, checked: Checked, state, wall0: float, previous_holder: dict | None, preemption: Preemption,
         startup: StartupWatchdog) -> None:
+    """The job, on accelerate's ``state`` (its process group made)."""
     (world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype, resume, fallbacks, token_cache,
      token_cache_intact, identity, warnings) = checked
-
-    from accelerate import PartialState
-
-    state = PartialState(cpu=not torch.cuda.is_available())
     device, barrier = state.device, state.wait_for_everyone
     if state.num_processes != world_size:
         raise UsageError(f"accelerate sees {state.num_processes} processes but WORLD_SIZE is {world_size}")

@@ -25,6 +25,7 @@ from loops import (
     make_model,
     preempted,
     preemption,
+    process_group,
     script_main,
     startup_watchdog,
 )
@@ -97,18 +98,17 @@ def seal_callback(run: RunFolder):
 
 
 def train(args) -> None:
-    with (checked_run(args, "trainer", "checkpoint-*") as (data, run, candidates, world_size, rank),
-          preemption(args) as stop, startup_watchdog(args) as startup):
-        _train(args, data, run, candidates, world_size, rank, stop, startup)
+    with checked_run(args, "trainer", "checkpoint-*") as (data, run, candidates, world_size, rank):
+        state = process_group()  # which parallelize needs
+        with preemption(args) as stop, startup_watchdog(args) as startup:
+            _train(args, state, data, run, candidates, world_size, rank, stop, startup)
 
 
-def _train(args, data, run: RunFolder, candidates, world_size: int, rank: int, stop, startup) -> None:
-    from accelerate import PartialState
+def _train(args, state, data, run: RunFolder, candidates, world_size: int, rank: int, stop, startup) -> None:
     from transformers import PrinterCallback, Trainer, TrainingArguments
 
     import moe_ep
 
-    state = PartialState(cpu=not torch.cuda.is_available())  # the process group, which parallelize needs
     log = StepLog(run.path, enabled=rank == 0)
     resume = claim_run(args, data, run, candidates, rank, log, startup)
     training_args = TrainingArguments(
