@@ -28,7 +28,8 @@ def _configs(config) -> list:
     return [config] if text is config else [config, text]
 
 
-def _field(config, name: str, neutral):
+def config_field(config, name: str, neutral):
+    """``config``'s (or its text model's) value of ``name`` where it is not ``neutral``."""
     for c in _configs(config):
         value = getattr(c, name, neutral)
         if value != neutral:
@@ -37,17 +38,17 @@ def _field(config, name: str, neutral):
 
 
 def scaled_embeddings(config, embeddings: torch.Tensor) -> torch.Tensor:
-    multiplier = _field(config, "embedding_multiplier", 1)
+    multiplier = config_field(config, "embedding_multiplier", 1)
     return embeddings if multiplier == 1 else embeddings * multiplier
 
 
 def transformed_logits(config, logits: torch.Tensor) -> torch.Tensor:
     """The LM head's output as the model's forward returns it (one transform per family)."""
-    if (scaling := _field(config, "logits_scaling", 1)) != 1:
+    if (scaling := config_field(config, "logits_scaling", 1)) != 1:
         logits = logits / scaling
-    if (scale := _field(config, "logit_scale", 1)) != 1:
+    if (scale := config_field(config, "logit_scale", 1)) != 1:
         logits = logits * scale
-    if (cap := _field(config, "final_logit_softcapping", None)) is not None:
+    if (cap := config_field(config, "final_logit_softcapping", None)) is not None:
         logits = torch.tanh(logits / cap) * cap
     return logits
 

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .ownership import fsync_dir
+from .ownership import MANIFEST, fsync_dir
 
-MANIFEST = "manifest.json"
 FORMAT = "moe_ep-manifest/1"
 CHUNK = 1 << 22
 

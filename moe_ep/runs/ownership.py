@@ -40,6 +40,9 @@ MARKER = ".moe_ep-owner"
 LOCK_FILE = ".moe_ep-lock"
 MANAGED = ("checkpoints", "tensorboard", "token_cache")
 METRICS = "metrics.jsonl"
+# The file that makes a checkpoint (or cache) complete: every file listed with its size and SHA-256
+# (integrity.py writes and checks it).
+MANIFEST = "manifest.json"
 TRASH_PREFIX = ".trash-"
 TMP_PREFIX = ".tmp-"
 # What a run keeps as a file in its output folder.
@@ -299,8 +302,6 @@ def checkpoints_to_come(checkpoints: Path, keep: int) -> int:
     a run holds ``keep + 1`` at its peak, of which the complete ones already on disk (a manifest:
     not an empty or cut-short folder, which holds less) are paid for; at least one more, whatever
     is there."""
-    from .integrity import MANIFEST  # integrity imports this module
-
     existing = sum(1 for p in checkpoints.iterdir() if p.name.startswith("step_") and (p / MANIFEST).is_file()
                    ) if checkpoints.is_dir() else 0
     return max(1, keep + 1 - existing)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..hf.causal_lm import LOGIT_TRANSFORMS
+from ..hf.causal_lm import LOGIT_TRANSFORMS, config_field
 from ..ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, shift_labels
 
 
@@ -71,18 +71,15 @@ def check_chunked_head(head, config, owner: str, *, holds_head: bool = True) -> 
             f"chunked_loss=True needs a causal LM whose LM head is a torch.nn.Linear, got {type(head).__name__} "
             f"from {owner}"
         )
-    configs = [config] + ([config.get_text_config()] if hasattr(config, "get_text_config") else [])
     # The chunked loss computes ``hidden @ W.T + b`` only: a model that transforms its logits after
     # the head is refused rather than trained on another objective.
     for name, neutral in LOGIT_TRANSFORMS.items():
-        for c in configs:
-            value = getattr(c, name, neutral)
-            if value != neutral:
-                raise ValueError(
-                    f"chunked_loss=True computes the logits as the LM head's linear map only, but {owner}'s config has "
-                    f"{name}={value!r} (expected {neutral!r}), which the model applies to its logits: use "
-                    "chunked_loss=False for this model"
-                )
+        if (value := config_field(config, name, neutral)) != neutral:
+            raise ValueError(
+                f"chunked_loss=True computes the logits as the LM head's linear map only, but {owner}'s config has "
+                f"{name}={value!r} (expected {neutral!r}), which the model applies to its logits: use "
+                "chunked_loss=False for this model"
+            )
     return head if holds_head else None
 
 

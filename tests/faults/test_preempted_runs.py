@@ -3,19 +3,29 @@
 rank), then the same command. Each case asserts: the ranks stop with the distinct exit status
 after one checkpoint, one line says so (the last of the program's own), no traceback of ours, and
 the same command resumes onto the undisturbed run's losses bit for bit (the Trainer: from its own
-``checkpoint-N``, its semantics)."""
+``checkpoint-N``, its semantics). Before that, a rank still waiting for its peers at start-up ends
+at a signal."""
 
 from __future__ import annotations
 
 import re
 import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from example_runs import (
+    COMMON,
+    EXAMPLE,
+    LAYOUT,
+    ROOT,
     accelerate_cmd,
     accelerate_script_cmd,
+    env,
+    free_port,
     kill_launch,
     launch,
     losses,
@@ -124,3 +134,31 @@ def test_a_preempted_loop_continues_with_the_same_command_bit_for_bit(two_rank_l
     assert checkpoint.name == (f"checkpoint-{step}" if script == "trainer.py" else f"step_{step:08d}")
     run(cmd)
     assert losses(out) == losses(undisturbed)  # exact, every step
+
+
+@pytest.mark.parametrize("script", ["train.py", "accelerate_loop.py"])
+def test_a_rank_still_waiting_for_its_peers_ends_at_a_signal(tmp_path, script):
+    """Rank 0 of 2 launched by hand, its peer never comes: it waits in the rendezvous (its store
+    listening), where SIGTERM ends it at once, as it ends any process, nothing of the run written;
+    a handler of the script's would only run once the rendezvous returned (up to
+    --startup-timeout). trainer.py makes its process group as accelerate_loop.py does."""
+    port = free_port()
+    out = tmp_path / "run"
+    flags = [*COMMON, *LAYOUT] if script == "train.py" else list(LOOP_FLAGS)
+    with open(tmp_path / "rank0.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(EXAMPLE / script), *flags, "--output-dir", str(out)],
+                                env={**env(), "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                                cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: listening(port), proc, "rank 0 did not open its store", timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM, (tmp_path / "rank0.log").read_text()[-3000:]
+    finally:
+        kill_launch(proc)
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
