@@ -41,6 +41,23 @@ def made_once(tmp_path_factory, name: str, make):
     return outcome["result"]
 
 
+def pytest_collection_modifyitems(config, items):
+    """On pytest-xdist's workers (scripts/test.sh: ``--no-loadscope-reorder``, which keeps this
+    order), the modules marked slow as a whole (launched runs) first, then those holding slow
+    tests, then the quick ones, each module's tests together and in order: the workers take
+    modules in this order, so quick ones fill the end instead of one slow module running alone."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+
+    def tier(item) -> int:
+        marks = getattr(item.module, "pytestmark", [])
+        wholly_slow = any(mark.name == "slow" for mark in (marks if isinstance(marks, list) else [marks]))
+        return 0 if wholly_slow else 1 if item.module.__name__ in slow else 2
+
+    items.sort(key=tier)
+
+
 @pytest.fixture(autouse=True)
 def _no_tf32():
     # tf32 would break the 1e-5 float32 tolerance on Ampere and Hopper.
