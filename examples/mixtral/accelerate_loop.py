@@ -13,12 +13,11 @@ same loop without moe_ep. See README.md beside this file."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-from moe_ep.runs import RunFolder, StepLog, delete_atomically
+from moe_ep.runs import RunFolder, StepLog, delete_atomically, exit_process
 
 from loops import (
     checked_run,
@@ -142,4 +141,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

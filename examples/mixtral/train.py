@@ -42,6 +42,7 @@ from moe_ep.runs import (
     checkpoint_due,
     clear_run,
     describe_holder,
+    exit_process,
     flops_per_token,
     hold_output_dir,
     load_checkpoint,
@@ -502,4 +503,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -11,11 +11,9 @@ Trainer's own. ``--baseline`` runs the same script without moe_ep. See README.md
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from moe_ep.runs import RunFolder, StepLog
+from moe_ep.runs import RunFolder, StepLog, exit_process
 
 from loops import (
     checked_run,
@@ -147,4 +145,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -33,7 +33,16 @@ from .checkpoint import (
     step_folders,
     verified_resume,
 )
-from .errors import RunError, UsageError, lost_peer, report_failure, run_reported, said_by_every_rank, write_failure
+from .errors import (
+    RunError,
+    UsageError,
+    exit_process,
+    lost_peer,
+    report_failure,
+    run_reported,
+    said_by_every_rank,
+    write_failure,
+)
 from .integrity import digest, files_in, local_problems, seal, verify, write_manifest
 from .metrics import (
     ExpertLoad,
@@ -69,7 +78,8 @@ from .step_loop import StepGuard, step_metrics
 
 __all__ = [
     # errors
-    "RunError", "UsageError", "lost_peer", "report_failure", "run_reported", "said_by_every_rank", "write_failure",
+    "RunError", "UsageError", "exit_process", "lost_peer", "report_failure", "run_reported", "said_by_every_rank",
+    "write_failure",
     # the output folder: ownership and the lock
     "FINAL", "MARKER", "METRICS", "TRASH_PREFIX", "OutputLock", "RunFolder", "check_export_target",
     "check_output_folders", "clear_run", "delete_atomically", "describe_holder", "hold_output_dir",

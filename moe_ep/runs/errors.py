@@ -192,6 +192,21 @@ def run_reported(train, args) -> int:
     return 0
 
 
+def exit_process(code: int):
+    """End a script's process with ``code`` once Python's own exit work is done (the atexit
+    handlers: the process group destroyed, loggers closed; the streams flushed), without the
+    interpreter's finalisation and the C++ teardown of torch's and gloo's static objects after
+    it, where a worker thread still joinable now and then aborts a rank that finished
+    (SIGABRT, "terminate called without an active exception", pytorch/pytorch#179291; seen under
+    load even with the group destroyed first). For a script's ``__main__`` only."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 def destroy_process_group_at_exit() -> None:
     """The default process group, destroyed while the interpreter is still whole: left to its
     finalisation, gloo's worker threads can be torn down still joinable and the rank dies of SIGABRT
