@@ -9,6 +9,15 @@ cd "$(dirname "$0")/.."
 EXTRAS="${1:-}"
 PIP=(.venv/bin/pip install -q --disable-pip-version-check)
 if [ ! -x .venv/bin/python ]; then
+    # The first install writes about 2.5 GB into .venv (torch, Triton) and unpacks its wheels in the
+    # temporary folder: say so up front rather than let pip stop half-way with "No space left".
+    for dir in . "${TMPDIR:-/tmp}"; do
+        free_mb=$(df -Pm "$dir" | awk 'NR == 2 {print $4}')
+        if [ "${free_mb:-0}" -lt 3000 ]; then
+            echo "setup_env: the first install needs about 3 GB free; $(cd "$dir" && pwd) has ${free_mb} MB" >&2
+            exit 1
+        fi
+    done
     echo "setup_env: creating .venv (the first install takes about two minutes)" >&2
     python3 -m venv .venv
 fi
