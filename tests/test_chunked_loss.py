@@ -154,7 +154,7 @@ def test_label_shift_and_mean_equal_transformers_for_causal_lm_loss():
 
 
 def test_refusals_name_the_argument():
-    from moe_ep.ops.linear_cross_entropy import linear_cross_entropy
+    from moe_ep.ops.linear_cross_entropy import linear_cross_entropy, shift_labels
 
     h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match=r"hidden_TH \[T, H\], weight_VH \[V, H\] and target_T \[T\] must agree"):
@@ -170,11 +170,35 @@ def test_refusals_name_the_argument():
         with pytest.raises(ValueError, match=rf"target_T must hold token ids in \[0, 10\) or ignore_index=-100, "
                                              rf"got {label} at index 2"):
             linear_cross_entropy(h, w, bad)
+    for weight in (torch.randn(0, 8), torch.randn(10, 0)):
+        hidden = torch.randn(4, weight.shape[1])
+        with pytest.raises(ValueError, match=r"weight_VH \[V, H\] must have V >= 1 and H >= 1, got shape"):
+            linear_cross_entropy(hidden, weight, t)
+    with pytest.raises(TypeError, match="labels must be int64 or int32, got torch.float32"):
+        shift_labels(torch.zeros(2, 3))
     h.requires_grad_()
     loss, _ = linear_cross_entropy(h, w, t)
     (dh,) = torch.autograd.grad(loss, h, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         dh.sum().backward()
+
+
+def test_an_ignored_token_leaves_the_loss_whatever_its_hidden_state():
+    """A NaN hidden state at an ignored position (padding a model never normalised) is left out
+    of the sum, as F.cross_entropy leaves it out: the loss is the float64 one of the others."""
+    from moe_ep.ops.linear_cross_entropy import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(4)
+    h, w = torch.randn(9, 8, generator=g), torch.randn(20, 8, generator=g)
+    t = torch.randint(0, 20, (9,), generator=g)
+    t[[2, 7]] = -100
+    want = F.cross_entropy(h.double() @ w.double().T, t, reduction="sum")
+    h[[2, 7]] = torch.tensor([float("nan"), float("inf")])[:, None]
+    for z_loss_coef in (0.0, 1e-3):
+        loss, z_sum = linear_cross_entropy(h, w, t, z_loss_coef=z_loss_coef, chunk_tokens=4)
+        assert torch.isfinite(loss) and torch.isfinite(z_sum)
+    loss, _ = linear_cross_entropy(h, w, t, chunk_tokens=4)
+    assert rel_err(loss, want) <= TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
@@ -216,6 +240,39 @@ def test_train_step_refuses_a_model_that_transforms_its_logits():
         TrainStep(model, opt, chunked_loss=True)
     with pytest.raises(TypeError, match="chunked_loss must be a bool, got 'yes'"):
         TrainStep(model, opt, chunked_loss="yes")
+
+
+@pytest.mark.slow
+def test_a_model_whose_forward_changes_its_head_logits_is_refused_at_its_first_step():
+    """A family whose forward transforms its logits in a way no config field names (here: a hook
+    scaling the head's output, as Inkling scales the hidden states before its head) is found out
+    on the first forward, by comparing the last position's logits with the head's linear map."""
+    import moe_ep
+    from moe_ep.training import TrainStep
+
+    message = "InklingLike's forward returns other logits"
+    config = tiny_config("mixtral", **TINY)
+    batch = tiny_batch(config, batch=2, seq=6)
+    plain = tiny_model("mixtral", **TINY).train()
+    loss, outputs = moe_ep.chunked_causal_lm_loss(plain, batch["labels"], input_ids=batch["input_ids"])
+    assert rel_err(loss, plain(**batch).loss) <= TOLERANCE[torch.float32] and outputs.logits.numel() == 0
+    with pytest.raises(ValueError, match=r"labels must be \[batch, seq\] = \(2, 6\) as the hidden states, got shape"):
+        moe_ep.chunked_causal_lm_loss(plain, batch["labels"][:, :5], input_ids=batch["input_ids"])
+    labels = batch["labels"].clone()
+    labels[1, 3] = config.vocab_size
+    with pytest.raises(ValueError, match=rf"labels\[:, 1:\] must hold token ids in \[0, {config.vocab_size}\)"):
+        moe_ep.chunked_causal_lm_loss(plain, labels, input_ids=batch["input_ids"])
+
+    for chunked in ("loop", "step"):
+        model = tiny_model("mixtral", **TINY).train()
+        model.__class__ = type("InklingLike", (type(model),), {})
+        model.lm_head.register_forward_hook(lambda module, args, out: out / 4.0)
+        with pytest.raises(ValueError, match=message):
+            if chunked == "loop":
+                moe_ep.chunked_causal_lm_loss(model, batch["labels"], input_ids=batch["input_ids"])
+            else:
+                TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), chunked_loss=True)(batch)
+        assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.slow

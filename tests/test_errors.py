@@ -188,6 +188,11 @@ def test_losses_refuse_counts_and_rates_out_of_range(call, message):
         call()
 
 
+def test_expert_bias_update_refuses_an_integer_bias():
+    with pytest.raises(TypeError, match=r"^bias must be a floating-point tensor, got torch.int64$"):
+        moe_ep.ops.losses.update_expert_bias_(torch.zeros(E, dtype=torch.long), torch.ones(E), rate=0.1)
+
+
 def _tiny_step_model():
     from hf_models import tiny_model
 
@@ -217,6 +222,37 @@ def test_train_step_refuses_numbers_out_of_range(options, message):
     with pytest.raises(ValueError, match=message):
         moe_ep.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), **options)
     assert not any(m._forward_hooks for m in model.modules())  # refused before any hook went on
+
+
+def _other_optimizer_schedule(model):
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    return torch.optim.lr_scheduler.StepLR(other, step_size=1)
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        (lambda m: dict(autocast_dtype=torch.float64), ValueError,
+         r"^autocast_dtype must be torch.bfloat16, torch.float16 or None, got torch.float64$"),
+        (lambda m: dict(autocast_dtype=torch.float32), ValueError,
+         r"^autocast_dtype must be torch.bfloat16, torch.float16 or None, got torch.float32$"),
+        (lambda m: dict(lr_scheduler="cosine"), TypeError,
+         r"^lr_scheduler must be None or a learning-rate scheduler with a step\(\) method, got 'cosine'$"),
+        (lambda m: dict(lr_scheduler=_other_optimizer_schedule(m)), ValueError,
+         r"^lr_scheduler schedules another optimizer than the step's"),
+        (lambda m: dict(aux_loss_coef=0.1, global_aux_loss="yes"), TypeError,
+         r"^global_aux_loss must be a bool, got 'yes'$"),
+    ],
+    ids=["autocast_float64", "autocast_float32", "scheduler_string", "scheduler_of_another_optimizer",
+         "global_aux_not_bool"],
+)
+def test_train_step_refuses_options_it_would_ignore_or_apply_half_way(options, error, message):
+    """Each of these was taken and then ignored (torch.autocast only warns for a full-precision
+    dtype) or failed only after the optimizer had stepped."""
+    model = _tiny_step_model()
+    with pytest.raises(error, match=message):
+        moe_ep.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), **options(model))
+    assert not any(m._forward_hooks for m in model.modules())
 
 
 # ---------------------------------------------------------------------------------------------

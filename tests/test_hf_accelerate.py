@@ -253,7 +253,10 @@ def _chunked_loss(rank: int, world: int, out: str) -> dict:
     found["trainer_losses"] = losses
     found["refusals"] = [_refusal(lambda: moe_ep.ExpertParallelTrainer(
         model=moe_ep.parallelize(copy.deepcopy(model), ep=2), args=args, chunked_loss=True,
-        compute_loss_func=lambda *a, **k: None))]
+        compute_loss_func=lambda *a, **k: None)), _refusal(lambda: moe_ep.ExpertParallelTrainer(
+            model=moe_ep.parallelize(copy.deepcopy(model), ep=2), chunked_loss=True, args=TrainingArguments(
+                output_dir=os.path.join(out, f"smoothing{rank}"), report_to=[], use_cpu=True,
+                label_smoothing_factor=0.1)))]
     return found
 
 
@@ -362,8 +365,10 @@ def test_the_chunked_loss_in_a_hand_written_loop_and_in_the_trainer_equals_the_l
         assert len(plain) == len(mine) == 3
         for a, b in zip(plain, mine):
             assert abs(a - b) <= 1e-4 * abs(a), (plain, mine)  # the Trainer logs 4 significant digits
-        assert chunked["refusals"] == ["chunked_loss=True computes the training loss itself: pass "
-                                       "compute_loss_func=None or chunked_loss=False"]
+        assert chunked["refusals"] == [
+            "chunked_loss=True computes the training loss itself: pass compute_loss_func=None or chunked_loss=False",
+            "chunked_loss=True computes the plain cross-entropy, but TrainingArguments has label_smoothing_factor=0.1: "
+            "set it to 0 or use chunked_loss=False"]
 
 
 def test_only_the_strided_gather_notice_is_dropped():

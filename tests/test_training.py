@@ -79,7 +79,7 @@ def test_autocast_forward_without_cache():
     # The micro-batches' sums over the batch's tokens: the batch's mean, up to fp32 rounding.
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    with pytest.raises(TypeError, match="autocast_dtype must be a floating torch.dtype or None, got 'bf16'"):
+    with pytest.raises(TypeError, match="autocast_dtype must be torch.bfloat16, torch.float16 or None, got 'bf16'"):
         TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), autocast_dtype="bf16")
 
 

@@ -43,6 +43,7 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
     position predicts the next label of its own sequence and the last one predicts nothing
     (``ignore_index``), as transformers' ``ForCausalLMLoss`` shifts them."""
     check_tensor("labels", labels, ndim=2)
+    check_index("labels", labels)
     return F.pad(labels[:, 1:].long(), (0, 1), value=ignore_index).reshape(-1)
 
 
@@ -90,6 +91,8 @@ def linear_cross_entropy(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, targe
             f"hidden_TH [T, H], weight_VH [V, H] and target_T [T] must agree, got shapes {tuple(hidden_TH.shape)}, "
             f"{tuple(weight_VH.shape)} and {tuple(target_T.shape)}"
         )
+    if vocab == 0 or hidden == 0:
+        raise ValueError(f"weight_VH [V, H] must have V >= 1 and H >= 1, got shape {tuple(weight_VH.shape)}")
     if bias_V is not None:
         check_tensor("bias_V", bias_V, ndim=1)
         check_float("bias_V", bias_V)
@@ -138,13 +141,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if b32_V is not None:
                     logits_CV += b32_V
                 lse_C = torch.logsumexp(logits_CV, dim=1)
-                valid_C = (tgt_C != ignore_index).float()
-                # Ignored tokens read column 0 and are multiplied by 0: no host check, no branch.
-                safe_C1 = torch.where(tgt_C != ignore_index, tgt_C, 0).long().unsqueeze(1)
+                kept_C = tgt_C != ignore_index
+                valid_C = kept_C.float()
+                # Ignored tokens read column 0 and are masked out, whatever their logits (a NaN
+                # included, as F.cross_entropy leaves it out): no host check, no branch.
+                safe_C1 = torch.where(kept_C, tgt_C, 0).long().unsqueeze(1)
                 target_logit_C = logits_CV.gather(1, safe_C1).squeeze(1)
                 lse_sq_C = lse_C.square()
-                loss += ((lse_C - target_logit_C + z_loss_coef * lse_sq_C) * valid_C).sum()
-                z_sum += (lse_sq_C * valid_C).sum()
+                loss += torch.where(kept_C, lse_C - target_logit_C + z_loss_coef * lse_sq_C, 0).sum()
+                z_sum += torch.where(kept_C, lse_sq_C, 0).sum()
                 if not (need_dh or need_dw or need_db):
                     continue
                 # d(lse - logit[t] + c lse^2)/d logits = softmax * (1 + 2 c lse) - onehot(t), zero

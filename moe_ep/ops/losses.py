@@ -169,6 +169,8 @@ def update_expert_bias_(
     for i, (b, c) in enumerate(zip(biases, loads)):
         at = "" if single else f"[{i}]"
         check_tensor(f"bias{at}", b, ndim=1)
+        if not b.is_floating_point():
+            raise TypeError(f"bias{at} must be a floating-point tensor, got {b.dtype}")
         check_tensor(f"counts{at}", c, ndim=1)
         if c.shape != b.shape:
             raise ValueError(f"counts{at} must have the shape of bias{at} {tuple(b.shape)}, got {tuple(c.shape)}")

@@ -112,7 +112,9 @@ def check_targets_in_range(name: str, target: torch.Tensor, vocab: int, ignore_i
         return
     bad = (~valid).nonzero()
     if bad.shape[0]:
-        raise ValueError(f"{message}, got {target[bad[0, 0]].item()} at index {bad[0, 0].item()} "
+        first = tuple(bad[0].tolist())
+        at = first[0] if len(first) == 1 else first
+        raise ValueError(f"{message}, got {target[first].item()} at index {at} "
                          f"({bad.shape[0]} of {target.numel()} out of range)")
 
 

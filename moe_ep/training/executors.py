@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.pipeline import PipelineStages
-from .loss import check_chunked_head, chunked_loss_parts, final_hidden_states, no_logits
+from .loss import check_chunked_head, check_head_logits, chunked_logits_to_keep, chunked_loss_parts, final_hidden_states
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -76,10 +76,11 @@ class GradientAccumulation(Executor):
         microbatches = 1 if microbatches is None else microbatches
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
-        if autocast_dtype is not None and (
-            not isinstance(autocast_dtype, torch.dtype) or not autocast_dtype.is_floating_point
-        ):
-            raise TypeError(f"autocast_dtype must be a floating torch.dtype or None, got {autocast_dtype!r}")
+        if autocast_dtype is not None and not isinstance(autocast_dtype, torch.dtype):
+            raise TypeError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None, got {autocast_dtype!r}")
+        if autocast_dtype not in (None, torch.bfloat16, torch.float16):
+            # torch.autocast takes only a half dtype: it would warn and run the model as it is.
+            raise ValueError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None, got {autocast_dtype}")
         self.model, self.microbatches, self.autocast_dtype = model, microbatches, autocast_dtype
         self.modules = [model]
         # A transformers model would otherwise fill a key/value cache that training never reads.
@@ -112,7 +113,9 @@ class GradientAccumulation(Executor):
             out = self.model(input_ids=ids, **self.forward_kwargs)
             return out.logits if hasattr(out, "logits") else out
         with final_hidden_states(self.base) as kept:
-            self.model(input_ids=ids, logits_to_keep=no_logits(ids), **self.forward_kwargs)
+            outputs = self.model(input_ids=ids, logits_to_keep=chunked_logits_to_keep(self.model, ids),
+                                 **self.forward_kwargs)
+        check_head_logits(self.model, self.head, kept[-1], outputs)
         return kept[-1]
 
     def sum_over_stages(self, t):

@@ -104,6 +104,12 @@ class ExpertParallelTrainerMixin:
                 raise ValueError("chunked_loss=True computes the training loss itself: pass compute_loss_func=None "
                                  "or chunked_loss=False")
             chunked_loss_parts(kwargs.get("model", args[0] if args else None))  # refused before any work
+            training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+            smoothing = getattr(training_args, "label_smoothing_factor", 0)
+            if smoothing:
+                # Trainer.compute_loss would smooth the model's logits, which the chunked loss never makes.
+                raise ValueError(f"chunked_loss=True computes the plain cross-entropy, but TrainingArguments has "
+                                 f"label_smoothing_factor={smoothing}: set it to 0 or use chunked_loss=False")
         self.chunked_loss = chunked_loss
         super().__init__(*args, **kwargs)
 

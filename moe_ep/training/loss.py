@@ -10,6 +10,7 @@ load-balancing loss included, without the logits."""
 from __future__ import annotations
 
 import inspect
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from ..hf.causal_lm import LOGIT_TRANSFORMS, config_field
 from ..ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, shift_labels
+from ..ops.validate import check_targets_in_range
 
 
 
@@ -57,6 +59,10 @@ def head_loss_sum(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -
     """``(summed token cross-entropy, target_T)`` of the hidden states ``[batch, seq, H]`` through
     ``head`` against the shifted ``labels [batch, seq]``, in chunks of tokens."""
     target_T = shift_labels(labels.to(hidden.device))
+    if labels.shape != hidden.shape[:2]:
+        raise ValueError(f"labels must be [batch, seq] = {tuple(hidden.shape[:2])} as the hidden states, got "
+                         f"shape {tuple(labels.shape)}")
+    check_targets_in_range("labels[:, 1:]", labels[:, 1:], head.weight.shape[0], IGNORE_INDEX)
     total, _ = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, target_T, head.bias)
     return total, target_T
 
@@ -106,6 +112,41 @@ def no_logits(input_ids: torch.Tensor) -> torch.Tensor:
     return input_ids.new_empty(0, dtype=torch.long)
 
 
+# Models whose logits check_head_logits has compared with their LM head's linear map.
+_HEADS_CHECKED: weakref.WeakSet = weakref.WeakSet()
+
+
+def chunked_logits_to_keep(model: nn.Module, input_ids: torch.Tensor):
+    """``logits_to_keep`` for a forward of ``model`` whose loss is chunked: the last position on
+    its first such forward (for check_head_logits), no position after."""
+    return no_logits(input_ids) if model in _HEADS_CHECKED else 1
+
+
+def check_head_logits(model: nn.Module, head: nn.Linear, hidden: torch.Tensor, outputs) -> None:
+    """Once per model, on the forward that kept the last position's logits: those logits must be
+    ``head``'s linear map of the final hidden states ``[batch, seq, H]``, which is all the chunked
+    loss computes. check_chunked_head refuses the logit transforms it knows by their config fields;
+    this catches a family that transforms its logits otherwise (a scaled hidden state before the
+    head, a vocabulary cut to its unpadded size), which would train on another objective. One host
+    sync, on the first step only; the logits are set to an empty tensor afterwards."""
+    if model in _HEADS_CHECKED:
+        return
+    logits = outputs.logits
+    with torch.no_grad():
+        bias = None if head.bias is None else head.bias.float()
+        ours = F.linear(hidden[:, -1:].float(), head.weight.float(), bias)
+        # bf16 rounding of the model's own product stays far inside 2% of the largest logit.
+        same = logits.shape == ours.shape and bool(
+            (logits.float() - ours).abs().max() <= 0.02 * ours.abs().max() + 1e-6)
+    if not same:
+        raise ValueError(
+            f"chunked_loss=True computes the logits as the LM head's linear map of the final hidden states, but "
+            f"{type(model).__name__}'s forward returns other logits (it transforms them, or the hidden states, "
+            f"around its head): use chunked_loss=False for this model")
+    _HEADS_CHECKED.add(model)
+    outputs.logits = logits[:, :0]
+
+
 @contextmanager
 def final_hidden_states(base: nn.Module):
     """Yields a list that each forward of ``base`` while inside appends its output hidden states to."""
@@ -148,7 +189,8 @@ def chunked_causal_lm_loss(model: nn.Module, labels: torch.Tensor, *, num_items_
     if "logits_to_keep" in inputs:
         raise ValueError("chunked_causal_lm_loss computes no logits: do not pass logits_to_keep")
     with final_hidden_states(base) as kept:
-        outputs = model(**inputs, logits_to_keep=no_logits(labels))
+        outputs = model(**inputs, logits_to_keep=chunked_logits_to_keep(model, labels))
+    check_head_logits(model, head, kept[-1], outputs)
     return chunked_lm_loss(kept[-1], head, labels, outputs, model, num_items_in_batch), outputs
 
 

@@ -68,6 +68,20 @@ def _check_optimizer_holds(target, optimizer: torch.optim.Optimizer) -> None:
     )
 
 
+def _check_lr_scheduler(lr_scheduler, optimizer: torch.optim.Optimizer) -> None:
+    """None, or what the step calls ``.step()`` on after each optimizer step: a scheduler of
+    another optimizer would leave this one's learning rate as it is, step after step."""
+    if lr_scheduler is None:
+        return
+    if not callable(getattr(lr_scheduler, "step", None)):
+        raise TypeError(f"lr_scheduler must be None or a learning-rate scheduler with a step() method, "
+                        f"got {lr_scheduler!r}")
+    scheduled = getattr(lr_scheduler, "optimizer", optimizer)
+    if scheduled is not optimizer:
+        raise ValueError("lr_scheduler schedules another optimizer than the step's: build it on the optimizer "
+                         "passed to TrainStep")
+
+
 class TrainStep:
     """``TrainStep(model_or_stages, optimizer, *, microbatches=1, ...)``, then ``loss = step(batch)``.
 
@@ -157,9 +171,12 @@ class TrainStep:
             for name, coef in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
                                ("expert_bias_rate", expert_bias_rate)):
                 check_number(name, coef, at_least=0)
+            if not isinstance(global_aux_loss, bool):
+                raise TypeError(f"global_aux_loss must be a bool, got {global_aux_loss!r}")
             if global_aux_loss and not aux_loss_coef:
                 raise ValueError("global_aux_loss=True needs aux_loss_coef > 0")
             check_number("max_grad_norm", max_grad_norm, above=0, or_none=True)
+            _check_lr_scheduler(lr_scheduler, optimizer)
             self.skips = SkipCounter(max_consecutive_skips)
             self.scaler = None if loss_scale is None else LossScaler(loss_scale)
         self.target = model_or_stages
