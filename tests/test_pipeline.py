@@ -571,6 +571,24 @@ def _granite_moe(**overrides):
     return randomize_(AutoModelForCausalLM.from_config(config)).eval()
 
 
+def _family(config_class: str, **fields):
+    """A tiny model of a transformers family that hf_models does not build, 4 layers; skipped
+    where the installed transformers lacks it."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from hf_models import randomize_
+
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_class}")
+    config = getattr(transformers, config_class)(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, **fields)
+    config._attn_implementation = "eager"
+    return randomize_(AutoModelForCausalLM.from_config(config)).float().eval()
+
+
+ALTERNATING = ["full_attention", "sliding_attention"] * 2
+
 # Models whose own forward does more around the layers than embed -> causal mask -> norm -> head.
 AROUND_THE_LAYERS = {
     "mixtral_sliding_window": lambda: _model(torch.float32, "eager", sliding_window=3).eval(),
@@ -579,6 +597,15 @@ AROUND_THE_LAYERS = {
         layer_types=["full_attention", "full_attention", "sliding_attention", "sliding_attention"]).eval(),
     "granite_moe_multipliers": lambda: _granite_moe(num_hidden_layers=4, embedding_multiplier=4.0,
                                                      logits_scaling=2.0),
+    # A rotary table per attention kind: rotary_emb(x, position_ids, layer_type).
+    "laguna_rotary_per_kind": lambda: _family(
+        "LagunaConfig", moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, sliding_window=3, layer_types=ALTERNATING),
+    "olmo3_rotary_per_kind": lambda: _family("Olmo3Config", sliding_window=3),
+    # muP: the base model multiplies the embeddings by sqrt(hidden_size).
+    "afmoe_mup": lambda: _family(
+        "AfmoeConfig", moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+        sliding_window=3, global_attn_every_n_layers=2, mup_enabled=True),
 }
 
 
@@ -599,6 +626,17 @@ def test_stages_chained_in_one_process_give_the_models_own_logits(name):
             hidden = stage(hidden)
         expected = model(ids).logits
     assert rel_err(hidden, expected) <= TOL
+
+
+def test_a_stage_refuses_a_rotary_embedding_per_layer():
+    """GraniteMoeSWA chooses one of its rotary_embs per layer (its RoPE theta, 0 for none): a stage,
+    which gives every layer the base model's rotary_emb, would run another model."""
+    from moe_ep.parallel.pipeline import CausalLMStage
+
+    model = _family("GraniteMoeSWAConfig", num_local_experts=4, num_experts_per_tok=2, sliding_window=3,
+                    layer_types=ALTERNATING)
+    with pytest.raises(TypeError, match=r"holds one per layer \(rotary_embs\): train this model without pipeline"):
+        CausalLMStage(model, [0], first=True, last=False)
 
 
 def test_a_stage_refuses_layers_of_recurrent_attention():
@@ -734,6 +772,12 @@ def test_explicit_split_points_need_no_cost_model():
             build_pipeline(model, dist.group.WORLD, microbatches=2, split_points=[1, 2])
         with pytest.raises(ValueError, match=r"strictly increasing within \[1, 3\], got \[4\]"):
             build_pipeline(model, dist.group.WORLD, microbatches=2, split_points=[4])
+        with pytest.raises(ValueError, match=r"split_points must hold 1 ints .*, got \[True\]"):
+            build_pipeline(model, dist.group.WORLD, microbatches=2, split_points=[True])
+        with pytest.raises(ValueError, match=r"split_points must be a sequence of ints .* or None, got 2"):
+            build_pipeline(model, dist.group.WORLD, microbatches=2, split_points=2)
+        with pytest.raises(ValueError, match=r"device must be a torch.device, .* got 'bogus'"):
+            build_pipeline(model, dist.group.WORLD, microbatches=2, split_points=[3], device="bogus")
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,9 @@ attention mask, and the transforms of the logits after the LM head. Each is the 
 convention of the families that have it; what no convention here covers is refused by name,
 never run as something else.
 
-- Embedding: Granite's base model multiplies it by ``embedding_multiplier`` (Gemma's scale lives
-  in its embedding module, so it comes with the module).
+- Embedding: Granite's base model multiplies it by ``embedding_multiplier``, AFMoE's by
+  ``sqrt(hidden_size)`` where ``mup_enabled`` (Gemma's scale lives in its embedding module, so it
+  comes with the module).
 - Masks: a layer's kind is ``config.layer_types[i]`` where the config lists them (Qwen2-MoE,
   GPT-OSS), else every layer is sliding-window when ``config.sliding_window`` is set (Mixtral,
   Qwen3-MoE, PhiMoE) and full causal otherwise. Recurrent kinds (``linear_attention``,
@@ -39,6 +40,8 @@ def config_field(config, name: str, neutral):
 
 def scaled_embeddings(config, embeddings: torch.Tensor) -> torch.Tensor:
     multiplier = config_field(config, "embedding_multiplier", 1)
+    if config_field(config, "mup_enabled", False):  # AFMoE's muP input scaling
+        multiplier = multiplier * config_field(config, "hidden_size", None) ** 0.5
     return embeddings if multiplier == 1 else embeddings * multiplier
 
 

@@ -71,7 +71,11 @@ class PipelineConfig:
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches must be a positive int, got {self.microbatches!r}")
         if self.split_points is not None:
-            object.__setattr__(self, "split_points", tuple(self.split_points))
+            points = self.split_points
+            if isinstance(points, (str, bytes)) or not hasattr(points, "__iter__"):
+                raise ValueError(f"split_points must be a sequence of ints (the first decoder layer of each stage "
+                                 f"after the first) or None, got {points!r}")
+            object.__setattr__(self, "split_points", tuple(points))
         memory_cap = self.memory_cap
         if memory_cap is not None and (
             isinstance(memory_cap, bool) or not isinstance(memory_cap, (int, float)) or not 0 < memory_cap < math.inf

@@ -235,7 +235,7 @@ def fits(
 def _check_split_points(units, num_stages, split_points, forbidden, stage_cap, inflight_S):
     points = list(split_points)
     n = len(units)
-    if len(points) != num_stages - 1 or not all(isinstance(p, int) for p in points):
+    if len(points) != num_stages - 1 or not all(isinstance(p, int) and not isinstance(p, bool) for p in points):
         raise ValueError(
             f"split_points must hold {num_stages - 1} ints (first unit of stages 1..{num_stages - 1}), got {points}"
         )

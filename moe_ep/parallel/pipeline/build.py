@@ -69,6 +69,11 @@ def build_stages(
     if device is None:
         device = next(model.parameters()).device
         device = torch.device("cpu") if device.type == "meta" else device
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device, a device string such as 'cuda:0', or None, "
+                         f"got {device!r}") from None
     num_stages = part.num_stages
     stage_ids = [s for s in range(num_stages) if part.rank_of_stage(s) == group.rank()]
     modules = [
@@ -77,7 +82,7 @@ def build_stages(
     if stage_transform is not None:
         stage_transform(modules)
     wrapper = stage_class(pipeline.info.splits_backward)
-    stages = [wrapper(m, s, num_stages, torch.device(device), group=group) for m, s in zip(modules, stage_ids)]
+    stages = [wrapper(m, s, num_stages, device, group=group) for m, s in zip(modules, stage_ids)]
     return PipelineStages(modules, stages, stage_ids, part, pipeline.schedule, pipeline.microbatches, group)
 
 

@@ -12,6 +12,7 @@ embedding's scale, the masks, the logits' transforms) comes from ``moe_ep.hf.cau
 
 from __future__ import annotations
 
+import inspect
 from typing import Sequence
 
 import torch
@@ -31,7 +32,17 @@ def decoder_parts(model: nn.Module):
             f"rotary_emb and an LM head), got {type(model).__name__}"
             + (f" whose base model lacks {missing}" if base is not None and missing else "")
         )
+    if hasattr(base, "rotary_embs"):
+        # GraniteMoeSWA: one rotary embedding per layer's theta, chosen by the base model's forward.
+        raise TypeError(f"a pipeline stage gives every layer the base model's rotary_emb, but {type(model).__name__} "
+                        "holds one per layer (rotary_embs): train this model without pipeline stages")
     return base, head
+
+
+def _rotary_per_kind(rotary_emb: nn.Module) -> bool:
+    """Whether the rotary embedding takes the layer's attention kind (Gemma 3, Laguna, Olmo 3:
+    ``rotary_emb(x, position_ids, layer_type)``, one table per kind)."""
+    return "layer_type" in inspect.signature(rotary_emb.forward).parameters
 
 
 class CausalLMStage(nn.Module):
@@ -59,6 +70,7 @@ class CausalLMStage(nn.Module):
         if last:
             self.lm_head = head
         self.attention_kinds = [layer_attention_kinds(model.config, "a pipeline stage")[i] for i in self.layer_ids]
+        self.rotary_per_kind = _rotary_per_kind(base.rotary_emb)
         # What the last stage returns; written once by PipelineStages.schedule, before the
         # schedule infers the stages' output shapes.
         self.loss_input = "logits"
@@ -73,11 +85,16 @@ class CausalLMStage(nn.Module):
         trunk = self.trunk
         hidden = scaled_embeddings(self.config, trunk.embed_tokens(x)) if self.first else x
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        position_embeddings = trunk.rotary_emb(hidden, position_ids)
+        kinds = set(self.attention_kinds)
+        if self.rotary_per_kind:
+            position_embeddings = {kind: trunk.rotary_emb(hidden, position_ids, kind) for kind in kinds}
+        else:
+            shared = trunk.rotary_emb(hidden, position_ids)
+            position_embeddings = dict.fromkeys(kinds, shared)
         masks = attention_masks(self.config, hidden, position_ids, self.attention_kinds)
         for layer, kind in zip(trunk.layers.values(), self.attention_kinds):
             hidden = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
-                           position_embeddings=position_embeddings)
+                           position_embeddings=position_embeddings[kind])
             # Families written before transformers 5 return (hidden_states, ...).
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
