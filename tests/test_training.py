@@ -853,6 +853,20 @@ RANK_BAD_FORMS = {
         "pp2", lambda b: {k: v[:, :-1] for k, v in b.items()}, (1,), "ValueError",
         r"input_ids of shape \(4, 5\), but these pipeline stages run batches of shape \[4, 6\]"),
 }
+# Before a pipeline's first step, which fixes the shape of the activations its stages exchange,
+# there is no stand-in shape: the ranks agree on the batch's shape first. (spoil, the message of
+# each rank of the pipeline.)
+FIRST_STEP_FORMS = {
+    "pp2_first_step_another_shape_on_the_last_stage": (
+        lambda b: {k: v[:2] for k, v in b.items()},
+        [r"ValueError: the ranks of a pipeline must run batches of one \[batch, seq\] shape, .* got \[\(4, 6\), "
+         r"\(2, 6\)\] \(pipeline rank 0, 1, ...\)"] * 2),
+    "pp2_first_step_odd_rows_on_the_last_stage": (
+        lambda b: {k: v[:3] for k, v in b.items()},
+        [r"ValueError: pipeline rank 1 cannot run its batch \(its own error says why\), so this rank's batch of "
+         r"shape \(4, 6\) is not run either",
+         r"ValueError: batch of 3 sequences cannot be cut into 2 micro-batches"]),
+}
 FORM_REFUSAL = ("TrainStep refused the batch on every rank, nothing was applied: the batch is not one the step can "
                 "run (its type, keys or shape) on 1 rank, whose own error names what is wrong")
 # The steps of the 2-rank batch test after its bad batches, and of the one-process run it is
@@ -888,8 +902,18 @@ def _bad_batches_on_two_ranks(rank, world):
         step = TrainStep(target, opt, microbatches=2 if layout == "dp2" else None)
         params = list(step.params)
         share = [{k: v.chunk(dp)[rank if dp > 1 else 0] for k, v in b.items()} for b in _step_batches()]
-        losses, skipped = [step(share[0]).item()], [step.last_step_skipped]
         refused = {}
+        for name, (spoil, _) in FIRST_STEP_FORMS.items():
+            if name.startswith(layout):
+                before = _local_state(params, opt)
+                try:
+                    step(spoil(share[0]) if rank == 1 else share[0])
+                    message = "no error"
+                except Exception as exc:  # the test asserts the type and the text
+                    message = f"{type(exc).__name__}: {exc}"
+                untouched = _equal(_local_state(params, opt), before) and all(p.grad is None for p in params)
+                refused[name] = (message, untouched, step.steps_skipped)
+        losses, skipped = [step(share[0]).item()], [step.last_step_skipped]
         for name, case in RANK_BAD_BATCHES.items():
             if case.layout != layout:
                 continue
@@ -996,6 +1020,20 @@ def test_a_batch_one_rank_cannot_run_stops_every_rank_not_that_rank_alone(two_ra
             assert re.search(form.error, message), message
         else:
             assert message == f"ValueError: {FORM_REFUSAL}", message
+        assert untouched and steps_skipped == 0
+
+
+@pytest.mark.parametrize("name", list(FIRST_STEP_FORMS))
+def test_a_first_pipeline_step_of_batches_of_two_shapes_stops_every_rank(two_ranks, name):
+    """Before the first step of 2 pipeline stages (no shape is known for a stand-in yet): a batch
+    of another shape on one rank, or one it cannot run, stops both ranks with a message naming the
+    shapes or the refusing rank (not a crash in the schedule's shape inference on one rank and a
+    lost connection on the other); nothing applied, and the steps after run as usual (the test
+    below)."""
+    _, messages = FIRST_STEP_FORMS[name]
+    for pattern, (message, untouched, steps_skipped) in zip(messages, (r["batches"]["pp2"]["refused"][name]
+                                                                       for r in two_ranks)):
+        assert re.match(pattern, message), message
         assert untouched and steps_skipped == 0
 
 

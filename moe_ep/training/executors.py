@@ -55,6 +55,11 @@ class Executor(ABC):
         so that the step's collectives still meet the other ranks' (batch.stand_in); None where
         no shape is sure to."""
 
+    def agree_on_batch_shape(self, shape: tuple[int, ...] | None) -> None:
+        """Where the ranks must run one ``[batch, seq]`` and no stand-in shape is known yet:
+        raise on every rank alike unless each has a batch of one shape (``shape`` None: this rank
+        refused its batch and raises its own error after)."""
+
     def over_stages(self, stage_norm: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the 2-norm of the whole model's gradients, ``flags`` summed over the pipeline) from
         this rank's stages' norm and flags, in one collective."""
@@ -173,6 +178,30 @@ class PipelineSchedule(Executor):
     def stand_in_shape(self) -> tuple[int, int] | None:
         # The stages exchange activations of the first step's shape; before it none is known.
         return self.stages.batch_shape
+
+    def agree_on_batch_shape(self, shape: tuple[int, ...] | None) -> None:
+        """Before the first step, which fixes the shape of the activations the stages exchange,
+        one all-gather over the pipeline: a rank with a batch of another shape, or none it can
+        run, would otherwise meet its peers' sends with buffers of the wrong size (a crash in the
+        schedule's shape inference, or in the loss, on one rank; a lost connection on the other)."""
+        group = self.stages.group
+        if self.stages.batch_shape is not None or group.size() == 1:
+            return
+        mine = torch.tensor([0, 0] if shape is None else list(shape), dtype=torch.long, device=self.device)
+        everyone = [torch.empty_like(mine) for _ in range(group.size())]
+        dist.all_gather(everyone, mine, group=group)
+        shapes = [tuple(t.tolist()) for t in everyone]
+        refusing = [rank for rank, s in enumerate(shapes) if s == (0, 0)]
+        if shape is None:
+            return
+        if refusing:
+            raise ValueError(f"pipeline rank {refusing[0]} cannot run its batch (its own error says why), so this "
+                             f"rank's batch of shape {tuple(shape)} is not run either")
+        if len(set(shapes)) > 1:
+            raise ValueError(
+                f"the ranks of a pipeline must run batches of one [batch, seq] shape, the activations their stages "
+                f"exchange have it; got {shapes} (pipeline rank 0, 1, ...): pad every batch to one shape (labels "
+                "-100 where padded)")
 
     def run(self, ids, labels, loss_fn):
         stages = self.stages
