@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from numerics import rel_err
 from test_pipeline import AUX, LR, STEPS, TINY, _batch, _check, _model, _reference_losses
 
 RUNS = {
@@ -137,6 +138,49 @@ def test_dualpipev_matches_one_process_and_the_sequential_runtime(world4, refere
 @pytest.mark.parametrize("name", list(RUNS8))
 def test_dualpipev_on_two_nodes_of_two_ranks_matches_one_process(world8, references, name):
     _check_runs(world8, references, name)
+
+
+def _bf16_gradients(rank, world, batch, schedule):
+    """One step's gradients (float32, whole tensors, by name) of the tiny Mixtral under a bf16
+    FSDP policy reducing in float32: as 2 pipeline stages of ``schedule``, or (None) in one
+    process accumulating the same micro-batches."""
+    import moe_ep
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from moe_ep.hf import patch
+    from moe_ep.training import TrainStep
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    pipeline = {} if schedule is None else dict(pp=2, schedule=schedule, microbatches=MICROBATCHES)
+    target = moe_ep.parallelize(patch(_model(torch.float32, "eager"), fused_router=False), mixed_precision=policy,
+                                **pipeline)
+    names = {id(p): name for name, p in target.named_parameters()}
+    grads = {}
+
+    def keep(optimizer, args, kwargs):
+        for p in (p for group in optimizer.param_groups for p in group["params"]):
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[names[id(p)]] = grad.float().numpy().copy()  # pickled by value, unlike a tensor
+    optimizer = torch.optim.SGD(target.parameters(), lr=0.0)
+    optimizer.register_step_pre_hook(keep)
+    TrainStep(target, optimizer, microbatches=None if pipeline else MICROBATCHES)(batch)
+    return grads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["dualpipev", "zbv"])
+def test_split_backward_gradients_under_a_bf16_policy_equal_one_process(schedule):
+    """The weight pass of a split backward leaves its bf16 gradients in FSDP2's float32
+    accumulator at once: DualPipeV, whose stages mix split and full backwards, added a full
+    backward's bf16 gradients to them in bf16 (a 1e-3 relative error on the last stage's
+    parameters). Each stage's gradients equal one process's, which sums the same micro-batches'
+    bf16 gradients in float32."""
+    batch = _batch()
+    (want,) = run_ranks(_bf16_gradients, 1, batch, None, timeout=300)
+    stages = run_ranks(_bf16_gradients, 2, batch, schedule, timeout=300)
+    got = {name: grad for rank in stages for name, grad in rank.items()}
+    assert set(got) == set(want)
+    for name, grad in got.items():
+        assert rel_err(torch.from_numpy(grad), torch.from_numpy(want[name])) <= 1e-6, name
 
 
 def test_dualpipev_is_refused_where_it_cannot_run():
