@@ -107,24 +107,44 @@ def embed_saved(spec: ModelSpec, mb: MicroBatch) -> float:
     return I64 * mb.tokens + 2 * BF16 * mb.seq_len * _rotary_dim(spec)
 
 
-def attention_saved(spec: ModelSpec, mb: MicroBatch) -> float:
+def _sliding_masked(spec: ModelSpec, mb: MicroBatch) -> bool:
+    """Whether the sliding-window layers get a mask: transformers passes none (the kernel's causal
+    flag instead) where the window covers the whole sequence, as on full-attention layers."""
+    return bool(spec.sliding_layers) and mb.seq_len >= spec.sliding_window
+
+
+def sliding_mask_saved(spec: ModelSpec, layer: int, mb: MicroBatch) -> float:
+    """A sliding-window layer's attention kernel keeps its own half-precision copy of the boolean
+    ``[batch, 1, seq, seq]`` mask."""
+    if layer not in spec.sliding_layers or not _sliding_masked(spec, mb):
+        return 0.0
+    return BF16 * mb.sequences * mb.seq_len ** 2
+
+
+def attention_saved(spec: ModelSpec, mb: MicroBatch, layer: int) -> float:
     T, H, nh = mb.tokens, spec.hidden_size, spec.num_heads
     qk, v = spec.head_dim, spec.value_head_dim
     flash = T * (FP32 * nh + BF16 * nh * v)  # log-sum-exp per head, output (o_proj's input)
+    mask = sliding_mask_saved(spec, layer, mb)
     if spec.kv_lora_rank:
-        # Multi-head latent attention: the latents' norms and the up-projections' inputs, then q,
-        # k (the rotary part broadcast to every head) and v as the attention kernel reads them.
+        # Multi-head latent attention: the latents' norms and the up-projections' inputs, then q
+        # and k (the rotary part broadcast to every head) as the attention kernel reads them, and
+        # v as a view of kv_b_proj's whole output (the keys' non-rotary part beside it). q,
+        # concatenated, lays the kernel's output out by head: o_proj reads a copy of it.
         latents = norm_saved(T, spec.kv_lora_rank) + T * BF16 * spec.kv_lora_rank
         if spec.q_lora_rank:
             latents += norm_saved(T, spec.q_lora_rank) + T * BF16 * spec.q_lora_rank
-        return T * BF16 * H + latents + T * BF16 * nh * (2 * qk + v) + flash
+        kv_b_out = nh * (qk - spec.qk_rope_head_dim + v)
+        return T * BF16 * H + latents + T * BF16 * (2 * nh * qk + kv_b_out) + flash + T * BF16 * nh * v + mask
     q, kv, vv = nh * qk, spec.num_kv_heads * qk, spec.num_kv_heads * v
     norms = {
         None: 0.0,
         "head": norm_saved(T * nh, qk) + norm_saved(T * spec.num_kv_heads, qk),
         "full": norm_saved(T, q) + norm_saved(T, kv),
     }[spec.qk_norm]
-    return T * BF16 * H + norms + T * BF16 * (q + kv + vv) + flash
+    # OLMoE's clip_qkv clamps the projections in place: each clamp keeps its input.
+    clipped = T * BF16 * (q + kv + vv) if spec.clip_qkv else 0.0
+    return T * BF16 * H + norms + clipped + T * BF16 * (q + kv + vv) + flash + mask
 
 
 def router_saved(spec: ModelSpec, tokens: int, backend: str) -> float:
@@ -218,7 +238,7 @@ def mlp_saved(spec: ModelSpec, layer: int, tokens: int, backend: str, ep: int, r
 def layer_saved(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep: int = 1,
                 routed: Routed | None = None) -> float:
     T, H = mb.tokens, spec.hidden_size
-    return 2 * norm_saved(T, H) + attention_saved(spec, mb) + mlp_saved(spec, layer, T, backend, ep, routed)
+    return 2 * norm_saved(T, H) + attention_saved(spec, mb, layer) + mlp_saved(spec, layer, T, backend, ep, routed)
 
 
 def checkpointed_layer_saved(spec: ModelSpec, mb: MicroBatch) -> float:
@@ -268,7 +288,7 @@ def selective_layer_saved(spec: ModelSpec, layer: int, mb: MicroBatch, backend: 
 def attention_recomputed_layer_saved(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str, ep: int = 1,
                                      routed: Routed | None = None) -> float:
     """Under ``"attention"``: the layer's saved tensors, of the attention block only its input."""
-    return (layer_saved(spec, layer, mb, backend, ep, routed) - attention_saved(spec, mb)
+    return (layer_saved(spec, layer, mb, backend, ep, routed) - attention_saved(spec, mb, layer)
             + BF16 * mb.tokens * spec.hidden_size)
 
 
@@ -284,11 +304,12 @@ def policy_layer_saved(spec: ModelSpec, layer: int, mb: MicroBatch, backend: str
     return layer_saved(spec, layer, mb, backend, ep, routed)
 
 
-def checkpoint_shared(mb: MicroBatch) -> float:
+def checkpoint_shared(spec: ModelSpec, mb: MicroBatch) -> float:
     """What every checkpointed layer's (or attention block's) call also holds, once per
     micro-batch: the int64 position ids (one row), beside the rotary tables the embedding's figure
-    already counts."""
-    return I64 * mb.seq_len
+    already counts, and where sliding-window layers get a mask, that boolean ``[seq, seq]`` mask
+    (expanded over the batch)."""
+    return I64 * mb.seq_len + (mb.seq_len ** 2 if _sliding_masked(spec, mb) else 0)
 
 
 def head_saved(spec: ModelSpec, mb: MicroBatch) -> float:
@@ -403,7 +424,7 @@ def chain_saved(spec: ModelSpec, mb: MicroBatch, *, backend: str, checkpointing:
         saved = policy_layer_saved(spec, i, mb, backend, policy, ep, routed[i] if routed else None)
         name = f"layers.{i}"
         if i == 0:
-            saved += embed_saved(spec, mb) + (checkpoint_shared(mb) if policy != "none" else 0.0)
+            saved += embed_saved(spec, mb) + (checkpoint_shared(spec, mb) if policy != "none" else 0.0)
             name = "embed+" + name
         if i == L - 1:
             saved, name = saved + head_saved(spec, mb), name + "+head"

@@ -155,7 +155,7 @@ def build_units(
     tied = ("model.embed_tokens.weight",) if spec.tie_word_embeddings else ()
     fwd, bwd = embed_traffic(spec, mb)
     units = [unit("embed", spec.embed_params, 0, Work(memory_fwd=fwd, memory_bwd=bwd),
-                  embed_saved(spec, mb) + (checkpoint_shared(mb) if policy != "none" else 0.0), shared=tied)]
+                  embed_saved(spec, mb) + (checkpoint_shared(spec, mb) if policy != "none" else 0.0), shared=tied)]
     for i in range(spec.num_layers):
         moe = spec.is_moe_layer(i)
         dense, expert, attention = T * spec.layer_dense_flops(i), T * spec.layer_expert_flops(i), T * spec.attention_flops(seq_len)

@@ -195,6 +195,9 @@ class ModelSpec:
     normalize_topk: bool = True  # the router renormalises its top-k weights
     sigmoid_router: bool = False  # DeepSeek-V3: sigmoid scores from float32 copies of input and weight
     fp32_routing_weights: bool = True  # the experts get float32 weights (Mixtral, DeepSeek) or the logits' dtype
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to
+    sliding_layers: tuple[int, ...] = ()  # the layers of sliding-window attention
+    clip_qkv: bool = False  # OLMoE clamps q, k and v in place (autograd keeps each)
 
     def __post_init__(self):
         # from_config checked the config's own fields; this catches a ModelSpec built directly.
@@ -264,6 +267,11 @@ class ModelSpec:
             dense_layers = tuple(i for i in range(L) if i < first_dense or i in mlp_only or (i + 1) % step)
         else:
             dense_layers = ()
+        # As transformers assigns the masks: by config.layer_types where the config lists them,
+        # else to every layer when config.sliding_window is set.
+        kinds = getattr(config, "layer_types", None) or (
+            ["sliding_attention"] * L if getattr(config, "sliding_window", None) is not None else [])
+        sliding_layers = tuple(i for i, kind in enumerate(kinds[:L]) if kind == "sliding_attention")
         expert_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         shared_width = getattr(config, "shared_expert_intermediate_size", None) or (
             (getattr(config, "n_shared_experts", None) or 0) * expert_width
@@ -294,6 +302,9 @@ class ModelSpec:
             normalize_topk=bool(getattr(config, "norm_topk_prob", True)),
             sigmoid_router=family in _SIGMOID_ROUTERS,
             fp32_routing_weights=family not in _WEIGHTS_IN_LOGITS_DTYPE,
+            sliding_window=getattr(config, "sliding_window", None) if sliding_layers else None,
+            sliding_layers=sliding_layers,
+            clip_qkv=getattr(config, "clip_qkv", None) is not None and not kv_lora,
         )
 
     @classmethod
