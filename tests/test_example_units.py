@@ -541,6 +541,31 @@ def test_resume_on_other_data_or_without_its_rng_states_stops_before_any_work(tm
     assert f"--resume: the checkpoint {saved} is damaged: rng-rank00000.pt is missing; resume another checkpoint" in err
 
 
+def test_resume_of_another_models_checkpoint_stops_before_any_work(tmp_path, capsys, monkeypatch):
+    """A checkpoint records its model's config.json: one of another model (here: top-1 of the same
+    experts, whose tensors have the same shapes, or fewer layers, whose tensors the model would
+    read only in part) is refused by the fields that differ, before anything is written."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("x" * 2000)
+    argv = ["--data", str(corpus), "--seq-len", "64", "--micro-batch-size", "2"]
+    _, checked = validate_with_world(argv, 1, monkeypatch, tmp_path)
+    model, opt = tiny_model_and_optimizer()
+    trainer_state = {"step": 4, "world_size": 1, "data": checked.identity}
+    same = ckpt.save_checkpoint(tmp_path / "same", 4, model, opt, trainer_state, rank=0, barrier=lambda: None, keep=1,
+                                config=checked.source.config)
+    assert train.validate(train.build_parser().parse_args(
+        ["--output-dir", str(tmp_path / "out"), *argv, "--resume", str(same)])).resume == same
+    for field, other in (("num_experts_per_tok", 1), ("num_hidden_layers", 1)):
+        config = tiny_config()
+        want = getattr(config, field)
+        setattr(config, field, other)
+        saved = ckpt.save_checkpoint(tmp_path / field, 4, model, opt, trainer_state, rank=0, barrier=lambda: None,
+                                     keep=1, config=config)
+        err = run_main([*argv, "--resume", str(saved)], tmp_path, capsys)
+        assert (f"--resume {saved}: the checkpoint is of another model ({field}: {other} then, {want} now); resuming "
+                "would load its weights into this one") in err
+
+
 @pytest.mark.slow
 def test_export_replaces_an_earlier_export_whole(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM

@@ -284,7 +284,7 @@ def validate(args) -> Checked:
         check_corpus_size(stats["corpus_tokens"], args.seq_len, layout.global_batch)
     identity = data_identity(args, layout, tokenizer, stats)
     if candidates:
-        check_resume_data(candidates[0], identity)
+        check_resume_data(candidates[0], identity, config=source.config)
     return Checked(world_size, rank, source, tokenizer, layout, chosen_plan, data_spec, mp_dtype,
                    candidates[0] if candidates else None, tuple(candidates[1:]), token_cache, intact, identity,
                    tuple(warnings))
@@ -349,7 +349,7 @@ def run(args, checked: Checked, state, wall0: float, previous_holder: dict | Non
             # known to all before anything is loaded.
             resume = verified_resume([resume, *fallbacks], explicit=args.resume != "auto", warn=warn)
             if resume != checked.resume:
-                check_resume_data(resume, identity)
+                check_resume_data(resume, identity, config=source.config)
 
     # Data: tokenized once per node, then every rank maps the same cache.
     startup.phase("tokenizing the data (or reading its cache)")
@@ -362,7 +362,7 @@ def run(args, checked: Checked, state, wall0: float, previous_holder: dict | Non
             check_corpus_size(int(tokens.size), args.seq_len, layout.global_batch)
             identity = known
             if resume is not None:
-                check_resume_data(resume, identity)
+                check_resume_data(resume, identity, config=source.config)
     packed = PackedSequences(tokens, args.seq_len)
     global_batch = layout.global_batch
     schedule = BatchSchedule(packed.num_sequences, global_batch, layout.dp_rank(rank), layout.dp, args.seed)

@@ -393,12 +393,47 @@ def resume_target(resume: str, root: Path, *, overwrite: bool) -> tuple[list[Pat
     return resume_candidates(resume, root)
 
 
-def check_resume_data(resume: Path, identity: dict) -> None:
+# The fields of a transformers config that make the network: a checkpoint of a model that differs
+# in one of them is another model's, even where its tensors have the same shapes (top-k, routing
+# groups, the window, the rotary base) or where the model reads only some of them (fewer layers).
+ARCHITECTURE_FIELDS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts", "num_experts", "n_routed_experts",
+    "num_experts_per_tok", "n_shared_experts", "shared_expert_intermediate_size", "first_k_dense_replace",
+    "mlp_only_layers", "decoder_sparse_step", "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
+    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "hidden_act",
+    "tie_word_embeddings", "sliding_window", "layer_types", "rope_theta", "rope_parameters", "rope_scaling",
+    "rms_norm_eps", "attention_bias", "qkv_bias", "clip_qkv",
+)
+
+
+def check_resume_data(resume: Path, identity: dict, config=None) -> None:
     """Refuse to continue a checkpoint on other data: ``identity`` (what a resumed run must share
     with the saved one: the token stream, the packing, the global batch, the seed) against the
     trainer state's ``data``; entries that are None are not known yet and are compared once they
-    are."""
+    are. With ``config`` (the model's transformers config), refuse a checkpoint whose
+    ``config.json`` differs from it in an ``ARCHITECTURE_FIELDS`` field."""
+    if config is not None:
+        refuse_other_model(resume, config)
     refuse_other_data(resume, read_trainer_state(resume)["data"], identity)
+
+
+def refuse_other_model(resume: Path, config) -> None:
+    """A checkpoint saved without its ``config.json`` has nothing to compare and passes."""
+    try:
+        saved = json.loads((resume / "config.json").read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--resume {resume}: its config.json cannot be read ({err})") from None
+    current = json.loads(config.to_json_string(use_diff=False))
+    differ = [f"{key}: {saved.get(key)!r} then, {current.get(key)!r} now" for key in ARCHITECTURE_FIELDS
+              if saved.get(key) != current.get(key)]
+    if differ:
+        raise UsageError(
+            f"--resume {resume}: the checkpoint is of another model ({'; '.join(differ)}); resuming would load "
+            "its weights into this one: pass the --model it was trained with, or --overwrite to start afresh"
+        )
 
 
 def refuse_other_data(resume: Path, saved: dict | None, identity: dict) -> None:
