@@ -601,6 +601,16 @@ def test_export_replaces_an_earlier_export_whole(tmp_path, monkeypatch):
     assert exported.keys() == model.state_dict().keys()
     assert all(torch.equal(t, model.state_dict()[name]) for name, t in exported.items())
 
+    # "." (a path without a name, which the folders beside it are named after): the folder it
+    # stands for, refused as a user's and left as it was.
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    monkeypatch.chdir(user)
+    with pytest.raises(UsageError, match=rf"--out: {user} is a non-empty folder that no moe_ep export wrote"):
+        export.export_hf(saved, Path("."))
+    assert names(user) == ["notes.txt"]
+
 
 # ------------------------------------------------------------------------------ pretrained slices
 

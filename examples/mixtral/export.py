@@ -73,7 +73,7 @@ def load_config(checkpoint: Path):
 def export_hf(checkpoint: Path, out_dir: Path, *, dtype: torch.dtype | None = None) -> Path:
     from transformers import AutoModelForCausalLM
 
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir).resolve()  # "." has no name to put .tmp- before
     check_export_target(out_dir, protected_folders(checkpoint), "--out")
     check_checkpoint(checkpoint)
     config = load_config(checkpoint)

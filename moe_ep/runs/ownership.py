@@ -236,6 +236,7 @@ def check_export_target(out_dir: Path, protected: dict[str, Path], flag: str) ->
     """An export writes to a new folder, an empty one, or one a previous export made (its marker);
     never to or around ``protected`` folders (the run folder, the checkpoint), never over a user's
     files. Also the ``.tmp-``/``.trash-`` names beside it, which the export uses."""
+    out_dir = Path(out_dir).resolve()  # "." and "..": the names beside it need a name
     clashes = [(relation, what, path) for what, path in protected.items()
                if (relation := related(out_dir, path)) is not None]
     if clashes:
