@@ -72,6 +72,16 @@ def test_resuming_a_folder_that_is_no_checkpoint_says_so(tmp_path):
     with pytest.raises(UsageError, match=r"--resume: .*photos is not a checkpoint of moe_ep.runs \(it holds no "
                                          r"manifest.json, trainer_state.json or .distcp shard\)"):
         resume_target(str(other), tmp_path / "checkpoints", overwrite=False)
+    # A whole checkpoint another writer sealed (an accelerate loop's RunFolder): of another kind.
+    from moe_ep.runs import write_manifest
+
+    sealed = tmp_path / "run" / "checkpoints" / "step_00000002"
+    sealed.mkdir(parents=True)
+    (sealed / "model.safetensors").write_bytes(b"weights")
+    write_manifest(sealed, {"model.safetensors": (7, "0" * 64)}, step=2)
+    with pytest.raises(UsageError, match=r"--resume: .*step_00000002 is a checkpoint of another kind \(its "
+                                         r"manifest.json lists no trainer_state.json"):
+        resume_target(str(sealed), tmp_path / "checkpoints", overwrite=False)
 
 
 def test_resume_resolution(tmp_path):

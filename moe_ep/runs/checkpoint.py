@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from .errors import RunError, UsageError, failure_cause, write_failure
-from .integrity import MANIFEST, files_in, gather, local_problems, seal, verify
+from .integrity import MANIFEST, files_in, gather, local_problems, read_manifest, seal, verify
 from .ownership import (
     TMP_PREFIX,
     TRASH_PREFIX,
@@ -341,6 +341,13 @@ def resume_candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
             raise UsageError(f"--resume: {folder} is not a checkpoint of moe_ep.runs (it holds no {MANIFEST}, "
                              f"{TRAINER_STATE} or {SHARD_SUFFIX} shard); give a step_* folder of a run's checkpoints/, "
                              "or auto")
+        listed, _ = read_manifest(folder)
+        if listed is not None and TRAINER_STATE not in listed and not (folder / TRAINER_STATE).exists():
+            # A whole manifest of a folder with no trainer state: sealed by another writer
+            # (moe_ep.runs.RunFolder under an accelerate or Trainer loop), not damaged.
+            raise UsageError(f"--resume: {folder} is a checkpoint of another kind (its {MANIFEST} lists no "
+                             f"{TRAINER_STATE}: an accelerate or Trainer loop's?); give a step_* folder of this "
+                             "script's checkpoints/, or auto")
         problems = quick_problems(folder)
         if problems:
             raise UsageError(f"--resume: {damage_report(Path(resume), problems)}; resume another checkpoint "
