@@ -17,12 +17,11 @@ from pathlib import Path
 
 import torch
 
-from moe_ep.runs import RunFolder, StepLog, delete_atomically, exit_process
+from moe_ep.runs import RunFolder, StepLog, configuration_errors, delete_atomically, exit_process
 
 from loops import (
     checked_run,
     claim_run,
-    configuration_errors,
     finished,
     lr_at,
     make_model,

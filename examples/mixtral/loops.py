@@ -185,16 +185,6 @@ def make_model(args, device: torch.device):
     return moe_ep.parallelize(moe_ep.patch(model), ep=args.ep, dp_replicate=args.dp_replicate)
 
 
-@contextmanager
-def configuration_errors():
-    """moe_ep's and accelerate's refusals of a layout or configuration (ValueError, raised alike on
-    every rank before any work) as one line by rank 0."""
-    try:
-        yield
-    except ValueError as err:
-        raise UsageError(str(err), agreed=True) from err
-
-
 def count_parameters(args) -> int:
     from transformers import MixtralForCausalLM
 

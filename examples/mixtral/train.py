@@ -41,6 +41,7 @@ from moe_ep.runs import (
     check_resume_data,
     checkpoint_due,
     clear_run,
+    configuration_errors,
     describe_holder,
     exit_process,
     flops_per_token,
@@ -136,8 +137,9 @@ def prepare_model(args, source, layout, device, mp_dtype):
     total_params, active_params = count_parameters(model)
     if not meta and device.type != "cpu":
         model.to(device)
-    target = apply_layout(model, layout, mixed_precision=mp_dtype, compile_blocks=args.compile_blocks,
-                          dispatcher=dispatcher_options(args, layout))
+    with configuration_errors():  # parallelize's refusals, alike on every rank (a cut no stage can make)
+        target = apply_layout(model, layout, mixed_precision=mp_dtype, compile_blocks=args.compile_blocks,
+                              dispatcher=dispatcher_options(args, layout))
     module = model if layout.pp == 1 else rank_view(model, target.modules)
     bytes_read = None
     if source.pretrained_dir is not None:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from moe_ep.runs import RunFolder, StepLog, exit_process
+from moe_ep.runs import RunFolder, StepLog, configuration_errors, exit_process
 
 from loops import (
     checked_run,
     claim_run,
-    configuration_errors,
     finished,
     make_model,
     preempted,

@@ -39,6 +39,16 @@ def said_by_every_rank():
         raise
 
 
+@contextmanager
+def configuration_errors():
+    """moe_ep's and accelerate's refusals of a layout or configuration (ValueError, raised alike on
+    every rank before any work) as one line by rank 0."""
+    try:
+        yield
+    except ValueError as err:
+        raise UsageError(str(err), agreed=True) from err
+
+
 # Below this many free bytes, a write that failed without an errno failed for lack of space.
 FULL_DISK_BYTES = 1 << 20
 
