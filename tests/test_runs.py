@@ -17,6 +17,7 @@ from moe_ep.runs import (
     OutputLock,
     RunError,
     UsageError,
+    branch_step,
     check_output_folders,
     checkpoint_due,
     hold_output_dir,
@@ -165,13 +166,25 @@ def test_checkpoints_after_the_one_resumed_are_set_aside_whole_and_marked(tmp_pa
     step_dir(root, 3).mkdir()
     again = set_aside_later_checkpoints(root, 2, step_dir(root, 2), rank=0)
     assert again != aside and (again / "step_00000003").is_dir() and (aside / "step_00000004").is_dir()
-    # Back to the branch set aside, by the path of its step 4: the live branch's own step 4 (made
-    # after the rollback) leaves with the later ones, so that --resume auto cannot continue it.
-    step_dir(root, 4).mkdir()
-    step_dir(root, 5).mkdir()
+    # Back to the branch set aside, by the path of its step 4: every checkpoint the live branch
+    # made after it left step 2 (its step 3 too, older than the one resumed) leaves with it, so
+    # that neither --resume auto nor pruning takes it for this run's; step 2, the two branches'
+    # last common checkpoint, stays (the run keeps it from pruning: branch_step).
+    for step in (3, 4, 5):
+        step_dir(root, step).mkdir(exist_ok=True)
+    assert branch_step(root, aside / "step_00000004", 4) == 2 and branch_step(root, step_dir(root, 4), 4) == 4
     back = set_aside_later_checkpoints(root, 4, aside / "step_00000004", rank=0)
-    assert sorted(p.name for p in back.iterdir() if p.is_dir()) == ["step_00000004", "step_00000005"]
+    assert re.fullmatch(r"abandoned-\d{8}-\d{6}-from-step-2(\.\d+)?", back.name)
+    assert sorted(p.name for p in back.iterdir() if p.is_dir()) == ["step_00000003", "step_00000004", "step_00000005"]
     assert [p.name for p in step_folders(root)] == ["step_00000002"] and (aside / "step_00000004").is_dir()
+    from moe_ep.runs.metrics import resume_record
+
+    _, said = resume_record(4, aside / "step_00000004", back)
+    assert said == (f"took up the branch of {aside / 'step_00000004'} at step 4: the checkpoints made after step 2 on "
+                    f"the other branch (step_00000003, step_00000004, step_00000005) are set aside, not deleted, in "
+                    f"{back}")
+    _, said = resume_record(2, step_dir(root, 2), aside)
+    assert said.startswith("rolled back to step 2: the later checkpoints (step_00000004, step_00000006) are set aside")
 
 
 # ------------------------------------------------------------------------------ odd files, full disk

@@ -37,6 +37,7 @@ from moe_ep.runs import (
     Throughput,
     UsageError,
     agree_on_arguments,
+    branch_step,
     check_output_folders,
     check_resume_data,
     checkpoint_due,
@@ -395,7 +396,11 @@ def run(args, checked: Checked, state, wall0: float, previous_holder: dict | Non
         if changed := take_flagged_hyperparameters(optimizer, flagged):
             reporter.info(f"the optimizer takes this command's {', '.join(changed)}, not the values it was saved with")
         start_step, tokens_seen = saved["step"], saved["tokens_seen"]
-        branch_points = saved.get("branch_points", []) + ([start_step] if set_aside is not None else [])
+        # Where this run parts from the checkpoints beside it: kept from pruning (the one resumed,
+        # or for a branch taken up again by its path, the last checkpoint it shares with them).
+        branch = branch_step(ckpt_root, resume, start_step)
+        branch_points = saved.get("branch_points", []) + (
+            [branch] if set_aside is not None or branch != start_step else [])
         reporter.resumed(start_step, resume, set_aside)
         reporter.info(f"resumed from {resume} at step {start_step}"
                       + ("" if saved["world_size"] == world_size else

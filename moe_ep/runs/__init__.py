@@ -15,6 +15,7 @@ accelerate_loop.py (accelerate) are built on it; ``RunFolder`` is the output fol
 whose checkpoints its own library writes."""
 
 from .checkpoint import (
+    branch_step,
     check_resume_data,
     checkpoint_due,
     complete_checkpoints,
@@ -88,7 +89,7 @@ __all__ = [
     # integrity
     "digest", "files_in", "local_problems", "seal", "verify", "write_manifest",
     # checkpoints and resume
-    "check_resume_data", "checkpoint_due", "complete_checkpoints", "damage_report", "is_complete",
+    "branch_step", "check_resume_data", "checkpoint_due", "complete_checkpoints", "damage_report", "is_complete",
     "latest_checkpoint", "load_checkpoint", "manifest_must_list", "quiet_single_process", "read_trainer_state", "remove_incomplete",
     "resume_candidates", "resume_target", "save_checkpoint", "set_aside_later_checkpoints", "step_folders",
     "verified_resume",

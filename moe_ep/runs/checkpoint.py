@@ -60,6 +60,7 @@ from .ownership import (
     fsync_dir,
     make_managed_dir,
     mark,
+    marker_info,
     ours,
     refuse_link,
 )
@@ -463,27 +464,46 @@ def checkpoint_due(step: int, *, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
+def branch_step(root: Path, resumed: Path | None, step: int) -> int:
+    """The step after which the run that wrote ``resumed`` (of optimizer step ``step``; None, step
+    0: a start afresh) and the checkpoints of ``root`` part: ``step`` itself, but for a
+    checkpoint of a branch set aside earlier and taken up again by its path (a step folder of
+    ``root/abandoned-*/``), the step that branch left ``root`` at, which the folder's marker
+    records: ``root``'s checkpoint of that step is the two branches' last common one, its later
+    ones the other branch's."""
+    if resumed is None:
+        return step
+    aside = resumed.resolve().parent
+    if aside.parent != root.resolve() or not aside.name.startswith(ABANDONED_PREFIX):
+        return step
+    marker = marker_info(aside)
+    left = marker.get("from_step") if marker.get("kind") == "abandoned" else None
+    return left if isinstance(left, int) and not isinstance(left, bool) and 0 <= left < step else step
+
+
 def set_aside_later_checkpoints(root: Path, step: int, resumed: Path | None, *, rank: int,
-                                later: list[Path] | None = None) -> Path | None:
+                                folders: list[Path] | None = None, step_of=step_of) -> Path | None:
     """Collective, once the checkpoint ``resumed`` of optimizer step ``step`` is chosen (None, step
     0: a start afresh): rank 0 moves every checkpoint folder of ``root`` of step ``step`` or later
-    but ``resumed`` itself (complete or damaged; ``later``: those folders where ``root`` is not
-    laid out as this module writes it), whole, into a new marked folder
-    ``root/abandoned-<time>-from-step-<step>/``, which every rank gets back (None where nothing is
-    moved): the abandoned branch stays on disk for the user, out of reach of ``--resume auto``, of
-    pruning and of the resumed run's checkpoints of the same steps. (A ``resumed`` from outside
-    ``root``, a branch set aside earlier and taken up again by its path, leaves the branch whose
-    checkpoint of its step ``root`` holds.) A failure to move raises RunError on every rank,
-    nothing deleted."""
+    but ``resumed`` itself (complete or damaged; ``folders`` and ``step_of``: the checkpoint
+    folders and their steps where ``root`` is not laid out as this module writes it), whole, into
+    a new marked folder ``root/abandoned-<time>-from-step-<step>/``, which every rank gets back
+    (None where nothing is moved): the abandoned branch stays on disk for the user, out of reach of
+    ``--resume auto``, of pruning and of the resumed run's checkpoints of the same steps. A
+    branch set aside earlier and taken up again by its path moves, instead, every checkpoint of
+    ``root`` after the step it left ``root`` at (``branch_step``): the other branch's, which
+    pruning would otherwise take for this run's older ones. A failure to move raises RunError on
+    every rank, nothing deleted."""
     outcome = None
     if rank == 0:
-        if later is None:
-            later = [p for p in step_folders(root) if step_of(p) >= step]
+        first = branch_step(root, resumed, step)
+        folders = step_folders(root) if folders is None else folders
+        later = [p for p in folders if step_of(p) > first or (first == step and step_of(p) == step)]
         try:
             kept = None if resumed is None else resumed.resolve()
-            outcome = str(_set_aside(root, step, [p for p in later if p.resolve() != kept]) or "")
+            outcome = str(_set_aside(root, first, [p for p in later if p.resolve() != kept]) or "")
         except OSError as err:
-            outcome = RunError(f"cannot set aside the checkpoints after step {step} in {root}: "
+            outcome = RunError(f"cannot set aside the checkpoints after step {first} in {root}: "
                                f"{err.strerror or err}; nothing was deleted", agreed=True)
     outcome = gather(outcome)[0]
     if isinstance(outcome, RunError):

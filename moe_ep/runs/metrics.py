@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import RunError, write_failure
-from .ownership import METRICS, make_managed_dir
+from .ownership import METRICS, make_managed_dir, marker_info
 
 # Peak dense bf16 tensor-core TFLOP/s by device name (vendor data sheets, without sparsity).
 PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800": 312.0, "L40S": 362.0,
@@ -118,6 +118,10 @@ def resume_record(step: int, checkpoint: Path | None, set_aside: Path | None) ->
     if set_aside is None:
         return record, None
     later = ", ".join(sorted(p.name for p in set_aside.iterdir() if p.is_dir()))
+    left = marker_info(set_aside).get("from_step", step)
+    if left != step:  # a branch set aside earlier, taken up again by its path (checkpoint.branch_step)
+        return record, (f"took up the branch of {checkpoint} at step {step}: the checkpoints made after step {left} "
+                        f"on the other branch ({later}) are set aside, not deleted, in {set_aside}")
     return record, (f"rolled back to step {step}: the later checkpoints ({later}) are set aside, not deleted, in "
                     f"{set_aside}; this run goes on from {checkpoint}")
 

@@ -49,12 +49,19 @@ TMP_PREFIX = ".tmp-"
 RUN_FILES = (METRICS, LOCK_FILE, MARKER)
 
 
+def marker_info(folder: Path) -> dict:
+    """What ``folder``'s marker says (its ``kind`` and what ``mark`` wrote beside it); empty where
+    it has none, or not a readable one."""
+    try:
+        info = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def marker_kind(folder: Path) -> str | None:
     """The kind named by ``folder``'s marker, None where it has none (or not a readable one)."""
-    try:
-        return json.loads((folder / MARKER).read_text()).get("kind")
-    except (OSError, ValueError, AttributeError):
-        return None
+    return marker_info(folder).get("kind")
 
 
 def mark(folder: Path, kind: str, **info) -> None:

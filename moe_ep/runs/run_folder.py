@@ -190,8 +190,8 @@ class RunFolder:
         beside them (set_aside_later_checkpoints), whose path every rank gets back; None where
         nothing is later. The library then never writes into a checkpoint cut short."""
         step = 0 if resumed is None else self.step_of(resumed)
-        later = [p for p in self.checkpoints() if self.step_of(p) >= step]  # resumed itself stays
-        return set_aside_later_checkpoints(self.checkpoint_root, step, resumed, rank=rank, later=later)
+        return set_aside_later_checkpoints(self.checkpoint_root, step, resumed, rank=rank, folders=self.checkpoints(),
+                                           step_of=self.step_of)
 
     def saved_final(self, log, is_main: bool) -> None:
         """After the final model is written: mark it as an export (rank 0) and say where it is."""
