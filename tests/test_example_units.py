@@ -610,6 +610,14 @@ def test_export_replaces_an_earlier_export_whole(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match=rf"--out: {user} is a non-empty folder that no moe_ep export wrote"):
         export.export_hf(saved, Path("."))
     assert names(user) == ["notes.txt"]
+    # Into another run's checkpoints/, where that run would take it for a damaged checkpoint.
+    other = tmp_path / "other" / "checkpoints"
+    ckpt.save_checkpoint(other, 2, model, opt, {"step": 2, "world_size": 1, "data": {}}, rank=0, barrier=lambda: None,
+                         keep=1)
+    with pytest.raises(UsageError, match=rf"--out {other / 'step_00000008'} is inside {other}, a folder a moe_ep run "
+                                         r"manages \(its marker says 'checkpoints'\)"):
+        export.export_hf(saved, other / "step_00000008")
+    assert names(other) == ["step_00000002"]
 
 
 # ------------------------------------------------------------------------------ pretrained slices

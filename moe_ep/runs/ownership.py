@@ -251,6 +251,12 @@ def check_export_target(out_dir: Path, protected: dict[str, Path], flag: str) ->
         relation, what, path = min(clashes, key=lambda c: ("is", "is inside", "is an ancestor of").index(c[0]))
         raise UsageError(f"{flag} {out_dir} {relation} {what} {path}; an export goes to a folder of its own "
                          "outside it (e.g. a sibling)")
+    # Inside another run's folders (its checkpoints/, a token cache), an export would be taken for
+    # one of that run's own, a damaged checkpoint say.
+    managed = next((p for p in out_dir.parents if marker_kind(p) is not None), None)
+    if managed is not None:
+        raise UsageError(f"{flag} {out_dir} is inside {managed}, a folder a moe_ep run manages (its marker says "
+                         f"{marker_kind(managed)!r}); an export goes to a folder of its own outside it")
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"{flag}: {out_dir} exists and is not a folder")
     if out_dir.exists() and not ours(out_dir, "export"):
