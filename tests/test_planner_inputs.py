@@ -50,6 +50,16 @@ BAD_CONFIGS = {
     ),
     "deepseek_negative_latent": (DeepseekV3Config(**SMALL, kv_lora_rank=-16),
                                  "kv_lora_rank must be an int >= 0, got -16"),
+    # Group-limited routing as route_topk refuses it at run time.
+    "deepseek_groups_of_part_experts": (
+        DeepseekV3Config(**SMALL, n_routed_experts=8, num_experts_per_tok=2, n_group=3, topk_group=1),
+        "n_group must divide n_routed_experts=8 (groups of whole experts), got 3"),
+    "deepseek_more_groups_kept_than_made": (
+        DeepseekV3Config(**SMALL, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=5),
+        "topk_group must be an int in [1, n_group=4], got 5"),
+    "deepseek_top_k_beyond_the_groups_kept": (
+        DeepseekV3Config(**SMALL, n_routed_experts=8, num_experts_per_tok=6, n_group=4, topk_group=1),
+        "num_experts_per_tok=6 exceeds the 2 experts of the topk_group=1 groups kept (of 2 each)"),
 }
 
 
@@ -69,6 +79,20 @@ def test_a_dense_models_config_has_no_experts_and_still_plans():
 
     spec = ModelSpec.from_config(MistralConfig(**SMALL))
     assert (spec.num_experts, spec.top_k) == (0, 0)
+
+
+def test_expert_parallelism_of_a_model_whose_layers_are_all_dense_is_refused():
+    from moe_ep.planner import PlanError
+
+    config = Qwen2MoeConfig(**SMALL, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0, 1, 2, 3])
+    with pytest.raises(PlanError, match=r"^ep=8 shards the experts of MoE layers; every layer of qwen2_moe is dense"):
+        plan(config, nodes=1, ep=8, **A100)
+    assert plan(config, nodes=1, **A100).best.layout.ep == 1
+
+
+def test_a_model_argument_that_is_an_empty_string_is_refused_as_such():
+    with pytest.raises(ValueError, match=r"or a local config.json or model folder, got ''$"):
+        plan("", nodes=1, **A100)
 
 
 def _spec(**overrides) -> ModelSpec:

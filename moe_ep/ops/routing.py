@@ -81,8 +81,9 @@ def _top_indices(scores, k):
     """Indices of the ``k`` largest ``scores`` along the last dim, best first, ties to the lowest
     index as the Triton router breaks them (``torch.topk`` leaves the order of equal values
     unspecified, and ties are real: padding rows, a zero router, duplicated router rows)."""
-    # A copy of the k columns: the weights' gather saves the indices, and a view would keep all E.
-    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k].contiguous()
+    # A copy of the k columns: the weights' gather saves the indices, and a view would keep all E
+    # (contiguous() would return the view itself for one token, whose [1, k] slice is contiguous).
+    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k].clone()
 
 
 def select_experts(probs_TE, top_k, correction_bias=None, n_group=1, topk_group=1):

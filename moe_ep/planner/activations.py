@@ -130,12 +130,14 @@ def attention_saved(spec: ModelSpec, mb: MicroBatch, layer: int) -> float:
         # Multi-head latent attention: the latents' norms and the up-projections' inputs, then q
         # and k (the rotary part broadcast to every head) as the attention kernel reads them, and
         # v as a view of kv_b_proj's whole output (the keys' non-rotary part beside it). q,
-        # concatenated, lays the kernel's output out by head: o_proj reads a copy of it.
+        # concatenated, lays the kernel's output out by head: o_proj reads a copy of it (of
+        # sequences longer than one token).
         latents = norm_saved(T, spec.kv_lora_rank) + T * BF16 * spec.kv_lora_rank
         if spec.q_lora_rank:
             latents += norm_saved(T, spec.q_lora_rank) + T * BF16 * spec.q_lora_rank
         kv_b_out = nh * (qk - spec.qk_rope_head_dim + v)
-        return T * BF16 * H + latents + T * BF16 * (2 * nh * qk + kv_b_out) + flash + T * BF16 * nh * v + mask
+        copy = T * BF16 * nh * v if mb.seq_len > 1 else 0.0  # one position: the transpose is the layout
+        return T * BF16 * H + latents + T * BF16 * (2 * nh * qk + kv_b_out) + flash + copy + mask
     q, kv, vv = nh * qk, spec.num_kv_heads * qk, spec.num_kv_heads * v
     norms = {
         None: 0.0,
@@ -202,6 +204,7 @@ def dispatch_saved(spec: ModelSpec, ep: int, tokens: int, routed: Routed, backen
     r_max, k_max = min(K, ep), min(K, L)
     S, P = routed.received, routed.pairs
     source = (I64 * T * K + T * ep + I64 * T * ep  # return factors: two scatter indices, a where's condition
+              + (T * K * K if K > 1 else 0)  # repeated experts' merge: its where's [T, K, K] condition
               + I64 * (T * r_max + 1) + I64 * routed.sent  # packing gather: copy map, row targets
               + BF16 * H * routed.sent  # the rows that come back
               + FP32 * (T * r_max + 1) + I64 * (routed.sent + 1))  # return weights and map
@@ -314,10 +317,10 @@ def checkpoint_shared(spec: ModelSpec, mb: MicroBatch) -> float:
 
 def head_saved(spec: ModelSpec, mb: MicroBatch) -> float:
     """Final norm, lm_head's input, the loss's float32 log-softmax and int64 targets (of one
-    sequence a view of its labels, of several a copy of the shifted ones), and the division by
-    the normaliser (one float32)."""
+    sequence, or of sequences of at most two tokens, a view of its labels, else a copy of the
+    shifted ones), and the division by the normaliser (one float32)."""
     T, H = mb.tokens, spec.hidden_size
-    targets = I64 * (T if mb.sequences == 1 else mb.predicted)
+    targets = I64 * (T if mb.sequences == 1 or mb.seq_len <= 2 else mb.predicted)
     return norm_saved(T, H) + BF16 * T * H + FP32 * spec.vocab_size * mb.predicted + targets + FP32
 
 

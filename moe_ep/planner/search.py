@@ -148,6 +148,9 @@ def _check_fixed_degrees(spec: ModelSpec, cluster: Cluster, fixed: dict) -> None
     if ep is not None and ep > 1:
         if not spec.num_experts:
             raise PlanError(f"ep={ep} needs an MoE model; {spec.name} has no experts")
+        if not spec.num_moe_layers:
+            raise PlanError(f"ep={ep} shards the experts of MoE layers; every layer of {spec.name} is dense "
+                            "(first_k_dense_replace, mlp_only_layers or decoder_sparse_step cover them all)")
         if spec.num_experts % ep:
             raise PlanError(
                 f"ep={ep} does not divide the {spec.num_experts} experts of {spec.name}; "
@@ -201,7 +204,7 @@ def _meshes(spec: ModelSpec, world: int, fixed: dict) -> list[_Mesh]:
             dp_replicate = dp // dp_shard
             if fixed["dp_shard"] not in (None, dp_shard) or fixed["dp_replicate"] not in (None, dp_replicate):
                 continue
-            for ep in divisors(math.gcd(dp_shard, spec.num_experts or 1)):
+            for ep in divisors(math.gcd(dp_shard, spec.num_experts if spec.num_moe_layers else 1)):
                 if fixed["ep"] in (None, ep):
                     meshes.append(_Mesh(pp, dp_replicate, dp_shard, ep))
     return meshes

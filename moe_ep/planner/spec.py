@@ -102,7 +102,8 @@ def config_from_file(path):
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as err:  # transformers' loaders raise many types; each is named with the file
-        cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+        # One line, all of it: a validation error's first line only names the field.
+        cause = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
         raise ValueError(f"model config {str(file)!r} cannot be loaded: {cause}") from err
 
 
@@ -126,6 +127,18 @@ def _experts_field(config) -> str | None:
     return next((a for a in present if a not in aliases), present[0] if present else None)
 
 
+def _check_expert_groups(where: str, field: str, experts: int, top_k: int, n_group, topk_group) -> None:
+    """DeepSeek-V3's group-limited routing, as route_topk refuses it at run time: groups of whole
+    experts, at most all of them kept, and enough experts in the kept groups for top-k."""
+    n_group = _require_int(where, "n_group", n_group, 1, experts, f"{field}={experts}")
+    if experts % n_group:
+        raise ValueError(f"{where}: n_group must divide {field}={experts} (groups of whole experts), got {n_group}")
+    topk_group = _require_int(where, "topk_group", topk_group, 1, n_group, f"n_group={n_group}")
+    if top_k > topk_group * (experts // n_group):
+        raise ValueError(f"{where}: num_experts_per_tok={top_k} exceeds the {topk_group * (experts // n_group)} "
+                         f"experts of the topk_group={topk_group} groups kept (of {experts // n_group} each)")
+
+
 def _check_config_sizes(config, where: str) -> None:
     """The sizes from_config reads, in the config's own names, before anything is derived."""
     def get(attr):
@@ -143,8 +156,10 @@ def _check_config_sizes(config, where: str) -> None:
     field = _experts_field(config)
     if field is not None:
         experts = _require_int(where, field, get(field), 1)
-        _require_int(where, "num_experts_per_tok", getattr(config, "num_experts_per_tok", 1), 1, experts,
-                     f"{field}={experts}")
+        top_k = _require_int(where, "num_experts_per_tok", getattr(config, "num_experts_per_tok", 1), 1, experts,
+                             f"{field}={experts}")
+        if (get("n_group") or 1) > 1:
+            _check_expert_groups(where, field, experts, top_k, get("n_group"), get("topk_group"))
     for attr, low in (("moe_intermediate_size", 1), ("shared_expert_intermediate_size", 0), ("n_shared_experts", 0),
                       ("first_k_dense_replace", 0), ("decoder_sparse_step", 1), ("kv_lora_rank", 0),
                       ("q_lora_rank", 0)):
@@ -314,7 +329,7 @@ class ModelSpec:
         if isinstance(model, ModelSpec):
             return model
         if isinstance(model, (str, Path)) and str(model) not in MODEL_NAMES:
-            if not Path(model).exists():
+            if not str(model) or not Path(model).exists():
                 raise ValueError(
                     f"model must be a Hugging Face config or one of {MODEL_NAMES}, or a local config.json or model "
                     f"folder, got {str(model)!r}"
