@@ -3,6 +3,7 @@ crash mid-write never exposes, and pretrained weights read by slice."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -119,6 +120,105 @@ def test_survey_counts_the_byte_token_stream_before_tokenizing(max_tokens, check
     assert data.survey_corpus(spec, tok, cache_file, max_tokens) == surveyed
 
 
+def test_the_stream_identity_sees_its_order_and_every_token(tmp_path, monkeypatch):
+    """The data identity a resume is checked against: two files read in the other order, or a
+    byte changed past the first CHECKSUM_TOKENS tokens, leave the length and the token sum as
+    they were but not the stream's SHA-256."""
+    monkeypatch.setattr(data, "HASH_CHUNK_TOKENS", 3)  # hashed in pieces as a long stream is
+    for name, text in (("a.txt", "ab" * 5), ("b.txt", "cd" * 5)):
+        (tmp_path / name).write_text(text)
+    tok = data.ByteTokenizer()
+
+    def stats(*names):
+        return data.survey_corpus(data.resolve_data([str(tmp_path / n) for n in names], "text"), tok, None, None)
+
+    first = stats("a.txt", "b.txt")
+    swapped = stats("b.txt", "a.txt")
+    assert (swapped["corpus_tokens"], swapped["token_sum"]) == (first["corpus_tokens"], first["token_sum"])
+    assert swapped["token_sha256"] != first["token_sha256"]
+    monkeypatch.setattr(data, "CHECKSUM_TOKENS", 4)
+    first = stats("a.txt", "b.txt")
+    (tmp_path / "a.txt").write_text("ab" * 4 + "ba")
+    assert stats("a.txt", "b.txt")["token_sum"] == first["token_sum"]
+    assert stats("a.txt", "b.txt")["token_sha256"] != first["token_sha256"]
+
+
+def test_a_rewritten_file_gets_a_new_token_cache_even_with_its_size_and_mtime_restored(tmp_path):
+    """cp -p, rsync -a and tar x restore a file's mtime: its ctime and inode still tell."""
+    path = tmp_path / "a.txt"
+    path.write_text("a" * 40)
+    before = path.stat()
+    spec, tok = data.resolve_data([str(path)], "text"), data.ByteTokenizer()
+    key = data.corpus_key(spec, tok, None)
+    (tmp_path / "b.txt").write_text("b" * 40)
+    os.replace(tmp_path / "b.txt", path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert data.corpus_key(spec, tok, None) != key
+
+
+def test_a_data_folder_reads_each_document_once_and_no_hidden_file(tmp_path):
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    (root / ".git").mkdir()
+    (root / "a.txt").write_text("a")
+    (root / "B.TXT").write_text("b")
+    (root / "sub" / "c.jsonl").write_text(json.dumps({"text": "c"}) + "\n")
+    (root / "._a.txt").write_bytes(b"\x00\x05\x16\x07")  # macOS metadata, not UTF-8
+    (root / ".git" / "d.py").write_text("d")
+    (root / "link.txt").symlink_to(root / "a.txt")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "e.md").write_text("e")
+    (root / "linked").symlink_to(elsewhere)
+    (elsewhere / "loop").symlink_to(root)  # back up the tree: walked once
+    spec = data.resolve_data([str(root), str(root / "sub")], "text")
+    assert sorted(p.resolve().relative_to(tmp_path).as_posix() for p in spec.files) == [
+        "corpus/B.TXT", "corpus/a.txt", "corpus/sub/c.jsonl", "elsewhere/e.md"]
+    assert sorted(data.iter_documents(spec)) == ["a", "b", "c", "e"]
+
+
+def test_documents_that_cannot_be_read_are_named_in_one_line(tmp_path):
+    big = tmp_path / "big.jsonl"
+    big.write_text('{"text": "x", "n": ' + "9" * 5000 + "}\n")
+    with pytest.raises(UsageError, match=r"big.jsonl:1 is JSON this reader cannot take \(ValueError: "):
+        list(data.iter_documents(data.resolve_data([str(big)], "text")))
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(UsageError, match=r"deep.jsonl:1 is JSON this reader cannot take \(RecursionError"):
+        list(data.iter_documents(data.resolve_data([str(deep)], "text")))
+    gone = tmp_path / "gone.txt"
+    gone.write_text("x")
+    spec = data.resolve_data([str(gone)], "text")
+    gone.unlink()
+    with pytest.raises(UsageError, match=r"--data: .*gone.txt cannot be read \(No such file or directory\)"):
+        list(data.iter_documents(spec))
+
+
+def test_a_tokenizer_without_bos_ends_each_document_with_eos_alone(tmp_path):
+    class NoBos(data.ByteTokenizer):
+        bos_token_id = None
+
+    (tmp_path / "a.txt").write_text("hi")
+    (tmp_path / "b.txt").write_text("yo")
+    spec = data.resolve_data([str(tmp_path)], "text")
+    framed = list(data.framed_documents(spec, NoBos(), np.uint16))
+    assert [f.tolist() for f in framed] == [[*b"hi", 257], [*b"yo", 257]]
+    assert data.survey_corpus(spec, NoBos(), None, None)["corpus_tokens"] == 6
+
+
+def test_a_pretrained_tokenizer_is_named_by_its_files_not_its_path(tmp_path, monkeypatch):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text('{"model": 1}')
+    (folder / "tokenizer_config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    same = data.tokenizer_fingerprint(Path("tok"))
+    assert data.tokenizer_fingerprint(folder) == same
+    (folder / "tokenizer.json").write_text('{"model": 2}')
+    assert data.tokenizer_fingerprint(folder) != same
+
+
 def test_schedule_needs_one_global_batch():
     with pytest.raises(ValueError, match="num_sequences=5 must be >= global_batch=8"):
         data.BatchSchedule(5, 8, 0, 2, seed=0)
@@ -214,7 +314,7 @@ def test_unsupported_data_suffix(tmp_path, capsys):
 def test_jsonl_without_the_text_field(tmp_path, capsys):
     (tmp_path / "d.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
     err = run_main(["--data", str(tmp_path / "d.jsonl")], tmp_path, capsys)
-    assert "d.jsonl:1 has no string field 'text' (--text-field); it has ['body']" in err
+    assert "d.jsonl:1 has no string field 'text' (--text-field): it has the fields ['body']" in err
 
 
 def test_jsonl_that_is_not_json(tmp_path, capsys):
@@ -226,7 +326,7 @@ def test_every_jsonl_line_is_checked_before_any_work(tmp_path, capsys):
     good = json.dumps({"text": "x" * 300}) + "\n"
     (tmp_path / "d.jsonl").write_text(good * 20 + "\n" + json.dumps({"body": "y"}) + "\n" + good)
     err = run_main(["--data", str(tmp_path / "d.jsonl")], tmp_path, capsys)
-    assert "d.jsonl:22 has no string field 'text' (--text-field); it has ['body']" in err
+    assert "d.jsonl:22 has no string field 'text' (--text-field): it has the fields ['body']" in err
     (tmp_path / "d.jsonl").write_text(good * 3 + "{broken\n")
     assert "d.jsonl:4 is not valid JSON" in run_main(["--data", str(tmp_path / "d.jsonl")], tmp_path, capsys)
     (tmp_path / "d.jsonl").write_text(good + '{"text": "half of a pair \\ud83d"}\n')
@@ -520,7 +620,9 @@ def test_resume_on_other_data_or_without_its_rng_states_stops_before_any_work(tm
     corpus.write_text("x" * 2000)
     argv = ["--data", str(corpus), "--seq-len", "64", "--micro-batch-size", "2"]
     _, checked = validate_with_world(argv, 1, monkeypatch, tmp_path)
-    assert checked.identity == {"corpus_tokens": 2002, "token_sum": 256 + 2000 * ord("x") + 257, "seq_len": 64,
+    stream = np.array([256, *[ord("x")] * 2000, 257], dtype="<u2")  # BOS, the bytes, EOS as the cache stores them
+    assert checked.identity == {"corpus_tokens": 2002, "token_sum": 256 + 2000 * ord("x") + 257,
+                                "token_sha256": hashlib.sha256(stream.tobytes()).hexdigest(), "seq_len": 64,
                                 "global_batch": 2, "seed": 0, "tokenizer": "byte"}
     model, opt = tiny_model_and_optimizer()
     trainer_state = {"step": 4, "world_size": 1, "data": checked.identity}

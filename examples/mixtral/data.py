@@ -55,13 +55,35 @@ class PretrainedTokenizer:
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(path)
-        self.name = f"pretrained:{path}"
+        # Named by what its files hold, not by the path as typed: the same tokenizer by another
+        # path continues a run, another one in the same folder does not (data identity, cache key).
+        self.name = f"pretrained:{tokenizer_fingerprint(Path(path))}"
         self.vocab_size = len(self._tok)
+        # Families without a BOS token (Qwen) separate documents by EOS alone.
         self.bos_token_id = self._tok.bos_token_id
         self.eos_token_id = self._tok.eos_token_id
+        if self.eos_token_id is None:
+            raise UsageError(f"--tokenizer: the tokenizer of {path} has no EOS token, which ends every document of "
+                             "the packed stream; use --tokenizer byte")
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False), dtype=np.int64)
+
+
+# The files of a tokenizer folder that decide how text becomes ids.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt")
+
+
+def tokenizer_fingerprint(folder: Path) -> str:
+    """The first 16 hex digits of a SHA-256 over the tokenizer files of ``folder`` (names and
+    contents)."""
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            h.update(f"{name}|{(folder / name).stat().st_size}|".encode())
+            h.update((folder / name).read_bytes())
+    return h.hexdigest()[:16]
 
 
 def stdlib_sources() -> list[Path]:
@@ -105,13 +127,13 @@ def resolve_data(data: list[str], text_field: str) -> DataSpec:
         if not path.exists():
             raise UsageError(f"--data: {item} does not exist")
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
+            found = folder_documents(path)
             if not found:
                 raise UsageError(
                     f"--data: directory {item} holds no {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files"
                 )
             files.extend(found)
-        elif path.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES:
+        elif path.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES:
             if not path.is_file():  # a FIFO or a device would be read forever
                 raise UsageError(f"--data: {item} is not a regular file")
             files.append(path)
@@ -119,7 +141,31 @@ def resolve_data(data: list[str], text_field: str) -> DataSpec:
             raise UsageError(
                 f"--data: {item} has suffix {path.suffix!r}; expected one of {TEXT_SUFFIXES + JSONL_SUFFIXES}"
             )
-    return DataSpec(files=tuple(files), text_field=text_field)
+    # A file named twice (overlapping --data items, a link beside its target) is read once.
+    unique = {}
+    for path in files:
+        unique.setdefault(path.resolve(), path)
+    return DataSpec(files=tuple(unique.values()), text_field=text_field)
+
+
+def folder_documents(folder: Path) -> list[Path]:
+    """The supported files under ``folder`` (suffixes in any case), in a fixed order, linked
+    subfolders followed once; hidden files and folders (``.git``, ``.ipynb_checkpoints``, macOS's
+    ``._`` files) are not documents."""
+    found, visited = [], set()
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        real = Path(root).resolve()
+        if real in visited:  # a link back up the tree, or to a folder walked already
+            dirs[:] = []
+            continue
+        visited.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in names:
+            path = Path(root) / name
+            if (not name.startswith(".") and path.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES
+                    and path.is_file()):
+                found.append(path)
+    return sorted(found)
 
 
 def check_output_outside_data(data: list[str], output_dir: Path) -> None:
@@ -140,11 +186,17 @@ def parse_jsonl_line(path: Path, lineno: int, offset: int, raw: bytes, text_fiel
         record = json.loads(line)
     except json.JSONDecodeError as err:
         raise UsageError(f"--data: {path}:{lineno} is not valid JSON ({err.msg})") from None
+    except (ValueError, RecursionError) as err:  # valid JSON Python's parser will not take
+        raise UsageError(f"--data: {path}:{lineno} is JSON this reader cannot take ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else 'nested too deeply'})") from None
     if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise UsageError(
-            f"--data: {path}:{lineno} has no string field {text_field!r} (--text-field); it has {keys}"
-        )
+        if not isinstance(record, dict):
+            found = f"the line is a JSON {type(record).__name__}, not an object"
+        elif text_field in record:
+            found = f"its {text_field!r} is a JSON {type(record[text_field]).__name__}"
+        else:
+            found = f"it has the fields {sorted(record)}"
+        raise UsageError(f"--data: {path}:{lineno} has no string field {text_field!r} (--text-field): {found}")
     check_encodable(record[text_field], f"{path}:{lineno}, field {text_field!r}")
     return record[text_field]
 
@@ -204,18 +256,25 @@ def iter_documents(spec: DataSpec) -> Iterator[str]:
             yield text
         return
     for path in spec.files:
-        if path.suffix in JSONL_SUFFIXES:
-            # Binary lines, so that an encoding error can name its byte offset in the file.
-            with path.open("rb") as f:
-                offset = 0
-                for lineno, raw in enumerate(f, 1):
-                    if raw.strip():
-                        yield parse_jsonl_line(path, lineno, offset, raw, spec.text_field)
-                    offset += len(raw)
-        else:
-            # The file's text exactly as stored (no newline translation): what a byte tokenizer
-            # reads is the file's bytes.
-            yield decode_utf8(path.read_bytes(), str(path), 0)
+        try:
+            yield from file_documents(path, spec.text_field)
+        except OSError as err:  # removed since the run started, or unreadable
+            raise UsageError(f"--data: {path} cannot be read ({err.strerror or err})") from None
+
+
+def file_documents(path: Path, text_field: str) -> Iterator[str]:
+    if path.suffix.lower() in JSONL_SUFFIXES:
+        # Binary lines, so that an encoding error can name its byte offset in the file.
+        with path.open("rb") as f:
+            offset = 0
+            for lineno, raw in enumerate(f, 1):
+                if raw.strip():
+                    yield parse_jsonl_line(path, lineno, offset, raw, text_field)
+                offset += len(raw)
+    else:
+        # The file's text exactly as stored (no newline translation): what a byte tokenizer reads
+        # is the file's bytes.
+        yield decode_utf8(path.read_bytes(), str(path), 0)
 
 
 # Part of the cache key: bump it whenever the way documents become tokens changes (2: text files read
@@ -231,7 +290,9 @@ def corpus_key(spec: DataSpec, tokenizer, max_tokens: int | None) -> str:
              f"{spec.hf_dataset}".encode())
     for path in spec.files:
         st = path.stat()
-        h.update(f"|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+        # ctime and the inode too: a rewrite that restores the size and mtime (cp -p, rsync -a,
+        # tar x, os.utime) still changes them.
+        h.update(f"|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}".encode())
     return h.hexdigest()[:16]
 
 
@@ -299,12 +360,13 @@ def cached_tokens(spec: DataSpec, tokenizer, path: Path, *, is_local_main: bool,
 
 
 def framed_documents(spec: DataSpec, tokenizer, dtype) -> Iterator[np.ndarray]:
-    """Each document's tokens framed by BOS ... EOS."""
+    """Each document's tokens framed by BOS ... EOS (EOS alone without a BOS token)."""
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     for text in iter_documents(spec):
         ids = tokenizer.encode(text)
-        framed = np.empty(ids.size + 2, dtype=dtype)
-        framed[0], framed[-1] = tokenizer.bos_token_id, tokenizer.eos_token_id
-        framed[1:-1] = ids
+        framed = np.empty(len(bos) + ids.size + 1, dtype=dtype)
+        framed[:len(bos)], framed[-1] = bos, tokenizer.eos_token_id
+        framed[len(bos):-1] = ids
         yield framed
 
 
@@ -326,13 +388,33 @@ def tokenize_corpus(spec: DataSpec, tokenizer, max_tokens: int | None = None) ->
     return tokens[:max_tokens] if max_tokens is not None else tokens
 
 
-# A resumed run must read the data of the run it continues: the stream's length and the sum of
-# its first CHECKSUM_TOKENS tokens (a cheap checksum) are part of every checkpoint.
+# A resumed run must read the data of the run it continues: the stream's length, the sum of its
+# first CHECKSUM_TOKENS tokens (what checkpoints recorded before the hash) and the SHA-256 of the
+# whole stream (its order, and every token past the first million) are part of every checkpoint.
 CHECKSUM_TOKENS = 1 << 20
+HASH_CHUNK_TOKENS = 1 << 24
 
 
-def corpus_stats(tokens: np.ndarray) -> dict[str, int]:
-    return {"corpus_tokens": int(tokens.size), "token_sum": int(tokens[:CHECKSUM_TOKENS].sum(dtype="int64"))}
+class StreamHash:
+    """The SHA-256 of a token stream fed in pieces, as little-endian tokens of the cache's dtype."""
+
+    def __init__(self, dtype):
+        self._dtype = np.dtype(dtype).newbyteorder("<")
+        self._sha = hashlib.sha256()
+
+    def update(self, tokens: np.ndarray) -> None:
+        for start in range(0, tokens.size, HASH_CHUNK_TOKENS):
+            self._sha.update(np.ascontiguousarray(tokens[start:start + HASH_CHUNK_TOKENS], dtype=self._dtype).data)
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+def corpus_stats(tokens: np.ndarray) -> dict:
+    stream = StreamHash(tokens.dtype)
+    stream.update(tokens)
+    return {"corpus_tokens": int(tokens.size), "token_sum": int(tokens[:CHECKSUM_TOKENS].sum(dtype="int64")),
+            "token_sha256": stream.hexdigest()}
 
 
 def survey_corpus(spec: DataSpec, tokenizer, cache_file: Path | None, max_tokens: int | None) -> dict[str, int] | None:
@@ -360,13 +442,15 @@ def survey_corpus(spec: DataSpec, tokenizer, cache_file: Path | None, max_tokens
             raise UsageError(f"--data: no documents in {spec.describe()}")
         return None
     head_len = CHECKSUM_TOKENS if max_tokens is None else min(CHECKSUM_TOKENS, max_tokens)
-    total, head_sum = 0, 0
+    total, head_sum, stream = 0, 0, StreamHash(token_dtype(tokenizer))
     for framed in framed_documents(spec, tokenizer, token_dtype(tokenizer)):
         head_sum += int(framed[: max(0, head_len - total)].sum(dtype="int64"))
+        stream.update(framed if max_tokens is None else framed[: max(0, max_tokens - total)])
         total += framed.size
     if not total:
         raise UsageError(f"--data: no documents in {spec.describe()}")
-    return {"corpus_tokens": total if max_tokens is None else min(total, max_tokens), "token_sum": head_sum}
+    return {"corpus_tokens": total if max_tokens is None else min(total, max_tokens), "token_sum": head_sum,
+            "token_sha256": stream.hexdigest()}
 
 
 def check_corpus_size(corpus_tokens: int, seq_len: int, global_batch: int) -> None:

@@ -220,7 +220,7 @@ def data_identity(args, layout, tokenizer, stats: dict[str, int] | None) -> dict
     """What a resumed run must share with the saved one to continue it: the token stream
     (``data.corpus_stats``; None where unknown before tokenizing), the packing, the global batch
     and the seed."""
-    stats = stats or {"corpus_tokens": None, "token_sum": None}
+    stats = stats or {"corpus_tokens": None, "token_sum": None, "token_sha256": None}
     return {**stats, "seq_len": args.seq_len, "global_batch": layout.global_batch, "seed": args.seed,
             "tokenizer": tokenizer.name}
 

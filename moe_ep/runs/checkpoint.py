@@ -410,8 +410,8 @@ ARCHITECTURE_FIELDS = (
     "num_experts_per_tok", "n_shared_experts", "shared_expert_intermediate_size", "first_k_dense_replace",
     "mlp_only_layers", "decoder_sparse_step", "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
     "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "hidden_act",
-    "tie_word_embeddings", "sliding_window", "layer_types", "rope_theta", "rope_parameters", "rope_scaling",
-    "rms_norm_eps", "attention_bias", "qkv_bias", "clip_qkv",
+    "tie_word_embeddings", "sliding_window", "layer_types", "rope_parameters", "rms_norm_eps", "attention_bias",
+    "qkv_bias", "clip_qkv",
 )
 
 
@@ -446,10 +446,11 @@ def refuse_other_model(resume: Path, config) -> None:
 
 def refuse_other_data(resume: Path, saved: dict | None, identity: dict) -> None:
     """``check_resume_data`` against ``saved``, the data identity the checkpoint ``resume`` was
-    saved with (None: it records none, so nothing vouches for it)."""
-    saved = saved or {}
-    differ = [f"{key}: {saved.get(key)!r} then, {value!r} now" for key, value in identity.items()
-              if value is not None and saved.get(key) != value]
+    saved with (None: it records none, so nothing vouches for it). A field the saved identity
+    lacks (a checkpoint written before the field existed) is not compared."""
+    # Without a saved identity every known field differs; with one, those it records.
+    differ = [f"{key}: {(saved or {}).get(key)!r} then, {value!r} now" for key, value in identity.items()
+              if value is not None and (not saved or key in saved) and (saved or {}).get(key) != value]
     if differ:
         raise UsageError(
             f"--resume {resume}: the checkpoint was trained on other data or another global batch "
