@@ -637,6 +637,11 @@ def test_a_stage_refuses_a_rotary_embedding_per_layer():
                     layer_types=ALTERNATING)
     with pytest.raises(TypeError, match=r"holds one per layer \(rotary_embs\): train this model without pipeline"):
         CausalLMStage(model, [0], first=True, last=False)
+    # Without stages its own forward runs its layers: recomputing their attention is fine.
+    from moe_ep.parallel.recompute import check_recompute_support, enable_activation_checkpointing
+
+    check_recompute_support(model, "attention")
+    enable_activation_checkpointing(model, "attention")
 
 
 def test_a_stage_refuses_layers_of_recurrent_attention():

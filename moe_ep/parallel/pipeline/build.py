@@ -20,7 +20,7 @@ from ...planner.memory import layer_ids
 from ...planner.partition import Partition, partition
 from ..config import PipelineConfig
 from .costs import layer_units, pipeline_unit_costs
-from .stage import CausalLMStage, decoder_parts
+from .stage import CausalLMStage, stage_parts
 from .stages import PipelineStages
 
 
@@ -30,7 +30,7 @@ def plan_stages(
 ) -> Partition:
     """The cut of ``model`` into ``pipeline``'s stages over ``pp`` ranks; ``dp_shard``, ``ep`` and
     ``checkpointing`` are what the cost model assumes. Reads the model, changes nothing."""
-    base, _ = decoder_parts(model)
+    base, _ = stage_parts(model)
     num_layers = len(base.layers)
     pipeline.check(pp, num_layers)
     info = pipeline.info

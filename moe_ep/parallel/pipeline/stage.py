@@ -32,6 +32,12 @@ def decoder_parts(model: nn.Module):
             f"rotary_emb and an LM head), got {type(model).__name__}"
             + (f" whose base model lacks {missing}" if base is not None and missing else "")
         )
+    return base, head
+
+
+def stage_parts(model: nn.Module):
+    """``decoder_parts`` of a model whose layers pipeline stages can run apart."""
+    base, head = decoder_parts(model)
     if hasattr(base, "rotary_embs"):
         # GraniteMoeSWA: one rotary embedding per layer's theta, chosen by the base model's forward.
         raise TypeError(f"a pipeline stage gives every layer the base model's rotary_emb, but {type(model).__name__} "
@@ -51,7 +57,7 @@ class CausalLMStage(nn.Module):
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, first: bool, last: bool):
         super().__init__()
-        base, head = decoder_parts(model)
+        base, head = stage_parts(model)
         prefix = getattr(model, "base_model_prefix", "model")
         self.config = model.config
         self.first, self.last = first, last
