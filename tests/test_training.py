@@ -863,7 +863,7 @@ FIRST_STEP_FORMS = {
          r"\(2, 6\)\] \(pipeline rank 0, 1, ...\)"] * 2),
     "pp2_first_step_odd_rows_on_the_last_stage": (
         lambda b: {k: v[:3] for k, v in b.items()},
-        [r"ValueError: pipeline rank 1 cannot run its batch \(its own error says why\), so this rank's batch of "
+        [r"ValueError: pipeline rank 1 cannot run its first batch \(its own error says why\), so this rank's batch of "
          r"shape \(4, 6\) is not run either",
          r"ValueError: batch of 3 sequences cannot be cut into 2 micro-batches"]),
 }
@@ -1035,6 +1035,38 @@ def test_a_first_pipeline_step_of_batches_of_two_shapes_stops_every_rank(two_ran
                                                                        for r in two_ranks)):
         assert re.match(pattern, message), message
         assert untouched and steps_skipped == 0
+
+
+def _first_step_on_two_pipelines(rank, world):
+    """pp=2 x dp_shard=2: the first batch of rank 3 (the last stage of the second pipeline) has 3
+    rows, which its 2 micro-batches cannot cut; then a step of good batches."""
+    import moe_ep
+    from moe_ep.training import TrainStep
+
+    target = moe_ep.parallelize(_model(), pp=2, dp_shard=2, microbatches=2)
+    step = TrainStep(target, torch.optim.SGD(target.parameters(), lr=0.0))
+    batch = tiny_batch(tiny_config("mixtral", **TINY), batch=8, seq=6, seed=0)
+    share = {k: v.chunk(2)[target.meshes.dp_group.rank()] for k, v in batch.items()}
+    try:
+        step({k: v[:3] for k, v in share.items()} if rank == 3 else share)
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    return message, math.isfinite(step(share).item())
+
+
+@pytest.mark.slow
+def test_a_first_pipeline_step_stops_the_other_data_parallel_pipelines_too():
+    """The shapes are agreed within each pipeline, and whether any pipeline stopped over the
+    data-parallel group: the other pipeline's ranks, whose own batches are fine, stop too rather
+    than wait in the step's data-parallel collectives; the next step trains on every rank."""
+    results = run_ranks(_first_step_on_two_pipelines, 4, timeout=300)
+    others = "a rank of another data-parallel pipeline cannot run its first batch (its own error says why)"
+    assert [message.split(", so")[0] for message, _ in results] == [
+        others, "pipeline rank 1 cannot run its first batch (its own error says why)", others,
+        "batch of 3 sequences cannot be cut into 2 micro-batches: microbatches=2 must divide input_ids' first "
+        "dimension, got shape (3, 6)"]
+    assert all(trained for _, trained in results)
 
 
 @pytest.mark.parametrize("layout", list(PARALLELIZE))

@@ -55,10 +55,11 @@ class Executor(ABC):
         so that the step's collectives still meet the other ranks' (batch.stand_in); None where
         no shape is sure to."""
 
-    def agree_on_batch_shape(self, shape: tuple[int, ...] | None) -> None:
+    def agree_on_batch_shape(self, shape: tuple[int, ...] | None, dp_group) -> None:
         """Where the ranks must run one ``[batch, seq]`` and no stand-in shape is known yet:
-        raise on every rank alike unless each has a batch of one shape (``shape`` None: this rank
-        refused its batch and raises its own error after)."""
+        raise on every rank alike, the data-parallel ranks of ``dp_group`` (None: none) included,
+        unless each has a batch of one shape (``shape`` None: this rank refused its batch and
+        raises its own error after)."""
 
     def over_stages(self, stage_norm: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the 2-norm of the whole model's gradients, ``flags`` summed over the pipeline) from
@@ -179,29 +180,45 @@ class PipelineSchedule(Executor):
         # The stages exchange activations of the first step's shape; before it none is known.
         return self.stages.batch_shape
 
-    def agree_on_batch_shape(self, shape: tuple[int, ...] | None) -> None:
+    def agree_on_batch_shape(self, shape: tuple[int, ...] | None, dp_group) -> None:
         """Before the first step, which fixes the shape of the activations the stages exchange,
-        one all-gather over the pipeline: a rank with a batch of another shape, or none it can
-        run, would otherwise meet its peers' sends with buffers of the wrong size (a crash in the
-        schedule's shape inference, or in the loss, on one rank; a lost connection on the other)."""
+        one all-gather over the pipeline and one all-reduce over ``dp_group``: a rank with a batch
+        of another shape, or none it can run, would otherwise meet its peers' sends with buffers
+        of the wrong size (a crash in the schedule's shape inference, or in the loss, on one rank;
+        a lost connection on the others), and the other pipelines in their data-parallel
+        collectives."""
         group = self.stages.group
-        if self.stages.batch_shape is not None or group.size() == 1:
+        if self.stages.batch_shape is not None or (group.size() == 1 and dp_group is None):
             return
-        mine = torch.tensor([0, 0] if shape is None else list(shape), dtype=torch.long, device=self.device)
-        everyone = [torch.empty_like(mine) for _ in range(group.size())]
-        dist.all_gather(everyone, mine, group=group)
-        shapes = [tuple(t.tolist()) for t in everyone]
-        refusing = [rank for rank, s in enumerate(shapes) if s == (0, 0)]
+        refused_by = mismatch = None
+        if group.size() > 1:
+            mine = torch.tensor([0, 0] if shape is None else list(shape), dtype=torch.long, device=self.device)
+            everyone = [torch.empty_like(mine) for _ in range(group.size())]
+            dist.all_gather(everyone, mine, group=group)
+            # host sync: once, before the first step.
+            shapes = [tuple(t.tolist()) for t in everyone]
+            refusing = [rank for rank, s in enumerate(shapes) if s == (0, 0)]
+            if refusing:
+                refused_by = f"pipeline rank {refusing[0]}"
+            elif len(set(shapes)) > 1:
+                mismatch = (f"the ranks of a pipeline must run batches of one [batch, seq] shape, the activations "
+                            f"their stages exchange have it; got {shapes} (pipeline rank 0, 1, ...): pad every batch "
+                            "to one shape (labels -100 where padded)")
+        if dp_group is not None:
+            # The other pipelines meet this one in the step's data-parallel collectives.
+            stopped = torch.tensor([float(shape is None or refused_by is not None or mismatch is not None)],
+                                   device=self.device)
+            dist.all_reduce(stopped, op=dist.ReduceOp.MAX, group=dp_group)
+            # host sync: once, before the first step.
+            if stopped.item() and refused_by is None and mismatch is None:
+                refused_by = "a rank of another data-parallel pipeline"
         if shape is None:
             return
-        if refusing:
-            raise ValueError(f"pipeline rank {refusing[0]} cannot run its batch (its own error says why), so this "
-                             f"rank's batch of shape {tuple(shape)} is not run either")
-        if len(set(shapes)) > 1:
-            raise ValueError(
-                f"the ranks of a pipeline must run batches of one [batch, seq] shape, the activations their stages "
-                f"exchange have it; got {shapes} (pipeline rank 0, 1, ...): pad every batch to one shape (labels "
-                "-100 where padded)")
+        if mismatch is not None:
+            raise ValueError(mismatch)
+        if refused_by is not None:
+            raise ValueError(f"{refused_by} cannot run its first batch (its own error says why), so this rank's batch "
+                             f"of shape {tuple(shape)} is not run either")
 
     def run(self, ids, labels, loss_fn):
         stages = self.stages

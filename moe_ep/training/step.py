@@ -305,11 +305,11 @@ class TrainStep:
         except (TypeError, ValueError) as err:
             shape = self.executor.stand_in_shape() if self.spans_ranks else None
             if shape is None:
-                self.executor.agree_on_batch_shape(None)
+                self.executor.agree_on_batch_shape(None, self.dp_group)
                 raise
             self._own_refusal = err
             return stand_in(shape, self.executor.device, self.executor.vocab_size)
-        self.executor.agree_on_batch_shape(tuple(ids.shape))
+        self.executor.agree_on_batch_shape(tuple(ids.shape), self.dp_group)
         # Their values are checked on the device and refused at the step's read-back, on every rank.
         return screened(ids, labels, self.executor.vocab_size)
 
