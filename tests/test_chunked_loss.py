@@ -263,6 +263,20 @@ def test_a_model_whose_forward_changes_its_head_logits_is_refused_at_its_first_s
     with pytest.raises(ValueError, match=rf"labels\[:, 1:\] must hold token ids in \[0, {config.vocab_size}\)"):
         moe_ep.chunked_causal_lm_loss(plain, labels, input_ids=batch["input_ids"])
 
+    # A first forward that is not finite checks nothing (its step is skipped, as without the
+    # chunked loss); the next one does.
+    broken = tiny_model("mixtral", **TINY).train()
+    step = TrainStep(broken, torch.optim.SGD(broken.parameters(), lr=0.1), chunked_loss=True)
+    with torch.no_grad():
+        broken.model.norm.weight[0] = float("nan")
+    step(batch)
+    assert step.last_step_skipped
+    with torch.no_grad():
+        broken.model.norm.weight[0] = 1.0
+    broken.lm_head.register_forward_hook(lambda module, args, out: out / 4.0)
+    with pytest.raises(ValueError, match=message.replace("InklingLike", type(broken).__name__)):
+        step(batch)
+
     for chunked in ("loop", "step"):
         model = tiny_model("mixtral", **TINY).train()
         model.__class__ = type("InklingLike", (type(model),), {})
