@@ -65,6 +65,23 @@ def test_a_second_job_is_refused_the_held_folder_and_it_is_let_go_after(tmp_path
         assert previous is None and not (tmp_path / "not-made").exists()  # only rank 0 locks
 
 
+def test_a_configuration_error_of_one_rank_is_said_by_that_rank():
+    """What moe_ep's agreement raised on every rank is said once, by rank 0; any other error of a
+    block whose checks are not all of shared arguments, by the rank that raised it."""
+    from moe_ep.runs import configuration_errors
+
+    def raised(error, **kwargs):
+        with pytest.raises(UsageError) as caught:
+            with configuration_errors(**kwargs):
+                raise error
+        return caught.value.agreed
+
+    agreed = ValueError("refused on every rank")
+    agreed.on_every_rank = True
+    assert raised(agreed, checked_alike=False) and raised(ValueError("shared arguments"))
+    assert not raised(ValueError("this rank only"), checked_alike=False)
+
+
 def test_resuming_a_folder_that_is_no_checkpoint_says_so(tmp_path):
     """Not "damaged": a folder holding none of the files a save writes is some other folder."""
     other = tmp_path / "photos"

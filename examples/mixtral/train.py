@@ -138,7 +138,8 @@ def prepare_model(args, source, layout, device, mp_dtype):
     total_params, active_params = count_parameters(model)
     if not meta and device.type != "cpu":
         model.to(device)
-    with configuration_errors():  # parallelize's refusals, alike on every rank (a cut no stage can make)
+    # parallelize's refusals (a cut no stage can make): those of its agreement alike on every rank.
+    with configuration_errors(checked_alike=False):
         target = apply_layout(model, layout, mixed_precision=mp_dtype, compile_blocks=args.compile_blocks,
                               dispatcher=dispatcher_options(args, layout))
     module = model if layout.pp == 1 else rank_view(model, target.modules)

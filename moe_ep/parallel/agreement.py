@@ -164,6 +164,12 @@ def ranks_agree(caller: str, description: Description, *, group: dist.ProcessGro
     try:
         yield
     except Exception as error:
-        check_agreement(caller, description, group=group, error=error)
+        try:
+            check_agreement(caller, description, group=group, error=error)
+        except RanksDisagree as disagreement:
+            disagreement.on_every_rank = True
+            raise
+        # Every rank raises here, this error or a RanksDisagree naming it: said once, by rank 0.
+        error.on_every_rank = True
         raise
     check_agreement(caller, description, group=group)

@@ -40,13 +40,15 @@ def said_by_every_rank():
 
 
 @contextmanager
-def configuration_errors():
-    """moe_ep's and accelerate's refusals of a layout or configuration (ValueError, raised alike on
-    every rank before any work) as one line by rank 0."""
+def configuration_errors(*, checked_alike: bool = True):
+    """moe_ep's and accelerate's refusals of a layout or configuration (ValueError) as one line:
+    by rank 0 where every rank raises it (``checked_alike``: every check inside is of arguments
+    the ranks share; else only what moe_ep's agreement raised on every rank, ``on_every_rank``),
+    by the rank that raised it otherwise (an error of one rank, which rank 0 would not say)."""
     try:
         yield
     except ValueError as err:
-        raise UsageError(str(err), agreed=True) from err
+        raise UsageError(str(err), agreed=checked_alike or getattr(err, "on_every_rank", False)) from err
 
 
 # Below this many free bytes, a write that failed without an errno failed for lack of space.
