@@ -204,6 +204,31 @@ def test_checkpoints_after_the_one_resumed_are_set_aside_whole_and_marked(tmp_pa
     assert said.startswith("rolled back to step 2: the later checkpoints (step_00000004, step_00000006) are set aside")
 
 
+def test_a_branch_taken_up_after_two_rollbacks_parts_where_the_live_line_left_it(tmp_path):
+    """Line A: 2 4 6 8; rolled back to 4 (A's 6, 8 aside), line B writes 6 8; rolled back to 2
+    (B's 4 6 8 aside), line C writes 4 6. A's step 8 taken up by its path shares only step 2 with
+    C: C's 4 and 6 are set aside, step 2 alone stays."""
+    root = tmp_path / "checkpoints"
+
+    def write(step, line):
+        step_dir(root, step).mkdir(parents=True)
+        (step_dir(root, step) / "line").write_text(line)
+
+    for step in (2, 4, 6, 8):
+        write(step, "A")
+    first = set_aside_later_checkpoints(root, 4, step_dir(root, 4), rank=0)
+    for step in (6, 8):
+        write(step, "B")
+    set_aside_later_checkpoints(root, 2, step_dir(root, 2), rank=0)
+    for step in (4, 6):
+        write(step, "C")
+    assert branch_step(root, first / "step_00000008", 8) == 2
+    aside = set_aside_later_checkpoints(root, 8, first / "step_00000008", rank=0)
+    assert sorted((p.name, (p / "line").read_text()) for p in aside.iterdir() if p.is_dir()) == [
+        ("step_00000004", "C"), ("step_00000006", "C")]
+    assert [p.name for p in step_folders(root)] == ["step_00000002"]
+
+
 # ------------------------------------------------------------------------------ odd files, full disk
 
 

@@ -475,11 +475,30 @@ def branch_step(root: Path, resumed: Path | None, step: int) -> int:
     if resumed is None:
         return step
     aside = resumed.resolve().parent
-    if aside.parent != root.resolve() or not aside.name.startswith(ABANDONED_PREFIX):
+    if aside.parent != root.resolve() or _set_aside_order(aside) is None:
         return step
-    marker = marker_info(aside)
-    left = marker.get("from_step") if marker.get("kind") == "abandoned" else None
-    return left if isinstance(left, int) and not isinstance(left, bool) and 0 <= left < step else step
+    # Each rollback after this branch was set aside cut the live line back further: it shares
+    # with this branch only what it kept through all of them.
+    branches = [p for p in root.resolve().iterdir()
+                if (order := _set_aside_order(p)) is not None and order >= _set_aside_order(aside)]
+    lefts = [marker_info(p).get("from_step") for p in branches if marker_info(p).get("kind") == "abandoned"]
+    lefts = [left for left in lefts if isinstance(left, int) and not isinstance(left, bool) and 0 <= left < step]
+    return min(lefts, default=step)
+
+
+_ABANDONED_NAME = re.compile(rf"^{ABANDONED_PREFIX}(\d{{8}}-\d{{6}})-from-step-\d+(?:\.\d+)?$")
+
+
+def _set_aside_order(folder: Path) -> int | None:
+    """When an abandoned branch's folder was set aside, in ns (its marker's; by a run before
+    that was recorded, the second its name gives); None for another folder."""
+    match = _ABANDONED_NAME.match(folder.name)
+    if match is None or not folder.is_dir():
+        return None
+    recorded = marker_info(folder).get("set_aside_ns")
+    if isinstance(recorded, int) and not isinstance(recorded, bool):
+        return recorded
+    return int(time.mktime(time.strptime(match[1], "%Y%m%d-%H%M%S"))) * 10**9
 
 
 def set_aside_later_checkpoints(root: Path, step: int, resumed: Path | None, *, rank: int,
@@ -520,7 +539,7 @@ def _set_aside(root: Path, step: int, later: list[Path]) -> Path | None:
     while aside.exists():
         aside, n = root / f"{name}.{n}", n + 1
     aside.mkdir()
-    mark(aside, "abandoned", from_step=step)
+    mark(aside, "abandoned", from_step=step, set_aside_ns=time.time_ns())
     for path in later:
         os.rename(path, aside / path.name)
     fsync_dir(aside)
