@@ -53,13 +53,16 @@ BAD_CONFIGS = {
     # Group-limited routing as route_topk refuses it at run time.
     "deepseek_groups_of_part_experts": (
         DeepseekV3Config(**SMALL, n_routed_experts=8, num_experts_per_tok=2, n_group=3, topk_group=1),
-        "n_group must divide n_routed_experts=8 (groups of whole experts), got 3"),
+        "n_group must be a positive divisor of n_routed_experts=8, got 3"),
     "deepseek_more_groups_kept_than_made": (
         DeepseekV3Config(**SMALL, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=5),
         "topk_group must be an int in [1, n_group=4], got 5"),
     "deepseek_top_k_beyond_the_groups_kept": (
         DeepseekV3Config(**SMALL, n_routed_experts=8, num_experts_per_tok=6, n_group=4, topk_group=1),
-        "num_experts_per_tok=6 exceeds the 2 experts of the topk_group=1 groups kept (of 2 each)"),
+        "num_experts_per_tok=6 exceeds the 2 experts left by topk_group=1 of n_group=4"),
+    "deepseek_more_groups_kept_than_one": (
+        DeepseekV3Config(**SMALL, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=4),
+        "topk_group must be an int in [1, n_group=1], got 4"),
 }
 
 
@@ -90,6 +93,13 @@ def test_expert_parallelism_of_a_model_whose_layers_are_all_dense_is_refused():
     assert plan(config, nodes=1, **A100).best.layout.ep == 1
 
 
+def test_sliding_layers_without_a_window_are_planned_as_causal_ones():
+    config = Qwen2MoeConfig(**SMALL, num_experts=8, num_experts_per_tok=2, use_sliding_window=True,
+                            sliding_window=None, max_window_layers=1)
+    assert ModelSpec.from_config(config).sliding_layers == ()
+    assert plan(config, nodes=1, **A100).best is not None
+
+
 def test_a_model_argument_that_is_an_empty_string_is_refused_as_such():
     with pytest.raises(ValueError, match=r"or a local config.json or model folder, got ''$"):
         plan("", nodes=1, **A100)
@@ -110,6 +120,8 @@ def _spec(**overrides) -> ModelSpec:
     (dict(num_kv_heads=16), "num_kv_heads must be an int in [1, num_heads=8], got 16"),
     (dict(v_head_dim=0), "v_head_dim must be an int >= 1, got 0"),
     (dict(intermediate_size=2048.0), "intermediate_size must be an int >= 1, got 2048.0"),
+    (dict(sliding_layers=(0, 1)), "sliding_window must be an int >= 1, got None"),
+    (dict(sliding_layers=(4,), sliding_window=16), "sliding_layers must be layer indices in [0, 4), got (4,)"),
 ])
 def test_a_model_spec_built_directly_is_checked_too(overrides, message):
     expected = f"ModelSpec 'tiny': {message}"

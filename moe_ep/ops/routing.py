@@ -42,13 +42,22 @@ def check_route_args(hidden_states, router_weight, top_k, score, normalize, corr
         # A NaN bias makes every score NaN and top-k then picks the same experts for every token
         # with finite weights: silently wrong, so refused (queued on the device: no host sync).
         check_finite("correction_bias", correction_bias)
+    check_expert_groups(E, top_k, n_group, topk_group)
+
+
+def check_expert_groups(num_experts: int, top_k: int, n_group, topk_group, *, experts: str = "E",
+                        top_k_name: str = "top_k") -> None:
+    """DeepSeek-V3's group-limited routing: ``n_group`` groups of whole experts, ``topk_group`` of
+    them kept, enough experts in those for ``top_k``. ``experts``, ``top_k_name``: what the
+    caller calls the expert count and top-k (the planner: a config's fields)."""
+    E = num_experts
     if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or E % n_group:
-        raise ValueError(f"n_group must be a positive divisor of E={E}, got {n_group!r}")
+        raise ValueError(f"n_group must be a positive divisor of {experts}={E}, got {n_group!r}")
     if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
         raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
     if n_group > 1 and top_k > topk_group * (E // n_group):
         raise ValueError(
-            f"top_k={top_k} exceeds the {topk_group * (E // n_group)} experts left by topk_group={topk_group} "
+            f"{top_k_name}={top_k} exceeds the {topk_group * (E // n_group)} experts left by topk_group={topk_group} "
             f"of n_group={n_group}"
         )
 

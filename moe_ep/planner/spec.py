@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from ..ops.routing import check_expert_groups
+
 BF16 = 2
 FP32 = 4
 
@@ -127,18 +129,6 @@ def _experts_field(config) -> str | None:
     return next((a for a in present if a not in aliases), present[0] if present else None)
 
 
-def _check_expert_groups(where: str, field: str, experts: int, top_k: int, n_group, topk_group) -> None:
-    """DeepSeek-V3's group-limited routing, as route_topk refuses it at run time: groups of whole
-    experts, at most all of them kept, and enough experts in the kept groups for top-k."""
-    n_group = _require_int(where, "n_group", n_group, 1, experts, f"{field}={experts}")
-    if experts % n_group:
-        raise ValueError(f"{where}: n_group must divide {field}={experts} (groups of whole experts), got {n_group}")
-    topk_group = _require_int(where, "topk_group", topk_group, 1, n_group, f"n_group={n_group}")
-    if top_k > topk_group * (experts // n_group):
-        raise ValueError(f"{where}: num_experts_per_tok={top_k} exceeds the {topk_group * (experts // n_group)} "
-                         f"experts of the topk_group={topk_group} groups kept (of {experts // n_group} each)")
-
-
 def _check_config_sizes(config, where: str) -> None:
     """The sizes from_config reads, in the config's own names, before anything is derived."""
     def get(attr):
@@ -158,8 +148,13 @@ def _check_config_sizes(config, where: str) -> None:
         experts = _require_int(where, field, get(field), 1)
         top_k = _require_int(where, "num_experts_per_tok", getattr(config, "num_experts_per_tok", 1), 1, experts,
                              f"{field}={experts}")
-        if (get("n_group") or 1) > 1:
-            _check_expert_groups(where, field, experts, top_k, get("n_group"), get("topk_group"))
+        if get("n_group") is not None or get("topk_group") is not None:
+            try:
+                check_expert_groups(experts, top_k, 1 if get("n_group") is None else get("n_group"),
+                                    1 if get("topk_group") is None else get("topk_group"), experts=field,
+                                    top_k_name="num_experts_per_tok")
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
     for attr, low in (("moe_intermediate_size", 1), ("shared_expert_intermediate_size", 0), ("n_shared_experts", 0),
                       ("first_k_dense_replace", 0), ("decoder_sparse_step", 1), ("kv_lora_rank", 0),
                       ("q_lora_rank", 0)):
@@ -225,6 +220,11 @@ class ModelSpec:
             _require_int(where, name, getattr(self, name), 0)
         if self.v_head_dim is not None:
             _require_int(where, "v_head_dim", self.v_head_dim, 1)
+        if self.sliding_layers:
+            _require_int(where, "sliding_window", self.sliding_window, 1)
+            if not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.sliding_layers):
+                raise ValueError(f"{where}: sliding_layers must be layer indices in [0, {self.num_layers}), got "
+                                 f"{self.sliding_layers!r}")
         if self.num_experts:
             _require_int(where, "top_k", self.top_k, 1, self.num_experts, f"num_experts={self.num_experts}")
         elif self.top_k != 0:
@@ -284,8 +284,9 @@ class ModelSpec:
             dense_layers = ()
         # As transformers assigns the masks: by config.layer_types where the config lists them,
         # else to every layer when config.sliding_window is set.
-        kinds = getattr(config, "layer_types", None) or (
-            ["sliding_attention"] * L if getattr(config, "sliding_window", None) is not None else [])
+        # A sliding layer without a window (sliding_window None) masks nothing more than causality.
+        window = getattr(config, "sliding_window", None)
+        kinds = (getattr(config, "layer_types", None) or ["sliding_attention"] * L) if window is not None else []
         sliding_layers = tuple(i for i, kind in enumerate(kinds[:L]) if kind == "sliding_attention")
         expert_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         shared_width = getattr(config, "shared_expert_intermediate_size", None) or (
@@ -317,7 +318,7 @@ class ModelSpec:
             normalize_topk=bool(getattr(config, "norm_topk_prob", True)),
             sigmoid_router=family in _SIGMOID_ROUTERS,
             fp32_routing_weights=family not in _WEIGHTS_IN_LOGITS_DTYPE,
-            sliding_window=getattr(config, "sliding_window", None) if sliding_layers else None,
+            sliding_window=window if sliding_layers else None,
             sliding_layers=sliding_layers,
             clip_qkv=getattr(config, "clip_qkv", None) is not None and not kv_lora,
         )
