@@ -448,6 +448,7 @@ def check_output_folders(output_dir: Path, export_dir: Path | None, parameters: 
         needed[existing_ancestor(output_dir).stat().st_dev][0] += also[0]
         needed[existing_ancestor(output_dir).stat().st_dev][1] += f" and {also[1]}"
     if export_dir is not None:
+        export_dir = Path(export_dir).resolve()  # "." is written beside, in its parent
         check_export_target(export_dir, {"the run folder (--output-dir)": output_dir}, "--export-dir")
         check_writable(export_dir.parent, "--export-dir")
         device = existing_ancestor(export_dir).stat().st_dev
