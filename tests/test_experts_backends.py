@@ -210,6 +210,25 @@ def test_torch_compile_sees_forward_and_backward(backend):
     assert all(rel_err(g.cpu(), g_ref) <= TOLERANCE[torch.float32] for g, g_ref in zip(grads, grads_ref))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pinned_backend_compiles_once_for_every_token_count(backend):
+    """torch.compile(dynamic=True): reading the selector's token bucket for a pinned backend
+    specialised the token count, one graph per count until the recompile limit."""
+    import torch._dynamo
+
+    for case in (c for c in CASES if c.name in ("odd", "one_expert")):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        compiled = torch.compile(experts(backend), backend="aot_eager", fullgraph=True, dynamic=True)
+        x, idx, w, gate_up, down = case.make(torch.float32, device=DEVICE)
+        y_ref = moe_experts_ref(*(t.cpu() for t in (x, idx, w, gate_up, down)))
+        for T in (3, 5, 7, 11):
+            got = compiled(x[:T], idx[:T], w[:T], gate_up, down)
+            assert rel_err(got.cpu(), y_ref[:T]) <= TOLERANCE[torch.float32]
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, case.name
+
+
 @pytest.mark.parametrize("name", ["odd", "odd_unaligned"])
 def test_the_torch_backward_gives_dense_gradients_as_its_fake_says(name):
     """Odd sizes pad the grouped GEMMs' operands; the gradients handed back must still be dense,

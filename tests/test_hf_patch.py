@@ -241,6 +241,18 @@ def test_patch_is_idempotent_and_reversible(family):
     assert hf.is_patched(model)
 
 
+@pytest.mark.parametrize("fused_router", [False, True])
+def test_a_patched_model_runs_on_the_meta_device(fused_router):
+    """Shapes only, as a model is traced before it is materialised: autocast knows no meta
+    device, so asking it raised."""
+    config = tiny_model("mixtral").config
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    hf.patch(model, backend="torch", fused_router=fused_router)
+    ids = torch.zeros(2, 7, dtype=torch.long, device="meta")
+    assert model(input_ids=ids).logits.shape == (2, 7, config.vocab_size)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_patched_model_pickles_and_loads_with_its_fused_routers(family):
     """``torch.save`` of the whole patched model (and ``copy.deepcopy``): the copy's routers run the

@@ -7,7 +7,10 @@ import torch
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The autocast dtype on ``device``'s type, None outside autocast."""
+    """The autocast dtype on ``device``'s type, None outside autocast (and on a device type
+    autocast does not know, such as meta: a model traced there for its shapes)."""
+    if device.type == "meta":
+        return None
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return None

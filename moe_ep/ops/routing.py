@@ -4,6 +4,8 @@ correction bias that only steers the choice, group-limited top-k and a scaling f
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .validate import check_finite, check_float, check_number, check_same_device, check_tensor
@@ -113,8 +115,11 @@ def select_experts(probs_TE, top_k, correction_bias=None, n_group=1, topk_group=
 
 def route_topk_torch(hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale):
     # float32 logits from half inputs, as the Triton kernel's float32 accumulator gives them: the
-    # choice of experts must not depend on the backend, and a half-rounded logit can flip it.
-    logits_TE = torch.nn.functional.linear(hidden_states.float(), router_weight.float())
+    # choice of experts must not depend on the backend, and a half-rounded logit can flip it (an
+    # enclosing autocast would make the product half again).
+    device_type = hidden_states.device.type
+    with torch.autocast(device_type, enabled=False) if device_type != "meta" else contextlib.nullcontext():
+        logits_TE = torch.nn.functional.linear(hidden_states.float(), router_weight.float())
     probs_TE = logits_TE.softmax(-1) if score == "softmax" else logits_TE.sigmoid()
     with torch.no_grad():
         indices_TK = select_experts(probs_TE, top_k, correction_bias, n_group, topk_group)

@@ -161,6 +161,9 @@ def choose(x_TH, idx_TK, w_TK, gate_up_E2IH, down_EHI, activation: str, num_rout
     problem = Problem(autotune.device_arch(x_TH.device), x_TH.dtype, H, two_I // 2, E, K, activation,
                       "auto" if pinned is None else pinned)
     default = pinned or default_path(problem.arch)
+    if pinned is not None and not (_TABLES.get(problem) is None and _can_measure(x_TH)):
+        # No bucket read: under torch.compile(dynamic=True) reading it specialises the token count.
+        return pinned
     routed = idx_TK.numel() if num_routed is None else num_routed
     bucket = autotune.token_bucket(routed)
     table = _TABLES.get(problem)
