@@ -31,6 +31,21 @@ def written(tmp_path, mode):
 
 
 @pytest.mark.slow
+def test_results_are_written_without_matplotlib_and_the_missing_figure_is_said(tmp_path, capsys, monkeypatch):
+    """matplotlib is in the bench and test extras only: a run in the main job's environment wrote
+    its JSON and CSV, then stopped with a traceback on the figure (and the GPU gate exited 1)."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else
+                        find_spec(name, *a))
+    main(["kernels", "--device", "cpu", "--tokens", "8", "--hidden", "16", "--intermediate", "8",
+          "--experts", "2", "--top-k", "1", "--out-dir", str(tmp_path), *TINY])
+    assert sorted(p.suffix for p in tmp_path.glob("kernels_cpu_*")) == [".csv", ".json"]
+    assert "no figure: matplotlib is not installed (pip install 'moe_ep[bench]')" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_kernels_mode_smoke(tmp_path):
     main(["kernels", "--device", "cpu", "--tokens", "24", "--hidden", "16", "--intermediate", "24",
           "--experts", "4", "--top-k", "2", "--out-dir", str(tmp_path), *TINY])

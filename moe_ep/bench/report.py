@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import csv
 import datetime
+import importlib.util
 import json
 import math
 import platform
 import re
+import sys
 import tempfile
 import textwrap
 from dataclasses import dataclass, field
@@ -182,8 +184,13 @@ def save(report: Report, out_dir: Path) -> list[Path]:
             writer.writeheader()
             writer.writerows(report.rows)
     if ".png" in report.formats and report.plot is not None and report.rows:
-        paths.append(stem.with_suffix(".png"))
-        report.plot(report, paths[-1])
+        if importlib.util.find_spec("matplotlib") is None:
+            # The figure is the one optional output: a run on a machine without matplotlib still
+            # writes its results (and the GPU gate its verdict), and says what is missing.
+            print("no figure: matplotlib is not installed (pip install 'moe_ep[bench]')", file=sys.stderr)
+        else:
+            paths.append(stem.with_suffix(".png"))
+            report.plot(report, paths[-1])
     return paths
 
 
