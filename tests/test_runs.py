@@ -342,6 +342,20 @@ def test_a_folder_of_the_users_or_made_for_something_else_is_never_taken_as_the_
     check_output_folders(copied, None, 1, keep=1)
 
 
+def test_a_new_folder_is_taken_while_the_ranks_own_start_up_writes_are_in_it(tmp_path):
+    """Every rank checks the run folder before the process group exists, while rank 0 may already
+    hold its lock there and a peer may be in its write check (a file there for an instant). A rank
+    that listed the folder then took the peer's file for the user's and stopped alone (CI, a
+    4-process resume: the others waited for it at the rendezvous)."""
+    new = tmp_path / "new"
+    OutputLock(new).acquire()
+    (new / (ownership.WRITE_CHECK_PREFIX + "k2x9q1")).touch()
+    check_output_folders(new, None, 1, keep=1)
+    (new / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match=r"new was not made by moe_ep"):
+        check_output_folders(new, None, 1, keep=1)
+
+
 def test_free_space_counts_keep_plus_one_checkpoints_and_the_runs_own_leftovers(tmp_path, monkeypatch):
     out, parameters = tmp_path / "run", 1 << 24  # 12 bytes a parameter, and what the format adds
     one = ownership.checkpoint_bytes(parameters)

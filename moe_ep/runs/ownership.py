@@ -45,6 +45,9 @@ METRICS = "metrics.jsonl"
 MANIFEST = "manifest.json"
 TRASH_PREFIX = ".trash-"
 TMP_PREFIX = ".tmp-"
+# check_writable's file, there for an instant while a rank checks the folder before the process
+# group exists (its peers may be listing the folder then).
+WRITE_CHECK_PREFIX = ".moe_ep-write-check-"
 # What a run keeps as a file in its output folder.
 RUN_FILES = (METRICS, LOCK_FILE, MARKER)
 
@@ -93,9 +96,9 @@ def not_ours_message(path: Path, flag: str) -> str:
 
 def holds_nothing_of_the_users(path: Path, managed: tuple[str, ...]) -> bool:
     """Nothing in ``path`` but a marker, the lock (which rank 0 may be creating while its peers
-    check) and ``managed`` subfolders that carry their own marker (a run's checkpoints copied into
-    a new folder)."""
-    return path.is_dir() and all(p.name.startswith(MARKER) or p.name == LOCK_FILE
+    check), a peer's write check and ``managed`` subfolders that carry their own marker (a run's
+    checkpoints copied into a new folder)."""
+    return path.is_dir() and all(p.name.startswith((MARKER, WRITE_CHECK_PREFIX)) or p.name == LOCK_FILE
                                  or (p.name in managed and not p.is_symlink() and marker_kind(p) == p.name)
                                  for p in path.iterdir())
 
@@ -284,7 +287,7 @@ def check_writable(path: Path, flag: str) -> None:
     sees read-only mounts, permissions, ACLs and NFS root squashing alike."""
     folder = existing_ancestor(path)
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".moe_ep-write-check-"):
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=WRITE_CHECK_PREFIX):
             pass
     except OSError as err:
         raise UsageError(f"{flag}: cannot write in {folder}: {err.strerror or err}") from None
