@@ -451,6 +451,43 @@ def test_a_rank_leaving_the_report_to_rank_0_exits_only_after_rank_0_said_it(agr
         assert seconds_1 < delay_s, seconds_1
 
 
+def _stop_on_rank_1_alone(rank, world_size):
+    """Rank 1 raises an error it takes to be every rank's; rank 0 goes on past the wait. What
+    rank 1 said and its exit status."""
+    import contextlib
+    import io
+    import time
+    from datetime import timedelta
+
+    from moe_ep.runs import UsageError, errors, run_reported
+
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+    errors.RANK_0_REPORT_WAIT = timedelta(seconds=1)
+
+    def train(_):
+        if rank == 1:
+            raise UsageError("--output-dir: out was not made by moe_ep", agreed=True)
+        time.sleep(3)
+
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        code = run_reported(train, None)
+    return code, said.getvalue()
+
+
+@pytest.mark.slow
+def test_an_error_left_to_rank_0_that_rank_0_never_met_is_said_by_its_rank():
+    """A check every rank makes alike may still see something else on one rank (a peer's file in
+    the folder for an instant): that rank leaves the line to rank 0, which never raised it. Once
+    its wait for rank 0's line runs out, it says the line itself, named as its own; before, the job
+    ended with exit status 2 and no word of why (CI, a 4-process resume)."""
+    from dist_utils import run_ranks
+
+    (code_0, said_0), (code_1, said_1) = run_ranks(_stop_on_rank_1_alone, 2)
+    assert (code_0, said_0) == (0, "")
+    assert code_1 == 2 and said_1 == "error (rank 1): --output-dir: out was not made by moe_ep\n", said_1
+
+
 def test_run_reported_leaves_the_process_group_to_the_exit_which_destroys_it(monkeypatch):
     """A finished run keeps its process group (a process may run again on it, and accelerate's
     state outlives the run); a handler destroys it before the interpreter's exit (left to the

@@ -104,33 +104,43 @@ def said_by_rank_0(err: BaseException) -> bool:
     return isinstance(own, (Preempted, KeyboardInterrupt)) or isinstance(err, PeerFailure)
 
 
-def report_failure(err: BaseException, *, rank: int, world_size: int) -> int | None:
-    """Say why the run stopped, in one line, and return the exit status: 2 for a UsageError, 1 for
-    a RunError or a peer's failure, 130 for an interrupt, 75 (``PREEMPTED_EXIT_STATUS``) for a run
-    stopped by a preemption signal after its checkpoint, 1 and nothing said for a collective that
-    lost its peer (which says why, or whose death the launcher reports). None for anything else (a
-    bug, whose traceback is the report). What ``said_by_rank_0`` names is said by rank 0 only, any
-    other error by the rank that raised it."""
+def failure_line(err: BaseException, *, rank: int, world_size: int,
+                 alone: bool = False) -> tuple[str | None, int] | None:
+    """The line that says why the run stopped and the exit status: 2 for a UsageError, 1 for a
+    RunError or a peer's failure, 130 for an interrupt, 75 (``PREEMPTED_EXIT_STATUS``) for a run
+    stopped by a preemption signal after its checkpoint, no line and 1 for a collective that lost
+    its peer (which says why, or whose death the launcher reports). None for anything else (a bug,
+    whose traceback is the report). ``alone``: said by this rank for want of rank 0's line, and
+    named so."""
     from ..parallel import PeerFailure
 
     own = own_error(err)
     if isinstance(own, Preempted):
-        line, code = str(own), PREEMPTED_EXIT_STATUS
-    elif isinstance(own, KeyboardInterrupt):
-        line, code = "interrupted: the last complete checkpoint is kept; run the same command to resume from it", 130
-    elif isinstance(own, (UsageError, RunError)):
-        line = f"error (rank {rank}): {own}" if world_size > 1 and not own.agreed else f"error: {own}"
-        code = 2 if isinstance(own, UsageError) else 1
-    elif isinstance(err, PeerFailure):
-        line, code = f"error (rank 0): {err}", 1
-    elif isinstance(own, RuntimeError) and lost_peer(own):
+        return str(own), PREEMPTED_EXIT_STATUS
+    if isinstance(own, KeyboardInterrupt):
+        return "interrupted: the last complete checkpoint is kept; run the same command to resume from it", 130
+    if isinstance(own, (UsageError, RunError)):
+        line = f"error (rank {rank}): {own}" if world_size > 1 and (alone or not own.agreed) else f"error: {own}"
+        return line, 2 if isinstance(own, UsageError) else 1
+    if isinstance(err, PeerFailure):
+        return f"error (rank {rank if alone else 0}): {err}", 1
+    if isinstance(own, RuntimeError) and lost_peer(own):
         # A collective outside the step loop (start-up, the final save) found a peer gone: the
         # peer's own line, or the launcher's summary of how it died, is the report; a traceback
         # here would only bury it.
-        return 1
-    else:
+        return None, 1
+    return None
+
+
+def report_failure(err: BaseException, *, rank: int, world_size: int) -> int | None:
+    """Say why the run stopped, in one line (``failure_line``), and return the exit status; None
+    for a bug. What ``said_by_rank_0`` names is said by rank 0 only, any other error by the rank
+    that raised it."""
+    described = failure_line(err, rank=rank, world_size=world_size)
+    if described is None:
         return None
-    if rank == 0 or not said_by_rank_0(err):
+    line, code = described
+    if line is not None and (rank == 0 or not said_by_rank_0(err)):
         print(line, file=sys.stderr, flush=True)
     return code
 
@@ -156,29 +166,32 @@ def job_store():
     return None
 
 
-def wait_for_rank_0_report(err: BaseException, rank: int) -> None:
+def wait_for_rank_0_report(err: BaseException, rank: int) -> bool:
     """Rank 0: mark its report written. Any other rank whose error rank 0 reports: wait for that
-    mark, bounded (a rank 0 that died or hangs never writes it)."""
+    mark, bounded (a rank 0 that died or hangs never writes it). False where the mark never came:
+    rank 0 did not say this error (it died, or it never met it: a check before the process group
+    that saw something else on this rank)."""
     import torch.distributed as dist
 
     from ..parallel.failure import STORE_LOST, PeerFailure
 
     if int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1)) == 1:
-        return
+        return True
     if isinstance(err, PeerFailure) and err.rank == STORE_LOST:
-        return  # the store it would be marked in is gone
+        return True  # the store it would be marked in is gone; the rank that lost it said so
     key = SAID_KEY + "/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
         store = job_store()
         if store is None:
-            return
+            return True
         if rank == 0:
             store.set(key, "1")
         elif said_by_rank_0(err):
             store.wait([key], RANK_0_REPORT_WAIT)
     except Exception:
-        # The store went with its host or the wait timed out: exit now, as without the wait.
-        pass
+        # The store went with its host, or the wait timed out.
+        return rank == 0 or not said_by_rank_0(err)
+    return True
 
 
 def run_reported(train, args) -> int:
@@ -193,11 +206,13 @@ def run_reported(train, args) -> int:
     try:
         train(args)
     except BaseException as err:
-        rank = int(os.environ.get("RANK", 0))
-        code = report_failure(err, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        code = report_failure(err, rank=rank, world_size=world_size)
         if code is None:
             raise
-        wait_for_rank_0_report(err, rank)
+        if not wait_for_rank_0_report(err, rank):
+            # Left to rank 0, which did not say it: said here, or nobody would.
+            print(failure_line(err, rank=rank, world_size=world_size, alone=True)[0], file=sys.stderr, flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
         return code
