@@ -51,6 +51,41 @@ def test_given_choice_replaces_softmax_top_k():
     assert not torch.equal(load_balancing_loss(logits, K, top_k_index=skewed), load_balancing_loss(logits, K))
 
 
+def _deepseek_balance_loss(logits_TE, idx_TK, mask_T):
+    """DeepSeek-V3's balance loss (its paper's eqs. 17-20) over the counted tokens of one layer,
+    written out token by token in float64: alpha = 1, f_e = E / (K T') * tokens choosing e, P_e
+    the mean of s'_e = sigmoid(logit_e) / sum of the token's sigmoid scores."""
+    T, E_ = logits_TE.shape
+    K_ = idx_TK.shape[1]
+    counted = [t for t in range(T) if mask_T[t]]
+    loss = logits_TE.new_zeros(())
+    for e in range(E_):
+        chose = sum(1.0 for t in counted if e in idx_TK[t].tolist())
+        f = E_ / (K_ * len(counted)) * chose
+        P = sum(logits_TE[t, e].sigmoid() / logits_TE[t].sigmoid().sum() for t in counted) / len(counted)
+        loss = loss + f * P
+    return loss
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_sigmoid_routers_loss_is_deepseek_v3s_balance_loss_times_top_k(masked):
+    """``score="sigmoid"``: one layer's value and gradient are top_k times DeepSeek-V3's balance
+    loss (its f_e carries the 1/K that transformers' formula does not), the choice given."""
+    logits = _logits(10, 5)[0]
+    idx = (logits + torch.linspace(0, 1, E, dtype=torch.float64)).topk(K, dim=-1).indices  # a biased choice
+    mask = torch.tensor([1, 1, 0, 1, 1, 1, 0, 1, 1, 1]) if masked else torch.ones(10, dtype=torch.long)
+    ref_leaf, leaf = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    ref = K * _deepseek_balance_loss(ref_leaf, idx, mask)
+    ref.backward()
+    loss = load_balancing_loss(leaf, K, top_k_index=idx, token_mask=mask if masked else None, score="sigmoid")
+    loss.backward()
+    assert rel_err(loss.detach(), ref.detach()) <= TOL and rel_err(leaf.grad, ref_leaf.grad) <= TOL
+    softmax = load_balancing_loss(logits, K, top_k_index=idx, token_mask=mask if masked else None)
+    assert rel_err(softmax, ref.detach()) > 1e-3  # the two scores give other losses
+    with pytest.raises(ValueError, match=r"score must be one of \('softmax', 'sigmoid'\), got 'tanh'"):
+        load_balancing_loss(logits, K, score="tanh")
+
+
 def test_z_loss_formula():
     logits = _logits(9, 2)
     ref = sum(torch.log(torch.exp(t).sum(-1)).pow(2).mean() for t in logits)

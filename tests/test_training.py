@@ -146,6 +146,34 @@ def test_expert_bias_follows_each_steps_routed_load(checkpointing):
     assert not any(torch.equal(b, s) for b, s in zip(_biases([model]), start))
 
 
+def test_a_deepseek_v3_routers_aux_loss_takes_its_normalised_sigmoid_scores():
+    """TrainStep's aux loss of DeepSeek-V3's sigmoid router: per MoE layer, E * sum_e f_e * P_e with
+    P_e the mean of sigmoid(logit_e) over the token's sum of sigmoid scores (DeepSeek-V3's balance
+    loss times top-k), f_e from the router's own (biased, group-limited) choice; a softmax of the
+    sigmoid router's logits was taken before. The mean over layers, against float64 by hand."""
+    from moe_ep.training import TrainStep
+
+    model, batch = _dsv3(), _dsv3_batch(batch=2)
+    routers = [m.gate for m in model.modules() if type(m).__name__ == "DeepseekV3MoE"]
+    for i, router in enumerate(routers):  # choices the bias steers
+        router.e_score_correction_bias.copy_(torch.linspace(-0.2, 0.2, 8, dtype=torch.float64).roll(i))
+    seen = []
+    handles = [r.register_forward_hook(lambda mod, args, out: seen.append((out[0].detach(), out[2]))) for r in routers]
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), aux_loss_coef=0.1)
+    step(batch)
+    for h in handles:
+        h.remove()
+    E_ = model.config.n_routed_experts
+    per_layer = []
+    for logits_TE, idx_TK in seen:
+        s_TE = logits_TE.double().sigmoid() / logits_TE.double().sigmoid().sum(-1, keepdim=True)
+        f_E = torch.stack([(idx_TK == e).any(-1).double().mean() for e in range(E_)])
+        per_layer.append(E_ * (f_E * s_TE.mean(0)).sum())
+    assert len(per_layer) == len(routers) == 2
+    # The router's logits are float32 (DeepSeek-V3 computes them so, in a float64 model too).
+    assert rel_err(step.last_aux_loss, torch.stack(per_layer).double().mean()) <= TOLERANCE[torch.float32]
+
+
 def test_expert_bias_refused_without_a_correction_bias():
     from moe_ep.training import TrainStep
 

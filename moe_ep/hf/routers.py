@@ -126,6 +126,26 @@ FUSED_ROUTER_FORWARDS = {
 }
 
 
+# Routers that score with a sigmoid: DeepSeek-V3's and the families whose router forward is a copy
+# of it in transformers 5.24 (their source identical). Any other router is taken to score with a
+# softmax, as transformers' load_balancing_loss_func does.
+SIGMOID_ROUTERS = frozenset(
+    f"transformers.models.{module}.modeling_{module}.{name}" for module, name in (
+        ("deepseek_v3", "DeepseekV3TopkRouter"), ("deepseek_v32", "DeepseekV32TopkRouter"),
+        ("glm4_moe", "Glm4MoeTopkRouter"), ("glm4_moe_lite", "Glm4MoeLiteTopkRouter"),
+        ("glm4v_moe", "Glm4vMoeTextTopkRouter"), ("glm_moe_dsa", "GlmMoeDsaTopkRouter"),
+        ("dots1", "Dots1TopkRouter"), ("kimi_linear", "KimiLinearTopkRouter"),
+        ("solar_open", "SolarOpenTopkRouter"), ("exaone_moe", "ExaoneMoeTopkRouter"),
+        ("mimo_v2_flash", "MiMoV2FlashTopkRouter"),
+    )
+)
+
+
+def router_score(router: torch.nn.Module) -> str:
+    """How ``router`` scores the experts, as ``route_topk``'s ``score`` names it."""
+    return "sigmoid" if router_key(router) in SIGMOID_ROUTERS else "softmax"
+
+
 def router_key(router: torch.nn.Module) -> str:
     cls = type(router)
     return f"{cls.__module__}.{cls.__qualname__}"

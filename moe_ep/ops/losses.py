@@ -1,5 +1,6 @@
 """Load-balancing terms of MoE training: the auxiliary loss (Switch Transformer, with
-transformers' normalisation), optionally computed from counts gathered over every rank that holds
+transformers' normalisation; a sigmoid router's scores normalised over the experts, as
+DeepSeek-V3's balance loss and Megatron-Core take them), optionally computed from counts gathered over every rank that holds
 different tokens (Megatron-Core's global aux loss); the router z-loss (ST-MoE); and the
 aux-loss-free expert bias of DeepSeek-V3, updated identically on every rank.
 
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .routing import SCORES
 from .validate import check_count, check_index, check_indices_in_range, check_number, check_tensor
 
 
@@ -59,6 +61,7 @@ def load_balancing_loss(
     top_k_index: torch.Tensor | Sequence[torch.Tensor] | None = None,
     token_mask: torch.Tensor | None = None,
     group: dist.ProcessGroup | None = None,
+    score: str = "softmax",
 ) -> torch.Tensor:
     """``E * sum_e f_e * P_e`` summed over the batch of every layer: ``f_e`` routed pairs of expert
     ``e`` per token, ``P_e`` its mean softmax probability. Equals transformers'
@@ -74,7 +77,14 @@ def load_balancing_loss(
             token counts are summed over it (one all-reduce), the value is the loss of the whole
             global batch on every rank, and the gradient is scaled by the group size for the
             gradient averaging of data parallelism. Collective then: call it on every rank.
+        score: how the router scores the experts: ``"softmax"``, or ``"sigmoid"`` (DeepSeek-V3 and
+            the routers copied from it), whose ``P_e`` is the mean of ``sigmoid(logit_e)`` over the
+            sum of the token's sigmoid scores (DeepSeek-V3's balance loss, Megatron-Core's aux loss of
+            a sigmoid router). DeepSeek-V3's sequence-wise loss is this per sequence, divided by
+            ``top_k``; here the batch is pooled, as for the softmax loss.
     """
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     logits = _as_layers("router_logits", router_logits)
     E = logits[0].shape[1]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
@@ -96,7 +106,7 @@ def load_balancing_loss(
                 f"router_logits[{i}] must have the shape of router_logits[0] {tuple(logits[0].shape)}, "
                 f"got {tuple(layer_logits.shape)}"
             )
-        probs_TE = layer_logits.to(dtype).softmax(-1)
+        probs_TE = router_probabilities(layer_logits.to(dtype), score)
         if choices is None:
             chosen = probs_TE.detach().topk(top_k, dim=-1).indices
         else:
@@ -123,6 +133,15 @@ def load_balancing_loss(
     ranks = dist.get_world_size(group)
     prob_sum = global_prob_sum + ranks * (prob_sum_E - prob_sum_E.detach())
     return E * torch.sum(global_counts * prob_sum) / _at_least_one(global_tokens) ** 2
+
+
+def router_probabilities(logits_TE: torch.Tensor, score: str) -> torch.Tensor:
+    """``[T, E]`` scores that sum to one per token: the softmax, or the sigmoid scores over their sum
+    (+1e-20, DeepSeek-V3's guard against a sum of 0)."""
+    if score == "softmax":
+        return logits_TE.softmax(-1)
+    scores_TE = logits_TE.sigmoid()
+    return scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
 
 
 def _at_least_one(tokens: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Load balancing inside TrainStep. Every MoE layer's load-balancing loss (transformers' formula,
-on that layer's router output for that micro-batch) and router z-loss (ST-MoE) enter the
+on that layer's router output for that micro-batch; a sigmoid router's scores normalised over the
+experts, as DeepSeek-V3 and Megatron-Core take them) and router z-loss (ST-MoE) enter the
 objective as ``coef x`` their mean over layers and micro-batches; with a global aux loss each
 layer's statistics are first summed over the data-parallel ranks (Megatron-Core's: the balance
 of the whole global micro-batch). transformers' own ``output_router_logits`` loss pools all
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..dispatch.lanes import lane_group
+from ..hf.routers import router_score
 from ..ops.losses import expert_counts, load_balancing_loss, router_z_loss, update_expert_bias_
 from .executors import Executor
 
@@ -75,6 +77,8 @@ class AuxLossHooks:
                  if hasattr(m, "gate") and hasattr(m, "experts")]
         self.names = [name for name, _ in found]
         self.blocks = [m for _, m in found]
+        # The aux loss takes each router's probabilities as it scores (a sigmoid router's normalised).
+        self.scores = [router_score(m.gate) for m in self.blocks]
         self.losses, self.counts, self.group = losses, counts, group
         self.weights = (0.0, 0.0)  # gradient weights of (aux loss, z-loss)
         self.record: list[_Record] = []
@@ -110,7 +114,8 @@ class AuxLossHooks:
         terms = counts_E = None
         if self.losses:
             # Recomputed inside a backward pass: over the group's backward twin, if it has one.
-            aux = load_balancing_loss(logits_TE, idx_TK.shape[1], top_k_index=idx_TK, group=lane_group(self.group))
+            aux = load_balancing_loss(logits_TE, idx_TK.shape[1], top_k_index=idx_TK, group=lane_group(self.group),
+                                      score=self.scores[index])
             terms = torch.stack([aux, router_z_loss(logits_TE).to(aux.dtype)])
         if self.counts:
             counts_E = expert_counts(idx_TK, logits_TE.shape[1])

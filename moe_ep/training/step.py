@@ -99,7 +99,10 @@ class TrainStep:
             the model's are allowed.
         microbatches: gradient-accumulation micro-batches per step (batch dim split evenly).
         loss_scale: None, ``"dynamic"`` (fp16) or a fixed positive scale.
-        aux_loss_coef: weight of the per-layer load-balancing loss (0: none).
+        aux_loss_coef: weight of the per-layer load-balancing loss (0: none); with the router's
+            own probabilities: the softmax, or for DeepSeek-V3's sigmoid router (and the routers
+            copied from it, ``moe_ep.hf.routers.SIGMOID_ROUTERS``) its sigmoid scores normalised
+            over the experts, as DeepSeek-V3's balance loss takes them.
         global_aux_loss: compute it from the statistics of every data-parallel rank.
         z_loss_coef: weight of the per-layer router z-loss (0: none).
         expert_bias_rate: step size of DeepSeek-V3's aux-loss-free expert bias (0: none; every
