@@ -174,6 +174,50 @@ def test_a_deepseek_v3_routers_aux_loss_takes_its_normalised_sigmoid_scores():
     assert rel_err(step.last_aux_loss, torch.stack(per_layer).double().mean()) <= TOLERANCE[torch.float32]
 
 
+def test_each_routers_scoring_is_read_from_its_class_or_stated():
+    """The aux loss's probabilities follow how the router scores: read from the class's forward
+    (Mixtral's softmax, DeepSeek-V3's sigmoid and the routers copied from it); a router whose
+    forward computes neither (here a subclass that calls its parent's) is refused by name until
+    ``router_score`` states it, and then gives the loss the family's own router gives."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    from moe_ep.hf.routers import router_score
+    from moe_ep.training import TrainStep
+
+    model = _model()
+    dsv3 = _dsv3()
+    assert {router_score(m.gate) for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")} == {
+        "softmax"}
+    assert {router_score(m.gate) for m in dsv3.modules() if hasattr(m, "experts") and hasattr(m, "gate")} == {
+        "sigmoid"}
+
+    class DelegatingRouter(MixtralTopKRouter):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states)
+
+    batch = tiny_batch(tiny_config("mixtral", **TINY), batch=2, seq=6)
+    own = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), aux_loss_coef=0.1)
+    own(batch)
+    own.close()
+    for layer in model.model.layers:
+        layer.mlp.gate.__class__ = DelegatingRouter
+    hooks = sum(len(m._forward_hooks) for m in model.modules())
+    with pytest.raises(ValueError, match=r"aux_loss_coef > 0 needs to know how each router scores its experts "
+                                         r"\(softmax or sigmoid\); the gate of 'model.layers.0.mlp' "
+                                         r"\(DelegatingRouter\) computes both or neither in its forward: pass "
+                                         r"router_score='softmax' or 'sigmoid'"):
+        TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), aux_loss_coef=0.1)
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks
+    TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), z_loss_coef=0.1).close()  # no aux loss: no need
+    stated = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), aux_loss_coef=0.1, router_score="softmax")
+    stated(batch)
+    assert torch.equal(stated.last_aux_loss, own.last_aux_loss)
+    with pytest.raises(ValueError, match=r"router_score must be one of \('softmax', 'sigmoid'\) or None, got 'tanh'"):
+        TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), aux_loss_coef=0.1, router_score="tanh")
+    with pytest.raises(ValueError, match=r"router_score='sigmoid' needs aux_loss_coef > 0"):
+        TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), router_score="sigmoid")
+
+
 def test_expert_bias_refused_without_a_correction_bias():
     from moe_ep.training import TrainStep
 

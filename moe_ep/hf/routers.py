@@ -34,9 +34,11 @@ the semantics above.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-from ..ops.routing import route_topk
+from ..ops.routing import SCORES, route_topk
 from .autocast import autocast_dtype
 from .binding import binding_of
 
@@ -126,24 +128,18 @@ FUSED_ROUTER_FORWARDS = {
 }
 
 
-# Routers that score with a sigmoid: DeepSeek-V3's and the families whose router forward is a copy
-# of it in transformers 5.24 (their source identical). Any other router is taken to score with a
-# softmax, as transformers' load_balancing_loss_func does.
-SIGMOID_ROUTERS = frozenset(
-    f"transformers.models.{module}.modeling_{module}.{name}" for module, name in (
-        ("deepseek_v3", "DeepseekV3TopkRouter"), ("deepseek_v32", "DeepseekV32TopkRouter"),
-        ("glm4_moe", "Glm4MoeTopkRouter"), ("glm4_moe_lite", "Glm4MoeLiteTopkRouter"),
-        ("glm4v_moe", "Glm4vMoeTextTopkRouter"), ("glm_moe_dsa", "GlmMoeDsaTopkRouter"),
-        ("dots1", "Dots1TopkRouter"), ("kimi_linear", "KimiLinearTopkRouter"),
-        ("solar_open", "SolarOpenTopkRouter"), ("exaone_moe", "ExaoneMoeTopkRouter"),
-        ("mimo_v2_flash", "MiMoV2FlashTopkRouter"),
-    )
-)
-
-
-def router_score(router: torch.nn.Module) -> str:
-    """How ``router`` scores the experts, as ``route_topk``'s ``score`` names it."""
-    return "sigmoid" if router_key(router) in SIGMOID_ROUTERS else "softmax"
+def router_score(router: torch.nn.Module) -> str | None:
+    """How ``router`` scores the experts, as ``route_topk``'s ``score`` names it: ``"softmax"`` or
+    ``"sigmoid"``, read from its class's forward, the one of the two it computes (every router of
+    transformers 5.24 that computes only one, DeepSeek-V3's and the many copied from it among the
+    sigmoid ones); None where the forward names both (the choice is the config's, as Cohere2-MoE's
+    ``expert_selection_fn``) or neither (it calls a function that does, or returns raw logits)."""
+    try:
+        source = inspect.getsource(type(router).forward)
+    except (OSError, TypeError):  # a class defined where its source cannot be read
+        return None
+    named = [score for score in SCORES if score in source]
+    return named[0] if len(named) == 1 else None
 
 
 def router_key(router: torch.nn.Module) -> str:

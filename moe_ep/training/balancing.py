@@ -61,6 +61,12 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad_hidden, grad_terms, None, None, None, None
 
 
+def moe_blocks(modules) -> list[tuple[str, torch.nn.Module]]:
+    """The MoE blocks of ``modules`` by name: modules with a ``gate`` router and ``experts``."""
+    return [(name, m) for root in modules for name, m in root.named_modules()
+            if hasattr(m, "gate") and hasattr(m, "experts")]
+
+
 class AuxLossHooks:
     """Forward hooks on every MoE block of ``modules`` (a block is a module with a ``gate``
     router returning ``(logits [T, E], weights, indices [T, K])`` and an ``experts`` module); a
@@ -72,13 +78,13 @@ class AuxLossHooks:
     the step, or inside another TrainStep's step on the same model, is left alone, so TrainSteps
     sharing a model never feed each other's losses or records. ``close()`` removes the hooks."""
 
-    def __init__(self, modules, *, losses: bool, counts: bool, group: dist.ProcessGroup | None = None):
-        found = [(name, m) for root in modules for name, m in root.named_modules()
-                 if hasattr(m, "gate") and hasattr(m, "experts")]
+    def __init__(self, modules, *, losses: bool, counts: bool, group: dist.ProcessGroup | None = None,
+                 scores: list[str] | None = None):
+        found = moe_blocks(modules)
         self.names = [name for name, _ in found]
         self.blocks = [m for _, m in found]
-        # The aux loss takes each router's probabilities as it scores (a sigmoid router's normalised).
-        self.scores = [router_score(m.gate) for m in self.blocks]
+        # How each block's router scores its experts, for the aux loss (``router_scores``).
+        self.scores = scores if scores is not None else ["softmax"] * len(self.blocks)
         self.losses, self.counts, self.group = losses, counts, group
         self.weights = (0.0, 0.0)  # gradient weights of (aux loss, z-loss)
         self.record: list[_Record] = []
@@ -122,6 +128,23 @@ class AuxLossHooks:
         return _AttachAuxLoss.apply(output, terms, counts_E, self.weights, self.record, index)
 
 
+def router_scores(modules, given: str | None) -> list[str]:
+    """How the router of each MoE block of ``modules`` (AuxLossHooks' order) scores its experts:
+    ``given``, else what its class computes (``moe_ep.hf.routers.router_score``). The aux loss takes
+    those probabilities: a sigmoid router's scores normalised over the experts, as DeepSeek-V3's
+    balance loss and Megatron-Core's aux loss take them, not a softmax of its logits. A router
+    whose scoring cannot be told is refused by name, with the way to state it."""
+    blocks = [(name, block.gate) for name, block in moe_blocks(modules)]
+    scores = [given or router_score(gate) for _, gate in blocks]
+    unknown = [(name, gate) for (name, gate), score in zip(blocks, scores) if score is None]
+    if unknown:
+        name, gate = unknown[0]
+        raise ValueError(f"aux_loss_coef > 0 needs to know how each router scores its experts (softmax or sigmoid); "
+                         f"the gate of {name!r} ({type(gate).__name__}) computes both or neither in its forward: pass "
+                         "router_score='softmax' or 'sigmoid'")
+    return scores
+
+
 class Balancing:
     """TrainStep's load-balancing terms on ``executor``'s modules: the aux loss and z-loss with
     weights ``aux_loss_coef`` and ``z_loss_coef`` (0: none), the expert bias with step
@@ -130,11 +153,13 @@ class Balancing:
     without a float32 ``e_score_correction_bias``, on every pipeline stage alike."""
 
     def __init__(self, executor: Executor, *, aux_loss_coef: float, z_loss_coef: float, expert_bias_rate: float,
-                 group: dist.ProcessGroup | None):
+                 group: dist.ProcessGroup | None, router_score: str | None = None):
         self.executor = executor
         self.aux_loss_coef, self.z_loss_coef, self.expert_bias_rate = aux_loss_coef, z_loss_coef, expert_bias_rate
         self.losses = bool(aux_loss_coef or z_loss_coef)
-        self.hooks = AuxLossHooks(executor.modules, losses=self.losses, counts=bool(expert_bias_rate), group=group)
+        scores = router_scores(executor.modules, router_score) if aux_loss_coef else None
+        self.hooks = AuxLossHooks(executor.modules, losses=self.losses, counts=bool(expert_bias_rate), group=group,
+                                  scores=scores)
         try:
             count = executor.sum_over_stages(torch.tensor([float(len(self.hooks.blocks))], device=executor.device))
             # host sync: once, at construction.

@@ -11,6 +11,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from ..ops.routing import SCORES
 from ..ops.validate import check_number
 from ..parallel.agreement import Description, parameter_fields, ranks_agree, shown
 from ..parallel.clip import clip_grads_, grad_norm
@@ -100,9 +101,12 @@ class TrainStep:
         microbatches: gradient-accumulation micro-batches per step (batch dim split evenly).
         loss_scale: None, ``"dynamic"`` (fp16) or a fixed positive scale.
         aux_loss_coef: weight of the per-layer load-balancing loss (0: none); with the router's
-            own probabilities: the softmax, or for DeepSeek-V3's sigmoid router (and the routers
-            copied from it, ``moe_ep.hf.routers.SIGMOID_ROUTERS``) its sigmoid scores normalised
-            over the experts, as DeepSeek-V3's balance loss takes them.
+            own probabilities: the softmax, or for a sigmoid router (DeepSeek-V3's and the routers
+            copied from it) its sigmoid scores normalised over the experts, as DeepSeek-V3's balance
+            loss takes them.
+        router_score: how the routers score their experts for the aux loss: None reads it from
+            each router's class (refused, by name, where the forward computes both or neither),
+            ``"softmax"`` or ``"sigmoid"`` states it for every router.
         global_aux_loss: compute it from the statistics of every data-parallel rank.
         z_loss_coef: weight of the per-layer router z-loss (0: none).
         expert_bias_rate: step size of DeepSeek-V3's aux-loss-free expert bias (0: none; every
@@ -159,9 +163,10 @@ class TrainStep:
                  loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, global_aux_loss: bool = False,
                  z_loss_coef: float = 0.0, expert_bias_rate: float = 0.0, max_grad_norm: float | None = None,
                  max_consecutive_skips: int | None = 20, lr_scheduler=None, autocast_dtype: torch.dtype | None = None,
-                 chunked_loss: bool = False):
+                 chunked_loss: bool = False, router_score: str | None = None):
         options = dict(microbatches=microbatches, loss_scale=loss_scale, aux_loss_coef=aux_loss_coef,
-                       global_aux_loss=global_aux_loss, z_loss_coef=z_loss_coef, expert_bias_rate=expert_bias_rate,
+                       global_aux_loss=global_aux_loss, router_score=router_score, z_loss_coef=z_loss_coef,
+                       expert_bias_rate=expert_bias_rate,
                        max_grad_norm=max_grad_norm, max_consecutive_skips=max_consecutive_skips,
                        lr_scheduler=lr_scheduler, autocast_dtype=autocast_dtype, chunked_loss=chunked_loss)
         context = parallel_context(model_or_stages)
@@ -178,6 +183,11 @@ class TrainStep:
                 raise TypeError(f"global_aux_loss must be a bool, got {global_aux_loss!r}")
             if global_aux_loss and not aux_loss_coef:
                 raise ValueError("global_aux_loss=True needs aux_loss_coef > 0")
+            if router_score is not None:
+                if router_score not in SCORES:
+                    raise ValueError(f"router_score must be one of {SCORES} or None, got {router_score!r}")
+                if not aux_loss_coef:
+                    raise ValueError(f"router_score={router_score!r} needs aux_loss_coef > 0")
             check_number("max_grad_norm", max_grad_norm, above=0, or_none=True)
             _check_lr_scheduler(lr_scheduler, optimizer)
             self.skips = SkipCounter(max_consecutive_skips)
@@ -196,7 +206,7 @@ class TrainStep:
         if aux_loss_coef or z_loss_coef or expert_bias_rate:
             self.aux = Balancing(self.executor, aux_loss_coef=float(aux_loss_coef), z_loss_coef=float(z_loss_coef),
                                  expert_bias_rate=float(expert_bias_rate),
-                                 group=self.dp_group if global_aux_loss else None)
+                                 group=self.dp_group if global_aux_loss else None, router_score=router_score)
         self.closed = False
         self.last_lm_loss = self.last_aux_loss = self.last_z_loss = self.last_grad_norm = None
         # Other ranks meet this one in the step's collectives: a batch this rank cannot run is run
