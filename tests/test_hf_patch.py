@@ -63,6 +63,22 @@ def test_fused_router_returns_what_the_family_router_returns(family, dtype):
     assert rel_err(weights.gather(1, order), w_weights.gather(1, w_order)) <= tol
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_router_returns_the_family_routers_dtypes_under_autocast(family):
+    """Under autocast a family's router returns what its autocast matmul gives: DeepSeek-V3's
+    weights too come back in bfloat16 (they came back in float32)."""
+    model = tiny_model(family)
+    router = _router(model)
+    x = torch.randn(3, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = type(router).forward(router, x)
+        hf.patch(model, backend="torch")
+        got = router(x)
+    assert [g.dtype for g in got] == [w.dtype for w in want]
+    order, w_order = got[2].sort(-1).indices, want[2].sort(-1).indices
+    assert rel_err(got[1].gather(1, order).float(), want[1].gather(1, w_order).float()) <= TOLERANCE[torch.bfloat16]
+
+
 # Router forwards of a hypothetical transformers release whose semantics moved away from the ones
 # moe_ep's fused routers implement; each must be refused, not patched.
 def _mixtral_without_renormalisation(self, hidden_states):

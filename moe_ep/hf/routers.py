@@ -95,7 +95,8 @@ def deepseek_v3_route(router, hidden_states, backend):
         backend=backend,
         **_node_limit(router),
     )
-    return logits_TE.to(logits_dtype), w_TK, idx_TK
+    # float32 as the family's, but under autocast its matmul's dtype runs through to its weights.
+    return logits_TE.to(logits_dtype), w_TK.to(logits_dtype), idx_TK
 
 
 # The instance-level forwards patch() installs: the family's route with the backend patch() bound.
