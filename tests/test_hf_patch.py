@@ -257,6 +257,33 @@ def test_patch_is_idempotent_and_reversible(family):
     assert hf.is_patched(model)
 
 
+def test_a_subclass_of_a_family_defined_in_the_users_script_runs_its_experts_on_moe_ep(monkeypatch):
+    """transformers sets the experts implementation only where the source of the model class's
+    module holds its experts decorator (this file must not name it): a subclass defined elsewhere
+    (a training script, a notebook) kept its eager experts behind a patch that said nothing."""
+    from transformers import MixtralForCausalLM
+
+    import moe_ep.hf.registry as registry
+
+    class ScriptMixtral(MixtralForCausalLM):
+        pass
+
+    model = ScriptMixtral(tiny_config("mixtral")).eval()
+    can_set = getattr(model, "_can_set_experts_implementation", None)
+    assert can_set is None or not can_set()  # the case itself, where transformers has the check
+    eager = tiny_model("mixtral").eval()
+    model.load_state_dict(eager.state_dict())
+    hf.patch(model, backend="torch")
+    assert hf.is_patched(model) and model.config._experts_implementation == "moe_ep"
+    calls = []
+    monkeypatch.setattr(registry, "moe_experts", lambda *a, **k: (calls.append(1), moe_experts(*a, **k))[1])
+    batch = tiny_batch(model.config)
+    with torch.no_grad():
+        got, want = model(**batch).logits, eager(**batch).logits
+    assert len(calls) == model.config.num_hidden_layers
+    assert rel_err(got, want) <= TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("fused_router", [False, True])
 def test_a_patched_model_runs_on_the_meta_device(fused_router):
     """Shapes only, as a model is traced before it is materialised: autocast knows no meta

@@ -149,6 +149,11 @@ def patch(model: torch.nn.Module, *, backend: str | None = None, fused_router: b
     if model.config._experts_implementation != EXPERTS_IMPLEMENTATION:
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     for _, module in experts:
+        # transformers changes a config only where the source of the model class's module holds
+        # @use_experts_implementation (not a subclass defined in the user's script), and a
+        # sub-config told otherwise keeps its own: each experts module reads its own config.
+        if module.config._experts_implementation != EXPERTS_IMPLEMENTATION:
+            module.config._experts_implementation = EXPERTS_IMPLEMENTATION
         bind(module, backend=backend)
     for _, router in routers:
         if router is None:
