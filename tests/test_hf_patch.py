@@ -266,11 +266,11 @@ def test_a_subclass_of_a_family_defined_in_the_users_script_runs_its_experts_on_
     import moe_ep.hf.registry as registry
 
     class ScriptMixtral(MixtralForCausalLM):
-        pass
+        # transformers' verdict for this file in a fresh process; cached on the class, the parent's
+        # verdict is inherited once a Mixtral model was patched in this process.
+        _can_set_experts_implementation_cached_value = False
 
     model = ScriptMixtral(tiny_config("mixtral")).eval()
-    can_set = getattr(model, "_can_set_experts_implementation", None)
-    assert can_set is None or not can_set()  # the case itself, where transformers has the check
     eager = tiny_model("mixtral").eval()
     model.load_state_dict(eager.state_dict())
     hf.patch(model, backend="torch")

@@ -18,10 +18,20 @@ import torch
 import torch.distributed as dist
 
 from .routing import SCORES
-from .validate import check_count, check_index, check_indices_in_range, check_number, check_tensor
+from .validate import (
+    check_count,
+    check_index,
+    check_indices_in_range,
+    check_number,
+    check_on_device,
+    check_tensor,
+    has_values,
+)
 
 
 def _as_layers(name: str, value) -> list[torch.Tensor]:
+    if not isinstance(value, (torch.Tensor, Sequence)):
+        raise TypeError(f"{name} must be a tensor or a sequence of tensors (one per layer), got {type(value).__name__}")
     layers = [value] if isinstance(value, torch.Tensor) else list(value)
     if not layers:
         raise ValueError(f"{name} must be a tensor or a non-empty sequence of tensors, got an empty sequence")
@@ -36,6 +46,10 @@ def _check_token_mask(token_mask, tokens: int) -> None:
     check_tensor("token_mask", token_mask)
     if token_mask.numel() != tokens:
         raise ValueError(f"token_mask must hold one value per token (T={tokens}), got shape {tuple(token_mask.shape)}")
+    if token_mask.numel() and has_values(token_mask):
+        # A weight outside {0, 1} (-1, NaN) would scale the loss silently; on the device where it is.
+        check_on_device(((token_mask == 0) | (token_mask == 1)).all(),
+                        "token_mask must hold 0 (padding) or 1 (a token that counts) for every token")
 
 
 def expert_counts(top_k_index: torch.Tensor, num_experts: int, token_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,6 +99,8 @@ def load_balancing_loss(
     """
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     logits = _as_layers("router_logits", router_logits)
     E = logits[0].shape[1]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:

@@ -63,7 +63,7 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device, got {listing}")
 
 
-def _has_values(t: torch.Tensor) -> bool:
+def has_values(t: torch.Tensor) -> bool:
     """Meta and fake tensors carry shapes, no values: their value checks are skipped (the real
     run makes them), so that shape propagation (meta initialisation, ``FakeTensorMode``) works."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -89,7 +89,7 @@ def check_on_device(condition: torch.Tensor, message: str) -> None:
 
 def check_indices_in_range(name: str, idx: torch.Tensor, num_experts: int) -> None:
     """Expert ids must lie in [0, num_experts); on the CPU the error names the values found."""
-    if idx.numel() == 0 or not _has_values(idx):
+    if idx.numel() == 0 or not has_values(idx):
         return
     message = f"{name} must hold expert ids in [0, {num_experts})"
     if _queued_on_device(idx):
@@ -103,7 +103,7 @@ def check_indices_in_range(name: str, idx: torch.Tensor, num_experts: int) -> No
 def check_targets_in_range(name: str, target: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Label ids must lie in [0, vocab) or be ``ignore_index``; on the CPU the error names the
     first value out of range, on CUDA the check is queued on the device: no host sync."""
-    if target.numel() == 0 or not _has_values(target):
+    if target.numel() == 0 or not has_values(target):
         return
     message = f"{name} must hold token ids in [0, {vocab}) or ignore_index={ignore_index}"
     valid = ((target >= 0) & (target < vocab)) | (target == ignore_index)
@@ -121,7 +121,7 @@ def check_targets_in_range(name: str, target: torch.Tensor, vocab: int, ignore_i
 def check_finite(name: str, t: torch.Tensor) -> None:
     """Every value of ``t`` finite; on the CPU the error names the first non-finite one, on CUDA
     (and under torch.compile) the check is queued on the device: no host sync."""
-    if t.numel() == 0 or not _has_values(t):
+    if t.numel() == 0 or not has_values(t):
         return
     message = f"{name} must hold finite values"
     if _queued_on_device(t):
