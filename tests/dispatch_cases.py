@@ -22,6 +22,7 @@ class Case:
     routing: str = "random"  # random | first_rank | first_half | one_expert | same_rank | repeated
     capacity_factor: float | None = None
     tied_weights: bool = False
+    weights_dtype: torch.dtype = torch.float32  # top_k_weights' (a router's in a bf16 model)
 
     def tokens(self, world: int) -> list[int]:
         return list(self.T) if isinstance(self.T, tuple) else [self.T] * world
@@ -50,7 +51,7 @@ class Case:
                 raise ValueError(self.routing)
             idxs.append(idx)
             w = torch.rand(T, K, generator=g) + 0.1
-            ws.append((w * 4).round() / 4 if self.tied_weights else w)
+            ws.append(((w * 4).round() / 4 if self.tied_weights else w).to(self.weights_dtype))
             dys.append(torch.randn(T, self.H, generator=g))
         gate_up = torch.randn(E, 2 * self.I, self.H, generator=g) / self.H**0.5
         down = torch.randn(E, self.H, self.I, generator=g) / self.I**0.5

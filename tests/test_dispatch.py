@@ -49,6 +49,10 @@ CASES_2 = [
     Case("repeated_expert", T=7, E=4, K=3, routing="repeated"),
     Case("repeated_expert_one_per_rank", T=6, E=2, K=2, routing="repeated"),
     Case("capacity_repeated_expert", T=8, E=4, K=3, capacity_factor=0.75, routing="repeated"),
+    # A repeated expert's weights summed in bf16 rounded (1e-3 off) and could drop the heavier pair.
+    Case("repeated_expert_bf16_weights", T=7, E=4, K=3, routing="repeated", weights_dtype=torch.bfloat16),
+    Case("capacity_repeated_expert_bf16_weights", T=8, E=4, K=3, capacity_factor=0.75, routing="repeated",
+         weights_dtype=torch.bfloat16),
 ]
 TRITON_CASES = ("odd_sizes", "k_eq_e", "rank_with_no_tokens", "capacity_half_ties", "capacity_roomy",
                 "repeated_expert")
@@ -112,6 +116,8 @@ def _check_case(case: Case, rank: int, world: int, backend: str | None = None) -
         "d_gate_up": rel_err(gu.grad, dgu64[mine]),
         "d_down": rel_err(dn.grad, ddn64[mine]),
     }
+    # The weights' gradient comes back in their dtype: its own rounding, nothing else.
+    result["tolerance"] = {"dw": TOLERANCE[w.dtype]}
     return result
 
 
@@ -354,8 +360,9 @@ def world4(tiny_mixtral_checkpoint):
 def _assert_case(results, name):
     for rank, result in enumerate(results):
         case = result["cases"][name]
-        bad = {k: v for k, v in case["err"].items() if not v <= TOL}
-        assert not bad, f"rank {rank}: relative errors above {TOL}: {bad}"
+        tolerance = {k: case.get("tolerance", {}).get(k, TOL) for k in case["err"]}
+        bad = {k: v for k, v in case["err"].items() if not v <= tolerance[k]}
+        assert not bad, f"rank {rank}: relative errors above {tolerance}: {bad}"
         if "kept_exact" in case:
             assert case["kept_exact"], f"rank {rank}: dropped pairs differ from the documented policy"
         else:

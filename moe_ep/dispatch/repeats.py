@@ -27,5 +27,8 @@ def merge_repeated_experts(idx_TK: torch.Tensor, w_TK: torch.Tensor, num_experts
     if idx_TK.shape[1] == 1:
         return idx_TK, w_TK
     same_TKK = idx_TK[:, :, None] == idx_TK[:, None, :]
-    merged_w_TK = torch.where(same_TKK, w_TK[:, None, :], 0).sum(-1)
+    # Summed in float32 at least, as moe_experts applies the weights: a bf16 sum rounds (1 + 2^-9
+    # to 1), which moved outputs by 1e-3 and could drop the heavier pair in capacity mode.
+    w32_TK = w_TK.to(torch.promote_types(w_TK.dtype, torch.float32))
+    merged_w_TK = torch.where(same_TKK, w32_TK[:, None, :], 0).sum(-1)
     return torch.where(repeated_slots(idx_TK), num_experts, idx_TK), merged_w_TK
