@@ -123,8 +123,6 @@ def _errors(rank: int, world: int, nodes) -> dict:
         "node_groups_swapped": lambda: dispatch(x, idx, w, group=group, num_experts=8, node_groups=swapped),
         "node_groups_not_of_group": lambda: dispatch(x, idx, w, group=nodes.intra, num_experts=8, node_groups=nodes),
     }
-    if rank not in (1, 2):  # ranks 0 and 3 keep their places and would enter the exchange alone
-        del attempts["node_groups_swapped"]
     messages = {}
     for name, attempt in attempts.items():
         try:
@@ -238,10 +236,15 @@ def test_errors_name_the_argument(world4, name, pattern):
 
 @pytest.mark.slow
 def test_groups_that_do_not_split_the_ep_group_by_node_are_refused(world4):
-    # Swapped, the groups have the right sizes; ranks 1 and 2 would sit at each other's place.
-    for rank in (1, 2):
-        assert re.search(r"node_groups do not match the ep group: rank \d of it must be rank \d of node_groups.inter",
-                         world4[rank]["errors"]["node_groups_swapped"]), world4[rank]["errors"]["node_groups_swapped"]
+    # Swapped, the groups have the right sizes; ranks 1 and 2 would sit at each other's place, and
+    # ranks 0 and 3, at their own place in the wrong groups, entered the exchange alone (a hang).
+    intra = {0: r"\[0, 1\], got \[0, 2\]", 1: r"\[0, 1\], got \[1, 3\]", 2: r"\[2, 3\], got \[0, 2\]",
+             3: r"\[2, 3\], got \[1, 3\]"}
+    for rank, result in enumerate(world4):
+        message = result["errors"]["node_groups_swapped"]
+        assert re.search(r"node_groups do not match the ep group: rank \d of it \(global ranks \[0, 1, 2, 3\], "
+                         r"numbered node by node\) needs node_groups.intra of global ranks " + intra[rank], message), \
+            message
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,13 +83,26 @@ def check_node_groups(node_groups, group, capacity_factor) -> None:
         raise ValueError(
             f"node_groups must split the ep group of {ep} ranks into nodes x node_size, got {nodes} nodes x {size}"
         )
-    rank = dist.get_rank(group)
+    # The members, not only this rank's place in each group: groups that hold this rank at the
+    # right place can still be the wrong ones (inter and intra swapped: ranks 0 and 3 of 2 x 2
+    # passed and waited for the others in the exchange while ranks 1 and 2 raised).
+    rank, ep_ranks = dist.get_rank(group), dist.get_process_group_ranks(group)
+    node, local = divmod(rank, size)
+    expected = {"intra": ep_ranks[node * size:(node + 1) * size], "inter": ep_ranks[local::size]}
+    for name, members in expected.items():
+        held = dist.get_process_group_ranks(getattr(node_groups, name))
+        if sorted(held) != sorted(members):
+            raise ValueError(
+                f"node_groups do not match the ep group: rank {rank} of it (global ranks {ep_ranks}, numbered node "
+                f"by node) needs node_groups.{name} of global ranks {members}, got {held} (build them with "
+                "moe_ep.dispatch.split_by_node)"
+            )
     inter_rank, intra_rank = dist.get_rank(node_groups.inter), dist.get_rank(node_groups.intra)
-    if rank != inter_rank * size + intra_rank:
+    if (inter_rank, intra_rank) != (node, local):
         raise ValueError(
-            f"node_groups do not match the ep group: rank {rank} of it must be rank {rank // size} of "
-            f"node_groups.inter and rank {rank % size} of node_groups.intra, it is {inter_rank} and {intra_rank} (ranks numbered node by "
-            "node: build them with moe_ep.dispatch.split_by_node)"
+            f"node_groups do not match the ep group: rank {rank} of it must be rank {node} of node_groups.inter and "
+            f"rank {local} of node_groups.intra, it is {inter_rank} and {intra_rank} (ranks numbered node by node: "
+            "build them with moe_ep.dispatch.split_by_node)"
         )
 
 
