@@ -305,7 +305,29 @@ def _errors(rank: int, world: int) -> dict:
         messages["pairs_mismatch"] = f"ValueError: {exc}"
     # The failed combine never reached its collective; a matching one keeps the ranks in step.
     combine(routed.hidden_states, routed.layout)
+    messages["double_backward"] = _double_backward(rank, world)
     return messages
+
+
+def _double_backward(rank: int, world: int) -> str:
+    """A gradient penalty through the layer (every mode): the exchanges' backwards are not in the
+    graph, so it must raise, not leave out every term that crosses them (it did, silently)."""
+    from moe_ep.dispatch import moe_experts_ep
+
+    xs, idxs, ws, _, gate_up, down = Case("penalty", T=4, E=4, K=2).make(world)
+    mine = slice(rank * 2, (rank + 1) * 2)
+    said = []
+    for chunks in (1, 2):
+        x = xs[rank].clone().requires_grad_()
+        y = moe_experts_ep(x, idxs[rank], ws[rank], gate_up[mine], down[mine], group=dist.group.WORLD,
+                           overlap_chunks=chunks)
+        (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        try:
+            dx.square().sum().backward()
+            said.append("no error")
+        except RuntimeError as exc:
+            said.append(f"RuntimeError: {exc}")
+    return " | ".join(said)
 
 
 def _world_2(rank: int, world: int, checkpoint: str) -> dict:
@@ -492,6 +514,8 @@ def test_transformers_distributed_config_rank_without_rows_beside_fsdp_peer_with
         ("layout_type", "layout must be the DispatchLayout returned by dispatch, got str"),
         ("pairs_mismatch", "expert_output must have one row per dispatched pair"),
         ("capacity_uneven_tokens", "capacity mode needs the same number of tokens on every rank .* T=4"),
+        ("double_backward", r"^RuntimeError: trying to differentiate twice a function that was marked with "
+                            r"@once_differentiable \| RuntimeError: trying to differentiate twice"),
     ],
 )
 def test_errors_name_the_argument(world2, name, pattern):

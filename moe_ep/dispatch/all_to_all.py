@@ -8,12 +8,17 @@ graph, and autograd calls a node's backward whatever the size of its tensors.
 
 ``start_exchange`` / ``finish_exchange`` split ``AllToAllRows`` in two around an asynchronous
 all-to-all (``async_op=True``), so that the overlapped layer (``moe_ep.dispatch.overlap``) can
-compute between them, in the backward too."""
+compute between them, in the backward too.
+
+Each is differentiable once (``once_differentiable``): its backward's exchange is not in the
+graph, so a double backward (a gradient penalty) raises rather than silently leave out every
+term that crosses an exchange."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from .lanes import lane_group
 
@@ -53,6 +58,7 @@ class AllToAllRows(torch.autograd.Function):
         return _exchange(rows, out_splits, in_splits, group)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         out_splits, in_splits = ctx.splits
         return _exchange(grad_out, in_splits, out_splits, ctx.group), None, None, None
@@ -76,6 +82,7 @@ class AllToAllRouting(torch.autograd.Function):
         return received[:, :k].contiguous(), ids
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_weights, _grad_ids):
         out_splits, in_splits = ctx.splits
         return _exchange(grad_weights, in_splits, out_splits, ctx.group), None, None, None, None
@@ -109,6 +116,7 @@ class _StartExchange(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, _grad_placeholder):
         pending = ctx.pending
         pending.grad_work.wait()
@@ -126,6 +134,7 @@ class _FinishExchange(torch.autograd.Function):
         return received.view_as(received)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_received):
         pending = ctx.pending
         out_splits, in_splits = pending.splits
