@@ -330,8 +330,25 @@ def _double_backward(rank: int, world: int) -> str:
     return " | ".join(said)
 
 
+def _idle_rank_with_plain_tensors(rank: int, world: int) -> dict:
+    """Rank 0 has no tokens and passes plain empty tensors (no grad); rank 1's require grad. Both
+    must run the backward exchanges (rank 0 finished without them and rank 1 waited for it in the
+    exchange), and each rank's expert gradients are the float64 reference's of rank 1's tokens."""
+    from moe_ep.dispatch import moe_experts_ep
+
+    xs, idxs, ws, dys, gate_up, down = Case("idle", T=(0, 5), E=4, K=2).make(world)
+    mine = slice(rank * 2, (rank + 1) * 2)
+    gu, dn = gate_up[mine].clone().requires_grad_(), down[mine].clone().requires_grad_()
+    x, w = (xs[0], ws[0]) if rank == 0 else (xs[1].clone().requires_grad_(), ws[1].clone().requires_grad_())
+    y = moe_experts_ep(x, idxs[rank], w, gu, dn, group=dist.group.WORLD)
+    (y * dys[rank]).sum().backward()
+    _, _, _, dgu64, ddn64 = reference(xs, idxs, ws, dys, gate_up, down)
+    return {"d_gate_up": rel_err(gu.grad, dgu64[mine]), "d_down": rel_err(dn.grad, ddn64[mine])}
+
+
 def _world_2(rank: int, world: int, checkpoint: str) -> dict:
     results = {
+        "idle_rank_with_plain_tensors": _idle_rank_with_plain_tensors(rank, world),
         "cases": {c.name: _check_case(c, rank, world) for c in CASES_2},
         # The experts' Triton kernels (under the interpreter) on the received rows as the dispatcher
         # hands them over: rows carrying several experts, empty columns, capacity padding, no tokens.
@@ -413,6 +430,12 @@ def test_two_ranks_on_the_triton_experts_match_float64_reference(world2, name):
 @pytest.mark.parametrize("name", [c.name for c in CASES_4])
 def test_four_ranks_match_float64_reference(world4, name):
     _assert_case(world4, name)
+
+
+@pytest.mark.slow
+def test_a_rank_without_tokens_passing_plain_tensors_keeps_its_peers_backward_going(world2):
+    for rank, result in enumerate(world2):
+        assert all(err <= TOL for err in result["idle_rank_with_plain_tensors"].values()), (rank, result)
 
 
 @pytest.mark.slow

@@ -58,6 +58,7 @@ def moe_experts_ep(
     check_overlap_chunks(overlap_chunks, capacity_factor)
     check_activation(activation)
     backend = resolve_backend(backend, hidden_states.device)
+    hidden_states, top_k_weights = joined_to_the_graph(hidden_states, top_k_weights, gate_up_local, down_local)
     if overlap_chunks > 1:
         return moe_experts_overlapped(hidden_states, top_k_index, top_k_weights, gate_up_local, down_local,
                                       group=group, num_experts=num_experts, activation=activation, backend=backend,
@@ -71,6 +72,19 @@ def moe_experts_ep(
     # The experts keep even an empty batch in the graph, but the backward all-to-alls that every
     # rank must enter should not hang on that promise.
     return combine_checked(join_checked(out_SH, tokens), tokens.layout)
+
+
+def joined_to_the_graph(hidden_states, top_k_weights, *expert_weights):
+    """``hidden_states`` and ``top_k_weights`` requiring grad wherever the step backpropagates
+    into the experts (grad enabled, expert weights that require grad: the same on every rank of
+    one model). A rank runs the backward exchanges of the rows and routing it sent only where
+    those require grad: a rank without tokens passing plain empty tensors finished its backward
+    while its peers waited for it in the exchange. The price where they did not require grad on any
+    rank (a frozen router, experts-only fine-tuning's first MoE layer): those exchanges, whose
+    gradients are dropped."""
+    if not (torch.is_grad_enabled() and any(w.requires_grad for w in expert_weights)):
+        return hidden_states, top_k_weights
+    return tuple(t if t.requires_grad else t.detach().requires_grad_() for t in (hidden_states, top_k_weights))
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
