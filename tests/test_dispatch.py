@@ -270,7 +270,7 @@ def _transformers_ep_from_pretrained(rank: int, world: int, checkpoint: str, *, 
 
 
 def _errors(rank: int, world: int) -> dict:
-    from moe_ep.dispatch import combine, dispatch
+    from moe_ep.dispatch import combine, dispatch, moe_experts_ep
 
     group = dist.group.WORLD
     x, idx, w = torch.randn(4, 8), torch.randint(0, 4, (4, 2)), torch.rand(4, 2)
@@ -281,6 +281,7 @@ def _errors(rank: int, world: int) -> dict:
         "capacity_factor": lambda: dispatch(x, idx, w, group=group, num_experts=4, capacity_factor=0),
         "group_type": lambda: dispatch(x, idx, w, group="world", num_experts=4),
         "layout_type": lambda: combine(torch.randn(3, 8), "layout"),
+        "no_local_expert": lambda: moe_experts_ep(x, idx, w, torch.zeros(0, 6, 8), torch.zeros(0, 8, 3), group=group),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -535,6 +536,7 @@ def test_transformers_distributed_config_rank_without_rows_beside_fsdp_peer_with
         ("capacity_factor", "capacity_factor must be a finite number > 0 or None"),
         ("group_type", "group must be a torch.distributed.ProcessGroup, got str"),
         ("layout_type", "layout must be the DispatchLayout returned by dispatch, got str"),
+        ("no_local_expert", r"gate_up_local must hold this rank's experts \(at least one\), got shape \(0, 6, 8\)"),
         ("pairs_mismatch", "expert_output must have one row per dispatched pair"),
         ("capacity_uneven_tokens", "capacity mode needs the same number of tokens on every rank .* T=4"),
         ("double_backward", r"^RuntimeError: trying to differentiate twice a function that was marked with "

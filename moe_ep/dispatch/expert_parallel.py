@@ -50,6 +50,9 @@ def moe_experts_ep(
     check_tensor("gate_up_local", gate_up_local, ndim=3)
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+    if gate_up_local.shape[0] == 0:
+        raise ValueError(f"gate_up_local must hold this rank's experts (at least one), got shape "
+                         f"{tuple(gate_up_local.shape)}")
     num_experts = gate_up_local.shape[0] * dist.get_world_size(group)
     check_dispatch_args(hidden_states, top_k_index, top_k_weights, group, num_experts)
     check_expert_weights(hidden_states, gate_up_local, down_local, names=("gate_up_local", "down_local"))
