@@ -18,15 +18,19 @@ import torch
 
 from example_runs import (
     COMMON,
+    EXAMPLE,
+    LAYOUT,
     STEPS,
     accelerate_cmd,
     env,
     export_of,
+    free_port,
     kill_launch,
     launch,
     losses,
     paused_files,
     run,
+    run_to_end,
     torchrun_cmd,
     train_in_process,
     trained_model,
@@ -63,6 +67,36 @@ def test_two_process_launch_trains_and_matches_one_process(two_rank_run, tmp_pat
     a = torch.tensor([dist_losses[s] for s in sorted(dist_losses)], dtype=torch.float64)
     b = torch.tensor([one[s] for s in sorted(one)], dtype=torch.float64)
     assert rel_err(a, b) <= TOLERANCE[torch.float32], (a, b)
+
+
+def test_two_simulated_nodes_sharing_the_run_folder_match_the_two_process_launch(two_rank_run, tmp_path):
+    """Two torchrun agents on this host as two nodes of one process each (--nnodes 2), one run
+    folder as a cluster's shared file system gives them: the token cache is written once, by global
+    rank 0 (every node's first process wrote it, and their renames raced: 16 launches of 24
+    failed), and the losses are the 2-process launch's (the same layout; across two nodes the
+    dispatch sends each token once per destination node)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out, port = tmp_path / "two_nodes", free_port()
+
+    def node(rank: int) -> tuple[int, str]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+               str(EXAMPLE / "train.py"), *COMMON, *LAYOUT, "--output-dir", str(out)]
+        return run_to_end(cmd, env(), 240)
+
+    with ThreadPoolExecutor(2) as pool:
+        (code_0, log_0), (code_1, log_1) = pool.map(node, (0, 1))
+    assert code_0 == code_1 == 0, (log_0[-3000:], log_1[-3000:])
+    assert "layout pp=1 dp_replicate=1 dp_shard=2 ep=2 mb=2x1 on 2 process(es)" in log_0 + log_1
+    cache = sorted(p.name for p in (out / "token_cache").iterdir() if p.name != ".moe_ep-owner")
+    assert len(cache) == 2 and cache[0].endswith(".manifest.json") and cache[1] == cache[0].replace(
+        ".manifest.json", ".npy"), cache  # one cache and its manifest, no temporary left
+    a, b = losses(out), losses(two_rank_run[0])
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    got = torch.tensor([a[s] for s in sorted(a)], dtype=torch.float64)
+    want = torch.tensor([b[s] for s in sorted(b)], dtype=torch.float64)
+    assert rel_err(got, want) <= TOLERANCE[torch.float32], (got, want)
 
 
 def test_killed_run_resumes_onto_the_same_losses_bit_for_bit(two_rank_run, tmp_path):

@@ -71,7 +71,7 @@ def test_packing_frames_documents_and_drops_the_tail(tmp_path):
     spec = data.resolve_data([str(tmp_path)], "text")
     tok = data.ByteTokenizer()
     cache_file = data.token_cache_file(spec, tok, tmp_path / "cache", None)
-    tokens = data.cached_tokens(spec, tok, cache_file, is_local_main=True, barrier=lambda: None, intact=False)
+    tokens = data.cached_tokens(spec, tok, cache_file, is_writer=True, barrier=lambda: None, intact=False)
     B, E = tok.bos_token_id, tok.eos_token_id
     assert tokens.tolist() == [B, *b"abc", E, B, *b"xy", E, B, *b"z", E]
     packed = data.PackedSequences(tokens, 4)
@@ -109,7 +109,7 @@ def test_survey_counts_the_byte_token_stream_before_tokenizing(max_tokens, check
     cache_file = data.token_cache_file(spec, tok, tmp_path / "cache", max_tokens)
     surveyed = data.survey_corpus(spec, tok, None, max_tokens)
     assert not cache_file.exists()
-    tokens = data.cached_tokens(spec, tok, cache_file, is_local_main=True, barrier=lambda: None, intact=False,
+    tokens = data.cached_tokens(spec, tok, cache_file, is_writer=True, barrier=lambda: None, intact=False,
                                 max_tokens=max_tokens)
     assert surveyed == data.corpus_stats(tokens)
     assert tokens[1:8].tolist() == [*b"abc\r\n", 0xC3, 0xBC][: len(tokens) - 1]  # the file's bytes, CRLF kept

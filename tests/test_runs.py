@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -354,6 +355,59 @@ def test_a_new_folder_is_taken_while_the_ranks_own_start_up_writes_are_in_it(tmp
     (new / "notes.txt").write_text("mine")
     with pytest.raises(UsageError, match=r"new was not made by moe_ep"):
         check_output_folders(new, None, 1, keep=1)
+    # An empty managed folder left unmarked (a kill between its mkdir and its marker) is taken over,
+    # a peer's write check in it too.
+    ownership.mark(new, "run")
+    (new / "tensorboard").mkdir()
+    (new / "tensorboard" / (ownership.WRITE_CHECK_PREFIX + "p3m1x0")).touch()
+    check_output_folders(new, None, 1, keep=1)
+
+
+def _write_manifests(folder: str, writer: int, rounds: int) -> int:
+    from pathlib import Path
+
+    from moe_ep.runs import write_manifest
+
+    for i in range(rounds):
+        write_manifest(Path(folder), {"tokens.npy": (writer, f"{i:064x}")}, manifest="tokens.manifest.json")
+    return rounds
+
+
+def test_several_writers_of_one_manifest_each_write_it_whole(tmp_path):
+    """Several processes writing one manifest at once (a token cache's, several jobs): each writes
+    under a name of its own, so the last rename wins, whole. A fixed temporary name let one's rename
+    take the file from under another's (FileNotFoundError, a launch stopped)."""
+    import multiprocessing
+
+    from moe_ep.runs import local_problems
+
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        assert pool.starmap(_write_manifests, [(str(tmp_path), w, 200) for w in range(3)]) == [200] * 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens.manifest.json"]  # no temporary left
+    listed = json.loads((tmp_path / "tokens.manifest.json").read_text())["files"]["tokens.npy"]
+    assert listed["sha256"] == f"{199:064x}" and listed["bytes"] in (0, 1, 2)
+    assert local_problems(tmp_path, manifest="tokens.manifest.json", must_list=["tokens.npy"])  # no such file: said
+
+
+def test_leftovers_a_running_job_removes_meanwhile_count_for_nothing(tmp_path, monkeypatch):
+    """A second job checks the folder of one still running (its lock refuses it just after): the
+    first job's .tmp- files may go while the second counts them, which stopped it with a traceback
+    instead of the lock's message."""
+    root = ownership.make_managed_dir(tmp_path / "checkpoints", "checkpoints")
+    (root / ".tmp-step_00000004").mkdir()
+    (root / ".tmp-step_00000004" / "shard.distcp").write_bytes(bytes(100))
+    (root / ".tmp-step_00000004" / "gone.distcp").write_bytes(bytes(7))
+    assert ownership.leftover_bytes(root) == 107
+    real_stat = Path.stat
+
+    def stat(path, *args, **kwargs):
+        if path.name == "gone.distcp":
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "is_file", lambda path: True)
+    monkeypatch.setattr(Path, "stat", stat)
+    assert ownership.leftover_bytes(root) == 100
 
 
 def test_free_space_counts_keep_plus_one_checkpoints_and_the_runs_own_leftovers(tmp_path, monkeypatch):

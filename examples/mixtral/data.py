@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from moe_ep.runs import (RunError, UsageError, digest, local_problems, make_managed_dir, marker_kind, related,
-                         write_failure, write_manifest)
+                         unique_tmp, write_failure, write_manifest)
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
 JSONL_SUFFIXES = (".jsonl",)
@@ -336,16 +336,19 @@ def remove_interrupted_writes(cache_dir: Path) -> list[Path]:
     return removed
 
 
-def cached_tokens(spec: DataSpec, tokenizer, path: Path, *, is_local_main: bool, barrier, intact: bool,
+def cached_tokens(spec: DataSpec, tokenizer, path: Path, *, is_writer: bool, barrier, intact: bool,
                   max_tokens: int | None = None) -> np.ndarray:
-    """Tokenize once per node into ``path`` (``token_cache_file``) unless an ``intact`` cache is
-    there (checked before start-up, token_cache_problems): the node's first process writes it to a
+    """Tokenize once into ``path`` (``token_cache_file``) unless an ``intact`` cache is there
+    (checked before start-up, token_cache_problems): one process of the job (``is_writer``: global
+    rank 0; the run folder is shared by every node, as its checkpoints need) writes it to a
     temporary name, renames it (atomic) and writes its manifest last, so a killed writer leaves
-    nothing that passes the check; the others wait at ``barrier`` and map the file read-only."""
-    if is_local_main and not intact:
+    nothing that passes the check; the others wait at ``barrier`` and map the file read-only. One
+    writer per node raced in the shared folder: a peer's rename took the manifest's temporary from
+    under another (two simulated nodes failed 16 launches of 24)."""
+    if is_writer and not intact:
         tokens = tokenize_corpus(spec, tokenizer, max_tokens)
         folder = make_managed_dir(path.parent, "token_cache")
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = unique_tmp(folder, f".{path.name}.")
         try:
             with open(tmp, "wb") as f:
                 np.save(f, tokens)

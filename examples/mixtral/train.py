@@ -355,9 +355,9 @@ def run(args, checked: Checked, state, wall0: float, previous_holder: dict | Non
             if resume != checked.resume:
                 check_resume_data(resume, identity, config=source.config)
 
-    # Data: tokenized once per node, then every rank maps the same cache.
+    # Data: tokenized once (rank 0), then every rank maps the same cache.
     startup.phase("tokenizing the data (or reading its cache)")
-    tokens = cached_tokens(data_spec, tokenizer, token_cache, is_local_main=state.is_local_main_process,
+    tokens = cached_tokens(data_spec, tokenizer, token_cache, is_writer=state.is_main_process,
                            barrier=barrier, intact=token_cache_intact, max_tokens=args.max_corpus_tokens)
     if identity != (known := data_identity(args, layout, tokenizer, corpus_stats(tokens))):
         # A pretrained tokenizer or a streamed dataset (the token stream is known only now), or a

@@ -71,6 +71,7 @@ from .ownership import (
     mark,
     marker_kind,
     related,
+    unique_tmp,
 )
 from .preemption import PREEMPTED_EXIT_STATUS, Preempted, Preemption, parse_signal
 from .run_folder import FINAL, RunFolder
@@ -85,7 +86,7 @@ __all__ = [
     # the output folder: ownership and the lock
     "FINAL", "MARKER", "METRICS", "TRASH_PREFIX", "OutputLock", "RunFolder", "check_export_target",
     "check_output_folders", "clear_run", "delete_atomically", "describe_holder", "hold_output_dir",
-    "make_managed_dir", "mark", "marker_kind", "related",
+    "make_managed_dir", "mark", "marker_kind", "related", "unique_tmp",
     # integrity
     "digest", "files_in", "local_problems", "seal", "verify", "write_manifest",
     # checkpoints and resume

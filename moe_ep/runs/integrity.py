@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .ownership import MANIFEST, fsync_dir
+from .ownership import MANIFEST, fsync_dir, unique_tmp
 
 FORMAT = "moe_ep-manifest/1"
 CHUNK = 1 << 22
@@ -69,8 +69,8 @@ def shared_digests(folder: Path, names: list[str]) -> dict[str, tuple[int, str] 
 def files_in(folder: Path, manifest: str = MANIFEST) -> list[str]:
     """Every file under ``folder`` (subfolders too: accelerate's sharded states have them), as paths
     relative to it, the manifest and its temporary copy left out."""
-    skip = {manifest, f".{manifest}.tmp"}
-    return sorted(rel for p in folder.rglob("*") if p.is_file() and (rel := p.relative_to(folder).as_posix()) not in skip)
+    return sorted(rel for p in folder.rglob("*") if p.is_file() and (rel := p.relative_to(folder).as_posix()) != manifest
+                  and not (rel.startswith(f".{manifest}.") and rel.endswith(".tmp")))
 
 
 def seal(folder: Path, **info) -> list[str]:
@@ -93,12 +93,18 @@ def seal(folder: Path, **info) -> list[str]:
 def write_manifest(folder: Path, files: dict[str, tuple[int, str]], *, manifest: str = MANIFEST, **info) -> None:
     """Atomically: a reader sees no manifest or a whole one."""
     body = {"format": FORMAT, **info, "files": {n: {"bytes": s, "sha256": h} for n, (s, h) in sorted(files.items())}}
-    tmp = folder / f".{manifest}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(body, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / manifest)
+    # A name of this writer's own: several processes may write one manifest at once (a token
+    # cache's, by several jobs); the last rename wins, whole.
+    tmp = unique_tmp(folder, f".{manifest}.")
+    try:
+        with open(tmp, "x") as f:
+            json.dump(body, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / manifest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_manifest(folder: Path, manifest: str = MANIFEST, *, must_list: Iterable[str] = ()) -> tuple[dict | None, str | None]:

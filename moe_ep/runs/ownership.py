@@ -23,10 +23,12 @@ a job that died holding it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -67,16 +69,28 @@ def marker_kind(folder: Path) -> str | None:
     return marker_info(folder).get("kind")
 
 
+def unique_tmp(folder: Path, prefix: str) -> Path:
+    """A temporary file's name in ``folder`` that no other process picks, on any host (pids repeat
+    across hosts, and across containers of one host): ``prefix``, host, pid, random, ``.tmp``."""
+    return folder / f"{prefix}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
 def mark(folder: Path, kind: str, **info) -> None:
-    # A name of this process's own: the local first processes of several nodes may mark one folder.
-    tmp = folder / f"{MARKER}.{os.getpid()}.tmp"
+    # A name of this process's own: several processes may mark one folder at once.
+    tmp = unique_tmp(folder, MARKER + ".")
     tmp.write_text(json.dumps({"kind": kind, "by": "moe_ep", **info}))
     os.replace(tmp, folder / MARKER)
 
 
+def run_own_entry(name: str) -> bool:
+    """A file the ranks' start-up writes may show for an instant in any folder they check: a marker
+    (or its temporary), a peer's write check."""
+    return name.startswith((MARKER, WRITE_CHECK_PREFIX))
+
+
 def is_empty_dir(path: Path) -> bool:
-    """A folder holding nothing (but, at most, a marker being written)."""
-    return path.is_dir() and all(p.name.startswith(MARKER) for p in path.iterdir())
+    """A folder holding nothing (but, at most, a marker being written or a peer's write check)."""
+    return path.is_dir() and all(run_own_entry(p.name) for p in path.iterdir())
 
 
 def ours(path: Path, kind: str) -> bool:
@@ -98,7 +112,7 @@ def holds_nothing_of_the_users(path: Path, managed: tuple[str, ...]) -> bool:
     """Nothing in ``path`` but a marker, the lock (which rank 0 may be creating while its peers
     check), a peer's write check and ``managed`` subfolders that carry their own marker (a run's
     checkpoints copied into a new folder)."""
-    return path.is_dir() and all(p.name.startswith((MARKER, WRITE_CHECK_PREFIX)) or p.name == LOCK_FILE
+    return path.is_dir() and all(run_own_entry(p.name) or p.name == LOCK_FILE
                                  or (p.name in managed and not p.is_symlink() and marker_kind(p) == p.name)
                                  for p in path.iterdir())
 
@@ -310,8 +324,15 @@ def leftover_bytes(checkpoints: Path) -> int:
     interrupted saves and deletions, which the run removes at start."""
     if not ours(checkpoints, "checkpoints"):
         return 0
-    return sum(f.stat().st_size for entry in checkpoints.iterdir() if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX))
-               and entry.is_dir() and not entry.is_symlink() for f in entry.rglob("*") if f.is_file())
+    total = 0
+    for entry in checkpoints.iterdir():
+        if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and entry.is_dir() and not entry.is_symlink():
+            # A job still running there (whose lock refuses this one just after) renames and
+            # deletes them meanwhile: what is gone counts for nothing.
+            for f in entry.rglob("*"):
+                with contextlib.suppress(FileNotFoundError):
+                    total += f.stat().st_size if f.is_file() else 0
+    return total
 
 
 def checkpoints_to_come(checkpoints: Path, keep: int) -> int:
