@@ -5,7 +5,6 @@ files are reported and left alone. On the CPU the Triton path runs under the int
 
 import json
 import os
-import warnings
 
 import pytest
 import torch
@@ -175,11 +174,40 @@ def test_disk_cache_is_written_and_read_back(monkeypatch):
     path = selector.cache_file(torch.device("cpu"))
     data = json.loads(path.read_text())
     assert data["format"] == selector.CACHE_FORMAT and data["sha256"] == selector._checksum(data["families"])
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+    # No temporary file left behind; the lock file of its saves stays.
+    assert sorted(p.name for p in path.parent.iterdir()) == [f".{path.name}.lock", path.name]
     selector.clear()
     measured = Counter(monkeypatch, selector, "_measure")
     run(40)
     assert measured.calls == 0 and selector.decisions() == decided
+
+
+def _save_one_problem(cache_dir: str, i: int, start) -> None:
+    os.environ[selector.CACHE_ENV_VAR] = cache_dir
+    problem = selector.Problem("sm_90", torch.bfloat16, 1024 + 64 * i, 512, 8, 2, "silu")
+    table = selector.Table({128: "triton"}, {128: {"triton": 1.0, "torch": 2.0}}, ())
+    start.wait()
+    selector._cache_save(problem, table, torch.device("cpu"))
+
+
+def test_processes_saving_at_once_keep_every_problem(tmp_path):
+    """The ranks of a node or several jobs saving their problems at once: each read, merge and
+    rename is done under the cache's lock, so none drops another's (the last rename won: 3
+    processes lost 69 entries of 120)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    for trial in range(3):
+        cache_dir = tmp_path / f"cache{trial}"
+        start = ctx.Barrier(3)
+        procs = [ctx.Process(target=_save_one_problem, args=(str(cache_dir), i, start)) for i in range(3)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0, 0]
+        (cache,) = cache_dir.glob("*.json")
+        assert len(json.loads(cache.read_text())["families"]) == 3, trial
 
 
 @pytest.mark.slow
