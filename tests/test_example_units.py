@@ -694,11 +694,11 @@ def test_export_replaces_an_earlier_export_whole(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         export.export_hf(saved, out)
     monkeypatch.undo()
-    assert names(tmp_path) == [".tmp-hf", ".trash-hf", "run"]
+    assert names(tmp_path) == [".moe_ep-lock-hf", ".tmp-hf", ".trash-hf", "run"]  # the lock stays, let go
     assert (tmp_path / ".trash-hf" / "stale.txt").is_file() and (tmp_path / ".tmp-hf" / "model.safetensors").is_file()
 
     assert export.export_hf(saved, out) == out
-    assert names(tmp_path) == ["hf", "run"] and not (out / "stale.txt").exists()
+    assert names(tmp_path) == [".moe_ep-lock-hf", "hf", "run"] and not (out / "stale.txt").exists()
     exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert exported.keys() == model.state_dict().keys()
     assert all(torch.equal(t, model.state_dict()[name]) for name, t in exported.items())

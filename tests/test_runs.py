@@ -283,7 +283,7 @@ def test_the_lock_is_never_taken_through_a_link_or_on_a_folder(what, tmp_path):
     (tmp_path / "run").mkdir()
     lock = tmp_path / "run" / ownership.LOCK_FILE
     lock.symlink_to(target) if what == "a link" else lock.mkdir()
-    with pytest.raises(UsageError, match=f"{lock} is {what} where the run keeps its lock file"):
+    with pytest.raises(UsageError, match=f"{lock} is {what} where moe_ep keeps its lock file"):
         OutputLock(tmp_path / "run").acquire()
     assert target.read_text() == "mine"
 

@@ -32,6 +32,7 @@ from moe_ep.runs import (
     UsageError,
     check_export_target,
     damage_report,
+    export_lock,
     is_complete,
     local_problems,
     manifest_must_list,
@@ -71,10 +72,16 @@ def load_config(checkpoint: Path):
 
 
 def export_hf(checkpoint: Path, out_dir: Path, *, dtype: torch.dtype | None = None) -> Path:
-    from transformers import AutoModelForCausalLM
-
     checkpoint, out_dir = Path(checkpoint), Path(out_dir).resolve()  # "." has no name to put .tmp- before
     check_export_target(out_dir, protected_folders(checkpoint), "--out")
+    with export_lock(out_dir, "--out"):
+        return _export_locked(checkpoint, out_dir, dtype)
+
+
+def _export_locked(checkpoint: Path, out_dir: Path, dtype: torch.dtype | None) -> Path:
+    """export_hf's work, under the export's lock."""
+    from transformers import AutoModelForCausalLM
+
     check_checkpoint(checkpoint)
     config = load_config(checkpoint)
     # Built directly in the output dtype: DCP converts while it reads, so a bf16 export of a

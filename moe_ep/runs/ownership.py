@@ -357,10 +357,13 @@ def job_id() -> str:
 
 
 class OutputLock:
-    """Rank 0's exclusive lock on an output folder (see the module's docstring)."""
+    """Rank 0's exclusive lock on an output folder (see the module's docstring). ``lock_name``,
+    ``flag``: a lock file of another name in ``folder`` and the flag its refusal names (an export's
+    lock beside the folder it replaces, ``export_lock``)."""
 
-    def __init__(self, folder: Path):
-        self.path = folder / LOCK_FILE
+    def __init__(self, folder: Path, *, lock_name: str = LOCK_FILE, flag: str = "--output-dir"):
+        self.path = folder / lock_name
+        self.flag = flag
         self._fd: int | None = None
 
     def acquire(self) -> dict | None:
@@ -374,17 +377,17 @@ class OutputLock:
         except OSError as err:
             if (what := link_or_folder(self.path)) is None:
                 raise
-            raise UsageError(f"--output-dir: {self.path} is {what} where the run keeps its lock file; move it "
+            raise UsageError(f"{self.flag}: {self.path} is {what} where moe_ep keeps its lock file; move it "
                              "away") from err
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             os.close(fd)
             if err.errno in (errno.EACCES, errno.EAGAIN):
-                raise UsageError(f"--output-dir {self.path.parent} is in use by another job ({self.holder()}); "
-                                 "wait for it to end or choose another --output-dir (--overwrite does not "
+                raise UsageError(f"{self.flag} {self.path.parent} is in use by another job ({self.holder()}); "
+                                 f"wait for it to end or choose another {self.flag} (--overwrite does not "
                                  "override this)") from None
-            raise UsageError(f"--output-dir: cannot lock {self.path} ({err.strerror}); the lock keeps a second job "
+            raise UsageError(f"{self.flag}: cannot lock {self.path} ({err.strerror}); the lock keeps a second job "
                              "out of the folder: use a file system with POSIX locks (NFSv4, GPFS, BeeGFS, Lustre "
                              "mounted with -o flock)") from None
         self._fd = fd
@@ -430,6 +433,20 @@ def hold_output_dir(folder: Path, *, rank: int):
     previous = lock.acquire() if rank == 0 else None
     try:
         yield previous
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def export_lock(out_dir: Path, flag: str):
+    """Held while an export writes ``out_dir``: its lock file beside it (the folder itself is
+    replaced by a rename), ``.moe_ep-lock-NAME``. Two exports to one folder each took the other's
+    ``.tmp-`` folder for a leftover and deleted it, and could leave one's weights under the
+    other's marker. Raises UsageError naming the holder."""
+    lock = OutputLock(out_dir.parent, lock_name=f"{LOCK_FILE}-{out_dir.name}", flag=flag)
+    lock.acquire()
+    try:
+        yield
     finally:
         lock.release()
 

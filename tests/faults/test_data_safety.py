@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -198,6 +199,30 @@ def test_export_never_replaces_a_users_folder(base, tmp_path, capsys):
     for _ in range(2):
         assert export.main(["--checkpoint", str(step6), "--out", str(tmp_path / "empty")]) == 0
         assert ownership.marker_kind(tmp_path / "empty") == "export"
+
+
+def test_a_second_export_to_a_folder_being_written_is_refused(base, tmp_path, capsys):
+    """Two exports to one folder at once each took the other's .tmp- folder for a leftover and
+    deleted it, and could leave one checkpoint's weights under the other's marker: the export holds
+    a lock beside the folder, and a second one stops naming its holder, touching nothing."""
+    step6 = base / "checkpoints" / f"step_{STEPS:08d}"
+    out = tmp_path / "hf"
+    # The other export: a process holding the lock (POSIX locks are per process).
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from moe_ep.runs import export_lock\n"
+         f"with export_lock(Path({str(out)!r}), '--out'):\n    print('held', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        before = snapshot(tmp_path)
+        assert export.main(["--checkpoint", str(step6), "--out", str(out)]) == 2
+        assert f"error: --out {tmp_path} is in use by another job (pid {holder.pid}" in capsys.readouterr().err
+        assert snapshot(tmp_path) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert export.main(["--checkpoint", str(step6), "--out", str(out)]) == 0  # let go: the next one runs
+    assert ownership.marker_kind(out) == "export"
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "shard left out of the manifest"])
