@@ -1,4 +1,4 @@
-"""Training data: a corpus found on the machine or given by the user, tokenized once per node into a
+"""Training data: a corpus found on the machine or given by the user, tokenized once (by rank 0) into a
 cache file, packed into fixed-length sequences and dealt out to data-parallel ranks by a schedule
 that is a pure function of the step, so a resumed run reads exactly the batches it would have read.
 

@@ -21,7 +21,7 @@ summary names the ranks). The output folder's lock is a POSIX lock the kernel re
 everything a run writes at start-up is written atomically, so exiting there loses nothing.
 
 The step loop has its own bound (``fail_fast``'s step timeout); this one must exceed the longest
-legitimate start-up: tokenizing a corpus once per node, reading a checkpoint or pretrained weights,
+legitimate start-up: tokenizing a corpus (once, by rank 0), reading a checkpoint or pretrained weights,
 the first compilation."""
 
 from __future__ import annotations
