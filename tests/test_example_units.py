@@ -87,8 +87,10 @@ def test_half_written_caches_of_a_killed_run_are_removed_from_the_runs_cache_fol
 
     cache = make_managed_dir(tmp_path / "token_cache", "token_cache")
     (cache / ".tokens-0123456789abcdef.npy.4242.tmp").write_bytes(bytes(64))
+    (cache / ".tokens-0123456789abcdef.manifest.json.node7-4242-9f3a01bc.tmp").write_text("{")  # its manifest's
     (cache / "tokens-0123456789abcdef.npy").write_bytes(bytes(8))
-    assert [p.name for p in data.remove_interrupted_writes(cache)] == [".tokens-0123456789abcdef.npy.4242.tmp"]
+    assert [p.name for p in data.remove_interrupted_writes(cache)] == [
+        ".tokens-0123456789abcdef.npy.4242.tmp", ".tokens-0123456789abcdef.manifest.json.node7-4242-9f3a01bc.tmp"]
     assert sorted(p.name for p in cache.iterdir()) == [".moe_ep-owner", "tokens-0123456789abcdef.npy"]
     users = tmp_path / "mine"
     users.mkdir()

@@ -391,23 +391,27 @@ def test_several_writers_of_one_manifest_each_write_it_whole(tmp_path):
 
 def test_leftovers_a_running_job_removes_meanwhile_count_for_nothing(tmp_path, monkeypatch):
     """A second job checks the folder of one still running (its lock refuses it just after): the
-    first job's .tmp- files may go while the second counts them, which stopped it with a traceback
-    instead of the lock's message."""
+    first job's .tmp- folders may go while the second counts them, which stopped it with a
+    traceback instead of the lock's message."""
     root = ownership.make_managed_dir(tmp_path / "checkpoints", "checkpoints")
-    (root / ".tmp-step_00000004").mkdir()
-    (root / ".tmp-step_00000004" / "shard.distcp").write_bytes(bytes(100))
-    (root / ".tmp-step_00000004" / "gone.distcp").write_bytes(bytes(7))
-    assert ownership.leftover_bytes(root) == 107
-    real_stat = Path.stat
+    for name in (".tmp-step_00000004", ".trash-step_00000002"):
+        (root / name / "sub").mkdir(parents=True)
+        (root / name / "shard.distcp").write_bytes(bytes(100))
+        (root / name / "sub" / "more.distcp").write_bytes(bytes(7))
+    assert ownership.leftover_bytes(root) == 214
+    real_walk = os.walk
 
-    def stat(path, *args, **kwargs):
-        if path.name == "gone.distcp":
-            raise FileNotFoundError(2, "No such file or directory", str(path))
-        return real_stat(path, *args, **kwargs)
+    def walk_while_the_other_job_deletes(top, *args, **kwargs):
+        for i, step in enumerate(real_walk(top, *args, **kwargs)):
+            yield step
+            if i == 0 and Path(top).name.startswith(".trash-"):
+                shutil.rmtree(top)  # the running job's deletion, mid-walk
 
-    monkeypatch.setattr(Path, "is_file", lambda path: True)
-    monkeypatch.setattr(Path, "stat", stat)
-    assert ownership.leftover_bytes(root) == 100
+    monkeypatch.setattr(ownership.os, "walk", walk_while_the_other_job_deletes)
+    assert ownership.leftover_bytes(root) == 107 + 100  # the .tmp- folder whole, the other's first file
+    monkeypatch.setattr(ownership.os, "walk", real_walk)
+    shutil.rmtree(root)  # an --overwrite of the running job took the whole folder
+    assert ownership.leftover_bytes(root) == 0
 
 
 def test_free_space_counts_keep_plus_one_checkpoints_and_the_runs_own_leftovers(tmp_path, monkeypatch):

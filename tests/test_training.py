@@ -176,9 +176,9 @@ def test_a_deepseek_v3_routers_aux_loss_takes_its_normalised_sigmoid_scores():
 
 def test_each_routers_scoring_is_read_from_its_class_or_stated():
     """The aux loss's probabilities follow how the router scores: read from the class's forward
-    (Mixtral's softmax, DeepSeek-V3's sigmoid and the routers copied from it); a router whose
-    forward computes neither (here a subclass that calls its parent's) is refused by name until
-    ``router_score`` states it, and then gives the loss the family's own router gives."""
+    (Mixtral's softmax, DeepSeek-V3's sigmoid and the routers copied from it), a parent's where the
+    forward delegates; a router whose forward computes both (the config's choice) is refused by
+    name until ``router_score`` states it, and then gives the loss the family's router gives."""
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
     from moe_ep.hf.routers import router_score
@@ -195,16 +195,26 @@ def test_each_routers_scoring_is_read_from_its_class_or_stated():
         def forward(self, hidden_states):
             return super().forward(hidden_states)
 
+    class ConfigChosenRouter(MixtralTopKRouter):
+        def forward(self, hidden_states):  # a config would choose the softmax or the sigmoid here
+            return super().forward(hidden_states)
+
     batch = tiny_batch(tiny_config("mixtral", **TINY), batch=2, seq=6)
     own = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), aux_loss_coef=0.1)
     own(batch)
     own.close()
     for layer in model.model.layers:
         layer.mlp.gate.__class__ = DelegatingRouter
+    delegating = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), aux_loss_coef=0.1)
+    delegating(batch)
+    delegating.close()
+    assert torch.equal(delegating.last_aux_loss, own.last_aux_loss)
+    for layer in model.model.layers:
+        layer.mlp.gate.__class__ = ConfigChosenRouter
     hooks = sum(len(m._forward_hooks) for m in model.modules())
     with pytest.raises(ValueError, match=r"aux_loss_coef > 0 needs to know how each router scores its experts "
                                          r"\(softmax or sigmoid\); the gate of 'model.layers.0.mlp' "
-                                         r"\(DelegatingRouter\) computes both or neither in its forward: pass "
+                                         r"\(ConfigChosenRouter\) computes both or neither in its forward: pass "
                                          r"router_score='softmax' or 'sigmoid'"):
         TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), aux_loss_coef=0.1)
     assert sum(len(m._forward_hooks) for m in model.modules()) == hooks
@@ -216,6 +226,26 @@ def test_each_routers_scoring_is_read_from_its_class_or_stated():
         TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), aux_loss_coef=0.1, router_score="tanh")
     with pytest.raises(ValueError, match=r"router_score='sigmoid' needs aux_loss_coef > 0"):
         TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), router_score="sigmoid")
+
+
+def test_a_stage_without_moe_layers_learns_that_another_refused_a_routers_scoring():
+    """On pipeline stages the refusal of a router whose scoring cannot be told rides on the count
+    of MoE layers summed over the stages: a stage of dense layers raises too, instead of waiting
+    in the next collective for the refusing stage (the other stage's refusal is played here)."""
+    from moe_ep.training.balancing import Balancing
+
+    class StageOfDenseLayers:
+        modules = [torch.nn.Sequential(torch.nn.Linear(2, 2))]
+        device = torch.device("cpu")
+        microbatches = 1
+
+        @staticmethod
+        def sum_over_stages(t):
+            return t + torch.tensor([2.0, 1.0])  # the other stage: 2 MoE layers, one refused router
+
+    with pytest.raises(ValueError, match=r"^aux_loss_coef > 0 was refused by another pipeline stage \(its error "
+                                         r"names the router\)$"):
+        Balancing(StageOfDenseLayers(), aux_loss_coef=0.1, z_loss_coef=0.0, expert_bias_rate=0.0, group=None)
 
 
 def test_expert_bias_refused_without_a_correction_bias():

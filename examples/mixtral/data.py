@@ -325,12 +325,14 @@ def token_cache_problems(path: Path) -> list[str]:
 
 
 def remove_interrupted_writes(cache_dir: Path) -> list[Path]:
-    """The temporary files of token caches whose writer was killed (cached_tokens), in a token
+    """The temporary files of token caches and their manifests whose writer was killed (cached_tokens,
+    each under a name of its own), in a token
     cache folder that is the run's; for the job's rank 0 while it holds the folder and before its
     peers can write (they wait for it to agree on the arguments). Returns what it removed."""
     if marker_kind(cache_dir) != "token_cache":
         return []
-    removed = [p for p in cache_dir.glob(".tokens-*.npy.*.tmp") if p.is_file() and not p.is_symlink()]
+    removed = [p for pattern in (".tokens-*.npy.*.tmp", ".tokens-*.manifest.json.*.tmp") for p in cache_dir.glob(pattern)
+               if p.is_file() and not p.is_symlink()]
     for path in removed:
         path.unlink()
     return removed

@@ -74,6 +74,7 @@ def load_config(checkpoint: Path):
 def export_hf(checkpoint: Path, out_dir: Path, *, dtype: torch.dtype | None = None) -> Path:
     checkpoint, out_dir = Path(checkpoint), Path(out_dir).resolve()  # "." has no name to put .tmp- before
     check_export_target(out_dir, protected_folders(checkpoint), "--out")
+    check_checkpoint(checkpoint)
     with export_lock(out_dir, "--out"):
         return _export_locked(checkpoint, out_dir, dtype)
 
@@ -82,7 +83,6 @@ def _export_locked(checkpoint: Path, out_dir: Path, dtype: torch.dtype | None) -
     """export_hf's work, under the export's lock."""
     from transformers import AutoModelForCausalLM
 
-    check_checkpoint(checkpoint)
     config = load_config(checkpoint)
     # Built directly in the output dtype: DCP converts while it reads, so a bf16 export of a
     # 47B model needs ~94 GB of host memory, not the ~188 GB of an fp32 copy.

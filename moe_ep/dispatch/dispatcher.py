@@ -62,7 +62,7 @@ def dispatch(
     needs. Every rank of ``group`` must call it (collective), whatever its number of tokens.
     Differentiable in ``hidden_states`` and ``top_k_weights``; their backward exchanges run on
     the ranks where they require grad, so every rank must pass them alike (``moe_experts_ep``
-    sees to it).
+    sees to it where the experts' weights require grad).
 
     ``node_groups`` (``moe_ep.dispatch.NodeGroups``, dropless only): the node-aware scheme
     (``moe_ep.dispatch.nodes``), each token sent once to each destination node and forwarded

@@ -84,7 +84,8 @@ def joined_to_the_graph(hidden_states, top_k_weights, *expert_weights):
     those require grad: a rank without tokens passing plain empty tensors finished its backward
     while its peers waited for it in the exchange. The price where they did not require grad on any
     rank (a frozen router, experts-only fine-tuning's first MoE layer): those exchanges, whose
-    gradients are dropped."""
+    gradients are dropped. With frozen experts the ranks must pass them alike themselves (a model
+    does: its hidden states require grad on every rank, a rank without tokens included)."""
     if not (torch.is_grad_enabled() and any(w.requires_grad for w in expert_weights)):
         return hidden_states, top_k_weights
     return tuple(t if t.requires_grad else t.detach().requires_grad_() for t in (hidden_states, top_k_weights))

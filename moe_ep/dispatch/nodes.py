@@ -83,9 +83,19 @@ def check_node_groups(node_groups, group, capacity_factor) -> None:
         raise ValueError(
             f"node_groups must split the ep group of {ep} ranks into nodes x node_size, got {nodes} nodes x {size}"
         )
-    # The members, not only this rank's place in each group: groups that hold this rank at the
-    # right place can still be the wrong ones (inter and intra swapped: ranks 0 and 3 of 2 x 2
-    # passed and waited for the others in the exchange while ranks 1 and 2 raised).
+    if (node_groups, group) not in _CHECKED_NODE_GROUPS:  # the members once per pair: this runs every layer
+        _check_members(node_groups, group, size)
+        _CHECKED_NODE_GROUPS.add((node_groups, group))
+
+
+# (NodeGroups, ep group) pairs whose members check_node_groups found right.
+_CHECKED_NODE_GROUPS: set = set()
+
+
+def _check_members(node_groups: NodeGroups, group, size: int) -> None:
+    """The members, not only this rank's place in each group: groups that hold this rank at the
+    right place can still be the wrong ones (inter and intra swapped: ranks 0 and 3 of 2 x 2
+    passed and waited for the others in the exchange while ranks 1 and 2 raised)."""
     rank, ep_ranks = dist.get_rank(group), dist.get_process_group_ranks(group)
     node, local = divmod(rank, size)
     expected = {"intra": ep_ranks[node * size:(node + 1) * size], "inter": ep_ranks[local::size]}

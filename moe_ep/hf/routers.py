@@ -133,14 +133,21 @@ def router_score(router: torch.nn.Module) -> str | None:
     """How ``router`` scores the experts, as ``route_topk``'s ``score`` names it: ``"softmax"`` or
     ``"sigmoid"``, read from its class's forward, the one of the two it computes (every router of
     transformers 5.24 that computes only one, DeepSeek-V3's and the many copied from it among the
-    sigmoid ones); None where the forward names both (the choice is the config's, as Cohere2-MoE's
-    ``expert_selection_fn``) or neither (it calls a function that does, or returns raw logits)."""
-    try:
-        source = inspect.getsource(type(router).forward)
-    except (OSError, TypeError):  # a class defined where its source cannot be read
-        return None
-    named = [score for score in SCORES if score in source]
-    return named[0] if len(named) == 1 else None
+    sigmoid ones). A forward that names neither delegates (to its parent's, most often): the next
+    forward up the class's bases is read. None where a forward names both (the choice is the
+    config's, as Cohere2-MoE's ``expert_selection_fn``) or none up the bases names one."""
+    for cls in type(router).__mro__:
+        forward = cls.__dict__.get("forward")
+        if forward is None:
+            continue
+        try:
+            source = inspect.getsource(forward)
+        except (OSError, TypeError):  # a class defined where its source cannot be read
+            return None
+        named = [score for score in SCORES if score in source]
+        if named:
+            return named[0] if len(named) == 1 else None
+    return None
 
 
 def router_key(router: torch.nn.Module) -> str:

@@ -12,7 +12,7 @@ loss. Nothing here reads a tensor back to the host."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from .validate import (
 
 
 def _as_layers(name: str, value) -> list[torch.Tensor]:
-    if not isinstance(value, (torch.Tensor, Sequence)):
+    if not isinstance(value, (torch.Tensor, Iterable)) or isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be a tensor or a sequence of tensors (one per layer), got {type(value).__name__}")
     layers = [value] if isinstance(value, torch.Tensor) else list(value)
     if not layers:
@@ -59,8 +59,13 @@ def expert_counts(top_k_index: torch.Tensor, num_experts: int, token_mask: torch
     check_index("top_k_index", top_k_index)
     check_count("num_experts", num_experts, at_least=1)
     check_indices_in_range("top_k_index", top_k_index, num_experts)
+    _check_token_mask(token_mask, top_k_index.shape[0])
+    return _counts(top_k_index, num_experts, token_mask)
+
+
+def _counts(top_k_index: torch.Tensor, num_experts: int, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """``expert_counts`` of ids and a mask already checked."""
     T, K = top_k_index.shape
-    _check_token_mask(token_mask, T)
     ones = torch.ones(T, K, dtype=torch.float32, device=top_k_index.device)
     if token_mask is not None:
         ones = ones * token_mask.reshape(T, 1).to(torch.float32)
@@ -130,7 +135,10 @@ def load_balancing_loss(
             if tuple(chosen.shape) != (layer_logits.shape[0], top_k):
                 raise ValueError(f"top_k_index[{i}] must have shape [T, top_k] = [{layer_logits.shape[0]}, {top_k}] "
                                  f"to match router_logits[{i}], got {tuple(chosen.shape)}")
-        counts_E = counts_E + expert_counts(chosen, E, token_mask).to(dtype)
+            check_index("top_k_index", chosen)
+            check_indices_in_range("top_k_index", chosen, E)
+        # The mask was checked once, above, not once per layer.
+        counts_E = counts_E + _counts(chosen, E, token_mask).to(dtype)
         if token_mask is not None:
             probs_TE = probs_TE * token_mask.reshape(-1, 1).to(dtype)
         prob_sum_E = prob_sum_E + probs_TE.sum(0)

@@ -383,7 +383,7 @@ def _cache_lock(path: Path):
     """An exclusive lock on ``path``'s lock file beside it, for one read, merge and rename: without
     it, processes saving at once (the ranks of a node, several jobs) each renamed their own copy
     over the file and the last one dropped the others' problems (3 processes lost 69 of 120)."""
-    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides
     try:
         with contextlib.suppress(OSError):  # a file system without locks: unguarded, as before
             fcntl.lockf(fd, fcntl.LOCK_EX)

@@ -324,14 +324,17 @@ def leftover_bytes(checkpoints: Path) -> int:
     interrupted saves and deletions, which the run removes at start."""
     if not ours(checkpoints, "checkpoints"):
         return 0
+    # A job still running there (whose lock refuses this one just after) renames and deletes them
+    # meanwhile: what is gone counts for nothing (os.walk passes over what vanishes mid-walk).
     total = 0
-    for entry in checkpoints.iterdir():
-        if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and entry.is_dir() and not entry.is_symlink():
-            # A job still running there (whose lock refuses this one just after) renames and
-            # deletes them meanwhile: what is gone counts for nothing.
-            for f in entry.rglob("*"):
-                with contextlib.suppress(FileNotFoundError):
-                    total += f.stat().st_size if f.is_file() else 0
+    with contextlib.suppress(FileNotFoundError):
+        for entry in checkpoints.iterdir():
+            if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and entry.is_dir() and not entry.is_symlink():
+                for folder, _, names in os.walk(entry):
+                    for name in names:
+                        with contextlib.suppress(FileNotFoundError):
+                            path = Path(folder, name)
+                            total += path.stat().st_size if path.is_file() else 0
     return total
 
 
@@ -369,14 +372,14 @@ class OutputLock:
     def acquire(self) -> dict | None:
         """Take the lock or raise UsageError naming its holder. Returns the record left by a job
         that died holding it, if any."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         # Never deleted: a lock file unlinked and re-created would let two jobs lock two inodes.
         # Never through a link (the record would overwrite its target).
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as err:
             if (what := link_or_folder(self.path)) is None:
-                raise
+                raise UsageError(f"{self.flag}: cannot write in {self.path.parent}: {err.strerror or err}") from None
             raise UsageError(f"{self.flag}: {self.path} is {what} where moe_ep keeps its lock file; move it "
                              "away") from err
         try:

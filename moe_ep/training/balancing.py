@@ -128,21 +128,22 @@ class AuxLossHooks:
         return _AttachAuxLoss.apply(output, terms, counts_E, self.weights, self.record, index)
 
 
-def router_scores(modules, given: str | None) -> list[str]:
+def router_scores(modules, given: str | None) -> tuple[list[str], str | None]:
     """How the router of each MoE block of ``modules`` (AuxLossHooks' order) scores its experts:
     ``given``, else what its class computes (``moe_ep.hf.routers.router_score``). The aux loss takes
     those probabilities: a sigmoid router's scores normalised over the experts, as DeepSeek-V3's
-    balance loss and Megatron-Core's aux loss take them, not a softmax of its logits. A router
-    whose scoring cannot be told is refused by name, with the way to state it."""
+    balance loss and Megatron-Core's aux loss take them, not a softmax of its logits. Returns them,
+    and what to refuse (the first router whose scoring cannot be told, and the way to state it) or
+    None; raised by the caller on every pipeline stage alike."""
     blocks = [(name, block.gate) for name, block in moe_blocks(modules)]
     scores = [given or router_score(gate) for _, gate in blocks]
     unknown = [(name, gate) for (name, gate), score in zip(blocks, scores) if score is None]
-    if unknown:
-        name, gate = unknown[0]
-        raise ValueError(f"aux_loss_coef > 0 needs to know how each router scores its experts (softmax or sigmoid); "
-                         f"the gate of {name!r} ({type(gate).__name__}) computes both or neither in its forward: pass "
-                         "router_score='softmax' or 'sigmoid'")
-    return scores
+    if not unknown:
+        return scores, None
+    name, gate = unknown[0]
+    return scores, (f"aux_loss_coef > 0 needs to know how each router scores its experts (softmax or sigmoid); the "
+                    f"gate of {name!r} ({type(gate).__name__}) computes both or neither in its forward: pass "
+                    "router_score='softmax' or 'sigmoid'")
 
 
 class Balancing:
@@ -157,13 +158,20 @@ class Balancing:
         self.executor = executor
         self.aux_loss_coef, self.z_loss_coef, self.expert_bias_rate = aux_loss_coef, z_loss_coef, expert_bias_rate
         self.losses = bool(aux_loss_coef or z_loss_coef)
-        scores = router_scores(executor.modules, router_score) if aux_loss_coef else None
+        scores, unscored = router_scores(executor.modules, router_score) if aux_loss_coef else (None, None)
         self.hooks = AuxLossHooks(executor.modules, losses=self.losses, counts=bool(expert_bias_rate), group=group,
                                   scores=scores)
         try:
-            count = executor.sum_over_stages(torch.tensor([float(len(self.hooks.blocks))], device=executor.device))
+            # The MoE layers, and the stages that cannot tell a router's scoring, over every stage:
+            # a stage without MoE blocks would otherwise wait for its refusing peers.
+            count = executor.sum_over_stages(torch.tensor([float(len(self.hooks.blocks)), float(unscored is not None)],
+                                                          device=executor.device))
             # host sync: once, at construction.
-            self.num_layers = int(count.item())
+            layers, refusing = count.tolist()
+            self.num_layers = int(layers)
+            if refusing:
+                raise ValueError(unscored or "aux_loss_coef > 0 was refused by another pipeline stage (its error names "
+                                 "the router)")
             if not self.num_layers:
                 needs = "aux_loss_coef or z_loss_coef" if self.losses else "expert_bias_rate"
                 raise ValueError(f"{needs} > 0 needs MoE blocks (modules with a 'gate' router and 'experts')")
