@@ -182,8 +182,8 @@ def wait_for_rank_0_report(err: BaseException, rank: int) -> bool:
     key = SAID_KEY + "/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
         store = job_store()
-        if store is None:  # no launcher's store and no process group yet: nothing to wait on
-            return rank == 0 or not said_by_rank_0(err)
+        if store is None:  # no launcher's store and no process group: rank 0 says it, as always once
+            return True
         if rank == 0:
             store.set(key, "1")
         elif said_by_rank_0(err):
