@@ -242,9 +242,11 @@ def _other_optimizer_schedule(model):
          r"^lr_scheduler schedules another optimizer than the step's"),
         (lambda m: dict(aux_loss_coef=0.1, global_aux_loss="yes"), TypeError,
          r"^global_aux_loss must be a bool, got 'yes'$"),
+        (lambda m: dict(aux_loss_coef=0.1, sequence_aux_loss=1), TypeError,
+         r"^sequence_aux_loss must be a bool, got 1$"),
     ],
     ids=["autocast_float64", "autocast_float32", "scheduler_string", "scheduler_of_another_optimizer",
-         "global_aux_not_bool"],
+         "global_aux_not_bool", "sequence_aux_not_bool"],
 )
 def test_train_step_refuses_options_it_would_ignore_or_apply_half_way(options, error, message):
     """Each of these was taken and then ignored (torch.autocast only warns for a full-precision

@@ -28,6 +28,22 @@ from numerics import TOLERANCE, rel_err  # noqa: E402
 
 
 @pytest.mark.slow
+def test_sequence_aux_loss_flag_balances_each_sequence(tmp_path):
+    """``--aux-loss sequence`` reaches TrainStep: the first step's LM loss is the local run's (no
+    update yet), its aux loss another value, finite."""
+    from moe_ep.runs import read_metrics
+
+    runs = {}
+    for mode in ("local", "sequence"):
+        out = tmp_path / mode
+        assert train_in_process([*COMMON, "--steps", "1", "--checkpoint-every", "0", "--output-dir", str(out),
+                                 "--aux-loss", mode]) == 0
+        [runs[mode]] = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] == 1]
+    assert runs["sequence"]["loss"] == runs["local"]["loss"]  # the LM loss, before any update
+    assert 0 < runs["sequence"]["aux_loss"] < float("inf") and runs["sequence"]["aux_loss"] != runs["local"]["aux_loss"]
+
+
+@pytest.mark.slow
 def test_chunked_loss_flag_trains_with_the_same_losses(tmp_path):
     full, chunked = tmp_path / "full", tmp_path / "chunked"
     for out, extra in ((full, []), (chunked, ["--chunked-loss"])):

@@ -86,6 +86,37 @@ def test_a_sigmoid_routers_loss_is_deepseek_v3s_balance_loss_times_top_k(masked)
         load_balancing_loss(logits, K, score="tanh")
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_sequence_wise_loss_is_deepseek_v3s_per_sequence_mean(masked):
+    """``sequence_length``: one layer's value and gradient are top_k times the mean over the
+    sequences (of S consecutive rows) of DeepSeek-V3's balance loss of each; a fully padded
+    sequence is left out of the mean. Several layers pool within each sequence."""
+    S, B = 5, 4
+    logits = _logits(B * S, 7)
+    idx = [(t + torch.linspace(0, 1, E, dtype=torch.float64)).topk(K, dim=-1).indices for t in logits]
+    mask = torch.tensor([1, 1, 0, 1, 1] + [0] * 5 + [1] * 5 + [0, 1, 1, 1, 0]) if masked else torch.ones(B * S,
+                                                                                                        dtype=torch.long)
+    ref_leaf, leaf = logits[0].clone().requires_grad_(), logits[0].clone().requires_grad_()
+    kept = [b for b in range(B) if mask[b * S:(b + 1) * S].any()]
+    ref = K * sum(_deepseek_balance_loss(ref_leaf[b * S:(b + 1) * S], idx[0][b * S:(b + 1) * S],
+                                         mask[b * S:(b + 1) * S]) for b in kept) / len(kept)
+    ref.backward()
+    loss = load_balancing_loss(leaf, K, top_k_index=idx[0], token_mask=mask if masked else None, score="sigmoid",
+                               sequence_length=S)
+    loss.backward()
+    assert rel_err(loss.detach(), ref.detach()) <= TOL and rel_err(leaf.grad, ref_leaf.grad) <= TOL
+    # Several layers: each sequence's counts and probabilities pooled over the layers, as the
+    # batch loss pools them, then the mean over the sequences; one sequence is the batch loss.
+    pooled = [load_balancing_loss([t[b * S:(b + 1) * S] for t in logits], K,
+                                  top_k_index=[i[b * S:(b + 1) * S] for i in idx],
+                                  token_mask=mask[b * S:(b + 1) * S] if masked else None) for b in kept]
+    per_sequence = load_balancing_loss(logits, K, top_k_index=idx, token_mask=mask if masked else None,
+                                       sequence_length=S)
+    assert rel_err(per_sequence, sum(pooled) / len(kept)) <= TOL
+    assert torch.equal(load_balancing_loss(logits, K, sequence_length=B * S), load_balancing_loss(logits, K))
+    assert rel_err(per_sequence, load_balancing_loss(logits, K, top_k_index=idx)) > 1e-3
+
+
 def test_z_loss_formula():
     logits = _logits(9, 2)
     ref = sum(torch.log(torch.exp(t).sum(-1)).pow(2).mean() for t in logits)
@@ -147,6 +178,10 @@ def test_bias_update_of_several_layers_balances_each_on_its_own():
         (lambda: load_balancing_loss(torch.zeros(6, 4), 2, top_k_index=torch.zeros(5, 2, dtype=torch.long)),
          ValueError,
          r"top_k_index\[0\] must have shape \[T, top_k\] = \[6, 2\] to match router_logits\[0\], got \(5, 2\)"),
+        (lambda: load_balancing_loss(_logits(6, 0), 2, sequence_length=4), ValueError,
+         r"sequence_length=4 must divide the T=6 rows of router_logits"),
+        (lambda: load_balancing_loss(_logits(6, 0), 2, sequence_length=0), ValueError,
+         "sequence_length must be a positive int or None, got 0"),
         (lambda: load_balancing_loss(torch.zeros(6, 4), 2, top_k_index=torch.full((6, 2), 4)), ValueError,
          r"top_k_index must hold expert ids in \[0, 4\), got values in \[4, 4\]"),
         (lambda: expert_counts(torch.tensor([[0, -1]]), 4), ValueError,
@@ -215,6 +250,11 @@ def _global(rank: int, world: int) -> dict:
     alone = [update_expert_bias_(torch.linspace(-0.2, 0.2, E), sum(all_counts), rate=0.01),
              update_expert_bias_(torch.zeros(E), sum(flipped), rate=0.01)]
     out["layers_match_one_process"] = all(torch.equal(b, a) for b, a in zip(layers, alone))
+    try:
+        load_balancing_loss(logits[rank], K, sequence_length=TOKENS[rank], group=dist.group.WORLD)
+        out["sequences_with_group"] = "accepted"
+    except ValueError as e:
+        out["sequences_with_group"] = str(e)
     return out
 
 
@@ -235,3 +275,9 @@ def test_expert_bias_identical_on_every_rank(two_ranks):
     for result in two_ranks:
         assert result["bias_identical"] and result["bias_matches_one_process"] and result["bias_moved"]
         assert result["layers_match_one_process"]
+
+
+@pytest.mark.slow
+def test_the_sequence_wise_loss_refuses_a_group(two_ranks):
+    for result in two_ranks:
+        assert result["sequences_with_group"].startswith("sequence_length and group exclude each other")

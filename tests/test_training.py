@@ -174,6 +174,48 @@ def test_a_deepseek_v3_routers_aux_loss_takes_its_normalised_sigmoid_scores():
     assert rel_err(step.last_aux_loss, torch.stack(per_layer).double().mean()) <= TOLERANCE[torch.float32]
 
 
+def test_the_sequence_wise_aux_loss_balances_each_sequence_on_its_own():
+    """``sequence_aux_loss``: per MoE layer and micro-batch, the mean over its sequences of each
+    sequence's E * sum_e f_e * P_e (DeepSeek-V3's sequence-wise balance loss times top-k), the mean
+    over layers and micro-batches, against float64 by hand; another value than the batch-pooled
+    loss, and refused with a global aux loss or without an aux loss."""
+    from moe_ep.training import TrainStep
+
+    model, batch = _dsv3(), _dsv3_batch(batch=4)
+    seq = batch["input_ids"].shape[1]
+    routers = [m.gate for m in model.modules() if type(m).__name__ == "DeepseekV3MoE"]
+    seen = []
+    handles = [r.register_forward_hook(lambda mod, args, out: seen.append((out[0].detach(), out[2]))) for r in routers]
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), aux_loss_coef=0.1, microbatches=2,
+                     sequence_aux_loss=True)
+    step(batch)
+    for h in handles:
+        h.remove()
+    E_ = model.config.n_routed_experts
+    per_layer_and_microbatch = []
+    for logits_TE, idx_TK in seen:
+        sequences = []
+        for b in range(logits_TE.shape[0] // seq):
+            rows = slice(b * seq, (b + 1) * seq)
+            s_TE = logits_TE[rows].double().sigmoid() / logits_TE[rows].double().sigmoid().sum(-1, keepdim=True)
+            f_E = torch.stack([(idx_TK[rows] == e).any(-1).double().mean() for e in range(E_)])
+            sequences.append(E_ * (f_E * s_TE.mean(0)).sum())
+        assert len(sequences) == 2  # a micro-batch holds two sequences
+        per_layer_and_microbatch.append(torch.stack(sequences).mean())
+    assert len(per_layer_and_microbatch) == 2 * len(routers)
+    assert rel_err(step.last_aux_loss, torch.stack(per_layer_and_microbatch).mean()) <= TOLERANCE[torch.float32]
+    step.close()
+    pooled = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), aux_loss_coef=0.1, microbatches=2)
+    pooled(batch)
+    pooled.close()
+    assert rel_err(pooled.last_aux_loss, step.last_aux_loss) > 1e-3
+    with pytest.raises(ValueError, match="global_aux_loss and sequence_aux_loss exclude each other"):
+        TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), aux_loss_coef=0.1, global_aux_loss=True,
+                  sequence_aux_loss=True)
+    with pytest.raises(ValueError, match=r"^sequence_aux_loss=True needs aux_loss_coef > 0$"):
+        TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), sequence_aux_loss=True)
+
+
 def test_each_routers_scoring_is_read_from_its_class_or_stated():
     """The aux loss's probabilities follow how the router scores: read from the class's forward
     (Mixtral's softmax, DeepSeek-V3's sigmoid and the routers copied from it), a parent's where the

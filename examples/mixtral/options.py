@@ -94,9 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the run after this many in a row (0: never stop)")
     o.add_argument("--aux-loss-coef", type=float, default=None,
                    help="load-balancing loss weight (default: the model config's router_aux_loss_coef)")
-    o.add_argument("--aux-loss", default="local", choices=["local", "global"],
+    o.add_argument("--aux-loss", default="local", choices=["local", "global", "sequence"],
                    help="local: each rank balances its own tokens (transformers' loss); global: expert counts "
-                        "summed over every data-parallel rank first (Megatron-Core's global aux loss)")
+                        "summed over every data-parallel rank first (Megatron-Core's global aux loss); sequence: "
+                        "each sequence balanced on its own (DeepSeek-V3's sequence-wise balance loss)")
     o.add_argument("--z-loss-coef", type=float, default=0.0, help="router z-loss weight (ST-MoE)")
     o.add_argument("--chunked-loss", action="store_true",
                    help="compute the LM loss through the head in chunks of tokens, never holding the full logits "

@@ -117,7 +117,8 @@ def make_step(target, optimizer, args, layout, *, aux_coef: float, bias_rate: fl
     any rank is skipped on every rank; ``--max-consecutive-skips`` in a row stop the run (0: never)."""
     # Clipping to an infinite norm still measures it, for the log.
     return TrainStep(target, optimizer, microbatches=layout.microbatches, aux_loss_coef=aux_coef,
-                     global_aux_loss=args.aux_loss == "global" and aux_coef > 0, z_loss_coef=args.z_loss_coef,
+                     global_aux_loss=args.aux_loss == "global" and aux_coef > 0,
+                     sequence_aux_loss=args.aux_loss == "sequence" and aux_coef > 0, z_loss_coef=args.z_loss_coef,
                      expert_bias_rate=bias_rate,
                      max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else math.inf,
                      max_consecutive_skips=args.max_consecutive_skips or None, autocast_dtype=autocast_dtype,

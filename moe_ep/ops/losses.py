@@ -60,17 +60,22 @@ def expert_counts(top_k_index: torch.Tensor, num_experts: int, token_mask: torch
     check_count("num_experts", num_experts, at_least=1)
     check_indices_in_range("top_k_index", top_k_index, num_experts)
     _check_token_mask(token_mask, top_k_index.shape[0])
-    return _counts(top_k_index, num_experts, token_mask)
+    return _counts(top_k_index, num_experts, token_mask)[0]
 
 
-def _counts(top_k_index: torch.Tensor, num_experts: int, token_mask: torch.Tensor | None) -> torch.Tensor:
-    """``expert_counts`` of ids and a mask already checked."""
+def _counts(top_k_index: torch.Tensor, num_experts: int, token_mask: torch.Tensor | None, sequences: int = 1
+            ) -> torch.Tensor:
+    """``expert_counts`` of ids and a mask already checked; with ``sequences`` B > 1, ``[B, E]``:
+    the counts of each sequence of ``T / B`` consecutive tokens."""
     T, K = top_k_index.shape
-    ones = torch.ones(T, K, dtype=torch.float32, device=top_k_index.device)
+    device = top_k_index.device
+    ones = torch.ones(T, K, dtype=torch.float32, device=device)
     if token_mask is not None:
         ones = ones * token_mask.reshape(T, 1).to(torch.float32)
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=top_k_index.device)
-    return counts.scatter_add_(0, top_k_index.reshape(-1).long(), ones.reshape(-1))
+    sequence_T1 = torch.arange(T, device=device)[:, None] // max(T // sequences, 1)
+    counts = torch.zeros(sequences * num_experts, dtype=torch.float32, device=device)
+    counts.scatter_add_(0, (sequence_T1 * num_experts + top_k_index.long()).reshape(-1), ones.reshape(-1))
+    return counts.view(sequences, num_experts)
 
 
 def load_balancing_loss(
@@ -81,6 +86,7 @@ def load_balancing_loss(
     token_mask: torch.Tensor | None = None,
     group: dist.ProcessGroup | None = None,
     score: str = "softmax",
+    sequence_length: int | None = None,
 ) -> torch.Tensor:
     """``E * sum_e f_e * P_e`` summed over the batch of every layer: ``f_e`` routed pairs of expert
     ``e`` per token, ``P_e`` its mean softmax probability. Equals transformers'
@@ -99,8 +105,13 @@ def load_balancing_loss(
         score: how the router scores the experts: ``"softmax"``, or ``"sigmoid"`` (DeepSeek-V3 and
             the routers copied from it), whose ``P_e`` is the mean of ``sigmoid(logit_e)`` over the
             sum of the token's sigmoid scores (DeepSeek-V3's balance loss, Megatron-Core's aux loss of
-            a sigmoid router). DeepSeek-V3's sequence-wise loss is this per sequence, divided by
-            ``top_k``; here the batch is pooled, as for the softmax loss.
+            a sigmoid router).
+        sequence_length: None pools the batch. ``S``: the loss of each sequence of ``S``
+            consecutive tokens on its own (``f_e`` and ``P_e`` over that sequence's tokens, every
+            layer pooled), averaged over the sequences that have a token that counts: the
+            sequence-wise balance loss of DeepSeek-V3 (times ``top_k``, with ``score="sigmoid"``)
+            and Megatron-Core's ``seq_aux_loss``, for transformers' ``[batch, seq]`` flattened to
+            ``T = batch x S`` rows. Not with ``group``: a sequence's statistics are its own.
     """
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
@@ -114,11 +125,14 @@ def load_balancing_loss(
     if choices is not None and len(choices) != len(logits):
         raise ValueError(f"top_k_index must give one tensor per layer ({len(logits)}), got {len(choices)}")
     _check_token_mask(token_mask, logits[0].shape[0])
+    sequences = _sequences(logits[0].shape[0], sequence_length, group)
+    rows = logits[0].shape[0] // sequences  # per sequence
     device = logits[0].device
     # float32 at least (bf16 logits), float64 kept for float64 references.
     dtype = torch.promote_types(logits[0].dtype, torch.float32)
-    counts_E = torch.zeros(E, dtype=dtype, device=device)
-    prob_sum_E = torch.zeros(E, dtype=dtype, device=device)
+    # [B, E] per sequence (B = 1: the batch pooled).
+    counts_BE = torch.zeros(sequences, E, dtype=dtype, device=device)
+    prob_sum_BE = torch.zeros(sequences, E, dtype=dtype, device=device)
     for i, layer_logits in enumerate(logits):
         if layer_logits.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             raise TypeError(f"router_logits[{i}] must be a float tensor, got {layer_logits.dtype}")
@@ -138,25 +152,42 @@ def load_balancing_loss(
             check_index("top_k_index", chosen)
             check_indices_in_range("top_k_index", chosen, E)
         # The mask was checked once, above, not once per layer.
-        counts_E = counts_E + _counts(chosen, E, token_mask).to(dtype)
+        counts_BE = counts_BE + _counts(chosen, E, token_mask, sequences).to(dtype)
         if token_mask is not None:
             probs_TE = probs_TE * token_mask.reshape(-1, 1).to(dtype)
-        prob_sum_E = prob_sum_E + probs_TE.sum(0)
+        prob_sum_BE = prob_sum_BE + probs_TE.view(sequences, rows, E).sum(1)
     # Rows over all layers, as transformers normalises: (tokens per layer) * (layers).
-    per_layer = torch.full((1,), float(logits[0].shape[0]), dtype=dtype, device=device) if token_mask is None else (
-        token_mask.to(dtype).sum().reshape(1)
-    )
-    tokens = per_layer * len(logits)
-    if group is None:
-        return E * torch.sum(counts_E * prob_sum_E) / _at_least_one(tokens[0]) ** 2
-    # One all-reduce of the non-differentiable statistics; the local probability sum keeps its
-    # gradient, scaled by the group size (see the module docstring).
-    stats = torch.cat([counts_E, prob_sum_E.detach(), tokens])
-    dist.all_reduce(stats, group=group)
-    global_counts, global_prob_sum, global_tokens = stats[:E], stats[E:2 * E], stats[2 * E]
-    ranks = dist.get_world_size(group)
-    prob_sum = global_prob_sum + ranks * (prob_sum_E - prob_sum_E.detach())
-    return E * torch.sum(global_counts * prob_sum) / _at_least_one(global_tokens) ** 2
+    per_layer_B = torch.full((sequences,), float(rows), dtype=dtype, device=device) if token_mask is None else (
+        token_mask.to(dtype).view(sequences, rows).sum(1))
+    tokens_B = per_layer_B * len(logits)
+    if group is not None:
+        # One all-reduce of the non-differentiable statistics; the local probability sum keeps its
+        # gradient, scaled by the group size (see the module docstring).
+        stats = torch.cat([counts_BE[0], prob_sum_BE[0].detach(), tokens_B])
+        dist.all_reduce(stats, group=group)
+        ranks = dist.get_world_size(group)
+        counts_BE = stats[None, :E]
+        prob_sum_BE = stats[None, E:2 * E] + ranks * (prob_sum_BE - prob_sum_BE.detach())
+        tokens_B = stats[2 * E:]
+    per_sequence_B = E * torch.sum(counts_BE * prob_sum_BE, dim=1) / _at_least_one(tokens_B) ** 2
+    # A sequence without a token that counts (all padding) has no balance to measure: left out of
+    # the mean, as an empty batch gives 0.
+    return per_sequence_B.sum() / _at_least_one((tokens_B > 0).sum().to(dtype))
+
+
+def _sequences(tokens: int, sequence_length, group) -> int:
+    """How many sequences the loss averages over (1: the batch pooled), checked."""
+    if sequence_length is None:
+        return 1
+    if isinstance(sequence_length, bool) or not isinstance(sequence_length, int) or sequence_length < 1:
+        raise ValueError(f"sequence_length must be a positive int or None, got {sequence_length!r}")
+    if tokens % sequence_length:
+        raise ValueError(f"sequence_length={sequence_length} must divide the T={tokens} rows of router_logits "
+                         "(sequences of consecutive tokens, transformers' [batch, seq] flattened)")
+    if group is not None:
+        raise ValueError("sequence_length and group exclude each other: a sequence's statistics are its own, "
+                         "not summed over ranks")
+    return max(tokens // sequence_length, 1)
 
 
 def router_probabilities(logits_TE: torch.Tensor, score: str) -> torch.Tensor:

@@ -3,7 +3,9 @@ on that layer's router output for that micro-batch; a sigmoid router's scores no
 experts, as DeepSeek-V3 and Megatron-Core take them) and router z-loss (ST-MoE) enter the
 objective as ``coef x`` their mean over layers and micro-batches; with a global aux loss each
 layer's statistics are first summed over the data-parallel ranks (Megatron-Core's: the balance
-of the whole global micro-batch). transformers' own ``output_router_logits`` loss pools all
+of the whole global micro-batch); with a sequence-wise one each sequence is balanced on its own
+and the losses of a micro-batch's sequences averaged (DeepSeek-V3's, Megatron-Core's
+``seq_aux_loss``). transformers' own ``output_router_logits`` loss pools all
 layers before the product; a pipeline cannot (the layers live on different ranks), so the mean
 is per layer, as Megatron-Core's. DeepSeek-V3's aux-loss-free expert bias moves after each step
 taken by ``rate x sign(mean load - load)``, with the loads summed over the data-parallel ranks so
@@ -71,21 +73,23 @@ class AuxLossHooks:
     """Forward hooks on every MoE block of ``modules`` (a block is a module with a ``gate``
     router returning ``(logits [T, E], weights, indices [T, K])`` and an ``experts`` module); a
     pipeline rank may have none. ``losses``: attach the aux loss and z-loss; ``counts``: record the
-    routed pairs per expert. ``group``: sum the aux loss statistics over it (global aux loss;
-    collective, every rank of it runs the same blocks in the same order).
+    routed pairs per expert. ``per_sequence``: the aux loss of each sequence of the block's input
+    ``[batch, seq, H]``, averaged (DeepSeek-V3's sequence-wise balance loss). ``group``: sum the aux
+    loss statistics over it (global aux loss; collective, every rank of it runs the same blocks in
+    the same order).
 
     The hooks act only while ``active`` (TrainStep sets it for its own step): a forward outside
     the step, or inside another TrainStep's step on the same model, is left alone, so TrainSteps
     sharing a model never feed each other's losses or records. ``close()`` removes the hooks."""
 
     def __init__(self, modules, *, losses: bool, counts: bool, group: dist.ProcessGroup | None = None,
-                 scores: list[str] | None = None):
+                 scores: list[str] | None = None, per_sequence: bool = False):
         found = moe_blocks(modules)
         self.names = [name for name, _ in found]
         self.blocks = [m for _, m in found]
         # How each block's router scores its experts, for the aux loss (``router_scores``).
         self.scores = scores if scores is not None else ["softmax"] * len(self.blocks)
-        self.losses, self.counts, self.group = losses, counts, group
+        self.losses, self.counts, self.group, self.per_sequence = losses, counts, group, per_sequence
         self.weights = (0.0, 0.0)  # gradient weights of (aux loss, z-loss)
         self.record: list[_Record] = []
         self.active = False
@@ -93,7 +97,7 @@ class AuxLossHooks:
         self.handles = []
         for i, block in enumerate(self.blocks):
             self.handles.append(block.gate.register_forward_hook(self._router_hook))
-            self.handles.append(block.register_forward_hook(functools.partial(self._block_hook, i)))
+            self.handles.append(block.register_forward_hook(functools.partial(self._block_hook, i), with_kwargs=True))
 
     def close(self) -> None:
         for handle in self.handles:
@@ -109,7 +113,7 @@ class AuxLossHooks:
             )
         self._routing[id(router)] = (output[0], output[2])
 
-    def _block_hook(self, index, block, args, output):
+    def _block_hook(self, index, block, args, kwargs, output):
         if not self.active:
             return output
         if not isinstance(output, torch.Tensor):
@@ -120,12 +124,23 @@ class AuxLossHooks:
         terms = counts_E = None
         if self.losses:
             # Recomputed inside a backward pass: over the group's backward twin, if it has one.
+            sequence_length = _sequence_length(block, args, kwargs) if self.per_sequence else None
             aux = load_balancing_loss(logits_TE, idx_TK.shape[1], top_k_index=idx_TK, group=lane_group(self.group),
-                                      score=self.scores[index])
+                                      score=self.scores[index], sequence_length=sequence_length)
             terms = torch.stack([aux, router_z_loss(logits_TE).to(aux.dtype)])
         if self.counts:
             counts_E = expert_counts(idx_TK, logits_TE.shape[1])
         return _AttachAuxLoss.apply(output, terms, counts_E, self.weights, self.record, index)
+
+
+def _sequence_length(block, args, kwargs) -> int:
+    """The sequence length of a MoE block's input ``[batch, seq, H]``, whose rows its router's
+    logits hold in that order (transformers flattens the batch and sequence dims)."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not (isinstance(hidden, torch.Tensor) and hidden.dim() == 3):
+        raise TypeError(f"the sequence-wise aux loss needs {type(block).__name__}'s input as hidden_states [batch, seq, "
+                        f"H], got {type(hidden).__name__ if not isinstance(hidden, torch.Tensor) else tuple(hidden.shape)}")
+    return hidden.shape[1]
 
 
 def router_scores(modules, given: str | None) -> tuple[list[str], str | None]:
@@ -149,18 +164,19 @@ def router_scores(modules, given: str | None) -> tuple[list[str], str | None]:
 class Balancing:
     """TrainStep's load-balancing terms on ``executor``'s modules: the aux loss and z-loss with
     weights ``aux_loss_coef`` and ``z_loss_coef`` (0: none), the expert bias with step
-    ``expert_bias_rate`` (0: none), the aux-loss statistics summed over ``group`` when given.
+    ``expert_bias_rate`` (0: none), the aux-loss statistics summed over ``group`` when given, or
+    taken per sequence with ``per_sequence``.
     Refuses (leaving no hook behind) a model without MoE blocks, and for the expert bias a router
     without a float32 ``e_score_correction_bias``, on every pipeline stage alike."""
 
     def __init__(self, executor: Executor, *, aux_loss_coef: float, z_loss_coef: float, expert_bias_rate: float,
-                 group: dist.ProcessGroup | None, router_score: str | None = None):
+                 group: dist.ProcessGroup | None, router_score: str | None = None, per_sequence: bool = False):
         self.executor = executor
         self.aux_loss_coef, self.z_loss_coef, self.expert_bias_rate = aux_loss_coef, z_loss_coef, expert_bias_rate
         self.losses = bool(aux_loss_coef or z_loss_coef)
         scores, unscored = router_scores(executor.modules, router_score) if aux_loss_coef else (None, None)
         self.hooks = AuxLossHooks(executor.modules, losses=self.losses, counts=bool(expert_bias_rate), group=group,
-                                  scores=scores)
+                                  scores=scores, per_sequence=per_sequence)
         try:
             # The MoE layers, and the stages that cannot tell a router's scoring, over every stage:
             # a stage without MoE blocks would otherwise wait for its refusing peers.

@@ -108,6 +108,10 @@ class TrainStep:
             each router's class (refused, by name, where the forward computes both or neither),
             ``"softmax"`` or ``"sigmoid"`` states it for every router.
         global_aux_loss: compute it from the statistics of every data-parallel rank.
+        sequence_aux_loss: compute it for each sequence of the batch on its own and average them
+            (DeepSeek-V3's sequence-wise balance loss, Megatron-Core's ``seq_aux_loss``; with a
+            sigmoid router ``top_k`` times DeepSeek-V3's, so its ``alpha`` is ``aux_loss_coef /
+            top_k``); not with ``global_aux_loss``.
         z_loss_coef: weight of the per-layer router z-loss (0: none).
         expert_bias_rate: step size of DeepSeek-V3's aux-loss-free expert bias (0: none; every
             MoE router must hold a float32 ``e_score_correction_bias``).
@@ -163,9 +167,10 @@ class TrainStep:
                  loss_scale: float | str | None = None, aux_loss_coef: float = 0.0, global_aux_loss: bool = False,
                  z_loss_coef: float = 0.0, expert_bias_rate: float = 0.0, max_grad_norm: float | None = None,
                  max_consecutive_skips: int | None = 20, lr_scheduler=None, autocast_dtype: torch.dtype | None = None,
-                 chunked_loss: bool = False, router_score: str | None = None):
+                 chunked_loss: bool = False, router_score: str | None = None, sequence_aux_loss: bool = False):
         options = dict(microbatches=microbatches, loss_scale=loss_scale, aux_loss_coef=aux_loss_coef,
-                       global_aux_loss=global_aux_loss, router_score=router_score, z_loss_coef=z_loss_coef,
+                       global_aux_loss=global_aux_loss, sequence_aux_loss=sequence_aux_loss,
+                       router_score=router_score, z_loss_coef=z_loss_coef,
                        expert_bias_rate=expert_bias_rate,
                        max_grad_norm=max_grad_norm, max_consecutive_skips=max_consecutive_skips,
                        lr_scheduler=lr_scheduler, autocast_dtype=autocast_dtype, chunked_loss=chunked_loss)
@@ -179,10 +184,14 @@ class TrainStep:
             for name, coef in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
                                ("expert_bias_rate", expert_bias_rate)):
                 check_number(name, coef, at_least=0)
-            if not isinstance(global_aux_loss, bool):
-                raise TypeError(f"global_aux_loss must be a bool, got {global_aux_loss!r}")
-            if global_aux_loss and not aux_loss_coef:
-                raise ValueError("global_aux_loss=True needs aux_loss_coef > 0")
+            for name, flag in (("global_aux_loss", global_aux_loss), ("sequence_aux_loss", sequence_aux_loss)):
+                if not isinstance(flag, bool):
+                    raise TypeError(f"{name} must be a bool, got {flag!r}")
+                if flag and not aux_loss_coef:
+                    raise ValueError(f"{name}=True needs aux_loss_coef > 0")
+            if global_aux_loss and sequence_aux_loss:
+                raise ValueError("global_aux_loss and sequence_aux_loss exclude each other: a sequence's balance is "
+                                 "its own, not summed over the data-parallel ranks")
             if router_score is not None:
                 if router_score not in SCORES:
                     raise ValueError(f"router_score must be one of {SCORES} or None, got {router_score!r}")
@@ -206,7 +215,8 @@ class TrainStep:
         if aux_loss_coef or z_loss_coef or expert_bias_rate:
             self.aux = Balancing(self.executor, aux_loss_coef=float(aux_loss_coef), z_loss_coef=float(z_loss_coef),
                                  expert_bias_rate=float(expert_bias_rate),
-                                 group=self.dp_group if global_aux_loss else None, router_score=router_score)
+                                 group=self.dp_group if global_aux_loss else None, router_score=router_score,
+                                 per_sequence=sequence_aux_loss)
         self.closed = False
         self.last_lm_loss = self.last_aux_loss = self.last_z_loss = self.last_grad_norm = None
         # Other ranks meet this one in the step's collectives: a batch this rank cannot run is run
