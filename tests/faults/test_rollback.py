@@ -86,7 +86,7 @@ def test_a_rollback_on_two_ranks_branches_without_deleting(two_rank_run, tmp_pat
     later = {s: snapshot(step_of(out, s)) for s in (4, STEPS)}
     log = run(accelerate_cmd(out, "--resume", str(step_of(out, 2)), "--keep-checkpoints", "1"))
     [aside] = abandoned(out)
-    assert f"rolled back to step 2: the later checkpoints (step_00000004, step_00000006) are set aside" in log
+    assert "rolled back to step 2: the later checkpoints (step_00000004, step_00000006) are set aside" in log
     assert log.count("rolled back") == 1  # said by rank 0 alone
     assert {s: snapshot(aside / f"step_{s:08d}") for s in (4, STEPS)} == later
     assert [p.name for p in ckpt.step_folders(out / "checkpoints")] == ["step_00000002", "step_00000006"]
