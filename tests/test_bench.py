@@ -4,6 +4,7 @@ reference, the byte accounting of the dispatch benchmark against a per-token cou
 helpers' error messages."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from moe_ep.bench import dispatch, kernels
 from moe_ep.bench import model as model_bench
 from moe_ep.bench.cli import build_parser, main
 from moe_ep.bench.optional import optional_attr, optional_import
+from moe_ep.bench.report import Report, results_stem
 from moe_ep.bench.routing_cases import make_routing, max_load_share
 from moe_ep.bench.timing import measure
 from moe_ep.ops.reference import moe_experts_ref
@@ -285,14 +287,20 @@ def test_results_go_to_a_git_ignored_folder_by_default():
     (["model", "--seq", "1"], "argument --seq: must be an int >= 2, got '1'"),
     (["gpu", "--budget", "nan"], "argument --budget: must be a finite number > 0, got 'nan'"),
     (["attention", "--device", "foo"], "python -m moe_ep.bench attention: error: --device must be cpu or cuda"),
+    (["kernels", "--seed", "99999999999999999999"], "argument --seed: must be an int in [0, 4294967295]"),
+    (["kernels", "--device", "cpu", "--top-k", "9"], "--top-k must be at most the number of experts (--experts, 8 "
+                                                     "here), got 9"),
+    (["dispatch", "--device", "cpu", "--ep", "3", "--no-timing"], "--ep values must divide the expert count"),
+    (["model", "--device", "cpu", "--compile-blocks", "nosuchbackend"],
+     "--compile-blocks must name a torch.compile backend (such as "),
 ])
 def test_a_bad_flag_is_one_line_and_exit_status_2(argv, said, tmp_path, capsys):
     """What ``python -m moe_ep.bench`` runs (``console``), in this process; the module's own entry
-    point once, in a subprocess."""
+    point once, in a subprocess. Refused before anything is made on disk: the out-dir too."""
     from moe_ep.bench.cli import console
 
     try:
-        code = console([*argv, "--out-dir", str(tmp_path)])
+        code = console([*argv, "--out-dir", str(tmp_path / "results" / "today")])
     except SystemExit as exit_:  # argparse's own refusal
         code = exit_.code
     err = capsys.readouterr().err
@@ -317,6 +325,60 @@ def test_an_out_dir_it_cannot_write_is_refused_before_the_run(tmp_path):
     with pytest.raises(ValueError, match=r"--out-dir .*a_file cannot hold the results"):
         main(["planner", "--out-dir", str(blocker)])
     assert blocker.read_text() == "the user's"
+
+
+def test_the_planner_check_runs_on_the_cpu_by_default_on_a_machine_with_a_gpu(monkeypatch):
+    from moe_ep.bench.cli import _device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _device(None, "planner") == torch.device("cpu")
+    assert _device(None, "kernels") == torch.device("cuda")
+
+
+def test_a_baseline_that_cannot_take_the_shapes_is_a_row_not_the_end_of_the_run(capsys):
+    """transformers' grouped_mm needs 16-byte rows; H=3, I=5 in float32 has none: its row says so
+    and every other variant runs (moe_ep's take any row length)."""
+    from moe_ep.bench.cli import console
+
+    assert console(["kernels", "--device", "cpu", "--threads", "1", "--tokens", "8", "--hidden", "3",
+                    "--intermediate", "5", "--warmup", "0", "--reps", "1", "--routing", "uniform",
+                    "--skip-components", "--no-save"]) == 0
+    out = capsys.readouterr().out
+    assert "not available: raised RuntimeError" in out
+
+
+def _save_many(tag: str, out_dir: str, start, saved) -> None:
+    from moe_ep.bench.report import Column, Report, save
+
+    start.wait()
+    for i in range(40):
+        report = Report("kernels", torch.device("cpu"), [Column("x", "x", "{}")], rows=[{"who": tag, "i": i}])
+        saved.put([p.name for p in save(report, pathlib.Path(out_dir))])
+
+
+def test_runs_saving_at_the_same_moment_each_keep_their_own_results(tmp_path):
+    """Two processes save 40 reports each into one folder at once: 80 names, each JSON with its
+    own CSV; a link lying under the first name is neither followed nor replaced."""
+    import multiprocessing
+
+    (tmp_path / f"{results_stem(Report('kernels', torch.device('cpu'), []))}.json").symlink_to(tmp_path / "gone")
+    ctx = multiprocessing.get_context("fork")
+    start, saved = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_save_many, args=(tag, str(tmp_path), start, saved)) for tag in "AB"]
+    for p in procs:
+        p.start()
+    names = [name for _ in range(80) for name in saved.get(timeout=120)]
+    for p in procs:
+        p.join(timeout=60)
+    jsons = sorted(tmp_path.glob("*.json"))
+    assert len([n for n in names if n.endswith(".json")]) == len(set(names) & {p.name for p in jsons}) == 80
+    for path in jsons:
+        if path.is_symlink():
+            assert not path.exists()  # the link, untouched
+            continue
+        row = json.loads(path.read_text())["rows"][0]
+        assert path.with_suffix(".csv").read_text().splitlines()[1] == f"{row['who']},{row['i']}"
+    assert not list(tmp_path.glob(".tmp-*"))
 
 
 def test_a_second_run_of_the_day_never_writes_over_the_first(tmp_path):

@@ -117,6 +117,32 @@ def test_the_suite_step_runs_the_suites_cuda_tests_and_reads_their_outcome(tmp_p
         main(["gpu", "--device", "cpu", "--steps", "suite", "--out-dir", str(tmp_path / "fail"), *TINY])
 
 
+def test_a_part_that_raises_or_fails_is_the_gates_failure_and_the_other_results_are_saved(tmp_path, monkeypatch):
+    """A part that raises (a rank that died) is recorded as its failure, a part whose own report
+    failed a check (a model step's NaN loss) too; the other steps still run and every result is
+    saved, and the command fails naming both."""
+    from moe_ep.bench.report import Report
+
+    def dying(args, device):
+        raise RuntimeError("a spawned rank died")
+
+    def nan_loss(args, device):
+        report = Report("model", device, [])
+        report.rows, report.failed = [dict(model="tiny", variant="eager", status="FAIL: loss nan")], ["tiny: nan"]
+        return report
+
+    monkeypatch.setattr(gpu_check.dispatch_bench, "run", dying)
+    monkeypatch.setattr(gpu_check.model_bench, "run", nan_loss)
+    monkeypatch.setitem(gpu_check.MODEL_RUNS, "cpu", [("tiny-mixtral", 8)])
+    with pytest.raises(SystemExit, match="gpu: failed: model tiny-mixtral seq 8, dispatch ep4"):
+        main(["gpu", "--device", "cpu", "--steps", "model", "dispatch", "--out-dir", str(tmp_path), *TINY])
+    payload = json.loads(next(tmp_path.glob("gpu_check_cpu_*.json")).read_text())
+    results = payload["meta"]["results"]
+    assert results["dispatch"]["parts"] == {"ep4": "FAIL: RuntimeError: a spawned rank died"}
+    assert results["model"]["parts"] == {"tiny-mixtral seq 8": "FAIL: tiny: nan"}
+    assert results["model"]["rows"][0]["status"] == "FAIL: loss nan"  # the failed part's rows are kept
+
+
 def test_the_dispatch_steps_kernel_times_are_in_the_notes(tmp_path, monkeypatch):
     row = dict(model="fine-grained", ep=4, impl="moe_ep", bytes_per_token=41082.6, local_gpu_ms=30.288)
     monkeypatch.setattr(gpu_check, "step_dispatch", lambda device, args: dict(rows=[row], parts={"ep4": "done"}))

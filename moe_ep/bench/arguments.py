@@ -23,6 +23,27 @@ def int_at_least(low: int):
     return parse
 
 
+# Seeds the benchmarks take: torch's generators accept them, and the dispatch benchmark's ranks
+# add their rank to them.
+SEED_MAX = 2**32 - 1
+
+
+def int_in(low: int, high: int):
+    """An argparse type: an int in ``[low, high]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an int in [{low}, {high}], got {text!r}")
+        return value
+
+    parse.__name__ = f"int in [{low}, {high}]"
+    return parse
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0."""
     try:

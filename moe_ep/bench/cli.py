@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from . import attention, dispatch, gpu_check, kernels, model, planner
-from .arguments import int_at_least
+from .arguments import SEED_MAX, int_at_least, int_in
 from .report import COMMITTED_RESULTS_DIR, RESULTS_DIR, check_out_dir, format_table, save
 from .timing import NoisyTimingWarning
 
@@ -21,9 +21,12 @@ MODES = {"kernels": kernels, "attention": attention, "model": model, "dispatch":
 EXIT_USAGE = 2
 
 
-def _device(name: str | None) -> torch.device:
+def _device(name: str | None, mode: str) -> torch.device:
+    """``--device``, or the mode's own default (``DEFAULT_DEVICE``: the planner check measures on
+    the CPU), else CUDA where there is a GPU."""
     if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(getattr(MODES[mode], "DEFAULT_DEVICE", None) or
+                            ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -53,13 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module in MODES.items():
         mode = sub.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-        mode.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+        default_device = getattr(module, "DEFAULT_DEVICE", None) or "cuda when available"
+        mode.add_argument("--device", help=f"cuda (cuda:N) or cpu (default: {default_device})")
         if timed(name):
             mode.add_argument("--warmup", type=int_at_least(0), default=2,
                               help="untimed calls before timing (default 2)")
             mode.add_argument("--reps", type=int_at_least(1), default=5,
                               help="timed calls; the median is reported (default 5)")
-            mode.add_argument("--seed", type=int, default=0)
+            mode.add_argument("--seed", type=int_in(0, SEED_MAX), default=0)
         mode.add_argument("--threads", type=int_at_least(1),
                           help="CPU threads for torch (default: torch's); on a shared machine 1 avoids "
                                "OpenMP barriers waiting on descheduled threads")
@@ -85,9 +89,16 @@ def console(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
-    device = _device(args.device)
+    device = _device(args.device, args.mode)
+    if device.type == "cuda" and device.index is not None:
+        # CUDA events record on the current device's stream: timing work on cuda:N needs it current.
+        torch.cuda.set_device(device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    # The mode's own checks of its flags come before anything is made on disk.
+    check_arguments = getattr(MODES[args.mode], "check_arguments", None)
+    if check_arguments is not None:
+        check_arguments(args, device)
     if args.out_dir is None:
         args.out_dir = default_out_dir(args.mode, device)
     if not args.no_save:

@@ -409,6 +409,14 @@ def pick_backend(device: torch.device, ep: int) -> tuple[str, str | None]:
     return "gloo", None
 
 
+def check_arguments(args, device: torch.device) -> None:
+    for model in args.models:
+        E = MODELS[model][0]
+        bad = [ep for ep in args.ep if ep < 1 or E % ep]
+        if bad:
+            raise ValueError(f"--ep values must divide the expert count E={E} of {model}, got {bad}")
+
+
 def run(args, device: torch.device) -> Report:
     defaults = DEFAULTS[device.type]
     s = Settings(
@@ -416,13 +424,6 @@ def run(args, device: torch.device) -> Report:
         dtype=args.dtype or defaults["dtype"], models=tuple(args.models), routings=tuple(args.routing),
         seed=args.seed, warmup=args.warmup, reps=args.reps, node_size=args.node_size,
     )
-    if isinstance(s.node_size, bool) or not isinstance(s.node_size, int) or s.node_size < 1:
-        raise ValueError(f"--node-size must be a positive int, got {s.node_size!r}")
-    for model in s.models:
-        E = MODELS[model][0]
-        bad = [ep for ep in args.ep if ep < 1 or E % ep]
-        if bad:
-            raise ValueError(f"--ep values must divide the expert count E={E} of {model}, got {bad}")
     report = Report("dispatch", device, COLUMNS, plot=plot)
     report.meta = dict(environment(device), **asdict(s), ep=list(args.ep))
     report.notes.append("bytes/token: sent to other ranks in one forward dispatch+combine, averaged over all "

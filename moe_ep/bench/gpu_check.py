@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,6 +205,10 @@ def autotuning(on: bool):
                     os.environ[name] = value
 
 
+def _first_line(err: BaseException) -> str:
+    return (str(err).splitlines() or [""])[0][:200]
+
+
 def run_check(check: Check, dtype: torch.dtype, device: torch.device, seed: int) -> dict:
     """Triton and torch backends against float64: the worst relative error over the output and
     every gradient, and whether a second Triton run gives the same bits."""
@@ -220,7 +225,7 @@ def run_check(check: Check, dtype: torch.dtype, device: torch.device, seed: int)
         triton_out = _outputs(triton_fn, x, idx, w, gate_up, down, dy)
         again = _outputs(triton_fn, x, idx, w, gate_up, down, dy)
     except Exception as err:  # recorded as a failed check, with its message
-        return dict(row, status=f"FAIL: triton raised {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+        return dict(row, status=f"FAIL: triton raised {type(err).__name__}: {_first_line(err)}")
     row["triton_err"] = _worst(triton_out, refs)
     row["bitwise_repeatable"] = all(torch.equal(a, b) for a, b in zip(triton_out, again))
     try:
@@ -228,10 +233,13 @@ def run_check(check: Check, dtype: torch.dtype, device: torch.device, seed: int)
         row["torch_err"] = _worst(torch_out, refs)
         row["triton_vs_torch"] = _worst(triton_out, torch_out)
     except Exception as err:  # the torch backend's own limits (a dtype grouped_mm lacks) are recorded
-        row["torch_status"] = f"torch backend raised {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        row["torch_status"] = f"torch backend raised {type(err).__name__}: {_first_line(err)}"
     # The selector's choice on this problem (decided by its first call, measuring both paths).
-    auto_out = _outputs(auto_fn, x, idx, w, gate_up, down, dy)
-    row["auto_path"] = selector.choose(x, idx, w, gate_up, down, act, pinned=None, group=None)
+    try:
+        auto_out = _outputs(auto_fn, x, idx, w, gate_up, down, dy)
+        row["auto_path"] = selector.choose(x, idx, w, gate_up, down, act, pinned=None, group=None)
+    except Exception as err:  # recorded as a failed check, with its message
+        return dict(row, status=f"FAIL: auto raised {type(err).__name__}: {_first_line(err)}")
     row["auto_err"] = _worst(auto_out, refs)
     problems = []
     if not row["auto_err"] <= TOLERANCE[dtype]:
@@ -327,7 +335,9 @@ MODEL_RUNS = {"cuda": [("mixtral-8x7b-2layer", 4096), ("qwen3-30b-a3b-2layer", 4
 def _run_part(args, result: dict, key: str, bench) -> None:
     """One problem of a step: ``bench()`` (a benchmark report) unless the gate's budget is spent;
     its rows, notes and meta added to ``result`` under ``key``, its status in ``result["parts"]``.
-    Running out of GPU memory is recorded as that part's failure, and the next part still runs."""
+    A part that raises (out of GPU memory, a rank that died) or whose report failed a check is
+    recorded as that part's failure, and the next part still runs: GPU time is too scarce to lose
+    the other parts' results to one."""
     elapsed = time.perf_counter() - args.started
     if elapsed > args.budget:
         result["parts"][key] = f"skipped: {elapsed:.0f} s spent of a {args.budget:.0f} s budget"
@@ -335,9 +345,13 @@ def _run_part(args, result: dict, key: str, bench) -> None:
     try:
         report = bench()
     except torch.OutOfMemoryError as err:
-        result["parts"][key] = f"FAIL: out of memory ({str(err).splitlines()[0][:200]})"
+        result["parts"][key] = f"FAIL: out of memory ({_first_line(err)})"
         return
-    result["parts"][key] = "done"
+    except Exception as err:  # recorded as the part's failure, its traceback on stderr
+        traceback.print_exc()
+        result["parts"][key] = f"FAIL: {type(err).__name__}: {_first_line(err)}"
+        return
+    result["parts"][key] = f"FAIL: {', '.join(report.failed)}" if report.failed else "done"
     result["meta"][key] = report.meta
     result["notes"] += [f"{key}: {n}" for n in report.notes]
     result["rows"] += [dict(r, problem=key) for r in report.rows]
@@ -531,10 +545,13 @@ _NEEDS_A_GPU = {"compile": "python -m moe_ep.kernels.aot compiles for sm_80/sm_9
                 "suite": "the suite's CUDA tests skip on the CPU"}
 
 
-def run(args, device: torch.device) -> Report:
+def check_arguments(args, device: torch.device) -> None:
     if device.type == "cpu" and not interpreting():
         raise ValueError("--device cpu runs the Triton kernels under the interpreter: set TRITON_INTERPRET=1 "
                          "(scripts/gpu_check.sh does)")
+
+
+def run(args, device: torch.device) -> Report:
     start = time.perf_counter()
     report = Report("gpu_check", device, COLUMNS, plot=plot, formats=(".json", ".png"))
     report.meta = dict(environment(device), budget_s=args.budget, steps={}, results={})
@@ -558,8 +575,13 @@ def run(args, device: torch.device) -> Report:
             report.meta["steps"][name] = dict(status=f"skipped: no GPU ({_NEEDS_A_GPU[name]})")
             continue
         print(f"[gpu] step {name} at {elapsed:.0f} s", flush=True)
-        results[name] = steps[name](device, args)
-        report.meta["steps"][name] = dict(status="done", seconds=time.perf_counter() - start - elapsed)
+        try:
+            results[name] = steps[name](device, args)
+            status = "done"
+        except Exception as err:  # the later steps still run, and every result is saved
+            traceback.print_exc()
+            status = f"FAIL: {type(err).__name__}: {_first_line(err)}"
+        report.meta["steps"][name] = dict(status=status, seconds=time.perf_counter() - start - elapsed)
     report.rows = results.get("tests") or []
     results["estimates_vs_measured"] = estimates_beside_measurements(results)
     report.notes += target_lines(results)
@@ -576,6 +598,10 @@ def run(args, device: torch.device) -> Report:
     for step in ("compile", "suite"):
         if (results.get(step) or {}).get("status", "").startswith("FAIL"):
             failed.append(step)
+    failed += [step for step, outcome in report.meta["steps"].items() if outcome["status"].startswith("FAIL")]
+    for step, outcome in results.items():
+        parts = outcome.get("parts", {}) if isinstance(outcome, dict) else {}
+        failed += [f"{step} {key}" for key, status in parts.items() if status.startswith("FAIL")]
     report.failed = failed
     report.notes.append(f"gpu check: {statuses.count('ok')} tests ok, "
                         f"{sum(st.startswith('skipped') for st in statuses)} skipped, {len(failed)} failed"

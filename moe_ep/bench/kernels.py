@@ -245,7 +245,16 @@ def bench_experts(p: Problem, inp: Inputs, args) -> list[dict]:
         if not found.available:
             rows.append(dict(T=p.T, routing=p.routing, kind="op", variant=name, status=found.reason))
             continue
-        (y, grads), (y_ref, grads_ref) = _outputs(found.value, inp), reference
+        try:
+            y, grads = _outputs(found.value, inp)
+        except RuntimeError as err:
+            if name.startswith("moe_ep"):
+                raise
+            # A baseline's own limits (grouped_mm's 16-byte row alignment) end its row, not the run.
+            rows.append(dict(T=p.T, routing=p.routing, kind="op", variant=name,
+                             status=f"not available: raised {type(err).__name__}: {str(err).splitlines()[0][:160]}"))
+            continue
+        y_ref, grads_ref = reference
         errors[name] = {"fwd": relative_error(y, y_ref),
                         "grads": max(relative_error(a, b) for a, b in zip(grads, grads_ref))}
         del y, grads
@@ -567,6 +576,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="default float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--skip-components", action="store_true", help="time only the whole op, dense and copy")
+
+
+def check_arguments(args, device: torch.device) -> None:
+    defaults = MIXTRAL_GPU if device.type == "cuda" else SMALL_CPU
+    E, K = args.experts or defaults["experts"], args.top_k or defaults["top_k"]
+    if K > E:
+        raise ValueError(f"--top-k must be at most the number of experts (--experts, {E} here), got {K}")
 
 
 def run(args, device: torch.device) -> Report:

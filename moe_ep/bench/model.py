@@ -208,6 +208,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default backend inductor), last")
 
 
+def check_arguments(args, device: torch.device) -> None:
+    if args.compile_blocks is not None:
+        from torch._dynamo import list_backends
+
+        if args.compile_blocks not in list_backends(exclude_tags=()):
+            raise ValueError(f"--compile-blocks must name a torch.compile backend (such as "
+                             f"{', '.join(list_backends())}), got {args.compile_blocks!r}")
+
+
 def run(args, device: torch.device) -> Report:
     names = args.models or (tuple(MODELS) if device.type == "cuda" else TINY_MODELS)
     report = Report("model", device, COLUMNS, plot=plot)

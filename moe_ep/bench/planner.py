@@ -769,9 +769,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only the activation checks (the world-size-128 steps take a few minutes on 2 cores)")
 
 
-def run(args, device: torch.device) -> Report:
+DEFAULT_DEVICE = "cpu"
+
+
+def check_arguments(args, device: torch.device) -> None:
     if device.type != "cpu":
         raise ValueError(f"--device must be cpu for the planner check (it measures on the CPU), got {device.type!r}")
+
+
+def run(args, device: torch.device) -> Report:
     report = Report("planner", device, COLUMNS)
     report.meta = dict(environment(device), tolerance=TOLERANCE)
     checks = _activation_checks()

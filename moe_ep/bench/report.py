@@ -9,6 +9,7 @@ import datetime
 import importlib.util
 import json
 import math
+import os
 import platform
 import re
 import sys
@@ -145,14 +146,31 @@ def check_out_dir(out_dir: Path) -> None:
                          "folder, or --no-save") from None
 
 
-def _free_stem(out_dir: Path, stem: str, suffixes) -> Path:
-    """``out_dir / stem``, or ``stem-2``, ``stem-3``, ... where an earlier run of the day wrote one
-    of its files: a run never writes over another's results."""
-    candidate, n = out_dir / stem, 1
-    while any(candidate.with_suffix(suffix).exists() for suffix in suffixes):
+def _claim_stem(out_dir: Path, stem: str, suffixes: tuple[str, ...]) -> Path:
+    """``out_dir / stem``, or ``stem-2``, ``stem-3``, ... where another run of the day wrote one of
+    its files (or a link of that name lies there), claimed by creating its first file exclusively:
+    a run never writes over another's results, even saving at the same moment."""
+    n = 1
+    while True:
+        candidate = out_dir / (stem if n == 1 else f"{stem}-{n}")
+        if not any(os.path.lexists(candidate.with_suffix(suffix)) for suffix in suffixes):
+            try:
+                candidate.with_suffix(suffixes[0]).open("x").close()
+                return candidate
+            except FileExistsError:
+                pass  # another run took it between the look and the claim
         n += 1
-        candidate = out_dir / f"{stem}-{n}"
-    return candidate
+
+
+def _write_replacing(path: Path, write: Callable[[Path], None]) -> None:
+    """``write`` to a temporary file beside ``path``, then renamed over it: a run killed while
+    saving leaves the claimed file empty, never a truncated one a later reader takes for whole."""
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # the suffix kept: matplotlib reads it
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _json_safe(value):
@@ -168,21 +186,18 @@ def _json_safe(value):
 
 def save(report: Report, out_dir: Path) -> list[Path]:
     """Write the report's formats: JSON (meta, notes and rows), CSV (rows) and, when the mode draws
-    one, a PNG, under a name no earlier run's files hold (``_free_stem``)."""
+    one, a PNG, under a name no other run's files hold (``_claim_stem``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = _free_stem(out_dir, results_stem(report), (".json", ".csv", ".png"))
+    stem = _claim_stem(out_dir, results_stem(report), report.formats)
     paths = []
     if ".json" in report.formats:
         paths.append(stem.with_suffix(".json"))
         payload = {"mode": report.mode, "meta": report.meta, "notes": report.notes, "rows": report.rows}
-        paths[-1].write_text(json.dumps(_json_safe(payload), indent=1, default=str, allow_nan=False) + "\n")
+        text = json.dumps(_json_safe(payload), indent=1, default=str, allow_nan=False) + "\n"
+        _write_replacing(paths[-1], lambda tmp: tmp.write_text(text))
     if ".csv" in report.formats:
         paths.append(stem.with_suffix(".csv"))
-        keys = list(dict.fromkeys(k for row in report.rows for k in row))
-        with paths[-1].open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(report.rows)
+        _write_replacing(paths[-1], lambda tmp: _write_csv(report.rows, tmp))
     if ".png" in report.formats and report.plot is not None and report.rows:
         if importlib.util.find_spec("matplotlib") is None:
             # The figure is the one optional output: a run on a machine without matplotlib still
@@ -190,8 +205,16 @@ def save(report: Report, out_dir: Path) -> list[Path]:
             print("no figure: matplotlib is not installed (pip install 'moe_ep[bench]')", file=sys.stderr)
         else:
             paths.append(stem.with_suffix(".png"))
-            report.plot(report, paths[-1])
+            _write_replacing(paths[-1], lambda tmp: report.plot(report, tmp))
     return paths
+
+
+def _write_csv(rows: list[dict], path: Path) -> None:
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def new_figure(nrows: int, ncols: int, *, width: float = 5.0, height: float = 3.6):
