@@ -274,6 +274,12 @@ def test_out_of_range_values_of_the_scripts_flags_are_refused(flag, value, messa
     assert message in run_main([flag, value], tmp_path, capsys)
 
 
+def test_bf16_moments_refuse_a_decay_they_cannot_follow(tmp_path, capsys):
+    assert ("--beta1/--beta2 with --bf16-moments: betas=(0.9, 0.999) with moments_dtype=torch.bfloat16: a moment "
+            "whose decay 1 - beta is below 2^-7 stops moving in bf16") in run_main(
+        ["--bf16-moments", "--beta2", "0.999"], tmp_path, capsys)
+
+
 def test_the_run_folder_cannot_be_or_lie_inside_a_data_folder(tmp_path, capsys):
     """Its metrics.jsonl would be read as data at the next start of the same command."""
     corpus = tmp_path / "corpus"

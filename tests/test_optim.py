@@ -118,16 +118,97 @@ def test_torch_adamw_state_loads_with_its_moments_narrowed():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(moments_dtype=torch.int8), "moments_dtype must be a floating-point torch.dtype"),
-    (dict(moments_dtype="bf16"), "moments_dtype must be a floating-point torch.dtype"),
-    (dict(lr=-1.0), "lr must be a finite number >= 0"),
-    (dict(betas=(1.0, 0.9)), r"betas must be two numbers in \[0, 1\)"),
-    (dict(eps=-1e-8), "eps must be a finite number >= 0"),
-    (dict(weight_decay=float("inf")), "weight_decay must be a finite number >= 0"),
+    (dict(moments_dtype=torch.int8), "moments_dtype must be one of torch.bfloat16, torch.float32, torch.float64"),
+    (dict(moments_dtype="bf16"), "moments_dtype must be one of"),
+    (dict(moments_dtype=torch.float16), r"got torch.float16 \(float16 and float8 lose small second moments"),
+    (dict(lr=-1.0), "lr must be a finite real number >= 0"),
+    (dict(lr=torch.tensor(1e-3)), "lr must be a finite real number >= 0, got tensor"),
+    (dict(betas=(1.0, 0.9)), r"betas must be two real numbers in \[0, 1\)"),
+    (dict(eps=-1e-8), "eps must be a finite real number >= 0"),
+    (dict(weight_decay=float("inf")), "weight_decay must be a finite real number >= 0"),
+    (dict(betas=(0.9, 0.999)), r"betas=\(0.9, 0.999\) with moments_dtype=torch.bfloat16: a moment whose decay "
+                               r"1 - beta is below 2\^-7 stops moving in bf16"),
 ])
 def test_bad_arguments_name_what_is_expected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AdamW(_params(), **kwargs)
+
+
+def test_a_group_added_or_loaded_with_options_it_cannot_apply_is_refused():
+    """torch's AdamW options this one does not implement (amsgrad, maximize, ...) are refused where
+    they appear, an added group is checked like the first, and a refused state dict leaves the
+    optimizer as it was."""
+    params = _params()
+    optimizer = AdamW(params[:2], **HYPER)
+    for group, message in ((dict(params=params[2:3], amsgrad=True), r"does not implement amsgrad=True of parameter "
+                                                                     r"group 1 \(torch.optim.AdamW does\)"),
+                           (dict(params=params[2:3], lr=-1.0), "lr of parameter group 1 must be a finite real"),
+                           (dict(params=[torch.nn.Parameter(torch.ones(2, dtype=torch.int64), requires_grad=False)]),
+                            "real floating-point parameters, got one of torch.int64 of parameter group 1")):
+        with pytest.raises(ValueError, match=message):
+            optimizer.add_param_group(group)
+        assert len(optimizer.param_groups) == 1
+    theirs = torch.optim.AdamW(params[:2], **HYPER, maximize=True)
+    _run(theirs, params[:2], _grads(1))
+    _run(optimizer, params[:2], _grads(1))
+    kept = {p: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+    with pytest.raises(ValueError, match="does not implement maximize=True of saved parameter group 0"):
+        optimizer.load_state_dict(theirs.state_dict())
+    assert not optimizer.param_groups[0].get("maximize")
+    assert all(torch.equal(optimizer.state[p][k], v) for p, s in kept.items() for k, v in s.items())
+
+
+def test_float64_weights_and_moments_are_torch_adamw_in_float64_bit_for_bit():
+    ours, theirs, grads = _params(torch.float64), _params(torch.float64), _grads(5)
+    _run(AdamW(ours, **HYPER, moments_dtype=torch.float64), ours, grads)
+    _run(torch.optim.AdamW(theirs, **HYPER), theirs, grads)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_bf16_moments_follow_a_shrinking_gradient_as_float32_moments_do():
+    """After a burst, gradients 100x smaller: the bf16 second moment decays with float32's (at
+    torch's beta2 = 0.999 it stayed put and the updates were 25x too small)."""
+    finals = {}
+    for moments_dtype in (torch.bfloat16, torch.float32):
+        p = torch.nn.Parameter(torch.zeros(512))
+        optimizer = AdamW([p], lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0, moments_dtype=moments_dtype)
+        g = torch.Generator().manual_seed(0)
+        for t in range(1500):
+            p.grad = torch.randn(512, generator=g) * (1.0 if t < 100 else 0.01)
+            optimizer.step()
+        finals[moments_dtype] = optimizer.state[p]["exp_avg_sq"].double().mean()
+    assert rel_err(finals[torch.bfloat16], finals[torch.float32]) <= 0.02, finals
+
+
+def test_a_float16_weights_bf16_moments_survive_a_state_dict_round_trip():
+    """torch's own loading passes a state through its parameter's dtype: small bf16 second moments
+    of a float16 weight underflowed to 0 there (the next update 3,000x too large)."""
+    p = torch.nn.Parameter(torch.zeros(64, dtype=torch.float16))
+    optimizer = AdamW([p], **HYPER)
+    p.grad = torch.full((64,), 1e-3, dtype=torch.float16)
+    optimizer.step()
+    state = optimizer.state_dict()
+    state["state"][0]["step"] = 1.0  # a plain number, as older torch state dicts hold: loaded as a tensor
+    loaded = AdamW([p], **HYPER)
+    loaded.load_state_dict(state)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(loaded.state[p][name], optimizer.state[p][name]) and loaded.state[p][name].any()
+    assert isinstance(loaded.state[p]["step"], torch.Tensor) and loaded.state[p]["step"].item() == 1.0
+
+
+def test_a_copy_of_the_optimizer_steps_as_the_original():
+    import copy
+
+    params, grads = _params(), _grads(3)
+    optimizer = AdamW(params, **HYPER, moments_dtype=torch.float32)
+    _run(optimizer, params, grads[:1])
+    twin_params = [p.detach().clone().requires_grad_() for p in params]
+    twin = copy.deepcopy(optimizer)
+    twin.param_groups[0]["params"] = twin_params
+    twin.state = {q: twin.state[p] for p, q in zip(twin.state, twin_params)}
+    _run(optimizer, params, grads[1:])
+    _run(twin, twin_params, grads[1:])
+    assert twin.moments_dtype == torch.float32 and all(torch.equal(a, b) for a, b in zip(params, twin_params))
 
 
 def test_integer_parameters_are_refused():

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--beta2", type=float, default=0.95)
     o.add_argument("--bf16-moments", action="store_true",
                    help="AdamW keeps its two moments in bf16 (moe_ep.AdamW, as DeepSeek-V3 trained): 12 bytes per "
-                        "trained parameter instead of 16")
+                        "trained parameter instead of 16; betas up to 0.992")
     o.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: no clipping)")
     o.add_argument("--max-consecutive-skips", type=int, default=20,
                    help="a step whose loss or gradient norm is not finite on any rank is skipped on every rank; stop "
@@ -222,6 +222,8 @@ def check_flag_values(args: argparse.Namespace) -> None:
     for name in ("beta1", "beta2"):
         if not 0 <= getattr(args, name) < 1:
             raise UsageError(f"--{name} must be in [0, 1), got {getattr(args, name)}")
+    if args.bf16_moments:
+        _check_bf16_moments(args)
     if args.warmup_steps >= args.steps and args.steps > 1:
         raise UsageError(f"--warmup-steps ({args.warmup_steps}) must be smaller than --steps ({args.steps})")
     if args.global_batch_tokens is not None and not args.plan:
@@ -237,6 +239,19 @@ def check_flag_values(args: argparse.Namespace) -> None:
     check_run_folder_flags(args)
     if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
         raise UsageError(f"--output-dir: {args.output_dir} exists and is not a folder")
+
+
+def _check_bf16_moments(args) -> None:
+    """moe_ep.AdamW's own refusal of hyperparameters bf16 moments cannot follow, before any work."""
+    import torch
+
+    from moe_ep import AdamW
+
+    try:
+        AdamW([torch.nn.Parameter(torch.zeros(1))], lr=args.lr, betas=(args.beta1, args.beta2),
+              weight_decay=args.weight_decay, moments_dtype=torch.bfloat16)
+    except ValueError as err:
+        raise UsageError(f"--beta1/--beta2 with --bf16-moments: {err}") from None
 
 
 def check_against_model(args: argparse.Namespace, config, tokenizer) -> None:
