@@ -894,6 +894,11 @@ STEP_DISAGREEMENTS = {
     "optimizer": StepDisagreement(({}, {}), r"^RanksDisagree: TrainStep: ranks disagree on optimizer: rank 1 has SGD, "
                                   r"rank 0 has AdamW" + STEP_AGREE,
                                   optimizers=(("AdamW", dict(lr=1e-3)), ("SGD", dict(lr=1e-3)))),
+    # moe_ep.AdamW's moments dtype is the optimizer's, not its groups'.
+    "moments_dtype": StepDisagreement(({}, {}), r"^RanksDisagree: TrainStep: ranks disagree on optimizer moments: rank 1 "
+                                      r"has torch.float32, rank 0 has torch.bfloat16" + STEP_AGREE,
+                                      optimizers=(("moe_ep.AdamW", dict(lr=1e-3)),
+                                                  ("moe_ep.AdamW", dict(lr=1e-3, moments_dtype=torch.float32)))),
     # A NaN coefficient is refused on its rank, and that rank still meets the other.
     "one_rank_nan_coefficient": StepDisagreement((dict(aux_loss_coef=0.01), dict(aux_loss_coef=float("nan"))),
                                                  r"^RanksDisagree: TrainStep: ranks disagree on aux_loss_coef: rank 1 "
@@ -941,7 +946,8 @@ def _step_disagreements(rank, world) -> dict:
         else:
             target = targets[case.layout]
         params = unsharded if case.built_before[rank] else target.parameters()
-        optimizer = getattr(torch.optim, optimizer_name)(params, **kwargs)
+        factory = moe_ep.AdamW if optimizer_name == "moe_ep.AdamW" else getattr(torch.optim, optimizer_name)
+        optimizer = factory(params, **kwargs)
         modules = target.modules if case.layout == "pp2" else [target]
         hooks = sum(len(m._forward_hooks) for module in modules for m in module.modules())  # FSDP's own
         start = time.monotonic()

@@ -37,6 +37,8 @@ def _ranks_agree(target, context, optimizer, options: dict):
         return nullcontext()
     shared = {name: shown(value) for name, value in options.items()}
     shared["optimizer"] = type(optimizer).__qualname__
+    if hasattr(optimizer, "moments_dtype"):  # moe_ep.AdamW's: not in its groups
+        shared["optimizer moments"] = shown(optimizer.moments_dtype)
     local = {}
     groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else ()
     for i, param_group in enumerate(groups):
