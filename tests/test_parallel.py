@@ -1057,3 +1057,45 @@ def test_parallel_config_is_frozen_and_carries_the_pipeline():
     with pytest.raises(TypeError, match="config must be a moe_ep.parallel.ParallelConfig, got dict"):
         parallelize_with(torch.nn.Linear(2, 2), {"ep": 2})
     assert parallel_context(torch.nn.Linear(2, 2)) is None and parallel_context("model") is None
+
+
+def _dense_llama():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+def _dense_batch() -> torch.Tensor:
+    return torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _dense_steps(rank, world) -> dict:
+    import moe_ep
+    from moe_ep.training import TrainStep
+
+    try:
+        moe_ep.parallelize(_dense_llama(), ep=2)
+        refused = "no error"
+    except ValueError as exc:
+        refused = str(exc)
+    model = moe_ep.parallelize(_dense_llama(), dp_shard=2, activation_checkpointing=True)
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    share = _dense_batch()[rank * 2:(rank + 1) * 2]
+    return {"losses": [step({"input_ids": share}).item() for _ in range(3)], "ep_refused": refused}
+
+
+@pytest.mark.slow
+def test_a_dense_model_is_sharded_without_experts_as_the_planner_plans_it():
+    """A model without experts takes FSDP2 (and recompute) as the planner plans it for one: the
+    same losses as one process; expert parallelism is refused by name."""
+    from moe_ep.training import TrainStep
+
+    model = _dense_llama()
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    expected = [step({"input_ids": _dense_batch()}).item() for _ in range(3)]
+    for result in run_ranks(_dense_steps, 2):
+        assert rel_err(torch.tensor(result["losses"]), torch.tensor(expected)) <= TOLERANCE[torch.float32], result
+        assert result["ep_refused"] == "LlamaForCausalLM has no transformers experts module to parallelize with ep=2"

@@ -230,11 +230,9 @@ def _check(model: nn.Module, config: ParallelConfig) -> tuple[ParallelDims, Part
     if parallel_context(model) is not None:
         raise ValueError("model was already parallelized (moe_ep.parallel.parallel_context(model) describes how)")
     experts = experts_modules(model)
-    if (config.pp == 1 or config.ep > 1) and not experts:
-        raise ValueError(
-            f"{type(model).__name__} has no transformers experts module to parallelize"
-            + (f" with ep={config.ep}" if config.ep > 1 else "")
-        )
+    if config.ep > 1 and not experts:  # a dense model takes the rest: FSDP2/HSDP, pipeline stages
+        raise ValueError(f"{type(model).__name__} has no transformers experts module to parallelize with "
+                         f"ep={config.ep}")
     top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
     if experts and isinstance(top_k, int) and not 1 <= top_k <= num_experts_of(experts):
         raise ValueError(f"the model's config.num_experts_per_tok={top_k} must be in [1, E={num_experts_of(experts)}] "
