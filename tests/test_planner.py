@@ -455,12 +455,44 @@ def test_a_config_file_of_a_layout_the_planner_does_not_model_is_a_value_error(t
     config fields."""
     from transformers import DbrxConfig, SwitchTransformersConfig
 
-    for config in (DbrxConfig(), SwitchTransformersConfig()):
+    for config, said in ((DbrxConfig(), "model config must have an int 'intermediate_size'"),
+                         (SwitchTransformersConfig(), "model config SwitchTransformersConfig is an encoder-decoder "
+                                                      "model: the planner plans decoder-only causal LMs")):
         path = tmp_path / f"{config.model_type}.json"
         path.write_text(config.to_json_string())
-        with pytest.raises(ValueError, match=rf"model config '{path}': model config must have an int "
-                                             r"'intermediate_size'"):
+        with pytest.raises(ValueError, match=rf"model config '{path}': {re.escape(said)}"):
             plan(str(path), nodes=4, cluster="dgx-h100")
+
+
+@pytest.mark.parametrize("family, overrides, said", [
+    ("gpt_oss", {}, "moe_ep does not run gpt_oss's experts (its experts interleave the gate and up projections"),
+    ("jetmoe", {}, "moe_ep does not run jetmoe's experts (its experts are not a transformers experts module"),
+    ("mixtral", dict(hidden_act="relu"), "has hidden_act='relu': moe_ep's experts implement 'silu', 'swish', 'gelu' "
+                                         "only"),
+    ("mixtral", dict(attn_implementation="eager"), "has attn_implementation='eager', which keeps every layer's "
+                                                   "[batch, heads, seq, seq] attention probabilities"),
+])
+def test_a_model_moe_ep_does_not_run_as_planned_is_refused_by_name(family, overrides, said):
+    """The planner plans what parallelize runs: a family whose experts moe_ep does not take, an
+    activation its kernels lack, and eager attention (its [seq, seq] probabilities per layer, 1.9x
+    the planned activations at 256 tokens on a tiny model) are refused, not planned as another."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(family, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=64, vocab_size=128, **overrides)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        plan(config, nodes=1, cluster="dgx-h100")
+
+
+def test_a_local_folder_wins_over_the_built_in_model_of_its_name(tmp_path, monkeypatch):
+    from hf_models import tiny_config
+
+    (tmp_path / "mixtral-8x7b").mkdir()
+    tiny_config("mixtral", attn_implementation="sdpa").save_pretrained(tmp_path / "mixtral-8x7b")
+    monkeypatch.chdir(tmp_path)
+    assert ModelSpec.resolve("mixtral-8x7b").hidden_size == 32
+    monkeypatch.chdir(tmp_path / "mixtral-8x7b")
+    assert ModelSpec.resolve("mixtral-8x7b").hidden_size == 4096
 
 
 @pytest.mark.slow
@@ -704,7 +736,7 @@ def test_stages_are_counted_against_the_decoder_layers_alone():
     # make at most 14 stages: ZB-V over pp=8 (16 stages) is refused up front with that reason.
     from hf_models import tiny_config
 
-    config = tiny_config("mixtral", num_hidden_layers=14)
+    config = tiny_config("mixtral", num_hidden_layers=14, attn_implementation="sdpa")
     small = dict(nodes=1, gpus_per_node=8, gpu_memory_gib=80, seq_len=64, global_batch_tokens=64 * 64)
     with pytest.raises(PlanError, match=r"pp=8 needs 16 stages of at least one decoder layer each, but .* has 14; "
                                         r"use pp at most 7 with 'zbv'"):

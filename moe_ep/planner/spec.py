@@ -40,6 +40,20 @@ _QK_NORM = {"qwen3_moe": "head", "qwen3": "head", "olmoe": "full"}
 # routing weights go to the experts in the logits' dtype rather than float32.
 _SIGMOID_ROUTERS = ("deepseek_v3",)
 _WEIGHTS_IN_LOGITS_DTYPE = ("qwen2_moe", "qwen3_moe", "olmoe")
+# MoE families whose experts moe_ep does not run (moe_ep.hf.patch refuses them), so the planner
+# would plan a stack that does not exist: why, as patch says it.
+_EXPERTS_NOT_RUN = {
+    "gpt_oss": "its experts interleave the gate and up projections, not the [gate; up] layout moe_ep's kernels read",
+    "jetmoe": "its experts are not a transformers experts module (one decorated with @use_experts_implementation)",
+    "longcat_flash": "its experts are not a transformers experts module (one decorated with "
+                     "@use_experts_implementation)",
+}
+# The experts' activations moe_ep's kernels implement, by transformers' hidden_act names.
+_EXPERT_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}
+# Attention implementations whose memory the planner models: the flash and memory-efficient
+# kernels keep O(seq) per head. transformers' "eager" keeps the [batch, heads, seq, seq]
+# probabilities of every layer (6 bytes each in bf16), which it does not.
+_QUADRATIC_ATTENTION = ("eager",)
 
 
 def _named_configs():
@@ -127,6 +141,27 @@ def _experts_field(config) -> str | None:
                if getattr(config, a, None) is not None]
     aliases = getattr(config, "attribute_map", None) or {}
     return next((a for a in present if a not in aliases), present[0] if present else None)
+
+
+def _check_family(config) -> None:
+    """A decoder-only model whose layers moe_ep runs and whose attention the planner models."""
+    where = f"model config {type(config).__name__}"
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{where} is an encoder-decoder model: the planner plans decoder-only causal LMs")
+    family = getattr(config, "model_type", None)
+    if _experts_field(config) is not None and family in _EXPERTS_NOT_RUN:
+        raise ValueError(f"{where}: moe_ep does not run {family}'s experts ({_EXPERTS_NOT_RUN[family]}), so there is "
+                         "no moe_ep stack to plan")
+    activation = getattr(config, "hidden_act", None)
+    if _experts_field(config) is not None and isinstance(activation, str) and activation not in _EXPERT_ACTIVATIONS:
+        raise ValueError(f"{where} has hidden_act={activation!r}: moe_ep's experts implement "
+                         f"{', '.join(map(repr, _EXPERT_ACTIVATIONS))} only, so there is no moe_ep stack to plan")
+    attention = getattr(config, "_attn_implementation", None)
+    if attention in _QUADRATIC_ATTENTION:
+        raise ValueError(f"{where} has attn_implementation={attention!r}, which keeps every layer's [batch, heads, seq, "
+                         "seq] attention probabilities for backward: the planner models the flash and "
+                         "memory-efficient kernels (O(seq) per head); plan and train with attn_implementation='sdpa' "
+                         "(transformers' default) or a flash attention")
 
 
 def _check_config_sizes(config, where: str) -> None:
@@ -325,23 +360,26 @@ class ModelSpec:
 
     @classmethod
     def resolve(cls, model) -> "ModelSpec":
-        """A name from MODEL_NAMES, a local config.json or model folder, a transformers config, or a
-        ModelSpec."""
+        """What a plan is of: a local config.json or model folder (which wins over a name of
+        MODEL_NAMES, as ``from_pretrained``'s local folder wins over the Hub's), a name from
+        MODEL_NAMES, a transformers config, or a ModelSpec. A config of a model moe_ep does not run
+        as the planner models it (its experts, their activation, eager attention) is refused here,
+        not in ``from_config``, which also costs a running model's pipeline cut."""
         if isinstance(model, ModelSpec):
             return model
-        if isinstance(model, (str, Path)) and str(model) not in MODEL_NAMES:
-            if not str(model) or not Path(model).exists():
-                raise ValueError(
-                    f"model must be a Hugging Face config or one of {MODEL_NAMES}, or a local config.json or model "
-                    f"folder, got {str(model)!r}"
-                )
-            config = config_from_file(model)
-            try:
-                return cls.from_config(config)
-            except (TypeError, ValueError) as err:  # a layout it does not model: said with the file
-                raise ValueError(f"model config {str(model)!r}: {err}") from None
-        if isinstance(model, str):
-            return cls.from_config(config_from_name(model), name=model)
+        if isinstance(model, (str, Path)):
+            if str(model) and Path(model).exists():
+                config = config_from_file(model)
+                try:
+                    _check_family(config)
+                    return cls.from_config(config)
+                except (TypeError, ValueError) as err:  # a layout it does not model: said with the file
+                    raise ValueError(f"model config {str(model)!r}: {err}") from None
+            if str(model) in MODEL_NAMES:
+                return cls.from_config(config_from_name(str(model)), name=str(model))
+            raise ValueError(f"model must be a Hugging Face config or one of {MODEL_NAMES}, or a local config.json or "
+                             f"model folder, got {str(model)!r}")
+        _check_family(model)
         return cls.from_config(model)
 
     def is_moe_layer(self, layer: int) -> bool:
