@@ -157,11 +157,11 @@ def test_recompute_policies_trade_memory_for_work_as_modelled():
     memory_bound = "memory-bound kernels (incl. optimizer)"
     assert rows["none"][memory_bound] < rows["attention"][memory_bound] < rows["selective"][memory_bound]
     assert rows["selective"][memory_bound] == pytest.approx(rows["full"][memory_bound], rel=1e-12)
-    from moe_ep.planner.search import _layouts
+    from moe_ep.planner.search import Assumptions, _layouts
 
     fixed = dict.fromkeys(("pp", "dp_replicate", "dp_shard", "ep", "microbatch_size", "schedule", "checkpointing",
                            "virtual_stages"))
-    policies = {lay.checkpointing for lay in _layouts(spec, cluster, 4096, 4 * 2**20, fixed)}
+    policies = {lay.checkpointing for lay in _layouts(spec, cluster, 4096, 4 * 2**20, fixed, Assumptions())}
     assert policies == {"none", "full", "selective", "attention"}
 
 
@@ -1224,3 +1224,66 @@ def test_bf16_moments_are_the_optimizer_state_moe_ep_adamw_holds():
     assert held / fp32_master == bf16.optim / bf16.params
     with pytest.raises(TypeError, match="bf16_moments must be True or False"):
         plan("qwen3-30b-a3b", bf16_moments="yes", **fixed)
+
+
+@pytest.mark.parametrize("model, kwargs, said", [
+    # Left free, ep is chosen among the degrees that run the options: never ep=1.
+    ("mixtral-8x7b", dict(nodes=16, cluster="dgx-a100-80gb", capacity_factor=1.25), None),
+    ("mixtral-8x7b", dict(nodes=16, cluster="dgx-a100-80gb", overlap_chunks=2), None),
+    ("deepseek-v3", dict(nodes=64, cluster="dgx-h100", max_nodes=4), None),
+    # Mixtral's 8 experts cannot span two nodes of 8 GPUs: no node-aware dispatch to bound.
+    ("mixtral-8x7b", dict(nodes=16, cluster="dgx-a100-80gb", max_nodes=2),
+     "no expert-parallel degree runs what was asked (the largest: max_nodes=2 bounds the nodes a token reaches, which "
+     "needs the node-aware dispatch: ep=8 must be a multiple of the node's 8 GPUs larger than it)"),
+    ("mixtral-8x7b", dict(nodes=16, cluster="dgx-a100-80gb", max_nodes=2, ep=8),
+     "max_nodes=2 bounds the nodes a token reaches, which needs the node-aware dispatch: ep=8"),
+    ("mixtral-8x7b", dict(nodes=8, gpus_per_node=2, gpu_memory_gib=80, ep=8, capacity_factor=1.25, max_nodes=2),
+     "max_nodes=2 bounds the nodes of the node-aware dispatch, which is dropless: not with capacity_factor=1.25"),
+    ("mixtral-8x7b", dict(nodes=8, gpus_per_node=2, gpu_memory_gib=80, ep=8, max_nodes=5),
+     "max_nodes=5 over ep=8 (4 nodes): max_nodes must be an int in [1, nodes=4] or None, got 5"),
+    ("deepseek-v3", dict(nodes=16, cluster="dgx-h100", ep=32, max_nodes=2),
+     "max_nodes=2 over ep=32 (4 nodes): max_nodes needs the router's expert groups to be the nodes: n_group=8"),
+])
+def test_dispatcher_options_are_planned_only_where_parallelize_runs_them(model, kwargs, said):
+    """capacity_factor, overlap_chunks and max_nodes apply to the expert-parallel dispatcher, and
+    max_nodes to the node-aware one over whole nodes with groups it can bound: a layout without
+    them is never planned (ep=1 was), a fixed ep that cannot is refused by name, as parallelize
+    refuses it."""
+    from moe_ep.parallel.config import ParallelConfig
+
+    if said is not None:
+        with pytest.raises((ValueError, PlanError), match=re.escape(said)):
+            plan(model, num_alternatives=0, **kwargs)
+        return
+    lay = plan(model, num_alternatives=0, **kwargs).layout
+    options = {k: v for k, v in kwargs.items() if k in ("capacity_factor", "overlap_chunks", "max_nodes")}
+    assert lay.ep > 1
+    ParallelConfig.from_arguments(ep=lay.ep, dp_shard=lay.dp_shard, dp_replicate=lay.dp_replicate, pp=lay.pp,
+                                  **({"microbatches": lay.microbatches} if lay.pp > 1 else {}), **options)
+    if "max_nodes" in options:
+        assert lay.ep % 8 == 0 and lay.ep > 8
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    (dict(virtual_stages=2, pp=1), "virtual_stages=2 runs 2 stages on each rank of an interleaved pipeline: it needs "
+                                   "pp > 1 and pp x 2 at most the 32 decoder layers of mixtral-8x7b, but the mesh "
+                                   "degrees under the fixed choices {'pp': 1, 'virtual_stages': 2} leave pp in [1]"),
+    (dict(virtual_stages=32), "virtual_stages=32 runs 32 stages on each rank of an interleaved pipeline"),
+    (dict(virtual_stages=2, schedule="none"), "virtual_stages=2 sets the stages per rank of an interleaved pipeline "
+                                              "schedule; schedule='none' has no pipeline"),
+])
+def test_virtual_stages_no_layout_can_use_are_named(kwargs, said):
+    with pytest.raises((ValueError, PlanError), match=re.escape(said)):
+        plan("mixtral-8x7b", nodes=2, cluster="dgx-h100", num_alternatives=0, **kwargs)
+
+
+def test_the_report_and_its_json_state_the_optimizer_the_stages_per_rank_and_max_nodes():
+    from moe_ep.planner.report import plan_to_dict
+
+    bf16 = plan("mixtral-8x7b", nodes=16, cluster="dgx-h100", bf16_moments=True, pp=4, virtual_stages=4,
+                num_alternatives=0)
+    text = format_plan(bf16)
+    assert "AdamW with two bf16 moments (moe_ep.training.AdamW): 12 bytes" in text and "two fp32 moments" not in text
+    assert plan_to_dict(bf16)["stages_per_rank"] == 4
+    limited = plan("deepseek-v3", nodes=64, cluster="dgx-h100", max_nodes=4, num_alternatives=0)
+    assert plan_to_dict(limited)["assumptions"]["max_nodes"] == 4

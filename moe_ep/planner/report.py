@@ -12,7 +12,6 @@ from .spec import format_count
 
 ASSUMPTIONS = (
     "mixed precision as FSDP2 does it: fp32 master weights, bf16 compute, fp32 gradient reduction",
-    "AdamW with two fp32 moments: 16 bytes per sharded parameter (weights 4, gradients 4, moments 8)",
     "dense weights sharded over dp_shard, experts over ep then edp = dp_shard/ep, replicated over dp_replicate",
     "activations: what autograd saves with transformers' modeling code and moe_ep's Triton router and experts "
     "(checked against saved_tensors_hooks); full checkpointing keeps each layer's input, selective its input "
@@ -166,7 +165,10 @@ def format_plan(plan) -> str:
         "",
         "assumptions:",
     ]
-    lines += [f"  - {a}" for a in ASSUMPTIONS]
+    optimizer = ("AdamW with two bf16 moments (moe_ep.training.AdamW): 12 bytes per sharded parameter (weights 4, "
+                 "gradients 4, moments 4)" if plan.assumptions.bf16_moments else
+                 "AdamW with two fp32 moments: 16 bytes per sharded parameter (weights 4, gradients 4, moments 8)")
+    lines += [f"  - {a}" for a in (ASSUMPTIONS[0], optimizer, *ASSUMPTIONS[1:])]
     lines += ["", f"alternatives ({plan.considered} layouts enumerated, {plan.costed} close enough to cost in full)"]
     if not plan.alternatives and plan.costed <= 1:
         lines.append("  none: the constraints leave a single layout")
@@ -262,6 +264,7 @@ def plan_to_dict(plan) -> dict:
                          for k in Efficiencies.KINDS},
         "assumptions": {"imbalance": plan.assumptions.imbalance, "startup_imbalance": plan.assumptions.startup_imbalance,
                         "capacity_factor": plan.assumptions.capacity_factor,
+                        "max_nodes": plan.assumptions.max_nodes,
                         "overlap_chunks": plan.assumptions.overlap_chunks,
                         "chunked_loss": plan.assumptions.chunked_loss,
                         "bf16_moments": plan.assumptions.bf16_moments,
@@ -270,6 +273,7 @@ def plan_to_dict(plan) -> dict:
         "microbatch_size": lay.microbatch_size,
         "microbatches": lay.microbatches,
         "schedule": lay.schedule,
+        "stages_per_rank": best.partition.num_stages // lay.pp,
         "checkpointing": lay.checkpointing,
         "stage_starts": list(best.partition.starts),
         "seq_len": plan.seq_len,

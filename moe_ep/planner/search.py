@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..dispatch.nodes import node_size_for
+from ..ops.routing import node_limited_groups
 from .calibration import read_calibration
 from .partition import InfeasiblePartition, Partition, fits, partition
 from .cluster import Cluster
@@ -192,9 +193,40 @@ class _Mesh(NamedTuple):
         return self.dp_replicate * self.dp_shard
 
 
-def _meshes(spec: ModelSpec, world: int, fixed: dict) -> list[_Mesh]:
+def _dispatch_problem(spec: ModelSpec, ep: int, cluster: Cluster, assumptions: Assumptions) -> str | None:
+    """Why the dispatcher options of ``assumptions`` cannot run over ``ep`` ranks of ``cluster``
+    (what parallelize would refuse), or None: capacity mode, overlapped exchanges and node-limited
+    routing need expert parallelism, and node-limited routing the node-aware dispatch over whole
+    nodes, groups of experts it can bound, and room for the top-k on its nodes."""
+    asked = [f"{name}={value}" for name, value, on in (
+        ("capacity_factor", assumptions.capacity_factor, assumptions.capacity_factor is not None),
+        ("overlap_chunks", assumptions.overlap_chunks, assumptions.overlap_chunks > 1),
+        ("max_nodes", assumptions.max_nodes, assumptions.max_nodes is not None)) if on]
+    if not asked:
+        return None
+    if ep == 1:
+        return f"{', '.join(asked)} apply to the expert-parallel dispatcher; ep=1 has none"
+    max_nodes = assumptions.max_nodes
+    if max_nodes is None:
+        return None
+    node_size = node_size_for("auto", ep, cluster.gpus_per_node, assumptions.capacity_factor)
+    if node_size is None:
+        return (f"max_nodes={max_nodes} bounds the nodes a token reaches, which needs the node-aware dispatch: ep={ep} "
+                f"must be a multiple of the node's {cluster.gpus_per_node} GPUs larger than it")
+    nodes = ep // node_size
+    try:
+        node_limited_groups(spec.num_experts, spec.expert_groups, 1, nodes, max_nodes)
+    except ValueError as err:
+        return f"max_nodes={max_nodes} over ep={ep} ({nodes} nodes): {err}"
+    if spec.top_k > max_nodes * (spec.num_experts // nodes):
+        return (f"max_nodes={max_nodes} over ep={ep}: top_k={spec.top_k} experts do not fit on {max_nodes} nodes of "
+                f"{spec.num_experts // nodes} experts each")
+    return None
+
+
+def _meshes(spec: ModelSpec, world: int, fixed: dict, runs=lambda ep: True) -> list[_Mesh]:
     """The degrees that multiply to the world and honour the fixed ones: at most one pipeline
-    rank per decoder layer, ep dividing both dp_shard and the experts."""
+    rank per decoder layer, ep dividing both dp_shard and the experts, and ``runs(ep)``."""
     meshes = []
     for pp in divisors(world):
         if pp > spec.num_layers or fixed["pp"] not in (None, pp):
@@ -205,7 +237,7 @@ def _meshes(spec: ModelSpec, world: int, fixed: dict) -> list[_Mesh]:
             if fixed["dp_shard"] not in (None, dp_shard) or fixed["dp_replicate"] not in (None, dp_replicate):
                 continue
             for ep in divisors(math.gcd(dp_shard, spec.num_experts if spec.num_moe_layers else 1)):
-                if fixed["ep"] in (None, ep):
+                if fixed["ep"] in (None, ep) and runs(ep):
                     meshes.append(_Mesh(pp, dp_replicate, dp_shard, ep))
     return meshes
 
@@ -248,9 +280,9 @@ def _microbatchings(pp: int, per_replica: int, schedule: str, fixed: dict) -> li
 
 
 def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_tokens: int, fixed: dict,
-             policies: tuple[str, ...] = RECOMPUTE_POLICIES):
+             assumptions: Assumptions, policies: tuple[str, ...] = RECOMPUTE_POLICIES):
     sequences = global_batch_tokens // seq_len
-    for mesh in _meshes(spec, cluster.world_size, fixed):
+    for mesh in _meshes(spec, cluster.world_size, fixed, _runs(spec, cluster, assumptions)):
         if sequences % mesh.dp:
             continue
         per_replica = sequences // mesh.dp
@@ -262,6 +294,11 @@ def _layouts(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch_token
                     if fixed["checkpointing"] in (None, policy) and policy in runnable:
                         for v in _virtual_stages(spec, mesh.pp, schedule, fixed):
                             yield Layout(*mesh, mbs, m, schedule, policy, v)
+
+
+def _runs(spec: ModelSpec, cluster: Cluster, assumptions: Assumptions):
+    """Whether an ep runs the dispatcher options asked for (``_dispatch_problem``)."""
+    return lambda ep: _dispatch_problem(spec, ep, cluster, assumptions) is None
 
 
 def _units(spec: ModelSpec, layout: Layout, seq_len: int, assumptions: Assumptions, cluster: Cluster) -> list[Unit]:
@@ -366,7 +403,7 @@ def _search(spec, cluster, seq_len, global_batch_tokens, assumptions, fixed, num
     """(costed candidates, number of layouts enumerated, the first layout that could not be cut
     into stages with the reason, or None)."""
     policies = COMPILED_BLOCKS_POLICIES if assumptions.compiled_blocks else RECOMPUTE_POLICIES
-    layouts = list(_layouts(spec, cluster, seq_len, global_batch_tokens, fixed, policies))
+    layouts = list(_layouts(spec, cluster, seq_len, global_batch_tokens, fixed, assumptions, policies))
     cache = _UnitCache(spec, seq_len, assumptions, cluster)
     bounded = sorted((cache.lower_bound(lay), i) for i, lay in enumerate(layouts))
     candidates, best, shapes, uncut, oversized = [], None, set(), None, []
@@ -597,9 +634,19 @@ def plan(
     if compiled_blocks and checkpointing not in (None, *COMPILED_BLOCKS_POLICIES):
         raise ValueError(f"checkpointing={checkpointing!r} does not run with compiled_blocks=True; compiled dense "
                          f"blocks run with {' or '.join(map(repr, COMPILED_BLOCKS_POLICIES))}")
+    if max_nodes is not None and capacity_factor is not None:
+        raise ValueError(f"max_nodes={max_nodes} bounds the nodes of the node-aware dispatch, which is dropless: not with "
+                         f"capacity_factor={capacity_factor}")
     assumptions = Assumptions(imbalance, startup_imbalance, capacity_factor, max_nodes, overlap_chunks, chunked_loss,
                               bf16_moments, compiled_blocks)
+    if ep is not None:
+        problem = _dispatch_problem(spec, ep, resolved, assumptions)
+        if problem is not None:
+            raise ValueError(problem)
     if virtual_stages is not None:
+        if schedule == NO_PIPELINE:
+            raise ValueError(f"virtual_stages={virtual_stages!r} sets the stages per rank of an interleaved pipeline "
+                             f"schedule; schedule={NO_PIPELINE!r} has no pipeline")
         schedule_info(schedule or INTERLEAVED, virtual_stages)  # names the argument when wrong
     if schedule not in (None, NO_PIPELINE) and checkpointing is not None:
         check_split_backward_recompute("checkpointing", checkpointing, schedule, schedule_info(schedule).splits_backward)
@@ -615,7 +662,7 @@ def plan(
         spec, resolved, seq_len, global_batch_tokens, assumptions, fixed, num_alternatives
     )
     if not candidates:
-        raise PlanError(_nothing_to_search(spec, resolved, seq_len, global_batch_tokens, fixed, uncut))
+        raise PlanError(_nothing_to_search(spec, resolved, seq_len, global_batch_tokens, fixed, uncut, assumptions))
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise PlanError(_nothing_fits(spec, resolved, seq_len, global_batch_tokens, assumptions, fixed, candidates))
@@ -629,7 +676,7 @@ def plan(
     )
 
 
-def _nothing_to_search(spec, cluster, seq_len, global_batch_tokens, fixed, uncut) -> str:
+def _nothing_to_search(spec, cluster, seq_len, global_batch_tokens, fixed, uncut, assumptions) -> str:
     """Why no layout was costed: the constraints of the enumeration (``_layouts``) applied one
     after another, mesh degrees first, naming the first that leaves nothing and what would lift
     it; if every layout was enumerated but none could be cut into stages, the partition's reason."""
@@ -637,9 +684,14 @@ def _nothing_to_search(spec, cluster, seq_len, global_batch_tokens, fixed, uncut
     sequences = global_batch_tokens // seq_len
     chosen = {k: v for k, v in fixed.items() if v is not None}
     under = f" under the fixed choices {chosen}" if chosen else ""
-    meshes = _meshes(spec, world, fixed)
-    if not meshes:
+    every_ep = _meshes(spec, world, fixed)
+    if not every_ep:
         return _no_mesh(spec, world, fixed)
+    meshes = _meshes(spec, world, fixed, _runs(spec, cluster, assumptions))
+    if not meshes:
+        largest = max(mesh.ep for mesh in every_ep)
+        return (f"no expert-parallel degree{under} runs what was asked (the largest: "
+                f"{_dispatch_problem(spec, largest, cluster, assumptions)})")
     pipelines = [(mesh, schedule) for mesh in meshes for schedule in _schedules(spec, mesh.pp, fixed)]
     if not pipelines:
         return _no_schedule(spec, meshes, fixed, under)
@@ -694,6 +746,11 @@ def _no_schedule(spec, meshes, fixed, under) -> str:
     # the layers. So a fixed one binds.
     pps = sorted({mesh.pp for mesh in meshes})
     schedule = fixed["schedule"]
+    if schedule is None:  # left free, only fixed virtual stages bind: they need an interleaved pipeline
+        v = fixed["virtual_stages"]
+        return (f"virtual_stages={v} runs {v} stages on each rank of an interleaved pipeline: it needs pp > 1 and pp x "
+                f"{v} at most the {spec.num_layers} decoder layers of {spec.name}, but the mesh degrees{under} leave "
+                f"pp in {pps}")
     if schedule == NO_PIPELINE:
         return (
             f"schedule={NO_PIPELINE!r} means no pipeline (pp=1), but the mesh degrees{under} leave pp in {pps}; "

@@ -243,6 +243,7 @@ class ModelSpec:
     sliding_window: int | None = None  # tokens a sliding-window layer attends to
     sliding_layers: tuple[int, ...] = ()  # the layers of sliding-window attention
     clip_qkv: bool = False  # OLMoE clamps q, k and v in place (autograd keeps each)
+    expert_groups: int = 1  # DeepSeek-V3's n_group: the router's groups of experts (node-limited routing needs 1 or the nodes)
 
     def __post_init__(self):
         # from_config checked the config's own fields; this catches a ModelSpec built directly.
@@ -356,6 +357,7 @@ class ModelSpec:
             sliding_window=window if sliding_layers else None,
             sliding_layers=sliding_layers,
             clip_qkv=getattr(config, "clip_qkv", None) is not None and not kv_lora,
+            expert_groups=getattr(config, "n_group", None) or 1,
         )
 
     @classmethod
