@@ -188,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser = _add_plan_parser(sub)
     args = parser.parse_args(argv)
     if args.anchors:
-        # The anchors fix everything else as their sources published it.
-        given = [k for k, v in vars(args).items()
-                 if k not in ("command", "anchors", "calibration", "json") and v != plan_parser.get_default(k)]
+        # The anchors fix everything else as their sources published it. What was given is what a
+        # parse with every default unset still holds (a flag given its default value included).
+        unset = object()
+        plan_parser.set_defaults(**dict.fromkeys(vars(args), unset))
+        given = [k for k, v in vars(parser.parse_args(argv)).items()
+                 if k not in ("command", "anchors", "calibration", "json") and v is not unset]
         if given:
             flags = ", ".join("--" + k.replace("_", "-") for k in given)
             parser.error(f"--anchors plans the published layouts and takes only --calibration and --json, got {flags}")

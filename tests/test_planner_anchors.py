@@ -150,6 +150,9 @@ def test_cli_anchors_refuses_other_flags_and_plan_still_needs_model(capsys):
         main(["plan", "--anchors", "--nodes", "2"])
     assert "--anchors plans the published layouts and takes only --calibration and --json, got --nodes" in \
         capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a flag given its default value is given all the same
+        main(["plan", "--anchors", "--seq-len", "4096"])
+    assert "takes only --calibration and --json, got --seq-len" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", "--cluster", "dgx-h100"])
     assert "--model and --nodes are required (or give --anchors)" in capsys.readouterr().err
