@@ -166,6 +166,13 @@ def reference_aux(reference):
 
 
 @pytest.fixture(scope="module")
+def reference_sequence_aux(reference):
+    """The sequence-wise aux loss: each sequence (a row of the batch) balanced on its own."""
+    batch, _ = reference
+    return batch, _reference_losses(batch, AUX, aux_chunks=[[row] for row in range(batch["input_ids"].shape[0])])
+
+
+@pytest.fixture(scope="module")
 def reference_global_aux_z(reference):
     batch, _ = reference
     return batch, _reference_losses(batch, AUX, z_coef=Z, aux_chunks=GLOBAL_CHUNKS)
@@ -356,6 +363,7 @@ class Composed(NamedTuple):
     checkpointing: str | bool = "none"
     aux: float = 0.0
     global_aux: bool = False
+    sequence_aux: bool = False
     z: float = 0.0
     loss_scale: str | None = None
     unbalanced: bool = False
@@ -373,6 +381,7 @@ COMPOSED = {
     "fsdp2_1f1b": Composed(),
     "ep2_1f1b_checkpointing_aux": Composed(ep=2, checkpointing=True, aux=AUX),
     "ep2_1f1b_checkpointing_global_aux_z": Composed(ep=2, checkpointing=True, aux=AUX, global_aux=True, z=Z),
+    "ep2_1f1b_sequence_aux": Composed(ep=2, aux=AUX, sequence_aux=True),
     "ep2_interleaved": Composed(ep=2, schedule="interleaved-1f1b"),
     "ep2_zbv": Composed(ep=2, schedule="zbv"),
     "fsdp2_interleaved": Composed(schedule="interleaved-1f1b"),
@@ -421,7 +430,8 @@ def _composed(rank, world, batches, runs):
                 lambda module, args, shards=list(stage.parameters()):
                     live_shards.append(sum(p.grad is not None for p in shards)))
         step = TrainStep(target, torch.optim.AdamW(target.parameters(), lr=LR), microbatches=2, aux_loss_coef=run.aux,
-                         global_aux_loss=run.global_aux, z_loss_coef=run.z, loss_scale=run.loss_scale)
+                         global_aux_loss=run.global_aux, sequence_aux_loss=run.sequence_aux, z_loss_coef=run.z,
+                         loss_scale=run.loss_scale)
         if run.loss_scale == "dynamic":
             step.scaler.scale = 2.0**130  # the scaled loss overflows fp32: skipped, scale halved until finite
         losses = []
@@ -446,10 +456,10 @@ def world4(reference, reference_unbalanced):
 @pytest.mark.parametrize("name", list(COMPOSED))
 def test_pp2_composes_with_ep_fsdp2_and_hsdp_for_every_schedule(world4, reference, reference_aux,
                                                                 reference_unbalanced, reference_global_aux_z,
-                                                                reference_families, name):
+                                                                reference_sequence_aux, reference_families, name):
     run = COMPOSED[name]
     expected = (reference_unbalanced if run.unbalanced else reference_global_aux_z if run.global_aux
-                else reference_aux if run.aux else reference)[1]
+                else reference_sequence_aux if run.sequence_aux else reference_aux if run.aux else reference)[1]
     if run.tied:
         expected = reference_families["mixtral_tied_head_zbv"]
     by_rank = [r[name] for r in world4]
