@@ -43,6 +43,17 @@ def test_matches_transformers_one_process(masked):
     assert all(rel_err(t.grad, r) <= TOL for t, r in zip(leaves, ref_grads))
 
 
+def test_a_strided_float_mask_is_taken_as_a_contiguous_one():
+    """A [batch, seq] slice of a wider padded mask, already float32: its values, not its strides."""
+    logits = _logits(12, 4)
+    wide = torch.ones(3, 5)
+    wide[0, 3:] = 0
+    mask = wide[:, :4]
+    for sequence_length in (None, 4):
+        assert torch.equal(load_balancing_loss(logits, K, token_mask=mask, sequence_length=sequence_length),
+                           load_balancing_loss(logits, K, token_mask=mask.contiguous(), sequence_length=sequence_length))
+
+
 def test_given_choice_replaces_softmax_top_k():
     logits = _logits(8, 1)
     chosen = [t.topk(K, dim=-1).indices for t in logits]

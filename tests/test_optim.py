@@ -154,6 +154,10 @@ def test_a_group_added_or_loaded_with_options_it_cannot_apply_is_refused():
     kept = {p: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
     with pytest.raises(ValueError, match="does not implement maximize=True of saved parameter group 0"):
         optimizer.load_state_dict(theirs.state_dict())
+    sgd = torch.optim.SGD(params[:2], lr=0.1)
+    with pytest.raises(ValueError, match=r"the options of saved parameter group 0 lack betas, eps: not an AdamW's "
+                                         r"\(a state dict of another optimizer\?\)"):
+        optimizer.load_state_dict(sgd.state_dict())
     assert not optimizer.param_groups[0].get("maximize")
     assert all(torch.equal(optimizer.state[p][k], v) for p, s in kept.items() for k, v in s.items())
 

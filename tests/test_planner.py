@@ -493,6 +493,8 @@ def test_a_local_folder_wins_over_the_built_in_model_of_its_name(tmp_path, monke
     assert ModelSpec.resolve("mixtral-8x7b").hidden_size == 32
     monkeypatch.chdir(tmp_path / "mixtral-8x7b")
     assert ModelSpec.resolve("mixtral-8x7b").hidden_size == 4096
+    (tmp_path / "mixtral-8x7b" / "mixtral-8x7b").mkdir()  # a folder of that name without a config: a run's output
+    assert ModelSpec.resolve("mixtral-8x7b").hidden_size == 4096
 
 
 @pytest.mark.slow
@@ -1241,6 +1243,7 @@ def test_bf16_moments_are_the_optimizer_state_moe_ep_adamw_holds():
      "max_nodes=2 bounds the nodes of the node-aware dispatch, which is dropless: not with capacity_factor=1.25"),
     ("mixtral-8x7b", dict(nodes=8, gpus_per_node=2, gpu_memory_gib=80, ep=8, max_nodes=5),
      "max_nodes=5 over ep=8 (4 nodes): max_nodes must be an int in [1, nodes=4] or None, got 5"),
+    ("mixtral-8x7b", dict(nodes=16, cluster="dgx-a100-80gb", ep="8", max_nodes=2), "ep must be an int"),
     ("deepseek-v3", dict(nodes=16, cluster="dgx-h100", ep=32, max_nodes=2),
      "max_nodes=2 over ep=32 (4 nodes): max_nodes needs the router's expert groups to be the nodes: n_group=8"),
 ])

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..planner.spec import ModelSpec, config_from_name
-from .report import Column, Report, environment
+from .report import Column, Report, environment, first_line
 from .timing import measure
 
 # The anchors' models (``planner.anchors``): their attention shapes.
@@ -119,13 +119,13 @@ def bench_model(name: str, device: torch.device, args) -> list[dict]:
                 try:
                     fwd_bwd(q, k, v, dy)
                 except torch.OutOfMemoryError as err:
-                    rows.append(dict(row, status=f"FAIL: out of memory ({str(err).splitlines()[0][:160]})"))
+                    rows.append(dict(row, status=f"FAIL: out of memory ({first_line(err, 160)})"))
                     continue
                 except RuntimeError as err:
                     # The error says only that no kernel ran; SDPA warns each backend's reason first
                     # (head sizes, grouped-query heads, the device).
                     reasons = [str(w.message).split(" (Triggered internally")[0] for w in caught] or [str(err)]
-                    rows.append(dict(row, status=f"unavailable: {reasons[-1].splitlines()[0][:200]}"))
+                    rows.append(dict(row, status=f"unavailable: {(reasons[-1].splitlines() or [''])[0][:200]}"))
                     continue
             t = measure(lambda: fwd_bwd(q, k, v, dy), device=device, warmup=args.warmup, reps=args.reps,
                         name=f"{name} sdpa[{backend}]")

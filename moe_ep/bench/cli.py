@@ -35,6 +35,9 @@ def _device(name: str | None, mode: str) -> torch.device:
         raise ValueError(f"--device must be cpu or cuda (cuda:N), got {name!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device must be cpu on a machine without CUDA, got {name!r}")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device must name one of this machine's {torch.cuda.device_count()} GPU(s) (cuda:0 to "
+                         f"cuda:{torch.cuda.device_count() - 1}), got {name!r}")
     return device
 
 

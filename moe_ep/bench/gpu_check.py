@@ -66,7 +66,7 @@ from . import attention as attention_bench
 from . import dispatch as dispatch_bench
 from . import kernels as kernel_bench
 from . import model as model_bench
-from .report import Column, Report, close_figure, environment, new_figure
+from .report import Column, Report, close_figure, environment, first_line, new_figure
 from .routing_cases import make_routing
 
 STEPS = ("compile", "tests", "kernels", "attention", "model", "dispatch", "suite")
@@ -205,10 +205,6 @@ def autotuning(on: bool):
                     os.environ[name] = value
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).splitlines() or [""])[0][:200]
-
-
 def run_check(check: Check, dtype: torch.dtype, device: torch.device, seed: int) -> dict:
     """Triton and torch backends against float64: the worst relative error over the output and
     every gradient, and whether a second Triton run gives the same bits."""
@@ -225,7 +221,7 @@ def run_check(check: Check, dtype: torch.dtype, device: torch.device, seed: int)
         triton_out = _outputs(triton_fn, x, idx, w, gate_up, down, dy)
         again = _outputs(triton_fn, x, idx, w, gate_up, down, dy)
     except Exception as err:  # recorded as a failed check, with its message
-        return dict(row, status=f"FAIL: triton raised {type(err).__name__}: {_first_line(err)}")
+        return dict(row, status=f"FAIL: triton raised {type(err).__name__}: {first_line(err)}")
     row["triton_err"] = _worst(triton_out, refs)
     row["bitwise_repeatable"] = all(torch.equal(a, b) for a, b in zip(triton_out, again))
     try:
@@ -233,13 +229,13 @@ def run_check(check: Check, dtype: torch.dtype, device: torch.device, seed: int)
         row["torch_err"] = _worst(torch_out, refs)
         row["triton_vs_torch"] = _worst(triton_out, torch_out)
     except Exception as err:  # the torch backend's own limits (a dtype grouped_mm lacks) are recorded
-        row["torch_status"] = f"torch backend raised {type(err).__name__}: {_first_line(err)}"
+        row["torch_status"] = f"torch backend raised {type(err).__name__}: {first_line(err)}"
     # The selector's choice on this problem (decided by its first call, measuring both paths).
     try:
         auto_out = _outputs(auto_fn, x, idx, w, gate_up, down, dy)
         row["auto_path"] = selector.choose(x, idx, w, gate_up, down, act, pinned=None, group=None)
     except Exception as err:  # recorded as a failed check, with its message
-        return dict(row, status=f"FAIL: auto raised {type(err).__name__}: {_first_line(err)}")
+        return dict(row, status=f"FAIL: auto raised {type(err).__name__}: {first_line(err)}")
     row["auto_err"] = _worst(auto_out, refs)
     problems = []
     if not row["auto_err"] <= TOLERANCE[dtype]:
@@ -345,11 +341,11 @@ def _run_part(args, result: dict, key: str, bench) -> None:
     try:
         report = bench()
     except torch.OutOfMemoryError as err:
-        result["parts"][key] = f"FAIL: out of memory ({_first_line(err)})"
+        result["parts"][key] = f"FAIL: out of memory ({first_line(err)})"
         return
     except Exception as err:  # recorded as the part's failure, its traceback on stderr
         traceback.print_exc()
-        result["parts"][key] = f"FAIL: {type(err).__name__}: {_first_line(err)}"
+        result["parts"][key] = f"FAIL: {type(err).__name__}: {first_line(err)}"
         return
     result["parts"][key] = f"FAIL: {', '.join(report.failed)}" if report.failed else "done"
     result["meta"][key] = report.meta
@@ -580,7 +576,7 @@ def run(args, device: torch.device) -> Report:
             status = "done"
         except Exception as err:  # the later steps still run, and every result is saved
             traceback.print_exc()
-            status = f"FAIL: {type(err).__name__}: {_first_line(err)}"
+            status = f"FAIL: {type(err).__name__}: {first_line(err)}"
         report.meta["steps"][name] = dict(status=status, seconds=time.perf_counter() - start - elapsed)
     report.rows = results.get("tests") or []
     results["estimates_vs_measured"] = estimates_beside_measurements(results)

@@ -30,7 +30,7 @@ from ..ops.experts import moe_experts
 from ..ops.experts_torch import grouped_linear, routing_order
 from ..ops.routing import route_topk
 from .optional import Lookup, optional_attr
-from .report import Column, Report, close_figure, environment, new_figure
+from .report import Column, Report, close_figure, environment, first_line, new_figure
 from .routing_cases import ROUTINGS, make_routing, max_load_share
 from .timing import measure, measure_many, peak_memory_bytes, synchronize
 
@@ -248,11 +248,11 @@ def bench_experts(p: Problem, inp: Inputs, args) -> list[dict]:
         try:
             y, grads = _outputs(found.value, inp)
         except RuntimeError as err:
-            if name.startswith("moe_ep"):
+            if name.startswith("moe_ep") or isinstance(err, torch.OutOfMemoryError):
                 raise
             # A baseline's own limits (grouped_mm's 16-byte row alignment) end its row, not the run.
             rows.append(dict(T=p.T, routing=p.routing, kind="op", variant=name,
-                             status=f"not available: raised {type(err).__name__}: {str(err).splitlines()[0][:160]}"))
+                             status=f"not available: raised {type(err).__name__}: {first_line(err, 160)}"))
             continue
         y_ref, grads_ref = reference
         errors[name] = {"fwd": relative_error(y, y_ref),
@@ -479,7 +479,7 @@ def check_no_host_sync(p: Problem, inp: Inputs) -> dict[str, str]:
             check.value()
             results[name] = "pass"
         except RuntimeError as err:
-            results[name] = f"FAIL: {str(err).splitlines()[0]}"
+            results[name] = f"FAIL: {first_line(err)}"
         finally:
             torch.cuda.set_sync_debug_mode(0)
     return results

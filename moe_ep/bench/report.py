@@ -130,6 +130,12 @@ def format_table(report: Report, width: int = TABLE_WIDTH) -> str:
     return "\n".join(lines)
 
 
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """What a row says of an exception: its message's first line, cut to ``limit`` characters
+    (an exception may carry no message at all)."""
+    return (str(err).splitlines() or [""])[0][:limit]
+
+
 def _wrapped(text: str, width: int) -> str:
     return textwrap.fill(text, width, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
 

@@ -1,7 +1,8 @@
 """Load-balancing terms of MoE training: the auxiliary loss (Switch Transformer, with
 transformers' normalisation; a sigmoid router's scores normalised over the experts, as
 DeepSeek-V3's balance loss and Megatron-Core take them), optionally computed from counts gathered over every rank that holds
-different tokens (Megatron-Core's global aux loss); the router z-loss (ST-MoE); and the
+different tokens (Megatron-Core's global aux loss) or for each sequence on its own (DeepSeek-V3's
+sequence-wise balance loss); the router z-loss (ST-MoE); and the
 aux-loss-free expert bias of DeepSeek-V3, updated identically on every rank.
 
 Gradient convention: each rank backpropagates its own loss and data parallelism averages the
@@ -158,7 +159,7 @@ def load_balancing_loss(
         prob_sum_BE = prob_sum_BE + probs_TE.view(sequences, rows, E).sum(1)
     # Rows over all layers, as transformers normalises: (tokens per layer) * (layers).
     per_layer_B = torch.full((sequences,), float(rows), dtype=dtype, device=device) if token_mask is None else (
-        token_mask.to(dtype).view(sequences, rows).sum(1))
+        token_mask.to(dtype).reshape(sequences, rows).sum(1))
     tokens_B = per_layer_B * len(logits)
     if group is not None:
         # One all-reduce of the non-differentiable statistics; the local probability sum keeps its

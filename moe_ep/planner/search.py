@@ -639,10 +639,6 @@ def plan(
                          f"capacity_factor={capacity_factor}")
     assumptions = Assumptions(imbalance, startup_imbalance, capacity_factor, max_nodes, overlap_chunks, chunked_loss,
                               bf16_moments, compiled_blocks)
-    if ep is not None:
-        problem = _dispatch_problem(spec, ep, resolved, assumptions)
-        if problem is not None:
-            raise ValueError(problem)
     if virtual_stages is not None:
         if schedule == NO_PIPELINE:
             raise ValueError(f"virtual_stages={virtual_stages!r} sets the stages per rank of an interleaved pipeline "
@@ -653,6 +649,8 @@ def plan(
     fixed = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, microbatch_size=microbatch_size,
                  schedule=schedule, checkpointing=checkpointing, virtual_stages=virtual_stages)
     _check_fixed_degrees(spec, resolved, fixed)
+    if ep is not None and (problem := _dispatch_problem(spec, ep, resolved, assumptions)) is not None:
+        raise ValueError(problem)
     if global_batch_tokens % seq_len:
         raise PlanError(
             f"global_batch_tokens={global_batch_tokens} is not a whole number of sequences of seq_len={seq_len}; "

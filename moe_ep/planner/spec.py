@@ -363,14 +363,17 @@ class ModelSpec:
     @classmethod
     def resolve(cls, model) -> "ModelSpec":
         """What a plan is of: a local config.json or model folder (which wins over a name of
-        MODEL_NAMES, as ``from_pretrained``'s local folder wins over the Hub's), a name from
+        MODEL_NAMES when it holds a config, as ``from_pretrained``'s local folder wins over the
+        Hub's; a run's output folder of that name does not), a name from
         MODEL_NAMES, a transformers config, or a ModelSpec. A config of a model moe_ep does not run
         as the planner models it (its experts, their activation, eager attention) is refused here,
         not in ``from_config``, which also costs a running model's pipeline cut."""
         if isinstance(model, ModelSpec):
             return model
         if isinstance(model, (str, Path)):
-            if str(model) and Path(model).exists():
+            path = Path(model)
+            if str(model) and path.exists() and (str(model) not in MODEL_NAMES or path.is_file()
+                                                 or (path / "config.json").is_file()):
                 config = config_from_file(model)
                 try:
                     _check_family(config)

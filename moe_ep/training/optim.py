@@ -26,7 +26,9 @@ State: ``step`` (a float32 scalar tensor, as torch's), ``exp_avg`` and ``exp_avg
 torch's names, in ``moments_dtype``; a loaded state dict (``load_state_dict``, DCP) gets its
 moments in that dtype straight from the saved values (torch's own loading would pass them
 through the parameter's dtype first, and a bf16 moment of a float16 weight underflows there),
-so checkpoints written with float32 moments (torch's AdamW) load too."""
+so checkpoints written with float32 moments (torch's AdamW) load too, where their betas are ones
+bf16 moments can keep (a state saved with torch's default beta2 = 0.999 is refused by name: load
+it with ``moments_dtype=torch.float32``)."""
 
 from __future__ import annotations
 
@@ -52,6 +54,10 @@ def _is_real(value) -> bool:
 def check_hyperparameters(group: dict, moments_dtype: torch.dtype, where: str = "") -> None:
     """A parameter group's options: ValueError naming the first one this optimizer cannot apply as
     asked. ``where`` says which group, for an error about one of several."""
+    missing = [name for name in ("lr", "betas", "eps", "weight_decay") if name not in group]
+    if missing:
+        raise ValueError(f"the options{where or ' of the parameter group'} lack {', '.join(missing)}: not an AdamW's "
+                         "(a state dict of another optimizer?)")
     lr, betas, eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     if not _is_real(lr) or not 0.0 <= lr < math.inf:
         raise ValueError(f"lr{where} must be a finite real number >= 0, got {lr!r}")

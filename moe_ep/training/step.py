@@ -112,8 +112,8 @@ class TrainStep:
         global_aux_loss: compute it from the statistics of every data-parallel rank.
         sequence_aux_loss: compute it for each sequence of the batch on its own and average them
             (DeepSeek-V3's sequence-wise balance loss, Megatron-Core's ``seq_aux_loss``; with a
-            sigmoid router ``top_k`` times DeepSeek-V3's, so its ``alpha`` is ``aux_loss_coef /
-            top_k``); not with ``global_aux_loss``.
+            sigmoid router ``top_k`` times DeepSeek-V3's, so its ``alpha`` is ``aux_loss_coef x
+            top_k``: set ``aux_loss_coef = alpha / top_k``); not with ``global_aux_loss``.
         z_loss_coef: weight of the per-layer router z-loss (0: none).
         expert_bias_rate: step size of DeepSeek-V3's aux-loss-free expert bias (0: none; every
             MoE router must hold a float32 ``e_score_correction_bias``).
