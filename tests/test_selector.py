@@ -212,17 +212,30 @@ def test_processes_saving_at_once_keep_every_problem(tmp_path):
 
 @pytest.mark.slow
 def test_a_damaged_cache_is_reported_and_left_alone(monkeypatch):
-    """A truncated, a flipped and a foreign cache file, in turn: each is reported, not loaded (the
-    decision is measured again) and not overwritten by a new decision."""
+    """A truncated, a flipped and a foreign cache file, one written for another GPU and one whose
+    checksum holds over a bucket of 0 tokens (every call divided by its logarithm), in turn: each is
+    reported, not loaded (the decision is measured again) and not overwritten by a new decision."""
     run(40)
     path = selector.cache_file(torch.device("cpu"))
     intact = path.read_text()
     measured = Counter(monkeypatch, selector, "_measure")
-    for damage in ("truncated", "flipped", "foreign"):
-        text = {"truncated": intact[: len(intact) // 2],
-                "flipped": intact.replace('"triton"', '"torch"', 1) if '"triton"' in intact
+
+    def rewritten(change):
+        data = json.loads(intact)
+        change(data)
+        return json.dumps({**data, "sha256": selector._checksum(data["families"])})
+
+    def bucket_zero(data):
+        entry = next(iter(data["families"].values()))
+        entry["paths"] = {"0": p for p in entry["paths"].values()}
+
+    for damage in ("truncated", "flipped", "foreign", "another_gpu", "bucket_zero"):
+        text = {"truncated": lambda: intact[: len(intact) // 2],
+                "flipped": lambda: intact.replace('"triton"', '"torch"', 1) if '"triton"' in intact
                 else intact.replace('"torch"', '"triton"', 1),
-                "foreign": json.dumps({"someone": "else's file"})}[damage]
+                "foreign": lambda: json.dumps({"someone": "else's file"}),
+                "another_gpu": lambda: rewritten(lambda data: data.update(device="selector-nvidia-a100")),
+                "bucket_zero": lambda: rewritten(bucket_zero)}[damage]()
         path.write_text(text)
         selector.clear()
         selector._DAMAGED.clear()
@@ -231,6 +244,22 @@ def test_a_damaged_cache_is_reported_and_left_alone(monkeypatch):
             run(40, activation=("silu", "gelu")[damage == "flipped"])
         assert measured.calls == before + 1, damage  # not loaded: measured again
         assert path.read_text() == text, damage  # the new decision is not saved over the damaged file
+
+
+def test_without_a_home_directory_the_decisions_stay_in_memory(monkeypatch):
+    """A container's user without a home directory, and no cache folder named: warned once, the
+    problem decided all the same (Path.home() raised out of the op's first call)."""
+    from pathlib import Path
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    for name in (selector.CACHE_ENV_VAR, "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    with pytest.warns(RuntimeWarning, match=f"no selector cache .*; set {selector.CACHE_ENV_VAR}"):
+        run(40)
+    assert len(selector.decisions()) == 1
 
 
 @pytest.mark.slow
@@ -331,3 +360,14 @@ def test_merge_drops_the_library_stages_where_the_whole_op_summed_faster_without
     assert table.paths == {128: "triton", 1024: "triton"}
     assert table.times[128] == {"triton": 2.0, selector.TRITON_FUSED: 1.8}
     assert selector.Table.from_json(json.loads(json.dumps(table.to_json()))) == table
+
+
+def test_the_library_stages_dropped_under_expert_parallelism_are_those_the_path_was_timed_with():
+    """Under expert parallelism a launch's bucket counts its kernel's slots (received rows x local
+    columns), not the routed pairs the path is bucketed by: the launches timed with a path that
+    ran faster without the library drop it all the same."""
+    path_bucket, launch = 2048, ("rows_matmul", (4096, 14336, 8, "nk", True, 128, 8), 8192)
+    measured = {path_bucket: {"paths": {"triton": 10.0, selector.TRITON_FUSED: 9.0, "torch": 12.0},
+                              "configs": {launch: {"grouped_mm": 1.0, "m128n256k64w8s4_tma_persistent": 1.2}}}}
+    table = selector._merge([{"measured": measured}])
+    assert table.paths == {path_bucket: "triton"} and [c[-1] for c in table.configs] == ["m128n256k64w8s4_tma_persistent"]

@@ -40,13 +40,15 @@ defaults (``DEFAULT_PATH``, each space's first configuration).
 
 The cache is one JSON file per GPU model under ``$MOE_EP_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/moe_ep`` or ``~/.cache/moe_ep``), keyed by problem and by torch and Triton
-versions, with a SHA-256 of its contents. A file that does not parse, is not moe_ep's, or fails
+versions and by the sources of the kernels and paths it times (a rewritten kernel is measured
+again, not taken from a table of the old one), with a SHA-256 of its contents. A file that does not parse, is not moe_ep's, or fails
 its checksum is reported with a warning and neither loaded nor overwritten."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import math
@@ -98,7 +100,20 @@ class Problem:
         import triton
 
         return (f"{self.arch}/{str(self.dtype)[6:]}/H{self.H}/I{self.I}/E{self.E}/K{self.K}/{self.activation}"
-                f"/{self.paths}/torch{torch.__version__}/triton{triton.__version__}")
+                f"/{self.paths}/torch{torch.__version__}/triton{triton.__version__}/kernels{kernels_digest()}")
+
+
+@functools.cache
+def kernels_digest() -> str:
+    """A digest of the sources behind a decision: the kernels, their configuration spaces and the
+    two paths' code."""
+    from ..kernels import grouped_gemm, library
+    from . import experts_torch, experts_triton
+
+    digest = hashlib.sha256()
+    for module in (grouped_gemm, autotune, library, experts_triton, experts_torch):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -126,6 +141,8 @@ class Table:
         paths = {int(b): p for b, p in data["paths"].items()}
         if any(p not in PATHS for p in paths.values()):
             raise ValueError(f"unknown path in {sorted(set(paths.values()))}")
+        if any(b < 1 for b in paths):  # a token bucket is a power of two: path() takes its logarithm
+            raise ValueError(f"token buckets must be >= 1, got {sorted(paths)}")
         times = {int(b): {str(k): (None if v is None else float(v)) for k, v in t.items()}
                  for b, t in data["times"].items()}
         configs = tuple((str(k), tuple(s), int(b), str(n)) for k, s, b, n in data["configs"])
@@ -291,6 +308,9 @@ def _merge(everyone: list[dict]) -> Table:
     cached = next((Table.from_json(c["cached"]) for c in everyone if "cached" in c), None)
     path_times: dict[int, dict[str, float | None]] = {}
     config_times: dict[tuple, dict[str, float]] = {}
+    # The path buckets each launch was timed under: a launch's own bucket counts its kernel's
+    # rows, which under expert parallelism (received rows of several columns) is not the path's.
+    timed_under: dict[tuple, set[int]] = {}
     fused_buckets = {b for c in everyone for b, m in c.get("measured", {}).items() if TRITON_FUSED in m["paths"]}
     for c in everyone:
         for bucket, m in sorted(c.get("measured", {}).items()):
@@ -301,6 +321,7 @@ def _merge(everyone: list[dict]) -> Table:
             for path, t in mine.items():
                 summed[path] = None if t is None or (path in summed and summed[path] is None) else summed.get(path, 0) + t
             for launch, timings in m["configs"].items():
+                timed_under.setdefault(launch, set()).add(bucket)
                 for name, t in timings.items():
                     config_times.setdefault(launch, {})[name] = config_times.get(launch, {}).get(name, 0.0) + t
     paths = dict(cached.paths) if cached else {}
@@ -319,7 +340,7 @@ def _merge(everyone: list[dict]) -> Table:
         paths[bucket] = min(sorted(usable), key=usable.__getitem__) if usable else "triton"
         times[bucket] = summed
     for launch, timings in config_times.items():
-        if launch[-1] in library_out:
+        if timed_under[launch] & library_out:
             timings = {n: t for n, t in timings.items() if n != str(GROUPED_MM)}
         configs.setdefault(launch, min(sorted(timings), key=timings.__getitem__))
     return Table(dict(sorted(paths.items())), dict(sorted(times.items())),
@@ -343,6 +364,16 @@ def cache_file(device: torch.device) -> Path:
     return Path(root) / f"selector-{re.sub(r'[^A-Za-z0-9]+', '-', model).strip('-').lower()}.json"
 
 
+def _cache_path(device: torch.device) -> Path | None:
+    """``cache_file``, or None (warned once) where there is no home directory to put it under (a
+    container's user without one) and no $MOE_EP_CACHE_DIR: the decisions then stay in memory."""
+    try:
+        return cache_file(device)
+    except RuntimeError as err:
+        _warn_once(f"moe_ep: no selector cache ({err}); set {CACHE_ENV_VAR} to keep decisions across runs")
+        return None
+
+
 def _checksum(families: dict) -> str:
     return hashlib.sha256(json.dumps(families, sort_keys=True).encode()).hexdigest()
 
@@ -360,6 +391,8 @@ def _read(path: Path) -> dict | None:
         families = data["families"]
         if data.get("sha256") != _checksum(families):
             raise ValueError("checksum mismatch")
+        if data.get("device") != path.stem:
+            raise ValueError(f"written for {data.get('device')!r}, not {path.stem!r}")
         for entry in families.values():
             Table.from_json(entry)
         return families
@@ -373,7 +406,8 @@ def _read(path: Path) -> dict | None:
 
 
 def _cache_load(problem: Problem, device: torch.device) -> Table | None:
-    families = _read(cache_file(device))
+    path = _cache_path(device)
+    families = None if path is None else _read(path)
     entry = (families or {}).get(problem.name())
     return None if entry is None else Table.from_json(entry)
 
@@ -396,7 +430,9 @@ def _cache_save(problem: Problem, table: Table, device: torch.device) -> None:
     """Add ``problem`` to the cache file, under its lock: written whole to a temporary file
     beside it, then renamed over it, so a crash leaves the old file or the new one, never half of
     one."""
-    path = cache_file(device)
+    path = _cache_path(device)
+    if path is None:
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         with _cache_lock(path):
@@ -419,4 +455,5 @@ def _cache_save(problem: Problem, table: Table, device: torch.device) -> None:
                 os.unlink(tmp)
                 raise
     except OSError as err:
-        _warn_once(f"moe_ep: could not write the selector cache {path} ({err}); decisions stay in memory")
+        _warn_once(f"moe_ep: could not write the selector cache {path} ({err}); decisions stay in memory (set "
+                   f"{CACHE_ENV_VAR} to a writable folder to keep them)")
