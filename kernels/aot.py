@@ -26,6 +26,7 @@ spill."""
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import importlib
 import json
@@ -86,6 +87,8 @@ def discover(only: list[str] | None = None) -> tuple[list[tuple[str, object]], l
         try:
             module = importlib.import_module(f"{PACKAGE}.{name}")
             if not hasattr(module, "aot_specs"):
+                if only:  # named, but it has nothing to compile: not a pass
+                    failures.append(Row(name, "<module>", 0, False, problem="declares no aot_specs: nothing to compile"))
                 continue
             specs.extend((name, spec) for spec in module.aot_specs())
         except Exception as exc:  # reported as a failed row, and the exit status says so
@@ -198,6 +201,33 @@ def names_dtype(name: str, dtypes) -> bool:
     return bool(words & set(dtypes)) or not words & set(ALL_DTYPES)
 
 
+def _run_in_processes(jobs: int) -> list[Row]:
+    """``_run_job`` of every job on ``jobs`` forked processes. A process that dies (killed for
+    memory, a crash in the compiler) breaks the pool: the jobs it took down run again, each in a
+    process of its own, so only the one that kills its process is a failed row, not a wait that
+    never ends."""
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        rows = [_result(future) for future in [pool.submit(_run_job, i) for i in range(len(_JOBS))]]
+    for i, row in enumerate(rows):
+        if row is None:
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as alone:
+                rows[i] = _result(alone.submit(_run_job, i))
+            if rows[i] is None:
+                module, spec, arch = _JOBS[i]
+                rows[i] = Row(module, spec.name, arch, False, problem="its compiler process died (killed for memory, "
+                                                                        "or a crash in the compiler)")
+    return rows
+
+
+def _result(future) -> Row | None:
+    """The job's row, None where its process pool broke."""
+    try:
+        return future.result()
+    except concurrent.futures.BrokenExecutor:
+        return None
+
+
 def run(archs, jobs: int, only: list[str] | None = None, dtypes: list[str] | None = None,
         first_config: bool = False, quick: bool = False) -> tuple[list[Row], list[tuple[Row, object]]]:
     """Compile the selected specs: every row (module failures first), and each compiled row with
@@ -206,7 +236,7 @@ def run(archs, jobs: int, only: list[str] | None = None, dtypes: list[str] | Non
     if dtypes:
         specs = [(m, s) for m, s in specs if names_dtype(s.name, dtypes)]
     if first_config or quick:
-        specs = [(m, s) for m, s in specs if s.rank == 0 and (s.quick or not quick)]
+        specs = [(m, s) for m, s in specs if (s.rank == 0 or s.untuned) and (s.quick or not quick)]
     wanted = [(m, s, a) for m, s in specs for a in archs if a in s.archs]
     keys = [compile_key(s, a) for _, s, a in wanted]
     index, unique = {}, []
@@ -216,8 +246,7 @@ def run(archs, jobs: int, only: list[str] | None = None, dtypes: list[str] | Non
             unique.append(job)
     _JOBS[:] = unique
     if jobs > 1 and len(_JOBS) > 1:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            compiled = pool.map(_run_job, range(len(_JOBS)), chunksize=1)
+        compiled = _run_in_processes(jobs)
     else:
         compiled = [_run_job(i) for i in range(len(_JOBS))]
     pairs = [(Row(**{**asdict(compiled[index[key]]), "module": m, "kernel": s.name}), s)
@@ -407,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", nargs="+", choices=ALL_DTYPES, dest="dtypes",
                         help="check only the launches of these element types (default: all)")
     parser.add_argument("--first-config", action="store_true",
-                        help="check only the first configuration of each space (the one used without timing)")
+                        help="check only the configurations launched without timing: each space's first, and the "
+                             "first that divides the 64-row padding of experts with few rows")
     parser.add_argument("--quick", action="store_true",
                         help="--first-config, and of the expert GEMMs' specialisations per size class only top-2 "
                              "SwiGLU and top-1 GeGLU (what CI compiles)")
@@ -420,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
             "an interpreted one that cannot be compiled. Run with TRITON_INTERPRET=0.",
             file=sys.stderr,
         )
+        return 2
+    if args.json is not None and not _writable(args.json):
+        print(f"moe_ep.kernels.aot: --json {args.json} cannot be written (its folder must exist and take files); "
+              "checked before compiling", file=sys.stderr)
         return 2
     import triton
 
@@ -435,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in rows if not r.ok]
     print(f"\n{len(rows) - len(failed)}/{len(rows)} ok, {len(failed)} failed, "
           f"{time.perf_counter() - start:.0f} s with {args.jobs} jobs")
+    if not rows:
+        print("moe_ep.kernels.aot: the selection compiled nothing: not a pass", file=sys.stderr)
     if args.json:
         report = {"triton": triton.__version__, "date": datetime.date.today().isoformat(),
                   "note": "costs and times are static estimates made without a GPU",
@@ -442,7 +478,12 @@ def main(argv: list[str] | None = None) -> int:
                   "other_problems": {name: {f"sm_{a}": _brief(e) for a, e in by_arch.items()}
                                      for name, by_arch in others.items()}}
         args.json.write_text(json.dumps(report, indent=1))
-    return 1 if failed else 0
+    return 1 if failed or not rows else 0
+
+
+def _writable(path: pathlib.Path) -> bool:
+    """Whether ``path`` can be written: not a folder, in a folder that takes files."""
+    return not path.is_dir() and path.parent.is_dir() and os.access(path.parent, os.W_OK)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ class KernelSpec:
     archs: tuple = field(default=(80, 90))
     # Position of the configuration in its space: 0 is the one launched when nothing is timed.
     rank: int = 0
+    # Also launched when nothing is timed: the first configuration whose tile divides the 64-row
+    # padding of experts with few rows (``grouped_gemm.routing_block``), where it is not rank 0.
+    untuned: bool = False
     # Whether the quick check (``--quick``, run in CI) compiles this launch when rank is 0: False
     # for specialisations that another quick spec of the same kernel already exercises.
     quick: bool = True

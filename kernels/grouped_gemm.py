@@ -1201,6 +1201,10 @@ def aot_specs() -> list[KernelSpec]:
                     P = padded_rows(MIXTRAL.T * top_k, MIXTRAL.E, 128)
                     configs = configs_for(kernel, dtype, family, aligned=sizes == "aligned",
                                           gelu=uses_activation and activation == "gelu")
+                    # Without timing, experts with few rows (64-row padding) launch the first
+                    # configuration that divides it.
+                    small = configs_for(kernel, dtype, family, pad_m=64, aligned=sizes == "aligned",
+                                        gelu=uses_activation and activation == "gelu")[:1]
                     reference = ty == "bf16" and key == ("aligned", 2 if uses_top_k else 0,
                                                          "silu" if uses_activation else "")
                     for rank, c in enumerate(configs):
@@ -1209,6 +1213,7 @@ def aot_specs() -> list[KernelSpec]:
                                 name=f"{role}_{ty}_{family}_{c}_{tag}", fn=_KERNEL_FNS[kernel], args=args,
                                 constexprs={**flags, **c.constexprs(), "GROUP_M": GROUP_M, "INTERPRETED": False},
                                 uses_dot=on_tensor_cores, tma=c.tma, archs=FAMILY_ARCHS[family], rank=rank,
+                                untuned=c in small,
                                 cost=(family, rank, role, c.persistent, gemm_costs) if reference else None,
                                 quick=not (uses_top_k and uses_activation) or (top_k == 1) == (activation == "gelu"),
                                 **c.launch_options(),

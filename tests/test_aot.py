@@ -27,7 +27,8 @@ def run_python(args, timeout=900):
 
 @pytest.mark.slow
 def test_quick_check_compiles_every_kernel_for_sm80_and_sm90(tmp_path):
-    """The quick check: every kernel's first configuration (the one launched without timing) in
+    """The quick check: every kernel's configurations launched without timing (each space's first,
+    and the first dividing the 64-row padding of small batches) in
     every family, for aligned and unaligned rows, in bfloat16 and float32, top-2 SwiGLU and top-1
     GeGLU: TMA on sm_90, cp.async on sm_80, element-wise loads for unaligned rows; the routers and
     the routing metadata. The full sweep over every configuration, dtype and specialisation is
@@ -50,14 +51,16 @@ def test_quick_check_compiles_every_kernel_for_sm80_and_sm90(tmp_path):
                 unaligned = [r for r in mine if "_unaligned" in r["kernel"]]
                 assert unaligned and all(r["load_path"] in ("ld.global", "cp.async") for r in unaligned), unaligned
             if ty == "bf16":
-                # TMA exactly where sm_90's first configuration asks for it (gather_glu's gathered
-                # token rows stay on cp.async beside it).
-                tma = gg.configs_for(space, torch.bfloat16, "sm_90")[0].tma
-                first = [r for r in rows if r["kernel"].startswith(f"{kernel}_bf16_sm_90_") and "_aligned" in r["kernel"]]
-                assert first and all(r["load_path"].startswith("TMA") == tma for r in first), (kernel, first)
-                if space in ("glu_backward", "weight_grad"):
-                    # Both operands in the padded layout: every load of the mainloop through TMA.
-                    assert all(r["load_path"] == "TMA" for r in first), (kernel, first)
+                # TMA exactly where the sm_90 configurations launched untimed ask for it (the
+                # space's first; the first dividing the 64-row padding of small batches);
+                # gather_glu's gathered token rows stay on cp.async beside it.
+                for config in {gg.configs_for(space, torch.bfloat16, "sm_90", pad_m=pad)[0] for pad in (None, 64)}:
+                    first = [r for r in rows if r["kernel"].startswith(f"{kernel}_bf16_sm_90_{config}_")
+                             and "_aligned" in r["kernel"]]
+                    assert first and all(r["load_path"].startswith("TMA") == config.tma for r in first), (kernel, first)
+                    if space in ("glu_backward", "weight_grad") and config.tma:
+                        # Both operands in the padded layout: every load of the mainloop through TMA.
+                        assert all(r["load_path"] == "TMA" for r in first), (kernel, first)
     specs, failures = aot.discover()
     assert not failures
     assert {m for m, _ in specs} >= {"router", "grouped_gemm", "routing_metadata"}
@@ -67,7 +70,7 @@ def test_quick_check_compiles_every_kernel_for_sm80_and_sm90(tmp_path):
         assert len(names) == len(set(names)), f"{module}: spec names must be unique"
     compiled = {(r["module"], r["kernel"], r["arch"]) for r in data["rows"]}
     for module, spec in specs:
-        if spec.rank == 0 and spec.quick and aot.names_dtype(spec.name, ("bf16", "fp32")):
+        if (spec.rank == 0 or spec.untuned) and spec.quick and aot.names_dtype(spec.name, ("bf16", "fp32")):
             for arch in spec.archs:
                 assert (module, spec.name, arch) in compiled, f"{module} {spec.name} missing for sm_{arch}"
     by_name = {(m, s.name): s for m, s in specs}
@@ -129,6 +132,50 @@ def test_jit_specialisation_is_what_the_aot_check_compiles(tmp_path):
     '''))
     proc = run_python([str(tmp_path / "check.py")], timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_the_quick_check_takes_the_configurations_small_batches_launch_untimed():
+    """Experts with few rows pad to 64 and, untimed, launch the first configuration whose tile
+    divides 64: on sm_90 that is not the space's first for every kernel, and the quick check (what
+    CI compiles) compiles it too."""
+    specs, _ = aot.discover(["grouped_gemm"])
+    for kernel in ("gather_glu", "rows_matmul", "glu_backward", "weight_grad"):
+        small = gg.configs_for(kernel, torch.bfloat16, "sm_90", pad_m=64)[0]
+        marked = [s for _, s in specs if s.untuned and f"_bf16_sm_90_{small}_" in s.name]
+        assert marked, kernel
+    assert any(s.untuned and s.rank > 0 for _, s in specs)
+
+
+def test_a_selection_that_compiles_nothing_or_cannot_write_its_report_is_not_a_pass(tmp_path):
+    proc = run_python(["-m", "moe_ep.kernels.aot", "--arch", "90", "--module", "autotune"], timeout=300)
+    assert proc.returncode == 1 and "declares no aot_specs: nothing to compile" in proc.stdout, proc.stdout[-2000:]
+    proc = run_python(["-m", "moe_ep.kernels.aot", "--arch", "90", "--module", "routing_metadata", "--json",
+                       str(tmp_path / "missing" / "aot.json")], timeout=300)
+    assert proc.returncode == 2 and "cannot be written" in proc.stderr and "kernel / config" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_compiler_process_that_dies_fails_its_launch_alone(tmp_path):
+    """A compiler process killed (for memory) broke the process pool and the check waited for ever:
+    its launch is a failed row, the others compile in processes of their own."""
+    (tmp_path / "dying.py").write_text(textwrap.dedent('''
+        import os, signal, sys
+        from moe_ep.kernels import aot
+
+        real = aot.compile_one
+
+        def dying(module, spec, arch):
+            if spec.name == "routing_scan":
+                os.kill(os.getpid(), signal.SIGKILL)  # the out-of-memory killer
+            return real(module, spec, arch)
+
+        aot.compile_one = dying
+        sys.exit(aot.main(["--arch", "90", "--module", "routing_metadata", "--jobs", "2"]))
+    '''))
+    proc = run_python([str(tmp_path / "dying.py")], timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "routing_scan" in proc.stdout and "its compiler process died" in proc.stdout
+    assert "4/5 ok, 1 failed" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):
