@@ -1230,8 +1230,8 @@ def test_bf16_moments_are_the_optimizer_state_moe_ep_adamw_holds():
 
 @pytest.mark.parametrize("model, kwargs, said", [
     # Left free, ep is chosen among the degrees that run the options: never ep=1.
-    ("mixtral-8x7b", dict(nodes=16, cluster="dgx-a100-80gb", capacity_factor=1.25), None),
-    ("mixtral-8x7b", dict(nodes=16, cluster="dgx-a100-80gb", overlap_chunks=2), None),
+    ("mixtral-8x7b", dict(nodes=2, cluster="dgx-a100-80gb", capacity_factor=1.25), None),
+    ("mixtral-8x7b", dict(nodes=4, cluster="dgx-a100-80gb", overlap_chunks=2), None),
     ("deepseek-v3", dict(nodes=64, cluster="dgx-h100", max_nodes=4), None),
     # Mixtral's 8 experts cannot span two nodes of 8 GPUs: no node-aware dispatch to bound.
     ("mixtral-8x7b", dict(nodes=16, cluster="dgx-a100-80gb", max_nodes=2),
