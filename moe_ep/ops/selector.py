@@ -41,8 +41,9 @@ defaults (``DEFAULT_PATH``, each space's first configuration).
 The cache is one JSON file per GPU model under ``$MOE_EP_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/moe_ep`` or ``~/.cache/moe_ep``), keyed by problem and by torch and Triton
 versions and by the sources of the kernels and paths it times (a rewritten kernel is measured
-again, not taken from a table of the old one), with a SHA-256 of its contents. A file that does not parse, is not moe_ep's, or fails
-its checksum is reported with a warning and neither loaded nor overwritten."""
+again, not taken from a table of the old one), with a SHA-256 of its contents. A file that does
+not parse, is not moe_ep's, was written for another GPU or fails its checksum is reported with a
+warning and neither loaded nor overwritten."""
 
 from __future__ import annotations
 

@@ -205,7 +205,8 @@ def _dispatch_problem(spec: ModelSpec, ep: int, cluster: Cluster, assumptions: A
     if not asked:
         return None
     if ep == 1:
-        return f"{', '.join(asked)} apply to the expert-parallel dispatcher; ep=1 has none"
+        verb = "applies" if len(asked) == 1 else "apply"
+        return f"{', '.join(asked)} {verb} to the expert-parallel dispatcher; ep=1 has none"
     max_nodes = assumptions.max_nodes
     if max_nodes is None:
         return None

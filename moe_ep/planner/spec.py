@@ -243,7 +243,8 @@ class ModelSpec:
     sliding_window: int | None = None  # tokens a sliding-window layer attends to
     sliding_layers: tuple[int, ...] = ()  # the layers of sliding-window attention
     clip_qkv: bool = False  # OLMoE clamps q, k and v in place (autograd keeps each)
-    expert_groups: int = 1  # DeepSeek-V3's n_group: the router's groups of experts (node-limited routing needs 1 or the nodes)
+    # DeepSeek-V3's n_group: the router's groups of experts (node-limited routing needs 1 or the nodes).
+    expert_groups: int = 1
 
     def __post_init__(self):
         # from_config checked the config's own fields; this catches a ModelSpec built directly.

@@ -138,8 +138,9 @@ def _sequence_length(block, args, kwargs) -> int:
     logits hold in that order (transformers flattens the batch and sequence dims)."""
     hidden = args[0] if args else kwargs.get("hidden_states")
     if not (isinstance(hidden, torch.Tensor) and hidden.dim() == 3):
-        raise TypeError(f"the sequence-wise aux loss needs {type(block).__name__}'s input as hidden_states [batch, seq, "
-                        f"H], got {type(hidden).__name__ if not isinstance(hidden, torch.Tensor) else tuple(hidden.shape)}")
+        got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise TypeError(f"the sequence-wise aux loss needs {type(block).__name__}'s input as hidden_states "
+                        f"[batch, seq, H], got {got}")
     return hidden.shape[1]
 
 
