@@ -98,8 +98,9 @@ def tuning_key(kernel: str, shapes: tuple, dtype: torch.dtype, device: torch.dev
 
 
 def enabled() -> bool:
-    """Whether tuning sessions time anything (``MOE_EP_AUTOTUNE``, default 1)."""
-    value = os.environ.get(ENV_VAR, "1")
+    """Whether tuning sessions time anything (``MOE_EP_AUTOTUNE``, default 1; set but empty is
+    unset, as for ``MOE_EP_BACKEND``)."""
+    value = os.environ.get(ENV_VAR) or "1"
     if value not in ("0", "1"):
         raise ValueError(f"{ENV_VAR} must be '0' or '1', got {value!r}")
     return value == "1"

@@ -101,6 +101,8 @@ def test_bad_arguments(monkeypatch):
     with pytest.raises(ValueError, match=r"MOE_EP_AUTOTUNE must be '0' or '1', got 'yes'"):
         with autotune.tuning():
             choose()
+    monkeypatch.setenv(autotune.ENV_VAR, "")  # set but empty: unset, as MOE_EP_BACKEND=""
+    assert autotune.enabled()
     with autotune.tuning():
         with pytest.raises(RuntimeError, match="do not nest"):
             with autotune.tuning():

@@ -210,6 +210,34 @@ def test_processes_saving_at_once_keep_every_problem(tmp_path):
         assert len(json.loads(cache.read_text())["families"]) == 3, trial
 
 
+def test_a_lock_held_too_long_gives_up_the_save_not_the_run(monkeypatch, tmp_path):
+    """Another process that keeps the cache's lock (stopped, or on a hung network file system):
+    the save waits LOCK_TIMEOUT_S, warns and leaves the file as it was, instead of stalling this
+    rank while the others go on; once the lock is free, saves work again."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(selector, "LOCK_TIMEOUT_S", 0.3)
+    problem = selector.Problem("sm_90", torch.bfloat16, 1024, 512, 8, 2, "silu")
+    table = selector.Table({128: "triton"}, {128: {"triton": 1.0, "torch": 2.0}}, ())
+    path = selector.cache_file(torch.device("cpu"))
+    path.parent.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+         "fcntl.lockf(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+         str(path.with_name(f".{path.name}.lock"))], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.warns(RuntimeWarning, match=r"could not write the selector cache .*held by another process"):
+            selector._cache_save(problem, table, torch.device("cpu"))
+        assert not path.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    selector._cache_save(problem, table, torch.device("cpu"))
+    assert list(json.loads(path.read_text())["families"]) == [problem.name()]
+
+
 @pytest.mark.slow
 def test_a_damaged_cache_is_reported_and_left_alone(monkeypatch):
     """A truncated, a flipped and a foreign cache file, one written for another GPU and one whose

@@ -81,6 +81,9 @@ DEFAULT_PATH = {"sm_90": "triton", "sm_80": "triton"}
 CACHE_ENV_VAR = "MOE_EP_CACHE_DIR"
 CACHE_FORMAT = "moe_ep selector cache"
 CACHE_VERSION = 1
+# How long a save waits for another process's hold on the cache's lock before it gives up (the
+# decisions stay in memory): a save takes milliseconds.
+LOCK_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -417,11 +420,22 @@ def _cache_load(problem: Problem, device: torch.device) -> Table | None:
 def _cache_lock(path: Path):
     """An exclusive lock on ``path``'s lock file beside it, for one read, merge and rename: without
     it, processes saving at once (the ranks of a node, several jobs) each renamed their own copy
-    over the file and the last one dropped the others' problems (3 processes lost 69 of 120)."""
+    over the file and the last one dropped the others' problems (3 processes lost 69 of 120).
+    A holder that keeps it past ``LOCK_TIMEOUT_S`` (a stopped process, a hung network file system)
+    raises OSError instead of stalling this rank while the others go on to their next collective."""
     fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides
     try:
-        with contextlib.suppress(OSError):  # a file system without locks: unguarded, as before
-            fcntl.lockf(fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except (BlockingIOError, PermissionError):  # held by another process (EAGAIN or EACCES)
+                if time.monotonic() >= deadline:
+                    raise OSError(f"its lock was held by another process for {LOCK_TIMEOUT_S:g} s") from None
+                time.sleep(0.05)
+            except OSError:  # a file system without locks: unguarded, as before
+                break
         yield
     finally:
         os.close(fd)  # closing releases the lock
