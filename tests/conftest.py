@@ -58,6 +58,19 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=tier)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _launched_temp_dir(tmp_path_factory):
+    """Processes the tests launch keep their temporary files under this session's folder, which
+    pytest prunes, not in /tmp: torchrun and accelerate leave a torchelastic_* log folder there
+    per launch (about 45 per full run)."""
+    folder = tmp_path_factory.getbasetemp() / "launched_tmp"
+    folder.mkdir(exist_ok=True)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TMPDIR", str(folder))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def _no_tf32():
     # tf32 would break the 1e-5 float32 tolerance on Ampere and Hopper.
