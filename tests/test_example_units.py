@@ -487,6 +487,15 @@ def test_tensorboard_logs_the_step_and_the_expert_load(tmp_path):
         "train/loss", "train/lr", "train/tokens_per_s"]
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 2.5), (2, 2.25)]
     assert [e.value for e in events.Scalars("expert_load_max_over_mean/layer0")] == [1.5, 1.5]
+    # Resumed at step 1 (after a crash, or rolled back): step 2 again, its earlier event purged
+    # from what TensorBoard shows, as read_metrics drops its record.
+    reporter = metrics.Reporter(tmp_path, enabled=True, total_steps=3, progress=False, tensorboard=True)
+    for step, loss in ((2, 2.0), (3, 1.75)):
+        reporter.step({"step": step, "loss": loss, "aux_loss": None, "z_loss": None, "grad_norm": 1.0, "lr": 1e-3,
+                       "tokens_per_s": 100.0, "mfu": None}, None)
+    reporter.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 2.5), (2, 2.0), (3, 1.75)]
 
 
 # -------------------------------------------------------------------------------- checkpoints

@@ -230,6 +230,54 @@ def test_a_branch_taken_up_after_two_rollbacks_parts_where_the_live_line_left_it
     assert [p.name for p in step_folders(root)] == ["step_00000002"]
 
 
+def test_the_metrics_of_a_branch_taken_up_again_are_that_branchs(tmp_path):
+    """The log of the rollbacks above, written as train.py writes it (Reporter.resumed after
+    set_aside_later_checkpoints), each line's losses its own: read back after each branch is taken
+    up again by its path, the history is that branch's, every step once (the records of A's steps
+    5-8, dropped by the first rollback, come back; C's 3-6 go)."""
+    from moe_ep.runs import Reporter
+
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    loss = {"A": 100.0, "B": 200.0, "C": 300.0, "D": 400.0}
+
+    def train(line, steps, resumed=None, step=0):
+        reporter = Reporter(out, enabled=True, total_steps=10, progress=False, tensorboard=False)
+        if resumed is not None:
+            reporter.resumed(step, resumed, set_aside_later_checkpoints(root, step, resumed, rank=0))
+        for s in steps:
+            reporter._write({"step": s, "loss": loss[line] + s})
+            if s % 2 == 0:
+                step_dir(root, s).mkdir(parents=True)
+        reporter.close()
+
+    def history():
+        return [(r["step"], r["loss"]) for r in read_metrics(out / "metrics.jsonl")]
+
+    train("A", range(1, 9))
+    train("B", range(5, 9), step_dir(root, 4), 4)
+    train("C", range(3, 7), step_dir(root, 2), 2)
+    (first,), (second,) = root.glob("abandoned-*-from-step-4"), root.glob("abandoned-*-from-step-2")
+    train("D", [9], first / "step_00000008", 8)
+    assert history() == [(s, 100.0 + s) for s in range(1, 9)] + [(9, 409.0)]
+    train("B", [9], second / "step_00000008", 8)  # B's line: A's steps 1-4, its own 5-8
+    assert history() == [(s, 100.0 + s) for s in range(1, 5)] + [(s, 200.0 + s) for s in range(5, 10)]
+
+
+def test_non_finite_values_are_written_as_json_null(tmp_path):
+    """A diverged step's loss or gradient norm: NaN and Infinity are not JSON (strict parsers
+    refuse them; jq reads Infinity as 1.797e308)."""
+    from moe_ep.runs.metrics import StepLog
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} written into the log"))
+
+    StepLog(tmp_path, enabled=True).step({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3,
+                                          "per_layer": [1.0, float("-inf")]})
+    assert strict((tmp_path / "metrics.jsonl").read_text()) == {
+        "step": 1, "loss": None, "grad_norm": None, "lr": 1e-3, "per_layer": [1.0, None]}
+
+
 # ------------------------------------------------------------------------------ odd files, full disk
 
 

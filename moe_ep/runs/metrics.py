@@ -126,6 +126,19 @@ def resume_record(step: int, checkpoint: Path | None, set_aside: Path | None) ->
                     f"{set_aside}; this run goes on from {checkpoint}")
 
 
+def json_line(record: dict) -> str:
+    """``record`` as one line of JSON, a non-finite float (a diverged step's loss or gradient norm)
+    written as null: NaN and Infinity are not JSON, and other readers reject or misread them."""
+    def finite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, list):
+            return [finite(v) for v in value]
+        return value
+
+    return json.dumps({key: finite(value) for key, value in record.items()}, allow_nan=False) + "\n"
+
+
 def trim_cut_line(path: Path) -> bool:
     """Before a run appends to its log: a last line cut short (a run killed mid-write) is removed,
     so that the next record starts a line of its own. Whether the log holds any record."""
@@ -157,6 +170,7 @@ class Reporter:
         self.enabled = enabled
         self.bar = None
         self.tb = None
+        self.tb_dir = None
         self.jsonl = None
         if not enabled:
             return
@@ -171,10 +185,7 @@ class Reporter:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, disable=None)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(make_managed_dir(output_dir / "tensorboard", "tensorboard")))
+        self.tb_dir = make_managed_dir(output_dir / "tensorboard", "tensorboard") if tensorboard else None
 
     def resumed(self, step: int, checkpoint: Path, set_aside: Path | None) -> None:
         """A resume at ``step`` (resume_record)."""
@@ -200,17 +211,16 @@ class Reporter:
 
     def _write(self, record: dict) -> None:
         try:
-            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.write(json_line(record))
         except OSError as err:
             raise RunError(write_failure(self.jsonl_path, err)) from None
 
     def skipped(self, record: dict, max_consecutive: int) -> None:
         """A step that TrainStep skipped (non-finite loss or gradient norm on some rank): one line
-        and a record with ``"skipped": true`` (non-finite values written as null)."""
+        and a record with ``"skipped": true``."""
         if not self.enabled:
             return
-        finite = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in record.items()}
-        self._write({**finite, "skipped": True})
+        self._write({**record, "skipped": True})
         stop = f" (the run stops at {max_consecutive})" if max_consecutive else ""
         self.info(f"step {record['step']:>6} | skipped: loss {record['loss']:.4g}, grad_norm {record['grad_norm']:.4g} "
                   f"(not finite on some rank); nothing applied | {record['consecutive_skips']} in a row{stop}, "
@@ -248,6 +258,13 @@ class Reporter:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
             self.bar.update(record["step"] - self.bar.n)
+        if self.tb_dir is not None and self.tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # Opened at the first step this run logs: the events of that step and later ones that
+            # earlier runs wrote into the folder (steps run again after a crash, an abandoned
+            # branch's) are purged from what TensorBoard shows, as read_metrics drops their records.
+            self.tb = SummaryWriter(str(self.tb_dir), purge_step=record["step"])
         if self.tb is not None:
             for key in ("loss", "aux_loss", "z_loss", "grad_norm", "lr", "tokens_per_s", "mfu"):
                 if record.get(key) is not None:
@@ -269,11 +286,15 @@ class Reporter:
 def read_metrics(path: Path) -> list[dict]:
     """The step records of a ``metrics.jsonl`` as the run's history stands: a resume record
     (``resumed_from_step: N``) drops the records of steps after N written before it, steps run again
-    after a crash or an abandoned branch's, so that no step is counted twice. A last line cut short
-    (a run killed mid-write) is ignored; any other line that is not JSON raises ValueError naming
-    it."""
+    after a crash or an abandoned branch's, so that no step is counted twice. A resume from a
+    checkpoint of a branch set aside earlier (a folder a resume record named) takes up that
+    branch's records as they stood when it was set aside, up to N. A last line cut short (a run
+    killed mid-write) is ignored; any other line that is not JSON raises ValueError naming it."""
     lines = path.read_text().splitlines()
     records: list[dict] = []
+    # Each set-aside folder's line as it stood when it was set aside, by the folder's name (its
+    # own, unique in the checkpoint folder, which stays the same where the run folder is moved).
+    branches: dict[str, list[dict]] = {}
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
@@ -282,7 +303,13 @@ def read_metrics(path: Path) -> list[dict]:
                 break
             raise ValueError(f"{path}: line {number} is not a JSON record: {line[:80]!r}") from None
         if "resumed_from_step" in record:
-            records = [r for r in records if r["step"] <= record["resumed_from_step"]]
+            step, checkpoint = record["resumed_from_step"], record.get("checkpoint")
+            line_before = records
+            if checkpoint is not None and Path(checkpoint).parent.name in branches:
+                line_before = branches[Path(checkpoint).parent.name]
+            if record.get("set_aside") is not None:
+                branches[Path(record["set_aside"]).name] = records
+            records = [r for r in line_before if r["step"] <= step]
         elif "step" in record:
             records.append(record)
     return records
@@ -386,7 +413,7 @@ class StepLog:
         self._trimmed()
         try:
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json_line(record))
         except OSError as err:
             raise RunError(write_failure(self.path, err)) from None
 
