@@ -269,6 +269,7 @@ def test_non_finite_or_negative_flag_values_are_refused(flag, value, tmp_path, c
     ("--seed", "-1", "--seed must be an int in [0, 2**32), got -1"),
     ("--seed", str(2 ** 62), f"--seed must be an int in [0, 2**32), got {2 ** 62}"),
     ("--seq-len", "1", "--seq-len must be >= 2 (a sequence's first token predicts nothing"),
+    ("--startup-timeout", "1e10", "--startup-timeout must be at most 3.1536e+07 s (a year), got 1e+10"),
 ])
 def test_out_of_range_values_of_the_scripts_flags_are_refused(flag, value, message, tmp_path, capsys):
     assert message in run_main([flag, value], tmp_path, capsys)

@@ -48,3 +48,47 @@ def test_a_rank_hanging_before_the_step_loop_is_reported_once_and_the_ranks_exit
 def test_the_timeout_must_be_a_positive_number(timeout):
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
         StartupWatchdog(timeout)
+
+
+@pytest.mark.parametrize("timeout", [1e10, float("inf")])
+def test_a_timeout_no_thread_can_wait_is_refused(timeout):
+    # Past threading.TIMEOUT_MAX the watch's thread died at its start: nothing was watched.
+    with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds up to 3\.1536e\+07"):
+        StartupWatchdog(timeout)
+
+
+WATCH_WITHOUT_A_STORE = """
+import sys, time
+import torch.distributed as dist
+from moe_ep.runs import StartupWatchdog
+
+class GoneStore:
+    # A tcp:// rendezvous's store lives in rank 0's process: once rank 0 exited, reads fail.
+    def set(self, key, value):
+        pass
+
+    def check(self, keys):
+        raise RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+with StartupWatchdog(0.5, store=GoneStore()) as startup:
+    startup.phase("tokenizing the data")
+    time.sleep(60)
+"""
+
+
+def test_a_rank_whose_store_is_gone_still_says_its_phase_and_exits(tmp_path):
+    """The store of a tcp:// rendezvous without torchrun's agent is rank 0's: rank 0's watch exits
+    first and takes it along. Another rank's watch then cannot read it; before, its thread died
+    with a traceback and the hung rank ran on forever."""
+    import subprocess
+    import sys
+
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", WATCH_WITHOUT_A_STORE, str(tmp_path / "rendezvous")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and time.monotonic() - started < 30, done.stderr
+    assert ("error (rank 0): start-up did not reach the step loop within 0.5 s: this rank at 'tokenizing the data' "
+            "(the other ranks' phases are unknown: the rendezvous store did not answer: RuntimeError: Failed to recv"
+            in done.stderr), done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

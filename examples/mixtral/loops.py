@@ -42,7 +42,8 @@ from moe_ep.runs import (
 
 from data import ByteTokenizer, PackedSequences, corpus_stats, resolve_data, tokenize_corpus
 from models import tiny_config
-from options import add_preempt_signal, add_run_folder_flags, check_run_folder_flags, check_seed_and_seq_len
+from options import (add_preempt_signal, add_run_folder_flags, check_run_folder_flags, check_seed_and_seq_len,
+                     check_startup_timeout)
 
 NUM_EXPERTS = 8  # models.tiny_config's
 
@@ -88,6 +89,7 @@ def check_args(args, world_size: int) -> None:
     for name in ("lr", "max_grad_norm", "startup_timeout"):
         if not 0 < getattr(args, name) < math.inf:
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(args, name)}")
+    check_startup_timeout(args.startup_timeout)
     if not 0 <= args.aux_loss_coef < math.inf:
         raise UsageError(f"--aux-loss-coef must be a finite number >= 0, got {args.aux_loss_coef}")
     if args.warmup_steps is None:

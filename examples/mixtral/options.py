@@ -9,7 +9,7 @@ import math
 import signal
 from pathlib import Path
 
-from moe_ep.runs import UsageError, parse_signal
+from moe_ep.runs import StartupWatchdog, UsageError, parse_signal
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,6 +159,13 @@ def check_seed_and_seq_len(args) -> None:
                          f"loss), got {args.seq_len}")
 
 
+def check_startup_timeout(seconds: float) -> None:
+    """``--startup-timeout`` (a finite number > 0 already): at most what the watchdog can wait."""
+    if seconds > StartupWatchdog.MAX_TIMEOUT_S:
+        raise UsageError(f"--startup-timeout must be at most {StartupWatchdog.MAX_TIMEOUT_S:g} s (a year), got "
+                         f"{seconds:g}")
+
+
 def add_preempt_signal(parser) -> None:
     """``--preempt-signal``, the same flag in every script of the example."""
 
@@ -217,6 +224,7 @@ def check_flag_values(args: argparse.Namespace) -> None:
     for name in ("step_timeout", "startup_timeout", "lr"):
         if not 0 < getattr(args, name) < math.inf:
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(args, name)}")
+    check_startup_timeout(args.startup_timeout)
     if not 0 <= args.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
     for name in ("beta1", "beta2"):

@@ -44,14 +44,20 @@ class StartupWatchdog:
         a process group nothing is watched. ``store``: the rendezvous store (default: the default
     process group's)."""
 
+    # A year: beyond threading.TIMEOUT_MAX (about 292 years) the watch's thread would die at its
+    # start and nothing would be watched.
+    MAX_TIMEOUT_S = 365 * 24 * 3600.0
+
     def __init__(self, timeout: float, *, store=None):
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= self.MAX_TIMEOUT_S:
+            raise ValueError(f"timeout must be a positive number of seconds up to {self.MAX_TIMEOUT_S:g} (a year), got "
+                             f"{timeout!r}")
         self.timeout, self._store = float(timeout), store
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rank = 0
         self.world_size = 1
+        self._phase = "not started"
 
     def __enter__(self) -> StartupWatchdog:
         return self
@@ -64,6 +70,7 @@ class StartupWatchdog:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self._thread = threading.Thread(target=self._watch, name="moe_ep-startup-watchdog", daemon=True)
             self._thread.start()
+        self._phase = name
         if self._thread is not None:
             self._store.set(PHASE_KEY + str(self.rank), name)
 
@@ -84,6 +91,19 @@ class StartupWatchdog:
     def _watch(self) -> None:
         if self._stop.wait(self.timeout):
             return
+        try:
+            self._report()
+        except Exception as err:  # noqa: BLE001 -- the store is gone (its host, rank 0 of a tcp:// rendezvous, exited)
+            print(f"error (rank {self.rank}): start-up did not reach the step loop within {self.timeout:g} s: this "
+                  f"rank at '{self._phase}' (the other ranks' phases are unknown: the rendezvous store did not "
+                  f"answer: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); it exits",
+                  file=sys.stderr, flush=True)
+        finally:
+            sys.stdout.flush()
+            os._exit(STARTUP_TIMEOUT_EXIT_STATUS)
+
+    def _report(self) -> None:
+        """The report, said once, by the first rank to get there."""
         phases = {}
         for rank in range(self.world_size):
             key = PHASE_KEY + str(rank)
@@ -95,5 +115,3 @@ class StartupWatchdog:
         # compare_set with an empty expected value writes only if nobody reported yet: said once.
         if self._store.compare_set(REPORT_KEY, "", str(self.rank)).decode() == str(self.rank):
             print(f"error (rank {self.rank}): {message}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(STARTUP_TIMEOUT_EXIT_STATUS)
