@@ -594,6 +594,24 @@ def test_an_error_left_to_rank_0_that_rank_0_never_met_is_said_by_its_rank():
     assert code_1 == 2 and said_1 == "error (rank 1): --output-dir: out was not made by moe_ep\n", said_1
 
 
+def test_a_rank_launched_on_its_own_says_an_error_left_to_rank_0_itself(monkeypatch, capsys):
+    """WORLD_SIZE and RANK set but no launcher's store and no process group yet (srun, a pod per
+    rank): a before-any-work check that failed on this rank only (a node-local read-only disk)
+    was left to rank 0, which passed it, and the rank ended with status 2 and no word."""
+    from moe_ep.runs import run_reported, said_by_every_rank
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+
+    def train(_):
+        with said_by_every_rank():
+            raise UsageError("--output-dir: cannot write in /scratch/run: Read-only file system")
+
+    assert run_reported(train, None) == 2
+    assert capsys.readouterr().err == "error (rank 1): --output-dir: cannot write in /scratch/run: Read-only file system\n"
+
+
 def test_run_reported_leaves_the_process_group_to_the_exit_which_destroys_it(monkeypatch):
     """A finished run keeps its process group (a process may run again on it, and accelerate's
     state outlives the run); a handler destroys it before the interpreter's exit (left to the

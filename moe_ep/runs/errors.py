@@ -182,8 +182,11 @@ def wait_for_rank_0_report(err: BaseException, rank: int) -> bool:
     key = SAID_KEY + "/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
         store = job_store()
-        if store is None:  # no launcher's store and no process group: rank 0 says it, as always once
-            return True
+        if store is None:
+            # No launcher's store and no process group (a rank launched on its own: srun, a pod per
+            # rank): nothing tells whether rank 0 met this error, so this rank says it too; a line
+            # said twice rather than by nobody.
+            return rank == 0 or not said_by_rank_0(err)
         if rank == 0:
             store.set(key, "1")
         elif said_by_rank_0(err):
