@@ -199,3 +199,54 @@ def test_damaged_checkpoints_are_skipped_or_refused_never_resumed(tmp_path, layo
                                          r"manifest.json does not list optimizer.bin, so nothing vouches for it; .*"
                                          r"manifest.json does not list weights.bin"):
         resumed(run, "auto")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_checkpoint_or_branch_that_is_a_link_is_refused_before_any_work(tmp_path, layout):
+    """Where the Trainer writes its checkpoints beside the run's other files (``checkpoint-N``),
+    a link under a checkpoint's or a branch's name was found only after the folder was claimed."""
+    run, made = make_run(tmp_path, layout)
+    users = tmp_path / "users_checkpoint"
+    users.mkdir()
+    for name in (made[6].name.replace("6", "8"), "abandoned-20261129-120000-from-step-2"):
+        link = made[6].parent / name
+        link.symlink_to(users)
+        with pytest.raises(UsageError, match=rf"--output-dir: {link} is a link \(to {users}\) among the run's "
+                                             "checkpoints; moe_ep never reads, prunes or deletes"):
+            run.check(resume="auto", overwrite=True, parameters=10)
+        link.unlink()
+    assert run.check(resume="auto", overwrite=False, parameters=10)[0] == [made[6], made[4], made[2]]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_log_the_run_cannot_append_to_is_refused_before_any_work(tmp_path, layout, monkeypatch):
+    """A ``metrics.jsonl`` made read-only (or another user's): refused by the checks before any
+    work, not at the run's first record. Root ignores file modes, so the refusal is the open's."""
+    import builtins
+
+    from moe_ep.runs import check_output_folders
+
+    run, _ = make_run(tmp_path, layout)
+    log = run.path / METRICS
+    log.write_text('{"step": 1}\n')
+    real_open = builtins.open
+
+    def read_only_log(path, mode="r", *args, **kwargs):
+        if str(path) == str(log) and set(mode) & set("wa+"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", read_only_log)
+    message = rf"--output-dir: cannot append to {log}: Permission denied"
+    with pytest.raises(UsageError, match=message):
+        run.check(resume="auto", overwrite=False, parameters=10)
+    train_run = tmp_path / "train_run"
+    train_run.mkdir()
+    log = train_run / METRICS
+    log.write_text('{"step": 1}\n')
+    from moe_ep.runs import mark
+
+    mark(train_run, "run")
+    with pytest.raises(UsageError, match=rf"--output-dir: cannot append to {log}: Permission denied"):
+        check_output_folders(train_run, None, 10, keep=2)
+    assert log.read_text() == '{"step": 1}\n'

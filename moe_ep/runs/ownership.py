@@ -168,12 +168,18 @@ def check_odd_entries(output_dir: Path, flag: str = "--output-dir") -> None:
         if (what := link_or_folder(path)) is not None:
             raise UsageError(f"{flag}: {path} is {what} where the run keeps its file {path.name}; moe_ep never writes "
                              "through a link or over a folder: move it away")
-    checkpoints = output_dir / "checkpoints"
-    if checkpoints.is_dir():
-        for entry in sorted(checkpoints.iterdir()):
-            if entry.is_symlink():
-                raise UsageError(f"{flag}: {entry} is a link (to {os.readlink(entry)}) among the run's checkpoints; "
-                                 "moe_ep never reads, prunes or deletes a checkpoint through a link: move it away")
+    refuse_linked_checkpoints(output_dir / "checkpoints", lambda name: True, flag)
+
+
+def refuse_linked_checkpoints(folder: Path, among_them, flag: str = "--output-dir") -> None:
+    """A link in the checkpoint folder ``folder`` whose name ``among_them`` says is the run's (a
+    checkpoint's, a leftover's, an abandoned branch's): refused by name before any work."""
+    if not folder.is_dir():
+        return
+    for entry in sorted(folder.iterdir()):
+        if entry.is_symlink() and among_them(entry.name):
+            raise UsageError(f"{flag}: {entry} is a link (to {os.readlink(entry)}) among the run's checkpoints; "
+                             "moe_ep never reads, prunes or deletes a checkpoint through a link: move it away")
 
 
 def refuse_link(path: Path) -> None:
@@ -305,6 +311,19 @@ def check_writable(path: Path, flag: str) -> None:
             pass
     except OSError as err:
         raise UsageError(f"{flag}: cannot write in {folder}: {err.strerror or err}") from None
+
+
+def check_appendable(path: Path, flag: str) -> None:
+    """Where the run's log ``path`` exists, open it for appending and write nothing: a log made
+    read-only, or another user's, was found only at the run's first record, after start-up (and
+    any deletion ``--overwrite`` asked for)."""
+    if not path.is_file():
+        return
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as err:
+        raise UsageError(f"{flag}: cannot append to {path}: {err.strerror or err}") from None
 
 
 def check_free_space(path: Path, needed: int, what: str, flag: str, *, reclaimable: int = 0) -> None:
@@ -483,6 +502,7 @@ def check_output_folders(output_dir: Path, export_dir: Path | None, parameters: 
     check_run_folder(output_dir)
     for folder in (output_dir, *(output_dir / name for name in MANAGED if (output_dir / name).is_dir())):
         check_writable(folder, "--output-dir")
+    check_appendable(output_dir / METRICS, "--output-dir")
     count = checkpoints_to_come(output_dir / "checkpoints", keep)
     what = (f"{count} more checkpoint{'s' if count > 1 else ''} (weights and AdamW state; --keep-checkpoints {keep} "
             "and one more while a save is written)")

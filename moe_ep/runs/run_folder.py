@@ -28,6 +28,7 @@ from .integrity import MANIFEST, files_in, local_problems, read_manifest_field, 
 from .ownership import (
     EXPORT_BYTES_PER_PARAMETER,
     METRICS,
+    check_appendable,
     check_free_space,
     check_odd_entries,
     check_output_dir_is_ours,
@@ -39,6 +40,7 @@ from .ownership import (
     marker_kind,
     not_ours_message,
     ours,
+    refuse_linked_checkpoints,
 )
 
 FINAL = "final"
@@ -153,6 +155,10 @@ class RunFolder:
         writable and has room for a checkpoint and the final model. Returns the checkpoints to try
         resuming and the warnings for those skipped (resume_candidates)."""
         check_odd_entries(self.path)
+        # Where the Trainer writes its checkpoints beside the run's other files (check_odd_entries
+        # looks in checkpoints/ only).
+        refuse_linked_checkpoints(self.checkpoint_root, lambda name: bool(
+            self._checkpoint_name.fullmatch(name) or name.startswith(ABANDONED_PREFIX)))
         check_output_dir_is_ours(self.path, self.kind, self.managed)
         for name in self.managed:
             if (self.path / name).exists() and not ours(self.path / name, name):
@@ -161,6 +167,7 @@ class RunFolder:
         if self.final.exists() and not ours(self.final, "export"):
             raise UsageError(not_ours_message(self.final, "--output-dir"))
         check_writable(self.path, "--output-dir")
+        check_appendable(self.path / METRICS, "--output-dir")
         check_free_space(self.path, checkpoint_bytes(parameters) + EXPORT_BYTES_PER_PARAMETER * parameters,
                          "one checkpoint and the final model", "--output-dir")
         return candidates
