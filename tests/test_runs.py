@@ -509,6 +509,39 @@ def test_a_full_disk_is_said_as_one_whatever_the_writer_said(tmp_path, monkeypat
                                          "unexpected pos 704 vs 598)")
 
 
+def test_a_librarys_save_on_a_full_disk_is_one_line_and_a_bug_stays_a_traceback(tmp_path, monkeypatch):
+    """accelerate's save_state and the Trainer's checkpoints and final model (trainer.py and
+    accelerate_loop.py): safetensors says a full disk as its own error, which ended the run with a
+    traceback. A failure while the disk is full, or an OSError of a block that only writes, is a
+    RunError; anything else (a bug) propagates as it was."""
+    from moe_ep.runs import library_writes
+
+    class SafetensorError(Exception):
+        pass
+
+    tmp = tmp_path / "checkpoints" / ".tmp-step_00000020"
+    full = SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+    fake_disk(monkeypatch, 1000)
+    for only_writes in (True, False):
+        with pytest.raises(RunError, match=rf"cannot write {tmp}: No space left on device \(1,000 bytes free on the "
+                                           rf"file system of {tmp_path / 'checkpoints'}; Error while serializing: "
+                                           r".*\); the last complete checkpoint is kept"):
+            with library_writes(tmp, only_writes=only_writes):
+                raise full
+    fake_disk(monkeypatch, 1 << 30)
+    with pytest.raises(RunError, match=rf"cannot write {tmp}: Permission denied; the last complete checkpoint"):
+        with library_writes(tmp, only_writes=True):
+            raise PermissionError(errno.EACCES, "Permission denied")
+    for only_writes, bug in ((True, full), (False, full), (False, FileNotFoundError(2, "No such file: data.bin"))):
+        with pytest.raises(type(bug)):
+            with library_writes(tmp, only_writes=only_writes):
+                raise bug
+    stop = UsageError("--resume: damaged")
+    with pytest.raises(UsageError):
+        with library_writes(tmp, only_writes=True):
+            raise stop
+
+
 def test_a_rank_that_lost_its_peer_outside_the_step_loop_says_nothing(capsys):
     """The peer that failed says why (or the launcher reports its death): the survivors exit 1
     without a traceback or a line that would come after the peer's."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from moe_ep.runs import RunFolder, StepLog, configuration_errors, delete_atomically, exit_process
+from moe_ep.runs import RunFolder, StepLog, configuration_errors, delete_atomically, exit_process, library_writes
 
 from loops import (
     checked_run,
@@ -58,7 +58,8 @@ def save_checkpoint(accelerator, run: RunFolder, step: int) -> Path:
     if accelerator.is_main_process and tmp.exists():
         delete_atomically(tmp)  # the run's own leftover of a save cut short: its files must not mix in
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    with library_writes(tmp, only_writes=True):
+        accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     run.seal(tmp, step=step)
     if accelerator.is_main_process:
@@ -129,7 +130,8 @@ def _train(args, data, run: RunFolder, candidates, world_size: int, rank: int, s
         return
     state_dict = accelerator.get_state_dict(model)  # every rank: gathers the full weights on rank 0
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(str(run.final), state_dict=state_dict)
+        with library_writes(run.final, only_writes=True):
+            accelerator.unwrap_model(model).save_pretrained(str(run.final), state_dict=state_dict)
     accelerator.wait_for_everyone()
     run.saved_final(log, is_main=accelerator.is_main_process)
 

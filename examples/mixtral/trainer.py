@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_ep.runs import RunFolder, StepLog, configuration_errors, exit_process
+from moe_ep.runs import RunFolder, StepLog, configuration_errors, exit_process, library_writes
 
 from loops import (
     checked_run,
@@ -128,13 +128,15 @@ def _train(args, state, data, run: RunFolder, candidates, world_size: int, rank:
     trainer.remove_callback(PrinterCallback)  # StepLog says the same, once per step
     log.info(f"{'baseline (transformers experts, DDP)' if args.baseline else f'moe_ep ep={args.ep}'} on "
              f"{world_size} process(es), mixed precision {training_args.mixed_precision}")
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    with library_writes(run.path, only_writes=False):  # its checkpoints are written inside
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     if stop.signal is not None:
         step = trainer.state.global_step
         raise preempted(stop, step, run.path / f"checkpoint-{step}")
     if not finished(log, trainer.state.global_step, args):
         return
-    trainer.save_model(str(run.final))
+    with library_writes(run.final, only_writes=True):
+        trainer.save_model(str(run.final))
     run.saved_final(log, is_main=rank == 0)
 
 

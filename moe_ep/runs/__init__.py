@@ -39,6 +39,7 @@ from .errors import (
     UsageError,
     configuration_errors,
     exit_process,
+    library_writes,
     lost_peer,
     report_failure,
     run_reported,
@@ -82,7 +83,7 @@ from .step_loop import StepGuard, step_metrics
 
 __all__ = [
     # errors
-    "RunError", "UsageError", "configuration_errors", "exit_process", "lost_peer", "report_failure", "run_reported", "said_by_every_rank",
+    "RunError", "UsageError", "configuration_errors", "exit_process", "library_writes", "lost_peer", "report_failure", "run_reported", "said_by_every_rank",
     "write_failure",
     # the output folder: ownership and the lock
     "FINAL", "MARKER", "METRICS", "TRASH_PREFIX", "OutputLock", "RunFolder", "check_export_target",

@@ -55,6 +55,16 @@ def configuration_errors(*, checked_alike: bool = True):
 FULL_DISK_BYTES = 1 << 20
 
 
+def _free_bytes(path) -> tuple[str, int | None]:
+    """The folder of ``path`` (itself where it is one) and the bytes free on its file system (None
+    where that cannot be read)."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    try:
+        return folder, shutil.disk_usage(folder).free
+    except OSError:
+        return folder, None
+
+
 def failure_cause(path, err: BaseException) -> str:
     """Why writing ``path`` failed, in a few words: the errno's text (``No space left on device``),
     or, where the error carries none, its first line, said to be a full disk when the file system
@@ -63,12 +73,8 @@ def failure_cause(path, err: BaseException) -> str:
     if cause:
         return cause
     cause = str(err).splitlines()[0] if str(err) else type(err).__name__
-    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    try:
-        free = shutil.disk_usage(folder).free
-    except OSError:
-        return cause
-    if free < FULL_DISK_BYTES:
+    folder, free = _free_bytes(path)
+    if free is not None and free < FULL_DISK_BYTES:
         return f"No space left on device ({free:,} bytes free on the file system of {folder}; {cause})"
     return cause
 
@@ -76,6 +82,25 @@ def failure_cause(path, err: BaseException) -> str:
 def write_failure(path, err: BaseException) -> str:
     """``cannot write PATH: CAUSE`` for an error raised while writing ``path`` (failure_cause)."""
     return f"cannot write {path}: {failure_cause(path, err)}"
+
+
+@contextmanager
+def library_writes(path, *, only_writes: bool):
+    """A library's save into ``path`` (accelerate's ``save_state``; the Trainer, whose checkpoints
+    are written inside its ``train``) said in one line as a RunError when it fails for want of
+    room: any error while the file system of ``path`` is full (safetensors reports a full disk
+    as its own error, torch.save as ``unexpected pos``), and, where the block does nothing but
+    write (``only_writes``), any OSError. The last complete checkpoint is untouched: the library
+    writes a new one beside it."""
+    try:
+        yield
+    except (RunError, UsageError, Preempted):
+        raise
+    except Exception as err:
+        free = _free_bytes(path)[1]
+        if (only_writes and isinstance(err, OSError)) or (free is not None and free < FULL_DISK_BYTES):
+            raise RunError(f"{write_failure(path, err)}; the last complete checkpoint is kept") from err
+        raise
 
 
 def lost_peer(err: BaseException) -> bool:
