@@ -153,6 +153,38 @@ def test_label_shift_and_mean_equal_transformers_for_causal_lm_loss():
     assert rel_err(loss / predicted, want) <= TOLERANCE[torch.float32]
 
 
+def test_shift_labels_are_the_targets_as_given_as_transformers_takes_them():
+    """A batch that carries ``shift_labels`` (a packing collator masking each document's first
+    token: the position before it predicts nothing) is trained on those targets, as the model's
+    own loss takes them; the chunked loss re-shifted ``labels`` and was 10% off. Against the
+    model's own loss in float64, with and without labels beside them, with the Trainer's count or
+    the batch's mean."""
+    import copy
+
+    import moe_ep
+
+    model = tiny_model("mixtral", **TINY).train()
+    reference = copy.deepcopy(model).double()
+    batch = tiny_batch(model.config, batch=3, seq=8, seed=2)
+    shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    shifted[:, 4] = -100  # a document starts at position 5
+    shifted[1, 6] = -100
+    count = (shifted != -100).sum()
+    for num_items in (None, count + 5):
+        want = reference(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=shifted,
+                         num_items_in_batch=num_items).loss
+        for labels in (batch["labels"], None):
+            loss, _ = moe_ep.chunked_causal_lm_loss(model, labels, shift_labels=shifted, num_items_in_batch=num_items,
+                                                   input_ids=batch["input_ids"])
+            assert rel_err(loss, want) <= TOLERANCE[torch.float32], (num_items, labels)
+    bad = shifted.clone()
+    bad[0, 0] = model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"shift_labels must hold token ids in \[0, {model.config.vocab_size}\)"):
+        moe_ep.chunked_causal_lm_loss(model, batch["labels"], shift_labels=bad, input_ids=batch["input_ids"])
+    with pytest.raises(ValueError, match="needs labels or shift_labels"):
+        moe_ep.chunked_causal_lm_loss(model, None, input_ids=batch["input_ids"])
+
+
 def test_refusals_name_the_argument():
     from moe_ep.ops.linear_cross_entropy import linear_cross_entropy, shift_labels
 

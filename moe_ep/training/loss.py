@@ -19,7 +19,7 @@ from torch import nn
 
 from ..hf.causal_lm import LOGIT_TRANSFORMS, config_field
 from ..ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, shift_labels
-from ..ops.validate import check_targets_in_range
+from ..ops.validate import check_index, check_targets_in_range, check_tensor
 
 
 
@@ -55,14 +55,26 @@ class ChunkedCausalLMLoss(CausalLMLoss):
         return total / self.normalizer * self.scale
 
 
-def head_loss_sum(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def head_loss_sum(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, *,
+                  shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(summed token cross-entropy, target_T)`` of the hidden states ``[batch, seq, H]`` through
-    ``head`` against the shifted ``labels [batch, seq]``, in chunks of tokens."""
-    target_T = shift_labels(labels.to(hidden.device))
+    ``head`` against ``labels [batch, seq]``, shifted here (each position predicts the next label)
+    or, ``shifted``, already the target of each position (transformers' ``shift_labels``), in
+    chunks of tokens."""
+    name = "shift_labels" if shifted else "labels"
+    if shifted:
+        check_tensor(name, labels, ndim=2)
+        check_index(name, labels)
+        target_T = labels.to(hidden.device).long().reshape(-1)
+    else:
+        target_T = shift_labels(labels.to(hidden.device))
     if labels.shape != hidden.shape[:2]:
-        raise ValueError(f"labels must be [batch, seq] = {tuple(hidden.shape[:2])} as the hidden states, got "
+        raise ValueError(f"{name} must be [batch, seq] = {tuple(hidden.shape[:2])} as the hidden states, got "
                          f"shape {tuple(labels.shape)}")
-    check_targets_in_range("labels[:, 1:]", labels[:, 1:], head.weight.shape[0], IGNORE_INDEX)
+    if shifted:
+        check_targets_in_range(name, labels, head.weight.shape[0], IGNORE_INDEX)
+    else:
+        check_targets_in_range("labels[:, 1:]", labels[:, 1:], head.weight.shape[0], IGNORE_INDEX)
     total, _ = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, target_T, head.bias)
     return total, target_T
 
@@ -175,13 +187,13 @@ def final_hidden_states(base: nn.Module):
 
 
 def chunked_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, outputs, model: nn.Module,
-                    num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+                    num_items_in_batch: torch.Tensor | int | None = None, *, shifted: bool = False) -> torch.Tensor:
     """transformers' causal-LM loss from the final hidden states ``[batch, seq, H]``: the token
     cross-entropy summed, divided by ``num_items_in_batch`` (the Trainer's count over the
     accumulated batch) or else by this batch's predicted tokens, plus the model's weighted
     load-balancing loss when ``outputs`` carry one (``output_router_logits``), as the model's
-    forward adds it when given labels."""
-    total, target_T = head_loss_sum(hidden, head, labels)
+    forward adds it when given labels. ``shifted``: ``labels`` are transformers' ``shift_labels``."""
+    total, target_T = head_loss_sum(hidden, head, labels, shifted=shifted)
     count = num_items_in_batch if num_items_in_batch is not None else (target_T != IGNORE_INDEX).sum()
     loss = total / (count.to(total.device) if isinstance(count, torch.Tensor) else count)
     aux = outputs.get("aux_loss") if hasattr(outputs, "get") else None
@@ -193,20 +205,28 @@ def chunked_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
     return loss
 
 
-def chunked_causal_lm_loss(model: nn.Module, labels: torch.Tensor, *, num_items_in_batch=None, **inputs):
+def chunked_causal_lm_loss(model: nn.Module, labels: torch.Tensor | None, *, num_items_in_batch=None,
+                           shift_labels: torch.Tensor | None = None, **inputs):
     """``(loss, outputs)``: ``model(**inputs, labels=labels).loss`` of a transformers causal LM
     (shift, ``ignore_index`` -100, the mean over predicted tokens or the sum over
     ``num_items_in_batch``, the load-balancing loss), computed in chunks of tokens from the final
     hidden states so that the float32 logits of the whole batch never exist; ``outputs.logits``
-    is empty. For a hand-written loop: ``loss, _ = moe_ep.chunked_causal_lm_loss(model, labels,
-    input_ids=ids)`` in place of ``model(input_ids=ids, labels=labels).loss``."""
+    is empty. ``shift_labels`` (the target of each position, as a packing collator gives them)
+    are the targets as given where the batch has them, as transformers' loss takes them. For a
+    hand-written loop: ``loss, _ = moe_ep.chunked_causal_lm_loss(model, labels, input_ids=ids)``
+    in place of ``model(input_ids=ids, labels=labels).loss``."""
     head, base = chunked_loss_parts(model)
     if "logits_to_keep" in inputs:
         raise ValueError("chunked_causal_lm_loss computes no logits: do not pass logits_to_keep")
+    if labels is None and shift_labels is None:
+        raise ValueError("chunked_causal_lm_loss needs labels or shift_labels")
+    targets = labels if shift_labels is None else shift_labels
     with final_hidden_states(base) as kept:
-        outputs = model(**inputs, logits_to_keep=chunked_logits_to_keep(model, labels))
+        outputs = model(**inputs, logits_to_keep=chunked_logits_to_keep(model, targets))
     check_head_logits(model, head, kept[-1], outputs)
-    return chunked_lm_loss(kept[-1], head, labels, outputs, model, num_items_in_batch), outputs
+    loss = chunked_lm_loss(kept[-1], head, targets, outputs, model, num_items_in_batch,
+                           shifted=shift_labels is not None)
+    return loss, outputs
 
 
 def predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
