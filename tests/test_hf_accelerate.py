@@ -77,7 +77,15 @@ def _configurations(rank: int, world: int, out: str) -> dict:
         args = TrainingArguments(output_dir=os.path.join(out, f"rank{rank}"), report_to=[], use_cpu=True, **arguments)
         return moe_ep.ExpertParallelTrainer(model=model, args=args)
 
+    def launched_with(**variables):  # what accelerate launch writes for an FSDP config
+        os.environ.update(variables)
+        moe_ep.configure_accelerator(Accelerator(), ep_model)
+
     messages = {
+        "launched_fsdp1_config": _refusal(lambda: launched_with(ACCELERATE_USE_FSDP="true", FSDP_VERSION="1")),
+        # ACCELERATE_USE_FSDP alone: what a first Trainer's Accelerator(fsdp_plugin=...) leaves set
+        # in the process, not a configuration (it was read as FSDP1's).
+        "use_fsdp_alone": _refusal(lambda: launched_with(ACCELERATE_USE_FSDP="true")),
         "not_parallelized": _refusal(lambda: moe_ep.configure_accelerator(Accelerator(), _model())),
         "pipeline_stages": _refusal(lambda: moe_ep.configure_accelerator(Accelerator(), stages)),
         "trainer_pipeline_stages": _refusal(lambda: trainer(stages)),
@@ -91,6 +99,7 @@ def _configurations(rank: int, world: int, out: str) -> dict:
         "trainer_torch_compile": _refusal(lambda: trainer(compiled_model, torch_compile=True)),
         "trainer_gradient_checkpointing": _refusal(lambda: trainer(ep_model, gradient_checkpointing=True)),
         "trainer_mixed_precision": _refusal(lambda: trainer(fp16_model, bf16=True)),
+        "trainer_save_only_model": _refusal(lambda: trainer(ep_model, save_only_model=True)),
         "mixed_precision": _refusal(lambda: moe_ep.configure_accelerator(Accelerator(mixed_precision="bf16"),
                                                                          fp16_model)),
         "compile": _refusal(lambda: moe_ep.configure_accelerator(Accelerator(dynamo_backend="inductor"), ep_model)),
@@ -192,8 +201,28 @@ def _evaluate_then_train(rank: int, world: int, out: str) -> dict:
                                            eval_dataset=data)
     metrics = trainer.evaluate()
     trained = trainer.train()
+    uploaded = []
+
+    class Hub:  # what push_to_hub would upload: the output folder's files, no network
+        def upload_folder(self, folder_path, **_):
+            uploaded.extend(sorted(os.listdir(folder_path)))
+
+    import transformers.trainer
+
+    real_hub, transformers.trainer.hf_api = transformers.trainer.hf_api, Hub
+    trainer.hub_model_id = "user/model"  # as init_hf_repo sets it
+    try:
+        trainer.push_to_hub()
+    finally:
+        transformers.trainer.hf_api = real_hub
+    # A second Trainer in the process: the first one's Accelerator(fsdp_plugin=...) set
+    # ACCELERATE_USE_FSDP, which was read as an FSDP1 configuration and refused.
+    left_set = os.environ.get("ACCELERATE_USE_FSDP")
+    _fresh_accelerate()
+    second = _refusal(lambda: moe_ep.ExpertParallelTrainer(model=_model(ep=2), args=args, train_dataset=data))
     return {"eval_loss_err": abs(metrics["eval_loss"] - want.item()) / want.item(),
-            "train_loss": trained.training_loss, "steps": trained.global_step}
+            "train_loss": trained.training_loss, "steps": trained.global_step, "uploaded": uploaded,
+            "second_trainer": (left_set, second)}
 
 
 def _chunked_loss(rank: int, world: int, out: str) -> dict:
@@ -272,6 +301,9 @@ def world2(tmp_path_factory):
 
 
 EXPECTED = {
+    "launched_fsdp1_config": "FSDP plugin disagrees with moe_ep.parallelize, which sharded the model with FSDP2 "
+                             "already: fsdp_version=1: set fsdp_version: 2",
+    "use_fsdp_alone": "no error",
     "not_parallelized": "MixtralForCausalLM was not prepared by moe_ep.parallelize: call moe_ep.parallelize(model, ep=...)",
     "pipeline_stages": "moe_ep.parallelize(pp=2) cut the model into pipeline stages, which run only under moe_ep.TrainStep",
     "trainer_pipeline_stages": "moe_ep.parallelize(pp=2) cut the model into pipeline stages",
@@ -287,6 +319,9 @@ EXPECTED = {
                                       "already: pass activation_checkpointing=True to moe_ep.parallelize instead",
     "trainer_mixed_precision": "mixed_precision='bf16' disagrees with moe_ep.parallelize's "
                                "MixedPrecisionPolicy(param_dtype=torch.float16)",
+    "trainer_save_only_model": "TrainingArguments(save_only_model=True) writes no checkpoint of a model "
+                               "moe_ep.parallelize sharded, whose checkpoints are DCP shards of model and optimizer "
+                               "(SHARDED_STATE_DICT): set save_only_model=False",
     "mixed_precision": "mixed_precision='bf16' disagrees with moe_ep.parallelize's",
     "compile": "dynamo_backend=INDUCTOR (torch.compile) is not supported with a model moe_ep.parallelize prepared: "
                "leave it out and compile the dense blocks with moe_ep.parallelize(compile_blocks=...)",
@@ -347,10 +382,15 @@ def test_prepare_passes_the_sharded_model_through(world2):
 
 
 @pytest.mark.slow
-def test_evaluate_before_train(world2):
+def test_evaluate_before_train_and_push_to_hub_after(world2):
     for found in world2:
         assert found["evaluate"]["eval_loss_err"] <= TOLERANCE[torch.float32], found["evaluate"]
         assert found["evaluate"]["steps"] == 1 and found["evaluate"]["train_loss"] > 0
+    # push_to_hub saves the model as an internal call, as a checkpoint is saved: it uploaded no weights.
+    assert {"config.json", "model.safetensors"} <= set(world2[0]["evaluate"]["uploaded"]), world2[0]["evaluate"]
+    assert world2[1]["evaluate"]["uploaded"] == []  # only rank 0 pushes
+    for found in world2:
+        assert found["evaluate"]["second_trainer"] == ("true", "no error")
 
 
 @pytest.mark.slow

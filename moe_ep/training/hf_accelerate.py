@@ -165,6 +165,15 @@ def check_mixed_precision(mixed_precision: str, context: ParallelContext) -> Non
         )
 
 
+def fsdp_config_launched() -> bool:
+    """Whether the launcher was given an FSDP accelerate config: ``ACCELERATE_USE_FSDP`` with the
+    ``FSDP_*`` variables ``accelerate launch`` writes beside it (``FSDP_VERSION`` always). The
+    first alone is also what accelerate's ``Accelerator(fsdp_plugin=...)`` sets in its process,
+    as under an ``ExpertParallelTrainer``, which passes one: a second Trainer, or
+    ``configure_accelerator``, then read it as an FSDP1 configuration nobody gave."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and "FSDP_VERSION" in os.environ
+
+
 def requested_fsdp_plugin(accelerator, given=None):
     """The FSDP plugin accelerate was asked for: the one it keeps, else ``given``, else the one an
     FSDP accelerate config describes (``ACCELERATE_USE_FSDP`` and the ``FSDP_*`` variables), which
@@ -172,7 +181,7 @@ def requested_fsdp_plugin(accelerator, given=None):
     plugin = getattr(accelerator.state, "fsdp_plugin", None)  # unset where accelerate never considered FSDP
     if plugin is None:
         plugin = given
-    if plugin is None and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    if plugin is None and fsdp_config_launched():
         from accelerate.utils import FullyShardedDataParallelPlugin
 
         plugin = FullyShardedDataParallelPlugin()

@@ -42,7 +42,6 @@ Trainer drives one module; pipeline stages train under ``moe_ep.TrainStep``)."""
 from __future__ import annotations
 
 import contextlib
-import os
 
 from transformers import Trainer
 
@@ -53,6 +52,7 @@ from .hf_accelerate import (
     configure_accelerator,
     expert_parallel_context,
     fsdp2_plugin_arguments,
+    fsdp_config_launched,
 )
 from .loss import chunked_causal_lm_loss, chunked_loss_parts
 
@@ -135,7 +135,7 @@ class ExpertParallelTrainerMixin:
         plugin = kwargs.get("fsdp_plugin")  # from TrainingArguments' fsdp and fsdp_config
         if plugin is not None:
             check_fsdp_plugin(plugin, context)
-        elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        elif not fsdp_config_launched():
             from accelerate.utils import FullyShardedDataParallelPlugin
 
             plugin = FullyShardedDataParallelPlugin(**fsdp2_plugin_arguments(context))
@@ -154,6 +154,13 @@ class ExpertParallelTrainerMixin:
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         configure_accelerator(self.accelerator, self.model, fsdp_plugin=self._moe_ep_fsdp_plugin)
+        state_dict_type = self.accelerator.state.fsdp_plugin.state_dict_type
+        if self.args.save_only_model and "SHARDED" in str(state_dict_type):
+            # transformers refuses the pair on GPUs; on the CPU its check ran before FSDP2 mode
+            # was switched on, and every checkpoint was written empty.
+            raise ValueError("TrainingArguments(save_only_model=True) writes no checkpoint of a model moe_ep.parallelize "
+                             "sharded, whose checkpoints are DCP shards of model and optimizer (SHARDED_STATE_DICT): "
+                             "set save_only_model=False")
         if self._moe_ep_block_compile is not None:
             compile_dense_blocks(self.model, self._moe_ep_block_compile)
         # Set by Trainer from accelerate's state before configure_accelerator could change it.
@@ -164,6 +171,12 @@ class ExpertParallelTrainerMixin:
             return super().save_model(output_dir, _internal_call=True)
         with _full_state_dict(self.accelerator.state.fsdp_plugin):
             return super().save_model(output_dir, _internal_call=False)
+
+    def push_to_hub(self, *args, **kwargs):
+        # Its save_model is an internal call, as a checkpoint's: the full weights, or the upload
+        # holds no model file.
+        with _full_state_dict(self.accelerator.state.fsdp_plugin):
+            return super().push_to_hub(*args, **kwargs)
 
 
 class ExpertParallelTrainer(ExpertParallelTrainerMixin, Trainer):
