@@ -114,7 +114,27 @@ def compile_dense_blocks(model: nn.Module, options: dict, *, split_backward: boo
     if split_backward:
         torch._functorch.config.donated_buffer = False
     experts = {m for _, m in experts_modules(model)}
-    for block in transformer_blocks(model):
-        for region in dense_regions(block, experts):
-            region.compile(fullgraph=True, **options)
+    blocks = transformer_blocks(model)
+    regions = [region for block in blocks for region in dense_regions(block, experts)]
+    _allow_a_graph_per_layer(len(blocks), len(regions))
+    for region in regions:
+        region.compile(fullgraph=True, **options)
+
+
+# Graphs one compiled region's code may need per layer with a KV cache: the prefill's and the
+# decode's (static, then dynamic, shapes), with room to spare.
+GRAPHS_PER_LAYER = 4
+
+
+def _allow_a_graph_per_layer(layers: int, regions: int) -> None:
+    """The layers' regions of one kind share their code, so dynamo counts their graphs together.
+    Without a KV cache they share one; with one (a forward with ``use_cache=True``, transformers'
+    default, and ``generate``) the cache's update guards on each layer's index and cache entry, so
+    every layer compiles its own, and past torch's recompile limit (8 graphs per code object)
+    ``fullgraph=True`` made a model of more than 8 layers fail with FailOnRecompileLimitHit. The
+    limits are raised for the process to what the model needs, never lowered."""
+    import torch._dynamo.config as dynamo
+
+    dynamo.recompile_limit = max(dynamo.recompile_limit, GRAPHS_PER_LAYER * layers)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, GRAPHS_PER_LAYER * regions)
 
