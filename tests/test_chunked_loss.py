@@ -133,6 +133,39 @@ def test_half_precision_logits_come_from_the_heads_own_gemm(autocast):
     assert rel_err(loss, want) <= 1e-6, (loss, want)
 
 
+def test_the_head_gemms_run_in_the_autocast_dtype_the_model_ran_under(monkeypatch):
+    """Under mixed precision the model's own head runs in bf16, but the chunked loss came after
+    the autocast block (TrainStep) or after the forward that accelerate's autocast wraps (the
+    Trainer, an accelerate loop): its head GEMMs ran in float32, at 2.5x the step's time on an
+    H200. Each now runs under the autocast its forward ran under, and without one under none."""
+    import functools
+    import importlib
+
+    import moe_ep
+    from moe_ep.training import TrainStep
+
+    lce = importlib.import_module("moe_ep.ops.linear_cross_entropy")  # the module, not the function
+    seen = []
+    real = lce._LinearCrossEntropy.apply
+
+    def spy(*args):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return real(*args)
+
+    monkeypatch.setattr(lce._LinearCrossEntropy, "apply", spy)
+    model = tiny_model("mixtral", **TINY).train()
+    batch = tiny_batch(model.config, batch=2, seq=6)
+    TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), chunked_loss=True,
+              autocast_dtype=torch.bfloat16)(dict(batch))
+    TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), chunked_loss=True)(dict(batch))
+    forward = model.forward
+    model.forward = functools.wraps(forward)(torch.autocast("cpu", dtype=torch.bfloat16)(forward))  # as accelerate
+    moe_ep.chunked_causal_lm_loss(model, batch["labels"], input_ids=batch["input_ids"])
+    model.forward = forward
+    moe_ep.chunked_causal_lm_loss(model, batch["labels"], input_ids=batch["input_ids"])
+    assert seen == [torch.bfloat16, None, torch.bfloat16, None]
+
+
 @pytest.mark.slow
 def test_label_shift_and_mean_equal_transformers_for_causal_lm_loss():
     """Sum over the shifted labels of each sequence (the last position predicts nothing), divided

@@ -71,8 +71,8 @@ class Executor(ABC):
 
 class GradientAccumulation(Executor):
     """The micro-batches through ``model`` one after another; with ``autocast_dtype`` the forward
-    runs under ``torch.autocast`` (for a model that no FSDP ``MixedPrecisionPolicy`` casts), the
-    loss in fp32 and backward outside autocast. With ``chunked_loss`` the loss takes the final
+    and the loss run under ``torch.autocast`` (for a model that no FSDP ``MixedPrecisionPolicy``
+    casts; the loss's softmax and sums in fp32), the backward outside it. With ``chunked_loss`` the loss takes the final
     hidden states instead of the logits: the model's own forward runs (so FSDP's hooks gather and
     reduce as usual) with ``logits_to_keep`` selecting no position, and a forward hook on the base
     model keeps its output."""
@@ -108,7 +108,9 @@ class GradientAccumulation(Executor):
         for ids_mb, labels_mb in zip(ids.chunk(self.microbatches), labels.chunk(self.microbatches)):
             with self._autocast(ids.device):
                 outputs = self._forward(ids_mb)
-            loss = loss_fn(outputs, labels_mb)
+                # Under autocast too: the chunked loss's head GEMMs run in its dtype, as the
+                # model's own head does (the logits' loss is float32 either way).
+                loss = loss_fn(outputs, labels_mb)
             loss.backward()
             total = total + loss.detach().to(total.device)
         return total
@@ -121,8 +123,9 @@ class GradientAccumulation(Executor):
         with final_hidden_states(self.base) as kept:
             outputs = self.model(input_ids=ids, logits_to_keep=chunked_logits_to_keep(self.model, ids),
                                  **self.forward_kwargs)
-        check_head_logits(self.model, self.head, kept[-1], outputs)
-        return kept[-1]
+        hidden, _ = kept[-1]
+        check_head_logits(self.model, self.head, hidden, outputs)
+        return hidden
 
     def sum_over_stages(self, t):
         return t

@@ -174,12 +174,22 @@ def check_head_logits(model: nn.Module, head: nn.Linear, hidden: torch.Tensor, o
     outputs.logits = logits[:, :0]
 
 
+def autocast_dtype_now(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device``'s type here, None where it is off."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
 @contextmanager
 def final_hidden_states(base: nn.Module):
-    """Yields a list that each forward of ``base`` while inside appends its output hidden states to."""
-    kept: list[torch.Tensor] = []
-    handle = base.register_forward_hook(
-        lambda module, args, out: kept.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
+    """Yields a list to which each forward of ``base`` while inside appends ``(its output hidden
+    states, the autocast dtype it ran under or None)``."""
+    kept: list[tuple[torch.Tensor, torch.dtype | None]] = []
+
+    def keep(module, args, out):
+        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        kept.append((hidden, autocast_dtype_now(hidden.device)))
+
+    handle = base.register_forward_hook(keep)
     try:
         yield kept
     finally:
@@ -223,9 +233,13 @@ def chunked_causal_lm_loss(model: nn.Module, labels: torch.Tensor | None, *, num
     targets = labels if shift_labels is None else shift_labels
     with final_hidden_states(base) as kept:
         outputs = model(**inputs, logits_to_keep=chunked_logits_to_keep(model, targets))
-    check_head_logits(model, head, kept[-1], outputs)
-    loss = chunked_lm_loss(kept[-1], head, targets, outputs, model, num_items_in_batch,
-                           shifted=shift_labels is not None)
+    hidden, autocast_dtype = kept[-1]
+    check_head_logits(model, head, hidden, outputs)
+    # The head's GEMMs in the dtype the model's own head would have run in: accelerate's autocast
+    # wraps the model's forward only, not this loss after it, where they ran in float32.
+    with torch.autocast(hidden.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        loss = chunked_lm_loss(hidden, head, targets, outputs, model, num_items_in_batch,
+                               shifted=shift_labels is not None)
     return loss, outputs
 
 
