@@ -48,7 +48,6 @@ def _batch16():
 def _train(batch, run: dict, overlapped: bool):
     import moe_ep
     import moe_ep.parallel.pipeline.overlap as overlap
-    import moe_ep.parallel.pipeline.stages as stages_module
     from moe_ep.dispatch.lanes import _TWINS
     from moe_ep.hf import patch
     from moe_ep.training import TrainStep
@@ -69,15 +68,15 @@ def _train(batch, run: dict, overlapped: bool):
         return full_backward(*args)
 
     overlap._full_backward = recording_backward
-    enable = stages_module.enable_overlap
+    enable = overlap.enable_overlap
     if not overlapped:
-        stages_module.enable_overlap = lambda schedule: None
+        overlap.enable_overlap = lambda schedule: None
     try:
         step = TrainStep(target, torch.optim.AdamW(target.parameters(), lr=LR), microbatches=microbatches,
                          aux_loss_coef=aux, global_aux_loss=bool(aux))
         losses = [step(share).item() for _ in range(STEPS)]
     finally:
-        overlap._full_backward, stages_module.enable_overlap = full_backward, enable
+        overlap._full_backward, overlap.enable_overlap = full_backward, enable
     threaded = sum(name.startswith("moe_ep-backward") for name in backward_threads)
     return {"losses": losses, "threads": sorted(set(backward_threads)), "twins": len(_TWINS),
             "threaded_backwards": threaded, "pp_rank": target.pp_rank,

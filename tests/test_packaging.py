@@ -126,6 +126,17 @@ print(json.dumps({"experts": ALL_EXPERTS_FUNCTIONS.get("moe_ep") is moe_ep.hf.mo
     assert found == {"experts": True, "ep": True, "public": []}
 
 
+def test_training_without_stages_or_compilation_imports_neither_pipelining_nor_dynamo():
+    """torch's pipelining schedules import dynamo and inductor: 0.7 s of CPU at every process's
+    start-up (the ranks of every launch) when moe_ep imported them whether stages ran or not."""
+    found = _fresh("""
+import json, sys
+import moe_ep, moe_ep.training, moe_ep.parallel, moe_ep.runs, moe_ep.hf
+print(json.dumps([m for m in ("torch.distributed.pipelining", "torch._dynamo", "torch._inductor") if m in sys.modules]))
+""")
+    assert found == []
+
+
 def test_the_example_and_the_readme_use_public_names_only():
     """The example imports only from ``moe_ep`` itself and from its run layer ``moe_ep.runs``, and
     every ``moe_ep.<name>`` that it or the README's Python code uses is in ``moe_ep.__all__``, every

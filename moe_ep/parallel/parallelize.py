@@ -22,7 +22,6 @@ from .expert_sharding import shard_experts
 from .fsdp import apply_fsdp
 from .mesh import MoEMeshes, ParallelDims, build_meshes, resolve_dims
 from .pipeline import PipelineStages, build_stages, plan_stages
-from .pipeline.overlap import create_backward_lanes
 from .pipeline.tied import shard_tied_stages
 from .recompute import check_recompute_support, enable_activation_checkpointing
 
@@ -176,6 +175,9 @@ def _parallelize(model: nn.Module, arguments: dict, make_config: Callable[[], Pa
     device = next(model.parameters()).device
     meshes = build_meshes(dims, _mesh_device(device))
     if config.pipeline is not None and config.pipeline.info.overlaps_forward_backward:
+        # Imported here: torch's pipelining schedules import dynamo (about 0.7 s of every start-up).
+        from .pipeline.overlap import create_backward_lanes
+
         create_backward_lanes(meshes)
     if config.max_nodes is not None:
         limit_routing_to_nodes(model, *_node_limit(dims, config))

@@ -13,7 +13,6 @@ from torch import nn
 from ...planner.partition import Partition
 from ...planner.schedules import INTERLEAVED_OVERLAP, schedule_info
 from ..mesh import MoEMeshes
-from .overlap import enable_overlap, overlap_steady_state
 from .tied import check_tied_order
 
 
@@ -154,7 +153,11 @@ class PipelineStages:
             )
         self._loss.fn = loss_fn
         if self._schedule is None:
+            # Imported here: torch's pipelining schedules import dynamo (about 0.7 s of every
+            # start-up, with or without stages).
             from torch.distributed.pipelining import schedules
+
+            from .overlap import enable_overlap, overlap_steady_state
 
             info = schedule_info(self.schedule_name)
             cls = getattr(schedules, info.torch_class)
