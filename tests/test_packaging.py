@@ -127,8 +127,9 @@ print(json.dumps({"experts": ALL_EXPERTS_FUNCTIONS.get("moe_ep") is moe_ep.hf.mo
 
 
 def test_training_without_stages_or_compilation_imports_neither_pipelining_nor_dynamo():
-    """torch's pipelining schedules import dynamo and inductor: 0.7 s of CPU at every process's
-    start-up (the ranks of every launch) when moe_ep imported them whether stages ran or not."""
+    """torch's pipelining schedules import dynamo and inductor: 0.7 s of CPU at the start-up of a
+    process that imports moe_ep without building a transformers model (the planner, the kernels'
+    benchmarks), when moe_ep imported them whether stages ran or not."""
     found = _fresh("""
 import json, sys
 import moe_ep, moe_ep.training, moe_ep.parallel, moe_ep.runs, moe_ep.hf

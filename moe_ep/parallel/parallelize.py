@@ -175,7 +175,7 @@ def _parallelize(model: nn.Module, arguments: dict, make_config: Callable[[], Pa
     device = next(model.parameters()).device
     meshes = build_meshes(dims, _mesh_device(device))
     if config.pipeline is not None and config.pipeline.info.overlaps_forward_backward:
-        # Imported here: torch's pipelining schedules import dynamo (about 0.7 s of every start-up).
+        # Imported here: torch's pipelining schedules import dynamo (0.7 s of a start-up).
         from .pipeline.overlap import create_backward_lanes
 
         create_backward_lanes(meshes)

@@ -153,8 +153,8 @@ class PipelineStages:
             )
         self._loss.fn = loss_fn
         if self._schedule is None:
-            # Imported here: torch's pipelining schedules import dynamo (about 0.7 s of every
-            # start-up, with or without stages).
+            # Imported here: torch's pipelining schedules import dynamo (0.7 s of the start-up of
+            # a process that builds no transformers model, whose modules import it themselves).
             from torch.distributed.pipelining import schedules
 
             from .overlap import enable_overlap, overlap_steady_state
