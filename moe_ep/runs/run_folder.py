@@ -167,7 +167,8 @@ class RunFolder:
         if self.final.exists() and not ours(self.final, "export"):
             raise UsageError(not_ours_message(self.final, "--output-dir"))
         check_writable(self.path, "--output-dir")
-        check_appendable(self.path / METRICS, "--output-dir")
+        if not overwrite:  # --overwrite deletes the log, which the folder's writability allows
+            check_appendable(self.path / METRICS, "--output-dir")
         check_free_space(self.path, checkpoint_bytes(parameters) + EXPORT_BYTES_PER_PARAMETER * parameters,
                          "one checkpoint and the final model", "--output-dir")
         return candidates
