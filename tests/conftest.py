@@ -11,6 +11,14 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# On pytest-xdist's workers (scripts/test.sh: two on 2 cores), one intra-op thread in each worker
+# and in what it launches, as the launched ranks have (tests/dist_utils.py, example_runs.py): a
+# second spinning thread per process slowed the tests' tiny ops 10 to 60 times (a benchmark's smoke
+# run 56 s against 4 s). A value the caller set is kept.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def made_once(tmp_path_factory, name: str, make):
     """``make(folder)``'s result (JSON), made once per test session. scripts/test.sh runs the suite
@@ -69,6 +77,20 @@ def _launched_temp_dir(tmp_path_factory):
     patch.setenv("TMPDIR", str(folder))
     yield
     patch.undo()
+
+
+@pytest.fixture
+def no_selector_measurement(monkeypatch):
+    """Under the interpreter the experts' selector measures nothing (MOE_EP_AUTOTUNE=0), for tests
+    about the numbers: a problem's first call would run the Triton path twice more only to time it
+    by the host clock (or take what ~/.cache/moe_ep holds, and write there). Its measurement is
+    tests/test_selector.py's and test_stage_candidates.py's. On a GPU the first call measures as
+    in use."""
+    from moe_ep.kernels import autotune
+    from moe_ep.kernels.runtime import interpreting
+
+    if interpreting():
+        monkeypatch.setenv(autotune.ENV_VAR, "0")
 
 
 @pytest.fixture(autouse=True)

@@ -14,11 +14,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import moe_ep
 from markers import requires_cuda
 from moe_cases import CASES, Case, run_with_grads
+from moe_ep.kernels import autotune
 from moe_ep.kernels.grouped_gemm import routing_block
 from moe_ep.ops.experts_torch import experts_torch_fwd
 from moe_ep.ops.experts_triton import experts_triton_fwd
+from moe_ep.ops import selector
 from moe_ep.ops.reference import moe_experts_ref
 from numerics import TOLERANCE, rel_err
+
+# The numbers, not the selector's measurement (conftest.py).
+pytestmark = pytest.mark.usefixtures("no_selector_measurement")
 
 BACKENDS = ["torch", "triton"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -129,15 +134,21 @@ def test_empty_expert_gets_exactly_zero_weight_gradient(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("width", ["H", "I"])
-def test_an_empty_width_gives_zeros_on_both_backends(backend, width):
+def test_an_empty_width_gives_zeros_on_both_backends(backend, width, monkeypatch, tmp_path):
     """H or I of 0 (degenerate, but valid shapes): zero outputs and zero gradients of the right
-    shapes, on the grouped GEMM too, whose strides must stay 16-byte aligned."""
+    shapes, on the grouped GEMM too, whose strides must stay 16-byte aligned. The selector's first
+    call measures the degenerate problem too (a fresh cache)."""
+    monkeypatch.setenv(autotune.ENV_VAR, "1")
+    monkeypatch.setenv(selector.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    selector.clear()
     case = Case("empty_width", T=6, H=0 if width == "H" else 8, I=0 if width == "I" else 8, E=3, K=2)
     x, idx, w, gate_up, down = case.make(torch.float32, device=DEVICE)
     y, grads = run_with_grads(experts(backend), x, idx, w, gate_up, down, torch.randn(case.T, case.H))
     assert y.shape == (case.T, case.H) and torch.count_nonzero(y) == 0
     for g, leaf in zip(grads, (x, w, gate_up, down)):
         assert g.shape == leaf.shape and torch.count_nonzero(g) == 0
+    assert len(selector.decisions()) == (backend == "triton")
+    selector.clear()
 
 
 def _forward_op(backend, x, idx, w, gate_up, down):

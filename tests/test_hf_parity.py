@@ -35,6 +35,9 @@ from markers import requires_cuda
 from numerics import TOLERANCE, rel_err
 from hf_models import FAMILIES, tiny_batch, tiny_model
 
+# The numbers, not the selector's measurement (conftest.py).
+pytestmark = pytest.mark.usefixtures("no_selector_measurement")
+
 
 def _run(model, batch):
     model.zero_grad(set_to_none=True)

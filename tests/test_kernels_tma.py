@@ -16,6 +16,9 @@ from moe_ep.ops.reference import moe_experts_ref
 from numerics import TOLERANCE, rel_err
 from moe_cases import CASES, Case, run_with_grads
 
+# The numbers, not the selector's measurement (conftest.py).
+pytestmark = pytest.mark.usefixtures("no_selector_measurement")
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GRAD_NAMES = ["hidden_states", "top_k_weights", "gate_up_proj", "down_proj"]
 # Sizes whose rows are 16-byte multiples in every dtype, so descriptors are used: ragged tiles in

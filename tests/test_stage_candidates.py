@@ -47,8 +47,12 @@ def test_grouped_mm_is_sync_free_only_on_hopper_and_blackwell_in_half_types():
 
 
 def offered(monkeypatch, arch: str, dtype: torch.dtype) -> dict:
-    """The candidates each launch of one Triton forward and backward is offered on ``arch``."""
+    """The candidates each launch of one Triton forward and backward is offered on ``arch``. The
+    launchers make the candidate list whether or not a session times it: with timing off the op
+    runs once (the interpreter would otherwise run every configuration of ``arch``'s space, then
+    the whole op twice more, only to time them)."""
     monkeypatch.setattr(autotune, "device_arch", lambda device: arch)
+    monkeypatch.setenv(autotune.ENV_VAR, "0")
     seen = {}
     choose = autotune.choose
 
@@ -92,21 +96,26 @@ GROUPED_MM_CASES = [(c, torch.bfloat16) for c in HARD] + [
 def test_stages_on_grouped_mm_match_float64_and_repeat_bitwise(monkeypatch, case, dtype):
     """A tuning session on an (emulated) H100 that times PyTorch's grouped GEMM fastest, stage by
     stage and in the whole op, puts every stage on it: the results still match the float64
-    reference, and a second run gives the same bits. The interpreter runs sm_90's own configuration space."""
+    reference, and a second run gives the same bits. The session is offered sm_90's own
+    configuration space; the mocked timings launch the library's candidates (so timed launches
+    still run before the kept one) but not the Triton ones, whose results nothing reads and which
+    the interpreter runs for seconds at sm_90's tiles, nor the whole op again."""
     monkeypatch.setattr(autotune, "device_arch", lambda device: "sm_90")
     library_calls = []
     library = gg.grouped_mm
     monkeypatch.setattr(gg, "grouped_mm", lambda *a, **k: library_calls.append(1) or library(*a, **k))
 
-    def timed(launch, device):
+    def timed(launch, device):  # autotune.choose times `lambda c=c: launch(c)`
+        if not isinstance(launch.__defaults__[0], Library):
+            return 1.0
         before = len(library_calls)
         launch()
-        return 0.0 if len(library_calls) > before else 1.0
+        assert len(library_calls) > before  # the candidate is PyTorch's grouped GEMM
+        return 0.0
 
     monkeypatch.setattr(autotune, "_time", timed)
 
     def whole_op(fn, device, warmup):  # and the whole op too, against every stage on Triton
-        fn()
         session = autotune._SESSION  # None when the grouped-GEMM path is timed
         return 0.0 if session is not None and str(GROUPED_MM) in session.fastest.values() else 1.0
 
@@ -155,9 +164,12 @@ ONE_STAGE_CASES = [(stage, "silu") for stage in STAGE_NAMES] + [(stage, "gelu") 
 def test_any_one_stage_on_grouped_mm_matches_float64(monkeypatch, stage, activation):
     """One stage on PyTorch's grouped GEMM (its element-wise pass where the stage is fused), the
     other five on their Triton kernels: the output and the four gradients still match the float64
-    reference, with an empty expert and 2I != H."""
+    reference, with an empty expert and 2I != H. With timing off the op runs once, each Triton
+    stage on the first of sm_90's configurations it is offered (timing them under the interpreter
+    would run every one of them, then the whole op again, and choose one by the host clock)."""
     case = Case("one_stage", T=23, H=16, I=24, E=6, K=2, routing="skip_last")
     monkeypatch.setattr(autotune, "device_arch", lambda device: "sm_90")
+    monkeypatch.setenv(autotune.ENV_VAR, "0")
     choose = autotune.choose
     stages = []
 
@@ -184,8 +196,11 @@ def test_any_one_stage_on_grouped_mm_matches_float64(monkeypatch, stage, activat
                                               ("sm_90", torch.bfloat16, True)], ids=str)
 def test_auto_times_the_grouped_mm_path_only_where_it_is_sync_free(monkeypatch, arch, dtype, timed):
     """On an A100 the selector never runs the host-syncing grouped-GEMM path, not even to time it on
-    the first call: the decision is driven by the (mocked) architecture alone."""
+    the first call: the decision is driven by the (mocked) architecture alone. The selector measures
+    the paths for real; each kernel's configurations get mocked times, not launched (under the
+    interpreter that would run the whole of ``arch``'s space at its tiles for host-clock figures)."""
     monkeypatch.setattr(autotune, "device_arch", lambda device: arch)
+    monkeypatch.setattr(autotune, "_time", lambda launch, device: 1.0)
     calls = []
     measure = selector._measure
     monkeypatch.setattr(selector, "_measure", lambda *a: calls.append(a[2]) or measure(*a))
