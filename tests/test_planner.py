@@ -211,8 +211,11 @@ def test_alternatives_tell_the_truth_about_time_and_memory(mixtral_plan):
 
 @pytest.mark.slow
 def test_cli_prints_a_fitting_layout(capsys):
+    # --pp 1: the JSON the CLI prints is the point, and a search over the other degrees (hundreds
+    # of layouts) shows it in a second; the whole search through the CLI is
+    # test_cli_help_states_the_figures_a_plan_without_a_cluster_takes's.
     code = main(["plan", "--model", "mixtral-8x7b", "--nodes", "16", "--gpus-per-node", "8", "--gpu-memory", "80",
-                 "--json"])
+                 "--pp", "1", "--json"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     deg = out["degrees"]
@@ -273,8 +276,10 @@ def test_groups_spanning_whole_nodes_get_the_nodes_network():
 def test_p4d_and_dgx_a100_choose_differently_and_the_reports_say_why():
     # Same GPUs (A100 40 GB), a quarter of the network on p4d: the DGX's layout gathers every
     # expert over all 128 GPUs each micro-batch, which p4d's 400 Gb/s per node cannot hide.
-    dgx = plan("mixtral-8x7b", nodes=16, cluster="dgx-a100-40gb")
-    p4d = plan("mixtral-8x7b", nodes=16, cluster="p4d")
+    # Searched without pipeline stages (a twentieth of the layouts): the layouts both clusters choose,
+    # and the fastest of each, have none, so these are the choices of the whole search too.
+    dgx = plan("mixtral-8x7b", nodes=16, cluster="dgx-a100-40gb", pp=1)
+    p4d = plan("mixtral-8x7b", nodes=16, cluster="p4d", pp=1)
     assert dgx.layout != p4d.layout
     on_p4d = evaluate(p4d.spec, p4d.cluster, dgx.layout, 4096)
     assert on_p4d.time.total > p4d.best.time.total
@@ -291,7 +296,8 @@ def test_p4d_and_dgx_a100_choose_differently_and_the_reports_say_why():
 
 @pytest.mark.slow
 def test_cli_takes_a_cluster_preset(capsys):
-    assert main(["plan", "--model", "mixtral-8x7b", "--cluster", "p4d", "--nodes", "16", "--json"]) == 0
+    # --pp 1: the preset's figures are the point (p4d's whole search is planned above).
+    assert main(["plan", "--model", "mixtral-8x7b", "--cluster", "p4d", "--nodes", "16", "--pp", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["cluster"]["preset"] == "p4d" and out["cluster"]["inter_node_gbps"] == 6.25
     assert out["cluster"]["gpu_memory_gib"] == 40
@@ -354,10 +360,12 @@ def test_an_h200_cluster_takes_the_committed_h200_gate_and_an_h100_cluster_refus
     with pytest.raises(ValueError, match="was measured on 'NVIDIA H200', not on a H100"):
         plan("mixtral-8x7b", cluster="dgx-h100", **kwargs)
     # Its fine-grained problems: Qwen3-30B-A3B's own, and for Qwen3-235B-A22B's experts (4096 x
-    # 1536) DeepSeek-V3's (7168 x 2048), the nearest.
+    # 1536) DeepSeek-V3's (7168 x 2048), the nearest. (The layout fixed: the calibration is read
+    # before the search, whose size does not change it.)
     for model, problem, tflops in (("qwen3-30b-a3b", "qwen3-30b-a3b", 455.7), ("qwen3-235b-a22b", "deepseek-v3-ep8",
                                                                                 545.0)):
-        eff = plan(model, cluster="dgx-h200", nodes=32, calibration=gate, checkpointing="full").cluster.efficiencies
+        eff = plan(model, cluster="dgx-h200", nodes=32, calibration=gate, checkpointing="full", pp=1, ep=8,
+                   microbatch_size=1).cluster.efficiencies
         assert eff.grouped_gemm == pytest.approx(tflops / 989, rel=1e-3)
         assert f" of {problem}: " in eff.source("grouped_gemm")
 
@@ -500,8 +508,9 @@ def test_a_local_folder_wins_over_the_built_in_model_of_its_name(tmp_path, monke
 @pytest.mark.slow
 def test_cli_takes_a_calibration_file(tmp_path, capsys):
     path = _gpu_results(tmp_path)
+    # --pp 1: the file's figures reach the plan whatever the search (a second instead of several).
     assert main(["plan", "--model", "mixtral-8x7b", "--cluster", "dgx-a100-80gb", "--nodes", "16",
-                 "--calibration", str(path), "--json"]) == 0
+                 "--calibration", str(path), "--pp", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["efficiencies"]["dense_gemm"]["value"] == pytest.approx(220 / 312)
 
@@ -580,14 +589,16 @@ def test_expert_side_memory_is_sized_for_the_startup_imbalance():
 
 @pytest.mark.slow
 def test_headroom_rule_prefers_a_layout_with_headroom_within_the_margin():
-    p = plan("mixtral-8x7b", nodes=4, **DGX)
+    # pp=16: the two layouts the rule weighs on 4 DGX A100 (the fastest, ZB-V, and the one it
+    # prefers, 1F1B) are both pp=16 ones, so this search (a twentieth of the layouts) weighs them alike.
+    p = plan("mixtral-8x7b", nodes=4, pp=16, **DGX)
     fastest, best = p.rule.fastest, p.best
     assert fastest is not None  # on 4 DGX A100 the fastest layout leaves under 10% free
     assert fastest.time.total < best.time.total <= 1.05 * fastest.time.total
     assert fastest.memory.headroom < 0.10 * 80 * GiB <= best.memory.headroom
     assert "it passed over " + fastest.layout.short() in p.report()
     assert p.alternatives[0][0] is fastest or any(c is fastest for c, _ in p.alternatives)
-    bold = plan("mixtral-8x7b", nodes=4, min_headroom=0.0, **DGX)
+    bold = plan("mixtral-8x7b", nodes=4, pp=16, min_headroom=0.0, **DGX)
     assert bold.layout == fastest.layout and bold.rule.fastest is None
 
 

@@ -9,6 +9,8 @@ to the recompute policies compiled blocks run with, and says so when another is 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -21,8 +23,9 @@ T = 384  # tokens of the counted shapes
 TOLERANCE = 0.12  # the constants are fitted over three shapes each; a new one lands within this
 
 
-def inductor_bytes(fn, x: torch.Tensor) -> tuple[int, int]:
-    """(forward, backward) bytes the fused (non-extern) kernels of ``fn``'s compiled graphs move."""
+def inductor_bytes(fn, x: torch.Tensor) -> tuple[int, int, int]:
+    """(forward, backward) bytes the fused (non-extern) kernels of ``fn``'s compiled graphs move,
+    and the bytes autograd saves in the compiled forward (:func:`saving`)."""
     import torch._inductor.graph as graph
     from torch._inductor.scheduler import ExternKernelSchedulerNode
 
@@ -40,14 +43,15 @@ def inductor_bytes(fn, x: torch.Tensor) -> tuple[int, int]:
     try:
         with torch._inductor.config.patch(fx_graph_cache=False), \
                 torch._functorch.config.patch(enable_autograd_cache=False):
-            out = torch.compile(fn, fullgraph=True)(x)
+            with saving(x) as saved:
+                out = torch.compile(fn, fullgraph=True)(x)
             out.backward(torch.ones_like(out))
     finally:
         graph.GraphLowering.count_bytes = count_bytes
         torch._logging.set_logs()
         torch._dynamo.reset()
     forward, backward = counted
-    return forward, backward
+    return forward, backward, sum(saved.values())
 
 
 def hidden(H: int) -> torch.Tensor:
@@ -73,27 +77,45 @@ def close(counted: float, planned: float) -> bool:
     return abs(counted - planned) <= TOLERANCE * counted
 
 
-@pytest.mark.slow
-def test_the_compiled_regions_move_what_inductor_counts():
+H = 768  # hidden size of the counted regions
+HEADS, KV_HEADS, HEAD_DIM = 6, 2, 128
+MLP_WIDTH = 1536
+
+
+def regions() -> dict:
+    """transformers' modules as compiled blocks hold them: RMSNorm, attention with q/k norms
+    (Qwen3-MoE) and without (Mixtral), the SwiGLU MLP."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP, Qwen3MoeRMSNorm
     from transformers import Qwen3MoeConfig
 
-    H = 768
-    forward, backward = inductor_bytes(Qwen3MoeRMSNorm(H).to(torch.bfloat16), hidden(H))
+    return {"norm": Qwen3MoeRMSNorm(H).to(torch.bfloat16),
+            "attention, q/k norms": attention("qwen3_moe", H, HEADS, KV_HEADS, HEAD_DIM),
+            "attention": attention("mixtral", H, HEADS, KV_HEADS, HEAD_DIM),
+            "mlp": Qwen3MoeMLP(Qwen3MoeConfig(hidden_size=H), intermediate_size=MLP_WIDTH).to(torch.bfloat16)}
+
+
+@pytest.fixture(scope="module")
+def compiled_regions() -> dict:
+    """Each region compiled by Inductor once, for both tests below (a compile is seconds on the
+    CPU): (forward bytes, backward bytes, bytes saved for the backward)."""
+    return {name: inductor_bytes(fn, hidden(H)) for name, fn in regions().items()}
+
+
+@pytest.mark.slow
+def test_the_compiled_regions_move_what_inductor_counts(compiled_regions):
+    forward, backward, _ = compiled_regions["norm"]
     planned = compute.COMPILED_NORM
     assert close(forward, planned[0] * T * H) and close(backward, planned[1] * T * H), (forward, backward)
 
     for family, qk_norm in (("qwen3_moe", True), ("mixtral", False)):
-        heads, kv_heads, head_dim = 6, 2, 128
-        forward, backward = inductor_bytes(attention(family, H, heads, kv_heads, head_dim), hidden(H))
-        width = (heads + kv_heads) * head_dim
+        forward, backward, _ = compiled_regions["attention, q/k norms" if qk_norm else "attention"]
+        width = (HEADS + KV_HEADS) * HEAD_DIM
         f, b = compute.COMPILED_ATTENTION[qk_norm]
         assert close(forward, f * T * width), (family, forward / T / width)
         assert close(backward, b * T * width + compute.COMPILED_INPUT_GRADIENT * T * H), (family, backward / T)
 
-    width = 1536
-    mlp = Qwen3MoeMLP(Qwen3MoeConfig(hidden_size=H), intermediate_size=width).to(torch.bfloat16)
-    forward, backward = inductor_bytes(mlp, hidden(H))
+    width = MLP_WIDTH
+    forward, backward, _ = compiled_regions["mlp"]
     f, b = compute.COMPILED_SWIGLU
     assert close(forward, f * T * width), forward / T / width
     assert close(backward, b * T * width + compute.COMPILED_INPUT_GRADIENT * T * H), backward / T
@@ -134,8 +156,10 @@ def test_the_planner_keeps_to_the_policies_compiled_blocks_run_with():
         plan("qwen3-30b-a3b", compiled_blocks=1, **kwargs)
 
 
-def saved_bytes(fn, x: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves in ``fn(x)``, ``x``'s own left out."""
+@contextlib.contextmanager
+def saving(x: torch.Tensor):
+    """The distinct storages autograd saves inside the block (storage -> bytes), ``x``'s own left
+    out, filled in as the block ends."""
     storages = {}
 
     def pack(t):
@@ -143,27 +167,20 @@ def saved_bytes(fn, x: torch.Tensor) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x)
+        yield storages
     storages.pop(x.untyped_storage().data_ptr(), None)
+
+
+def saved_bytes(fn, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves in ``fn(x)``, ``x``'s own left out."""
+    with saving(x) as storages:
+        fn(x)
     return sum(storages.values())
 
 
 @pytest.mark.slow
-def test_compiled_regions_save_no_more_than_eager_so_eager_activations_bound_them():
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP, Qwen3MoeRMSNorm
-    from transformers import Qwen3MoeConfig
-
-    H = 768
-    regions = {"norm": Qwen3MoeRMSNorm(H).to(torch.bfloat16),
-               "attention, q/k norms": attention("qwen3_moe", H, 6, 2, 128),
-               "attention": attention("mixtral", H, 6, 2, 128),
-               "mlp": Qwen3MoeMLP(Qwen3MoeConfig(hidden_size=H), intermediate_size=1536).to(torch.bfloat16)}
-    for name, fn in regions.items():
-        x = hidden(H)
-        eager = saved_bytes(fn, x)
-        torch._dynamo.reset()
-        try:
-            compiled = saved_bytes(torch.compile(fn, fullgraph=True), x)
-        finally:
-            torch._dynamo.reset()
+def test_compiled_regions_save_no_more_than_eager_so_eager_activations_bound_them(compiled_regions):
+    for name, fn in regions().items():
+        eager = saved_bytes(fn, hidden(H))
+        compiled = compiled_regions[name][2]  # saved by the forward of the compile counted above
         assert 0 < eager and compiled <= eager, (name, compiled, eager)
