@@ -89,7 +89,7 @@ def test_compiled_blocks_give_the_eager_losses_without_a_graph_break(one_rank, g
     assert dict(graph_breaks) == {}
 
 
-def test_more_layers_than_the_recompile_limit_run_with_a_kv_cache_and_generate(one_rank, graph_breaks, monkeypatch):
+def test_more_layers_than_the_recompile_limit_run_with_a_kv_cache_and_generate(one_rank, graph_breaks):
     """With a KV cache (transformers' default use_cache=True in a hand-written loop's forward, and
     generate) each layer's attention compiles a graph of its own: past torch's recompile limit (8
     graphs; 2 here, so that 3 layers pass it), fullgraph=True failed the next layer
@@ -97,23 +97,24 @@ def test_more_layers_than_the_recompile_limit_run_with_a_kv_cache_and_generate(o
     gradients; greedy generation gives the eager tokens."""
     import moe_ep
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 256)
-    eager = _model(num_hidden_layers=3)
-    compiled = moe_ep.parallelize(copy.deepcopy(eager), compile_blocks=AOT_EAGER)
-    batch = tiny_batch(eager.config, batch=2, seq=6)
-    want, found = eager(**batch, use_cache=True), compiled(**batch, use_cache=True)
-    want.loss.backward()
-    found.loss.backward()
-    assert abs(found.loss.item() - want.loss.item()) <= TOLERANCE[torch.float32] * abs(want.loss.item())
-    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
-        grad = q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad
-        assert (grad - p.grad).abs().max() <= TOLERANCE[torch.float32] * p.grad.abs().max().clamp_min(1e-30), name
-    eager.eval(), compiled.eval()
-    prompt = batch["input_ids"][:, :4]
-    assert torch.equal(compiled.generate(prompt, max_new_tokens=4, do_sample=False),
-                       eager.generate(prompt, max_new_tokens=4, do_sample=False))
-    assert dict(graph_breaks) == {}
+    # torch's own patch: pytest's monkeypatch deletes a dynamo config entry when it undoes.
+    with torch._dynamo.config.patch(recompile_limit=2, accumulated_recompile_limit=256):
+        eager = _model(num_hidden_layers=3)
+        compiled = moe_ep.parallelize(copy.deepcopy(eager), compile_blocks=AOT_EAGER)
+        batch = tiny_batch(eager.config, batch=2, seq=6)
+        want, found = eager(**batch, use_cache=True), compiled(**batch, use_cache=True)
+        want.loss.backward()
+        found.loss.backward()
+        assert abs(found.loss.item() - want.loss.item()) <= TOLERANCE[torch.float32] * abs(want.loss.item())
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            grad = q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad
+            scale = p.grad.abs().max().clamp_min(1e-30)
+            assert (grad - p.grad).abs().max() <= TOLERANCE[torch.float32] * scale, name
+        eager.eval(), compiled.eval()
+        prompt = batch["input_ids"][:, :4]
+        assert torch.equal(compiled.generate(prompt, max_new_tokens=4, do_sample=False),
+                           eager.generate(prompt, max_new_tokens=4, do_sample=False))
+        assert dict(graph_breaks) == {}
 
 
 # The regions of one decoder layer per family beyond Mixtral: Qwen2-MoE's bare nn.Linear shared

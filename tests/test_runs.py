@@ -644,6 +644,12 @@ def test_a_rank_launched_on_its_own_says_an_error_left_to_rank_0_itself(monkeypa
     assert run_reported(train, None) == 2
     assert capsys.readouterr().err == "error (rank 1): --output-dir: cannot write in /scratch/run: Read-only file system\n"
 
+    def own(_):  # an error of this rank's alone: said once, by it
+        raise UsageError("--output-dir: not ours")
+
+    assert run_reported(own, None) == 2
+    assert capsys.readouterr().err == "error (rank 1): --output-dir: not ours\n"
+
 
 def test_run_reported_leaves_the_process_group_to_the_exit_which_destroys_it(monkeypatch):
     """A finished run keeps its process group (a process may run again on it, and accelerate's

@@ -209,9 +209,11 @@ def wait_for_rank_0_report(err: BaseException, rank: int) -> bool:
         store = job_store()
         if store is None:
             # No launcher's store and no process group (a rank launched on its own: srun, a pod per
-            # rank): nothing tells whether rank 0 met this error, so this rank says it too; a line
-            # said twice rather than by nobody.
-            return rank == 0 or not said_by_rank_0(err)
+            # rank): a check every rank makes alike before the process group may have failed here
+            # only, and nothing tells whether rank 0 met it, so this rank says it too (a line said
+            # twice rather than by nobody). A preemption or an interrupt is met by every rank.
+            left_to_rank_0 = said_by_rank_0(err) and isinstance(own_error(err), (UsageError, RunError))
+            return rank == 0 or not left_to_rank_0
         if rank == 0:
             store.set(key, "1")
         elif said_by_rank_0(err):
