@@ -533,8 +533,7 @@ class Check:
 def rank_units(best, pp_rank: int) -> list[str]:
     """The planner units (embed, layers.i, head) a pipeline rank holds."""
     part = best.partition
-    return [piece for s in range(part.num_stages) if part.rank_of_stage(s) == pp_rank
-            for name in part.stage_names(s) for piece in name.split("+")]
+    return [piece for s in part.stages_of_rank(pp_rank) for name in part.stage_names(s) for piece in name.split("+")]
 
 
 def fsdp_checks(spec, best, step: FakeStep, rank: int, seq_len: int, microbatches_run: int) -> list[Check]:

@@ -216,9 +216,7 @@ def p2p_collective(spec: ModelSpec, layout: Layout, part: Partition, rank: int, 
         return None
     S = part.num_stages
     sends = 0
-    for s in range(S):
-        if part.rank_of_stage(s) != rank:
-            continue
+    for s in part.stages_of_rank(rank):
         sends += s + 1 < S and part.rank_of_stage(s + 1) != rank
         sends += s > 0 and part.rank_of_stage(s - 1) != rank
     tensor = BF16 * layout.microbatch_size * seq_len * spec.hidden_size

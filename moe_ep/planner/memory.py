@@ -315,7 +315,7 @@ def rank_memory(units: list[Unit], part: Partition, rank: int, layout: Layout, p
     """The memory table of pipeline rank ``rank``; ``part`` cuts ``unit_costs(units)``. Its total
     is the partition's bytes of the rank's stages plus the pipeline buffers, the reserve and the
     root's gathered embedding and head (:func:`root_bytes`)."""
-    stages = [s for s in range(part.num_stages) if part.rank_of_stage(s) == rank]
+    stages = part.stages_of_rank(rank)
     mine = [(s, u) for s in stages for u in stage_units(units, part, s)]
     # One unit runs at a time: its transient terms make the peak.
     _, running = max(mine, key=lambda su: transient(su[1]))

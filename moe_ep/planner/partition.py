@@ -21,6 +21,7 @@ the fewest layers on the stage with the most micro-batches in flight).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from bisect import bisect_left
@@ -100,8 +101,18 @@ class Partition:
     def bottleneck_flops(self) -> float:
         return max(self.stage_flops(s) for s in range(self.num_stages))
 
+    @functools.cached_property
+    def _rank_by_stage(self) -> tuple[int, ...]:
+        # The search asks for a layout's placement millions of times: computed once.
+        ranks = self.num_stages // self.stages_per_rank
+        return tuple(stage_to_rank(s, ranks, self.num_stages, self.placement) for s in range(self.num_stages))
+
     def rank_of_stage(self, stage: int) -> int:
-        return stage_to_rank(stage, self.num_stages // self.stages_per_rank, self.num_stages, self.placement)
+        return self._rank_by_stage[stage]
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        """The stages pipeline rank ``rank`` holds, in model order."""
+        return [s for s, r in enumerate(self._rank_by_stage) if r == rank]
 
     def stage_names(self, stage: int) -> list[str]:
         return [u.name for u in self.stage_units(stage)]
@@ -206,12 +217,20 @@ def partition(
     _check_inputs(list(units), num_stages, placement, stages_per_rank, inflight, memory_cap)
     inflight_S = tuple(float(f) for f in inflight) if inflight is not None else (1.0,) * num_stages
     stage_cap = math.inf if memory_cap is None else memory_cap / stages_per_rank
-    forbidden = _forbidden_boundaries(units, placement)
     if split_points is not None:
+        forbidden = _forbidden_boundaries(units, placement)
         starts = _check_split_points(units, num_stages, split_points, forbidden, stage_cap, inflight_S)
     else:
-        starts = _solve(units, num_stages, forbidden, stage_cap, inflight_S)
+        starts = _cut(units, num_stages, placement, stage_cap, inflight_S)
     return Partition(units, starts, placement, stages_per_rank, inflight_S)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cut(units: tuple[UnitCost, ...], num_stages: int, placement: str, stage_cap: float,
+         inflight_S: tuple[float, ...]) -> tuple[int, ...]:
+    # The planner's search cuts one chain into the same stages for many layouts (those that
+    # differ only in dp_replicate or in the count of micro-batches): each is solved once.
+    return _solve(units, num_stages, _forbidden_boundaries(units, placement), stage_cap, inflight_S)
 
 
 def fits(

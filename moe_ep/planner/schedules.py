@@ -184,16 +184,26 @@ def _interleaved_order(pp: int, microbatches: int, v: int,
     forwards (their stages), then the steady state's (forward stage, backward stage) pairs, each
     forward followed by a backward; the cool-down's backwards follow. Forwards take the rank's
     stages a round of micro-batches at a time, backwards take them in reverse."""
-    m = microbatches
-    per_round = m // max(1, m // pp)
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+    per_round, warmup = _interleaved_rounds(pp, microbatches, v, rank)
 
     def stage(op: int, first: int, reverse: bool) -> int:
-        local = ((op - first) // per_round) % v
-        return (v - 1 - local if reverse else local) * pp + rank
+        return _interleaved_local(op, first, per_round, v, reverse) * pp + rank
 
     return (tuple(stage(op, 0, False) for op in range(warmup)),
-            tuple((stage(op, 0, False), stage(op, warmup, True)) for op in range(warmup, m * v)))
+            tuple((stage(op, 0, False), stage(op, warmup, True)) for op in range(warmup, microbatches * v)))
+
+
+def _interleaved_rounds(pp: int, microbatches: int, v: int, rank: int) -> tuple[int, int]:
+    """(micro-batches per round, forwards in the warm-up) of rank ``rank`` (``_interleaved_order``)."""
+    per_round = microbatches // max(1, microbatches // pp)
+    return per_round, min((v - 1) * per_round + 2 * (pp - 1 - rank), microbatches * v)
+
+
+def _interleaved_local(op: int, first: int, per_round: int, v: int, reverse: bool) -> int:
+    """The rank's local stage (0 to v - 1) of its ``op``-th forward (its ``op - first``-th backward
+    when ``reverse``): forwards take the stages a round at a time, backwards in reverse."""
+    local = ((op - first) // per_round) % v
+    return v - 1 - local if reverse else local
 
 
 @functools.lru_cache(maxsize=4096)
@@ -253,11 +263,25 @@ def _dualpipev_actions(pp: int, microbatches: int, rank: int) -> tuple[tuple[str
 
 @functools.lru_cache(maxsize=4096)
 def _overlapped_forwards(info: ScheduleInfo, pp: int, microbatches: int, rank: int) -> int:
-    # ScheduleInfo.overlapped_share's count, asked for by every layout the search costs.
+    """ScheduleInfo.overlapped_share's count, asked for by every layout the search costs, so
+    counted without listing the actions (thousands of micro-batches at large batches)."""
     if info.name == DUALPIPEV:
-        return sum(kind == "F" and beside for kind, _, beside in _dualpipev_actions(pp, microbatches, rank))
-    _, steady = _interleaved_order(pp, microbatches, info.stages_per_rank, rank)
-    return sum(forward != backward for forward, backward in steady)
+        # _dualpipev_actions: two overlapped forwards per steady-state round (the last rank runs
+        # its first round's pair apart), and one per round of the backwards' draining.
+        rounds = max(0, microbatches - 2 * pp + rank + 1)
+        return 2 * rounds - (rounds > 0 and rank == pp - 1) + (pp - rank - 1)
+    # _interleaved_order's steady pairs of different stages: whether a pair's two stages differ
+    # repeats every v rounds, so count one such period and the part of one that is left.
+    v = info.stages_per_rank
+    per_round, warmup = _interleaved_rounds(pp, microbatches, v, rank)
+    period = per_round * v
+
+    def differing(ops):
+        return sum(_interleaved_local(op, 0, per_round, v, False) != _interleaved_local(op, warmup, per_round, v, True)
+                   for op in ops)
+
+    periods, rest = divmod(microbatches * v - warmup, period)
+    return periods * differing(range(warmup, warmup + period)) + differing(range(warmup, warmup + rest))
 
 
 def _not_dominated(moments: list[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:

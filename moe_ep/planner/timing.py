@@ -248,7 +248,7 @@ def step_time(
     model_flops = sum(u.work.model_flops for u in units) * m * layout.dp
 
     def rank_units(rank):
-        return [u for s in range(part.num_stages) if part.rank_of_stage(s) == rank for u in stage_units(units, part, s)]
+        return [u for s in part.stages_of_rank(rank) for u in stage_units(units, part, s)]
 
     def per_microbatch(mine):
         compute = Seconds()

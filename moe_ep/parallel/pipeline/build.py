@@ -75,7 +75,7 @@ def build_stages(
         raise ValueError(f"device must be a torch.device, a device string such as 'cuda:0', or None, "
                          f"got {device!r}") from None
     num_stages = part.num_stages
-    stage_ids = [s for s in range(num_stages) if part.rank_of_stage(s) == group.rank()]
+    stage_ids = part.stages_of_rank(group.rank())
     modules = [
         CausalLMStage(model, layer_ids(part.stage_names(s)), first=s == 0, last=s == num_stages - 1) for s in stage_ids
     ]
