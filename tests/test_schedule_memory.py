@@ -132,6 +132,23 @@ def test_dualpipev_overlapped_share_counts_torchs_overlapped_forwards():
     assert SCHEDULES["zbv"].overlapped_share(4, 16, 0) == 0.0
 
 
+def test_overlapped_forwards_counted_without_the_action_lists_equal_their_listing():
+    """The search counts the overlapped forwards without listing a schedule's actions (a step of
+    thousands of micro-batches); the listing is what torch's order is checked against above."""
+    from moe_ep.planner.schedules import _dualpipev_actions, _interleaved_order, _overlapped_forwards
+
+    for pp in range(2, 7):
+        for m in range(2 * pp, 8 * pp + 1):
+            for rank in range(pp):
+                listed = sum(kind == "F" and beside for kind, _, beside in _dualpipev_actions(pp, m, rank))
+                assert _overlapped_forwards(SCHEDULES["dualpipev"], pp, m, rank) == listed, (pp, m, rank)
+                if m % pp == 0:
+                    for v in (2, 3, 5):
+                        _, steady = _interleaved_order(pp, m, v, rank)
+                        counted = _overlapped_forwards(schedule_info("interleaved-1f1b-overlap", v), pp, m, rank)
+                        assert counted == sum(f != b for f, b in steady), (pp, m, v, rank)
+
+
 def test_dualpipev_in_flight_weights_are_its_replays_peak():
     # The stage cut's weights: every rank of DualPipeV peaks at 2 pp + 1 stage micro-batches
     # (split unevenly between its two stages), spread over its 2 stages.
