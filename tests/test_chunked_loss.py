@@ -244,8 +244,14 @@ def test_refusals_name_the_argument():
     h.requires_grad_()
     loss, _ = linear_cross_entropy(h, w, t)
     (dh,) = torch.autograd.grad(loss, h, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+    with pytest.raises(RuntimeError, match="linear_cross_entropy is differentiable once"):
         dh.sum().backward()
+    # A gradient penalty beside the loss: the penalty's derivative is refused, not silently 0.
+    h.grad = None
+    loss, _ = linear_cross_entropy(h, w, t)
+    (dh,) = torch.autograd.grad(loss, h, create_graph=True)
+    with pytest.raises(RuntimeError, match="linear_cross_entropy is differentiable once"):
+        (loss + dh.square().sum()).backward()
 
 
 def test_an_ignored_token_leaves_the_loss_whatever_its_hidden_state():

@@ -856,3 +856,39 @@ def test_expert_parallel_layer_checks_the_expert_ids_once_per_call(monkeypatch):
     assert checked == ["top_k_index"]
     want = moe_experts_ref(xs[0], idxs[0], ws[0], gate_up, down)
     assert rel_err(y, want) <= TOL
+
+
+def _mismatched_configuration(rank: int, world: int, field: str) -> str:
+    """Rank 1 calls the layer with another ``field`` than rank 0: its error, or "no error"."""
+    from moe_ep.dispatch import moe_experts_ep
+
+    other = rank == 1
+    L, dtype, kwargs = 2, torch.float32, {}
+    if field == "experts per rank" and other:
+        L = 3
+    if field == "hidden_states.dtype" and other:
+        dtype = torch.bfloat16
+    if field == "overlap_chunks" and other:
+        kwargs["overlap_chunks"] = 2
+    if field == "capacity_factor" and other:
+        kwargs["capacity_factor"] = 2.0
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(5, 16, generator=g).to(dtype).requires_grad_()
+    idx = torch.randint(0, 4, (5, 2), generator=g)
+    w = torch.rand(5, 2, generator=g)
+    gu = torch.randn(L, 16, 16, generator=g).to(dtype).requires_grad_()
+    dn = torch.randn(L, 16, 8, generator=g).to(dtype).requires_grad_()
+    try:
+        moe_experts_ep(x, idx, w, gu, dn, group=dist.group.WORLD, **kwargs)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field", ["experts per rank", "hidden_states.dtype", "overlap_chunks", "capacity_factor"])
+def test_ranks_called_with_different_configurations_say_which_on_every_rank(field):
+    # Without the agreement the ranks exchanged counts of other sizes: gloo aborted one process
+    # (SIGABRT) and the other read "Connection reset by peer".
+    for rank, message in enumerate(run_ranks(_mismatched_configuration, 2, field)):
+        assert "called with different configurations" in message and field in message, (rank, message)

@@ -347,6 +347,16 @@ def test_split_by_node_refuses_groups_that_do_not_split_into_nodes(ep_groups, no
         split_by_node(ep_groups, node_size)
 
 
+def test_split_by_node_refuses_what_is_not_lists_of_ranks():
+    from moe_ep.bench.planner import fake_rank
+    from moe_ep.dispatch import split_by_node
+
+    for ep_groups in (object(), [0, 1, 2, 3], [[0, 1.0]], "0123"):
+        with fake_rank(0, 4), pytest.raises(TypeError, match=r"ep_groups must be a list of every ep group's global "
+                                                             r"ranks \(lists of ints, in ep order\), got "):
+            split_by_node(ep_groups, 2)
+
+
 def test_node_wire_bytes_counts_one_row_per_node_and_per_rank():
     # 4 ranks as 2 nodes of 2, one expert per rank, H=4 in float32: a row is 16 bytes.
     idx = [torch.tensor([[2, 3]]), torch.empty(0, 2, dtype=torch.long), torch.tensor([[0, 2]]),

@@ -420,3 +420,27 @@ def test_no_routed_slot_at_all(backend):
     y, grads = run_with_grads(lambda *a: run_experts(*a, "silu", backend, None, 0), x, idx, w, gate_up, down,
                               torch.randn(case.T, case.H))
     assert torch.count_nonzero(y) == 0 and all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def _stored(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t``'s values in another memory layout: ``"expert_inner"`` (the expert dimension
+    innermost), ``"column_slice"`` (the first columns of a wider buffer: a row stride that is
+    not a multiple of 16 bytes)."""
+    if layout == "expert_inner":
+        return t.permute(2, 1, 0).contiguous().permute(2, 1, 0)
+    return torch.cat([t, t[..., :2]], dim=-1)[..., : t.shape[-1]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["expert_inner", "column_slice"])
+def test_expert_weights_of_any_strides_match_float64_reference(backend, layout):
+    case = Case("strided", T=7, H=24, I=40, E=3, K=2)
+    x, idx, w, gate_up, down = case.make(torch.float32, device=DEVICE)
+    dy = torch.randn(case.T, case.H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y, grads = run_with_grads(lambda x, idx, w, gu, dn: experts(backend)(x, idx, w, _stored(gu, layout),
+                                                                           _stored(dn, layout)),
+                              x, idx, w, gate_up, down, dy)
+    y_ref, grads_ref = run_with_grads(moe_experts_ref, *(t.cpu() for t in (x, idx, w, gate_up, down)), dy)
+    assert rel_err(y.cpu(), y_ref) <= TOLERANCE[torch.float32], "output"
+    for name, g, g_ref in zip(GRAD_NAMES, grads, grads_ref):
+        assert rel_err(g.cpu(), g_ref) <= TOLERANCE[torch.float32], name

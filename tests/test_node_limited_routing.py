@@ -48,11 +48,11 @@ def test_tokens_reach_at_most_max_nodes_and_take_the_top_k_there(backend, E, K, 
 
 
 def test_a_model_whose_groups_are_the_nodes_keeps_them():
-    assert node_limited_groups(256, 8, 4, nodes=8, max_nodes=4) == (8, 4)  # DeepSeek-V3 on 8 nodes
-    assert node_limited_groups(256, 8, 4, nodes=8, max_nodes=2) == (8, 2)
-    assert node_limited_groups(256, 8, 4, nodes=8, max_nodes=6) == (8, 4)  # topk_group binds already
-    assert node_limited_groups(64, 1, 1, nodes=4, max_nodes=2) == (4, 2)  # no groups: the nodes are
-    assert node_limited_groups(64, 1, 1, nodes=4, max_nodes=None) == (1, 1)
+    assert node_limited_groups(256, 8, 4, nodes=8, max_nodes=4, top_k=8) == (8, 4)  # DeepSeek-V3 on 8 nodes
+    assert node_limited_groups(256, 8, 4, nodes=8, max_nodes=2, top_k=8) == (8, 2)
+    assert node_limited_groups(256, 8, 4, nodes=8, max_nodes=6, top_k=8) == (8, 4)  # topk_group binds already
+    assert node_limited_groups(64, 1, 1, nodes=4, max_nodes=2, top_k=8) == (4, 2)  # no groups: the nodes are
+    assert node_limited_groups(64, 1, 1, nodes=4, max_nodes=None, top_k=8) == (1, 1)
     g = torch.Generator().manual_seed(0)
     x, w, bias = torch.randn(40, 16, generator=g), torch.randn(32, 16, generator=g), torch.randn(32, generator=g)
     _, _, idx = route_topk(x, w, 8, score="sigmoid", correction_bias=bias, n_group=4, topk_group=3, nodes=4,
@@ -66,11 +66,12 @@ def test_refusals_name_the_argument():
         route_topk(x, w, 2, nodes=5, max_nodes=1)
     with pytest.raises(ValueError, match=r"max_nodes must be an int in \[1, nodes=3\] or None, got 4"):
         route_topk(x, w, 2, nodes=3, max_nodes=4)
-    with pytest.raises(ValueError, match=r"top_k=5 exceeds the 4 experts left by topk_group=1 of n_group=3"):
+    with pytest.raises(ValueError, match=r"top_k=5 experts do not fit on max_nodes=1 nodes of 4 experts each "
+                                         r"\(nodes=3\)"):
         route_topk(x, w, 5, nodes=3, max_nodes=1)
     with pytest.raises(ValueError, match=r"max_nodes needs the router's expert groups to be the nodes: n_group=2 "
                                          r"groups over nodes=3"):
-        node_limited_groups(12, 2, 1, nodes=3, max_nodes=1)
+        node_limited_groups(12, 2, 1, nodes=3, max_nodes=1, top_k=2)
 
 
 @pytest.mark.parametrize("family,nodes,max_nodes", [("mixtral", 2, 1), ("deepseek_v3", 4, 2)])

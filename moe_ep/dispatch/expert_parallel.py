@@ -5,15 +5,18 @@ is what ``moe_ep.parallel.parallelize`` binds to a transformers experts module
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import torch.distributed as dist
 
-from ..ops.activations import check_activation
+from ..ops.activations import ACTIVATIONS, check_activation
 from ..ops.backend import resolve_backend
 from ..ops.experts import check_expert_weights, run_experts
-from ..ops.validate import check_tensor
+from ..ops.validate import FLOAT_DTYPES, check_on_device, check_tensor, has_values
 from .capacity import check_capacity_factor
 from .dispatcher import check_dispatch_args, check_num_experts, combine_checked, dispatch_checked, join_checked
+from .lanes import lane_group
 from .nodes import NodeGroups, check_node_groups
 from .overlap import check_overlap_chunks, moe_experts_overlapped
 
@@ -62,6 +65,19 @@ def moe_experts_ep(
     check_activation(activation)
     backend = resolve_backend(backend, hidden_states.device)
     hidden_states, top_k_weights = joined_to_the_graph(hidden_states, top_k_weights, gate_up_local, down_local)
+    check_ranks_agree(group, {
+        "experts per rank (gate_up_local.shape[0])": gate_up_local.shape[0],
+        "hidden size (hidden_states.shape[1])": hidden_states.shape[1],
+        "top_k (top_k_index.shape[1])": top_k_index.shape[1],
+        "hidden_states.dtype": hidden_states.dtype,
+        "capacity_factor": capacity_factor,
+        "node_groups (nodes)": None if node_groups is None else node_groups.num_nodes,
+        "overlap_chunks": overlap_chunks,
+        "activation": activation,
+        "backend 'auto' (a collective on its first call)": backend == "auto",
+        "hidden_states requires grad (backward exchanges)": hidden_states.requires_grad,
+        "top_k_weights requires grad (backward exchanges)": top_k_weights.requires_grad,
+    }, hidden_states.device, node_groups)
     if overlap_chunks > 1:
         return moe_experts_overlapped(hidden_states, top_k_index, top_k_weights, gate_up_local, down_local,
                                       group=group, num_experts=num_experts, activation=activation, backend=backend,
@@ -75,6 +91,63 @@ def moe_experts_ep(
     # The experts keep even an empty batch in the graph, but the backward all-to-alls that every
     # rank must enter should not hang on that promise.
     return combine_checked(join_checked(out_SH, tokens), tokens.layout)
+
+
+# (group, configuration) pairs every rank of the group was found to share (check_ranks_agree).
+_AGREED: set = set()
+
+
+def _code(value) -> int:
+    """A field of ``check_ranks_agree`` as a non-negative int below 2**62 that equal values give
+    on every rank (the halved float64 bits of a float, 0 for None)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool):
+        return 1 + value
+    if isinstance(value, int):
+        return 1 + value
+    if isinstance(value, torch.dtype):
+        return 1 + FLOAT_DTYPES.index(value)
+    if isinstance(value, str):
+        return 1 + ACTIVATIONS.index(value)
+    return 1 + (int.from_bytes(struct.pack("<d", float(value)), "little") >> 2)
+
+
+def check_ranks_agree(group: dist.ProcessGroup, fields: dict, device: torch.device,
+                      node_groups: NodeGroups | None = None) -> None:
+    """That every rank of ``group`` called the layer with the same configuration: the sizes of its
+    exchanges (experts per rank, H, top-k, dtype, capacity, nodes, chunks) and which of its
+    collectives it enters (the selector's, the backward exchanges). A rank that differs would
+    exchange buffers of other sizes, which gloo answers by aborting the process (SIGABRT, no Python
+    error) and NCCL by a hang or garbage, or skip a collective the others enter. One all-reduce of
+    ``2 x len(fields)`` int64 the first time a rank sees a configuration on ``group`` (every rank
+    sees it at the same call when they agree), none after: a configuration that one rank changes
+    later, alone, is not caught. The verdict is checked as the other value checks are (queued on
+    the device on CUDA: no host sync). With ``node_groups`` the all-reduce runs inside each node,
+    then across the nodes (the groups the node-aware dispatch uses; together they span ``group``)."""
+    if torch.compiler.is_compiling():
+        return
+    codes = [_code(value) for value in fields.values()]
+    key = (group, tuple(codes))
+    if key in _AGREED:
+        return
+    mine = torch.tensor(codes, dtype=torch.int64, device=device)
+    both = torch.cat([mine, -mine])
+    for over in ([group] if node_groups is None else [node_groups.intra, node_groups.inter]):
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=lane_group(over))
+    if not has_values(both):  # fake tensors (the planner's fake process group): nothing to compare
+        return
+    high, low = both[: mine.numel()], -both[mine.numel():]
+    try:
+        check_on_device((high == low).all(), "moe_experts_ep: the ranks of the expert-parallel group were called "
+                                             f"with different configurations ({', '.join(fields)})")
+    except ValueError:  # on the CPU, where the verdict is read at once: name the differences
+        differ = [f"{name}: {value!r} on this rank, not on every rank"
+                  for (name, value), hi, lo in zip(fields.items(), high.tolist(), low.tolist()) if hi != lo]
+        raise ValueError(f"moe_experts_ep: the ranks of the expert-parallel group were called with different "
+                         f"configurations (rank {dist.get_rank(group)} of {dist.get_world_size(group)} here): "
+                         + "; ".join(differ)) from None
+    _AGREED.add(key)
 
 
 def joined_to_the_graph(hidden_states, top_k_weights, *expert_weights):

@@ -174,6 +174,11 @@ def split_by_node(ep_groups: Sequence[Sequence[int]], node_size: int) -> NodeGro
     check_node_size(node_size)
     if node_size is None:
         raise ValueError("node_size must be a positive int, got None")
+    if isinstance(ep_groups, (str, bytes)) or not isinstance(ep_groups, Sequence) or not all(
+            isinstance(g, Sequence) and all(isinstance(r, int) and not isinstance(r, bool) for r in g)
+            for g in ep_groups):
+        raise TypeError(f"ep_groups must be a list of every ep group's global ranks (lists of ints, in ep order), "
+                        f"got {type(ep_groups).__name__}: {ep_groups!r}")
     rank, mine = dist.get_rank(), {}
     for ranks in ep_groups:
         ranks = list(ranks)

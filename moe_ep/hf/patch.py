@@ -196,12 +196,9 @@ def check_node_limit(model: torch.nn.Module, nodes: int, max_nodes: int | None) 
         num_experts = router.weight.shape[0]
         try:
             node_limited_groups(num_experts, getattr(router, "num_group", 1), getattr(router, "topk_group", 1), nodes,
-                                max_nodes)
+                                max_nodes, router.top_k)
         except ValueError as err:
             raise ValueError(f"{router_name}: {err}") from None
-        if max_nodes is not None and router.top_k > max_nodes * (num_experts // nodes):
-            raise ValueError(f"{router_name}: top_k={router.top_k} experts do not fit on max_nodes={max_nodes} nodes "
-                             f"of {num_experts // nodes} experts each (nodes={nodes})")
         routers.append(router)
     return routers
 

@@ -65,13 +65,31 @@ def _aligned(n: int) -> int:
     return max(-(-n // _ALIGN), 1) * _ALIGN
 
 
+def _gemm_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where PyTorch's grouped GEMM takes its layout (one of its last two dimensions
+    of stride 1, the other's stride at least that dimension's size and a multiple of 16 bytes, a
+    16-byte aligned start), else a contiguous copy. The op accepts any strided tensor (a weight
+    with the expert dimension innermost, a column slice of a wider buffer): without the copy
+    ``grouped_mm`` refused them with "Invalid strides/sizes" or "strides should be multiple of 16
+    bytes". A no-op for the contiguous weights of real models and their transposes."""
+    align = 16 // t.element_size()
+    rows, cols = t.shape[-2:]
+    s_rows, s_cols = t.stride()[-2:]
+    row_major = s_cols == 1 and s_rows >= max(1, cols) and s_rows % align == 0
+    col_major = s_rows == 1 and s_cols >= max(1, rows) and s_cols % align == 0
+    if (row_major or col_major) and t.storage_offset() % align == 0:
+        return t
+    return t.contiguous()
+
+
 def grouped_linear(a_ND: torch.Tensor, w_EFD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """Row block of expert e times ``w_EFD[e]^T`` -> ``[N, F]``; sizes that are not a multiple of
     8 are zero-padded (a copy only for such odd shapes, which real models do not have)."""
     F, D = w_EFD.shape[1:]
     Fp, Dp = _aligned(F), _aligned(D)
     w = _pad_to(_pad_to(w_EFD, 2, Dp), 1, Fp)
-    return _grouped_mm(_pad_to(a_ND, 1, Dp), w.transpose(1, 2), offs=offsets_E)[:, :F]
+    return _grouped_mm(_gemm_operand(_pad_to(a_ND, 1, Dp)), _gemm_operand(w.transpose(1, 2)),
+                       offs=offsets_E)[:, :F]
 
 
 def grouped_outer(a_NF: torch.Tensor, b_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -79,7 +97,7 @@ def grouped_outer(a_NF: torch.Tensor, b_ND: torch.Tensor, offsets_E: torch.Tenso
     F, D = a_NF.shape[1], b_ND.shape[1]
     a = _pad_to(a_NF, 1, _aligned(F))
     b = _pad_to(b_ND, 1, _aligned(D))
-    return _grouped_mm(a.t(), b, offs=offsets_E)[:, :F, :D]
+    return _grouped_mm(_gemm_operand(a.t()), _gemm_operand(b), offs=offsets_E)[:, :F, :D]
 
 
 def _scale_rows_(rows_NH: torch.Tensor, w_N: torch.Tensor) -> None:

@@ -30,7 +30,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from .validate import (check_count, check_float, check_index, check_number, check_same_device, check_targets_in_range,
                        check_tensor)
@@ -175,11 +174,42 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return loss, z_sum
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_loss, grad_z_sum):
         dh_TH, dw32_VH, db32_V = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
-        dh = None if dh_TH is None else dh_TH * grad_loss.to(dh_TH.dtype)
-        dw = None if dw32_VH is None else (dw32_VH * grad_loss).to(w_dtype)
-        db = None if db32_V is None else (db32_V * grad_loss).to(b_dtype)
+        with torch.no_grad():
+            dh = None if dh_TH is None else dh_TH * grad_loss.to(dh_TH.dtype)
+            dw = None if dw32_VH is None else (dw32_VH * grad_loss).to(w_dtype)
+            db = None if db32_V is None else (db32_V * grad_loss).to(b_dtype)
+        if torch.is_grad_enabled():
+            # create_graph=True: the gradients are constants computed in forward. torch's
+            # once_differentiable gives them a raising graph only where the incoming gradient
+            # requires grad, so after loss.backward(create_graph=True) or autograd.grad(loss, ...,
+            # create_graph=True) a term built on them (a gradient penalty) was silently constant.
+            dh, dw, db = _refuse_second_derivative(dh, dw, db)
         return dh, dw, db, None, None, None, None, None
+
+
+class _SecondDerivativeRefused(torch.autograd.Function):
+    """The gradients as they are, in a graph whose backward raises (``anchor``, a fresh leaf that
+    requires grad, puts them in one)."""
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            "linear_cross_entropy is differentiable once: its gradients are computed in forward and are "
+            "constants to autograd, so a derivative of them (a gradient penalty, a Hessian-vector product) "
+            "is not supported; use the full logits' cross-entropy for that")
+
+
+def _refuse_second_derivative(*grads):
+    present = [g for g in grads if g is not None]
+    if not present:
+        return grads
+    anchor = torch.zeros((), device=present[0].device, requires_grad=True)
+    refused = iter(_SecondDerivativeRefused.apply(anchor, *present))
+    return tuple(None if g is None else next(refused) for g in grads)

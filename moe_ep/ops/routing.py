@@ -65,19 +65,23 @@ def check_expert_groups(num_experts: int, top_k: int, n_group, topk_group, *, ex
 
 
 def node_limited_groups(num_experts: int, n_group: int, topk_group: int, nodes: int,
-                        max_nodes: int | None) -> tuple[int, int]:
+                        max_nodes: int | None, top_k: int) -> tuple[int, int]:
     """``(n_group, topk_group)`` that route every token to experts on at most ``max_nodes`` of
     ``nodes`` (DeepSeek-V3's node-limited routing): expert parallelism puts ``E / nodes``
     consecutive experts on each node, so the nodes are expert groups, ranked as DeepSeek-V3 ranks
     its groups (the sum of their two best scores). A model without groups gets the nodes as its
     groups; a model whose groups are the nodes keeps them, with ``topk_group`` at most
-    ``max_nodes``; other groupings cannot be limited by one group rule and are refused."""
+    ``max_nodes``; other groupings cannot be limited by one group rule and are refused, as is a
+    ``top_k`` that the experts of ``max_nodes`` nodes cannot hold."""
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or num_experts % nodes:
         raise ValueError(f"nodes must be a positive divisor of E={num_experts}, got {nodes!r}")
     if max_nodes is None:
         return n_group, topk_group
     if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or not 1 <= max_nodes <= nodes:
         raise ValueError(f"max_nodes must be an int in [1, nodes={nodes}] or None, got {max_nodes!r}")
+    if top_k > max_nodes * (num_experts // nodes):
+        raise ValueError(f"top_k={top_k} experts do not fit on max_nodes={max_nodes} nodes of "
+                         f"{num_experts // nodes} experts each (nodes={nodes})")
     if n_group == 1:
         return nodes, max_nodes
     if n_group == nodes:
@@ -168,7 +172,7 @@ def route_topk(
     """
     if max_nodes is not None or nodes != 1:
         check_tensor("router_weight", router_weight, ndim=2)
-        n_group, topk_group = node_limited_groups(router_weight.shape[0], n_group, topk_group, nodes, max_nodes)
+        n_group, topk_group = node_limited_groups(router_weight.shape[0], n_group, topk_group, nodes, max_nodes, top_k)
     check_route_args(hidden_states, router_weight, top_k, score, normalize, correction_bias, n_group, topk_group, scale)
     if router_weight.dtype != hidden_states.dtype:
         dtype = torch.promote_types(hidden_states.dtype, router_weight.dtype)

@@ -216,12 +216,9 @@ def _dispatch_problem(spec: ModelSpec, ep: int, cluster: Cluster, assumptions: A
                 f"must be a multiple of the node's {cluster.gpus_per_node} GPUs larger than it")
     nodes = ep // node_size
     try:
-        node_limited_groups(spec.num_experts, spec.expert_groups, 1, nodes, max_nodes)
+        node_limited_groups(spec.num_experts, spec.expert_groups, 1, nodes, max_nodes, spec.top_k)
     except ValueError as err:
         return f"max_nodes={max_nodes} over ep={ep} ({nodes} nodes): {err}"
-    if spec.top_k > max_nodes * (spec.num_experts // nodes):
-        return (f"max_nodes={max_nodes} over ep={ep}: top_k={spec.top_k} experts do not fit on {max_nodes} nodes of "
-                f"{spec.num_experts // nodes} experts each")
     return None
 
 
