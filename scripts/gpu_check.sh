@@ -35,12 +35,15 @@ python=
 for candidate in "${MOE_EP_PYTHON:-}" .venv/bin/python python3 python; do
     [[ -n $candidate ]] || continue
     command -v "$candidate" > /dev/null 2>&1 || continue
-    if "$candidate" - "$device" <<'EOF' > /dev/null 2>&1
+    # The check also says which Python and versions run (one start-up of torch, not two).
+    if versions=$("$candidate" - "$device" 2> /dev/null <<'EOF'
 import sys
 import torch, triton, transformers  # noqa: F401
-sys.exit(0 if sys.argv[1] == "cpu" or torch.cuda.is_available() else 1)
+if sys.argv[1] != "cpu" and not torch.cuda.is_available():
+    sys.exit(1)
+print(sys.executable, "torch", torch.__version__, "triton", triton.__version__)
 EOF
-    then
+    ); then
         python=$candidate
         break
     fi
@@ -56,5 +59,5 @@ export PYTHONUNBUFFERED=1
 # The kernels run compiled on a GPU and under Triton's interpreter on the CPU; Triton reads this
 # when the kernels are defined, so it is set before Python starts.
 if [[ $device == cpu ]]; then export TRITON_INTERPRET=1; else export TRITON_INTERPRET=0; fi
-echo "gpu_check.sh: $("$python" -c 'import sys, torch, triton; print(sys.executable, "torch", torch.__version__, "triton", triton.__version__)')"
+echo "gpu_check.sh: $versions"
 exec "$python" -m moe_ep.bench gpu "$@"
