@@ -15,7 +15,8 @@ set -euo pipefail
 args=()
 previous=
 for arg in "$@"; do
-    if [[ $previous == --out-dir && $arg != /* ]]; then arg=$PWD/$arg; fi
+    # (a value starting with "-" is the next flag, which argparse then refuses: "expected one argument")
+    if [[ $previous == --out-dir && $arg != /* && $arg != -* ]]; then arg=$PWD/$arg; fi
     if [[ $arg == --out-dir=* && ${arg#--out-dir=} != /* ]]; then arg=--out-dir=$PWD/${arg#--out-dir=}; fi
     args+=("$arg")
     previous=$arg
@@ -29,6 +30,10 @@ for arg in "$@"; do
     if [[ $previous == --device ]]; then device=$arg; fi
     if [[ $arg == --device=* ]]; then device=${arg#--device=}; fi
     previous=$arg
+done
+# --help needs no GPU: any Python with the packages prints it.
+for arg in "$@"; do
+    if [[ $arg == -h || $arg == --help ]]; then device=cpu; fi
 done
 
 python=
@@ -50,7 +55,7 @@ EOF
 done
 if [[ -z $python ]]; then
     echo "gpu_check.sh: no Python with torch, triton and transformers$([[ $device == cpu ]] || echo ' that sees a CUDA GPU') found" \
-         "(tried \$MOE_EP_PYTHON, .venv/bin/python, python3, python)" >&2
+         "(tried \$MOE_EP_PYTHON, .venv/bin/python, python3, python)$([[ $device == cpu ]] || echo '; without a GPU, --device cpu runs the same plumbing at small shapes')" >&2
     exit 2
 fi
 

@@ -53,6 +53,23 @@ def test_script_in_cpu_mode_writes_one_json_and_one_png(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what the script says on a machine without a GPU")
+def test_script_help_needs_no_gpu_and_a_missing_out_dir_value_is_refused(tmp_path):
+    env = dict(os.environ, MOE_EP_PYTHON=str(pathlib.Path(os.sys.executable)))
+
+    def script(*args):
+        return subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    shown = script("--help")
+    assert shown.returncode == 0 and "usage: python -m moe_ep.bench gpu" in shown.stdout, shown.stderr
+    # A flag where --out-dir's value should be is argparse's to refuse, not a folder named after it.
+    refused = script("--device", "cpu", "--out-dir", "--no-save")
+    assert refused.returncode == 2 and "--out-dir: expected one argument" in refused.stderr, refused.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
 def test_a_failing_check_fails_the_command(tmp_path, monkeypatch):
     check = next(c for c in gpu_check.checks_for(torch.device("cpu")) if c.name == "small top-k = E")  # the smallest
     monkeypatch.setattr(gpu_check, "checks_for", lambda device: [check])

@@ -421,6 +421,9 @@ def test_calibration_file_errors_name_the_file(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"bad.json' is not JSON"):
         plan("mixtral-8x7b", nodes=16, calibration=tmp_path / "bad.json", **DGX)
+    (tmp_path / "binary.json").write_bytes(b"\x80\x00PNG")
+    with pytest.raises(ValueError, match=r"binary.json' is not JSON \(not UTF-8 text: byte 0 is b'\\x80'\)"):
+        plan("mixtral-8x7b", nodes=16, calibration=tmp_path / "binary.json", **DGX)
     # A result of another benchmark mode.
     with pytest.raises(ValueError, match=r"must be a result of 'python -m moe_ep.bench kernels'.*got mode 'model'"):
         plan("mixtral-8x7b", nodes=16, calibration="benchmarks/results/model_cpu_2026-11-25.json", **DGX)
@@ -613,6 +616,32 @@ def test_headroom_rule_says_when_no_layout_near_the_fastest_keeps_the_headroom()
     fitting = [p.best] + [c for c, _ in p.alternatives if c.fits]
     near = [c for c in fitting if c.time.total <= 1.05 * min(c.time.total for c in fitting)]
     assert choose(fitting, 0.10, 0.05)[0].memory.headroom == max(c.memory.headroom for c in near)
+
+
+def test_the_headroom_rule_weighs_every_layout_within_a_wide_margin(monkeypatch):
+    # The search costs layouts up to a window over the best step time; with --speed-margin wider
+    # than that window, layouts the rule may choose were never costed (a 1.0 margin picked pp=32
+    # with 2 GiB less headroom and a slower step than pp=1's). With the windows shut to 1.0 the
+    # margin alone decides what is weighed: the choice is the exhaustive search's.
+    import moe_ep.planner.search as search
+
+    request = dict(nodes=4, cluster="dgx-h100", speed_margin=1.0, min_headroom=0.9, ep=8)
+    monkeypatch.setattr(search, "_EXPLAIN_WINDOW", 1e9)
+    monkeypatch.setattr(search, "_GIVE_UP_WINDOW", 1e9)
+    exhaustive = plan("mixtral-8x7b", **request)
+    monkeypatch.setattr(search, "_EXPLAIN_WINDOW", 1.0)
+    monkeypatch.setattr(search, "_GIVE_UP_WINDOW", 1.0)
+    assert plan("mixtral-8x7b", **request).layout == exhaustive.layout
+
+
+def test_a_capacity_factor_below_one_counts_no_dropped_pair_as_model_flops():
+    # Blocks padded below the mean load drop pairs: the MFU counts only what is computed (a
+    # factor of 0.001 reported an MFU of 180%), and the report says how much is dropped.
+    full, half = (plan("mixtral-8x7b", nodes=4, cluster="dgx-h100", capacity_factor=f, ep=8, pp=1) for f in (1.25, 0.5))
+    assert half.best.time.mfu(half.cluster) < 1 and full.best.time.mfu(full.cluster) < 1
+    assert half.best.time.model_flops < full.best.time.model_flops
+    assert "0.5x the mean load; a factor below 1 drops at least 50.0% of the routed pairs" in half.report()
+    assert "1.25x the mean load" in full.report() and "drops" not in full.report()
 
 
 # ---------------------------------------------------------------- communication

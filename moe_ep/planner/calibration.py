@@ -117,6 +117,9 @@ def read_calibration(path, *, gpu_family: str, peak_tflops: float, hbm_gbps: flo
         raise ValueError(f"calibration file {str(path)!r} cannot be read: {err.strerror or err}") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"calibration file {str(path)!r} is not JSON ({err.msg} at line {err.lineno})") from None
+    except UnicodeDecodeError as err:  # a binary file: JSON is UTF-8 text
+        raise ValueError(f"calibration file {str(path)!r} is not JSON (not UTF-8 text: byte {err.start} "
+                         f"is {err.object[err.start:err.start + 1]!r})") from None
     try:
         return _measured(path, payload, gpu_family, peak_tflops, hbm_gbps, defaults, expert_sizes, attention_dims)
     except (AttributeError, TypeError, KeyError, IndexError, ZeroDivisionError) as err:

@@ -60,14 +60,22 @@ class Work:
     expert_load: float = 1.0
 
     @property
+    def useful_expert_load(self) -> float:
+        """The share of the mean load's expert pairs that are computed at all: 1, except in capacity
+        mode with padded blocks smaller than the mean load (a capacity factor below 1), which drops
+        the rest; dropped pairs are no model FLOPs."""
+        return min(1.0, self.expert_load)
+
+    @property
     def model_flops(self) -> float:
-        """Useful FLOPs of forward and backward at the mean load (no recompute)."""
-        return GEMM_PASSES * (self.dense_flops + self.expert_flops + self.attention_flops)
+        """Useful FLOPs of forward and backward at the mean load (no recompute), less dropped pairs."""
+        return GEMM_PASSES * (self.dense_flops + self.useful_expert_load * self.expert_flops + self.attention_flops)
 
     def ideal_seconds(self, cluster: Cluster) -> float:
         """The model FLOPs at the stated efficiencies: what MFU's ceiling is made of."""
         eff = cluster.efficiencies
-        return GEMM_PASSES * (self.dense_flops / eff.dense_gemm + self.expert_flops / eff.grouped_gemm
+        return GEMM_PASSES * (self.dense_flops / eff.dense_gemm
+                              + self.useful_expert_load * self.expert_flops / eff.grouped_gemm
                               + self.attention_flops / eff.attention) / cluster.peak_flops
 
     def losses(self, cluster: Cluster) -> dict[str, float]:
@@ -81,7 +89,8 @@ class Work:
             "recompute (checkpointing)": (again.dense_flops / eff.dense_gemm
                                           + self.expert_load * again.expert_flops / eff.grouped_gemm
                                           + again.attention_flops / eff.attention) / peak,
-            "busiest rank's extra expert load": GEMM_PASSES * (self.expert_load - 1) * expert / peak,
+            "busiest rank's extra expert load": (GEMM_PASSES * (self.expert_load - self.useful_expert_load) * expert
+                                                 / peak),
             "flash attention's backward recompute": (ATTENTION_PASSES - GEMM_PASSES) * attention / peak,
         }
 

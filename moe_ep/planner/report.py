@@ -4,7 +4,8 @@ assumptions behind them and why the closest alternatives lost."""
 
 from __future__ import annotations
 
-from .memory import layer_ids, max_load
+from .activations import MicroBatch
+from .memory import layer_ids, max_load, routed_counts
 from .partition import format_bytes
 from .presets import CLUSTERS, DEFAULT_CLUSTER, Efficiencies
 from .recompute import DESCRIPTIONS as RECOMPUTE_DESCRIPTIONS
@@ -72,8 +73,12 @@ def _imbalance_line(plan) -> str:
     if lay.ep == 1 or not spec.num_experts:
         return "  expert side local (ep=1): no dispatcher, no imbalance between ranks"
     if a.capacity_factor is not None:
+        tokens = MicroBatch(lay.microbatch_size, plan.seq_len).tokens
+        padded = routed_counts(spec, lay, tokens, a.imbalance, a.capacity_factor).pairs / (tokens * spec.top_k)
+        drops = (f"; a factor below 1 drops at least {1 - padded:.1%} of the routed pairs even under balanced routing "
+                 f"(dropped pairs are not counted as model FLOPs)" if padded < 1 else "")
         return (f"  expert side in capacity mode (factor {a.capacity_factor:g}): fixed padded blocks, whatever the "
-                f"routing; step time at {a.imbalance:g}x the mean load")
+                f"routing; step time at the busiest rank's padded blocks, {padded:.3g}x the mean load{drops}")
     top = max_load(spec, lay.ep)
     startup = min(a.startup_imbalance, top)
     overlap = (f"; all-to-alls overlapped with the experts in {a.overlap_chunks} chunks (only what they do not "

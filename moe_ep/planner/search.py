@@ -397,9 +397,10 @@ class _UnitCache:
         return (layout.microbatches + layout.bubble()) * self.seconds[key] / layout.pp
 
 
-def _search(spec, cluster, seq_len, global_batch_tokens, assumptions, fixed, num_alternatives=0):
+def _search(spec, cluster, seq_len, global_batch_tokens, assumptions, fixed, num_alternatives=0, speed_margin=0.0):
     """(costed candidates, number of layouts enumerated, the first layout that could not be cut
-    into stages with the reason, or None)."""
+    into stages with the reason, or None). Every layout within ``speed_margin`` of the fastest
+    fitting one is costed, so the headroom rule (:func:`choose`) sees all it may choose from."""
     policies = COMPILED_BLOCKS_POLICIES if assumptions.compiled_blocks else RECOMPUTE_POLICIES
     layouts = list(_layouts(spec, cluster, seq_len, global_batch_tokens, fixed, assumptions, policies))
     cache = _UnitCache(spec, seq_len, assumptions, cluster)
@@ -419,6 +420,7 @@ def _search(spec, cluster, seq_len, global_batch_tokens, assumptions, fixed, num
     for bound, i in bounded:
         if best is not None:
             window = _EXPLAIN_WINDOW if len(shapes - {best.key}) >= num_alternatives else _GIVE_UP_WINDOW
+            window = max(window, 1 + speed_margin)
             if bound > best.time.total * window:
                 break
         if cache.memory_floor(layouts[i]) > cluster.memory_bytes:
@@ -655,7 +657,7 @@ def plan(
             f"use a multiple of {seq_len}, e.g. {max(1, round(global_batch_tokens / seq_len)) * seq_len}"
         )
     candidates, enumerated, uncut = _search(
-        spec, resolved, seq_len, global_batch_tokens, assumptions, fixed, num_alternatives
+        spec, resolved, seq_len, global_batch_tokens, assumptions, fixed, num_alternatives, speed_margin
     )
     if not candidates:
         raise PlanError(_nothing_to_search(spec, resolved, seq_len, global_batch_tokens, fixed, uncut, assumptions))
