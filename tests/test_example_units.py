@@ -22,7 +22,7 @@ import data  # noqa: E402
 import train  # noqa: E402
 from models import tiny_config  # noqa: E402
 
-from moe_ep.runs import UsageError, ownership  # noqa: E402
+from moe_ep.runs import RunError, UsageError, ownership  # noqa: E402
 from moe_ep.runs import checkpoint as ckpt  # noqa: E402
 
 
@@ -552,6 +552,36 @@ def test_interrupted_checkpoint_write_is_never_picked_up(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("damage", ["flipped_byte", "unlisted_file", "trainer_state"])
+def test_load_checkpoint_verifies_the_checkpoint_and_loads_nothing_damaged(tmp_path, damage):
+    """The README's loop (latest_checkpoint, then load_checkpoint) never loads damage: DCP checks no
+    content (a flipped byte in a shard loaded a wrong expert weight silently), so load_checkpoint
+    verifies the manifest itself unless told the caller did (verified=True)."""
+    root = tmp_path / "checkpoints"
+    model, opt = tiny_model_and_optimizer()
+    path = save(root, 2, model, opt)
+    if damage == "flipped_byte":
+        victim = next(path.glob("*.distcp"))
+        data = bytearray(victim.read_bytes())
+        data[int(len(data) * 0.3)] ^= 0x40
+        victim.write_bytes(bytes(data))
+        said = f"{victim.name} does not match its checksum"
+    elif damage == "unlisted_file":
+        (path / "__1_0.distcp").write_bytes(b"not a shard")
+        said = "does not list __1_0.distcp"
+    else:  # still valid JSON, another step
+        victim = path / "trainer_state.json"
+        victim.write_text(victim.read_text().replace('"step": 2', '"step": 3'))
+        said = "trainer_state.json does not match its checksum"
+    fresh, fresh_opt = tiny_model_and_optimizer(seed=1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(RunError, match=said):
+        ckpt.load_checkpoint(ckpt.latest_checkpoint(root), fresh, fresh_opt, rank=0, world_size=1)
+    assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in before.items())
+    assert not fresh_opt.state
+
+
+@pytest.mark.slow
 def test_old_checkpoints_are_pruned(tmp_path):
     root = tmp_path / "checkpoints"
     model, opt = tiny_model_and_optimizer()
@@ -699,6 +729,8 @@ def test_export_replaces_an_earlier_export_whole(tmp_path, monkeypatch):
     out = tmp_path / "hf"
     assert export.export_hf(saved, out) == out and ownership.marker_kind(out) == "export"
     (out / "stale.txt").write_text("from an earlier export")
+    # Written by that export (its marker lists it), not added by a user since: replaced with it.
+    ownership.mark(out, "export", files=[*ownership.marker_info(out)["files"], "stale.txt"])
     # Killed between moving the old folder aside and renaming the new one in: no partial folder
     # under the name, only the two whole ones beside it.
     real_rename = os.rename
@@ -1100,3 +1132,39 @@ def test_default_warmup_is_a_tenth_of_the_steps_at_most_20(steps, warmup):
     explicit = build_parser().parse_args(["--steps", str(steps), "--warmup-steps", "0"])
     check_flag_values(explicit)
     assert explicit.warmup_steps == 0
+
+
+@pytest.mark.slow
+def test_export_says_a_full_disk_in_one_line_and_runs_beside_a_process_group(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError, not an OSError: export.py ended in
+    a traceback. And its DCP load entered the process group's collectives where one existed (a
+    script converting on rank 0), waiting for ranks that never joined: it reads with no_dist."""
+    import torch.distributed as dist
+    from safetensors import SafetensorError
+
+    import export
+
+    model, opt = tiny_model_and_optimizer()
+    state = {"step": 1, "tokens_seen": 0, "world_size": 1, "data": {}}
+    path = ckpt.save_checkpoint(tmp_path / "run" / "checkpoints", 1, model, opt, state, rank=0, barrier=lambda: None, keep=1,
+                                config=model.config)
+
+    def full(self, *args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(type(model), "save_pretrained", full)
+        with pytest.raises(RunError, match="No space left on device"):
+            export.export_hf(path, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    # One rank of its own: the load must not call into it.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        calls = []
+        monkeypatch.setattr(dist, "all_gather_object", lambda *a, **k: calls.append(a))
+        monkeypatch.setattr(dist, "gather_object", lambda *a, **k: calls.append(a))
+        monkeypatch.setattr(dist, "broadcast_object_list", lambda *a, **k: calls.append(a))
+        assert export.export_hf(path, tmp_path / "hf") == (tmp_path / "hf").resolve() and not calls
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()

@@ -275,3 +275,56 @@ def test_dcp_state_dict_functions_keep_the_moments_dtype():
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(loaded.state[p][name], optimizer.state[p][name])
             assert loaded.state[p][name].dtype == torch.bfloat16
+
+
+def _saved_and_loaded(tmp_path, saving, loading):
+    """A checkpoint of moe_ep.runs written with the optimizer ``saving`` makes (after 2 steps),
+    loaded into a copy of the model with the one ``loading`` makes. Returns both (model, optimizer)."""
+    import moe_ep
+
+    model = _model()
+    optimizer = saving(model.parameters())
+    _train(model, optimizer, 2)
+    path = moe_ep.save_checkpoint(tmp_path, 2, model, optimizer, {"step": 2, "world_size": 1, "data": {}}, rank=0,
+                                  barrier=lambda: None, keep=1)
+    other = _model()
+    loaded = loading(other.parameters())
+    moe_ep.load_checkpoint(path, other, loaded, rank=0, world_size=1)
+    return (model, optimizer), (other, loaded)
+
+
+TORCH_ADAMW = lambda **options: lambda params: torch.optim.AdamW(params, **HYPER, **options)  # noqa: E731
+OURS = lambda dtype: lambda params: AdamW(params, **HYPER, moments_dtype=dtype)  # noqa: E731
+
+
+@pytest.mark.parametrize("saving, loading", [
+    (OURS(torch.bfloat16), TORCH_ADAMW()), (OURS(torch.float32), TORCH_ADAMW()), (TORCH_ADAMW(), OURS(torch.float32)),
+    (TORCH_ADAMW(foreach=True), OURS(torch.float32))], ids=["bf16_to_torch", "fp32_to_torch", "torch_to_fp32",
+                                                             "torch_foreach_to_fp32"])
+def test_a_dcp_checkpoint_moves_between_this_adamw_and_torchs(tmp_path, saving, loading):
+    """moe_ep.runs' checkpoints key optimizer options by name, and torch's AdamW groups carry
+    options (amsgrad, maximize, ...) this one has none of: its checkpoints did not load into
+    torch's ("Missing key ... amsgrad"). Both ways now, the same moments, and the next step the same
+    (float32 moments both sides bit for bit; bf16 moments widen exactly)."""
+    (model, optimizer), (other, loaded) = _saved_and_loaded(tmp_path, saving, loading)
+    for p, q in zip(model.parameters(), other.parameters()):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[p][name].float(), loaded.state[q][name].float())
+    _train(model, optimizer, 1)
+    _train(other, loaded, 1)
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("saving, said", [
+    (TORCH_ADAMW(amsgrad=True), "amsgrad=True"), (TORCH_ADAMW(maximize=True), "maximize=True"),
+    (lambda params: torch.optim.Adam(params, **HYPER), "decoupled_weight_decay=False")],
+    ids=["amsgrad", "maximize", "adam_l2"])
+def test_a_dcp_checkpoint_of_options_this_adamw_cannot_apply_is_refused(tmp_path, saving, said):
+    """As its load_state_dict refuses them: DCP loaded only the options this optimizer's groups
+    name, so torch's amsgrad, maximize or Adam's L2 decay were dropped silently (maximize=True then
+    descended where the saved run ascended)."""
+    from moe_ep.runs import UsageError
+
+    with pytest.raises(UsageError, match=said):
+        _saved_and_loaded(tmp_path, saving, OURS(torch.bfloat16))

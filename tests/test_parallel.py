@@ -1099,3 +1099,43 @@ def test_a_dense_model_is_sharded_without_experts_as_the_planner_plans_it():
     for result in run_ranks(_dense_steps, 2):
         assert rel_err(torch.tensor(result["losses"]), torch.tensor(expected)) <= TOLERANCE[torch.float32], result
         assert result["ep_refused"] == "LlamaForCausalLM has no transformers experts module to parallelize with ep=2"
+
+
+def _load_full_state_dict_cases(rank, world) -> dict:
+    """load_full_state_dict of rank 0's dict: what each rank raises (or loads) per case."""
+    from hf_models import tiny_model
+    from moe_ep.parallel import full_state_dict, load_full_state_dict, parallelize
+
+    source = tiny_model("mixtral", tie_word_embeddings=True, seed=3).state_dict()
+    cases = {
+        "missing": lambda sd: sd.pop("model.layers.1.mlp.experts.down_proj"),
+        "unexpected": lambda sd: sd.update({"model.layers.9.extra": torch.zeros(3)}),
+        "shape": lambda sd: sd.update({"model.layers.1.mlp.experts.down_proj": sd["model.layers.1.mlp.experts.down_proj"][:4]}),
+        "tied_head_left_out": lambda sd: sd.pop("lm_head.weight"),  # as Hugging Face files hold tied embeddings
+    }
+    out = {}
+    for name, change in cases.items():
+        model = parallelize(tiny_model("mixtral", tie_word_embeddings=True, seed=0), ep=2)
+        sd = dict(source)
+        change(sd)
+        try:
+            load_full_state_dict(model, sd if rank == 0 else {})
+            full = full_state_dict(model, cpu_offload=False)
+            out[name] = "loaded" if all(torch.equal(full[k], source[k]) for k in source) else "loaded wrong values"
+        except ValueError as err:
+            out[name] = str(err)
+    return out
+
+
+@pytest.mark.slow
+def test_load_full_state_dict_refuses_alike_on_every_rank_naming_the_key():
+    """Refused before anything is loaded, the same ValueError on every rank: an unexpected key
+    raised on rank 0 alone (the other waited in the broadcast), a shape mismatch said no key. A tied
+    parameter's second name may be left out, as Hugging Face files of tied embeddings do."""
+    results = run_ranks(_load_full_state_dict_cases, 2)
+    assert results[0] == results[1]
+    got = results[0]
+    assert "missing model.layers.1.mlp.experts.down_proj" in got["missing"]
+    assert "unexpected model.layers.9.extra" in got["unexpected"]
+    assert "model.layers.1.mlp.experts.down_proj: shape (4, 32, 20), the model's (6, 32, 20)" in got["shape"]
+    assert got["tied_head_left_out"] == "loaded"

@@ -677,3 +677,30 @@ def test_run_reported_leaves_the_process_group_to_the_exit_which_destroys_it(mon
         errors.destroy_process_group_at_exit()
     assert not dist.is_initialized()
     errors.destroy_process_group_at_exit()  # nothing to destroy: a no-op
+
+
+def test_an_earlier_export_holding_files_it_did_not_write_is_not_replaced(tmp_path):
+    """An export replaces its folder whole: files added to an earlier one since (a tokenizer, notes)
+    were deleted with it. Its marker lists what it wrote; anything else stops the next export
+    before any work. An export made before the list was recorded wrote what save_pretrained writes."""
+    from moe_ep.runs import check_export_target, files_added_to_export, mark
+
+    out = tmp_path / "hf"
+    out.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (out / name).write_text("{}")
+    mark(out, "export", files=["config.json", "generation_config.json", "model.safetensors"])
+    check_export_target(out, {}, "--out")  # replaced: nothing else in it
+    (out / "tokenizer.json").write_text("{}")
+    (out / "notes").mkdir()
+    (out / "notes" / "eval.txt").write_text("mine")
+    assert files_added_to_export(out) == ["notes/eval.txt", "tokenizer.json"]
+    with pytest.raises(UsageError, match=r"earlier export that also holds files it did not write \(notes/eval.txt, "
+                                         r"tokenizer.json\)"):
+        check_export_target(out, {}, "--out")
+    mark(out, "export")  # an export from before the list: save_pretrained's files only
+    assert files_added_to_export(out) == ["notes/eval.txt", "tokenizer.json"]
+    shutil.rmtree(out / "notes")
+    (out / "tokenizer.json").unlink()
+    (out / "model-00001-of-00002.safetensors").write_text("{}")
+    check_export_target(out, {}, "--out")

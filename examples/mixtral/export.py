@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 
 from moe_ep.runs import (
     TRASH_PREFIX,
@@ -32,6 +33,7 @@ from moe_ep.runs import (
     UsageError,
     check_export_target,
     damage_report,
+    export_files,
     export_lock,
     is_complete,
     local_problems,
@@ -90,9 +92,11 @@ def _export_locked(checkpoint: Path, out_dir: Path, dtype: torch.dtype | None) -
         model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
-    # Runs without a process group: DCP then reads every shard into this one process.
+    # Every shard read into this one process, with no collective: also where a process group
+    # exists (a training script converting on its rank 0 while its peers go on), which DCP's
+    # load would otherwise enter and wait in for ranks that never join.
     with quiet_single_process():
-        dcp.load(state, checkpoint_id=str(checkpoint))
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     # Saved checkpoints name transformers' default kernels; users pick moe_ep again when loading.
     model.config._experts_implementation = None
     tmp, trash = out_dir.with_name(f".tmp-{out_dir.name}"), out_dir.with_name(f"{TRASH_PREFIX}{out_dir.name}")
@@ -103,13 +107,15 @@ def _export_locked(checkpoint: Path, out_dir: Path, dtype: torch.dtype | None) -
         tmp.mkdir(parents=True)
         mark(tmp, "export", checkpoint=str(checkpoint.resolve()))
         model.save_pretrained(tmp)
+        # What it wrote, so that a later export replaces nothing else (files a user adds to it).
+        mark(tmp, "export", checkpoint=str(checkpoint.resolve()), files=export_files(tmp))
         if out_dir.exists():
             os.rename(out_dir, trash)
         os.rename(tmp, out_dir)
         if trash.exists():
             shutil.rmtree(trash)
-    except OSError as err:
-        raise RunError(write_failure(err.filename or tmp, err)) from None
+    except (OSError, SafetensorError) as err:  # safetensors says a full disk as its own error
+        raise RunError(write_failure(getattr(err, "filename", None) or tmp, err)) from None
     return out_dir
 
 

@@ -394,7 +394,8 @@ def run(args, checked: Checked, state, wall0: float, previous_holder: dict | Non
     startup.phase("loading the checkpoint")
     if resume is not None:
         flagged = [{key: group[key] for key in OPTIMIZER_FLAGS} for group in optimizer.param_groups]
-        saved = load_checkpoint(resume, module, optimizer, rank=rank, world_size=world_size)
+        saved = load_checkpoint(resume, module, optimizer, rank=rank, world_size=world_size,
+                                verified=True)  # verified_resume above
         if changed := take_flagged_hyperparameters(optimizer, flagged):
             reporter.info(f"the optimizer takes this command's {', '.join(changed)}, not the values it was saved with")
         start_step, tokens_seen = saved["step"], saved["tokens_seen"]

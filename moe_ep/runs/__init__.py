@@ -67,7 +67,9 @@ from .ownership import (
     clear_run,
     delete_atomically,
     describe_holder,
+    export_files,
     export_lock,
+    files_added_to_export,
     hold_output_dir,
     make_managed_dir,
     mark,
@@ -87,7 +89,8 @@ __all__ = [
     "write_failure",
     # the output folder: ownership and the lock
     "FINAL", "MARKER", "METRICS", "TRASH_PREFIX", "OutputLock", "RunFolder", "check_export_target",
-    "check_output_folders", "clear_run", "delete_atomically", "describe_holder", "export_lock", "hold_output_dir",
+    "check_output_folders", "clear_run", "delete_atomically", "describe_holder", "export_files", "export_lock",
+    "files_added_to_export", "hold_output_dir",
     "make_managed_dir", "mark", "marker_kind", "related", "unique_tmp",
     # integrity
     "digest", "files_in", "local_problems", "seal", "verify", "write_manifest",

@@ -51,6 +51,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from ..training.optim import AdamW as BF16MomentsAdamW
+from ..training.optim import check_hyperparameters
 from .errors import RunError, UsageError, failure_cause, write_failure
 from .integrity import MANIFEST, files_in, gather, local_problems, read_manifest, seal, verify
 from .ownership import (
@@ -306,24 +308,99 @@ def rng_file(path: Path, rank: int) -> Path:
     return path / f"rng-rank{rank:05d}.pt"
 
 
-def load_checkpoint(path: Path, model, optimizer, *, rank: int, world_size: int) -> dict:
+def load_checkpoint(path: Path, model, optimizer, *, rank: int, world_size: int, verified: bool = False) -> dict:
     """Collective: load model and optimizer shards (DCP reshards if the layout changed) and, at the
     world size that saved it, this rank's RNG state (what makes a resumed run bit-identical; at
-    another world size the ranks' streams have no counterpart). Returns the trainer state. The
-    caller verified the checkpoint first (integrity.verify)."""
+    another world size the ranks' streams have no counterpart). Returns the trainer state.
+
+    The checkpoint is verified against its manifest first (every file's size and SHA-256, the ranks
+    sharing the hashing and agreeing on the verdict): a damaged one (a flipped byte, a file cut,
+    missing or not in the manifest) raises RunError on every rank, naming the file, with nothing
+    loaded; DCP itself checks no content. ``verified=True`` skips that where the caller verified
+    it already (verified_resume)."""
+    path = Path(path)
+    if not verified:
+        problems = verify(path, must_list=manifest_must_list(path))
+        if problems:
+            raise RunError(f"{damage_report(path, problems)}; nothing was loaded", agreed=True)
     trainer_state = read_trainer_state(path)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+    kept, extra = _group_options_across(path, optim_sd)
+    for key in kept:
+        del optim_sd[key]
+    optim_sd.update(dict.fromkeys(extra))  # placeholders: DCP fills in the saved objects
     state = {"model": model_sd, "optim": optim_sd}
     try:
         with quiet_single_process():
             dcp.load(state, checkpoint_id=str(path))
     except CheckpointException as err:
         raise RunError(dcp_failure("load the checkpoint", path, err, writing=False), agreed=True) from None
+    saved_options = {key: state["optim"].pop(key) for key in extra}
+    _check_saved_group_options(path, optimizer, state["optim"], saved_options)
+    state["optim"].update(kept)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=STATE_DICT_OPTIONS)
     if trainer_state["world_size"] == world_size:
         set_rng_state(torch.load(rng_file(path, rank), weights_only=False))
     return trainer_state
+
+
+# The options torch.optim.AdamW's (and Adam's) parameter groups carry beside lr, betas, eps and
+# weight_decay, each with the value that means what an optimizer without the option does.
+# moe_ep.AdamW's groups hold none of them, so the DCP keys of its checkpoints and of torch's
+# differ by these: each side's load asked for keys the other never wrote ("Missing key in
+# checkpoint state_dict: optim.param_groups.<name>.amsgrad") or left out options it cannot apply.
+TORCH_GROUP_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                        "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+_GROUPS = "param_groups."
+
+
+def _group_options_across(path: Path, optim_sd: dict) -> tuple[dict, list[str]]:
+    """Between the optimizer's flattened state dict and the checkpoint ``path``: the optimizer's
+    group options of TORCH_GROUP_DEFAULTS that the checkpoint lacks while the optimizer holds their
+    default (kept as they are: the saving optimizer had no such option, which is that default), and
+    the checkpoint's group options of TORCH_GROUP_DEFAULTS for this optimizer's parameters that the
+    optimizer has no such option for (loaded to be checked: a value it cannot apply is refused)."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 (a damaged .metadata: dcp.load below says it as a RunError)
+        return {}, []
+    saved = {key[len("optim."):] for key in metadata if key.startswith(f"optim.{_GROUPS}")}
+    option = lambda key: key.rsplit(".", 1)[1]  # noqa: E731
+    requested = [key for key in optim_sd if key.startswith(_GROUPS)]
+    kept = {key: optim_sd[key] for key in requested if key not in saved and option(key) in TORCH_GROUP_DEFAULTS
+            and optim_sd[key] == TORCH_GROUP_DEFAULTS[option(key)]}
+    names = {key.rsplit(".", 1)[0] for key in requested}
+    extra = sorted(key for key in saved - set(optim_sd)
+                   if option(key) in TORCH_GROUP_DEFAULTS and key.rsplit(".", 1)[0] in names)
+    return kept, extra
+
+
+def _check_saved_group_options(path: Path, optimizer, optim_sd: dict, saved_options: dict) -> None:
+    """Refuse options the checkpoint's groups set that ``optimizer`` has none of and cannot apply:
+    moe_ep's AdamW checks them as its load_state_dict does (amsgrad, maximize, fused, ...);
+    another optimizer refuses a saved amsgrad, maximize or decoupled_weight_decay other than the
+    default it implies by not having the option."""
+    by_group: dict[str, dict] = {}
+    for key, value in saved_options.items():
+        name, option = key[len(_GROUPS):].rsplit(".", 1)
+        by_group.setdefault(name, {})[option] = value
+    for name, options in sorted(by_group.items()):
+        where = f" of {name}'s parameter group in the checkpoint {path}"
+        if isinstance(optimizer, BF16MomentsAdamW):
+            group = {key.rsplit(".", 1)[1]: value for key, value in optim_sd.items()
+                     if key.startswith(f"{_GROUPS}{name}.") and key.count(".") == name.count(".") + 2}
+            try:
+                check_hyperparameters({**group, **options}, optimizer.moments_dtype, where)
+            except ValueError as err:
+                raise UsageError(str(err), agreed=True) from None
+            continue
+        differ = [f"{option}={value!r}" for option, value in sorted(options.items())
+                  if option in ("amsgrad", "maximize", "decoupled_weight_decay")
+                  and value != TORCH_GROUP_DEFAULTS[option]]
+        if differ:
+            raise UsageError(f"{type(optimizer).__name__} has no option {', '.join(differ)}{where}; load it into the "
+                             "optimizer that saved it", agreed=True)
 
 
 def damage_report(path: Path, problems: list[str]) -> str:

@@ -28,6 +28,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -262,6 +263,27 @@ def related(a: Path, b: Path) -> str | None:
     return None
 
 
+# What save_pretrained writes: the files of an export made before its marker listed them.
+_SAVE_PRETRAINED_FILE = re.compile(r"(config|generation_config)\.json|model(-\d{5}-of-\d{5})?\.safetensors"
+                                   r"|model\.safetensors\.index\.json")
+
+
+def export_files(folder: Path) -> list[str]:
+    """Every file under ``folder`` but the run's own entries (marker, write checks), relative to it."""
+    return sorted(rel for p in folder.rglob("*") if (p.is_file() or p.is_symlink()) and not run_own_entry(p.name)
+                  and (rel := p.relative_to(folder).as_posix()))
+
+
+def files_added_to_export(folder: Path) -> list[str]:
+    """The files of the earlier export ``folder`` that it did not write (a tokenizer, notes copied in
+    since): its marker lists what it wrote; one made before that was recorded wrote what
+    save_pretrained writes."""
+    written = marker_info(folder).get("files")
+    if isinstance(written, list):
+        return [name for name in export_files(folder) if name not in written]
+    return [name for name in export_files(folder) if not _SAVE_PRETRAINED_FILE.fullmatch(name)]
+
+
 def check_export_target(out_dir: Path, protected: dict[str, Path], flag: str) -> None:
     """An export writes to a new folder, an empty one, or one a previous export made (its marker);
     never to or around ``protected`` folders (the run folder, the checkpoint), never over a user's
@@ -285,6 +307,12 @@ def check_export_target(out_dir: Path, protected: dict[str, Path], flag: str) ->
     if out_dir.exists() and not ours(out_dir, "export"):
         raise UsageError(f"{flag}: {out_dir} is a non-empty folder that no moe_ep export wrote (it has no {MARKER} "
                          "marker); an export never replaces a user's files: choose a new or empty folder")
+    added = files_added_to_export(out_dir) if out_dir.is_dir() and marker_kind(out_dir) == "export" else []
+    if added:
+        shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+        raise UsageError(f"{flag}: {out_dir} is an earlier export that also holds files it did not write ({shown}); "
+                         "an export replaces its folder whole and never deletes a user's files: move them away or "
+                         f"choose another {flag}")
     for prefix in (".tmp-", TRASH_PREFIX):
         beside = out_dir.with_name(prefix + out_dir.name)
         if beside.exists() and not ours(beside, "export"):

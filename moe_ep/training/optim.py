@@ -72,6 +72,10 @@ def check_hyperparameters(group: dict, moments_dtype: torch.dtype, where: str = 
             f"below 2^-7 stops moving in bf16 (a step's change rounds back to the stored value); use betas of at "
             f"most {1 - _BF16_MIN_DECAY} (DeepSeek-V3 trained with (0.9, 0.95) in bf16) or "
             "moments_dtype=torch.float32")
+    if group.get("decoupled_weight_decay") is False and decay:
+        # torch.optim.Adam's groups: an L2 term added to the gradient, not AdamW's decoupled decay.
+        raise ValueError(f"decoupled_weight_decay=False with weight_decay={decay!r}{where}: an L2 penalty "
+                         "(torch.optim.Adam's), which this AdamW does not apply (it decays the weights decoupled)")
     unsupported = [name for name in _NOT_IMPLEMENTED if group.get(name)]
     if unsupported:
         raise ValueError(f"moe_ep's AdamW does not implement {', '.join(f'{n}=True' for n in unsupported)}{where} "
