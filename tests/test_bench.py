@@ -270,6 +270,23 @@ def test_tables_fit_120_columns_and_keep_every_value():
     assert "[1]" in text and f"[1] {reason}" in text
 
 
+def test_a_problem_too_large_for_memory_is_one_line_and_exit_status_1(monkeypatch, capsys):
+    """Sizes within the flags' ranges can still exceed the device: the allocator's error (CPU)
+    or torch.OutOfMemoryError (CUDA) is said in one line; any other RuntimeError stays a traceback."""
+    from moe_ep.bench import cli
+
+    for err in (RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you "
+                             "tried to allocate 34359738368 bytes."), torch.OutOfMemoryError("CUDA out of memory.")):
+        monkeypatch.setattr(cli, "main", lambda argv, err=err: (_ for _ in ()).throw(err))
+        assert cli.console(["kernels"]) == 1
+        said = capsys.readouterr().err
+        assert said.startswith("python -m moe_ep.bench kernels: error: the problem does not fit in the device's "
+                               "memory (") and said.rstrip().endswith("use smaller sizes"), said
+    monkeypatch.setattr(cli, "main", lambda argv: (_ for _ in ()).throw(RuntimeError("a kernel failed")))
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        cli.console(["kernels"])
+
+
 def test_results_go_to_a_git_ignored_folder_by_default():
     from moe_ep.bench.cli import default_out_dir
 
@@ -288,6 +305,7 @@ def test_results_go_to_a_git_ignored_folder_by_default():
     (["gpu", "--budget", "nan"], "argument --budget: must be a finite number > 0, got 'nan'"),
     (["attention", "--device", "foo"], "python -m moe_ep.bench attention: error: --device must be cpu or cuda"),
     (["kernels", "--seed", "99999999999999999999"], "argument --seed: must be an int in [0, 4294967295]"),
+    (["kernels", "--tokens", "99999999999999999999"], "argument --tokens: must be an int in [1, 2147483647]"),
     (["kernels", "--device", "cpu", "--top-k", "9"], "--top-k must be at most the number of experts (--experts, 8 "
                                                      "here), got 9"),
     (["dispatch", "--device", "cpu", "--ep", "3", "--no-timing"], "--ep values must divide the expert count"),

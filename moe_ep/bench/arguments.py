@@ -7,8 +7,13 @@ import argparse
 import math
 
 
+# The largest size a benchmark flag takes: the kernels index rows and columns with int32, and a
+# larger value overflowed inside torch with a traceback.
+SIZE_MAX = 2**31 - 1
+
+
 def int_at_least(low: int):
-    """An argparse type: an int >= ``low`` (argparse names the flag in its error)."""
+    """An argparse type: an int >= ``low``, at most SIZE_MAX (argparse names the flag in its error)."""
 
     def parse(text: str) -> int:
         try:
@@ -17,6 +22,8 @@ def int_at_least(low: int):
             value = None
         if value is None or value < low:
             raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}")
+        if value > SIZE_MAX:
+            raise argparse.ArgumentTypeError(f"must be an int in [{low}, {SIZE_MAX}], got {text!r}")
         return value
 
     parse.__name__ = f"int >= {low}"

@@ -19,6 +19,7 @@ from .timing import NoisyTimingWarning
 
 MODES = {"kernels": kernels, "attention": attention, "model": model, "dispatch": dispatch, "planner": planner, "gpu": gpu_check}
 EXIT_USAGE = 2
+EXIT_FAILED = 1
 
 
 def _device(name: str | None, mode: str) -> torch.device:
@@ -81,12 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
 def console(argv: list[str] | None = None) -> int:
     """``python -m moe_ep.bench``: ``main``, a refused argument said in one line (exit status 2)
     instead of a traceback."""
+    mode = next((a for a in (argv if argv is not None else sys.argv[1:]) if a in MODES), "")
     try:
         main(argv)
     except ValueError as err:
-        mode = next((a for a in (argv if argv is not None else sys.argv[1:]) if a in MODES), "")
         print(f"python -m moe_ep.bench {mode}: error: {err}".replace("  ", " "), file=sys.stderr)
         return EXIT_USAGE
+    except RuntimeError as err:  # torch.OutOfMemoryError on CUDA; the CPU allocator's own RuntimeError
+        if not isinstance(err, torch.OutOfMemoryError) and "can't allocate memory" not in str(err):
+            raise
+        print(f"python -m moe_ep.bench {mode}: error: the problem does not fit in the device's memory "
+              f"({str(err).splitlines()[0]}); use smaller sizes".replace("  ", " "), file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 
