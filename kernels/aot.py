@@ -451,9 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.json is not None and not _writable(args.json):
-        print(f"moe_ep.kernels.aot: --json {args.json} cannot be written (its folder must exist and take files); "
-              "checked before compiling", file=sys.stderr)
+    if args.json is not None and (problem := _report_target_problem(args.json)):
+        print(f"moe_ep.kernels.aot: --json {args.json} {problem}; checked before compiling", file=sys.stderr)
         return 2
     import triton
 
@@ -477,13 +476,34 @@ def main(argv: list[str] | None = None) -> int:
                   "rows": [asdict(r) for r in rows], "estimates": {f"sm_{a}": e for a, e in estimates.items()},
                   "other_problems": {name: {f"sm_{a}": _brief(e) for a, e in by_arch.items()}
                                      for name, by_arch in others.items()}}
-        args.json.write_text(json.dumps(report, indent=1))
+        # Written beside it, then renamed over it: an interrupted write leaves the earlier report whole.
+        partial = args.json.with_name(f".{args.json.name}.partial-{os.getpid()}")
+        partial.write_text(json.dumps(report, indent=1))
+        os.replace(partial, args.json)
     return 1 if failed or not rows else 0
 
 
-def _writable(path: pathlib.Path) -> bool:
-    """Whether ``path`` can be written: not a folder, in a folder that takes files."""
-    return not path.is_dir() and path.parent.is_dir() and os.access(path.parent, os.W_OK)
+_REPORT_KEYS = {"triton", "date", "note", "rows", "estimates"}  # what every report has held
+
+
+def _report_target_problem(path: pathlib.Path) -> str | None:
+    """Why the report cannot go to ``path``, or None: its folder must exist and take files, and
+    what is there already must be an earlier report of this command (replaced), never a user's
+    file, a folder or a link."""
+    if path.is_symlink():
+        return "is a link: the report is never written through one"
+    if path.is_dir():
+        return "is a folder: give the report's file name"
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        return "cannot be written (its folder must exist and take files)"
+    if path.exists():
+        try:
+            earlier = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            earlier = None
+        if not (isinstance(earlier, dict) and _REPORT_KEYS <= earlier.keys()):
+            return "holds a file that is not an earlier report of this command: not overwritten, choose another path"
+    return None
 
 
 if __name__ == "__main__":

@@ -155,6 +155,15 @@ def test_a_selection_that_compiles_nothing_or_cannot_write_its_report_is_not_a_p
     code = aot.main(["--arch", "90", "--module", "routing_metadata", "--json", str(tmp_path / "missing" / "aot.json")])
     captured = capsys.readouterr()
     assert code == 2 and "cannot be written" in captured.err and "kernel / config" not in captured.out
+    # Nor over a user's file, a folder or a link: only an earlier report of the command is replaced.
+    (tmp_path / "mine.json").write_text('{"my": "results"}')
+    (tmp_path / "link.json").symlink_to(tmp_path / "mine.json")
+    for target, said in (("mine.json", "holds a file that is not an earlier report of this command"),
+                         ("link.json", "is a link"), (".", "is a folder")):
+        code = aot.main(["--arch", "90", "--module", "routing_metadata", "--json", str(tmp_path / target)])
+        captured = capsys.readouterr()
+        assert code == 2 and said in captured.err and "kernel / config" not in captured.out, captured.err
+    assert (tmp_path / "mine.json").read_text() == '{"my": "results"}'
 
 
 @pytest.mark.slow
