@@ -405,7 +405,10 @@ def test_calibration_from_a_gate_with_several_problems_reads_the_nearest_experts
     (dict(device="AMD EPYC (2 threads)"), r"was measured on 'AMD EPYC \(2 threads\)', not on a A100"),
     (dict(device="NVIDIA H100 80GB HBM3"), r"not on a A100"),
     (dict(dtype="float32"), r"was measured in 'float32'; the planner models 16-bit training"),
-    (dict(grouped=400.0), r"moe_ep\[triton\] fwd\+bwd at T=2048 measured 400.0 TFLOP/s, 1.28 x the cluster's peak"),
+    (dict(grouped=400.0), r"moe_ep\[triton\] fwd\+bwd at T=2048 of H=256 I=512 E=8 k=2 bfloat16 measured 400.0 "
+                          r"TFLOP/s, 1.28 x the cluster's peak"),
+    (dict(grouped=-3.0), r"moe_ep\[triton\] fwd\+bwd at T=2048 of H=256 I=512 E=8 k=2 bfloat16 holds the rate -3.0 "
+                         r"TFLOP/s, not a positive number: the file is damaged"),
 ])
 def test_calibration_files_that_do_not_describe_the_cluster_are_refused(tmp_path, change, message):
     kwargs = {k: v for k, v in change.items() if k in ("device", "dtype")}
@@ -447,6 +450,10 @@ def test_calibration_file_errors_name_the_file(tmp_path):
         with pytest.raises(ValueError, match=rf"{name}.json' does not hold a result of 'python -m moe_ep.bench "
                                              r"kernels' or scripts/gpu_check.sh as they write it \("):
             plan("mixtral-8x7b", nodes=16, calibration=path, **DGX)
+    # Rows of nothing the planner reads: refused, not every default taken silently.
+    (tmp_path / "no_rates.json").write_text(json.dumps(dict(good, rows=[{"op": "other", "phase": "fwd"}])))
+    with pytest.raises(ValueError, match=r"no_rates.json' calibrates nothing: none of its rows is a measured rate"):
+        plan("mixtral-8x7b", nodes=16, calibration=tmp_path / "no_rates.json", **DGX)
 
 
 def test_hybrid_models_are_refused_not_planned_as_attention_models():

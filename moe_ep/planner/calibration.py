@@ -180,15 +180,23 @@ def _measured(path: Path, payload, gpu_family, peak_tflops, hbm_gbps, defaults, 
         if kind == "attention":
             what = f"{row['variant']} {row['phase']} of {row['model']}'s attention at {row['tokens']} tokens"
         else:
+            # The problem measured, which may not be the planned model's experts: said with the rate.
+            shape = row.get("problem") or meta.get("shape")
             what = (f"{row['variant']} {row['phase']}" + (f" at T={row['T']}" if row.get("T") else "")
-                    + (f" of {row['problem']}" if row.get("problem") else ""))
-        if not 0 < value <= 1:
+                    + (f" of {shape}" if shape else ""))
+        if not value > 0:  # NaN too
+            raise ValueError(f"calibration file {str(path)!r}: {what} holds the rate {row[key]!r} {unit}, not a "
+                             "positive number: the file is damaged")
+        if not value <= 1:
             raise ValueError(
                 f"calibration file {str(path)!r}: {what} measured {row[key]:.1f} {unit}, {value:.2f} x the cluster's "
                 f"peak of {peak:g} {unit}: the peak given for the cluster is not this GPU's"
             )
         measured[kind] = value
         sources[kind] = f"measured: {name}, {device}, {what}: {row[key]:.1f} {unit} of {peak:g}"
+    if not measured:
+        raise ValueError(f"calibration file {str(path)!r} calibrates nothing: none of its rows is a measured rate of "
+                         "the grouped GEMMs (fwd+bwd), the dense GEMM (fwd+bwd) or the device copy")
     if "attention" not in measured:
         sources["attention"] = f"default, not measured in {name} (the gate's attention step): " \
                                f"{defaults.source('attention')}"
