@@ -69,6 +69,14 @@ def test_script_help_needs_no_gpu_and_a_missing_out_dir_value_is_refused(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_what_the_budget_left_out_is_said_beside_the_counts(tmp_path):
+    # A budget spent before the one step asked for: not a silent "0 failed".
+    main(["gpu", "--device", "cpu", "--steps", "dispatch", "--budget", "1e-9", "--out-dir", str(tmp_path), *TINY])
+    payload = json.loads(next(tmp_path.glob("gpu_check_cpu_*.json")).read_text())
+    summary = next(n for n in payload["notes"] if n.startswith("gpu check: "))
+    assert "0 failed; not run (budget or device): dispatch;" in summary, summary
+
+
 @pytest.mark.slow
 def test_a_failing_check_fails_the_command(tmp_path, monkeypatch):
     check = next(c for c in gpu_check.checks_for(torch.device("cpu")) if c.name == "small top-k = E")  # the smallest

@@ -599,8 +599,16 @@ def run(args, device: torch.device) -> Report:
         parts = outcome.get("parts", {}) if isinstance(outcome, dict) else {}
         failed += [f"{step} {key}" for key, status in parts.items() if status.startswith("FAIL")]
     report.failed = failed
+    # What the budget or the device left out, said beside the counts: a gate that ran nothing of
+    # what it was asked for must not read as a clean pass.
+    left_out = [step for step, outcome in report.meta["steps"].items() if outcome["status"].startswith("skipped")]
+    for step, outcome in results.items():
+        parts = outcome.get("parts", {}) if isinstance(outcome, dict) else {}
+        left_out += [f"{step} {key}" for key, status in parts.items() if status.startswith("skipped")]
     report.notes.append(f"gpu check: {statuses.count('ok')} tests ok, "
                         f"{sum(st.startswith('skipped') for st in statuses)} skipped, {len(failed)} failed"
-                        + (f" ({', '.join(failed)})" if failed else "") + f"; {time.perf_counter() - start:.0f} s")
+                        + (f" ({', '.join(failed)})" if failed else "")
+                        + (f"; not run (budget or device): {', '.join(left_out)}" if left_out else "")
+                        + f"; {time.perf_counter() - start:.0f} s")
     report.meta["seconds"] = time.perf_counter() - start
     return report
