@@ -694,9 +694,12 @@ def test_impossible_model_says_how_many_nodes_would_do_at_the_requested_batch():
     message = str(err.value)
     assert re.search(r"does not fit 1 node\(s\) x 8 GPUs of 80 GiB.*16 B x 46.7 B", message)
     assert "It would fit on 2 nodes (16 GPUs) at the same global batch of 4194304 tokens" in message
-    assert "grown" not in message
+    assert "grown" not in message and "left free" not in message
     # What it proposes does plan.
     assert plan("mixtral-8x7b", nodes=2, global_batch_tokens=4194304, **fixed).best.fits
+    # Mesh degrees the request fixed grow with the nodes: the proposal says it left them free.
+    with pytest.raises(PlanError, match=r"It would fit on 2 nodes .*\(pp=1 of the request left free\) using"):
+        plan("mixtral-8x7b", nodes=1, pp=1, ep=8, **fixed)
 
 
 def test_impossible_model_grows_the_batch_only_when_the_requested_one_cannot_spread():

@@ -816,13 +816,17 @@ def _nothing_fits(spec, cluster, seq_len, global_batch_tokens, assumptions, fixe
         f"Parameters, gradients and AdamW state alone take 16 B x {format_count(spec.total_params)} = "
         f"{format_bytes(state)}, at least {math.ceil(state / usable)} GPUs' worth of usable memory."
     )
+    # The mesh degrees grow with the nodes: the ones the request fixed are said to be left free.
+    given = [f"{name}={fixed[name]}" for name in ("pp", "dp_replicate", "dp_shard") if fixed.get(name) is not None]
+    freed = f" ({', '.join(given)} of the request left free)" if given else ""
     requested = _fit_on_more_nodes(spec, cluster, seq_len, lambda growth: global_batch_tokens, assumptions, fixed)
     if requested is not None:
         growth, best = requested
         nodes = cluster.nodes * growth
         return message + (
             f" It would fit on {nodes} nodes ({nodes * cluster.gpus_per_node} GPUs) at the same global batch of "
-            f"{global_batch_tokens} tokens, as {best.layout.short()} using {format_bytes(best.memory.total)} per GPU."
+            f"{global_batch_tokens} tokens, as {best.layout.short()}{freed} using {format_bytes(best.memory.total)} "
+            "per GPU."
         )
     # More GPUs need more sequences: at least one per GPU, split evenly over the data-parallel
     # replicas. Only when the requested batch is too small for any cluster that would hold the
@@ -838,8 +842,8 @@ def _nothing_fits(spec, cluster, seq_len, global_batch_tokens, assumptions, fixe
             f"({global_batch_tokens // seq_len} sequences): every layout needs at least one sequence per GPU, split "
             f"evenly over the data-parallel replicas. With the batch grown along with the nodes, it would fit on "
             f"{nodes} nodes ({nodes * cluster.gpus_per_node} GPUs) at a global batch of {tokens} tokens "
-            f"({tokens // seq_len} sequences), as {best.layout.short()} using {format_bytes(best.memory.total)} "
-            f"per GPU."
+            f"({tokens // seq_len} sequences), as {best.layout.short()}{freed} using "
+            f"{format_bytes(best.memory.total)} per GPU."
         )
     return message + (f" Nothing fits even on {most} nodes (the planner's limit is {_most_nodes(cluster)} nodes of "
                       f"{cluster.gpus_per_node} GPUs); use GPUs with more memory.")
