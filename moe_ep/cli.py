@@ -196,13 +196,14 @@ def main(argv: list[str] | None = None) -> int:
                  if k not in ("command", "anchors", "calibration", "json") and v is not unset]
         if given:
             flags = ", ".join("--" + k.replace("_", "-") for k in given)
-            parser.error(f"--anchors plans the published layouts and takes only --calibration and --json, got {flags}")
+            plan_parser.error(f"--anchors plans the published layouts and takes only --calibration and --json, "
+                              f"got {flags}")
     elif args.model is None or args.nodes is None:
-        parser.error("--model and --nodes are required (or give --anchors)")
+        plan_parser.error("--model and --nodes are required (or give --anchors)")
     elif args.cluster is None and (args.gpus_per_node is None or args.gpu_memory is None):
-        parser.error("--gpus-per-node and --gpu-memory are required without --cluster (or name a --cluster)")
+        plan_parser.error("--gpus-per-node and --gpu-memory are required without --cluster (or name a --cluster)")
     if args.balanced_routing and (args.imbalance is not None or args.startup_imbalance is not None):
-        parser.error("--balanced-routing sets --imbalance and --startup-imbalance to 1: give either, not both")
+        plan_parser.error("--balanced-routing sets --imbalance and --startup-imbalance to 1: give either, not both")
     try:
         return _run_anchors(args) if args.anchors else _run_plan(args)
     except ValueError as err:

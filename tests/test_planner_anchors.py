@@ -155,7 +155,7 @@ def test_cli_anchors_refuses_other_flags_and_plan_still_needs_model(capsys):
     assert "takes only --calibration and --json, got --seq-len" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", "--cluster", "dgx-h100"])
-    assert "--model and --nodes are required (or give --anchors)" in capsys.readouterr().err
+    assert "moe-ep plan: error: --model and --nodes are required (or give --anchors)" in capsys.readouterr().err
 
 
 def test_anchor_is_frozen():
