@@ -687,6 +687,13 @@ def test_fsdp_exposure_is_the_first_gather_and_the_last_reduction_at_least():
     assert slow.total == pytest.approx(sum(v for k, v in slow.rows() if k != "total"), rel=1e-12)
 
 
+def test_a_presets_network_description_is_said_only_for_its_own_figures():
+    preset = plan("mixtral-8x7b", nodes=4, pp=1, ep=8, **DGX).report()
+    assert "25 GB/s per GPU (8 x 200 Gb/s HDR InfiniBand)" in preset
+    given = plan("mixtral-8x7b", nodes=4, pp=1, ep=8, gpus_per_node=4, inter_node_gbps=100, **DGX).report()
+    assert "= 100 GB/s per GPU\n" in given and "HDR InfiniBand" not in given
+
+
 def test_impossible_model_says_how_many_nodes_would_do_at_the_requested_batch():
     fixed = dict(checkpointing=True, microbatch_size=1, **A100)
     with pytest.raises(PlanError) as err:

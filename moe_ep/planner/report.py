@@ -35,11 +35,14 @@ def _cluster_lines(plan) -> list[str]:
     preset = CLUSTERS[c.preset or DEFAULT_CLUSTER]
     name = (f"{c.preset} ({preset.description})" if c.preset
             else f"no preset named: the figures of {DEFAULT_CLUSTER} where not given")
+    # The preset's description of its network holds only for its own figures.
+    network_given = {"inter_node_gbps", "gpus_per_node"} & set(plan.overrides)
     lines = [
         f"cluster: {name}",
         f"  GPU {c.gpu}: {c.peak_tflops:g} TFLOP/s dense bf16, {c.gpu_memory_gib:g} GiB at {c.hbm_gbps:g} GB/s",
         f"  NVLink {c.intra_node_gbps:g} GB/s per GPU (NCCL bus bandwidth); network {c.node_network_gbps:g} GB/s "
-        f"per node = {c.inter_node_gbps:g} GB/s per GPU" + (f" ({preset.network})" if c.preset else ""),
+        f"per node = {c.inter_node_gbps:g} GB/s per GPU" + (f" ({preset.network})" if c.preset and not network_given
+                                                           else ""),
     ]
     if c.preset:
         lines.append(f"  sources: {preset.gpu.source}; {preset.source}")
