@@ -48,7 +48,7 @@ class Run(NamedTuple):
 def world_runs(processes: int, layout: tuple[str, ...], *, resume: bool, bf16: bool) -> list[Run]:
     """Per script: moe_ep with ``layout``, the baseline on the same processes; with ``resume`` a
     moe_ep run stopped after step 4, resumed to the end, then rolled back to its checkpoint of step
-    2 and trained to the end again; with ``bf16`` both again under accelerate's
+    2 and trained to the end again, and the finished moe_ep run run again; with ``bf16`` both again under accelerate's
     ``mixed_precision=bf16`` (4 steps, no checkpoints)."""
     runs = []
     ga = ("--grad-accum", str(GRAD_ACCUM))
@@ -56,7 +56,9 @@ def world_runs(processes: int, layout: tuple[str, ...], *, resume: bool, bf16: b
         runs += [Run(f"{script} ep", script, (*COMMON, *ga, *layout)),
                  Run(f"{script} baseline", script, (*COMMON, *ga, "--baseline"))]
         if resume:
-            runs += [Run(f"{script} stopped", script, (*COMMON, *ga, *layout, "--stop-after", "4")),
+            # The finished expert-parallel run, run again with the same command: nothing to train.
+            runs += [Run(f"{script} ep", script, (*COMMON, *ga, *layout)),
+                     Run(f"{script} stopped", script, (*COMMON, *ga, *layout, "--stop-after", "4")),
                      Run(f"{script} stopped", script, (*COMMON, *ga, *layout, "--resume")),
                      Run(f"{script} stopped", script, (*COMMON, *ga, *layout, "--resume", STEP_2[script]))]
         if bf16:

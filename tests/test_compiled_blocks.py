@@ -89,6 +89,26 @@ def test_compiled_blocks_give_the_eager_losses_without_a_graph_break(one_rank, g
     assert dict(graph_breaks) == {}
 
 
+def test_the_models_own_load_balancing_loss_runs_with_compiled_blocks(one_rank, graph_breaks):
+    """output_router_logits=True (the Trainer's aux loss, trainer.py's default): transformers
+    captures the router logits with hooks that read a ContextVar, which dynamo cannot trace under
+    fullgraph; the regions' forwards are compiled, their hooks stay eager."""
+    import moe_ep
+
+    batch = _batch()
+    eager = _model(output_router_logits=True)
+    compiled = moe_ep.parallelize(_model(output_router_logits=True), compile_blocks=AOT_EAGER)
+    outs = [model(**batch) for model in (eager, compiled)]
+    for out in outs:
+        (out.loss + out.aux_loss).backward()
+    assert torch.isfinite(outs[1].aux_loss) and dict(graph_breaks) == {}
+    for a, b in ((outs[0].loss, outs[1].loss), (outs[0].aux_loss, outs[1].aux_loss)):
+        assert abs(a.item() - b.item()) <= TOLERANCE[torch.float32] * abs(a.item()), (a, b)
+    grads = {name: p.grad for name, p in eager.named_parameters()}
+    for name, p in compiled.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), grads[name], rtol=1e-5, atol=1e-6)
+
+
 def test_more_layers_than_the_recompile_limit_run_with_a_kv_cache_and_generate(one_rank, graph_breaks):
     """With a KV cache (transformers' default use_cache=True in a hand-written loop's forward, and
     generate) each layer's attention compiles a graph of its own: past torch's recompile limit (8

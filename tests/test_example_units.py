@@ -254,6 +254,21 @@ def test_expert_bias_rate_needs_a_bias_balanced_model(tmp_path, capsys):
                                                                               capsys)
 
 
+def test_an_accelerate_config_asking_what_train_py_does_not_do_is_refused(tmp_path, capsys, monkeypatch):
+    # train.py shards with moe_ep.parallelize and reads only mixed_precision from the config: FSDP1,
+    # offload, accelerate's activation checkpointing or a dynamo backend ran silently without them.
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
+    err = run_main([], tmp_path, capsys)
+    assert "the accelerate config asks for what train.py does not do: fsdp_offload_params: true" in err, err
+    assert "dynamo_backend: inductor (pass --compile-blocks instead)" in err
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "false")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
+    train.check_accelerate_config()  # FSDP2 with nothing more: what parallelize does itself
+
+
 @pytest.mark.parametrize("flag, value", [("--z-loss-coef", "nan"), ("--aux-loss-coef", "inf"), ("--lr", "nan"),
                                          ("--max-grad-norm", "nan"), ("--weight-decay", "inf"),
                                          ("--step-timeout", "inf"), ("--startup-timeout", "-1.5"),

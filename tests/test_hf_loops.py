@@ -65,6 +65,17 @@ def test_one_process_without_a_process_group_runs_moe_ep_as_the_baseline(runs, s
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+def test_a_finished_run_run_again_trains_nothing(runs, script):
+    """The same command once more on a finished run: the Trainer resumed at its last step trained
+    one more (at learning rate 0) and saved checkpoint-7, at every start; now both loops say so
+    and stop."""
+    folder = runs / f"{script}_ep"
+    assert f"nothing to train: the run in {folder} is already at step 6" in (runs / "launch-2.log").read_text()
+    assert sorted(step_records(folder)) == list(range(1, 7))
+    assert not (folder / "checkpoint-7").exists() and not (folder / "checkpoints" / "step_00000007").exists()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_a_resumed_run_gives_the_uninterrupted_losses(runs, script, tmp_path):
     uninterrupted = step_records(runs / f"{script}_ep")
     resumed = records_before_the_last_resume(runs / f"{script}_stopped", tmp_path)

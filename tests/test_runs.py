@@ -540,6 +540,21 @@ def test_a_librarys_save_on_a_full_disk_is_one_line_and_a_bug_stays_a_traceback(
     with pytest.raises(UsageError):
         with library_writes(tmp, only_writes=True):
             raise stop
+    # DCP (accelerate's save_state, the Trainer's sharded checkpoints) raises CheckpointException,
+    # a BaseException, with every failing rank's own error: said once, rank by rank.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    dcp_full = CheckpointException("save failed", {1: (OSError(errno.ENOSPC, "No space left on device"), None),
+                                                   0: (OSError(errno.ENOSPC, "No space left on device"), None)})
+    fake_disk(monkeypatch, 1000)
+    with pytest.raises(RunError, match=rf"cannot write {tmp}: rank 0: No space left on device; rank 1: No space "
+                                       r"left on device; the last complete checkpoint is kept"):
+        with library_writes(tmp, only_writes=False):
+            raise dcp_full
+    fake_disk(monkeypatch, 1 << 30)
+    with pytest.raises(CheckpointException):  # not a full disk, a block that does more than write: as it was
+        with library_writes(tmp, only_writes=False):
+            raise dcp_full
 
 
 def test_a_rank_that_lost_its_peer_outside_the_step_loop_says_nothing(capsys):

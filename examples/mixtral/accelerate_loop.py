@@ -28,6 +28,7 @@ from loops import (
     preempted,
     preemption,
     process_group,
+    say_nothing_to_train,
     script_main,
     startup_watchdog,
 )
@@ -83,12 +84,15 @@ def _train(args, data, run: RunFolder, candidates, world_size: int, rank: int, s
 
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, cpu=not torch.cuda.is_available())
     log = StepLog(run.path, enabled=accelerator.is_main_process)
-    resume = claim_run(args, data, run, candidates, rank, log, startup)
     startup.phase("building the model")
     with configuration_errors():
         model = make_model(args, accelerator.device)
         if not args.baseline:
             moe_ep.configure_accelerator(accelerator, model)
+    # Only once accelerate's configuration has been checked: claiming the folder sets later
+    # checkpoints aside for a rollback, records the resume in the log and, for --overwrite,
+    # deletes the run's checkpoints, none of which a refused configuration may leave behind.
+    resume = claim_run(args, data, run, candidates, rank, log, startup)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     loader = torch.utils.data.DataLoader(data, batch_size=args.micro_batch_size, shuffle=False, drop_last=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -100,6 +104,8 @@ def _train(args, data, run: RunFolder, candidates, world_size: int, rank: int, s
              f"{world_size} process(es), mixed precision {accelerator.mixed_precision}")
     batches = iter(accelerator.skip_first_batches(loader, progress.step * args.grad_accum))
     last = args.stop_after or args.steps
+    if progress.step >= last:
+        say_nothing_to_train(log, run, progress.step, args)
     model.train()
     startup.reached()
     while progress.step < last:

@@ -33,6 +33,7 @@ from moe_ep.runs import (
     StepLog,
     UsageError,
     agree_on_arguments,
+    describe_holder,
     files_in,
     hold_output_dir,
     run_reported,
@@ -208,7 +209,9 @@ def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] 
         run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed,
                         data=data_identity(args, data, world_size))
         candidates = run.check(resume=args.resume, overwrite=args.overwrite, parameters=count_parameters(args))
-    with hold_output_dir(run.path, rank=rank):
+    with hold_output_dir(run.path, rank=rank) as previous_holder:
+        # Said by claim_run (rank 0), as train.py says it: the record of a job that died holding the lock.
+        run.previous_holder = previous_holder
         yield data, run, candidates, world_size, rank
 
 
@@ -231,6 +234,9 @@ def claim_run(args, data: Sequences, run: RunFolder, candidates: tuple[list[Path
                                   "checkpoints": [p.name for p in run.checkpoints()], "sequences": len(data)})
     for message in warnings:
         log.warn(message)
+    if getattr(run, "previous_holder", None) is not None:
+        log.warn(f"{run.path} was held by a job that ended without letting go of it "
+                 f"({describe_holder(run.previous_holder)}); this job holds it now")
     if rank == 0:
         run.claim()
         if args.overwrite:
@@ -252,6 +258,13 @@ def preempted(preemption: Preemption, step: int, checkpoint: Path) -> Preempted:
     """What every rank raises after the checkpoint of a preempted run (the same command, resuming
     the newest checkpoint by default, continues it)."""
     return Preempted(preemption.signal, step, checkpoint)
+
+
+def say_nothing_to_train(log: StepLog, run: RunFolder, step: int, args) -> None:
+    """The run resumed at or past the step it was asked to reach (--stop-after, else --steps)."""
+    last = args.stop_after or args.steps
+    log.info(f"nothing to train: the run in {run.path} is already at step {step} >= "
+             f"{'--stop-after' if args.stop_after else '--steps'} {last}")
 
 
 def finished(log: StepLog, step: int, args) -> bool:

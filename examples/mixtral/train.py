@@ -218,6 +218,27 @@ def mixed_precision_dtype() -> torch.dtype | None:
     raise UsageError(f"mixed precision {mode!r} is not supported; use bf16 (accelerate config mixed_precision)")
 
 
+def check_accelerate_config() -> None:
+    """What an accelerate config asks of the model and train.py does not do is refused before any
+    work, not ignored: train.py shards the model itself (moe_ep.parallelize, its layout and
+    recompute from the flags) and reads only mixed_precision from the config."""
+    env = os.environ
+    problems = []
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        if env.get("FSDP_VERSION", "1") != "2":
+            problems.append(f"fsdp_version {env.get('FSDP_VERSION', '1')} (moe_ep.parallelize shards with FSDP2)")
+        if env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+            problems.append("fsdp_offload_params: true (moe_ep.parallelize does not offload)")
+        if env.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true":
+            problems.append("fsdp_activation_checkpointing: true (pass --activation-checkpointing instead)")
+    backend = env.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
+    if backend not in ("no", ""):
+        problems.append(f"dynamo_backend: {backend} (pass --compile-blocks instead)")
+    if problems:
+        raise UsageError("the accelerate config asks for what train.py does not do: " + "; ".join(problems)
+                         + "; remove it from the config (train.py's flags set the layout, recompute and compilation)")
+
+
 def data_identity(args, layout, tokenizer, stats: dict[str, int] | None) -> dict:
     """What a resumed run must share with the saved one to continue it: the token stream
     (``data.corpus_stats``; None where unknown before tokenizing), the packing, the global batch
@@ -269,6 +290,7 @@ def validate(args) -> Checked:
     dispatcher_options(args, layout)
     data_spec = resolve_data(args.data, args.text_field)
     mp_dtype = mixed_precision_dtype()
+    check_accelerate_config()
     output_dir = Path(args.output_dir)
     check_output_outside_data(args.data, output_dir)
     token_cache = token_cache_file(data_spec, tokenizer, output_dir / "token_cache", args.max_corpus_tokens)

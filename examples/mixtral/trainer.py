@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_ep.runs import RunFolder, StepLog, configuration_errors, exit_process, library_writes
+from moe_ep.runs import RunFolder, StepLog, configuration_errors, exit_process, library_writes, marker_kind
 
 from loops import (
     checked_run,
@@ -23,6 +23,7 @@ from loops import (
     preempted,
     preemption,
     process_group,
+    say_nothing_to_train,
     script_main,
     startup_watchdog,
 )
@@ -107,7 +108,6 @@ def _train(args, state, data, run: RunFolder, candidates, world_size: int, rank:
     import moe_ep
 
     log = StepLog(run.path, enabled=rank == 0)
-    resume = claim_run(args, data, run, candidates, rank, log, startup)
     training_args = TrainingArguments(
         output_dir=str(run.path), per_device_train_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
@@ -126,8 +126,22 @@ def _train(args, state, data, run: RunFolder, candidates, world_size: int, rank:
         trainer = trainer_class(model=make_model(args, state.device), args=training_args, train_dataset=data,
                                 callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # StepLog says the same, once per step
+    # Only once accelerate's configuration has been checked (the Trainer's construction refuses
+    # one that disagrees with moe_ep's meshes): claiming the folder sets later checkpoints aside
+    # for a rollback, records the resume in the log and, for --overwrite, deletes the run's
+    # checkpoints, none of which a refused configuration may leave behind.
+    resume = claim_run(args, data, run, candidates, rank, log, startup)
     log.info(f"{'baseline (transformers experts, DDP)' if args.baseline else f'moe_ep ep={args.ep}'} on "
              f"{world_size} process(es), mixed precision {training_args.mixed_precision}")
+    # transformers' Trainer resumed at (or past) its last step trains one more step before it
+    # checks max_steps, and saves it (checkpoint-N+1): a finished run, or one stopped by
+    # --stop-after, run again with the same command crept one step further at every start.
+    last = args.stop_after or args.steps
+    start = run.step_of(resume) if resume is not None else 0
+    if start >= last and (args.stop_after or marker_kind(run.final) == "export"):
+        say_nothing_to_train(log, run, start, args)
+        finished(log, start, args)
+        return
     with library_writes(run.path, only_writes=False):  # its checkpoints are written inside
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     if stop.signal is not None:

@@ -92,13 +92,26 @@ def library_writes(path, *, only_writes: bool):
     as its own error, torch.save as ``unexpected pos``), and, where the block does nothing but
     write (``only_writes``), any OSError. The last complete checkpoint is untouched: the library
     writes a new one beside it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         yield
     except (RunError, UsageError, Preempted):
         raise
-    except Exception as err:
+    except (Exception, CheckpointException) as err:
+        # DCP (the sharded model and optimizer of accelerate's save_state and of the Trainer's
+        # checkpoints) raises CheckpointException, a BaseException, on every rank alike, carrying
+        # each failing rank's own error.
+        causes = ([exc for _, (exc, _trace) in sorted(err.failures.items())]
+                  if isinstance(err, CheckpointException) else [err])
         free = _free_bytes(path)[1]
-        if (only_writes and isinstance(err, OSError)) or (free is not None and free < FULL_DISK_BYTES):
+        if (only_writes and all(isinstance(c, OSError) for c in causes)) or (
+                free is not None and free < FULL_DISK_BYTES):
+            if isinstance(err, CheckpointException):
+                ranks = sorted(err.failures)
+                raise RunError(f"cannot write {path}: " + "; ".join(
+                    f"rank {r}: {failure_cause(path, c)}" for r, c in zip(ranks, causes))
+                    + "; the last complete checkpoint is kept", agreed=True) from None
             raise RunError(f"{write_failure(path, err)}; the last complete checkpoint is kept") from err
         raise
 
