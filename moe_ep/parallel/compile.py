@@ -99,13 +99,20 @@ def compiled_regions(model: nn.Module) -> list[str]:
             if getattr(m, "_compiled_call_impl", None) is not None or getattr(m, COMPILED_FORWARD, False)]
 
 
-def check_not_compiled(model: nn.Module) -> None:
-    """Refuse a model with submodules compiled already: compiling again would compile the
-    compiled call."""
+def check_compilable(model: nn.Module) -> None:
+    """Refuse a model whose dense blocks cannot be compiled: one with submodules compiled already
+    (compiling again would compile the compiled call), or one that records its router logits
+    (``output_router_logits``: transformers' recording hooks read a ContextVar, which dynamo cannot
+    trace in a fullgraph region, so the first step failed deep inside dynamo)."""
     already = compiled_regions(model)
     if already:
         raise ValueError(f"{type(model).__name__} has submodules compiled already ({already[0]!r}, ...): compile "
                          "its dense blocks once, with parallelize(compile_blocks=...) or the Trainer's torch_compile")
+    config = getattr(model, "config", None)
+    if any(getattr(c, "output_router_logits", False) for c in (config, getattr(config, "text_config", None))):
+        raise ValueError(f"{type(model).__name__} records its router logits (config.output_router_logits=True), "
+                         "whose hooks compiled blocks cannot trace: compile no blocks, or set it to False (the "
+                         "Trainer's load-balancing loss with it; TrainStep computes one itself: aux_loss_coef)")
 
 
 def compile_dense_blocks(model: nn.Module, options: dict, *, split_backward: bool = False) -> None:
@@ -116,7 +123,7 @@ def compile_dense_blocks(model: nn.Module, options: dict, *, split_backward: boo
     donated buffers which requires ... retain_graph=False"); they are then switched off, for the
     process (AOTAutograd reads the setting when it compiles, at the first call, and torch keeps
     it process-wide), at the cost of the few buffers the backward could have reused."""
-    check_not_compiled(model)
+    check_compilable(model)
     if split_backward:
         torch._functorch.config.donated_buffer = False
     experts = {m for _, m in experts_modules(model)}

@@ -15,7 +15,7 @@ from ..hf.layout import experts_modules, num_experts_of
 from ..hf.patch import check_node_limit, fused_routers, is_patched, limit_routing_to_nodes, patch
 from ..planner.partition import Partition
 from .agreement import Description, parameter_fields, ranks_agree, shown
-from .compile import check_not_compiled, compile_dense_blocks
+from .compile import check_compilable, compile_dense_blocks
 from .config import ParallelConfig
 from .context import ParallelContext, parallel_context, record_context
 from .expert_sharding import shard_experts
@@ -246,7 +246,7 @@ def _check(model: nn.Module, config: ParallelConfig) -> tuple[ParallelDims, Part
     )
     check_recompute_support(model, config.activation_checkpointing)
     if config.compile_options is not None:
-        check_not_compiled(model)
+        check_compilable(model)
     if config.max_nodes is not None:
         check_node_limit(model, *_node_limit(dims, config))
     if config.pp == 1:

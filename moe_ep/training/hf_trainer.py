@@ -31,8 +31,9 @@ logits as usual, since ``compute_metrics`` and ``predict`` need them.
 ``TrainingArguments(torch_compile=True)`` compiles the dense parts of each decoder layer in place
 with ``torch_compile_backend`` and ``torch_compile_mode``, as ``parallelize(compile_blocks=...)``
 does (``moe_ep.parallel.compile``), and keeps accelerate from compiling the whole model; refused
-where parallelize compiled them already or under the ``"selective"`` and ``"attention"`` recompute
-policies.
+where parallelize compiled them already, where the model records its router logits (the Trainer's
+load-balancing loss: ``output_router_logits``, whose hooks dynamo cannot trace), or under the
+``"selective"`` and ``"attention"`` recompute policies.
 
 Arguments refused before any work, each in one line: ``gradient_checkpointing``
 (give ``parallelize(activation_checkpointing=True)``), a ``parallelism_config`` or FSDP
@@ -45,7 +46,7 @@ import contextlib
 
 from transformers import Trainer
 
-from ..parallel.compile import check_compilable_recompute, check_not_compiled, compile_dense_blocks, compile_options
+from ..parallel.compile import check_compilable, check_compilable_recompute, compile_dense_blocks, compile_options
 from .hf_accelerate import (
     check_fsdp_plugin,
     check_parallelism_config,
@@ -131,7 +132,7 @@ class ExpertParallelTrainerMixin:
         check_training_arguments(self.args, context)
         self._moe_ep_block_compile = block_compile_options(self.args, context)
         if self._moe_ep_block_compile is not None:
-            check_not_compiled(self.model)
+            check_compilable(self.model)
         plugin = kwargs.get("fsdp_plugin")  # from TrainingArguments' fsdp and fsdp_config
         if plugin is not None:
             check_fsdp_plugin(plugin, context)
