@@ -88,15 +88,9 @@ def dense_regions(layer: nn.Module, experts: set[nn.Module]) -> list[nn.Module]:
     return regions
 
 
-# Set on a region whose forward compile_dense_blocks compiled.
-COMPILED_FORWARD = "_moe_ep_compiled_forward"
-
-
 def compiled_regions(model: nn.Module) -> list[str]:
-    """The names of ``model``'s submodules compiled in place (``nn.Module.compile``, or their
-    forward by compile_dense_blocks)."""
-    return [name for name, m in model.named_modules()
-            if getattr(m, "_compiled_call_impl", None) is not None or getattr(m, COMPILED_FORWARD, False)]
+    """The names of ``model``'s submodules compiled in place (``nn.Module.compile``)."""
+    return [name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
 
 
 def check_compilable(model: nn.Module) -> None:
@@ -131,13 +125,7 @@ def compile_dense_blocks(model: nn.Module, options: dict, *, split_backward: boo
     regions = [region for block in blocks for region in dense_regions(block, experts)]
     _allow_a_graph_per_layer(len(blocks), len(regions))
     for region in regions:
-        # The forward only, not the module's call (nn.Module.compile): its hooks stay eager.
-        # transformers' output-capturing hooks (output_router_logits=True, the model's own
-        # load-balancing loss; output_hidden_states) read a ContextVar, which dynamo cannot trace,
-        # so a compiled call failed under fullgraph at the first step. Parameter names,
-        # state-dict keys and the hooks stay what they were.
-        region.forward = torch.compile(region.forward, fullgraph=True, **options)
-        setattr(region, COMPILED_FORWARD, True)
+        region.compile(fullgraph=True, **options)
 
 
 # Graphs one compiled region's code may need per layer with a KV cache: the prefill's and the
