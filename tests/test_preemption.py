@@ -34,8 +34,10 @@ def test_signals_are_read_by_name_or_number(given, expected):
 @pytest.mark.parametrize("given, words", [
     ("SIGNOPE", "no such signal: 'SIGNOPE'"), ("", "no such signal: ''"), ("-15", "no such signal: '-15'"),
     ("999", "no such signal: '999'"), ("SIGKILL", "SIGKILL cannot be caught"), ("stop", "SIGSTOP cannot be caught"),
+    ("CHLD", "SIGCHLD is sent for routine events"), (int(signal.SIGWINCH), "SIGWINCH is sent for routine events"),
+    ("SIGSEGV", "SIGSEGV reports a fault"), ("abrt", "SIGABRT reports a fault"),
 ])
-def test_signals_that_do_not_exist_or_cannot_be_caught_are_refused(given, words):
+def test_signals_that_do_not_exist_cannot_be_caught_or_mean_something_else_are_refused(given, words):
     with pytest.raises(ValueError, match=words):
         parse_signal(given)
 

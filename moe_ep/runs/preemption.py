@@ -75,6 +75,14 @@ import torch.distributed as dist
 PREEMPTED_EXIT_STATUS = 75
 # The kernel delivers these to no handler.
 UNCATCHABLE = frozenset({signal.SIGKILL, signal.SIGSTOP})
+# Sent for routine events of a healthy run (a child process ending: a data-loader worker, Triton's
+# compiler; a terminal resized; a stopped job continued; a write to a closed pipe), so a run
+# stopping on one would stop for nothing.
+ROUTINE = frozenset({signal.SIGCHLD, signal.SIGWINCH, signal.SIGURG, signal.SIGCONT, signal.SIGPIPE})
+# Raised by a fault in the process itself (or abort()): after a Python handler returns, the faulting
+# instruction runs again or the process dies anyway, so none can wait for a step boundary.
+FAULTS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT, signal.SIGTRAP,
+                    signal.SIGSYS})
 
 
 class Preempted(Exception):
@@ -98,6 +106,12 @@ def parse_signal(value) -> signal.Signals:
         raise ValueError(f"no such signal: {value!r} (expected a name such as SIGTERM or USR1, or a number)") from None
     if sig in UNCATCHABLE:
         raise ValueError(f"{sig.name} cannot be caught, so it cannot ask for a checkpoint; use e.g. SIGTERM or SIGUSR1")
+    if sig in ROUTINE:
+        raise ValueError(f"{sig.name} is sent for routine events of a healthy run (child processes, terminals), so it "
+                         "cannot ask for a checkpoint; use e.g. SIGTERM or SIGUSR1")
+    if sig in FAULTS:
+        raise ValueError(f"{sig.name} reports a fault in the process, which cannot wait for a step boundary, so it "
+                         "cannot ask for a checkpoint; use e.g. SIGTERM or SIGUSR1")
     return sig
 
 
