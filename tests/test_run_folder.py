@@ -250,3 +250,21 @@ def test_a_log_the_run_cannot_append_to_is_refused_before_any_work(tmp_path, lay
     with pytest.raises(UsageError, match=rf"--output-dir: cannot append to {log}: Permission denied"):
         check_output_folders(train_run, None, 10, keep=2)
     assert log.read_text() == '{"step": 1}\n'
+
+
+def test_a_lock_left_by_a_dead_job_is_recorded_while_the_folder_is_held(tmp_path):
+    """The loops say whose a dead job's lock was once they claim the folder (loops.claim_run):
+    rank 0 takes the lock over and keeps its record; the other ranks hold nothing and see none."""
+    from moe_ep.runs import ownership
+
+    run = RunFolder(tmp_path / "run", "trainer", "checkpoint-*")
+    run.path.mkdir()
+    record = {"host": "node-7", "pid": 4242, "job": "10.0.0.7:29500 run 1", "since": "2026-01-01 00:00:00 UTC"}
+    (run.path / ownership.LOCK_FILE).write_text(json.dumps(record))
+    assert run.previous_holder is None
+    with run.held(rank=1):
+        assert run.previous_holder is None
+    with run.held(rank=0):
+        assert {key: run.previous_holder[key] for key in record} == record
+    with run.held(rank=0):
+        assert run.previous_holder is None  # let go cleanly by the job before

@@ -35,7 +35,6 @@ from moe_ep.runs import (
     agree_on_arguments,
     describe_holder,
     files_in,
-    hold_output_dir,
     run_reported,
     said_by_every_rank,
     verified_resume,
@@ -209,9 +208,7 @@ def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] 
         run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed,
                         data=data_identity(args, data, world_size))
         candidates = run.check(resume=args.resume, overwrite=args.overwrite, parameters=count_parameters(args))
-    with hold_output_dir(run.path, rank=rank) as previous_holder:
-        # Said by claim_run (rank 0), as train.py says it: the record of a job that died holding the lock.
-        run.previous_holder = previous_holder
+    with run.held(rank=rank):
         yield data, run, candidates, world_size, rank
 
 
@@ -234,7 +231,7 @@ def claim_run(args, data: Sequences, run: RunFolder, candidates: tuple[list[Path
                                   "checkpoints": [p.name for p in run.checkpoints()], "sequences": len(data)})
     for message in warnings:
         log.warn(message)
-    if getattr(run, "previous_holder", None) is not None:
+    if run.previous_holder is not None:
         log.warn(f"{run.path} was held by a job that ended without letting go of it "
                  f"({describe_holder(run.previous_holder)}); this job holds it now")
     if rank == 0:

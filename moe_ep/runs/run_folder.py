@@ -20,6 +20,7 @@ replaced only when it is one."""
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 from .checkpoint import ABANDONED_PREFIX, damage_report, refuse_other_data, set_aside_later_checkpoints
@@ -35,6 +36,7 @@ from .ownership import (
     check_writable,
     checkpoint_bytes,
     delete_atomically,
+    hold_output_dir,
     make_managed_dir,
     mark,
     marker_kind,
@@ -66,6 +68,16 @@ class RunFolder:
         self._checkpoint_name = re.compile(re.escape(glob.name).replace(r"\*", r"(\d+)"))
         self.managed = managed  # subfolders the script makes (with their own markers)
         self.final = path / FINAL
+        self.previous_holder: dict | None = None
+
+    @contextmanager
+    def held(self, *, rank: int):
+        """The folder's lock for the job (ownership.hold_output_dir: rank 0 takes it, the other
+        ranks hold nothing). While it is held, ``previous_holder`` is the record of a job that
+        ended without letting go of it (to be said once the run is claimed), else None."""
+        with hold_output_dir(self.path, rank=rank) as previous_holder:
+            self.previous_holder = previous_holder
+            yield
 
     def checkpoints(self) -> list[Path]:
         """This run's checkpoints, complete or cut short, oldest first."""
