@@ -46,7 +46,8 @@ class Run(NamedTuple):
 
 
 def world_runs(processes: int, layout: tuple[str, ...], *, resume: bool, bf16: bool) -> list[Run]:
-    """Per script: moe_ep with ``layout``, the baseline on the same processes; with ``resume`` a
+    """Per script: moe_ep with ``layout``, the baseline on the same processes (keeping only its
+    newest checkpoint: ``--keep-checkpoints 1``); with ``resume`` a
     moe_ep run stopped after step 4, resumed to the end, then rolled back to its checkpoint of step
     2 and trained to the end again, and the finished moe_ep run run again; with ``bf16`` both again under accelerate's
     ``mixed_precision=bf16`` (4 steps, no checkpoints)."""
@@ -54,7 +55,7 @@ def world_runs(processes: int, layout: tuple[str, ...], *, resume: bool, bf16: b
     ga = ("--grad-accum", str(GRAD_ACCUM))
     for script in SCRIPTS:
         runs += [Run(f"{script} ep", script, (*COMMON, *ga, *layout)),
-                 Run(f"{script} baseline", script, (*COMMON, *ga, "--baseline"))]
+                 Run(f"{script} baseline", script, (*COMMON, *ga, "--baseline", "--keep-checkpoints", "1"))]
         if resume:
             # The finished expert-parallel run, run again with the same command: nothing to train.
             runs += [Run(f"{script} ep", script, (*COMMON, *ga, *layout)),

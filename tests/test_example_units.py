@@ -290,6 +290,17 @@ def test_out_of_range_values_of_the_scripts_flags_are_refused(flag, value, messa
     assert message in run_main([flag, value], tmp_path, capsys)
 
 
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_the_loops_keep_at_least_one_checkpoint(value):
+    """trainer.py's and accelerate_loop.py's --keep-checkpoints (RunFolder.prune) keeps the newest."""
+    import loops
+
+    args = loops.build_parser("test", "runs/test").parse_args(["--keep-checkpoints", value])
+    with pytest.raises(UsageError, match=rf"--keep-checkpoints must be >= 1 \(the newest is the one to resume\), "
+                                         rf"got {value}"):
+        loops.check_args(args, 1)
+
+
 def test_bf16_moments_refuse_a_decay_they_cannot_follow(tmp_path, capsys):
     assert ("--beta1/--beta2 with --bf16-moments: betas=(0.9, 0.999) with moments_dtype=torch.bfloat16: a moment "
             "whose decay 1 - beta is below 2^-7 stops moving in bf16") in run_main(

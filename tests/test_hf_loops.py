@@ -76,6 +76,19 @@ def test_a_finished_run_run_again_trains_nothing(runs, script):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+def test_older_checkpoints_are_deleted_once_a_newer_one_is_sealed(runs, script):
+    """The baseline runs keep one checkpoint (``--keep-checkpoints 1``, RunFolder.prune): of those
+    of steps 2, 4 and 6 only the last is left, sealed; the expert-parallel runs keep every one."""
+    named = "checkpoint-{}" if script == "trainer" else "step_{:08d}"
+    for name, steps in (("baseline", (6,)), ("ep", (2, 4, 6))):
+        root = Path(STEP_6[script].format(run=runs / f"{script}_{name}")).parent
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith(("checkpoint-", "step_"))) == [
+            named.format(step) for step in steps]
+    sealed = Path(STEP_6[script].format(run=runs / f"{script}_baseline"))
+    assert set(json.loads((sealed / "manifest.json").read_text())["files"]) == set(files_in(sealed))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_a_resumed_run_gives_the_uninterrupted_losses(runs, script, tmp_path):
     uninterrupted = step_records(runs / f"{script}_ep")
     resumed = records_before_the_last_resume(runs / f"{script}_stopped", tmp_path)

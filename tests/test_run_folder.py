@@ -268,3 +268,45 @@ def test_a_lock_left_by_a_dead_job_is_recorded_while_the_folder_is_held(tmp_path
         assert {key: run.previous_holder[key] for key in record} == record
     with run.held(rank=0):
         assert run.previous_holder is None  # let go cleanly by the job before
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_older_checkpoints_go_once_a_newer_one_is_sealed_and_never_a_branch(tmp_path, layout):
+    """--keep-checkpoints of the loops: rank 0 deletes the complete checkpoints older than the
+    newest ``keep`` (whole); a checkpoint cut short makes no room, an abandoned branch is never
+    touched, the other ranks delete nothing, and None keeps every one."""
+    run, made = make_run(tmp_path, layout, steps=(2, 4, 6, 8))
+    run.set_aside_later(made[6], rank=0)  # a rollback to step 6: step 8 set aside as a branch
+    branch = [p for p in run.checkpoint_root.iterdir() if p.name.startswith("abandoned")]
+    run.prune(1, rank=1)
+    run.prune(None, rank=0)
+    assert run.checkpoints() == [made[2], made[4], made[6]]
+    cut_short = run.path / LAYOUTS[layout][2].format(10)
+    cut_short.mkdir()  # a save under the final name (the Trainer's) not sealed yet
+    run.prune(2, rank=0)
+    assert run.checkpoints() == [made[4], made[6], cut_short]
+    run.prune(1, rank=0)
+    assert run.checkpoints() == [made[6], cut_short]
+    assert len(branch) == 1 and marker_kind(branch[0]) == "abandoned" and any(branch[0].iterdir())
+
+
+@pytest.mark.parametrize(("keep", "existing", "fits"), [(None, 3, 1), (2, 0, 3), (2, 1, 2), (2, 3, 1), (1, 1, 1)])
+def test_the_free_space_check_counts_the_checkpoints_to_come(tmp_path, monkeypatch, keep, existing, fits):
+    """``keep`` kept and one more while a save is written, less the complete ones already there
+    (one at least, and one where every checkpoint is kept), and the final model."""
+    import shutil
+
+    from moe_ep.runs.ownership import EXPORT_BYTES_PER_PARAMETER, checkpoint_bytes
+
+    run, _ = make_run(tmp_path, "trainer", steps=(2, 4, 6)[:existing])
+    parameters = 1 << 20
+    needed = fits * checkpoint_bytes(parameters) + EXPORT_BYTES_PER_PARAMETER * parameters
+
+    def check_with(free: int):
+        monkeypatch.setattr(shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(1 << 40, (1 << 40) - free, free))
+        return run.check(resume="auto", overwrite=False, parameters=parameters, keep=keep)
+
+    check_with(needed)
+    plural = "s" if fits > 1 else ""
+    with pytest.raises(UsageError, match=rf"--output-dir: .* but {fits} more checkpoint{plural} and the final model"):
+        check_with(needed - 1)

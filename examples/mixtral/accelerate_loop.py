@@ -49,10 +49,11 @@ class Progress:
         self.step = int(state["step"])
 
 
-def save_checkpoint(accelerator, run: RunFolder, step: int) -> Path:
+def save_checkpoint(accelerator, run: RunFolder, step: int, keep: int | None) -> Path:
     """accelerate's ``save_state`` into ``checkpoints/.tmp-step_N``, sealed with its manifest
     (RunFolder.seal) and renamed to ``step_N`` by rank 0 once every rank wrote its shards: a
-    checkpoint under its final name is always complete. No ``step_N`` is there already: a resume
+    checkpoint under its final name is always complete; then the older ones beyond ``keep`` go
+    (RunFolder.prune). No ``step_N`` is there already: a resume
     set the later checkpoints aside (``claim_run``)."""
     root = run.path / CHECKPOINTS
     final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
@@ -65,6 +66,7 @@ def save_checkpoint(accelerator, run: RunFolder, step: int) -> Path:
     run.seal(tmp, step=step)
     if accelerator.is_main_process:
         os.rename(tmp, final)
+    run.prune(keep, rank=accelerator.process_index)
     accelerator.wait_for_everyone()
     return final
 
@@ -128,7 +130,7 @@ def _train(args, data, run: RunFolder, candidates, world_size: int, rank: int, s
         # Every rank asks at every step boundary but the last (the run ends there anyway).
         preempt = progress.step < last and stop.stop_requested()
         if preempt or (args.checkpoint_every and progress.step % args.checkpoint_every == 0):
-            checkpoint = save_checkpoint(accelerator, run, progress.step)
+            checkpoint = save_checkpoint(accelerator, run, progress.step, args.keep_checkpoints)
             log.info(f"checkpoint {checkpoint}")
         if preempt:
             raise preempted(stop, progress.step, checkpoint)

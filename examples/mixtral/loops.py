@@ -73,6 +73,9 @@ def build_parser(description: str, default_output: str) -> argparse.ArgumentPars
     p.add_argument("--max-corpus-tokens", type=int, default=400_000, help="cap on the tokens read from the stdlib")
     p.add_argument("--output-dir", default=default_output)
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (0: none)")
+    p.add_argument("--keep-checkpoints", type=int, default=None,
+                   help="complete checkpoints kept on disk, the older ones deleted once a newer one is sealed "
+                        "(default: every one, as the library keeps them)")
     add_run_folder_flags(p)
     p.add_argument("--startup-timeout", type=float, default=1800.0,
                    help="seconds from the process group to the first step before a rank that has not got there is "
@@ -98,6 +101,9 @@ def check_args(args, world_size: int) -> None:
         raise UsageError(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps}")
     if args.checkpoint_every < 0:
         raise UsageError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.keep_checkpoints is not None and args.keep_checkpoints < 1:
+        raise UsageError(f"--keep-checkpoints must be >= 1 (the newest is the one to resume), got "
+                         f"{args.keep_checkpoints}")
     check_run_folder_flags(args)
     check_seed_and_seq_len(args)
     if args.stop_after is not None:
@@ -207,7 +213,8 @@ def checked_run(args, kind: str, checkpoint_glob: str, managed: tuple[str, ...] 
         data = make_data(args, world_size)
         run = RunFolder(Path(args.output_dir), kind, checkpoint_glob, managed,
                         data=data_identity(args, data, world_size))
-        candidates = run.check(resume=args.resume, overwrite=args.overwrite, parameters=count_parameters(args))
+        candidates = run.check(resume=args.resume, overwrite=args.overwrite, parameters=count_parameters(args),
+                               keep=args.keep_checkpoints)
     with run.held(rank=rank):
         yield data, run, candidates, world_size, rank
 

@@ -81,16 +81,19 @@ def preemption_callback(stop):
     return SaveAndStopOnPreemption()
 
 
-def seal_callback(run: RunFolder):
+def seal_callback(run: RunFolder, keep: int | None, rank: int):
     from transformers import TrainerCallback
 
     class SealCheckpoints(TrainerCallback):
         """Every rank, once the Trainer has written ``checkpoint-N`` (under its final name): its
         manifest (RunFolder.seal), without which the checkpoint counts as cut short, and against
-        which its files are checked before any resume."""
+        which its files are checked before any resume; then the older ones beyond ``keep`` go
+        (RunFolder.prune, not the Trainer's save_total_limit, which deletes them before the new one
+        is sealed)."""
 
         def on_save(self, args, state, control, **kwargs):
             run.seal(run.path / f"checkpoint-{state.global_step}", step=state.global_step)
+            run.prune(keep, rank=rank)
 
     return SealCheckpoints()
 
@@ -119,8 +122,9 @@ def _train(args, state, data, run: RunFolder, candidates, world_size: int, rank:
         train_sampling_strategy="sequential", dataloader_drop_last=True, use_cpu=not torch.cuda.is_available(),
     )
     trainer_class = Trainer if args.baseline else moe_ep.ExpertParallelTrainer
-    callbacks = [log_callback(log), startup_callback(startup), preemption_callback(stop), seal_callback(run)] + (
-        [stop_callback(args.stop_after)] if args.stop_after else [])
+    callbacks = [log_callback(log), startup_callback(startup), preemption_callback(stop),
+                 seal_callback(run, args.keep_checkpoints, rank)] + ([stop_callback(args.stop_after)] if args.stop_after
+                                                                      else [])
     startup.phase("building the model and the Trainer")
     with configuration_errors():
         trainer = trainer_class(model=make_model(args, state.device), args=training_args, train_dataset=data,

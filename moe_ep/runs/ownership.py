@@ -385,14 +385,12 @@ def leftover_bytes(checkpoints: Path) -> int:
     return total
 
 
-def checkpoints_to_come(checkpoints: Path, keep: int) -> int:
+def checkpoints_to_come(existing: int, keep: int | None) -> int:
     """How many more checkpoints the disk must hold: a save writes the new one before it prunes, so
-    a run holds ``keep + 1`` at its peak, of which the complete ones already on disk (a manifest:
-    not an empty or cut-short folder, which holds less) are paid for; at least one more, whatever
-    is there."""
-    existing = sum(1 for p in checkpoints.iterdir() if p.name.startswith("step_") and (p / MANIFEST).is_file()
-                   ) if checkpoints.is_dir() else 0
-    return max(1, keep + 1 - existing)
+    a run holds ``keep + 1`` at its peak, of which the ``existing`` complete ones already on disk (a
+    manifest: not an empty or cut-short folder, which holds less) are paid for; at least one more,
+    whatever is there (the only bound where every checkpoint is kept, ``keep`` None)."""
+    return 1 if keep is None else max(1, keep + 1 - existing)
 
 
 # ------------------------------------------------------------------------------------ the lock
@@ -531,7 +529,10 @@ def check_output_folders(output_dir: Path, export_dir: Path | None, parameters: 
     for folder in (output_dir, *(output_dir / name for name in MANAGED if (output_dir / name).is_dir())):
         check_writable(folder, "--output-dir")
     check_appendable(output_dir / METRICS, "--output-dir")
-    count = checkpoints_to_come(output_dir / "checkpoints", keep)
+    checkpoints = output_dir / "checkpoints"
+    existing = sum(1 for p in checkpoints.iterdir() if p.name.startswith("step_") and (p / MANIFEST).is_file()
+                   ) if checkpoints.is_dir() else 0
+    count = checkpoints_to_come(existing, keep)
     what = (f"{count} more checkpoint{'s' if count > 1 else ''} (weights and AdamW state; --keep-checkpoints {keep} "
             "and one more while a save is written)")
     needed = {existing_ancestor(output_dir).stat().st_dev: [count * checkpoint_bytes(parameters),

@@ -13,7 +13,9 @@ one the same kind of run marked (an empty folder is taken over); a folder holdin
 refused before any work. Its checkpoints are resumed as ``--resume`` says (``resume_target``):
 ``auto`` the newest, ``never`` none (refused where there are some, which a new run would write
 over), or a named one; resuming an older one than the newest sets the later ones aside as an
-abandoned branch (``set_aside_later``), and ``--overwrite`` deletes them (``clear``). Rank 0 holds
+abandoned branch (``set_aside_later``), and ``--overwrite`` deletes them (``clear``). Once a new
+checkpoint is sealed, those older than the newest ``--keep-checkpoints`` are deleted (``prune``;
+every one kept by default, as the libraries do). Rank 0 holds
 the folder's lock for the job. The final model goes to ``OUTPUT_DIR/final``, marked as an export,
 replaced only when it is one."""
 
@@ -35,6 +37,7 @@ from .ownership import (
     check_output_dir_is_ours,
     check_writable,
     checkpoint_bytes,
+    checkpoints_to_come,
     delete_atomically,
     hold_output_dir,
     make_managed_dir,
@@ -162,10 +165,13 @@ class RunFolder:
                              "another --output-dir")
         return good, [f"--resume auto: skipping {s}" for s in skipped]
 
-    def check(self, *, resume: str, overwrite: bool, parameters: int) -> tuple[list[Path], list[str]]:
+    def check(self, *, resume: str, overwrite: bool, parameters: int, keep: int | None = None
+              ) -> tuple[list[Path], list[str]]:
         """Before any work, on every rank: nothing of the user's is in the way, the folder is
-        writable and has room for a checkpoint and the final model. Returns the checkpoints to try
-        resuming and the warnings for those skipped (resume_candidates)."""
+        writable and has room for the checkpoints to come (``keep``, as ``prune`` keeps them, and
+        one more while a save is written; one where every checkpoint is kept) and the final model.
+        Returns the checkpoints to try resuming and the warnings for those skipped
+        (resume_candidates)."""
         check_odd_entries(self.path)
         # Where the Trainer writes its checkpoints beside the run's other files (check_odd_entries
         # looks in checkpoints/ only).
@@ -181,9 +187,22 @@ class RunFolder:
         check_writable(self.path, "--output-dir")
         if not overwrite:  # --overwrite deletes the log, which the folder's writability allows
             check_appendable(self.path / METRICS, "--output-dir")
-        check_free_space(self.path, checkpoint_bytes(parameters) + EXPORT_BYTES_PER_PARAMETER * parameters,
-                         "one checkpoint and the final model", "--output-dir")
+        existing = 0 if overwrite else sum(map(self.is_complete, self.checkpoints()))
+        count = checkpoints_to_come(existing, keep)
+        check_free_space(self.path, count * checkpoint_bytes(parameters) + EXPORT_BYTES_PER_PARAMETER * parameters,
+                         f"{count} more checkpoint{'s' if count > 1 else ''} and the final model", "--output-dir")
         return candidates
+
+    def prune(self, keep: int | None, *, rank: int) -> None:
+        """Rank 0, once the newest checkpoint is sealed: delete the complete checkpoints older than
+        the newest ``keep`` (each whole, atomically; None keeps every one, the libraries' own
+        default). Only a sealed checkpoint makes room, so the last good state is never deleted
+        for one that is cut short; the branches a rollback set aside are never touched."""
+        if keep is None or rank != 0:
+            return
+        complete = [p for p in self.checkpoints() if self.is_complete(p)]
+        for old in complete[:max(0, len(complete) - keep)]:
+            delete_atomically(old)
 
     def claim(self) -> None:
         """Rank 0, after ``check`` and with the lock held: create and mark the folder."""
