@@ -968,6 +968,63 @@ def test_parallelize_refuses_a_top_k_above_the_expert_count():
     assert parallel_context(model) is None
 
 
+def _non_gated_experts_model(dtype):
+    """A tiny NemotronH: its experts are transformers experts modules without a gate (``up_proj``
+    only, ``has_gate=False``), a layout moe_ep's kernels do not run."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from hf_models import randomize_
+
+    if not hasattr(transformers, "NemotronHConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no NemotronH")
+    config = transformers.NemotronHConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, layers_block_type=["attention", "moe"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_group=1, topk_group=1,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "eager"
+    return randomize_(AutoModelForCausalLM.from_config(config, experts_implementation="eager")).to(dtype).eval()
+
+
+def test_a_model_with_non_gated_experts_is_sharded_without_expert_parallelism():
+    """ep=1 is FSDP2 alone, with the model's own experts: the float64 model's logits and gradients
+    (an AttributeError on ``gate_up_proj`` before, from counting the experts)."""
+    from moe_ep.parallel import parallelize
+
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    ref = _non_gated_experts_model(torch.float64)
+    ref(input_ids=ids).logits.sum().backward()
+    model = _non_gated_experts_model(torch.float32)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallelize(model, ep=1)
+        logits = model(input_ids=ids).logits
+        logits.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert rel_err(logits, ref(input_ids=ids).logits) <= TOL
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert rel_err(p.grad.full_tensor(), ref_grads[name].grad) <= TOL, name
+
+
+def test_non_gated_experts_are_refused_by_name_under_expert_parallelism():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from moe_ep.parallel import parallel_context, parallelize
+
+    model = _non_gated_experts_model(torch.float32)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(ValueError, match=r"NemotronHExperts.has_gate=False is not supported by moe_ep"):
+            parallelize(model, ep=2)
+    finally:
+        dist.destroy_process_group()
+    assert parallel_context(model) is None
+    assert type(model.model.layers[1].mixer.experts.up_proj) is torch.nn.Parameter
+
+
 def test_clip_grad_norm_without_gradients_is_zero_on_the_parameters_device():
     from moe_ep.parallel import clip_grad_norm_
 

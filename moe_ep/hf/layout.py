@@ -32,9 +32,17 @@ def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     return [(name, m) for name, m in model.named_modules() if _is_experts_module(m)]
 
 
+def expert_count(module: torch.nn.Module) -> int:
+    """The experts of one experts module, whatever its layout: the leading dimension of its first
+    projection, ``gate_up_proj`` or, in non-gated experts (NemotronH's), ``up_proj``. Such a model
+    is still parallelized without expert parallelism, and refused by name with it."""
+    first = module.gate_up_proj if getattr(module, "has_gate", True) else module.up_proj
+    return first.shape[0]
+
+
 def num_experts_of(modules: list[tuple[str, torch.nn.Module]]) -> int:
     """The one expert count of the MoE layers ``experts_modules`` found (ValueError if they differ)."""
-    counts = {name: m.gate_up_proj.shape[0] for name, m in modules}
+    counts = {name: expert_count(m) for name, m in modules}
     if len(set(counts.values())) != 1:
         raise ValueError(f"every MoE layer must have the same number of experts to share one ep layout, got {counts}")
     return next(iter(counts.values()))

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from ..hf.layout import expert_count
 from .mesh import MoEMeshes
 
 
@@ -81,7 +82,7 @@ def apply_fsdp(
 ) -> None:
     dims = meshes.dims
     policy = mixed_precision or MixedPrecisionPolicy()
-    experts_per_rank = experts[0].gate_up_proj.shape[0] // dims.ep if experts else 0
+    experts_per_rank = expert_count(experts[0]) // dims.ep if experts else 0
     # When the local experts do not split evenly over edp, shard the intermediate dimension
     # instead of padding whole experts (as torchtitan does).
     experts_dim = 0 if experts_per_rank % dims.edp == 0 else 1

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..hf.layout import experts_modules, num_experts_of
+from ..hf.layout import expert_count, experts_modules, num_experts_of
 from ..hf.patch import check_node_limit, fused_routers, is_patched, limit_routing_to_nodes, patch
 from ..planner.partition import Partition
 from .agreement import Description, parameter_fields, ranks_agree, shown
@@ -212,10 +212,7 @@ def _description(model, arguments: dict) -> Description:
     if isinstance(model, nn.Module):
         first = next(model.parameters(), None)
         shared["mesh device"] = "none" if first is None else _mesh_device(first.device)
-        shared["experts per MoE layer"] = shown([
-            m.gate_up_proj.shape[0] if hasattr(m, "gate_up_proj") else getattr(m, "num_experts", None)
-            for _, m in experts_modules(model)
-        ])
+        shared["experts per MoE layer"] = shown([expert_count(m) for _, m in experts_modules(model)])
         config = getattr(model, "config", None)
         for name in _ROUTING_FIELDS:
             if hasattr(config, name):
