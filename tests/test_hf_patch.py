@@ -155,6 +155,24 @@ def test_router_probe_runs_once_per_class_and_configuration(monkeypatch):
     assert len(probes) == 4
 
 
+@pytest.mark.parametrize("overrides, message", [
+    # top-3 of 8 experts in 4 groups of 2 with one group kept: transformers' router picks masked experts.
+    (dict(num_experts_per_tok=3, n_group=4, topk_group=1),
+     r"moe_ep's fused router for .*DeepseekV3TopkRouter refuses the model's routing configuration: top_k=3 "
+     r"exceeds the 2 experts left by topk_group=1 of n_group=4"),
+    # One expert per group: the family's own group score (its two best experts) cannot be taken.
+    (dict(n_group=8, topk_group=4),
+     r"DeepseekV3TopkRouter.forward itself fails on a probe input of the router's shapes \(RuntimeError: .*\); "
+     r"check the model's routing configuration"),
+])
+def test_a_routing_configuration_that_cannot_route_is_refused_naming_the_router(overrides, message, monkeypatch):
+    monkeypatch.setattr(routers, "_VERIFIED", set())
+    model = tiny_model("deepseek_v3", **overrides)
+    with pytest.raises(ValueError, match=rf"^fused_router=True: {message}"):
+        hf.patch(model, backend="torch")
+    _assert_untouched(model)
+
+
 def test_router_probe_needs_no_router_values(monkeypatch):
     """The probe uses random tensors of the router's shapes: a router on the meta device (a model
     built before its checkpoint is loaded) is verified all the same, and keeps its tensors."""

@@ -214,8 +214,17 @@ def _run_probe(router, own_forward, route, dtype):
     g = torch.Generator().manual_seed(1)
     x_TH = torch.randn(_PROBE_TOKENS, router.hidden_dim, generator=g, device="cpu").to(dtype)
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        want = torch.func.functional_call(_Call(router, own_forward), tensors, (x_TH,))
-        got = torch.func.functional_call(_Call(router, lambda r, x: route(r, x, "torch")), tensors, (x_TH,))
+        try:
+            want = torch.func.functional_call(_Call(router, own_forward), tensors, (x_TH,))
+        except Exception as err:  # a configuration the family's own router cannot route
+            raise ValueError(f"fused_router=True: {type(router).__name__}.forward itself fails on a probe input of "
+                             f"the router's shapes ({type(err).__name__}: {err}); check the model's routing "
+                             "configuration") from None
+        try:
+            got = torch.func.functional_call(_Call(router, lambda r, x: route(r, x, "torch")), tensors, (x_TH,))
+        except ValueError as err:  # route_topk's checks of the configuration
+            raise ValueError(f"fused_router=True: moe_ep's fused router for {router_key(router)} refuses the "
+                             f"model's routing configuration: {err}") from None
     return got, want
 
 
