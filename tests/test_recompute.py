@@ -182,3 +182,28 @@ def test_a_split_backward_recomputes_a_layer_once_per_pass_not_once_per_paramete
         assert len(runs) == 2
         assert max(rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, result["none"][1])) <= (
             TOLERANCE[torch.float32])
+
+
+def test_the_attention_policy_needs_only_each_layers_attention_block():
+    """A model without the rotary embedding a pipeline stage needs (Jamba) is refused for what the
+    policy itself needs, its layers' attention blocks, naming the policy (it was refused as not a
+    decoder-only causal LM, naming neither); of a model with all of them, those blocks are the
+    ones recomputed."""
+    from transformers import AutoModelForCausalLM, JambaConfig
+
+    from moe_ep.parallel.recompute import attention_blocks, check_recompute_support
+
+    config = JambaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                         attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0,
+                         mamba_d_state=4, mamba_d_conv=2, mamba_expand=2, use_mamba_kernels=False)
+    with torch.device("meta"):
+        jamba = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"activation_checkpointing='attention': decoder layers \[0\] of "
+                                         r"JambaForCausalLM have no self_attn module"):
+        check_recompute_support(jamba, "attention")
+    with pytest.raises(ValueError, match=r"activation_checkpointing='attention': Linear has no decoder layers at "
+                                         r"model.layers"):
+        check_recompute_support(torch.nn.Linear(2, 2), "attention")
+    model = tiny_model("olmoe")
+    assert attention_blocks(model) == [layer.self_attn for layer in model.model.layers]

@@ -33,7 +33,6 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from ..planner.recompute import recompute_policy
-from .pipeline.stage import decoder_parts
 
 logger = logging.getLogger(__name__)
 
@@ -138,11 +137,10 @@ def enable_activation_checkpointing(model: nn.Module, policy: str | bool = "full
     if policy == "attention":
         from torch.distributed._composable import checkpoint
 
-        base, _ = decoder_parts(model)
-        for layer in base.layers:
+        for attention in attention_blocks(model):
             # Registered first, so it runs before the checkpoint's own pre-hook.
-            layer.self_attn.register_forward_pre_hook(_without_cache, with_kwargs=True)
-            checkpoint(layer.self_attn, use_reentrant=False)
+            attention.register_forward_pre_hook(_without_cache, with_kwargs=True)
+            checkpoint(attention, use_reentrant=False)
         return
     kwargs = {"use_reentrant": False}
     if policy == "selective":
@@ -184,9 +182,20 @@ def check_recompute_support(model: nn.Module, policy: str) -> None:
         raise ValueError(f"activation_checkpointing={policy!r}: {type(model).__name__} does not support gradient "
                          "checkpointing")
     if policy == "attention":
-        base, _ = decoder_parts(model)
-        missing = [i for i, layer in enumerate(base.layers)
-                   if not isinstance(getattr(layer, "self_attn", None), nn.Module)]
-        if missing:
-            raise ValueError(f"activation_checkpointing='attention': decoder layers {missing} of "
-                             f"{type(model).__name__} have no self_attn module")
+        attention_blocks(model)
+
+
+def attention_blocks(model: nn.Module) -> list[nn.Module]:
+    """The attention block (``self_attn``) of each of ``model``'s decoder layers, which the
+    ``"attention"`` policy recomputes; all the policy needs of the model (no rotary embedding or
+    final norm, as a pipeline stage needs), else ValueError naming the policy."""
+    prefix = getattr(model, "base_model_prefix", "model")
+    layers = getattr(getattr(model, prefix, None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"activation_checkpointing='attention': {type(model).__name__} has no decoder layers at "
+                         f"{prefix}.layers, whose attention blocks it recomputes")
+    missing = [i for i, layer in enumerate(layers) if not isinstance(getattr(layer, "self_attn", None), nn.Module)]
+    if missing:
+        raise ValueError(f"activation_checkpointing='attention': decoder layers {missing} of "
+                         f"{type(model).__name__} have no self_attn module")
+    return [layer.self_attn for layer in layers]
