@@ -14,7 +14,7 @@ fi
 # modules handed out first (conftest's order; xdist's own would put the modules of most tests
 # first). Much of a launched test is waiting (a launcher's single-threaded start-up, a fixed
 # timeout, a worker waiting for the run another one makes for both), so more workers than cores
-# fill the waits: on the Xeon on 2026-11-30, two workers took 20 min 35 s; three, 18 min 39 s with
-# the cores 73% busy; four, 15 min 56 s, 77% busy (README). -n 0 (after the other arguments) runs
-# the tests in this process.
+# fill the waits: back to back on the Xeon on 2026-11-30, three workers took 18 min 39 s with the
+# cores 73% busy and four 15 min 56 s at 77% (README). -n 0 (after the other arguments) runs the
+# tests in this process.
 exec .venv/bin/python -m pytest -q -n 4 --dist loadscope --no-loadscope-reorder "$@"

@@ -53,8 +53,8 @@ def save_checkpoint(accelerator, run: RunFolder, step: int, keep: int | None) ->
     """accelerate's ``save_state`` into ``checkpoints/.tmp-step_N``, sealed with its manifest
     (RunFolder.seal) and renamed to ``step_N`` by rank 0 once every rank wrote its shards: a
     checkpoint under its final name is always complete; then the older ones beyond ``keep`` go
-    (RunFolder.prune). No ``step_N`` is there already: a resume
-    set the later checkpoints aside (``claim_run``)."""
+    (RunFolder.prune). No ``step_N`` is there already: a resume set the later checkpoints aside
+    (``claim_run``)."""
     root = run.path / CHECKPOINTS
     final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
     if accelerator.is_main_process and tmp.exists():
