@@ -928,44 +928,39 @@ def test_resolve_dims_errors(kwargs, error, pattern):
         resolve_dims(4, **kwargs)
 
 
-@pytest.mark.slow
-def test_parallelize_refuses_dp_shard_not_divisible_by_ep():
-    # Through the entry point, on torch's fake process group (one process, no communication):
-    # 6 ranks of dp_shard with ep=4 while the 8 experts would split over 4 ranks.
+def refused_on_a_fake_group(model, world_size: int, match: str, **kwargs) -> None:
+    """``parallelize(model, **kwargs)`` on torch's fake process group of ``world_size`` (one
+    process, no communication) raises a ValueError matching ``match`` before any change."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from moe_ep.parallel import parallel_context, parallelize
 
-    model = _build("mixtral", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=4,
-                   overrides=dict(MIXTRAL_8))
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=6)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        with pytest.raises(ValueError, match=r"dp_shard=6 must be divisible by ep=4"):
-            parallelize(model, ep=4)
+        with pytest.raises(ValueError, match=match):
+            parallelize(model, **kwargs)
     finally:
         dist.destroy_process_group()
-    # Refused before any change: no meshes, experts still whole.
     assert parallel_context(model) is None
+
+
+@pytest.mark.slow
+def test_parallelize_refuses_dp_shard_not_divisible_by_ep():
+    # 6 ranks of dp_shard with ep=4 while the 8 experts would split over 4 ranks.
+    model = _build("mixtral", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=4,
+                   overrides=dict(MIXTRAL_8))
+    refused_on_a_fake_group(model, 6, r"dp_shard=6 must be divisible by ep=4", ep=4)
+    # Refused before any change: no meshes, experts still whole.
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
     assert type(model.model.layers[0].mlp.experts.gate_up_proj) is torch.nn.Parameter
 
 
 def test_parallelize_refuses_a_top_k_above_the_expert_count():
     """Said before any change, not as torch's topk error at the first step."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from moe_ep.parallel import parallel_context, parallelize
-
     model = _build("mixtral", dtype=torch.float32, experts_implementation="moe_ep", routing="natural", ep=2,
                    overrides=dict(MIXTRAL_8))
     model.config.num_experts_per_tok = 9
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        with pytest.raises(ValueError, match=r"config.num_experts_per_tok=9 must be in \[1, E=8\]"):
-            parallelize(model, ep=2)
-    finally:
-        dist.destroy_process_group()
-    assert parallel_context(model) is None
+    refused_on_a_fake_group(model, 2, r"config.num_experts_per_tok=9 must be in \[1, E=8\]", ep=2)
 
 
 def _non_gated_experts_model(dtype):
@@ -1010,18 +1005,8 @@ def test_a_model_with_non_gated_experts_is_sharded_without_expert_parallelism():
 
 
 def test_non_gated_experts_are_refused_by_name_under_expert_parallelism():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from moe_ep.parallel import parallel_context, parallelize
-
     model = _non_gated_experts_model(torch.float32)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        with pytest.raises(ValueError, match=r"NemotronHExperts.has_gate=False is not supported by moe_ep"):
-            parallelize(model, ep=2)
-    finally:
-        dist.destroy_process_group()
-    assert parallel_context(model) is None
+    refused_on_a_fake_group(model, 2, r"NemotronHExperts.has_gate=False is not supported by moe_ep", ep=2)
     assert type(model.model.layers[1].mixer.experts.up_proj) is torch.nn.Parameter
 
 
