@@ -148,3 +148,90 @@ def test_cli_refuses_a_zero_sequence_length(capsys):
         main(["plan", "--model", "mixtral-8x7b", "--cluster", "p4d", "--nodes", "1", "--seq-len", "0"])
     assert exit_.value.code == 2
     assert "argument --seq-len: must be an int in [1, 1048576], got '0'" in capsys.readouterr().err
+
+
+def _meta_count(config) -> int:
+    """The parameters of the model ``config`` builds (on the meta device: no memory): the
+    independent count the planner's is compared with."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _config_class(name: str):
+    """A config class of transformers by name; the test skips where the installed release lacks it
+    (the device machine's 5.17 predates some families)."""
+    import transformers
+
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    return getattr(transformers, name)
+
+
+@pytest.mark.parametrize("config_class, fields", [
+    ("Dots1Config", dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=512,
+                         first_k_dense_replace=1, n_group=1, topk_group=1, head_dim=128)),  # per head
+    ("FlexOlmoConfig", dict(num_experts=4, num_experts_per_tok=2, pad_token_id=1)),  # over the whole projections
+    ("MiniMaxM2Config", dict(num_local_experts=8, num_experts_per_tok=2, head_dim=96)),
+])
+def test_q_and_k_norms_of_more_families_are_counted(config_class, fields):
+    config = _config_class(config_class)(**{**SMALL, "num_key_value_heads": 2, **fields})
+    assert ModelSpec.from_config(config).total_params == _meta_count(config)
+
+
+@pytest.mark.parametrize("use_qk_norm", [False, True])  # GLM-4.5-Air, GLM-4.5
+def test_glm4_moe_biases_q_k_and_v_not_o_proj_and_counts_its_q_and_k_norms(use_qk_norm):
+    config = _config_class("Glm4MoeConfig")(
+        **{**SMALL, "num_key_value_heads": 2}, head_dim=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        moe_intermediate_size=512, first_k_dense_replace=1, n_group=1, topk_group=1, attention_bias=True,
+        use_qk_norm=use_qk_norm)
+    spec = ModelSpec.from_config(config)
+    assert spec.total_params == _meta_count(config)
+    assert spec.qk_norm == ("head" if use_qk_norm else None)
+
+
+def test_granite_moe_shareds_shared_expert_is_counted():
+    config = _config_class("GraniteMoeSharedConfig")(**SMALL, num_local_experts=8, num_experts_per_tok=2,
+                                                      shared_intermediate_size=1024)
+    spec = ModelSpec.from_config(config)
+    assert spec.shared_intermediate_size == 1024
+    assert spec.total_params == _meta_count(config)
+    # A token skips 6 of the 8 routed experts (3 x 1024 x 2048 each) in each of the 4 layers, never the shared one.
+    assert spec.active_params == spec.total_params - 4 * 6 * 3 * 1024 * 2048
+
+
+def test_a_negative_shared_expert_width_is_refused_naming_it():
+    config = _config_class("GraniteMoeSharedConfig")(**SMALL, num_local_experts=8, num_experts_per_tok=2,
+                                                      shared_intermediate_size=-1)
+    with pytest.raises(ValueError, match=r"^model config GraniteMoeSharedConfig: shared_intermediate_size must be an "
+                                         r"int >= 0, got -1$"):
+        ModelSpec.from_config(config)
+
+
+@pytest.mark.parametrize("config_class, family, fields, why", [
+    ("Ernie4_5_MoeConfig", "ernie4_5_moe", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=512),
+     "its MoE layers run from moe_layer_start_index to moe_layer_end_index every moe_layer_interval, beside "
+     "moe_num_shared_experts shared experts"),
+    ("HunYuanMoEV1Config", "hunyuan_v1_moe", dict(num_experts=8, moe_topk=2),
+     "every layer runs a shared MLP beside its experts and normalises q and k (query_layernorm, key_layernorm)"),
+    ("PhimoeConfig", "phimoe", dict(num_local_experts=8, num_experts_per_tok=2),
+     "its norms are LayerNorms with biases, and lm_head_bias biases the head"),
+    ("AfmoeConfig", "afmoe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512),
+     "its first num_dense_layers are dense, its MoE layers run num_shared_experts shared experts and its attention "
+     "is gated"),
+])
+def test_moe_families_whose_layers_are_not_modelled_are_refused_naming_what(tmp_path, capsys, config_class, family,
+                                                                            fields, why):
+    # Planned as Mixtral-like layers their parameter counts were wrong (ERNIE-4.5-21B-A3B's active
+    # ones by 0.66 B, Hunyuan-A13B's by 1.2 B), with no word of it.
+    config = _config_class(config_class)(**SMALL, **fields)
+    expected = f"model config {config_class}: the planner does not model {family}'s layers ({why})"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        ModelSpec.from_config(config)
+    config.save_pretrained(tmp_path)
+    code = main(["plan", "--model", str(tmp_path), "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory", "80"])
+    assert code == EXIT_IMPOSSIBLE
+    assert capsys.readouterr().err.strip() == f"moe-ep plan: model config {str(tmp_path)!r}: {expected}"

@@ -35,7 +35,12 @@ _UNSUPPORTED = {"mlp_bias": (None, False), "moe_layer_freq": (None, 1), "interle
 _ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 # Families whose attention normalises queries and keys: per head (one head_dim weight each for q
 # and k) or over the whole projection (the q and k widths). Read from the modeling files.
-_QK_NORM = {"qwen3_moe": "head", "qwen3": "head", "olmoe": "full"}
+_QK_NORM = {"qwen3_moe": "head", "qwen3": "head", "dots1": "head", "olmoe": "full", "flex_olmo": "full",
+            "minimax_m2": "full"}
+# Families whose attention_bias biases q, k and v and not o_proj (GLM-4.5), and those whose q/k
+# norms per head are switched on by config.use_qk_norm.
+_QKV_ONLY_BIAS = ("glm4_moe",)
+_QK_NORM_SWITCHED = ("glm4_moe",)
 # Routers as moe_ep.hf.routers runs them: sigmoid scores (DeepSeek-V3), and the families whose
 # routing weights go to the experts in the logits' dtype rather than float32.
 _SIGMOID_ROUTERS = ("deepseek_v3",)
@@ -47,6 +52,17 @@ _EXPERTS_NOT_RUN = {
     "jetmoe": "its experts are not a transformers experts module (one decorated with @use_experts_implementation)",
     "longcat_flash": "its experts are not a transformers experts module (one decorated with "
                      "@use_experts_implementation)",
+}
+# MoE families whose layers the planner's counts do not describe (their parameters would be
+# miscounted, not refused by a field above): why, naming what it does not read.
+_LAYERS_NOT_MODELLED = {
+    "ernie4_5_moe": "its MoE layers run from moe_layer_start_index to moe_layer_end_index every moe_layer_interval, "
+                    "beside moe_num_shared_experts shared experts",
+    "hunyuan_v1_moe": "every layer runs a shared MLP beside its experts and normalises q and k (query_layernorm, "
+                      "key_layernorm)",
+    "phimoe": "its norms are LayerNorms with biases, and lm_head_bias biases the head",
+    "afmoe": "its first num_dense_layers are dense, its MoE layers run num_shared_experts shared experts and its "
+             "attention is gated",
 }
 # The experts' activations moe_ep's kernels implement, by transformers' hidden_act names.
 _EXPERT_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}
@@ -191,8 +207,8 @@ def _check_config_sizes(config, where: str) -> None:
             except ValueError as err:
                 raise ValueError(f"{where}: {err}") from None
     for attr, low in (("moe_intermediate_size", 1), ("shared_expert_intermediate_size", 0), ("n_shared_experts", 0),
-                      ("first_k_dense_replace", 0), ("decoder_sparse_step", 1), ("kv_lora_rank", 0),
-                      ("q_lora_rank", 0)):
+                      ("shared_intermediate_size", 0), ("first_k_dense_replace", 0), ("decoder_sparse_step", 1),
+                      ("kv_lora_rank", 0), ("q_lora_rank", 0)):
         if get(attr) is not None:
             _require_int(where, attr, get(attr), low)
     if get("kv_lora_rank"):
@@ -281,6 +297,10 @@ class ModelSpec:
                     f"model config {type(config).__name__} has {attr}={getattr(config, attr)!r}: a layout the "
                     f"planner does not model (expected {attr} unset or {allowed[-1]!r})"
                 )
+        family = getattr(config, "model_type", None) or type(config).__name__
+        if family in _LAYERS_NOT_MODELLED and _experts_field(config) is not None:
+            raise ValueError(f"model config {type(config).__name__}: the planner does not model {family}'s layers "
+                             f"({_LAYERS_NOT_MODELLED[family]})")
         layer_types = set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYERS
         if layer_types:
             modelled = " or ".join(sorted(_ATTENTION_LAYERS))
@@ -290,12 +310,13 @@ class ModelSpec:
             )
         _check_config_sizes(config, f"model config {type(config).__name__}")
         H, L, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
-        family = getattr(config, "model_type", None) or type(config).__name__
         experts_field = _experts_field(config)
         experts = getattr(config, experts_field) if experts_field else 0
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         attention_bias = bool(getattr(config, "attention_bias", False))
         kv_lora = getattr(config, "kv_lora_rank", None) or 0
+        switched = family in _QK_NORM_SWITCHED and getattr(config, "use_qk_norm", False)
+        qk_norm = "head" if switched else _QK_NORM.get(family)
         if kv_lora:
             q_lora, rope = getattr(config, "q_lora_rank", None) or 0, config.qk_rope_head_dim
             head_dim, v_head_dim = config.qk_nope_head_dim + rope, config.v_head_dim
@@ -308,9 +329,11 @@ class ModelSpec:
             head_dim = getattr(config, "head_dim", None) or H // heads
             v_head_dim = head_dim
             q, kv = heads * head_dim, kv_heads * head_dim
-            # Qwen2-MoE biases q, k and v; attention_bias (Llama, Qwen3, OLMoE) also o_proj.
-            bias = q + 2 * kv if getattr(config, "qkv_bias", False) else (q + 2 * kv + H if attention_bias else 0)
-            norms = {"head": 2 * head_dim, "full": q + kv, None: 0}[_QK_NORM.get(family)]
+            # Qwen2-MoE (and GLM-4.5's attention_bias) bias q, k and v; attention_bias (Llama, Qwen3,
+            # OLMoE) also o_proj.
+            qkv_only = getattr(config, "qkv_bias", False) or (attention_bias and family in _QKV_ONLY_BIAS)
+            bias = q + 2 * kv if qkv_only else (q + 2 * kv + H if attention_bias else 0)
+            norms = {"head": 2 * head_dim, "full": q + kv, None: 0}[qk_norm]
             extra = bias + norms
         if experts:
             first_dense = getattr(config, "first_k_dense_replace", None) or 0
@@ -326,9 +349,10 @@ class ModelSpec:
         kinds = (getattr(config, "layer_types", None) or ["sliding_attention"] * L) if window is not None else []
         sliding_layers = tuple(i for i, kind in enumerate(kinds[:L]) if kind == "sliding_attention")
         expert_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-        shared_width = getattr(config, "shared_expert_intermediate_size", None) or (
-            (getattr(config, "n_shared_experts", None) or 0) * expert_width
-        )
+        # Qwen2-MoE's shared_expert_intermediate_size, Granite-MoE-Shared's shared_intermediate_size,
+        # DeepSeek's n_shared_experts of the routed experts' width.
+        shared_width = getattr(config, "shared_expert_intermediate_size", None) or getattr(
+            config, "shared_intermediate_size", None) or (getattr(config, "n_shared_experts", None) or 0) * expert_width
         return cls(
             name=name or getattr(config, "model_type", type(config).__name__),
             vocab_size=config.vocab_size,
@@ -351,7 +375,7 @@ class ModelSpec:
             shared_intermediate_size=shared_width if experts else 0,
             shared_expert_gate=bool(experts and getattr(config, "shared_expert_intermediate_size", None)),
             family=family,
-            qk_norm=None if kv_lora else _QK_NORM.get(family),
+            qk_norm=None if kv_lora else qk_norm,
             normalize_topk=bool(getattr(config, "norm_topk_prob", True)),
             sigmoid_router=family in _SIGMOID_ROUTERS,
             fp32_routing_weights=family not in _WEIGHTS_IN_LOGITS_DTYPE,
